@@ -1,0 +1,50 @@
+"""The CUDA backend: NCCL data plane on a dedicated stream, torch._grouped_mm for experts."""
+
+from __future__ import annotations
+
+import torch
+
+from afd.backend.base import Backend, grouped_matmul_by_slices
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    dist_backend = "nccl"
+
+    def __init__(self, index: int = 0):
+        if not torch.cuda.is_available():
+            raise RuntimeError("CUDA backend requested but torch.cuda.is_available() is False")
+        self._device = torch.device("cuda", index)
+        torch.cuda.set_device(self._device)
+        self._comm = torch.cuda.Stream(device=self._device)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self._device)
+
+    def comm_stream(self):
+        return self._comm
+
+    def stream_scope(self, stream):
+        return torch.cuda.stream(stream)
+
+    def record_event(self):
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def wait_event(self, event, stream=None) -> None:
+        (stream or torch.cuda.current_stream()).wait_event(event)
+
+    def memory_info(self) -> tuple[int, int]:
+        return torch.cuda.mem_get_info(self._device)
+
+    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+        aligned = x.dtype in (torch.bfloat16,) and x.shape[1] % 8 == 0 and w.shape[-1] % 8 == 0
+        if aligned and hasattr(torch, "_grouped_mm"):
+            offs = torch.tensor(group_sizes, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            return torch._grouped_mm(x, w, offs=offs)
+        return grouped_matmul_by_slices(x, w, group_sizes)

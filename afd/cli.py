@@ -1,0 +1,88 @@
+"""`afd` command line: subcommands register themselves from small modules."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="offline generation from token ids (greedy by default)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p.add_argument("--prompt-ids", required=True, help="JSON file: a list of token-id lists")
+    p.add_argument("--max-tokens", type=int, required=True)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dummy-weights", action="store_true", help="seeded random weights; config.json only")
+    p.add_argument("--seed", type=int, default=0, help="seed of --dummy-weights")
+    p.add_argument("--colocated", action="store_true", help="both halves in this process (the reference)")
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_generate(args) -> int:
+    from afd.llm import LLM
+
+    try:
+        with open(args.prompt_ids) as f:
+            prompts = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"--prompt-ids {args.prompt_ids}: {e}") from None
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
+              seed=args.seed)
+    out = llm.generate(prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    print(json.dumps(out))
+    return 0
+
+
+def _add_run_demo(sub) -> None:
+    p = sub.add_parser("run-demo", help="make the demo checkpoint if needed and generate from it")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
+    p.set_defaults(func=_cmd_run_demo)
+
+
+def _cmd_run_demo(args) -> int:
+    from afd.demo_model import ensure_demo_checkpoint
+    from afd.llm import LLM
+
+    path = args.model or ensure_demo_checkpoint()
+    print(f"model: {path}")
+    llm = LLM(path)
+    prompts = [[1, 17, 42, 99, 7], [1, 5, 6], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308]]
+    out = llm.generate(prompts, 16, ignore_eos=True)
+    for p, o in zip(prompts, out):
+        print(f"prompt {p} -> {o}")
+    return 0
+
+
+class UserError(Exception):
+    """A mistake in the command line or its inputs: printed as one line, exit code 2."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="afd", description="Attention-FFN Disaggregated MoE serving")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_run_demo(sub)
+    args = parser.parse_args(argv)
+    from afd.checkpoint import CheckpointError
+    from afd.config import ConfigError
+
+    try:
+        return args.func(args)
+    except (UserError, ConfigError, CheckpointError, ValueError) as e:
+        print(f"afd {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _version() -> str:
+    from afd import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""Where each token of a flattened batch reads and writes the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a step: its new tokens are rows [q_start, q_start + q_len) of the batch."""
+
+    q_start: int
+    q_len: int
+    ctx_len: int
+    """Tokens in the cache after this step's writes (cached prefix + the new tokens)."""
+    block_table: list[int]
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step (per micro-batch) and shared by every attention layer."""
+
+    positions: torch.Tensor  # [T] absolute position of each new token
+    slot_mapping: torch.Tensor  # [T] flat cache slot (block * block_size + offset) each token writes
+    seqs: list[SeqSlice]
+    block_size: int
+    # Batched single-token decode: rows, padded block tables and context lengths of those sequences.
+    decode_rows: torch.Tensor  # [B] row of each decoding sequence in the batch
+    decode_block_tables: torch.Tensor  # [B, max_blocks]
+    decode_ctx_lens: torch.Tensor  # [B]
+    prefill_seqs: list[SeqSlice]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @classmethod
+    def build(cls, starts: list[int], lens: list[int], block_tables: list[list[int]], block_size: int,
+              device: torch.device) -> AttentionMetadata:
+        """starts[i]: tokens of sequence i already cached; lens[i]: its new tokens this step."""
+        positions, slots, seqs = [], [], []
+        q = 0
+        for start, n, table in zip(starts, lens, block_tables):
+            pos = list(range(start, start + n))
+            positions += pos
+            slots += [table[p // block_size] * block_size + p % block_size for p in pos]
+            seqs.append(SeqSlice(q, n, start + n, table))
+            q += n
+        decode = [s for s in seqs if s.q_len == 1]
+        max_blocks = max((len(s.block_table) for s in decode), default=0)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode]
+        as_long = dict(dtype=torch.long, device=device)
+        return cls(
+            positions=torch.tensor(positions, **as_long),
+            slot_mapping=torch.tensor(slots, **as_long),
+            seqs=seqs,
+            block_size=block_size,
+            decode_rows=torch.tensor([s.q_start for s in decode], **as_long),
+            decode_block_tables=torch.tensor(tables, **as_long).view(len(decode), max_blocks),
+            decode_ctx_lens=torch.tensor([s.ctx_len for s in decode], **as_long),
+            prefill_seqs=[s for s in seqs if s.q_len > 1],
+        )

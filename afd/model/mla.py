@@ -1,0 +1,99 @@
+"""Multi-head Latent Attention over a paged cache of compressed latents.
+
+The cache keeps, per token, c = kv_a_layernorm(c_kv) * s_kv (kv_lora_rank values) followed by the rotated
+shared key k_rot (qk_rope_head_dim values). Decode uses the absorbed form, attending in latent space:
+
+    q_lat[h] = q_nope[h] @ W_UK[h]            score = [q_lat, q_rot] . [c, k_rot] * scale
+    o[h]     = (softmax(score) @ c) @ W_UV[h]^T
+
+Prefill expands the latents to per-head keys and values (cheaper when many queries share them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from afd.config import ModelConfig
+from afd.model.attention_metadata import AttentionMetadata
+from afd.model.layers import RMSNorm, apply_rotary
+
+# HF's q_a_layernorm / kv_a_layernorm are built without the config's eps.
+_LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.num_attention_heads
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        bias = cfg.attention_bias
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=bias)
+        self.scale = cfg.qk_head_dim ** -0.5
+        self.q_lora_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5
+        self.kv_lora_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
+        return w[:, : self.nope], w[:, self.nope:]  # [NH, nope, C], [NH, v, C]
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                cache: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; cache [num_blocks, block_size, C + R] for this layer. Returns [T, H]."""
+        T = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, self.n_heads, -1)
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
+        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        c = self.kv_a_layernorm(c) * self.kv_lora_scale  # [T, C]
+        q_nope = q_nope * self.q_lora_scale
+        q_rot = apply_rotary(q_rot * self.q_lora_scale, cos, sin)  # [T, NH, R]
+        k_rot = apply_rotary(k_rot, cos, sin)  # [T, R]
+        cache.view(-1, cache.shape[-1])[meta.slot_mapping] = torch.cat([c, k_rot], dim=-1)
+
+        out = x.new_empty(T, self.n_heads, self.v_dim)
+        if meta.decode_rows.numel():
+            rows = meta.decode_rows
+            out[rows] = self._decode_absorbed(q_nope[rows], q_rot[rows], meta, cache)
+        for s in meta.prefill_seqs:
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            out[rows] = self._prefill_expanded(q_nope[rows], q_rot[rows], s.ctx_len, s.block_table, cache)
+        return self.o_proj(out.view(T, -1))
+
+    def _decode_absorbed(self, q_nope, q_rot, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """One query per sequence. q_nope [B, NH, nope], q_rot [B, NH, R] -> [B, NH, v]."""
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)  # [B, NH, C]
+        q_full = torch.cat([q_lat, q_rot], dim=-1)  # [B, NH, C + R]
+        B, nb = meta.decode_block_tables.shape
+        kv = cache[meta.decode_block_tables].view(B, nb * meta.block_size, -1)  # [B, L, C + R]
+        score = torch.einsum("bhd,bld->bhl", q_full, kv) * self.scale
+        pos = torch.arange(kv.shape[1], device=kv.device)
+        score.masked_fill_(pos[None, None, :] >= meta.decode_ctx_lens[:, None, None], float("-inf"))
+        p = torch.softmax(score, dim=-1, dtype=torch.float32).to(q_full.dtype)
+        o_lat = torch.einsum("bhl,blc->bhc", p, kv[..., : self.kv_lora])  # [B, NH, C]
+        return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+
+    def _prefill_expanded(self, q_nope, q_rot, ctx_len: int, table: list[int], cache) -> torch.Tensor:
+        """n queries at positions [ctx_len - n, ctx_len). q_nope [n, NH, nope] -> [n, NH, v]."""
+        n = q_nope.shape[0]
+        bs = cache.shape[1]
+        blocks = torch.tensor(table[: (ctx_len + bs - 1) // bs], dtype=torch.long, device=cache.device)
+        kv = cache[blocks].view(-1, cache.shape[-1])[:ctx_len]  # [L, C + R]
+        c, k_rot = kv.split([self.kv_lora, self.rope], dim=-1)
+        kvb = self.kv_b_proj(c).view(ctx_len, self.n_heads, -1)
+        k_nope, v = kvb.split([self.nope, self.v_dim], dim=-1)  # [L, NH, nope], [L, NH, v]
+        q = torch.cat([q_nope, q_rot], dim=-1).transpose(0, 1)  # [NH, n, D]
+        k = torch.cat([k_nope, k_rot[:, None, :].expand(-1, self.n_heads, -1)], dim=-1).transpose(0, 1)
+        score = q @ k.transpose(1, 2) * self.scale  # [NH, n, L]
+        q_pos = torch.arange(ctx_len - n, ctx_len, device=kv.device)
+        k_pos = torch.arange(ctx_len, device=kv.device)
+        score.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        p = torch.softmax(score, dim=-1, dtype=torch.float32).to(q.dtype)
+        return (p @ v.transpose(0, 1)).transpose(0, 1)  # [n, NH, v]

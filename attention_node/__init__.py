@@ -1,0 +1,1 @@
+"""The attention node: HTTP API, scheduler and the attention side of every layer."""
