@@ -19,6 +19,11 @@ def _add_generate(sub) -> None:
     p.add_argument("--dummy-weights", action="store_true", help="seeded random weights; config.json only")
     p.add_argument("--seed", type=int, default=0, help="seed of --dummy-weights")
     p.add_argument("--colocated", action="store_true", help="both halves in this process (the reference)")
+    p.add_argument("--attention-nodes", type=int, default=1, help="attention node processes (default 1)")
+    p.add_argument("--ffn-nodes", type=int, default=1, help="FFN node processes (default 1)")
+    p.add_argument("--no-overlap", action="store_true", help="wait for each MoE result at once (baseline)")
+    p.add_argument("--micro-batches", type=int, default=0, choices=range(5), metavar="{0..4}",
+                   help="ping-pong micro-batches; 0 (default) chooses from measured times")
     p.set_defaults(func=_cmd_generate)
 
 
@@ -30,8 +35,13 @@ def _cmd_generate(args) -> int:
             prompts = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--prompt-ids {args.prompt_ids}: {e}") from None
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
-              seed=args.seed)
+    if args.colocated:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
+                  seed=args.seed, micro_batches=max(1, args.micro_batches), overlap=not args.no_overlap)
+    else:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
+                  seed=args.seed, attention_nodes=args.attention_nodes, ffn_nodes=args.ffn_nodes,
+                  overlap=not args.no_overlap, micro_batches=args.micro_batches)
     out = llm.generate(prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
     print(json.dumps(out))
     return 0
@@ -70,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from afd.checkpoint import CheckpointError
     from afd.config import ConfigError
+    from afd.local_cluster import ClusterError
 
     try:
         return args.func(args)
-    except (UserError, ConfigError, CheckpointError, ValueError) as e:
+    except (UserError, ConfigError, CheckpointError, ClusterError, ValueError) as e:
         print(f"afd {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -5,6 +5,8 @@ The offline reference loop (`afd.LLM`, `afd generate`). The serving engine sched
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +32,11 @@ class _Seq:
 
 def generate(runner: ModelRunner, kv: KVCache, prompts: list[list[int]], max_tokens: list[int],
              params: SamplingParams, eos_ids: tuple[int, ...] = (), ignore_eos: bool = False,
-             logits_out: list[list[torch.Tensor]] | None = None) -> list[list[int]]:
-    """Generated token ids per prompt (an EOS token, when hit, is the last one kept)."""
+             logits_out: list[list[torch.Tensor]] | None = None,
+             on_step: Callable[[int, float], None] | None = None) -> list[list[int]]:
+    """Generated token ids per prompt (an EOS token, when hit, is the last one kept).
+
+    on_step(num_tokens, seconds) is called after every forward step (for benchmarks)."""
     seqs = [_Seq(i, list(p), len(p), n) for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     if logits_out is not None:
         logits_out.extend([] for _ in prompts)
@@ -40,7 +45,11 @@ def generate(runner: ModelRunner, kv: KVCache, prompts: list[list[int]], max_tok
     while active:
         for s in active:
             kv.grow(s.table, len(s.tokens))
-        logits = runner.execute([StepSeq(s.tokens[s.computed:], s.computed, s.table) for s in active])
+        batch = [StepSeq(s.tokens[s.computed:], s.computed, s.table) for s in active]
+        t0 = time.perf_counter()
+        logits = runner.execute(batch)
+        if on_step is not None:
+            on_step(sum(len(b.token_ids) for b in batch), time.perf_counter() - t0)
         next_ids = sampler.sample(logits, [params] * len(active), [s.idx for s in active])
         still = []
         for s, tok, row in zip(active, next_ids, logits):

@@ -9,6 +9,7 @@ from afd.checkpoint import build_attention_half, build_ffn_half, open_reader
 from afd.config import CacheConfig, ModelConfig
 from afd.generation import generate
 from afd.kv_cache import KVCache, blocks_needed
+from afd.local_cluster import LocalClusterSpec, run_generate
 from afd.moe_exchange import LocalMoE
 from afd.runner import ModelRunner
 from afd.sampling import SamplingParams
@@ -51,24 +52,39 @@ class LLM:
     """
 
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", dummy_weights: bool = False,
-                 seed: int = 0, block_size: int = 16, attention_nodes: int = 1, ffn_nodes: int = 1,
-                 colocated: bool | None = None, overlap: bool = True, micro_batches: int = 1):
-        self.model_path, self.dtype_name = model, dtype
+                 seed: int = 0, block_size: int = 16, attention_nodes: int | None = None,
+                 ffn_nodes: int | None = None, colocated: bool | None = None, overlap: bool = True,
+                 micro_batches: int = 1):
+        """Colocated unless attention_nodes or ffn_nodes is given (or colocated=False): then every
+        generate() call runs that many node processes on this machine (afd.local_cluster)."""
         self.cfg = ModelConfig.from_dir(model)
         self.dtype = parse_dtype(dtype)
-        self.backend = get_backend(device)
         self.cache_cfg = CacheConfig(block_size=block_size)
+        self.overlap, self.micro_batches = overlap, micro_batches
+        if colocated is None:
+            colocated = attention_nodes is None and ffn_nodes is None
+        self.cluster = None if colocated else LocalClusterSpec(
+            model, attention_nodes or 1, ffn_nodes or 1, dtype, dummy_weights, seed, overlap, micro_batches,
+            block_size)
+        if self.cluster:
+            if device != "cpu":
+                raise ValueError("multi-process afd.LLM runs on the CPU; launch nodes for devices (afd launch)")
+            return
+        self.backend = get_backend(device)
         reader = open_reader(model, dummy=dummy_weights, seed=seed)
         dev = self.backend.device
         self.attn = build_attention_half(self.cfg, reader, self.dtype, dev)
         self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev)
-        self.overlap, self.micro_batches = overlap, micro_batches
 
     def generate(self, prompt_token_ids: list[list[int]], max_tokens: int | list[int],
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  ignore_eos: bool = False, logits_out: list | None = None) -> list[list[int]]:
         """Generated token ids per prompt. `logits_out`, if given, receives each step's fp32 logits."""
         per = validate_prompts(self.cfg, prompt_token_ids, max_tokens)
+        if self.cluster:
+            if logits_out is not None:
+                raise ValueError("logits_out is only available colocated")
+            return run_generate(self.cluster, prompt_token_ids, per, temperature, ignore_eos)[0]
         bs = self.cache_cfg.block_size
         num_blocks = sum(blocks_needed(len(p) + n, bs) for p, n in zip(prompt_token_ids, per))
         kv = KVCache(self.cfg, num_blocks, bs, self.dtype, self.backend.device)

@@ -7,12 +7,16 @@ and micro-batch `submit(m)` returning a handle whose `wait()` gives the MoE outp
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
 
 from afd.backend import Backend
 from afd.model.ffn_half import FFNHalf
+from afd.protocol import FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, StepHeader
+from afd.timing import Timers
+from afd.transport import BufferPool, DataPlane
 
 
 class MoEHandle(Protocol):
@@ -20,6 +24,9 @@ class MoEHandle(Protocol):
 
 
 class MoEExchange(Protocol):
+    timers: Timers
+    """`ffn_wait`: seconds blocked waiting for MoE outputs (the exchange that was not hidden)."""
+
     def begin_step(self, tokens_per_micro_batch: list[int]) -> None: ...
 
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle: ...
@@ -42,6 +49,7 @@ class LocalMoE:
 
     def __init__(self, ffn: FFNHalf, backend: Backend):
         self.ffn, self.backend = ffn, backend
+        self.timers = Timers()
 
     def begin_step(self, tokens_per_micro_batch: list[int]) -> None:
         pass
@@ -51,3 +59,67 @@ class LocalMoE:
 
     def end_step(self) -> None:
         pass
+
+
+class _RemoteHandle:
+    def __init__(self, owner: RemoteMoE, works: list, recv_bufs: list[torch.Tensor], keep: torch.Tensor):
+        self.owner, self.works, self.recv_bufs, self.keep = owner, works, recv_bufs, keep
+
+    def wait(self) -> torch.Tensor:
+        o = self.owner
+        t0 = time.perf_counter()
+        for peer, work, what in self.works:
+            o.plane.wait(work, peer, what)
+        o.timers.add("ffn_wait", time.perf_counter() - t0)
+        self.keep = None
+        if len(self.recv_bufs) == 1:
+            return self.recv_bufs[0]
+        y = self.recv_bufs[0].clone()  # partial sums of the FFN nodes' experts, added in rank order
+        for b in self.recv_bufs[1:]:
+            y += b
+        return y
+
+
+class RemoteMoE:
+    """The MoE half on FFN nodes, over the data plane (the message order of afd.protocol)."""
+
+    def __init__(self, plane: DataPlane, ffn_ranks: list[int], hidden: int, dtype: torch.dtype,
+                 device: torch.device, timers: Timers | None = None):
+        self.plane, self.ffn_ranks, self.hidden = plane, ffn_ranks, hidden
+        self.timers = timers or Timers()
+        self.pool = BufferPool(device, dtype)
+        self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self._header_sends: list = []
+        self.step_id = 0
+        self.bytes_sent = 0
+
+    def _send_header(self, header: StepHeader) -> None:
+        header.encode(self._header)
+        self._header_sends = [(f, self.plane.isend(self._header, f), "step header send") for f in self.ffn_ranks]
+
+    def begin_step(self, tokens_per_micro_batch: list[int]) -> None:
+        self._send_header(StepHeader(self.step_id, tuple(tokens_per_micro_batch)))
+        self.step_id += 1
+
+    def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
+        m = m.contiguous()
+        T = m.shape[0]
+        works, bufs = [], []
+        for f in self.ffn_ranks:
+            works.append((f, self.plane.isend(m, f), f"layer {layer} MoE input send"))
+            buf = self.pool.get((micro_batch, f), T, self.hidden)
+            works.append((f, self.plane.irecv(buf, f), f"layer {layer} MoE output receive"))
+            bufs.append(buf)
+        self.bytes_sent += m.numel() * m.element_size() * len(self.ffn_ranks)
+        return _RemoteHandle(self, works, bufs, m)
+
+    def end_step(self) -> None:
+        for peer, work, what in self._header_sends:
+            self.plane.wait(work, peer, what)
+        self._header_sends = []
+
+    def leave(self, shutdown: bool = False) -> None:
+        """Tell every FFN node this attention node is done (and, with `shutdown`, to exit)."""
+        flags = FLAG_LEAVE | (FLAG_SHUTDOWN if shutdown else 0)
+        self._send_header(StepHeader(self.step_id, (), flags))
+        self.end_step()

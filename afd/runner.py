@@ -7,6 +7,7 @@ l + 1, so micro-batch i's exchange also hides behind the other micro-batches' wo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,7 @@ from afd.kv_cache import KVCache
 from afd.model.attention_half import AttentionHalf
 from afd.model.attention_metadata import AttentionMetadata
 from afd.moe_exchange import MoEExchange, Ready
+from afd.overlap import MicroBatchTuner
 
 
 @dataclass
@@ -54,12 +56,20 @@ class _MicroBatch:
 class ModelRunner:
     def __init__(self, attn: AttentionHalf, moe: MoEExchange, kv: KVCache, device: torch.device,
                  micro_batches: int = 1, overlap: bool = True):
+        """micro_batches: 1..4, or 0 to choose from measured times (afd.overlap)."""
         self.attn, self.moe, self.kv, self.device = attn, moe, kv, device
-        self.micro_batches, self.overlap = micro_batches, overlap
+        self.overlap = overlap
+        self.tuner = MicroBatchTuner() if micro_batches == 0 and overlap else None
+        self._fixed_micro_batches = max(1, micro_batches)
+
+    @property
+    def micro_batches(self) -> int:
+        return self.tuner.micro_batches if self.tuner else self._fixed_micro_batches
 
     @torch.inference_mode()
     def execute(self, seqs: list[StepSeq]) -> torch.Tensor:
         """Runs the step; returns fp32 logits of each sequence's last new token, [B, V]."""
+        t0, wait0 = time.perf_counter(), self.moe.timers.total("ffn_wait")
         mbs = [self._prepare(i, rows, seqs)
                for i, rows in enumerate(split_micro_batches(seqs, self.micro_batches))]
         self.moe.begin_step([mb.meta.num_tokens for mb in mbs])
@@ -77,6 +87,9 @@ class ModelRunner:
         for mb in live:
             last = torch.tensor([s.q_start + s.q_len - 1 for s in mb.meta.seqs], device=self.device)
             logits[mb.rows] = self.attn.logits(mb.x[last])
+        if self.tuner:
+            waited = self.moe.timers.total("ffn_wait") - wait0
+            self.tuner.observe(time.perf_counter() - t0, waited, all(len(s.token_ids) == 1 for s in seqs))
         return logits
 
     def _prepare(self, index: int, rows: list[int], seqs: list[StepSeq]) -> _MicroBatch:

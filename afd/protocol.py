@@ -1,0 +1,68 @@
+"""Every data-plane message between attention and FFN nodes, and the order they come in.
+
+Per forward step, between each attention node a and each FFN node f (NCCL and HCCL ignore tags, so
+this order is the protocol):
+
+    a -> f   StepHeader                              (HEADER_LEN int64)
+    for layer in 0..L-1, for micro-batch i in 0..M-1 with tokens_i > 0:
+        a -> f   m  [tokens_i, hidden]               (MoE input, the model dtype)
+        f -> a   y  [tokens_i, hidden]               (f's share of the MoE output)
+
+Both sides know every size from the header, so each message goes into a preallocated buffer and an
+FFN node needs no request state. A header with LEAVE says a has no more steps; SHUTDOWN stops f.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+MAGIC = 0xAFD0
+MAX_MICRO_BATCHES = 4
+HEADER_LEN = 4 + MAX_MICRO_BATCHES
+
+FLAG_LEAVE = 1
+"""The sender will send nothing more; the FFN node stops waiting for it."""
+FLAG_SHUTDOWN = 2
+"""The FFN node exits after this header."""
+FLAG_IDLE = 4
+"""No tokens this step: a heartbeat from an attention node with nothing to run."""
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something that is not a valid message at this point of the protocol."""
+
+
+@dataclass(frozen=True)
+class StepHeader:
+    step_id: int
+    tokens: tuple[int, ...] = field(default_factory=tuple)
+    """Token count of each micro-batch (at most MAX_MICRO_BATCHES)."""
+    flags: int = 0
+
+    def __post_init__(self):
+        if len(self.tokens) > MAX_MICRO_BATCHES:
+            raise ValueError(f"{len(self.tokens)} micro-batches; at most {MAX_MICRO_BATCHES}")
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.tokens)
+
+    def encode(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        t = out if out is not None else torch.empty(HEADER_LEN, dtype=torch.int64)
+        t.zero_()
+        t[0], t[1], t[2], t[3] = MAGIC, self.step_id, self.flags, len(self.tokens)
+        if self.tokens:
+            t[4:4 + len(self.tokens)] = torch.tensor(self.tokens, dtype=torch.int64)
+        return t
+
+    @classmethod
+    def decode(cls, t: torch.Tensor, sender: int) -> StepHeader:
+        v = t.tolist()
+        if v[0] != MAGIC:
+            raise ProtocolError(f"rank {sender}: expected a step header, got magic {v[0]:#x}")
+        m = v[3]
+        if not 0 <= m <= MAX_MICRO_BATCHES or any(n < 0 for n in v[4:4 + m]):
+            raise ProtocolError(f"rank {sender}: malformed step header {v}")
+        return cls(step_id=v[1], tokens=tuple(v[4:4 + m]), flags=v[2])

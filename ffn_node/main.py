@@ -1,0 +1,70 @@
+"""`afd-ffn`: one FFN node process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from afd.node_args import add_dataplane_args, add_model_args, parse_ranks, setup_logging
+from afd.signals import exit_on_signal
+
+log = logging.getLogger("afd.ffn")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="afd-ffn", description="FFN node: serves the MoE half of every layer")
+    add_model_args(p)
+    add_dataplane_args(p)
+    p.add_argument("--expert-range", default=None, help="LO:HI routed experts this node holds (default: all)")
+    p.add_argument("--no-zero-experts", action="store_true", help="another FFN node applies identity experts")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging("ffn", args.rank)
+    exit_on_signal()
+    import torch
+
+    from afd.backend import get_backend
+    from afd.checkpoint import build_ffn_half, open_reader
+    from afd.config import ModelConfig
+    from afd.llm import parse_dtype
+    from afd.transport import DataPlane, PeerError
+    from ffn_node.server import FFNServer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = ModelConfig.from_dir(args.model)
+    lo, hi = 0, cfg.n_routed_experts
+    if args.expert_range:
+        try:
+            lo, hi = (int(v) for v in args.expert_range.split(":"))
+        except ValueError:
+            log.error("--expert-range: expected LO:HI, got %r", args.expert_range)
+            return 2
+    backend = get_backend(args.device, args.device_index)
+    dtype = parse_dtype(args.dtype)
+    ffn = build_ffn_half(cfg, open_reader(args.model, args.dummy_weights, args.seed), dtype, backend.device,
+                         lo, hi, serves_zero=not args.no_zero_experts)
+    log.info("experts [%d, %d) of %d loaded%s", lo, hi, cfg.n_routed_experts,
+             "" if args.no_zero_experts else ", serving identity experts")
+    plane = DataPlane(backend, args.rank, args.world_size, args.master_addr, args.master_port,
+                      args.comm_timeout)
+    server = FFNServer(ffn, backend, plane, parse_ranks(args.peer_ranks), dtype)
+    try:
+        reason = server.serve()
+    except PeerError as e:
+        log.error("stopping: %s", e)
+        plane.close()
+        return 1
+    t = server.timers
+    log.info("stopped (%s) after %d steps, %d tokens; compute %.3fs, idle %.3fs", reason, server.steps,
+             server.tokens, t.total("compute"), t.total("idle"))
+    plane.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

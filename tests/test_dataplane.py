@@ -1,0 +1,89 @@
+"""AFD across real processes over gloo: any attention:FFN ratio, with and without overlap, equals HF."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hf_reference import PROMPTS, hf_greedy
+
+import afd
+from afd.local_cluster import LocalCluster, LocalClusterSpec
+
+pytestmark = pytest.mark.multiprocess
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW_TOKENS)]
+
+
+@pytest.mark.parametrize("A,F,overlap,micro_batches", [
+    (1, 1, True, 0), (1, 1, False, 1), (1, 1, True, 3),
+    (2, 1, True, 2), (2, 1, False, 1),
+    (1, 2, True, 1), (1, 2, True, 2),
+    (2, 2, True, 0), (2, 2, False, 1),
+])
+def test_afd_generation_equals_hf(tiny_checkpoint, reference, A, F, overlap, micro_batches):
+    llm = afd.LLM(tiny_checkpoint, attention_nodes=A, ffn_nodes=F, overlap=overlap,
+                  micro_batches=micro_batches, block_size=4)
+    assert llm.generate(PROMPTS, NEW_TOKENS) == reference
+
+
+def test_generate_cli_multiprocess_prints_same_json(tiny_checkpoint, reference, tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(PROMPTS))
+    out = subprocess.run([sys.executable, "-m", "afd.cli", "generate", "--model", tiny_checkpoint,
+                          "--prompt-ids", str(f), "--max-tokens", str(NEW_TOKENS), "--attention-nodes", "1",
+                          "--ffn-nodes", "2", "--micro-batches", "2"],
+                         capture_output=True, text=True, timeout=180, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == reference
+
+
+def _long_job(tmp_path) -> LocalCluster:
+    """A dummy-weights job long enough to be interrupted."""
+    from afd.demo_model import DEMO_CONFIG
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({**DEMO_CONFIG, "num_layers": 2}))
+    cluster = LocalCluster(LocalClusterSpec(str(d), dummy_weights=True, comm_timeout=120))
+    cluster.start([[1, 2, 3, 4]] * 4, 3000, ignore_eos=True)
+    _wait_for_log(cluster, "attention0", "data plane up")
+    time.sleep(1.0)
+    return cluster
+
+
+def _wait_for_log(cluster: LocalCluster, name: str, text: str, timeout: float = 60) -> str:
+    path = os.path.join(cluster.dir, f"{name}.log")
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        log = open(path).read() if os.path.exists(path) else ""
+        if text in log:
+            return log
+        time.sleep(0.1)
+    raise AssertionError(f"{name} never logged {text!r}; log:\n{log}")
+
+
+@pytest.mark.parametrize("victim,survivor,signum", [
+    ("ffn0", "attention0", signal.SIGKILL),
+    ("attention0", "ffn0", signal.SIGKILL),
+    ("ffn0", "attention0", signal.SIGTERM),
+])
+def test_a_dead_peer_fails_fast_with_a_clear_error(tmp_path, victim, survivor, signum):
+    with _long_job(tmp_path) as cluster:
+        cluster.process(victim).send_signal(signum)
+        t0 = time.monotonic()
+        rc = cluster.process(survivor).wait(timeout=15)
+        assert time.monotonic() - t0 < 10
+        assert rc == 1
+        log = _wait_for_log(cluster, survivor, "stopping: data plane:")
+        assert "the peer process is probably gone" in log
+        if signum == signal.SIGTERM:
+            assert cluster.process(victim).wait(timeout=5) == 0

@@ -1,0 +1,63 @@
+"""Pure-Python pieces of the data plane: the step header, expert placement, the micro-batch rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from afd.overlap import MicroBatchTuner, micro_batches_rule
+from afd.placement import partition_experts
+from afd.protocol import FLAG_LEAVE, HEADER_LEN, ProtocolError, StepHeader
+from afd.runner import StepSeq, split_micro_batches
+
+
+def test_header_round_trip():
+    h = StepHeader(41, (3, 0, 7), FLAG_LEAVE)
+    t = h.encode()
+    assert t.shape == (HEADER_LEN,) and t.dtype == torch.int64
+    assert StepHeader.decode(t, sender=0) == h and h.total_tokens == 10
+
+
+def test_header_rejects_garbage():
+    with pytest.raises(ProtocolError, match="rank 3: expected a step header"):
+        StepHeader.decode(torch.zeros(HEADER_LEN, dtype=torch.int64), sender=3)
+    bad = StepHeader(1, (1,)).encode()
+    bad[3] = 9
+    with pytest.raises(ProtocolError, match="malformed"):
+        StepHeader.decode(bad, sender=0)
+    with pytest.raises(ValueError, match="at most 4"):
+        StepHeader(0, (1, 1, 1, 1, 1))
+
+
+def test_partition_covers_every_expert_once():
+    shards = partition_experts(7, 3)
+    assert [(s.lo, s.hi) for s in shards] == [(0, 3), (3, 5), (5, 7)]
+    assert [s.serves_zero_experts for s in shards] == [True, False, False]
+    with pytest.raises(ValueError, match="some would hold none"):
+        partition_experts(2, 3)
+
+
+def test_micro_batch_rule():
+    assert micro_batches_rule(t_comm=0.0, t_compute=1.0) == 2
+    assert micro_batches_rule(t_comm=0.5, t_compute=1.0) == 3
+    assert micro_batches_rule(t_comm=5.0, t_compute=1.0) == 4
+
+
+def test_tuner_keeps_one_micro_batch_when_the_exchange_is_hidden():
+    t = MicroBatchTuner(warmup=2)
+    t.observe(1.0, 0.5, is_decode=False)  # prefill steps do not count
+    for _ in range(2):
+        t.observe(1.0, 0.01, is_decode=True)
+    assert t.micro_batches == 1
+    t = MicroBatchTuner(warmup=2)
+    for _ in range(2):
+        t.observe(1.0, 0.4, is_decode=True)
+    assert t.micro_batches == micro_batches_rule(0.4, 0.6)
+
+
+def test_split_micro_batches_balances_tokens():
+    seqs = [StepSeq([0] * n, 0, []) for n in (1, 1, 1, 1, 1, 1)]
+    assert split_micro_batches(seqs, 3) == [[0, 1], [2, 3], [4, 5]]
+    seqs = [StepSeq([0] * n, 0, []) for n in (10, 1, 1)]
+    groups = split_micro_batches(seqs, 2)
+    assert sorted(i for g in groups for i in g) == [0, 1, 2] and groups[0] == [0]
