@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from hf_reference import PROMPTS, hf_greedy
@@ -64,7 +65,7 @@ def _wait_for_log(cluster: LocalCluster, name: str, text: str, timeout: float = 
     path = os.path.join(cluster.dir, f"{name}.log")
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        log = open(path).read() if os.path.exists(path) else ""
+        log = Path(path).read_text() if os.path.exists(path) else ""
         if text in log:
             return log
         time.sleep(0.1)
