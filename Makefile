@@ -7,7 +7,7 @@ STAMP := $(VENV)/.afd-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow run lint format clean
+.PHONY: setup test test-slow run lint format clean proto
 
 setup: $(STAMP)
 
@@ -26,7 +26,7 @@ test-slow: setup
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
 
 run: setup
-	$(BIN)/afd run-demo
+	$(BIN)/afd launch deploy/local.yaml --curl-example
 
 lint: setup
 	$(BIN)/ruff check .
@@ -36,3 +36,7 @@ format: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+
+# Regenerate the committed gRPC stubs from proto/ (tests/test_proto.py fails when they are stale).
+proto: setup
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/afd/control/control.proto

@@ -67,6 +67,34 @@ def _cmd_run_demo(args) -> int:
     return 0
 
 
+def _add_check_config(sub) -> None:
+    p = sub.add_parser("check-config", help="validate a cluster YAML and print the resolved topology")
+    p.add_argument("config")
+    p.set_defaults(func=_cmd_check_config)
+
+
+def _cmd_check_config(args) -> int:
+    import os
+
+    from afd.cluster_config import load
+    from afd.config import ModelConfig
+    from afd.demo_model import DEMO_CONFIG
+    from afd.topology import describe
+
+    cfg = load(args.config)
+    n_routed = None
+    if cfg.model.path == "demo":
+        n_routed = DEMO_CONFIG["n_routed_experts"]
+    elif os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        n_routed = ModelConfig.from_dir(cfg.model.path).n_routed_experts
+    if n_routed is not None and not cfg.layout.experts and len(cfg.ffn_nodes) > n_routed:
+        raise UserError(f"{args.config}: nodes: {len(cfg.ffn_nodes)} FFN nodes for {n_routed} routed experts")
+    print(describe(cfg, n_routed))
+    if n_routed is None:
+        print(f"(model {cfg.model.path} not readable here: default expert ranges resolve at startup)")
+    return 0
+
+
 class UserError(Exception):
     """A mistake in the command line or its inputs: printed as one line, exit code 2."""
 
@@ -77,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_run_demo(sub)
+    _add_check_config(sub)
+    from afd import bench_serve, bench_step, launch
+
+    launch.add_parser(sub)
+    bench_serve.add_parser(sub)
+    bench_step.add_parser(sub)
     args = parser.parse_args(argv)
     from afd.checkpoint import CheckpointError
     from afd.config import ConfigError

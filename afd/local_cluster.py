@@ -87,7 +87,8 @@ class LocalCluster:
         self.num_prompts = len(prompts)
         for f, shard in enumerate(partition_experts(n_routed, F)):
             cmd = [sys.executable, "-m", "ffn_node.main", *_common(spec, A + f, world, port, list(range(A))),
-                   "--expert-range", f"{shard.lo}:{shard.hi}"]
+                   "--expert-range", f"{shard.lo}:{shard.hi}",
+                   "--report-file", os.path.join(self.dir, f"ffn{f}.json")]
             if not shard.serves_zero_experts:
                 cmd.append("--no-zero-experts")
             self.procs.append(_spawn(f"ffn{f}", cmd, self.dir))
@@ -110,7 +111,8 @@ class LocalCluster:
         return next(p for n, p, _ in self.procs if n == name)
 
     def wait(self, timeout_s: float = 600.0) -> tuple[list[list[int]], list[dict]]:
-        """Generated ids per prompt, and each attention node's report (steps, timings)."""
+        """Generated ids per prompt, and each attention node's report (steps, timings); the FFN nodes'
+        reports (compute and idle seconds) are in `self.ffn_reports` afterwards."""
         _wait_all(self.procs, timeout_s)
         outputs: list[list[int]] = [[] for _ in range(self.num_prompts)]
         reports = []
@@ -120,6 +122,10 @@ class LocalCluster:
             for i, out in zip(mine, rep["outputs"]):
                 outputs[i] = out
             reports.append(rep)
+        self.ffn_reports = []
+        for f in range(self.spec.ffn_nodes):
+            with open(os.path.join(self.dir, f"ffn{f}.json")) as fh:
+                self.ffn_reports.append(json.load(fh))
         return outputs, reports
 
     def stop(self) -> None:

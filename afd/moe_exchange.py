@@ -14,7 +14,7 @@ import torch
 
 from afd.backend import Backend
 from afd.model.ffn_half import FFNHalf
-from afd.protocol import FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, StepHeader
+from afd.protocol import FLAG_IDLE, FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, IDLE_ACK_LEN, StepHeader
 from afd.timing import Timers
 from afd.transport import BufferPool, DataPlane
 
@@ -58,6 +58,12 @@ class LocalMoE:
         return Ready(self.ffn(self.backend, layer, m))
 
     def end_step(self) -> None:
+        pass
+
+    def idle(self) -> int:
+        return 0
+
+    def leave(self, shutdown: bool = False) -> None:
         pass
 
 
@@ -117,6 +123,17 @@ class RemoteMoE:
         for peer, work, what in self._header_sends:
             self.plane.wait(work, peer, what)
         self._header_sends = []
+
+    def idle(self) -> int:
+        """An empty step: tells the FFN nodes this node is alive; returns how many attention nodes had
+        work in the FFN step this joined (0: the whole cluster is idle)."""
+        self._send_header(StepHeader(self.step_id, (), FLAG_IDLE))
+        acks = [(f, torch.empty(IDLE_ACK_LEN, dtype=torch.int64)) for f in self.ffn_ranks]
+        works = [(f, self.plane.irecv(buf, f)) for f, buf in acks]
+        for f, w in works:
+            self.plane.wait(w, f, "idle ack receive")
+        self.end_step()
+        return max(int(buf[0]) for _, buf in acks)
 
     def leave(self, shutdown: bool = False) -> None:
         """Tell every FFN node this attention node is done (and, with `shutdown`, to exit)."""

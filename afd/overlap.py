@@ -1,13 +1,16 @@
-"""Choosing the number of ping-pong micro-batches from measured times (MegaScale-Infer's rule).
+"""Choosing the number of ping-pong micro-batches from measured times.
 
 With one micro-batch the exchange hides only behind the ScMoE window. When the round trip is longer,
-m micro-batches keep both sides busy if m >= 2 * (1 + T_comm / T_compute); more than 4 shrinks the
-expert GEMMs for little gain, so m is capped there.
+MegaScale-Infer's rule says m micro-batches keep both sides busy if m >= 2 * (1 + T_comm / T_compute);
+more than 4 shrinks the expert GEMMs for little gain, so m is capped there. Splitting also costs
+(smaller GEMMs, more messages, per-op overhead), so the rule only proposes a candidate: the tuner
+measures it against one micro-batch and keeps whichever ran faster.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 
 from afd.protocol import MAX_MICRO_BATCHES
 
@@ -22,27 +25,37 @@ def micro_batches_rule(t_comm: float, t_compute: float) -> int:
 
 
 class MicroBatchTuner:
-    """Runs `warmup` decode steps with one micro-batch, then fixes m from what they measured.
+    """Measures `warmup` decode steps with m = 1; if the attention side waited for the FFN more than
+    HIDDEN_ENOUGH of the time, measures the rule's m as many steps and keeps the faster.
 
-    T_comm is the time the attention side sat blocked on the FFN result (the exchange that the window
-    did not hide); T_compute is the rest of the step.
+    T_comm is the time the attention side sat blocked on the FFN result (the exchange the window did
+    not hide); T_compute is the rest of the step.
     """
 
     def __init__(self, warmup: int = 4):
         self.warmup = warmup
-        self.samples: list[tuple[float, float]] = []
+        self.trials: dict[int, list[tuple[float, float]]] = {1: []}
+        self.current = 1
         self.chosen: int | None = None
 
     @property
     def micro_batches(self) -> int:
-        return self.chosen or 1
+        return self.chosen or self.current
 
     def observe(self, step_seconds: float, wait_seconds: float, is_decode: bool) -> None:
         if self.chosen is not None or not is_decode:
             return
-        self.samples.append((step_seconds, wait_seconds))
-        if len(self.samples) >= self.warmup:
-            step = sum(s for s, _ in self.samples)
-            wait = sum(w for _, w in self.samples)
-            hidden = step <= 0 or wait / step < HIDDEN_ENOUGH
-            self.chosen = 1 if hidden else micro_batches_rule(wait, step - wait)
+        samples = self.trials[self.current]
+        samples.append((step_seconds, wait_seconds))
+        if len(samples) < self.warmup:
+            return
+        if self.current == 1:
+            step = sum(s for s, _ in samples)
+            wait = sum(w for _, w in samples)
+            if step <= 0 or wait / step < HIDDEN_ENOUGH:
+                self.chosen = 1
+            else:
+                self.current = micro_batches_rule(wait, step - wait)
+                self.trials[self.current] = []
+            return
+        self.chosen = min(self.trials, key=lambda m: statistics.median(s for s, _ in self.trials[m]))

@@ -10,6 +10,13 @@ this order is the protocol):
 
 Both sides know every size from the header, so each message goes into a preallocated buffer and an
 FFN node needs no request state. A header with LEAVE says a has no more steps; SHUTDOWN stops f.
+
+An attention node with nothing to run sends an IDLE header instead (it keeps its FFN peers' step
+going and tells them it is alive); f answers it, once the step is done, with an IdleAck:
+
+    f -> a   IdleAck  (1 int64: how many attention peers had work in that step)
+
+so an idle node paces itself by the busy nodes' steps and backs off only when all are idle.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ FLAG_SHUTDOWN = 2
 """The FFN node exits after this header."""
 FLAG_IDLE = 4
 """No tokens this step: a heartbeat from an attention node with nothing to run."""
+
+
+IDLE_ACK_LEN = 1
 
 
 class ProtocolError(RuntimeError):

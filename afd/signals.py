@@ -2,7 +2,8 @@
 
 Python runs signal handlers only between bytecodes, so a process blocked in a data-plane wait would not
 notice SIGTERM until the wait timed out. Instead the signals are blocked in every thread and a watcher
-thread takes them with sigwait, runs the given callback, and exits the process.
+thread takes them with sigwait, runs the stop handler, and exits the process. `exit_on_signal` must run
+before anything starts a thread (torch and grpc do at import): threads inherit the blocked mask.
 """
 
 from __future__ import annotations
@@ -16,18 +17,23 @@ from collections.abc import Callable
 log = logging.getLogger("afd")
 
 _SIGNALS = {signal.SIGTERM, signal.SIGINT}
+_handler: list[Callable[[int], None]] = []
 
 
-def exit_on_signal(on_signal: Callable[[int], None] | None = None, code: int = 0) -> None:
-    """Call before any other thread starts (threads inherit the blocked mask)."""
+def set_stop_handler(fn: Callable[[int], None]) -> None:
+    """What to do (drain, leave the data plane) between the signal and the exit."""
+    _handler[:] = [fn]
+
+
+def exit_on_signal(code: int = 0) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
 
     def watch() -> None:
         signum = signal.sigwait(_SIGNALS)
         log.info("received %s, exiting", signal.Signals(signum).name)
-        if on_signal is not None:
+        for fn in _handler:
             try:
-                on_signal(signum)
+                fn(signum)
             except Exception as e:
                 log.warning("while stopping: %s", e)
         logging.shutdown()

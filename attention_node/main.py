@@ -1,40 +1,68 @@
-"""`afd-attention`: one attention node process."""
+"""`afd-attention`: one attention node process.
+
+    afd-attention --config cluster.yaml --node attn0 [--model PATH] [--port N] [--api-key KEY]
+    afd-attention generate --model PATH --rank R ... --prompts-file F --output-file O   (offline worker)
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
-from afd.node_args import add_dataplane_args, add_model_args, parse_ranks, setup_logging
+from afd.node_args import add_cluster_args, add_dataplane_args, add_model_args, parse_ranks, setup_logging
 from afd.signals import exit_on_signal
 
 log = logging.getLogger("afd.attention")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="afd-attention", description="Attention node")
-    sub = p.add_subparsers(dest="mode", required=True)
-    g = sub.add_parser("generate", help="offline: generate for a prompts file, then leave")
+def build_server_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="afd-attention", description="Attention node: OpenAI API, scheduler, "
+                                "KV cache and the attention half of every layer. (`afd-attention generate "
+                                "--help`: the offline worker.)")
+    add_cluster_args(p)
+    p.add_argument("--model", default=None, help="override the YAML's model path")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--port", type=int, default=None, help="override this node's HTTP port")
+    p.add_argument("--api-key", default=os.environ.get("AFD_API_KEY"), help="require Bearer KEY on /v1 routes")
+    p.add_argument("--shutdown-timeout", type=float, default=None,
+                   help="seconds SIGTERM lets running requests finish (0 aborts them)")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    return p
+
+
+def build_generate_parser() -> argparse.ArgumentParser:
+    g = argparse.ArgumentParser(prog="afd-attention generate",
+                                description="offline: generate for a prompts file, then leave")
     add_model_args(g)
     add_dataplane_args(g)
     g.add_argument("--prompts-file", required=True, help='JSON {"prompts": [[ids]], "max_tokens": n, ...}')
     g.add_argument("--output-file", required=True)
-    add_overlap_args(g)
-    return p
-
-
-def add_overlap_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--no-overlap", action="store_true", help="wait for each MoE result at once (baseline)")
-    p.add_argument("--micro-batches", type=int, default=0, choices=range(5), metavar="{0..4}",
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-overlap", action="store_true", help="wait for each MoE result at once (baseline)")
+    g.add_argument("--micro-batches", type=int, default=0, choices=range(5), metavar="{0..4}",
                    help="ping-pong micro-batches per step; 0 (default) chooses from measured times")
+    return g
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    exit_on_signal()  # first: torch and grpc start threads at import, and threads inherit the mask
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "generate":
+        return _run_generate(build_generate_parser().parse_args(argv[1:]))
+    args = build_server_parser().parse_args(argv)
+    if not args.config:
+        print("afd-attention: error: --config FILE --node NAME is required (or the `generate` mode)",
+              file=sys.stderr)
+        return 2
+    from attention_node.cluster_mode import run_cluster_node
+
+    return run_cluster_node(args)
+
+
+def _run_generate(args) -> int:
     setup_logging("attention", args.rank)
-    exit_on_signal()
     from afd.transport import PeerError
     from attention_node.worker import run_offline, set_threads
 

@@ -28,7 +28,7 @@ def run_offline(args, ffn_ranks: list[int]) -> int:
     prompts, max_tokens = spec["prompts"], spec["max_tokens"]
     per = validate_prompts(cfg, prompts, max_tokens) if prompts else []
     backend = get_backend(args.device, args.device_index)
-    dtype = parse_dtype(args.dtype)
+    dtype = parse_dtype(args.dtype or "float32")
     attn = build_attention_half(cfg, open_reader(args.model, args.dummy_weights, args.seed), dtype,
                                 backend.device)
     plane = DataPlane(backend, args.rank, args.world_size, args.master_addr, args.master_port,

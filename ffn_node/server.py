@@ -13,8 +13,9 @@ import time
 import torch
 
 from afd.backend import Backend
+from afd.metrics import FFNMetrics
 from afd.model.ffn_half import FFNHalf
-from afd.protocol import FLAG_IDLE, FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, StepHeader
+from afd.protocol import FLAG_IDLE, FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, IDLE_ACK_LEN, StepHeader
 from afd.timing import Timers
 from afd.transport import BufferPool, DataPlane
 
@@ -23,7 +24,8 @@ log = logging.getLogger("afd.ffn")
 
 class FFNServer:
     def __init__(self, ffn: FFNHalf, backend: Backend, plane: DataPlane, attention_ranks: list[int],
-                 dtype: torch.dtype, timers: Timers | None = None, layer_hook=None):
+                 dtype: torch.dtype, timers: Timers | None = None, layer_hook=None,
+                 metrics: FFNMetrics | None = None):
         self.ffn, self.backend, self.plane = ffn, backend, plane
         self.active = list(attention_ranks)
         self.hidden = ffn.cfg.hidden_size
@@ -32,6 +34,8 @@ class FFNServer:
         self._headers = {r: torch.empty(HEADER_LEN, dtype=torch.int64) for r in attention_ranks}
         self.layer_hook = layer_hook
         """Called as hook(layer) while waiting for that layer's inputs (the weight prefetch schedule)."""
+        self.metrics = metrics
+        self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64)
         self.steps = 0
         self.tokens = 0
 
@@ -48,6 +52,12 @@ class FFNServer:
             work = {r: h for r, h in headers.items() if not h.flags & (FLAG_LEAVE | FLAG_IDLE)}
             if work:
                 self._run_step(work)
+            idle = [r for r, h in headers.items() if h.flags & FLAG_IDLE and not h.flags & FLAG_LEAVE]
+            if idle:
+                self._ack.fill_(len(work))
+                acks = [(r, self.plane.isend(self._ack, r)) for r in idle]
+                for r, w in acks:
+                    self.plane.wait(w, r, "idle ack send")
         return "all attention peers left"
 
     def _recv_headers(self) -> dict[int, StepHeader]:
@@ -93,6 +103,12 @@ class FFNServer:
         self.timers.add("idle", t1 - t0)
         self.timers.add("compute", t2 - t1)
         self.tokens += total
+        if self.metrics is not None:
+            m = self.metrics
+            m.idle.observe(t1 - t0)
+            m.compute.observe(t2 - t1)
+            m.tokens.inc(total)
+            m.add_expert_tokens(self.ffn.layers[layer].experts.last_counts)
         sends, off = [], 0
         for r, n in parts:
             sends.append((r, self.plane.isend(y[off:off + n], r)))

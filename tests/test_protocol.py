@@ -49,10 +49,20 @@ def test_tuner_keeps_one_micro_batch_when_the_exchange_is_hidden():
     for _ in range(2):
         t.observe(1.0, 0.01, is_decode=True)
     assert t.micro_batches == 1
+
+def test_tuner_tries_the_rules_m_and_keeps_the_faster():
     t = MicroBatchTuner(warmup=2)
     for _ in range(2):
         t.observe(1.0, 0.4, is_decode=True)
-    assert t.micro_batches == micro_batches_rule(0.4, 0.6)
+    trial = micro_batches_rule(0.4, 0.6)
+    assert t.micro_batches == trial and t.chosen is None
+    for _ in range(2):
+        t.observe(0.7, 0.0, is_decode=True)
+    assert t.chosen == trial
+    t = MicroBatchTuner(warmup=1)
+    t.observe(1.0, 0.4, is_decode=True)
+    t.observe(1.3, 0.0, is_decode=True)  # splitting was slower: back to one micro-batch
+    assert t.chosen == 1
 
 
 def test_split_micro_batches_balances_tokens():

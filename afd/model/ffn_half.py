@@ -42,6 +42,8 @@ class Experts(nn.Module):
         self.lo, self.hi, self.n_routed, self.serves_zero = lo, hi, cfg.n_routed_experts, serves_zero
         self.w13 = nn.Parameter(torch.empty(G, H, 2 * I))
         self.w2 = nn.Parameter(torch.empty(G, I, H))
+        self.last_counts: list[int] = [0] * G
+        """Tokens each local expert got in the last call (read by the FFN node's metrics)."""
 
     def forward(self, backend: Backend, x, weights, ids) -> torch.Tensor:
         """x [T, H], weights/ids [T, K] -> this node's share of the MoE output [T, H]."""
@@ -51,9 +53,10 @@ class Experts(nn.Module):
         local = (flat >= self.lo) & (flat < self.hi)
         sel = local.nonzero().squeeze(1)
         order = sel[torch.argsort(flat[sel], stable=True)]  # (token, k) slots sorted by expert
+        sizes = torch.bincount(flat[order] - self.lo, minlength=self.hi - self.lo).tolist()
+        self.last_counts = sizes
         if order.numel():
             token = order // K
-            sizes = torch.bincount(flat[order] - self.lo, minlength=self.hi - self.lo).tolist()
             gate, up = backend.grouped_matmul(x[token], self.w13, sizes).chunk(2, dim=-1)  # [N, I] each
             y = backend.grouped_matmul(F.silu(gate) * up, self.w2, sizes)  # [N, H]
             out.index_add_(0, token, (y * weights.reshape(-1)[order, None]).to(x.dtype))

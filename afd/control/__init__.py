@@ -1,0 +1,1 @@
+"""The gRPC control plane: coordinator service, node client, auth, health."""

@@ -1,0 +1,112 @@
+"""A node's side of the control plane: register (retrying until the coordinator is up), wait for the
+cluster, report ready, and send heartbeats whose replies carry the cluster state."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import grpc
+
+from afd import __version__
+from afd.cluster_config import ClusterConfig
+from afd.control import control_pb2 as pb
+from afd.control import control_pb2_grpc as pb_grpc
+from afd.control.auth import call_metadata, channel
+
+log = logging.getLogger("afd.control")
+_RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ControlError(RuntimeError):
+    """The coordinator refused this node, or could not be reached in time."""
+
+
+class ControlClient:
+    def __init__(self, cfg: ClusterConfig, node: str):
+        self.cfg, self.node = cfg, cfg.node(node)
+        coord = cfg.coordinator
+        self.address = f"{coord.host}:{coord.ports.control}"
+        self._channel = channel(self.address, cfg.cluster.tls)
+        self.stub = pb_grpc.CoordinatorStub(self._channel)
+        self.instance_id = uuid.uuid4().hex
+        self.ref = pb.NodeRef(name=node, instance_id=self.instance_id)
+        self._stop = threading.Event()
+
+    def _call(self, method, request, timeout: float):
+        try:
+            return method(request, metadata=call_metadata(), timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() in _RETRYABLE:
+                raise
+            raise ControlError(f"coordinator at {self.address} refused {self.node.name}: {e.details()}") from None
+
+    def register(self, fingerprint: str) -> pb.RegisterReply:
+        n = self.node
+        req = pb.RegisterRequest(name=n.name, role=n.role, address=f"{n.host}:{n.ports.control}",
+                                 model_fingerprint=fingerprint, version=__version__, instance_id=self.instance_id)
+        deadline = time.monotonic() + self.cfg.cluster.startup_timeout
+        while True:
+            try:
+                return self._call(self.stub.Register, req, timeout=5)
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise ControlError(f"coordinator at {self.address} not reachable within "
+                                       f"{self.cfg.cluster.startup_timeout:.0f}s") from None
+                time.sleep(0.3)
+
+    def await_cluster(self) -> pb.ClusterStatus:
+        """Returns once every node registered; raises ControlError naming the missing ones on timeout."""
+        deadline = time.monotonic() + self.cfg.cluster.startup_timeout + 10
+        while True:
+            try:
+                st = self._call(self.stub.AwaitCluster, self.ref, timeout=10)
+            except grpc.RpcError as e:
+                if time.monotonic() > deadline:
+                    raise ControlError(f"coordinator at {self.address} stopped answering: {e.details()}") from None
+                time.sleep(0.3)
+                continue
+            if st.state == pb.ClusterStatus.FAILED:
+                raise ControlError(st.message)
+            if st.state == pb.ClusterStatus.SHUTDOWN:
+                raise ControlError(f"cluster shut down during startup: {st.message}")
+            if not st.missing:
+                return st
+            if time.monotonic() > deadline:
+                raise ControlError(f"startup timeout: nodes never registered: {', '.join(st.missing)}")
+
+    def report_ready(self) -> pb.ClusterStatus:
+        return self._call(self.stub.ReportReady, self.ref, timeout=10)
+
+    def start_heartbeats(self, on_status: Callable[[pb.ClusterStatus | None], None]) -> None:
+        """on_status(status) after each heartbeat; on_status(None) once the coordinator has been
+        unreachable for longer than the heartbeat timeout."""
+        interval, limit = self.cfg.cluster.heartbeat_interval, self.cfg.cluster.heartbeat_timeout
+
+        def beat() -> None:
+            last_ok = time.monotonic()
+            while not self._stop.wait(interval):
+                try:
+                    st = self._call(self.stub.Heartbeat, self.ref, timeout=max(1.0, interval))
+                    last_ok = time.monotonic()
+                    on_status(st)
+                except (grpc.RpcError, ControlError) as e:
+                    if time.monotonic() - last_ok > limit:
+                        log.error("coordinator unreachable for %.0fs: %s", limit, e)
+                        on_status(None)
+                        last_ok = time.monotonic()
+
+        threading.Thread(target=beat, name="afd-heartbeat", daemon=True).start()
+
+    def shutdown_cluster(self, reason: str) -> None:
+        try:
+            self._call(self.stub.Shutdown, pb.ShutdownRequest(reason=reason), timeout=3)
+        except (grpc.RpcError, ControlError) as e:
+            log.debug("shutdown call: %s", e)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._channel.close()

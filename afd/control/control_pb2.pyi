@@ -1,0 +1,100 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("name", "role", "address", "model_fingerprint", "version", "instance_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    address: str
+    model_fingerprint: str
+    version: str
+    instance_id: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class RegisterReply(_message.Message):
+    __slots__ = ("rank", "world_size", "master_addr", "master_port", "peer_ranks", "expert_lo", "expert_hi", "serves_zero_experts", "cluster_name")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    PEER_RANKS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_LO_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_HI_FIELD_NUMBER: _ClassVar[int]
+    SERVES_ZERO_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_NAME_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    peer_ranks: _containers.RepeatedScalarFieldContainer[int]
+    expert_lo: int
+    expert_hi: int
+    serves_zero_experts: bool
+    cluster_name: str
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., expert_lo: _Optional[int] = ..., expert_hi: _Optional[int] = ..., serves_zero_experts: _Optional[bool] = ..., cluster_name: _Optional[str] = ...) -> None: ...
+
+class NodeRef(_message.Message):
+    __slots__ = ("name", "instance_id")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    instance_id: str
+    def __init__(self, name: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("timeout_seconds",)
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    timeout_seconds: float
+    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterStatus(_message.Message):
+    __slots__ = ("state", "missing", "registered", "ready", "lost", "message")
+    class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        STARTING: _ClassVar[ClusterStatus.State]
+        READY: _ClassVar[ClusterStatus.State]
+        DEGRADED: _ClassVar[ClusterStatus.State]
+        DRAINING: _ClassVar[ClusterStatus.State]
+        SHUTDOWN: _ClassVar[ClusterStatus.State]
+        FAILED: _ClassVar[ClusterStatus.State]
+    STARTING: ClusterStatus.State
+    READY: ClusterStatus.State
+    DEGRADED: ClusterStatus.State
+    DRAINING: ClusterStatus.State
+    SHUTDOWN: ClusterStatus.State
+    FAILED: ClusterStatus.State
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MISSING_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    LOST_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    state: ClusterStatus.State
+    missing: _containers.RepeatedScalarFieldContainer[str]
+    registered: _containers.RepeatedScalarFieldContainer[str]
+    ready: _containers.RepeatedScalarFieldContainer[str]
+    lost: _containers.RepeatedScalarFieldContainer[str]
+    message: str
+    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ...) -> None: ...

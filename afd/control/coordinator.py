@@ -1,0 +1,161 @@
+"""The coordinator: checks the cluster in front of it against the YAML, hands out ranks, tracks liveness.
+
+It runs inside the node named by `cluster.coordinator` (default: the first attention node), on that
+node's control port. All state is guarded by one condition variable; AwaitCluster blocks on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from afd import __version__
+from afd.cluster_config import ClusterConfig
+from afd.control import control_pb2 as pb
+from afd.control import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger("afd.coordinator")
+State = pb.ClusterStatus
+
+
+@dataclass
+class _Member:
+    name: str
+    role: str
+    address: str
+    instance_id: str
+    fingerprint: str
+    last_seen: float
+    ready: bool = False
+
+
+class Coordinator(pb_grpc.CoordinatorServicer):
+    def __init__(self, cfg: ClusterConfig, fingerprint: str, n_routed: int):
+        self.cfg, self.fingerprint, self.n_routed = cfg, fingerprint, n_routed
+        self.members: dict[str, _Member] = {}
+        self.state = State.STARTING
+        self.message = ""
+        self._cv = threading.Condition()
+        self._started = time.monotonic()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    def _lost(self) -> list[str]:
+        limit = time.monotonic() - self.cfg.cluster.heartbeat_timeout
+        return sorted(m.name for m in self.members.values() if m.last_seen < limit)
+
+    def _status(self) -> pb.ClusterStatus:
+        lost = self._lost()
+        state = self.state
+        if state == State.READY and lost:
+            state = State.DEGRADED
+        return pb.ClusterStatus(
+            state=state, missing=[n for n in self.cfg.names if n not in self.members],
+            registered=sorted(self.members), ready=sorted(m.name for m in self.members.values() if m.ready),
+            lost=lost, message=self.message)
+
+    def _member(self, ref: pb.NodeRef, context) -> _Member:
+        m = self.members.get(ref.name)
+        if m is None or m.instance_id != ref.instance_id:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {ref.name!r} is not registered "
+                                                               "(or was replaced by another instance)")
+        m.last_seen = time.monotonic()
+        return m
+
+    # ---- RPCs ------------------------------------------------------------------------------------
+
+    def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
+        with self._cv:
+            if req.name not in self.cfg.names:
+                context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {req.name!r}: the cluster YAML names "
+                                                         f"{', '.join(self.cfg.names)}")
+            node = self.cfg.node(req.name)
+            if req.role != node.role:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"node {req.name!r} registered as {req.role!r} but the YAML says {node.role!r}")
+            old = self.members.get(req.name)
+            if old is not None and old.instance_id != req.instance_id:
+                context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                              f"duplicate node name {req.name!r}: already registered from {old.address}")
+            if req.model_fingerprint != self.fingerprint:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"node {req.name!r} has model fingerprint {req.model_fingerprint[:12]} but the "
+                              f"cluster serves {self.fingerprint[:12]}: a different model, dtype or weights")
+            if req.version != __version__:
+                log.warning("node %s runs afd %s, the coordinator %s", req.name, req.version, __version__)
+            self.members[req.name] = _Member(req.name, req.role, req.address, req.instance_id,
+                                             req.model_fingerprint, time.monotonic())
+            log.info("registered %s (%s) from %s [%d/%d]", req.name, req.role, req.address, len(self.members),
+                     len(self.cfg.nodes))
+            self._cv.notify_all()
+        return self._assignment(node)
+
+    def _assignment(self, node) -> pb.RegisterReply:
+        cfg = self.cfg
+        other = cfg.ffn_nodes if node.role == "attention" else cfg.attention_nodes
+        reply = pb.RegisterReply(rank=cfg.rank(node.name), world_size=len(cfg.nodes),
+                                 master_addr=cfg.coordinator.host, master_port=cfg.coordinator.ports.data,
+                                 peer_ranks=[cfg.rank(n.name) for n in other], cluster_name=cfg.cluster.name)
+        if node.role == "ffn":
+            shard = cfg.expert_shard(node.name, self.n_routed)
+            reply.expert_lo, reply.expert_hi = shard.lo, shard.hi
+            reply.serves_zero_experts = shard.serves_zero_experts
+        return reply
+
+    def AwaitCluster(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
+        deadline = self._started + self.cfg.cluster.startup_timeout
+        with self._cv:
+            self._member(ref, context)
+            while len(self.members) < len(self.cfg.nodes) and self.state == State.STARTING:
+                left = deadline - time.monotonic()
+                if context.time_remaining() is not None:
+                    left = min(left, context.time_remaining())
+                if left <= 0:
+                    break
+                self._cv.wait(min(left, 1.0))
+            missing = [n for n in self.cfg.names if n not in self.members]
+            if missing and time.monotonic() >= deadline and self.state == State.STARTING:
+                self.state = State.FAILED
+                self.message = (f"startup timeout ({self.cfg.cluster.startup_timeout:.0f}s): nodes never "
+                                f"registered: {', '.join(missing)}")
+                log.error("%s", self.message)
+                self._cv.notify_all()
+            return self._status()
+
+    def ReportReady(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
+        with self._cv:
+            self._member(ref, context).ready = True
+            if self.state == State.STARTING and all(m.ready for m in self.members.values()) \
+                    and len(self.members) == len(self.cfg.nodes):
+                self.state = State.READY
+                log.info("cluster %s ready: %s", self.cfg.cluster.name, self.cfg.topology_name)
+            self._cv.notify_all()
+            return self._status()
+
+    def Heartbeat(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
+        with self._cv:
+            self._member(ref, context)
+            return self._status()
+
+    def Drain(self, req: pb.DrainRequest, context) -> pb.ClusterStatus:
+        with self._cv:
+            if self.state in (State.STARTING, State.READY, State.DEGRADED):
+                self.state = State.DRAINING
+                self.message = "draining"
+            return self._status()
+
+    def Shutdown(self, req: pb.ShutdownRequest, context) -> pb.ClusterStatus:
+        with self._cv:
+            self.state = State.SHUTDOWN
+            self.message = req.reason or "shutdown requested"
+            log.info("shutdown: %s", self.message)
+            self._cv.notify_all()
+            return self._status()
+
+    def GetStatus(self, req: pb.StatusRequest, context) -> pb.ClusterStatus:
+        with self._cv:
+            return self._status()

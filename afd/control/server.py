@@ -1,0 +1,41 @@
+"""Each node's gRPC server: the standard health service, plus the coordinator on the coordinator node."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from afd.control import control_pb2_grpc as pb_grpc
+from afd.control.auth import TokenInterceptor, cluster_token, server_credentials
+
+
+class ControlServer:
+    """`set_serving(True)` flips the standard health status that probes and `grpc_health_probe` read."""
+
+    def __init__(self, host: str, port: int, tls: dict | None = None, coordinator=None, workers: int = 16):
+        token = cluster_token()
+        # so_reuseport off: a second node on the same port must fail, not share it silently
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
+                                  interceptors=[TokenInterceptor(token)] if token else [],
+                                  options=[("grpc.so_reuseport", 0)])
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        if coordinator is not None:
+            pb_grpc.add_CoordinatorServicer_to_server(coordinator, self.server)
+        creds = server_credentials(tls)
+        addr = f"{host}:{port}"
+        bound = self.server.add_secure_port(addr, creds) if creds else self.server.add_insecure_port(addr)
+        if not bound:
+            raise OSError(f"cannot listen on {addr} (control port in use?)")
+        self.set_serving(False)
+        self.server.start()
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        self.health.set("", status)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace).wait(grace + 1)

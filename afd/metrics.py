@@ -1,0 +1,130 @@
+"""Prometheus metrics of both roles. Labels are bounded: role, node, model_name (and finished_reason,
+phase, expert where a metric needs them). Names use the afd_ prefix and base units; request-level
+histograms use vLLM's bucket sets, per-layer and per-step timings microsecond-to-second buckets."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINE_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
+                0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+BASE_LABELS = ("role", "node", "model_name")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _Metrics:
+    def __init__(self, role: str, node: str, model_name: str):
+        self.registry = CollectorRegistry()
+        self._base = {"role": role, "node": node, "model_name": model_name}
+
+    def _make(self, kind, name: str, doc: str, extra: tuple[str, ...] = (), **kw):
+        m = kind(name, doc, BASE_LABELS + extra, registry=self.registry, **kw)
+        return m if extra else m.labels(**self._base)
+
+    def labels(self, metric, **extra):
+        return metric.labels(**self._base, **extra)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class AttentionMetrics(_Metrics):
+    def __init__(self, node: str, model_name: str):
+        super().__init__("attention", node, model_name)
+        h, g, c = Histogram, Gauge, Counter
+        self.ttft = self._make(h, "afd_time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS)
+        self.itl = self._make(h, "afd_inter_token_latency_seconds", "Time between output tokens.",
+                              buckets=ITL_BUCKETS)
+        self.e2e = self._make(h, "afd_e2e_request_latency_seconds", "End-to-end request latency.",
+                              buckets=REQUEST_BUCKETS)
+        self.queue = self._make(h, "afd_request_queue_time_seconds", "Time from arrival to first schedule.",
+                                buckets=REQUEST_BUCKETS)
+        self.running = self._make(g, "afd_num_requests_running", "Requests in the running batch.")
+        self.waiting = self._make(g, "afd_num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = self._make(g, "afd_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).")
+        self.prompt_tokens = self._make(c, "afd_prompt_tokens", "Prefilled prompt tokens.")
+        self.generation_tokens = self._make(c, "afd_generation_tokens", "Generated tokens.")
+        self._success = self._make(c, "afd_request_success", "Finished requests by reason.", ("finished_reason",))
+        self.preemptions = self._make(c, "afd_num_preemptions", "Requests preempted for lack of KV blocks.")
+        self._step = self._make(h, "afd_step_seconds", "Forward step time.", ("phase",), buckets=FINE_BUCKETS)
+        self.ffn_wait = self._make(h, "afd_ffn_wait_seconds",
+                                   "Per step, time blocked waiting for FFN results (exchange not hidden).",
+                                   buckets=FINE_BUCKETS)
+        self.a2f_bytes = self._make(c, "afd_a2f_bytes", "Bytes of hidden states sent to FFN nodes.")
+        for reason in ("stop", "length", "abort"):
+            self.labels(self._success, finished_reason=reason)  # exported at 0 before the first request
+
+    def success(self, reason: str):
+        return self.labels(self._success, finished_reason=reason)
+
+    def step(self, phase: str):
+        return self.labels(self._step, phase=phase)
+
+
+class FFNMetrics(_Metrics):
+    def __init__(self, node: str, model_name: str, expert_lo: int, expert_hi: int):
+        super().__init__("ffn", node, model_name)
+        self.compute = self._make(Histogram, "afd_ffn_compute_seconds",
+                                  "Router + experts time per layer and micro-batch.", buckets=FINE_BUCKETS)
+        self.idle = self._make(Histogram, "afd_ffn_idle_seconds",
+                               "Time waiting for attention nodes per layer and micro-batch.", buckets=FINE_BUCKETS)
+        self.tokens = self._make(Counter, "afd_ffn_tokens", "Tokens through this node's MoE layers.")
+        self.prefetch_bytes = self._make(Counter, "afd_prefetch_bytes", "Expert weight bytes prefetched.")
+        self.expert_counts = [0] * (expert_hi - expert_lo)
+        self._lo = expert_lo
+        self.registry.register(_ExpertCollector(self))
+
+    def add_expert_tokens(self, sizes: list[int]) -> None:
+        for i, n in enumerate(sizes):
+            self.expert_counts[i] += n
+
+
+class _ExpertCollector:
+    """afd_expert_tokens_total{expert}: counted in a plain list on the hot path, exported at scrape."""
+
+    def __init__(self, m: FFNMetrics):
+        self.m = m
+
+    def collect(self):
+        fam = CounterMetricFamily("afd_expert_tokens", "Token-expert assignments per routed expert.",
+                                  labels=(*BASE_LABELS, "expert"))
+        base = [self.m._base[k] for k in BASE_LABELS]
+        for i, n in enumerate(self.m.expert_counts):
+            fam.add_metric([*base, str(self.m._lo + i)], n)
+        yield fam
+
+
+def serve_metrics(host: str, port: int, metrics: _Metrics, healthy) -> ThreadingHTTPServer:
+    """/metrics and /health (200 when healthy() else 503, empty body) for nodes without the API."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's naming)
+            if self.path == "/metrics":
+                body, code, ctype = metrics.render(), 200, CONTENT_TYPE
+            elif self.path == "/health":
+                body, code, ctype = b"", 200 if healthy() else 503, "text/plain"
+            else:
+                body, code, ctype = b"not found\n", 404, "text/plain"
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="afd-metrics-http", daemon=True).start()
+    return server

@@ -1,0 +1,196 @@
+"""The OpenAI-compatible HTTP API of an attention node (FastAPI)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from afd import __version__
+from afd.metrics import CONTENT_TYPE, AttentionMetrics
+from afd.tokenizer import Tokenizer
+from attention_node import request as rq
+from attention_node.engine import Engine, EngineDead
+from attention_node.openai_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Limits,
+    check_prompt,
+    resolve_max_tokens,
+    sampling_params,
+    stop_strings,
+    validation_error,
+)
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    tokenizer: Tokenizer | None
+    model_name: str
+    model_path: str
+    limits: Limits
+    metrics: AttentionMetrics | None
+    ready: Callable[[], bool]
+    """Cluster ready and the data plane alive."""
+    api_key: str | None = None
+    draining: bool = False
+
+
+class _Generation:
+    """The n choices of one prompt, running in the engine; outputs arrive on an asyncio queue."""
+
+    def __init__(self, st: ServerState, prompt_ids: list[int], body, max_tokens: int, index0: int):
+        loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.prompt_ids, self.st, self.ids = prompt_ids, st, []
+        for j in range(body.n):
+            rid = uuid.uuid4().hex
+            self.ids.append(rid)
+            r = rq.Request(rid, prompt_ids, sampling_params(body, j), max_tokens,
+                           lambda out, i=index0 + j: loop.call_soon_threadsafe(self.queue.put_nowait, (i, out)),
+                           stop=stop_strings(body), ignore_eos=body.ignore_eos)
+            st.engine.add_request(r)
+
+    def abort(self) -> None:
+        for rid in self.ids:
+            self.st.engine.abort(rid)
+
+
+async def _outputs(gens: list[_Generation]) -> AsyncIterator[tuple[int, rq.RequestOutput]]:
+    """Merged outputs of every choice until all finished."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(g: _Generation):
+        left = len(g.ids)
+        while left:
+            item = await g.queue.get()
+            left -= item[1].finished
+            await q.put(item)
+
+    tasks = [asyncio.create_task(pump(g)) for g in gens]
+    left = sum(len(g.ids) for g in gens)
+    try:
+        while left:
+            i, out = await q.get()
+            left -= out.finished
+            yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+        for g in gens:
+            g.abort()
+
+
+def build_app(st: ServerState) -> FastAPI:
+    app = FastAPI(title="afd", version=__version__)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_, e: RequestValidationError):
+        err = validation_error(list(e.errors()))
+        return JSONResponse(err.body(), status_code=err.code)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        protected = st.api_key and request.url.path.startswith("/v1")
+        if protected and request.headers.get("authorization") != f"Bearer {st.api_key}":
+            return JSONResponse(ApiError(401, "Unauthorized").body(), status_code=401)
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        ok = st.ready() and not st.draining and not st.engine.dead
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics():
+        body = st.metrics.render() if st.metrics else b""
+        return Response(body, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": st.model_name, "object": "model", "created": int(time.time()), "owned_by": "afd",
+            "root": st.model_path, "parent": None, "max_model_len": st.limits.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _admit(st, body.model)
+        prompts = _completion_prompts(st, body.prompt)
+        return await _serve(st, body, prompts, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        _admit(st, body.model)
+        if st.tokenizer is None:
+            raise ApiError(400, "This model has no tokenizer.json: chat needs one; send token ids to "
+                                "/v1/completions instead.", "messages")
+        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            text = st.tokenizer.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from None
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        # the rendered template carries its own BOS
+        return await _serve(st, body, [st.tokenizer.encode(text, add_special_tokens=False)], request, chat=True)
+
+    return app
+
+
+def _admit(st: ServerState, model: str | None) -> None:
+    if model is not None and model not in (st.model_name, st.model_path):
+        raise ApiError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+    if st.draining:
+        raise ApiError(503, "The server is draining and takes no new requests.")
+    if st.engine.dead or not st.ready():
+        raise ApiError(503, f"The cluster is not serving: {st.engine.dead or 'not ready'}.")
+
+
+def _completion_prompts(st: ServerState, prompt) -> list[list[int]]:
+    items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    out = []
+    for p in items:
+        if isinstance(p, str):
+            if st.tokenizer is None:
+                raise ApiError(400, "This model has no tokenizer.json: send the prompt as token ids.", "prompt")
+            out.append(st.tokenizer.encode(p))
+        else:
+            out.append(list(p))
+    return out
+
+
+async def _serve(st: ServerState, body, prompts: list[list[int]], request: Request, chat: bool):
+    plan = []
+    for ids in prompts:
+        check_prompt(ids, st.limits)
+        plan.append((ids, resolve_max_tokens(body.max_tokens, len(ids), st.limits)))
+    for j in range(body.n):
+        sampling_params(body, j)  # surfaces a bad parameter as 400 before anything runs
+    if stop_strings(body) and st.tokenizer is None:
+        raise ApiError(400, "stop strings need a tokenizer; this model has no tokenizer.json.", "stop")
+    try:
+        gens = [_Generation(st, ids, body, mt, k * body.n) for k, (ids, mt) in enumerate(plan)]
+    except EngineDead as e:
+        raise ApiError(503, f"The cluster is not serving: {e}.") from None
+    from attention_node import responses
+
+    if body.stream:
+        return StreamingResponse(responses.stream(st, body, gens, _outputs(gens), request, chat),
+                                 media_type="text/event-stream")
+    return await responses.full(st, body, gens, _outputs(gens), chat)

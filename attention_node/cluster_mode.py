@@ -1,0 +1,85 @@
+"""An attention node of a cluster YAML: control plane bring-up, the engine, and the HTTP API.
+
+SIGTERM (or SIGINT): /health turns 503 and new requests get 503; running requests get up to
+`engine.shutdown_timeout` seconds to finish (0 aborts them at once); then the node leaves the data
+plane and exits. The FFN nodes stop once every attention node has left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+
+import uvicorn
+
+from afd.cluster_config import ClusterConfigError
+from afd.control import control_pb2 as pb
+from afd.control.client import ControlError
+from afd.node_args import load_cluster_args, setup_logging
+from afd.signals import set_stop_handler
+from afd.transport import PeerError
+
+log = logging.getLogger("afd.attention")
+
+
+def run_cluster_node(args) -> int:
+    try:
+        cfg = load_cluster_args(args, role="attention")
+    except ClusterConfigError as e:
+        print(f"afd-attention: error: {e}")
+        return 2
+    setup_logging("attention", args.node)
+    box: dict = {}
+    set_stop_handler(lambda _: _graceful_stop(box, cfg))
+    import torch
+
+    from attention_node.setup import build_server_state
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        st, rt = build_server_state(cfg, args, box)
+    except (ControlError, PeerError) as e:
+        log.error("startup failed: %s", e)
+        return 1
+    from attention_node.api_server import build_app
+
+    node = cfg.node(args.node)
+    config = uvicorn.Config(build_app(st), host=args.bind_host, port=node.ports.http, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=1)
+    server = _Server(config)
+    box["server"] = server
+    st.engine.start()
+    log.info("API ready at http://%s:%d (cluster %s, %s)", node.host, node.ports.http, cfg.cluster.name,
+             cfg.topology_name)
+    server.run()
+    return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handlers: this process takes signals on a sigwait thread."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+def _graceful_stop(box: dict, cfg) -> None:
+    st, rt = box.get("state"), box.get("runtime")
+    if st is not None:
+        st.draining = True
+        deadline = time.monotonic() + cfg.engine.shutdown_timeout
+        while st.engine.num_unfinished() and time.monotonic() < deadline and not st.engine.dead:
+            time.sleep(0.05)
+        left = st.engine.num_unfinished()
+        if left:
+            log.info("aborting %d unfinished request(s) at shutdown", left)
+        st.engine.stop(timeout=5)
+    if rt is not None:
+        if rt.cluster_state != pb.ClusterStatus.SHUTDOWN and rt.node.name == cfg.coordinator.name:
+            rt.client.shutdown_cluster("coordinator node stopped")
+        rt.close()
+    logging.shutdown()
+    os._exit(0)

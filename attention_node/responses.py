@@ -1,0 +1,96 @@
+"""Response bodies and SSE streams for completions and chat completions, in OpenAI / vLLM shape."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from attention_node.openai_protocol import ApiError
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _head(st, chat: bool) -> dict:
+    kind = ("chatcmpl-", "chat.completion") if chat else ("cmpl-", "text_completion")
+    return {"id": kind[0] + uuid.uuid4().hex, "object": kind[1], "created": int(time.time()),
+            "model": st.model_name}
+
+
+def _usage(gens, completion_tokens: int) -> dict:
+    prompt = sum(len(g.prompt_ids) for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens}
+
+
+def _prompt_of(gens, n: int, i: int) -> list[int]:
+    return gens[i // n].prompt_ids
+
+
+async def full(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
+    n = body.n
+    texts: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
+    ends: dict[int, tuple] = {}
+    async for i, out in outputs:
+        if out.error:
+            raise ApiError(503, f"The request failed: {out.error}")
+        texts.setdefault(i, []).append(out.new_text)
+        ids.setdefault(i, []).extend(out.new_token_ids)
+        if out.finished:
+            ends[i] = (out.finish_reason, out.stop_reason)
+    resp = _head(st, chat)
+    choices = []
+    for i in sorted(ends):
+        text = "".join(texts.get(i, []))
+        c = {"index": i}
+        if chat:
+            c["message"] = {"role": "assistant", "content": text}
+        else:
+            c["text"] = text
+        c.update(logprobs=None, finish_reason=ends[i][0], stop_reason=ends[i][1])
+        if body.return_token_ids:
+            c["token_ids"] = ids.get(i, [])
+            c["prompt_token_ids"] = _prompt_of(gens, n, i)
+        choices.append(c)
+    resp["choices"] = choices
+    resp["usage"] = _usage(gens, sum(len(v) for v in ids.values()))
+    return resp
+
+
+async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool) -> AsyncIterator[str]:
+    head = _head(st, chat)
+    if chat:
+        head["object"] = "chat.completion.chunk"
+    n, started, produced = body.n, set(), 0
+    try:
+        async for i, out in outputs:
+            if out.error:
+                yield _sse(ApiError(503, f"The request failed: {out.error}").body())
+                break
+            produced += len(out.new_token_ids)
+            if chat:
+                delta = {}
+                if i not in started:
+                    delta["role"] = "assistant"
+                if out.new_text or i not in started:
+                    delta["content"] = out.new_text
+                choice = {"index": i, "delta": delta}
+            else:
+                choice = {"index": i, "text": out.new_text}
+            choice.update(logprobs=None, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            if body.return_token_ids:
+                choice["token_ids"] = out.new_token_ids
+                if i not in started:
+                    choice["prompt_token_ids"] = _prompt_of(gens, n, i)
+            started.add(i)
+            yield _sse({**head, "choices": [choice]})
+        else:
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(gens, produced)})
+        yield "data: [DONE]\n\n"
+    finally:
+        await outputs.aclose()  # a client that went away aborts its requests

@@ -1,0 +1,61 @@
+"""Builds an attention node's serving state: model half, KV cache sized from the budget, engine."""
+
+from __future__ import annotations
+
+import logging
+
+from afd.checkpoint import build_attention_half, open_reader
+from afd.config import CacheConfig
+from afd.control import control_pb2 as pb
+from afd.kv_cache import KVCache
+from afd.llm import parse_dtype
+from afd.metrics import AttentionMetrics
+from afd.moe_exchange import RemoteMoE
+from afd.node_runtime import bring_up
+from afd.runner import ModelRunner
+from afd.tokenizer import load_tokenizer
+from attention_node.api_server import ServerState
+from attention_node.engine import Engine
+from attention_node.openai_protocol import Limits
+from attention_node.scheduler import Scheduler
+
+log = logging.getLogger("afd.attention")
+_SERVING = (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING)
+
+
+def served_name(cfg, args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return "demo-longcat-flash" if cfg.model.path == "demo" else cfg.model.path
+
+
+def build_server_state(cfg, args, box: dict):
+    dtype = parse_dtype(cfg.model.dtype)
+    built = {}
+
+    def load(rt) -> None:
+        reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
+        built["attn"] = build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device)
+        log.info("attention half loaded from %s", rt.model_path)
+
+    rt = bring_up(cfg, args.node, args.bind_host, load)
+    box["runtime"] = rt
+    mcfg, eng = rt.model_cfg, cfg.engine
+    cache = CacheConfig(block_size=eng.block_size, memory_budget_bytes=eng.kv_cache_bytes)
+    num_blocks = cache.resolve_num_blocks(mcfg, dtype.itemsize)
+    kv = KVCache(mcfg, num_blocks, eng.block_size, dtype, rt.backend.device)
+    max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d", num_blocks, eng.block_size,
+             kv.data.numel() * kv.data.element_size() / 2**20, max_len)
+    name = served_name(cfg, args)
+    metrics = AttentionMetrics(args.node, name)
+    moe = RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
+    runner = ModelRunner(built["attn"], moe, kv, rt.backend.device, cfg.layout.micro_batches, cfg.layout.overlap)
+    tok = load_tokenizer(rt.model_path)
+    eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else mcfg.eos_token_ids
+    engine = Engine(runner, Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens), tok, eos, max_len,
+                    metrics)
+    st = ServerState(engine, tok, name, rt.model_path, Limits(max_len, mcfg.vocab_size), metrics,
+                     ready=lambda: rt.cluster_state in _SERVING, api_key=args.api_key)
+    box["state"] = st
+    return st, rt

@@ -1,0 +1,82 @@
+"""An FFN node of a cluster YAML: control plane bring-up, /health and /metrics, then the serving loop."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from afd.cluster_config import ClusterConfigError
+from afd.control import control_pb2 as pb
+from afd.control.client import ControlError
+from afd.node_args import load_cluster_args, setup_logging
+from afd.signals import set_stop_handler
+from afd.transport import PeerError
+
+log = logging.getLogger("afd.ffn")
+
+
+def _exit_on_shutdown(status) -> None:
+    if status is not None and status.state == pb.ClusterStatus.SHUTDOWN:
+        log.info("cluster shut down (%s); exiting", status.message)
+        logging.shutdown()
+        os._exit(0)
+
+
+def run_cluster_node(args) -> int:
+    try:
+        cfg = load_cluster_args(args, role="ffn")
+    except ClusterConfigError as e:
+        print(f"afd-ffn: error: {e}")
+        return 2
+    setup_logging("ffn", args.node)
+    state = {"rt": None}
+    set_stop_handler(lambda _: state["rt"] and state["rt"].close())
+    import torch
+
+    from afd.checkpoint import build_ffn_half, open_reader
+    from afd.llm import parse_dtype
+    from afd.metrics import FFNMetrics, serve_metrics
+    from afd.node_runtime import bring_up
+    from ffn_node.server import FFNServer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = parse_dtype(cfg.model.dtype)
+    built = {}
+
+    def load(rt) -> None:
+        a = rt.assignment
+        reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
+        built["ffn"] = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, a.expert_lo, a.expert_hi,
+                                      a.serves_zero_experts)
+        log.info("experts [%d, %d) of %d loaded%s", a.expert_lo, a.expert_hi, rt.model_cfg.n_routed_experts,
+                 ", serving identity experts" if a.serves_zero_experts else "")
+
+    node = cfg.node(args.node)
+    try:
+        rt = state["rt"] = bring_up(cfg, args.node, args.bind_host, load, on_status=_exit_on_shutdown)
+    except (ControlError, PeerError) as e:
+        log.error("startup failed: %s", e)
+        return 1
+    a = rt.assignment
+    metrics = FFNMetrics(node.name, args.served_model_name or cfg.model.path, a.expert_lo, a.expert_hi)
+    healthy = {"ok": True}
+    http = None
+    if node.ports.metrics:
+        http = serve_metrics(args.bind_host, node.ports.metrics, metrics,
+                             lambda: healthy["ok"] and rt.cluster_state in (pb.ClusterStatus.READY,
+                                                                            pb.ClusterStatus.DRAINING))
+    server = FFNServer(built["ffn"], rt.backend, rt.plane, list(a.peer_ranks), dtype, metrics=metrics)
+    log.info("serving %d attention peer(s)", len(a.peer_ranks))
+    code = 0
+    try:
+        reason = server.serve()
+        log.info("stopped: %s", reason)
+    except PeerError as e:
+        healthy["ok"] = False
+        log.error("stopping: %s", e)
+        code = 1
+    if http is not None:
+        http.shutdown()
+    rt.close()
+    return code
