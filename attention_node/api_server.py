@@ -180,8 +180,7 @@ async def _serve(st: ServerState, body, prompts: list[list[int]], request: Reque
     for ids in prompts:
         check_prompt(ids, st.limits)
         plan.append((ids, resolve_max_tokens(body.max_tokens, len(ids), st.limits)))
-    for j in range(body.n):
-        sampling_params(body, j)  # surfaces a bad parameter as 400 before anything runs
+    sampling_params(body, 0)  # surfaces a bad n or sampling parameter as 400 before anything runs
     if stop_strings(body) and st.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has no tokenizer.json.", "stop")
     try:

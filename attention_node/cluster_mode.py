@@ -41,7 +41,7 @@ def run_cluster_node(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         st, rt = build_server_state(cfg, args, box)
-    except (ControlError, PeerError) as e:
+    except (ControlError, PeerError, OSError) as e:
         log.error("startup failed: %s", e)
         return 1
     from attention_node.api_server import build_app

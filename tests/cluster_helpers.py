@@ -1,0 +1,147 @@
+"""Start real clusters for end-to-end tests: a YAML with free ports, node processes, and teardown."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def cluster_yaml(tmp: Path, model_path: str, attention: int = 1, ffn: int = 1, name: str = "test", **sections) -> Path:
+    """A cluster YAML on 127.0.0.1 with free ports; `sections` are merged into cluster/model/layout/engine."""
+    ports = iter(free_ports(4 * (attention + ffn)))
+    nodes = []
+    for i in range(attention):
+        nodes.append({"name": f"attn{i}", "role": "attention", "host": "127.0.0.1",
+                      "ports": {"control": next(ports), "data": next(ports), "http": next(ports)}})
+    for i in range(ffn):
+        nodes.append({"name": f"ffn{i}", "role": "ffn", "host": "127.0.0.1",
+                      "ports": {"control": next(ports), "data": next(ports), "metrics": next(ports)}})
+    doc = {"cluster": {"name": name, "startup_timeout": 60, "heartbeat_interval": 0.5, "heartbeat_timeout": 5,
+                       "comm_timeout": 30},
+           "model": {"path": model_path, "dtype": "float32"},
+           "engine": {"block_size": 4, "kv_cache_bytes": "16MiB", "shutdown_timeout": 10},
+           "nodes": nodes}
+    for key, extra in sections.items():
+        doc.setdefault(key, {}).update(extra)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+class Cluster:
+    """Node processes of one YAML, each started by its own command (as a user or systemd would)."""
+
+    def __init__(self, config: Path, env: dict | None = None):
+        self.config = config
+        self.doc = yaml.safe_load(config.read_text())
+        self.env = {**os.environ, **(env or {})}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+
+    def node(self, name: str) -> dict:
+        return next(n for n in self.doc["nodes"] if n["name"] == name)
+
+    def url(self, name: str = "attn0") -> str:
+        return f"http://127.0.0.1:{self.node(name)['ports']['http']}"
+
+    def start(self, name: str, extra: list[str] | None = None, env: dict | None = None) -> subprocess.Popen:
+        role = self.node(name)["role"]
+        module = "attention_node.main" if role == "attention" else "ffn_node.main"
+        log = self.config.parent / f"{self.config.stem}-{name}-{len(self.logs)}.log"
+        self.logs[name] = log
+        with open(log, "w") as fh:
+            p = subprocess.Popen([sys.executable, "-m", module, "--config", str(self.config), "--node", name,
+                                  "--bind-host", "127.0.0.1", *(extra or [])], stdout=fh, stderr=subprocess.STDOUT,
+                                 env={**self.env, **(env or {})}, cwd=ROOT, start_new_session=True)
+        self.procs[name] = p
+        return p
+
+    def start_all(self, reverse: bool = True) -> None:
+        names = [n["name"] for n in self.doc["nodes"]]
+        for name in reversed(names) if reverse else names:
+            self.start(name)
+
+    def log(self, name: str) -> str:
+        return self.logs[name].read_text()
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        urls = [self.url(n["name"]) for n in self.doc["nodes"] if n["role"] == "attention"]
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            for name, p in self.procs.items():
+                if p.poll() is not None:
+                    raise AssertionError(f"{name} exited with {p.returncode}:\n{self.log(name)}")
+            if all(health(u) == 200 for u in urls):
+                return
+            time.sleep(0.2)
+        raise AssertionError("cluster not ready:\n" + "\n".join(f"--- {n}\n{self.log(n)}" for n in self.procs))
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 15
+        for p in self.procs.values():
+            try:
+                p.wait(max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def health(url: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return 0
+
+
+def post(url: str, path: str, body, headers: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def get(url: str, path: str, timeout: float = 10) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url + path, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()

@@ -1,0 +1,124 @@
+"""Nodes started by hand from a cluster YAML, in any order; the coordinator's checks; afd launch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, health, post
+from hf_reference import PROMPTS, hf_greedy
+
+pytestmark = pytest.mark.multiprocess
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW)]
+
+
+def _greedy(url: str, prompt) -> list[int]:
+    code, body = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0,
+                                               "return_token_ids": True})
+    assert code == 200, body
+    return body["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("attention,ffn", [(1, 1), (2, 1), (1, 2)])
+def test_nodes_started_in_reverse_order_serve_hf_tokens(tiny_checkpoint, reference, tmp_path, attention, ffn):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, attention, ffn, name=f"c{attention}a{ffn}f")
+    with Cluster(path) as c:
+        c.start_all(reverse=True)  # FFN nodes first, the coordinator's node last
+        c.wait_ready()
+        urls = [c.url(f"attn{i}") for i in range(attention)]
+        jobs = [(urls[i % attention], p) for i, p in enumerate(PROMPTS * 2)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda j: _greedy(*j), jobs))
+        assert got == [reference[PROMPTS.index(p)] for _, p in jobs]
+
+
+def test_wrong_token_is_refused_and_the_cluster_keeps_serving(tiny_checkpoint, reference, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, name="auth")
+    with Cluster(path, env={"AFD_CLUSTER_TOKEN": "s3cret"}) as c:
+        c.start_all()
+        c.wait_ready()
+        # the same node name from "another host": its own ports are free, the coordinator is the cluster's
+        doc = yaml.safe_load(path.read_text())
+        control, metrics = free_ports(2)
+        doc["nodes"][1]["ports"].update(control=control, metrics=metrics)
+        other = tmp_path / "intruder.yaml"
+        other.write_text(yaml.safe_dump(doc))
+        intruder = subprocess.run([sys.executable, "-m", "ffn_node.main", "--config", str(other), "--node", "ffn0",
+                                   "--bind-host", "127.0.0.1"], capture_output=True, text=True, timeout=60,
+                                  cwd=ROOT, env={**os.environ, "AFD_CLUSTER_TOKEN": "wrong"})
+        assert intruder.returncode != 0
+        assert "cluster token mismatch" in intruder.stdout + intruder.stderr
+        assert health(c.url()) == 200
+        assert _greedy(c.url(), PROMPTS[3]) == reference[3]
+
+
+def test_startup_timeout_names_the_missing_nodes(tiny_checkpoint, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 2, name="timeout", cluster={"startup_timeout": 3})
+    with Cluster(path) as c:
+        p = c.start("attn0")
+        assert p.wait(30) == 1
+        log = c.log("attn0")
+        assert "nodes never registered: ffn0, ffn1" in log
+
+
+def test_different_model_is_refused(tiny_checkpoints, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoints["zero_experts"], name="fingerprint")
+    with Cluster(path) as c:
+        c.start("attn0")
+        p = c.start("ffn0", ["--model", tiny_checkpoints["no_zero_experts"]])
+        assert p.wait(60) == 1
+        assert "model fingerprint" in c.log("ffn0") and "a different model" in c.log("ffn0")
+
+
+def _descendants(pid: int) -> set[int]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
+def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="launch")
+    launcher = subprocess.Popen([sys.executable, "-m", "afd.cli", "launch", str(path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    try:
+        url = None
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            line = launcher.stdout.readline()
+            if line.startswith("http://"):
+                url = line.strip()
+                break
+        assert url and health(url) == 200
+        children = _descendants(launcher.pid)
+        assert len(children) >= 3
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0
+        alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
+                 "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+        assert alive == []
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

@@ -1,0 +1,179 @@
+"""End to end: a launched 1A1F cluster on a tiny HF checkpoint, over HTTP, against HF transformers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from cluster_helpers import Cluster, cluster_yaml, get, health, post
+from hf_reference import PROMPTS, hf_greedy
+
+pytestmark = pytest.mark.multiprocess
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint, tmp_path_factory):
+    path = cluster_yaml(tmp_path_factory.mktemp("serving"), tiny_checkpoint, name="serving",
+                        engine={"kv_cache_bytes": "48KiB"})  # 256 tokens: 16 requests at once must preempt
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW)]
+
+
+def _complete(url: str, prompt, **kw) -> tuple[int, dict]:
+    return post(url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0,
+                                         "return_token_ids": True, **kw})
+
+
+def test_concurrent_greedy_completions_equal_hf(cluster, reference):
+    prompts = PROMPTS * 4  # 16 requests at once, more than the KV cache holds: some get preempted
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda p: _complete(cluster.url(), p), prompts))
+    for (code, body), p in zip(results, prompts):
+        assert code == 200, body
+        choice = body["choices"][0]
+        assert choice["token_ids"] == reference[PROMPTS.index(p)]
+        assert choice["prompt_token_ids"] == p
+        assert body["usage"] == {"prompt_tokens": len(p), "completion_tokens": len(choice["token_ids"]),
+                                 "total_tokens": len(p) + len(choice["token_ids"])}
+        assert choice["finish_reason"] == ("length" if len(choice["token_ids"]) == NEW else "stop")
+    _, metrics = get(cluster.url(), "/metrics")
+    preempted = [ln for ln in metrics.decode().splitlines() if ln.startswith("afd_num_preemptions_total")]
+    assert preempted and float(preempted[0].split()[-1]) > 0
+
+
+def _stream(url: str, body: dict, path: str = "/v1/completions") -> list[str]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        return [ln[len("data: "):] for ln in r.read().decode().split("\n\n") if ln.startswith("data: ")]
+
+
+def test_streaming_gives_the_same_tokens(cluster, reference):
+    events = _stream(cluster.url(), {"prompt": PROMPTS[3], "max_tokens": NEW, "temperature": 0, "stream": True,
+                                     "return_token_ids": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert len(chunks) > 3
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(reference[3])
+    tokens = [t for c in chunks[:-1] for t in c["choices"][0]["token_ids"]]
+    assert tokens == reference[3]
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+BAD = [
+    ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens", "max_tokens must be at least 1, got 0."),
+    ({"prompt": [1, 2], "max_tokens": 1000}, 400, "max_tokens",
+     "'max_tokens' or 'max_completion_tokens' is too large: 1000. This model's maximum context length is {L} "
+     "tokens and your request has 2 input tokens (1000 > {L} - 2)."),
+    ({"prompt": list(range(1, 90)) * 6, "max_tokens": 1}, 400, "input_tokens",
+     "This model's maximum context length is {L} tokens. However, your request has 534 input tokens. "
+     "Please reduce the length of the input messages."),
+    ({"prompt": [1, 500]}, 400, "prompt", "Token id 500 is out of vocabulary"),
+    ({"max_tokens": 3}, 400, "body.prompt", "Field required"),
+    ({"prompt": {"a": 1}}, 400, "body.prompt", "Input should be"),
+    ({"prompt": [1, 2], "n": 0}, 400, "n", "n must be at least 1"),
+    ({"prompt": [1, 2], "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
+    ({"prompt": "text"}, 400, "prompt", "no tokenizer.json"),
+    ({"prompt": [1, 2], "model": "nope"}, 404, "model", "The model `nope` does not exist."),
+]
+
+
+@pytest.mark.parametrize("body,code,param,message", BAD, ids=[b[2] + str(i) for i, b in enumerate(BAD)])
+def test_bad_input_gets_a_4xx_and_the_server_keeps_serving(cluster, reference, body, code, param, message):
+    status, err = post(cluster.url(), "/v1/completions", body)
+    assert status == code
+    assert err["error"]["code"] == code and err["error"]["param"] == param
+    assert message.replace("{L}", str(_max_model_len(cluster))) in err["error"]["message"]
+    assert err["error"]["type"] in ("BadRequestError", "Bad Request", "NotFoundError")
+    status, ok = _complete(cluster.url(), PROMPTS[1])
+    assert status == 200 and ok["choices"][0]["token_ids"] == reference[1]
+
+
+def _max_model_len(cluster) -> int:
+    return json.loads(get(cluster.url(), "/v1/models")[1])["data"][0]["max_model_len"]
+
+
+def test_malformed_json_and_chat_without_tokenizer(cluster):
+    status, err = post(cluster.url(), "/v1/completions", b"{not json")
+    assert status == 400 and err["error"]["type"] == "Bad Request"
+    status, err = post(cluster.url(), "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert status == 400 and "tokenizer" in err["error"]["message"]
+
+
+def test_models_version_health(cluster, tiny_checkpoint):
+    code, body = get(cluster.url(), "/v1/models")
+    data = json.loads(body)["data"][0]
+    assert code == 200 and data["id"] == tiny_checkpoint
+    assert data["max_model_len"] == 256  # the KV cache (48 KiB) holds fewer tokens than the model's 512
+    code, body = get(cluster.url(), "/version")
+    assert code == 200 and json.loads(body)["version"]
+    assert health(cluster.url()) == 200
+
+
+def test_afd_bench_against_the_cluster(cluster, tmp_path):
+    from afd.cli import main
+
+    rc = main(["bench", "--base-url", cluster.url(), "--num-prompts", "200", "--random-input-len", "12",
+               "--random-output-len", "6", "--max-concurrency", "32", "--vocab-size", "97", "--save-result",
+               "--result-dir", str(tmp_path), "--result-filename", "bench.json", "--disable-tqdm"])
+    assert rc == 0
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 200 and result["failed"] == 0
+    assert result["total_output_tokens"] == 200 * 6
+    for key in ("request_throughput", "output_throughput", "mean_ttft_ms", "p99_tpot_ms", "median_itl_ms"):
+        assert result[key] > 0
+
+
+def test_dead_ffn_node_makes_health_503_and_requests_fail_fast(tiny_checkpoint, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, name="dead")
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        assert _complete(c.url(), PROMPTS[0])[0] == 200
+        c.procs["ffn0"].send_signal(signal.SIGKILL)
+        end = time.monotonic() + 15
+        while health(c.url()) != 503 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert health(c.url()) == 503
+        t0 = time.monotonic()
+        status, err = _complete(c.url(), PROMPTS[0])
+        assert status == 503 and time.monotonic() - t0 < 5
+        assert "not serving" in err["error"]["message"]
+
+
+def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_checkpoint, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, name="drain", model={"dummy_weights": True},
+                        engine={"shutdown_timeout": 30})
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        result = {}
+        long = threading.Thread(target=lambda: result.update(r=post(
+            c.url(), "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True,
+                                         "temperature": 0})))
+        long.start()
+        time.sleep(0.5)
+        c.procs["attn0"].send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert health(c.url()) == 503
+        status, err = _complete(c.url(), PROMPTS[0])
+        assert status == 503 and "draining" in err["error"]["message"]
+        long.join(60)
+        status, body = result["r"]
+        assert status == 200 and body["usage"]["completion_tokens"] == 400
+        assert c.procs["attn0"].wait(15) == 0
+        assert c.procs["ffn0"].wait(15) == 0  # every attention node left: the FFN node stops too
