@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
+	@command -v prometheus >/dev/null || echo "note: prometheus is not installed; its end-to-end test will skip (install: bash .ci/prometheus.sh, or apt-get install prometheus)"
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 

@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--result-filename", default=None)
     p.add_argument("--api-key", default=None, help="bearer token (default: $AFD_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--vocab-size", type=int, default=1000, help="prompt token ids are drawn from [0, vocab-size)")
+    p.add_argument("--tokenizer", default=None,
+                   help="checkpoint dir with tokenizer.json: send prompts as text decoded from the random ids "
+                        "(for servers that take only text, e.g. transformers serve)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--disable-tqdm", action="store_true")
     p.set_defaults(func=run)
@@ -88,7 +91,15 @@ def sample_requests(args) -> list[tuple[list[int], int]]:
     rng = np.random.default_rng(args.seed)
     in_lens = _lengths(rng, args.random_input_len, args.random_range_ratio, args.num_prompts)
     out_lens = _lengths(rng, args.random_output_len, args.random_range_ratio, args.num_prompts)
-    return [(rng.integers(0, args.vocab_size, size=n).tolist(), o) for n, o in zip(in_lens, out_lens)]
+    reqs = [(rng.integers(0, args.vocab_size, size=n).tolist(), o) for n, o in zip(in_lens, out_lens)]
+    if not getattr(args, "tokenizer", None):
+        return reqs
+    from afd.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer)
+    if tok is None:
+        raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+    return [(tok.decode(ids, skip_special_tokens=True), o) for ids, o in reqs]
 
 
 def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
@@ -111,7 +122,8 @@ async def send_request(session, url: str, payload: dict, t0: float):
     """Stream one completion; never raises: failures come back as a result with `error` set."""
     from afd.bench_metrics import RequestResult
 
-    r = RequestResult(prompt_len=len(payload["prompt"]))
+    prompt = payload["prompt"]
+    r = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else len(prompt.split()))
     start = time.perf_counter()
     r.start = start - t0
     chunks, last, usage_tokens = 0, start, None

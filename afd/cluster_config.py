@@ -42,6 +42,8 @@ class Node:
     ports: Ports
     device: str = "cpu"
     """cpu, cuda, cuda:N, npu or npu:N."""
+    threads: int | None = None
+    """torch intra-op threads; default on CPU: this host's cores shared evenly by its CPU nodes."""
 
     @property
     def device_type(self) -> str:

@@ -118,6 +118,10 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
             json.dump(content, f, indent=2, ensure_ascii=False)
 
 
+DEMO_STAMP = ".afd-demo-v2"
+"""Bumped whenever what the demo checkpoint holds changes, so that old caches are made again."""
+
+
 def default_cache_dir() -> str:
     base = os.environ.get("AFD_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "afd")
@@ -140,6 +144,11 @@ def checkpoint_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                 key = f"{pre}.experts.{e}.{name}.weight"
                 out[key] = reader.get(key, shape)
+        # transformers' LongcatFlashExperts allocates gate/up rows for the identity experts too and
+        # refuses a checkpoint without them; they are never used (afd does not read them).
+        for e in range(cfg.n_routed_experts, cfg.num_experts_total):
+            for name in ("gate_proj", "up_proj"):
+                out[f"{pre}.experts.{e}.{name}.weight"] = torch.zeros(I, H)
     return out
 
 
@@ -168,9 +177,12 @@ def write_checkpoint(path: str, hf_config: dict, seed: int = 0) -> str:
 
 def ensure_demo_checkpoint(path: str | None = None) -> str:
     path = path or default_cache_dir()
-    if not all(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", "tokenizer.json")):
-        # A cache from before the demo had a tokenizer is made again; os.replace needs the old one gone.
+    stamp = os.path.join(path, DEMO_STAMP)
+    if not os.path.isfile(stamp):
+        # A cache made by an older afd is made again; os.replace needs the old one gone.
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_checkpoint(path, DEMO_CONFIG)
+        with open(stamp, "w") as f:
+            f.write("the contents of this demo checkpoint are current\n")
     return path

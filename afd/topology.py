@@ -16,6 +16,27 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+def cpu_threads(cfg: ClusterConfig, name: str) -> int:
+    """Intra-op threads for a node: its YAML value, or its host's cores split among the CPU nodes there
+    (two nodes that each take every core fight over them, and the exchange stops being hidden)."""
+    import os
+
+    node = cfg.node(name)
+    if node.threads:
+        return node.threads
+    if node.device_type != "cpu":
+        return 0
+    sharing = sum(1 for n in cfg.nodes if n.host == node.host and n.device_type == "cpu")
+    return max(1, (os.cpu_count() or 1) // sharing)
+
+
+def served_model_name(cfg: ClusterConfig, override: str | None = None) -> str:
+    """The model's name in the API and in every node's metrics labels."""
+    if override:
+        return override
+    return "demo-longcat-flash" if cfg.model.path == "demo" else cfg.model.path
+
+
 def with_overrides(cfg: ClusterConfig, model: str | None = None, http_port: int | None = None,
                    node: str | None = None, dtype: str | None = None) -> ClusterConfig:
     """CLI values over the YAML: the model path and dtype for all nodes, the HTTP port of `node`

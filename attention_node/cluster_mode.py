@@ -35,10 +35,12 @@ def run_cluster_node(args) -> int:
     set_stop_handler(lambda _: _graceful_stop(box, cfg))
     import torch
 
+    from afd.topology import cpu_threads
     from attention_node.setup import build_server_state
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or cpu_threads(cfg, args.node)
+    if threads:
+        torch.set_num_threads(threads)
     try:
         st, rt = build_server_state(cfg, args, box)
     except (ControlError, PeerError, OSError) as e:

@@ -28,7 +28,8 @@ def build_server_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("AFD_API_KEY"), help="require Bearer KEY on /v1 routes")
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="seconds SIGTERM lets running requests finish (0 aborts them)")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (0: the YAML's, else the host's cores split among its CPU nodes)")
     return p
 
 

@@ -14,6 +14,7 @@ from afd.moe_exchange import RemoteMoE
 from afd.node_runtime import bring_up
 from afd.runner import ModelRunner
 from afd.tokenizer import load_tokenizer
+from afd.topology import served_model_name
 from attention_node.api_server import ServerState
 from attention_node.engine import Engine
 from attention_node.openai_protocol import Limits
@@ -21,12 +22,6 @@ from attention_node.scheduler import Scheduler
 
 log = logging.getLogger("afd.attention")
 _SERVING = (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING)
-
-
-def served_name(cfg, args) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    return "demo-longcat-flash" if cfg.model.path == "demo" else cfg.model.path
 
 
 def build_server_state(cfg, args, box: dict):
@@ -47,7 +42,7 @@ def build_server_state(cfg, args, box: dict):
     max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d", num_blocks, eng.block_size,
              kv.data.numel() * kv.data.element_size() / 2**20, max_len)
-    name = served_name(cfg, args)
+    name = served_model_name(cfg, args.served_model_name)
     metrics = AttentionMetrics(args.node, name)
     moe = RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
     runner = ModelRunner(built["attn"], moe, kv, rt.backend.device, cfg.layout.micro_batches, cfg.layout.overlap)

@@ -37,10 +37,12 @@ def run_cluster_node(args) -> int:
     from afd.llm import parse_dtype
     from afd.metrics import FFNMetrics, serve_metrics
     from afd.node_runtime import bring_up
+    from afd.topology import cpu_threads, served_model_name
     from ffn_node.server import FFNServer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    threads = args.threads or cpu_threads(cfg, args.node)
+    if threads:
+        torch.set_num_threads(threads)
     dtype = parse_dtype(cfg.model.dtype)
     built = {}
 
@@ -59,7 +61,7 @@ def run_cluster_node(args) -> int:
         log.error("startup failed: %s", e)
         return 1
     a = rt.assignment
-    metrics = FFNMetrics(node.name, args.served_model_name or cfg.model.path, a.expert_lo, a.expert_hi)
+    metrics = FFNMetrics(node.name, served_model_name(cfg, args.served_model_name), a.expert_lo, a.expert_hi)
     healthy = {"ok": True}
     http = None
     if node.ports.metrics:
