@@ -87,6 +87,18 @@ class EngineSection:
 
 
 @dataclass(frozen=True)
+class PrefetchSection:
+    """FFN-side weight prefetch while waiting for each layer's inputs (afd.prefetch)."""
+
+    enabled: bool | None = None
+    """Unset: the backend's default (on for Ascend NPU; off on CPU and CUDA, see docs/benchmarks.md)."""
+    budget_bytes: int = 8 << 20
+    weights: list | None = None
+    """Any of router, gate_up, down, in prefetch order (default: all three)."""
+    next_layer: bool = True
+
+
+@dataclass(frozen=True)
 class ClusterSection:
     name: str = "afd"
     coordinator: str | None = None
@@ -106,6 +118,7 @@ class ClusterConfig:
     layout: Layout
     engine: EngineSection
     nodes: tuple[Node, ...]
+    prefetch: PrefetchSection = PrefetchSection()
     source: str = "<dict>"
 
     def node(self, name: str) -> Node:
@@ -165,6 +178,7 @@ def _check_type(src: str, path: str, value: Any, typ: str) -> Any:
         "bool": lambda v: isinstance(v, bool),
         "str": lambda v: isinstance(v, str) and v != "",
         "dict": lambda v: isinstance(v, dict),
+        "list": lambda v: isinstance(v, list),
     }
     base = typ.replace(" | None", "")
     if value is None and "None" in typ:
@@ -268,7 +282,7 @@ def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
 def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     if not isinstance(raw, dict):
         _fail(src, "", "the file must be a YAML mapping")
-    allowed = ("cluster", "model", "layout", "engine", "nodes")
+    allowed = ("cluster", "model", "layout", "engine", "prefetch", "nodes")
     for key in raw:
         if key not in allowed:
             _fail(src, str(key), f"unknown key (known: {', '.join(allowed)})")
@@ -291,6 +305,13 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     for k in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         _positive(src, f"engine.{k}", getattr(engine, k))
     _positive(src, "engine.shutdown_timeout", engine.shutdown_timeout, allow_zero=True)
+    pf_raw = dict(raw.get("prefetch") or {})
+    if "budget_bytes" in pf_raw:
+        pf_raw["budget_bytes"] = _parse_bytes(src, "prefetch.budget_bytes", pf_raw["budget_bytes"])
+    prefetch = PrefetchSection(**_section(PrefetchSection, src, "prefetch", pf_raw))
+    for i, w in enumerate(prefetch.weights or []):
+        if w not in ("router", "gate_up", "down"):
+            _fail(src, f"prefetch.weights[{i}]", f"expected router, gate_up or down, got {w!r}")
     if not isinstance(raw["nodes"], list) or not raw["nodes"]:
         _fail(src, "nodes", "expected a non-empty list of nodes")
     ctx = _Ctx(src)
@@ -307,7 +328,7 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     if cluster.coordinator is not None and cluster.coordinator not in names:
         _fail(src, "cluster.coordinator", f"{cluster.coordinator!r} is not a node ({', '.join(sorted(names))})")
     _check_layout(src, layout, nodes)
-    return ClusterConfig(cluster, model, layout, engine, tuple(nodes), src)
+    return ClusterConfig(cluster, model, layout, engine, tuple(nodes), prefetch, src)
 
 
 def load(path: str) -> ClusterConfig:

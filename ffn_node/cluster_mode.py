@@ -37,6 +37,7 @@ def run_cluster_node(args) -> int:
     from afd.llm import parse_dtype
     from afd.metrics import FFNMetrics, serve_metrics
     from afd.node_runtime import bring_up
+    from afd.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
     from afd.topology import cpu_threads, served_model_name
     from ffn_node.server import FFNServer
 
@@ -68,7 +69,12 @@ def run_cluster_node(args) -> int:
         http = serve_metrics(args.bind_host, node.ports.metrics, metrics,
                              lambda: healthy["ok"] and rt.cluster_state in (pb.ClusterStatus.READY,
                                                                             pb.ClusterStatus.DRAINING))
-    server = FFNServer(built["ffn"], rt.backend, rt.plane, list(a.peer_ranks), dtype, metrics=metrics)
+    pf = cfg.prefetch
+    pcfg = PrefetchConfig(pf.enabled, pf.budget_bytes, tuple(pf.weights or WEIGHTS), pf.next_layer)
+    hook = PrefetchSchedule(built["ffn"], rt.backend, pcfg) if pcfg.active(rt.backend) else None
+    log.info("weight prefetch: %s", f"on, {pcfg.budget_bytes >> 20} MiB per wait" if hook else "off")
+    server = FFNServer(built["ffn"], rt.backend, rt.plane, list(a.peer_ranks), dtype, layer_hook=hook,
+                       metrics=metrics)
     log.info("serving %d attention peer(s)", len(a.peer_ranks))
     code = 0
     try:

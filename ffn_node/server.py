@@ -33,7 +33,7 @@ class FFNServer:
         self.pool = BufferPool(backend.device, dtype)
         self._headers = {r: torch.empty(HEADER_LEN, dtype=torch.int64) for r in attention_ranks}
         self.layer_hook = layer_hook
-        """Called as hook(layer) while waiting for that layer's inputs (the weight prefetch schedule)."""
+        """Called as hook(layer) -> bytes while waiting for that layer's inputs (afd.prefetch)."""
         self.metrics = metrics
         self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64)
         self.steps = 0
@@ -90,8 +90,10 @@ class FFNServer:
         for r, n in parts:
             recvs.append((r, self.plane.irecv(x[off:off + n], r)))
             off += n
-        if self.layer_hook is not None:
-            self.layer_hook(layer)
+        if self.layer_hook is not None and i == 0:  # once per layer, while its first inputs travel
+            hinted = self.layer_hook(layer) or 0
+            if self.metrics is not None:
+                self.metrics.prefetch_bytes.inc(hinted)
         t0 = time.perf_counter()
         for r, w in recvs:
             self.plane.wait(w, r, f"layer {layer} MoE input receive")

@@ -56,8 +56,12 @@ class Backend(ABC):
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
         """x [T, K] with rows sorted by group; w [G, K, N]; returns [T, N], group g's rows times w[g]."""
 
+    prefetch_by_default: bool = False
+    """Whether FFN nodes prefetch weights unless the YAML says otherwise (see docs/benchmarks.md)."""
+
     def prefetch(self, weight: torch.Tensor, max_bytes: int) -> int:
-        """Hint that `weight` is needed soon; returns bytes actually prefetched (0 for a no-op)."""
+        """Hint that the first `max_bytes` of `weight` are needed soon; returns the bytes hinted (0: no-op).
+        No numerical effect."""
         return 0
 
     def compile(self, fn):

@@ -42,6 +42,10 @@ class CudaBackend(Backend):
     def memory_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self._device)
 
+    # prefetch stays the base no-op: a GEMM on a GPU already streams its weights from HBM at full
+    # bandwidth, and the real L2 tool (a cudaAccessPolicyWindow persisting region) is not reachable
+    # from torch without the CUDA runtime API. Reasoned, not measured: see docs/benchmarks.md.
+
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
         aligned = x.dtype in (torch.bfloat16,) and x.shape[1] % 8 == 0 and w.shape[-1] % 8 == 0
         if aligned and hasattr(torch, "_grouped_mm"):

@@ -22,6 +22,9 @@ def _import_torch_npu():
 class NpuBackend(Backend):
     name = "npu"
     dist_backend = "hccl"
+    # On by default: the seed's Atlas A3 measurements (LongCat-Flash AFD) show the FFN-side GMM weight
+    # prefetch paying off; this suite cannot run there (docs/benchmarks.md).
+    prefetch_by_default = True
 
     def __init__(self, index: int = 0):
         self._torch_npu = _import_torch_npu()
@@ -60,10 +63,12 @@ class NpuBackend(Backend):
             [x], [w], group_list=group_list, split_item=2, group_type=0, group_list_type=1)
         return y
 
-    def prefetch(self, weight: torch.Tensor, max_bytes: int) -> int:
+    def prefetch(self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None) -> int:
+        # npu_prefetch(input, dependency, max_size): an L2 hint ordered after `dependency`'s producer
+        # (which graph mode requires); eager mode may pass None.
         n = min(max_bytes, weight.numel() * weight.element_size())
         if n > 0:
-            self._torch_npu.npu_prefetch(weight, None, n)
+            self._torch_npu.npu_prefetch(weight, dependency, n)
         return n
 
     def compile(self, fn):
