@@ -76,9 +76,9 @@ def _add_check_config(sub) -> None:
 def _cmd_check_config(args) -> int:
     import os
 
-    from afd.cluster_config import load
+    from afd.cluster_config import check_expert_layout, load
     from afd.config import ModelConfig
-    from afd.demo_model import DEMO_CONFIG
+    from afd.demo_config import DEMO_CONFIG
     from afd.topology import describe
 
     cfg = load(args.config)
@@ -87,8 +87,8 @@ def _cmd_check_config(args) -> int:
         n_routed = DEMO_CONFIG["n_routed_experts"]
     elif os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         n_routed = ModelConfig.from_dir(cfg.model.path).n_routed_experts
-    if n_routed is not None and not cfg.layout.experts and len(cfg.ffn_nodes) > n_routed:
-        raise UserError(f"{args.config}: nodes: {len(cfg.ffn_nodes)} FFN nodes for {n_routed} routed experts")
+    if n_routed is not None:
+        check_expert_layout(cfg, n_routed)
     print(describe(cfg, n_routed))
     if n_routed is None:
         print(f"(model {cfg.model.path} not readable here: default expert ranges resolve at startup)")
@@ -113,13 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     bench_serve.add_parser(sub)
     bench_step.add_parser(sub)
     args = parser.parse_args(argv)
-    from afd.checkpoint import CheckpointError
-    from afd.config import ConfigError
-    from afd.local_cluster import ClusterError
+    from afd.local_cluster import ClusterError  # light: no torch
 
     try:
         return args.func(args)
-    except (UserError, ConfigError, CheckpointError, ClusterError, ValueError) as e:
+    except (UserError, ValueError, ClusterError) as e:  # ValueError: ConfigError, CheckpointError, ...
         print(f"afd {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -27,7 +27,7 @@ class Ports:
     control: int
     """gRPC: the node's health service (and the coordinator, on the coordinator node)."""
     data: int
-    """Data-plane rendezvous (torch.distributed store); only the coordinator node's is used."""
+    """Data-plane rendezvous (torch.distributed store); only rank 0's (the first attention node) is used."""
     http: int | None = None
     """OpenAI API, /health, /metrics (attention nodes)."""
     metrics: int | None = None
@@ -266,7 +266,7 @@ def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
                                      f"{', '.join(map(str, layout.experts))}")
     spans = []
     for name, span in layout.experts.items():
-        ok = isinstance(span, list) and len(span) == 2 and all(isinstance(v, int) for v in span)
+        ok = isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)
         if not ok or not 0 <= span[0] < span[1]:
             _fail(src, f"layout.experts.{name}", f"expected [lo, hi) with 0 <= lo < hi, got {span!r}")
         spans.append((span[0], span[1], name))
@@ -277,6 +277,31 @@ def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
             what = "overlaps" if lo < end else "leaves a gap before"
             _fail(src, f"layout.experts.{name}", f"[{lo}, {hi}) {what} expert {end}: ranges must tile [0, E)")
         end = hi
+
+
+def check_expert_layout(cfg: ClusterConfig, n_routed: int) -> None:
+    """The expert layout against the model: explicit ranges must end at n_routed, an even split needs
+    at least one expert per FFN node."""
+    if cfg.layout.experts:
+        end = max(hi for _, hi in cfg.layout.experts.values())
+        if end != n_routed:
+            raise ClusterConfigError(f"{cfg.source}: layout.experts: ranges cover [0, {end}) but the model has "
+                                     f"{n_routed} routed experts")
+    elif len(cfg.ffn_nodes) > n_routed:
+        raise ClusterConfigError(f"{cfg.source}: nodes: {len(cfg.ffn_nodes)} FFN nodes for {n_routed} routed "
+                                 "experts: some would hold none")
+
+
+def _check_tls(src: str, tls: dict | None) -> None:
+    if tls is None:
+        return
+    for key, value in tls.items():
+        if key not in ("cert", "key", "ca"):
+            _fail(src, f"cluster.tls.{key}", "unknown key (known: cert, key, ca)")
+        if not isinstance(value, str) or not value:
+            _fail(src, f"cluster.tls.{key}", f"expected a file path, got {value!r}")
+    if ("cert" in tls) != ("key" in tls):
+        _fail(src, "cluster.tls", "cert and key go together")
 
 
 def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
@@ -290,6 +315,7 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
         if key not in raw:
             _fail(src, key, "required key is missing")
     cluster = ClusterSection(**_section(ClusterSection, src, "cluster", raw.get("cluster")))
+    _check_tls(src, cluster.tls)
     for k in ("startup_timeout", "heartbeat_interval", "heartbeat_timeout", "comm_timeout"):
         _positive(src, f"cluster.{k}", getattr(cluster, k))
     model_kw = _section(ModelSection, src, "model", raw["model"], required=("path",))

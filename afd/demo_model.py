@@ -13,39 +13,8 @@ import torch
 
 from afd.checkpoint import DummyReader, attention_keys
 from afd.config import ModelConfig
+from afd.demo_config import DEMO_CONFIG  # noqa: F401 (re-exported)
 from afd.model.attention_half import AttentionHalf
-
-DEMO_CONFIG = {
-    "architectures": ["LongcatFlashForCausalLM"],
-    "model_type": "longcat_flash",
-    "vocab_size": 512,
-    "hidden_size": 256,
-    "num_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "ffn_hidden_size": 512,
-    "q_lora_rank": 128,
-    "kv_lora_rank": 64,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16,
-    "head_dim": 16,
-    "v_head_dim": 32,
-    "moe_topk": 4,
-    "n_routed_experts": 16,
-    "zero_expert_num": 4,
-    "expert_ffn_hidden_size": 128,
-    "routed_scaling_factor": 6.0,
-    "rms_norm_eps": 1e-5,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
-    "max_position_embeddings": 4096,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "dtype": "float32",
-}
-
 
 # Written by hand for the demo tokenizer's merges: a byte-level BPE needs some text to learn from,
 # and an embedded one keeps the build offline and the ids identical on every machine.
@@ -178,7 +147,7 @@ def write_checkpoint(path: str, hf_config: dict, seed: int = 0) -> str:
 def ensure_demo_checkpoint(path: str | None = None) -> str:
     path = path or default_cache_dir()
     stamp = os.path.join(path, DEMO_STAMP)
-    if not os.path.isfile(stamp):
+    if not all(os.path.isfile(os.path.join(path, f)) for f in (DEMO_STAMP, "model.safetensors", "tokenizer.json")):
         # A cache made by an older afd is made again; os.replace needs the old one gone.
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(os.path.dirname(path), exist_ok=True)

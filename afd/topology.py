@@ -60,7 +60,7 @@ def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
     coord = cfg.coordinator
     lines = [f"cluster {cfg.cluster.name}: {cfg.topology_name}, model {cfg.model.path} ({cfg.model.dtype})",
              f"coordinator: {coord.name} at {coord.host}:{coord.ports.control}; data-plane rendezvous "
-             f"{coord.host}:{coord.ports.data}",
+             f"{cfg.attention_nodes[0].host}:{cfg.attention_nodes[0].ports.data} (rank 0)",
              f"overlap: {'on' if cfg.layout.overlap else 'off'}, micro-batches: "
              f"{cfg.layout.micro_batches or 'auto'}"]
     for n in cfg.attention_nodes + cfg.ffn_nodes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import time
 
 import uvicorn
@@ -28,7 +29,7 @@ def run_cluster_node(args) -> int:
     try:
         cfg = load_cluster_args(args, role="attention")
     except ClusterConfigError as e:
-        print(f"afd-attention: error: {e}")
+        print(f"afd-attention: error: {e}", file=sys.stderr)
         return 2
     setup_logging("attention", args.node)
     box: dict = {}

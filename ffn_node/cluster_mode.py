@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from afd.cluster_config import ClusterConfigError
 from afd.control import control_pb2 as pb
@@ -26,7 +27,7 @@ def run_cluster_node(args) -> int:
     try:
         cfg = load_cluster_args(args, role="ffn")
     except ClusterConfigError as e:
-        print(f"afd-ffn: error: {e}")
+        print(f"afd-ffn: error: {e}", file=sys.stderr)
         return 2
     setup_logging("ffn", args.node)
     state = {"rt": None}

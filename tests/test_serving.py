@@ -155,9 +155,14 @@ def test_dead_ffn_node_makes_health_503_and_requests_fail_fast(tiny_checkpoint, 
         assert "not serving" in err["error"]["message"]
 
 
-def test_sigterm_drains_running_requests_and_refuses_new_ones(tiny_checkpoint, tmp_path):
-    path = cluster_yaml(tmp_path, tiny_checkpoint, name="drain", model={"dummy_weights": True},
-                        engine={"shutdown_timeout": 30})
+def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
+    from afd.bench_step import BENCH_CONFIG
+
+    model = tmp_path / "model"  # big enough that 400 tokens take seconds
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(BENCH_CONFIG))
+    path = cluster_yaml(tmp_path, str(model), name="drain", model={"dummy_weights": True},
+                        engine={"shutdown_timeout": 60, "kv_cache_bytes": "64MiB"})
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()

@@ -20,7 +20,7 @@ def cluster_token() -> str | None:
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every call whose token differs from the server's (health checks included)."""
+    """Refuses every call whose token differs from the server's, except the standard health service."""
 
     def __init__(self, token: str):
         self._token = token.encode()
@@ -32,6 +32,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
+        # Health checks stay open: Kubernetes gRPC probes cannot send metadata, and health says nothing
+        # a port scan would not.
+        if handler_call_details.method.startswith("/grpc.health.v1.Health/"):
+            return continuation(handler_call_details)
         sent = dict(handler_call_details.invocation_metadata).get(TOKEN_KEY, "")
         if hmac.compare_digest(sent.encode(), self._token):
             return continuation(handler_call_details)

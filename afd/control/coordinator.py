@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from afd import __version__
-from afd.cluster_config import ClusterConfig
+from afd.cluster_config import ClusterConfig, check_expert_layout
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
 
@@ -35,6 +35,7 @@ class _Member:
 
 class Coordinator(pb_grpc.CoordinatorServicer):
     def __init__(self, cfg: ClusterConfig, fingerprint: str, n_routed: int):
+        check_expert_layout(cfg, n_routed)
         self.cfg, self.fingerprint, self.n_routed = cfg, fingerprint, n_routed
         self.members: dict[str, _Member] = {}
         self.state = State.STARTING
@@ -97,8 +98,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def _assignment(self, node) -> pb.RegisterReply:
         cfg = self.cfg
         other = cfg.ffn_nodes if node.role == "attention" else cfg.attention_nodes
+        rank0 = cfg.attention_nodes[0]  # torch.distributed's store lives in rank 0's process
         reply = pb.RegisterReply(rank=cfg.rank(node.name), world_size=len(cfg.nodes),
-                                 master_addr=cfg.coordinator.host, master_port=cfg.coordinator.ports.data,
+                                 master_addr=rank0.host, master_port=rank0.ports.data,
                                  peer_ranks=[cfg.rank(n.name) for n in other], cluster_name=cfg.cluster.name)
         if node.role == "ffn":
             shard = cfg.expert_shard(node.name, self.n_routed)

@@ -1,0 +1,434 @@
+"""The cluster YAML: the examples in deploy/ validate, every kind of mistake is rejected with its key path,
+`afd launch --print-commands` prints the node commands, and the Kubernetes manifests agree with the
+cluster YAML they carry.
+
+Fast: the only processes are `afd` CLI calls, run a few at a time.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from afd.cluster_config import ClusterConfig, ClusterConfigError, from_dict, load
+from afd.demo_model import DEMO_CONFIG
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+EXAMPLES = sorted(DEPLOY.glob("*.yaml"))
+K8S = DEPLOY / "k8s"
+TOPOLOGY = {"local.yaml": "1A1F", "2a1f.yaml": "2A1F", "1a2f.yaml": "1A2F"}
+
+
+def afd(*argv: str) -> subprocess.CompletedProcess:
+    """`afd ARGV...` as a user runs it (python -m, so that it is this checkout's afd)."""
+    return subprocess.run([sys.executable, "-m", "afd.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+                          timeout=180)
+
+
+def afd_many(argvs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
+    """`afd ARGV...` for each key, four at a time: each call spends its first second importing torch."""
+    with ThreadPoolExecutor(4) as pool:
+        return dict(zip(argvs, pool.map(lambda argv: afd(*argv), argvs.values())))
+
+
+# ---- the examples in deploy/ --------------------------------------------------------------------
+
+
+def test_examples_exist():
+    names = {p.name for p in EXAMPLES}
+    assert {"local.yaml", "2a1f.yaml", "1a2f.yaml", "ascend-multihost.yaml", "cuda.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_loads(path: Path):
+    cfg = load(str(path))
+    assert cfg.attention_nodes and cfg.ffn_nodes
+    if path.name in TOPOLOGY:
+        assert cfg.topology_name == TOPOLOGY[path.name]
+    # the coordinator hosts the data-plane rendezvous, which data-plane rank 0 serves
+    assert cfg.rank(cfg.coordinator.name) == 0
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_starts_with_how_to_run_it(path: Path):
+    text = path.read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    assert text.startswith("# ")
+    assert f"afd check-config deploy/{path.name}" in header or f"afd launch deploy/{path.name}" in header
+    assert "afd launch" in header
+
+
+def test_check_config_accepts_every_example():
+    runs = afd_many({p.name: ["check-config", str(p.relative_to(ROOT))] for p in EXAMPLES})
+    for name, r in runs.items():
+        assert r.returncode == 0, f"{name}: {r.stderr}"
+        cfg = load(str(DEPLOY / name))
+        assert f"{cfg.topology_name}, model {cfg.model.path}" in r.stdout
+        for node in cfg.nodes:
+            assert node.name in r.stdout
+
+
+def test_examples_share_no_port():
+    """So that any two examples run side by side on one machine."""
+    seen: dict[int, str] = {}
+    for path in EXAMPLES:
+        for node in load(str(path)).nodes:
+            for kind in ("control", "data", "http", "metrics"):
+                port = getattr(node.ports, kind)
+                if port is not None:
+                    where = f"{path.name}:{node.name}.ports.{kind}"
+                    assert port not in seen, f"{where} reuses port {port} of {seen[port]}"
+                    seen[port] = where
+
+
+def test_1a2f_splits_the_demo_experts_explicitly():
+    cfg = load(str(DEPLOY / "1a2f.yaml"))
+    assert cfg.layout.experts is not None and cfg.layout.zero_experts in [n.name for n in cfg.ffn_nodes]
+    shards = [cfg.expert_shard(n.name) for n in cfg.ffn_nodes]
+    covered = sorted(e for s in shards for e in range(s.lo, s.hi))
+    assert covered == list(range(DEMO_CONFIG["n_routed_experts"]))
+    assert sum(s.serves_zero_experts for s in shards) == 1
+
+
+def test_device_examples():
+    ascend = load(str(DEPLOY / "ascend-multihost.yaml"))
+    assert ascend.model.dtype == "bfloat16" and {n.device_type for n in ascend.nodes} == {"npu"}
+    assert len({n.host for n in ascend.nodes}) == len(ascend.nodes) >= 4
+    assert "HCCL_IF_IP" in (DEPLOY / "ascend-multihost.yaml").read_text()
+    cuda = load(str(DEPLOY / "cuda.yaml"))
+    assert {n.device_type for n in cuda.nodes} == {"cuda"}
+    assert len({n.device for n in cuda.nodes}) == len(cuda.nodes)  # one GPU per node
+    assert "NCCL_SOCKET_IFNAME" in (DEPLOY / "cuda.yaml").read_text()
+
+
+# ---- mistakes -----------------------------------------------------------------------------------
+
+
+def valid() -> dict:
+    """A correct 1A2F cluster; each mistake below edits one thing."""
+    return {
+        "cluster": {"name": "t"},
+        "model": {"path": "demo"},
+        "nodes": [
+            {"name": "attn0", "role": "attention", "host": "127.0.0.1",
+             "ports": {"control": 50001, "data": 50002, "http": 50003}},
+            {"name": "ffn0", "role": "ffn", "host": "127.0.0.1",
+             "ports": {"control": 50004, "data": 50005, "metrics": 50006}},
+            {"name": "ffn1", "role": "ffn", "host": "127.0.0.1",
+             "ports": {"control": 50007, "data": 50008, "metrics": 50009}},
+        ],
+    }
+
+
+def node(i: int) -> Callable[[dict], dict]:
+    return lambda c: c["nodes"][i]
+
+
+def layout(**kw) -> Callable[[dict], None]:
+    return lambda c: c.setdefault("layout", {}).update(kw)
+
+
+# id, the mistake (an edit of valid(), raw file text, or None: no file at all), key path, the problem
+MISTAKES = [
+    ("unknown-top-level-key", lambda c: c.update(servers=[]), "servers", "unknown key (known: cluster, model"),
+    ("unknown-nested-key", lambda c: node(0)(c)["ports"].update(htp=8000), "nodes[0].ports.htp",
+     "unknown key (known: control, data, http, metrics)"),
+    ("unknown-section-key", lambda c: c["model"].update(revision="main"), "model.revision", "unknown key"),
+    ("wrong-type-int", lambda c: c.update(engine={"block_size": "16"}), "engine.block_size",
+     "expected int, got str '16'"),
+    ("wrong-type-bool", layout(overlap="yes"), "layout.overlap", "expected bool, got str 'yes'"),
+    ("wrong-type-port", lambda c: node(1)(c)["ports"].update(control="50004"), "nodes[1].ports.control",
+     "expected int"),
+    ("duplicate-node-name", lambda c: node(2)(c).update(name="ffn0"), "nodes[2].name", "duplicate node name 'ffn0'"),
+    ("duplicate-port", lambda c: node(1)(c)["ports"].update(data=50001), "nodes[1].ports.data",
+     "port 50001 on 127.0.0.1 is already used by attn0.ports.control"),
+    ("port-out-of-range", lambda c: node(0)(c)["ports"].update(http=70000), "nodes[0].ports.http",
+     "port 70000 outside 1..65535"),
+    ("bad-role", lambda c: node(0)(c).update(role="router"), "nodes[0].role",
+     "must be one of attention, ffn, got 'router'"),
+    ("bad-device", lambda c: node(1)(c).update(device="tpu:0"), "nodes[1].device",
+     "expected cpu, cuda[:N] or npu[:N], got 'tpu:0'"),
+    ("bad-device-index", lambda c: node(1)(c).update(device="cuda:x"), "nodes[1].device", "got 'cuda:x'"),
+    ("attention-without-http", lambda c: node(0)(c)["ports"].pop("http"), "nodes[0].ports.http",
+     "attention nodes need an http port"),
+    ("ffn-with-http", lambda c: node(1)(c)["ports"].update(http=50010), "nodes[1].ports.http",
+     "FFN nodes serve no API"),
+    ("node-without-host", lambda c: node(1)(c).pop("host"), "nodes[1].host", "required key is missing"),
+    ("missing-model-path", lambda c: c["model"].pop("path"), "model.path", "required key is missing"),
+    ("missing-nodes", lambda c: c.pop("nodes"), "nodes", "required key is missing"),
+    ("bad-dtype", lambda c: c["model"].update(dtype="int8"), "model.dtype", "expected float32, bfloat16 or float16"),
+    ("bad-kv-cache-bytes", lambda c: c.update(engine={"kv_cache_bytes": "lots"}), "engine.kv_cache_bytes",
+     "expected a byte count like 256MiB, got 'lots'"),
+    ("negative-shutdown-timeout", lambda c: c.update(engine={"shutdown_timeout": -1}), "engine.shutdown_timeout",
+     "must be >= 0, got -1"),
+    ("no-ffn-node", lambda c: c.update(nodes=c["nodes"][:1]), "nodes", "needs at least one ffn node"),
+    ("no-attention-node", lambda c: c.update(nodes=c["nodes"][1:]), "nodes", "needs at least one attention node"),
+    ("experts-gap", layout(experts={"ffn0": [0, 7], "ffn1": [8, 16]}), "layout.experts.ffn1",
+     "[8, 16) leaves a gap before expert 7"),
+    ("experts-overlap", layout(experts={"ffn0": [0, 9], "ffn1": [8, 16]}), "layout.experts.ffn1",
+     "[8, 16) overlaps expert 9"),
+    ("experts-not-from-zero", layout(experts={"ffn0": [1, 8], "ffn1": [8, 16]}), "layout.experts.ffn0",
+     "leaves a gap before expert 0"),
+    ("experts-unknown-node", layout(experts={"ffn0": [0, 8], "ffn9": [8, 16]}), "layout.experts",
+     "must name every FFN node exactly (ffn0, ffn1)"),
+    ("experts-bad-range", layout(experts={"ffn0": [0, 8], "ffn1": [16, 8]}), "layout.experts.ffn1",
+     "expected [lo, hi) with 0 <= lo < hi"),
+    ("zero-experts-not-ffn", layout(zero_experts="attn0"), "layout.zero_experts", "'attn0' is not an FFN node"),
+    ("micro-batches", layout(micro_batches=7), "layout.micro_batches", "must be in 0..4 (0: automatic), got 7"),
+    ("unknown-coordinator", lambda c: c["cluster"].update(coordinator="boss"), "cluster.coordinator",
+     "'boss' is not a node"),
+    ("invalid-yaml", "model: {path: demo\nnodes: [\n", "", "not valid YAML"),
+    ("not-a-mapping", "- just\n- a list\n", "", "the file must be a YAML mapping"),
+    ("no-such-file", None, "", "no such file"),
+]
+
+
+@pytest.fixture(scope="module")
+def mistake_files(tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("mistakes")
+    files = {}
+    for case_id, mistake, _, _ in MISTAKES:
+        path = files[case_id] = tmp / f"{case_id}.yaml"
+        if isinstance(mistake, str):
+            path.write_text(mistake)
+        elif mistake is not None:
+            cfg = valid()
+            mistake(cfg)
+            path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return files
+
+
+@pytest.fixture(scope="module")
+def check_config_runs(mistake_files) -> dict[str, subprocess.CompletedProcess]:
+    return afd_many({case_id: ["check-config", str(path)] for case_id, path in mistake_files.items()})
+
+
+def expected_message(path: Path, key: str, problem: str) -> tuple[str, str]:
+    """The message starts with the file and the key path; the problem follows."""
+    return (f"{path}: {key}: " if key else f"{path}: "), problem
+
+
+def test_the_valid_base_is_valid():
+    cfg = from_dict(valid())
+    assert isinstance(cfg, ClusterConfig) and cfg.topology_name == "1A2F"
+
+
+@pytest.mark.parametrize("case_id, mistake, key, problem", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_mistake_names_key_and_problem(mistake_files, case_id, mistake, key, problem):
+    path = mistake_files[case_id]
+    prefix, problem = expected_message(path, key, problem)
+    with pytest.raises(ClusterConfigError) as err:
+        load(str(path))
+    assert str(err.value).startswith(prefix), str(err.value)
+    assert problem in str(err.value)
+
+
+@pytest.mark.parametrize("case_id, mistake, key, problem", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_check_config_rejects_mistake(check_config_runs, mistake_files, case_id, mistake, key, problem):
+    r = check_config_runs[case_id]
+    prefix, problem = expected_message(mistake_files[case_id], key, problem)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert r.stderr.startswith(f"afd check-config: error: {prefix}"), r.stderr
+    assert problem in r.stderr
+    assert r.stderr.count("error:") == 1  # one message (the YAML parser's spans lines: where and what)
+    assert r.stdout == ""
+
+
+def test_from_dict_rejects_a_non_mapping():
+    with pytest.raises(ClusterConfigError, match=r"^<dict>: the file must be a YAML mapping"):
+        from_dict(["not", "a", "mapping"])
+
+
+# ---- afd launch --print-commands ----------------------------------------------------------------
+
+
+def test_print_commands_one_per_node():
+    r = afd("launch", "deploy/2a1f.yaml", "--print-commands")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        "afd-attention --config deploy/2a1f.yaml --node attn0",
+        "afd-attention --config deploy/2a1f.yaml --node attn1",
+        "afd-ffn --config deploy/2a1f.yaml --node ffn0",
+    ]
+
+
+def test_print_commands_with_overrides():
+    """--model goes to every node, --port only to the first attention node."""
+    r = afd("launch", "deploy/2a1f.yaml", "--print-commands", "--model", "/ckpt/my model", "--port", "8123")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines == [
+        "afd-attention --config deploy/2a1f.yaml --node attn0 --model '/ckpt/my model' --port 8123",
+        "afd-attention --config deploy/2a1f.yaml --node attn1 --model '/ckpt/my model'",
+        "afd-ffn --config deploy/2a1f.yaml --node ffn0 --model '/ckpt/my model'",
+    ]
+    # and the node commands accept exactly these flags
+    from attention_node.main import build_server_parser
+    from ffn_node.main import build_parser as build_ffn_parser
+
+    parsers = {"afd-attention": build_server_parser(), "afd-ffn": build_ffn_parser()}
+    for line in lines:
+        prog, *argv = shlex.split(line)
+        args = parsers[prog].parse_args(argv)
+        assert (args.config, args.model) == ("deploy/2a1f.yaml", "/ckpt/my model")
+        assert getattr(args, "port", None) == (8123 if args.node == "attn0" else None)
+
+
+# ---- Kubernetes manifests -----------------------------------------------------------------------
+
+WORKLOADS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
+
+
+@pytest.fixture(scope="module")
+def k8s() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+    return docs
+
+
+def kind(docs: list[dict], k: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == k]
+
+
+def pod_specs(workload: dict) -> list[dict]:
+    """The pod templates of a workload (a LeaderWorkerSet has a leader and a worker template)."""
+    spec = workload["spec"]
+    if workload["kind"] == "LeaderWorkerSet":
+        lws = spec["leaderWorkerTemplate"]
+        return [t["spec"] for t in (lws.get("leaderTemplate"), lws["workerTemplate"]) if t]
+    return [spec["template"]["spec"]]
+
+
+def argv(container: dict) -> list[str]:
+    return [str(a) for a in container.get("command", []) + container.get("args", [])]
+
+
+def flag(args: list[str], name: str) -> str:
+    assert name in args, f"{name} missing from {args}"
+    return args[args.index(name) + 1]
+
+
+def port_number(container: dict, port) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in container["ports"] if p.get("name") == port)
+
+
+def prestop_sleep(container: dict) -> int:
+    pre = container["lifecycle"]["preStop"]
+    if "sleep" in pre:
+        return int(pre["sleep"]["seconds"])
+    cmd = pre["exec"]["command"]
+    assert cmd[0] == "sleep", cmd
+    return int(cmd[1])
+
+
+@pytest.fixture(scope="module")
+def embedded(k8s) -> ClusterConfig:
+    (cm,) = [d for d in kind(k8s, "ConfigMap") if "cluster.yaml" in d.get("data", {})]
+    return from_dict(yaml.safe_load(cm["data"]["cluster.yaml"]), "ConfigMap/cluster.yaml")
+
+
+def test_k8s_manifests_parse(k8s):
+    assert all({"apiVersion", "kind", "metadata"} <= d.keys() for d in k8s)
+    assert kind(k8s, "ConfigMap") and kind(k8s, "Service")
+    assert {d["metadata"]["name"] for d in k8s if d["kind"] in WORKLOADS}
+
+
+def test_k8s_embedded_cluster_yaml_is_valid(embedded):
+    assert embedded.attention_nodes and embedded.ffn_nodes
+    assert embedded.rank(embedded.coordinator.name) == 0
+
+
+def test_k8s_containers_run_the_node_commands(k8s):
+    roles = set()
+    for w in (d for d in k8s if d["kind"] in WORKLOADS):
+        for pod in pod_specs(w):
+            (c,) = pod["containers"]
+            args = argv(c)
+            assert args[0] in ("afd-attention", "afd-ffn"), args
+            role = "attention" if args[0] == "afd-attention" else "ffn"
+            roles.add(role)
+            assert w["spec"]["template"]["metadata"]["labels"]["llm-d.ai/role"] == role
+            assert flag(args, "--node") == "$(NODE_NAME)"
+            assert flag(args, "--bind-host") == "0.0.0.0"
+            env = {e["name"]: e for e in c["env"]}
+            assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+            assert env["AFD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"]
+            # --config is the ConfigMap's cluster.yaml, mounted
+            config = flag(args, "--config")
+            mount = next(m for m in c["volumeMounts"] if config.startswith(m["mountPath"].rstrip("/") + "/"))
+            volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+            assert config == mount["mountPath"].rstrip("/") + "/cluster.yaml" and "configMap" in volume
+    assert roles == {"attention", "ffn"}
+
+
+def test_k8s_pod_names_and_dns_match_the_nodes(k8s, embedded):
+    """A StatefulSet's pods are <name>-<ordinal>: each is a node of its role, at <pod>.<headless service>."""
+    services = {s["metadata"]["name"]: s for s in kind(k8s, "Service")}
+    for sts in kind(k8s, "StatefulSet"):
+        spec = sts["spec"]
+        (c,) = spec["template"]["spec"]["containers"]
+        role = "attention" if argv(c)[0] == "afd-attention" else "ffn"
+        pods = [f"{sts['metadata']['name']}-{i}" for i in range(spec["replicas"])]
+        nodes = [n for n in embedded.nodes if n.role == role]
+        assert [n.name for n in nodes] == pods
+        assert all(n.host == f"{n.name}.{spec['serviceName']}" for n in nodes)
+        assert spec.get("podManagementPolicy") == "Parallel"  # pod 0 is never ready alone
+        svc = services[spec["serviceName"]]["spec"]
+        assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        for n in nodes:
+            for name in ("control", "data", "http", "metrics"):
+                if getattr(n.ports, name) is not None:
+                    assert ports[name] == getattr(n.ports, name), f"{n.name}.ports.{name}"
+
+
+def test_k8s_probes(k8s, embedded):
+    for w in (d for d in k8s if d["kind"] in WORKLOADS):
+        for pod in pod_specs(w):
+            (c,) = pod["containers"]
+            name = argv(c)
+            node = next(n for n in embedded.nodes if n.role == ("attention" if name[0] == "afd-attention" else "ffn"))
+            if name[0] == "afd-attention":
+                for probe in ("startupProbe", "readinessProbe"):
+                    get = c[probe]["httpGet"]
+                    assert get["path"] == "/v1/models" and port_number(c, get["port"]) == node.ports.http
+                live = c["livenessProbe"]["httpGet"]
+                assert live["path"] == "/health" and port_number(c, live["port"]) == node.ports.http
+            else:
+                ready = c["readinessProbe"]["httpGet"]
+                assert ready["path"] == "/health" and port_number(c, ready["port"]) == node.ports.metrics
+                assert c["livenessProbe"]["grpc"]["port"] == node.ports.control
+
+
+def test_k8s_grace_period_covers_prestop_and_drain(k8s, embedded):
+    for w in (d for d in k8s if d["kind"] in WORKLOADS):
+        for pod in pod_specs(w):
+            (c,) = pod["containers"]
+            need = prestop_sleep(c) + embedded.engine.shutdown_timeout
+            assert pod["terminationGracePeriodSeconds"] >= need, w["metadata"]["name"]
+
+
+def test_k8s_readme_says_how_to_apply():
+    text = (K8S / "README.md").read_text()
+    assert "kubectl" in text and "apply -f deploy/k8s" in text and "afd-cluster-token" in text
+
+
+def test_k8s_secret_name_matches_readme(k8s):
+    text = (K8S / "README.md").read_text()
+    for w in (d for d in k8s if d["kind"] in WORKLOADS):
+        for pod in pod_specs(w):
+            env = {e["name"]: e for e in pod["containers"][0]["env"]}
+            assert env["AFD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] in text
+
