@@ -106,12 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_run_demo(sub)
     _add_check_config(sub)
-    from afd import bench_serve, bench_step, launch, prometheus_config
+    from afd import bench_serve, bench_step, bench_suite, launch, prometheus_config
 
     launch.add_parser(sub)
     prometheus_config.add_parser(sub)
     bench_serve.add_parser(sub)
     bench_step.add_parser(sub)
+    bench_suite.add_parser(sub)
     args = parser.parse_args(argv)
     from afd.local_cluster import ClusterError  # light: no torch
 

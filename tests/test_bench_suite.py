@@ -1,0 +1,62 @@
+"""`afd bench-suite`: the grouped-GEMM section end to end (quick), and the reference MoE loops it times."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from afd import bench_gemm, bench_suite
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_suite.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench-suite", *argv])
+
+
+def test_quick_gemm_section_writes_three_variants_per_token_count(tmp_path, capsys):
+    out = tmp_path / "suite.json"
+    args = _args(["--quick", "--sections", "gemm", "--repeats", "2", "--output", str(out)])
+    assert args.func(args) == 0
+    gemm = json.loads(out.read_text())["gemm"]
+    assert sorted(gemm, key=int) == ["8", "32", "128"]
+    for r in gemm.values():
+        assert set(r["ms"]) == {"grouped", "naive", "dense"}
+        assert all(t > 0 for t in r["ms"].values())
+        assert all(len(v) == 2 for v in r["rounds_ms"].values())
+        assert r["grouped_equals_naive"] and r["grouped_equals_dense"]
+    assert "| 128 |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("T", [5])
+def test_naive_and_dense_experts_equal_grouped(T):
+    res = bench_gemm.check_grouped_vs_naive(T)
+    assert res["grouped_equals_naive"], res
+    assert res["grouped_equals_dense"], res
+    assert res["max_abs_diff_naive"] <= 1e-5 * res["output_abs_max"] + 1e-6
+
+
+def test_unknown_section_is_rejected():
+    with pytest.raises(ValueError, match="unknown section"):
+        bench_suite.run(_args(["--sections", "gemm,nope"]))
+
+
+def test_naive_loop_is_hf_longcat_flash_experts():
+    """The timed per-expert loop computes what transformers' LongcatFlashExperts computes."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import LongcatFlashConfig
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    cfg, layer, hf, _ = bench_gemm._moe_layer()
+    x, weights, ids = bench_gemm._gemm_inputs(layer, 12, cfg.hidden_size, seed=1)
+    experts = LongcatFlashExperts(LongcatFlashConfig(**{k: v for k, v in bench_suite.HF_CONFIG.items()
+                                                        if k != "architectures"}))
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(hf["gate_up"])
+        experts.down_proj.copy_(hf["down"])
+        ref = experts(x, ids, weights)
+    ours = bench_gemm.naive_experts(x, weights, ids, hf["gate_up"], hf["down"], hf["n_routed"])
+    torch.testing.assert_close(ours, ref)
