@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
     p.add_argument("--result-filename", default=None)
     p.add_argument("--api-key", default=None, help="bearer token (default: $AFD_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument("--vocab-size", type=int, default=1000, help="prompt token ids are drawn from [0, vocab-size)")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="do not send ignore_eos (servers that reject the field, e.g. transformers serve); "
+                        "outputs may then end early at EOS")
     p.add_argument("--tokenizer", default=None,
                    help="checkpoint dir with tokenizer.json: send prompts as text decoded from the random ids "
                         "(for servers that take only text, e.g. transformers serve)")
@@ -196,6 +199,8 @@ async def _bench(args, requests, api_key: str | None):
         async def one(prompt: list[int], max_tokens: int):
             payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            if args.no_ignore_eos:
+                del payload["ignore_eos"]
             if sem is None:
                 r = await send_request(session, base + args.endpoint, payload, t0)
             else:

@@ -2,11 +2,13 @@
 # afd (deploy/local.yaml: 1 attention + 1 FFN node) against `transformers serve` on the same demo
 # checkpoint, the same machine and the same `afd bench` load, one after the other in one run.
 #   bash bench/serve_vs_transformers.sh            # N=200 IN=64 OUT=32 CONC=8 by default
-# Results: docs/bench-serve/{afd,transformers}.json and a table on stdout (copied to docs/benchmarks.md).
+# Results: $OUTDIR/{afd,transformers}.json and a table on stdout (copied to docs/benchmarks.md).
+# transformers serve rejects `ignore_eos`, so neither server gets it: both stop at the same EOS tokens,
+# since afd's greedy tokens equal transformers' on the same checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
-N=${N:-200}; IN=${IN:-64}; OUT=${OUT:-32}; CONC=${CONC:-8}; OUTDIR=${OUTDIR:-docs/bench-serve}
+N=${N:-200}; IN=${IN:-64}; OUT=${OUT:-32}; CONC=${CONC:-8}; OUTDIR=${OUTDIR:-docs/bench/serve}
 HF_PORT=${HF_PORT:-8010}
 mkdir -p "$OUTDIR"
 $BIN/python -m pip install --quiet "transformers[serving]"  # FastAPI extras transformers serve needs
@@ -19,10 +21,10 @@ wait_health() {  # url, seconds
 bench() {  # name, base url
   $BIN/afd bench --base-url "$2" --model "$MODEL" --tokenizer "$MODEL" --num-prompts "$N" \
     --random-input-len "$IN" --random-output-len "$OUT" --max-concurrency "$CONC" --seed 0 \
-    --save-result --result-dir "$OUTDIR" --result-filename "$1.json" --disable-tqdm
+    --save-result --result-dir "$OUTDIR" --result-filename "$1.json" --disable-tqdm --no-ignore-eos
 }
 
-$BIN/afd launch deploy/local.yaml --model "$MODEL" > "$OUTDIR/afd-launch.log" 2>&1 &
+$BIN/afd launch deploy/local.yaml --model "$MODEL" > "${TMPDIR:-/tmp}/afd-bench-launch.log" 2>&1 &
 LAUNCH=$!
 trap 'kill $LAUNCH 2>/dev/null || true; kill ${HF:-} 2>/dev/null || true' EXIT
 wait_health http://127.0.0.1:8000 120
@@ -31,7 +33,7 @@ kill -TERM $LAUNCH; wait $LAUNCH || true
 
 # transformers serve: its continuous batching has no MLA latent cache (it fails on LongCat-Flash), so
 # it runs in its default mode, one generate() per request.
-$BIN/transformers serve "$MODEL" --device cpu --dtype float32 --port "$HF_PORT" > "$OUTDIR/transformers.log" 2>&1 &
+$BIN/transformers serve "$MODEL" --device cpu --dtype float32 --port "$HF_PORT" > "${TMPDIR:-/tmp}/afd-bench-transformers.log" 2>&1 &
 HF=$!
 wait_health "http://127.0.0.1:$HF_PORT" 120
 bench transformers "http://127.0.0.1:$HF_PORT"
