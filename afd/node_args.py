@@ -73,3 +73,27 @@ def load_cluster_args(args, role: str):
 
 def setup_logging(role: str, name) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[{name}] %(levelname)s %(message)s")
+
+
+def start_cluster_node(args, role: str):
+    """The common start of `afd-attention/afd-ffn --config FILE --node NAME`: the YAML with this command's
+    overrides, logging, torch threads. Returns the config, or an exit code (2) after printing why."""
+    import sys
+
+    from afd.cluster_config import ClusterConfigError
+
+    try:
+        cfg = load_cluster_args(args, role)
+    except ClusterConfigError as e:
+        prog = "afd-attention" if role == "attention" else "afd-ffn"
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(role, args.node)
+    import torch
+
+    from afd.topology import cpu_threads
+
+    threads = args.threads or cpu_threads(cfg, args.node)
+    if threads:
+        torch.set_num_threads(threads)
+    return cfg

@@ -10,15 +10,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import time
 
 import uvicorn
 
-from afd.cluster_config import ClusterConfigError
 from afd.control import control_pb2 as pb
 from afd.control.client import ControlError
-from afd.node_args import load_cluster_args, setup_logging
+from afd.node_args import start_cluster_node
 from afd.signals import set_stop_handler
 from afd.transport import PeerError
 
@@ -26,22 +24,13 @@ log = logging.getLogger("afd.attention")
 
 
 def run_cluster_node(args) -> int:
-    try:
-        cfg = load_cluster_args(args, role="attention")
-    except ClusterConfigError as e:
-        print(f"afd-attention: error: {e}", file=sys.stderr)
-        return 2
-    setup_logging("attention", args.node)
+    cfg = start_cluster_node(args, "attention")
+    if isinstance(cfg, int):
+        return cfg
     box: dict = {}
     set_stop_handler(lambda _: _graceful_stop(box, cfg))
-    import torch
-
-    from afd.topology import cpu_threads
     from attention_node.setup import build_server_state
 
-    threads = args.threads or cpu_threads(cfg, args.node)
-    if threads:
-        torch.set_num_threads(threads)
     try:
         st, rt = build_server_state(cfg, args, box)
     except (ControlError, PeerError, OSError) as e:

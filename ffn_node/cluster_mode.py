@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 
-from afd.cluster_config import ClusterConfigError
 from afd.control import control_pb2 as pb
 from afd.control.client import ControlError
-from afd.node_args import load_cluster_args, setup_logging
+from afd.node_args import start_cluster_node
 from afd.signals import set_stop_handler
 from afd.transport import PeerError
 
@@ -24,27 +22,19 @@ def _exit_on_shutdown(status) -> None:
 
 
 def run_cluster_node(args) -> int:
-    try:
-        cfg = load_cluster_args(args, role="ffn")
-    except ClusterConfigError as e:
-        print(f"afd-ffn: error: {e}", file=sys.stderr)
-        return 2
-    setup_logging("ffn", args.node)
+    cfg = start_cluster_node(args, "ffn")
+    if isinstance(cfg, int):
+        return cfg
     state = {"rt": None}
     set_stop_handler(lambda _: state["rt"] and state["rt"].close())
-    import torch
-
     from afd.checkpoint import build_ffn_half, open_reader
     from afd.llm import parse_dtype
     from afd.metrics import FFNMetrics, serve_metrics
     from afd.node_runtime import bring_up
     from afd.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
-    from afd.topology import cpu_threads, served_model_name
+    from afd.topology import served_model_name
     from ffn_node.server import FFNServer
 
-    threads = args.threads or cpu_threads(cfg, args.node)
-    if threads:
-        torch.set_num_threads(threads)
     dtype = parse_dtype(cfg.model.dtype)
     built = {}
 
