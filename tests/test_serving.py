@@ -155,13 +155,39 @@ def test_dead_ffn_node_makes_health_503_and_requests_fail_fast(tiny_checkpoint, 
         assert "not serving" in err["error"]["message"]
 
 
-def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
+def _slow_model(tmp_path) -> str:
+    """Dummy weights big enough that a few hundred tokens take seconds."""
     from afd.bench_step import BENCH_CONFIG
 
-    model = tmp_path / "model"  # big enough that 400 tokens take seconds
-    model.mkdir()
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(BENCH_CONFIG))
-    path = cluster_yaml(tmp_path, str(model), name="drain", model={"dummy_weights": True},
+    return str(model)
+
+
+def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
+    path = cluster_yaml(tmp_path, _slow_model(tmp_path), name="midstream", model={"dummy_weights": True},
+                        engine={"kv_cache_bytes": "64MiB"})
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        req = urllib.request.Request(c.url() + "/v1/completions", method="POST", headers={
+            "Content-Type": "application/json"}, data=json.dumps({
+                "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            assert r.status == 200
+            first = r.readline()
+            assert first.startswith(b"data: {")
+            c.procs["ffn0"].send_signal(signal.SIGKILL)
+            rest = r.read().decode()
+    events = [e.strip()[len("data: "):] for e in rest.split("\n\n") if e.strip().startswith("data: ")]
+    assert events[-1] == "[DONE]", rest[-500:]
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 503 and "peer process is probably gone" in err["message"]
+
+
+def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
+    path = cluster_yaml(tmp_path, _slow_model(tmp_path), name="drain", model={"dummy_weights": True},
                         engine={"shutdown_timeout": 60, "kv_cache_bytes": "64MiB"})
     with Cluster(path) as c:
         c.start_all()
