@@ -61,8 +61,10 @@ class AttentionMetrics(_Metrics):
                                    "Per step, time blocked waiting for FFN results (exchange not hidden).",
                                    buckets=FINE_BUCKETS)
         self.a2f_bytes = self._make(c, "afd_a2f_bytes", "Bytes of hidden states sent to FFN nodes.")
-        for reason in ("stop", "length", "abort"):
-            self.labels(self._success, finished_reason=reason)  # exported at 0 before the first request
+        for reason in ("stop", "length", "abort"):  # exported at 0 before the first request, so
+            self.labels(self._success, finished_reason=reason)  # dashboards show 0, not "no data"
+        for phase in ("prefill", "decode", "mixed"):
+            self.labels(self._step, phase=phase)
 
     def success(self, reason: str):
         return self.labels(self._success, finished_reason=reason)
