@@ -126,6 +126,7 @@ async def send_request(session, url: str, payload: dict, t0: float):
     from afd.bench_metrics import RequestResult
 
     prompt = payload["prompt"]
+    # a text prompt's token count is a word-count guess until the server's usage says otherwise
     r = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else len(prompt.split()))
     start = time.perf_counter()
     r.start = start - t0
@@ -155,6 +156,8 @@ async def send_request(session, url: str, payload: dict, t0: float):
                     last, chunks = now, chunks + 1
                 if event.get("usage"):
                     usage_tokens = event["usage"].get("completion_tokens")
+                    # the server's count: exact for text prompts too, where the client only guessed
+                    r.prompt_len = event["usage"].get("prompt_tokens") or r.prompt_len
             r.latency = time.perf_counter() - start
     except Exception as e:  # timeouts, dropped connections, bad JSON: all count as a failed request
         r.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
