@@ -33,6 +33,14 @@ class MoEExchange(Protocol):
 
     def end_step(self) -> None: ...
 
+    def idle(self) -> int:
+        """A step with no tokens (keeps FFN peers' steps going); returns how many attention nodes had work."""
+        ...
+
+    def leave(self, shutdown: bool = False) -> None:
+        """No more steps from this attention node."""
+        ...
+
 
 class Ready:
     """A handle whose result is already there."""
