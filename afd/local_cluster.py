@@ -1,8 +1,9 @@
 """Runs A attention and F FFN node processes on this machine for offline generation and benchmarks.
 
-Ranks: attention nodes 0..A-1, FFN nodes A..A+F-1. Prompts are dealt round-robin to attention nodes;
-the FFN nodes split the routed experts (afd.placement). A node that fails takes the others down and
-its log tail is in the error.
+It writes a cluster YAML on 127.0.0.1 with free ports and starts every node from it, as `afd launch`
+would: the nodes find each other through the control plane. Attention nodes run the offline worker
+(`afd-attention generate`) on the prompts dealt to them round-robin; FFN nodes serve until every
+attention node has left. A node that fails takes the others down and its log tail is in the error.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from afd.placement import partition_experts
 
-
-def free_port() -> int:
-    with socket.socket() as s:
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
 
 
 class ClusterError(RuntimeError):
@@ -52,11 +55,19 @@ class LocalClusterSpec:
             raise ValueError(f"--micro-batches must be in 0..4 (0: automatic), got {self.micro_batches}")
 
 
-def _common(spec: LocalClusterSpec, rank: int, world: int, port: int, peers: list[int]) -> list[str]:
-    args = ["--model", spec.model, "--dtype", spec.dtype, "--seed", str(spec.seed), "--threads",
-            str(spec.threads), "--rank", str(rank), "--world-size", str(world), "--master-port", str(port),
-            "--peer-ranks", ",".join(map(str, peers)), "--comm-timeout", str(spec.comm_timeout)]
-    return args + (["--dummy-weights"] if spec.dummy_weights else [])
+def cluster_doc(spec: LocalClusterSpec) -> dict:
+    """The cluster YAML (as a dict) of a local job: every node on 127.0.0.1, free ports."""
+    A, F = spec.attention_nodes, spec.ffn_nodes
+    ports = iter(free_ports(3 * (A + F)))
+    nodes = [{"name": f"attn{a}", "role": "attention", "host": "127.0.0.1", "threads": spec.threads,
+              "ports": {"control": next(ports), "data": next(ports), "http": next(ports)}} for a in range(A)]
+    nodes += [{"name": f"ffn{f}", "role": "ffn", "host": "127.0.0.1", "threads": spec.threads,
+               "ports": {"control": next(ports), "data": next(ports)}} for f in range(F)]
+    return {"cluster": {"name": "local-job", "comm_timeout": spec.comm_timeout, "startup_timeout": 120},
+            "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights,
+                      "seed": spec.seed},
+            "layout": {"overlap": spec.overlap, "micro_batches": spec.micro_batches},
+            "engine": {"block_size": spec.block_size}, "nodes": nodes}
 
 
 class LocalCluster:
@@ -77,34 +88,28 @@ class LocalCluster:
 
     def start(self, prompts: list[list[int]], max_tokens, temperature: float = 0.0,
               ignore_eos: bool = False) -> None:
-        from afd.config import ModelConfig
+        import yaml
 
         spec = self.spec
-        n_routed = ModelConfig.from_dir(spec.model).n_routed_experts
-        A, F = spec.attention_nodes, spec.ffn_nodes
-        world, port = A + F, free_port()
+        config = os.path.join(self.dir, "cluster.yaml")
+        with open(config, "w") as fh:
+            yaml.safe_dump(cluster_doc(spec), fh, sort_keys=False)
+        node = ["--config", config, "--bind-host", "127.0.0.1", "--node"]
         per = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
         self.num_prompts = len(prompts)
-        for f, shard in enumerate(partition_experts(n_routed, F)):
-            cmd = [sys.executable, "-m", "ffn_node.main", *_common(spec, A + f, world, port, list(range(A))),
-                   "--expert-range", f"{shard.lo}:{shard.hi}",
+        for f in range(spec.ffn_nodes):
+            cmd = [sys.executable, "-m", "ffn_node.main", *node, f"ffn{f}",
                    "--report-file", os.path.join(self.dir, f"ffn{f}.json")]
-            if not shard.serves_zero_experts:
-                cmd.append("--no-zero-experts")
             self.procs.append(_spawn(f"ffn{f}", cmd, self.dir))
-        for a in range(A):
-            mine = list(range(a, len(prompts), A))
+        for a in range(spec.attention_nodes):
+            mine = list(range(a, len(prompts), spec.attention_nodes))
             self._shares.append(mine)
             pfile = os.path.join(self.dir, f"prompts{a}.json")
             with open(pfile, "w") as fh:
                 json.dump({"prompts": [prompts[i] for i in mine], "max_tokens": [per[i] for i in mine],
                            "temperature": temperature, "ignore_eos": ignore_eos}, fh)
-            cmd = [sys.executable, "-m", "attention_node.main", "generate",
-                   *_common(spec, a, world, port, list(range(A, world))), "--prompts-file", pfile,
-                   "--output-file", os.path.join(self.dir, f"out{a}.json"),
-                   "--micro-batches", str(spec.micro_batches), "--block-size", str(spec.block_size)]
-            if not spec.overlap:
-                cmd.append("--no-overlap")
+            cmd = [sys.executable, "-m", "attention_node.main", "generate", *node, f"attn{a}",
+                   "--prompts-file", pfile, "--output-file", os.path.join(self.dir, f"out{a}.json")]
             self.procs.append(_spawn(f"attention{a}", cmd, self.dir))
 
     def process(self, name: str) -> subprocess.Popen:

@@ -1,7 +1,5 @@
-"""Command-line flags shared by the node commands and the local launcher.
+"""Command-line flags and start-up shared by the node commands (`--config FILE --node NAME`).
 
-A node runs either from a cluster YAML (`--config FILE --node NAME`, the control plane hands out ranks)
-or from explicit data-plane flags (what `afd generate` uses for its short-lived local processes).
 Values given on the command line override the YAML, which overrides the defaults.
 """
 
@@ -17,37 +15,6 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--node", default=None, help="this node's name in the cluster YAML")
     g.add_argument("--bind-host", default="0.0.0.0", help="address the node's servers listen on")
     g.add_argument("--served-model-name", default=None, help="model name in the API and metrics")
-
-
-def add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", required=required, default=None, help="HF checkpoint directory")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="default float32")
-    g.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
-    g.add_argument("--device-index", type=int, default=0)
-    g.add_argument("--dummy-weights", action="store_true", help="seeded random weights; config.json only")
-    g.add_argument("--seed", type=int, default=0, help="seed of --dummy-weights")
-    g.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-
-
-def add_dataplane_args(p: argparse.ArgumentParser, required: bool = True) -> None:
-    g = p.add_argument_group("data plane (without --config)")
-    g.add_argument("--rank", type=int, required=required)
-    g.add_argument("--world-size", type=int, required=required)
-    g.add_argument("--master-addr", default="127.0.0.1")
-    g.add_argument("--master-port", type=int, required=required)
-    g.add_argument("--peer-ranks", required=required, help="comma-separated data-plane ranks of the other role")
-    g.add_argument("--comm-timeout", type=float, default=60.0, help="seconds any data-plane wait may take")
-
-
-def parse_ranks(s: str) -> list[int]:
-    try:
-        ranks = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise SystemExit(f"--peer-ranks: expected comma-separated integers, got {s!r}") from None
-    if not ranks:
-        raise SystemExit("--peer-ranks: no ranks given")
-    return ranks
 
 
 def load_cluster_args(args, role: str):

@@ -1,7 +1,7 @@
 """`afd-attention`: one attention node process.
 
     afd-attention --config cluster.yaml --node attn0 [--model PATH] [--port N] [--api-key KEY]
-    afd-attention generate --model PATH --rank R ... --prompts-file F --output-file O   (offline worker)
+    afd-attention generate --config cluster.yaml --node attn0 --prompts-file F --output-file O   (offline)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from afd.node_args import add_cluster_args, add_dataplane_args, add_model_args, parse_ranks, setup_logging
+from afd.node_args import add_cluster_args, start_cluster_node
 from afd.signals import exit_on_signal
 
 log = logging.getLogger("afd.attention")
@@ -35,15 +35,14 @@ def build_server_parser() -> argparse.ArgumentParser:
 
 def build_generate_parser() -> argparse.ArgumentParser:
     g = argparse.ArgumentParser(prog="afd-attention generate",
-                                description="offline: generate for a prompts file, then leave")
-    add_model_args(g)
-    add_dataplane_args(g)
+                                description="offline: a node of the cluster YAML that generates for a prompts "
+                                            "file, then leaves")
+    add_cluster_args(g)
+    g.add_argument("--model", default=None, help="override the YAML's model path")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: as for serving)")
     g.add_argument("--prompts-file", required=True, help='JSON {"prompts": [[ids]], "max_tokens": n, ...}')
     g.add_argument("--output-file", required=True)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--no-overlap", action="store_true", help="wait for each MoE result at once (baseline)")
-    g.add_argument("--micro-batches", type=int, default=0, choices=range(5), metavar="{0..4}",
-                   help="ping-pong micro-batches per step; 0 (default) chooses from measured times")
     return g
 
 
@@ -63,13 +62,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_generate(args) -> int:
-    setup_logging("attention", args.rank)
+    cfg = start_cluster_node(args, "attention")
+    if isinstance(cfg, int):
+        return cfg
+    from afd.control.client import ControlError
     from afd.transport import PeerError
-    from attention_node.worker import run_offline, set_threads
+    from attention_node.worker import run_offline
 
-    set_threads(args.threads)
     try:
-        return run_offline(args, parse_ranks(args.peer_ranks))
+        return run_offline(cfg, args)
+    except (ControlError, OSError) as e:
+        log.error("startup failed: %s", e)
+        return 1
     except PeerError as e:
         log.error("stopping: %s", e)
         return 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -75,6 +76,13 @@ def run_cluster_node(args) -> int:
         healthy["ok"] = False
         log.error("stopping: %s", e)
         code = 1
+    t = server.timers
+    log.info("%d steps, %d tokens; compute %.3fs, idle %.3fs", server.steps, server.tokens, t.total("compute"),
+             t.total("idle"))
+    if args.report_file:
+        with open(args.report_file, "w") as f:
+            json.dump({"steps": server.steps, "tokens": server.tokens, "compute_seconds": t.total("compute"),
+                       "idle_seconds": t.total("idle")}, f)
     if http is not None:
         http.shutdown()
     rt.close()
