@@ -49,6 +49,11 @@ def run(args) -> int:
         for n, a in plan:
             print(shlex.join([COMMANDS[n.role], *a]))
         return 0
+    if cfg.model.path != "demo":  # a wrong path is one line here, not a traceback from every node
+        from afd.cluster_config import check_expert_layout
+        from afd.config import ModelConfig
+
+        check_expert_layout(cfg, ModelConfig.from_dir(cfg.model.path).n_routed_experts)
     busy = _ports_in_use(cfg)
     if busy:
         raise ValueError(f"{args.config}: port(s) already in use on this host: {', '.join(busy)} "

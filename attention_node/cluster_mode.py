@@ -33,7 +33,7 @@ def run_cluster_node(args) -> int:
 
     try:
         st, rt = build_server_state(cfg, args, box)
-    except (ControlError, PeerError, OSError) as e:
+    except (ControlError, PeerError, OSError, ValueError) as e:  # ValueError: model config/checkpoint
         log.error("startup failed: %s", e)
         return 1
     from attention_node.api_server import build_app

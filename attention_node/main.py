@@ -71,7 +71,7 @@ def _run_generate(args) -> int:
 
     try:
         return run_offline(cfg, args)
-    except (ControlError, OSError) as e:
+    except (ControlError, OSError, ValueError) as e:  # ValueError: model config/checkpoint
         log.error("startup failed: %s", e)
         return 1
     except PeerError as e:

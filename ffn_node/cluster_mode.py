@@ -50,7 +50,7 @@ def run_cluster_node(args) -> int:
     node = cfg.node(args.node)
     try:
         rt = state["rt"] = bring_up(cfg, args.node, args.bind_host, load, on_status=_exit_on_shutdown)
-    except (ControlError, PeerError, OSError) as e:
+    except (ControlError, PeerError, OSError, ValueError) as e:  # ValueError: model config/checkpoint
         log.error("startup failed: %s", e)
         return 1
     a = rt.assignment
