@@ -1,0 +1,95 @@
+"""Two "hosts" on one machine: the FFN node in a network namespace of its own, joined to this one by a
+veth pair, so the control plane and the data plane cross a real interface, not loopback. Needs root and
+iproute2 (it skips with the reason otherwise); it only touches the namespace and addresses it makes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+from cluster_helpers import ROOT, free_ports, health, post
+from hf_reference import PROMPTS, hf_greedy
+
+pytestmark = pytest.mark.multiprocess
+ATTN_IP, FFN_IP = "10.77.0.1", "10.77.0.2"
+
+
+def _ip(*args, ns: str | None = None) -> None:
+    cmd = ["ip", "netns", "exec", ns, "ip", *args] if ns else ["ip", *args]
+    subprocess.run(cmd, check=True, capture_output=True)
+
+
+@pytest.fixture
+def ffn_host():
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace")
+    tag = str(os.getpid() % 100000)
+    ns, va, vb = f"afd-ffn-{tag}", f"afdva{tag}", f"afdvb{tag}"
+    try:
+        _ip("netns", "add", ns)
+    except subprocess.CalledProcessError as e:
+        pytest.skip(f"cannot make a network namespace here: {e.stderr.decode().strip()}")
+    try:
+        _ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        _ip("link", "set", vb, "netns", ns)
+        _ip("addr", "add", f"{ATTN_IP}/24", "dev", va)
+        _ip("link", "set", va, "up")
+        _ip("addr", "add", f"{FFN_IP}/24", "dev", vb, ns=ns)
+        _ip("link", "set", vb, "up", ns=ns)
+        _ip("link", "set", "lo", "up", ns=ns)
+        yield ns, va, vb
+    finally:
+        subprocess.run(["ip", "link", "del", va], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_attention_and_ffn_on_different_hosts(tiny_checkpoint, tmp_path, ffn_host):
+    ns, va, vb = ffn_host
+    p = iter(free_ports(6))
+    doc = {"cluster": {"name": "two-hosts", "startup_timeout": 60, "comm_timeout": 30},
+           "model": {"path": tiny_checkpoint},
+           "nodes": [{"name": "attn0", "role": "attention", "host": ATTN_IP,
+                      "ports": {"control": next(p), "data": next(p), "http": next(p)}},
+                     {"name": "ffn0", "role": "ffn", "host": FFN_IP,
+                      "ports": {"control": next(p), "data": next(p), "metrics": next(p)}}]}
+    cfg = tmp_path / "two-hosts.yaml"
+    cfg.write_text(yaml.safe_dump(doc))
+    logs = {n: open(tmp_path / f"{n}.log", "w") for n in ("attn0", "ffn0")}  # noqa: SIM115
+    node = [sys.executable, "-m"]
+    procs = [
+        subprocess.Popen(["ip", "netns", "exec", ns, *node, "ffn_node.main", "--config", str(cfg), "--node", "ffn0",
+                          "--bind-host", FFN_IP], cwd=ROOT, stdout=logs["ffn0"], stderr=subprocess.STDOUT,
+                         env={**os.environ, "GLOO_SOCKET_IFNAME": vb}),
+        subprocess.Popen([*node, "attention_node.main", "--config", str(cfg), "--node", "attn0", "--bind-host",
+                          ATTN_IP], cwd=ROOT, stdout=logs["attn0"], stderr=subprocess.STDOUT,
+                         env={**os.environ, "GLOO_SOCKET_IFNAME": va}),
+    ]
+    url = f"http://{ATTN_IP}:{doc['nodes'][0]['ports']['http']}"
+    try:
+        import time
+
+        end = time.monotonic() + 90
+        while health(url) != 200:
+            assert time.monotonic() < end and all(pr.poll() is None for pr in procs), \
+                "\n".join((tmp_path / f"{n}.log").read_text() for n in logs)
+            time.sleep(0.2)
+        want = [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 8)]
+        for prompt, ids in zip(PROMPTS, want):
+            code, body = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                       "return_token_ids": True})
+            assert code == 200 and body["choices"][0]["token_ids"] == ids
+        assert f"registered ffn0 (ffn) from {FFN_IP}" in (tmp_path / "attn0.log").read_text()
+    finally:
+        for pr in procs:
+            pr.terminate()
+        for pr in procs:
+            try:
+                pr.wait(20)
+            except subprocess.TimeoutExpired:
+                pr.kill()
+        for f in logs.values():
+            f.close()
