@@ -36,9 +36,11 @@ class NodeRuntime:
     cluster_state: int = pb.ClusterStatus.STARTING
     shutdown: threading.Event = field(default_factory=threading.Event)
 
-    def close(self) -> None:
+    def close(self, plane: bool = True) -> None:
+        """plane=False when the process is about to exit from a signal: another thread may be blocked
+        in a data-plane wait, and tearing the process group down under it aborts the process."""
         self.client.close()
-        if self.plane is not None:
+        if plane and self.plane is not None:
             self.plane.close()
         self.server.stop()
 

@@ -72,6 +72,6 @@ def _graceful_stop(box: dict, cfg) -> None:
     if rt is not None:
         if rt.cluster_state != pb.ClusterStatus.SHUTDOWN and rt.node.name == cfg.coordinator.name:
             rt.client.shutdown_cluster("coordinator node stopped")
-        rt.close()
+        rt.close(plane=False)
     logging.shutdown()
     os._exit(0)

@@ -27,7 +27,7 @@ def run_cluster_node(args) -> int:
     if isinstance(cfg, int):
         return cfg
     state = {"rt": None}
-    set_stop_handler(lambda _: state["rt"] and state["rt"].close())
+    set_stop_handler(lambda _: state["rt"] and state["rt"].close(plane=False))
     from afd.checkpoint import build_ffn_half, open_reader
     from afd.llm import parse_dtype
     from afd.metrics import FFNMetrics, serve_metrics
