@@ -65,7 +65,7 @@ class Engine:
         return len(self._requests) + self._inbox.qsize()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Leaves the data plane (telling the FFN nodes to shut down) after the current step."""
+        """Leaves the data plane after the current step."""
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
@@ -87,7 +87,7 @@ class Engine:
                 backoff = 0.0
                 logits = self._execute(batch)
                 self._update(batch, logits)
-            self.runner.moe.leave(shutdown=True)
+            self.runner.moe.leave()  # the FFN nodes stop once every attention node has left
         except PeerError as e:
             self._die(str(e))
         except Exception as e:  # a bug must not leave requests hanging
@@ -97,9 +97,12 @@ class Engine:
     def _die(self, reason: str) -> None:
         self.dead = reason
         log.error("engine stopped: %s", reason)
-        self._drain_inbox()
-        for req in list(self._requests.values()):
-            self._emit(req, [], "", finish_reason="abort", error=reason)
+        while True:  # fail whatever still arrives: a request may slip into the inbox as `dead` is set
+            self._drain_inbox()
+            for req in list(self._requests.values()):
+                self._emit(req, [], "", finish_reason="abort", error=reason)
+            if self._stop.wait(0.05):
+                return
 
     def _drain_inbox(self) -> None:
         while True:

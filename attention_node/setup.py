@@ -21,7 +21,9 @@ from attention_node.openai_protocol import Limits
 from attention_node.scheduler import Scheduler
 
 log = logging.getLogger("afd.attention")
-_SERVING = (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING)
+# DEGRADED (some node missed heartbeats) still serves: a lost FFN peer shows up in this node's own data
+# plane (the engine dies and /health says 503), and a lost attention node is no reason to stop this one.
+_SERVING = (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING, pb.ClusterStatus.DEGRADED)
 
 
 def build_server_state(cfg, args, box: dict):

@@ -60,7 +60,8 @@ def run_cluster_node(args) -> int:
     if node.ports.metrics:
         http = serve_metrics(args.bind_host, node.ports.metrics, metrics,
                              lambda: healthy["ok"] and rt.cluster_state in (pb.ClusterStatus.READY,
-                                                                            pb.ClusterStatus.DRAINING))
+                                                                            pb.ClusterStatus.DRAINING,
+                                                                            pb.ClusterStatus.DEGRADED))
     pf = cfg.prefetch
     pcfg = PrefetchConfig(pf.enabled, pf.budget_bytes, tuple(pf.weights or WEIGHTS), pf.next_layer)
     hook = PrefetchSchedule(built["ffn"], rt.backend, pcfg) if pcfg.active(rt.backend) else None

@@ -122,3 +122,17 @@ def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_pat
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_one_attention_node_leaving_does_not_stop_the_others(tiny_checkpoint, reference, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="leave", cluster={"heartbeat_timeout": 2})
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        c.procs["attn1"].send_signal(signal.SIGTERM)
+        assert c.procs["attn1"].wait(20) == 0
+        time.sleep(3)  # past the heartbeat timeout: the coordinator has noticed attn1 is gone
+        assert c.procs["ffn0"].poll() is None
+        assert health(c.url("attn0")) == 200
+        assert _greedy(c.url("attn0"), PROMPTS[0]) == reference[0]
+        assert "attention rank 1 left" in c.log("ffn0")
