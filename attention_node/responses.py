@@ -30,6 +30,13 @@ def _prompt_of(gens, n: int, i: int) -> list[int]:
     return gens[i // n].prompt_ids
 
 
+def _echo(st, body, gens, i: int) -> str:
+    """The prompt's text, for `echo: true` on completions ("" for chat or without a tokenizer)."""
+    if not getattr(body, "echo", False) or st.tokenizer is None:
+        return ""
+    return st.tokenizer.decode(_prompt_of(gens, body.n, i))
+
+
 async def full(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
     n = body.n
     texts: dict[int, list[str]] = {}
@@ -50,7 +57,7 @@ async def full(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
         if chat:
             c["message"] = {"role": "assistant", "content": text}
         else:
-            c["text"] = text
+            c["text"] = _echo(st, body, gens, i) + text
         c.update(logprobs=None, finish_reason=ends[i][0], stop_reason=ends[i][1])
         if body.return_token_ids:
             c["token_ids"] = ids.get(i, [])
@@ -80,7 +87,8 @@ async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool) ->
                     delta["content"] = out.new_text
                 choice = {"index": i, "delta": delta}
             else:
-                choice = {"index": i, "text": out.new_text}
+                echo = "" if i in started else _echo(st, body, gens, i)
+                choice = {"index": i, "text": echo + out.new_text}
             choice.update(logprobs=None, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             if body.return_token_ids:
                 choice["token_ids"] = out.new_token_ids

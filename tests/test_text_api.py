@@ -82,3 +82,12 @@ def test_seeded_sampling_reproduces_and_n_gives_choices(demo):
     assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
     assert [c["index"] for c in a["choices"]] == [0, 1, 2]
     assert len({tuple(c["token_ids"]) for c in a["choices"]}) > 1  # seed + i per choice
+
+
+def test_echo_prepends_the_prompt(demo):
+    body = {"prompt": "Experts route tokens", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = post(demo.url(), "/v1/completions", body, AUTH)[1]["choices"][0]["text"]
+    echoed = post(demo.url(), "/v1/completions", {**body, "echo": True}, AUTH)[1]["choices"][0]["text"]
+    assert echoed == "Experts route tokens" + plain
+    chunks = _sse(demo.url(), "/v1/completions", {**body, "echo": True, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == echoed
