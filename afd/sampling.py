@@ -43,7 +43,8 @@ class Sampler:
         return out
 
     def _sample_row(self, logits: torch.Tensor, p: SamplingParams, rid) -> int:
-        logits = logits / p.temperature
+        # on the CPU: one row is cheap to move, and the per-request generators live there
+        logits = logits.float().cpu() / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
