@@ -95,6 +95,40 @@ def _cmd_check_config(args) -> int:
     return 0
 
 
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="ask a running cluster's coordinator for its state")
+    p.add_argument("config", help="cluster YAML")
+    p.add_argument("--json", action="store_true", help="print the status as JSON")
+    p.set_defaults(func=_cmd_status)
+
+
+def _cmd_status(args) -> int:
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from afd.cluster_config import load
+    from afd.control import control_pb2 as pb
+    from afd.control.auth import call_metadata
+    from afd.control.client import ControlClient
+
+    cfg = load(args.config)
+    client = ControlClient(cfg, cfg.coordinator.name)
+    try:
+        st = client.stub.GetStatus(pb.StatusRequest(), metadata=call_metadata(), timeout=5)
+    except grpc.RpcError as e:
+        raise UserError(f"coordinator at {client.address}: {e.details() or e.code().name}") from None
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(MessageToDict(st, always_print_fields_with_no_presence=True)))
+    else:
+        print(f"cluster {cfg.cluster.name} ({cfg.topology_name}): {pb.ClusterStatus.State.Name(st.state)}"
+              + (f" — {st.message}" if st.message else ""))
+        for key in ("registered", "ready", "missing", "lost"):
+            print(f"  {key:<10} {', '.join(getattr(st, key)) or '-'}")
+    return 0 if st.state in (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING) else 1
+
+
 class UserError(Exception):
     """A mistake in the command line or its inputs: printed as one line, exit code 2."""
 
@@ -106,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_run_demo(sub)
     _add_check_config(sub)
+    _add_status(sub)
     from afd import bench_serve, bench_step, bench_suite, launch, prometheus_config
 
     launch.add_parser(sub)

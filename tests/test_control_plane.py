@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -136,3 +137,7 @@ def test_one_attention_node_leaving_does_not_stop_the_others(tiny_checkpoint, re
         assert health(c.url("attn0")) == 200
         assert _greedy(c.url("attn0"), PROMPTS[0]) == reference[0]
         assert "attention rank 1 left" in c.log("ffn0")
+        status = subprocess.run([sys.executable, "-m", "afd.cli", "status", str(path), "--json"], cwd=ROOT,
+                                capture_output=True, text=True, timeout=30)
+        st = json.loads(status.stdout)
+        assert status.returncode == 1 and st["state"] == "DEGRADED" and st["lost"] == ["attn1"]
