@@ -26,7 +26,9 @@ def micro_batches_rule(t_comm: float, t_compute: float) -> int:
 
 class MicroBatchTuner:
     """Measures `warmup` decode steps with m = 1; if the attention side waited for the FFN more than
-    HIDDEN_ENOUGH of the time, measures the rule's m as many steps and keeps the faster.
+    HIDDEN_ENOUGH of the time, measures the rule's m as many steps and keeps the faster. A choice holds
+    until the decode batch is twice as large or half as large as when it was made (a serving load
+    changes); then it is measured again.
 
     T_comm is the time the attention side sat blocked on the FFN result (the exchange the window did
     not hide); T_compute is the rest of the step.
@@ -34,17 +36,26 @@ class MicroBatchTuner:
 
     def __init__(self, warmup: int = 4):
         self.warmup = warmup
+        self._reset()
+
+    def _reset(self) -> None:
         self.trials: dict[int, list[tuple[float, float]]] = {1: []}
         self.current = 1
         self.chosen: int | None = None
+        self.batch: int | None = None
 
     @property
     def micro_batches(self) -> int:
         return self.chosen or self.current
 
-    def observe(self, step_seconds: float, wait_seconds: float, is_decode: bool) -> None:
-        if self.chosen is not None or not is_decode:
+    def observe(self, step_seconds: float, wait_seconds: float, is_decode: bool, tokens: int = 0) -> None:
+        if not is_decode:
             return
+        if self.chosen is not None:
+            if tokens and self.batch and not self.batch / 2 < tokens < self.batch * 2:
+                self._reset()
+            return
+        self.batch = self.batch or tokens
         samples = self.trials[self.current]
         samples.append((step_seconds, wait_seconds))
         if len(samples) < self.warmup:

@@ -89,7 +89,8 @@ class ModelRunner:
             logits[mb.rows] = self.attn.logits(mb.x[last])
         if self.tuner:
             waited = self.moe.timers.total("ffn_wait") - wait0
-            self.tuner.observe(time.perf_counter() - t0, waited, all(len(s.token_ids) == 1 for s in seqs))
+            decode = all(len(s.token_ids) == 1 for s in seqs)
+            self.tuner.observe(time.perf_counter() - t0, waited, decode, len(seqs))
         return logits
 
     def _prepare(self, index: int, rows: list[int], seqs: list[StepSeq]) -> _MicroBatch:

@@ -71,3 +71,15 @@ def test_split_micro_batches_balances_tokens():
     seqs = [StepSeq([0] * n, 0, []) for n in (10, 1, 1)]
     groups = split_micro_batches(seqs, 2)
     assert sorted(i for g in groups for i in g) == [0, 1, 2] and groups[0] == [0]
+
+
+def test_tuner_measures_again_when_the_batch_changes_size():
+    t = MicroBatchTuner(warmup=1)
+    t.observe(1.0, 0.01, is_decode=True, tokens=32)
+    assert t.chosen == 1
+    t.observe(1.0, 0.01, is_decode=True, tokens=40)  # within 2x: the choice holds
+    assert t.chosen == 1
+    t.observe(1.0, 0.01, is_decode=True, tokens=8)  # a quarter: measured again
+    assert t.chosen is None and t.micro_batches == 1
+    t.observe(1.0, 0.5, is_decode=True, tokens=8)
+    assert t.micro_batches == micro_batches_rule(0.5, 0.5) and t.batch == 8
