@@ -47,26 +47,6 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def _add_run_demo(sub) -> None:
-    p = sub.add_parser("run-demo", help="make the demo checkpoint if needed and generate from it")
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
-    p.set_defaults(func=_cmd_run_demo)
-
-
-def _cmd_run_demo(args) -> int:
-    from afd.demo_model import ensure_demo_checkpoint
-    from afd.llm import LLM
-
-    path = args.model or ensure_demo_checkpoint()
-    print(f"model: {path}")
-    llm = LLM(path)
-    prompts = [[1, 17, 42, 99, 7], [1, 5, 6], [1, 300, 301, 302, 303, 304, 305, 306, 307, 308]]
-    out = llm.generate(prompts, 16, ignore_eos=True)
-    for p, o in zip(prompts, out):
-        print(f"prompt {p} -> {o}")
-    return 0
-
-
 def _add_check_config(sub) -> None:
     p = sub.add_parser("check-config", help="validate a cluster YAML and print the resolved topology")
     p.add_argument("config")
@@ -138,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    _add_run_demo(sub)
     _add_check_config(sub)
     _add_status(sub)
     from afd import bench_serve, bench_step, bench_suite, launch, prometheus_config
