@@ -104,6 +104,7 @@ class RemoteMoE:
         self.pool = BufferPool(device, dtype)
         self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
         self._header_sends: list = []
+        self._acks = {f: torch.empty(IDLE_ACK_LEN, dtype=torch.int64) for f in ffn_ranks}
         self.step_id = 0
         self.bytes_sent = 0
 
@@ -136,12 +137,11 @@ class RemoteMoE:
         """An empty step: tells the FFN nodes this node is alive; returns how many attention nodes had
         work in the FFN step this joined (0: the whole cluster is idle)."""
         self._send_header(StepHeader(self.step_id, (), FLAG_IDLE))
-        acks = [(f, torch.empty(IDLE_ACK_LEN, dtype=torch.int64)) for f in self.ffn_ranks]
-        works = [(f, self.plane.irecv(buf, f)) for f, buf in acks]
+        works = [(f, self.plane.irecv(self._acks[f], f)) for f in self.ffn_ranks]
         for f, w in works:
             self.plane.wait(w, f, "idle ack receive")
         self.end_step()
-        return max(int(buf[0]) for _, buf in acks)
+        return max(int(buf[0]) for buf in self._acks.values())
 
     def leave(self, shutdown: bool = False) -> None:
         """Tell every FFN node this attention node is done (and, with `shutdown`, to exit)."""

@@ -15,10 +15,6 @@ class ExpertShard:
     hi: int
     serves_zero_experts: bool
 
-    @property
-    def num_experts(self) -> int:
-        return self.hi - self.lo
-
 
 def partition_experts(n_routed: int, num_ffn_nodes: int) -> list[ExpertShard]:
     if num_ffn_nodes < 1:

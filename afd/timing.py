@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 
@@ -18,7 +17,7 @@ class Timer:
 
 @dataclass
 class Timers:
-    """Named timers; `span(name)` times a with-block."""
+    """Named accumulating timers."""
 
     timers: dict[str, Timer] = field(default_factory=dict)
 
@@ -28,21 +27,3 @@ class Timers:
     def total(self, name: str) -> float:
         t = self.timers.get(name)
         return t.total if t else 0.0
-
-    def span(self, name: str):
-        return _Span(self, name)
-
-    def as_dict(self) -> dict[str, float]:
-        return {k: v.total for k, v in self.timers.items()}
-
-
-class _Span:
-    def __init__(self, timers: Timers, name: str):
-        self.timers, self.name = timers, name
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.timers.add(self.name, time.perf_counter() - self.t0)
