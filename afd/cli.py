@@ -28,7 +28,7 @@ def _add_generate(sub) -> None:
 
 
 def _cmd_generate(args) -> int:
-    from afd.llm import LLM
+    from afd.engine.llm import LLM
 
     try:
         with open(args.prompt_ids) as f:
@@ -56,17 +56,17 @@ def _add_check_config(sub) -> None:
 def _cmd_check_config(args) -> int:
     import os
 
-    from afd.cluster_config import check_expert_layout, load
-    from afd.config import ModelConfig
-    from afd.demo_config import DEMO_CONFIG
-    from afd.topology import describe
+    from afd.cluster.config import check_expert_layout, load
+    from afd.cluster.topology import describe
+    from afd.model.demo_config import DEMO_CONFIG
+    from afd.model.registry import load_config
 
     cfg = load(args.config)
     n_routed = None
     if cfg.model.path == "demo":
         n_routed = DEMO_CONFIG["n_routed_experts"]
     elif os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        n_routed = ModelConfig.from_dir(cfg.model.path).n_routed_experts
+        n_routed = load_config(cfg.model.path).n_routed_experts
     if n_routed is not None:
         check_expert_layout(cfg, n_routed)
     print(describe(cfg, n_routed))
@@ -86,7 +86,7 @@ def _cmd_status(args) -> int:
     import grpc
     from google.protobuf.json_format import MessageToDict
 
-    from afd.cluster_config import load
+    from afd.cluster.config import load
     from afd.control import control_pb2 as pb
     from afd.control.auth import call_metadata
     from afd.control.client import ControlClient
@@ -120,15 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_check_config(sub)
     _add_status(sub)
-    from afd import bench_serve, bench_step, bench_suite, launch, prometheus_config
+    from afd.bench import serve, step, suite
+    from afd.cluster import launch
+    from afd.observability import prometheus_config
 
-    launch.add_parser(sub)
-    prometheus_config.add_parser(sub)
-    bench_serve.add_parser(sub)
-    bench_step.add_parser(sub)
-    bench_suite.add_parser(sub)
+    for module in (launch, prometheus_config, serve, step, suite):
+        module.add_parser(sub)
     args = parser.parse_args(argv)
-    from afd.local_cluster import ClusterError  # light: no torch
+    from afd.cluster.local import ClusterError  # light: no torch
 
     try:
         return args.func(args)

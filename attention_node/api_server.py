@@ -13,10 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from afd import __version__
-from afd.metrics import CONTENT_TYPE, AttentionMetrics
-from afd.tokenizer import Tokenizer
-from attention_node import request as rq
-from attention_node.engine import Engine, EngineDead
+from afd.engine import request as rq
+from afd.engine.engine import Engine, EngineDead
+from afd.engine.tokenizer import Tokenizer
+from afd.observability.metrics import CONTENT_TYPE, AttentionMetrics
 from attention_node.openai_protocol import (
     ApiError,
     ChatCompletionRequest,

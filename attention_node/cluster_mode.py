@@ -16,9 +16,9 @@ import uvicorn
 
 from afd.control import control_pb2 as pb
 from afd.control.client import ControlError
-from afd.node_args import start_cluster_node
-from afd.signals import set_stop_handler
-from afd.transport import PeerError
+from afd.dataplane.transport import PeerError
+from afd.node.args import start_cluster_node
+from afd.node.signals import set_stop_handler
 
 log = logging.getLogger("afd.attention")
 

@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 
-from afd.node_args import add_cluster_args, start_cluster_node
-from afd.signals import exit_on_signal
+from afd.node.args import add_cluster_args, start_cluster_node
+from afd.node.signals import exit_on_signal
 
 log = logging.getLogger("afd.attention")
 
@@ -66,7 +66,7 @@ def _run_generate(args) -> int:
     if isinstance(cfg, int):
         return cfg
     from afd.control.client import ControlError
-    from afd.transport import PeerError
+    from afd.dataplane.transport import PeerError
     from attention_node.worker import run_offline
 
     try:

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from afd.sampling import SamplingParams
+from afd.engine.sampling import SamplingParams
 
 
 class ApiError(Exception):

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import logging
 
-from afd.checkpoint import build_attention_half, open_reader
-from afd.config import CacheConfig
+from afd.cluster.topology import served_model_name
 from afd.control import control_pb2 as pb
-from afd.kv_cache import KVCache
-from afd.llm import parse_dtype
-from afd.metrics import AttentionMetrics
-from afd.moe_exchange import RemoteMoE
-from afd.node_runtime import bring_up
-from afd.runner import ModelRunner
-from afd.tokenizer import load_tokenizer
-from afd.topology import served_model_name
+from afd.dataplane.exchange import RemoteMoE
+from afd.engine.engine import Engine
+from afd.engine.kv_cache import CacheConfig, KVCache
+from afd.engine.runner import ModelRunner
+from afd.engine.scheduler import Scheduler
+from afd.engine.tokenizer import load_tokenizer
+from afd.model.checkpoint import build_attention_half, open_reader
+from afd.model.config import parse_dtype
+from afd.node.runtime import bring_up
+from afd.observability.metrics import AttentionMetrics
 from attention_node.api_server import ServerState
-from attention_node.engine import Engine
 from attention_node.openai_protocol import Limits
-from attention_node.scheduler import Scheduler
 
 log = logging.getLogger("afd.attention")
 # DEGRADED (some node missed heartbeats) still serves: a lost FFN peer shows up in this node's own data

@@ -12,7 +12,7 @@ N=${N:-200}; IN=${IN:-64}; OUT=${OUT:-32}; CONC=${CONC:-8}; OUTDIR=${OUTDIR:-doc
 HF_PORT=${HF_PORT:-8010}
 mkdir -p "$OUTDIR"
 $BIN/python -m pip install --quiet "transformers[serving]"  # FastAPI extras transformers serve needs
-MODEL=$($BIN/python -c "from afd.demo_model import ensure_demo_checkpoint; print(ensure_demo_checkpoint())")
+MODEL=$($BIN/python -c "from afd.model.demo import ensure_demo_checkpoint; print(ensure_demo_checkpoint())")
 
 wait_health() {  # url, seconds
   for _ in $(seq 1 "$2"); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done

@@ -8,9 +8,9 @@ import os
 
 from afd.control import control_pb2 as pb
 from afd.control.client import ControlError
-from afd.node_args import start_cluster_node
-from afd.signals import set_stop_handler
-from afd.transport import PeerError
+from afd.dataplane.transport import PeerError
+from afd.node.args import start_cluster_node
+from afd.node.signals import set_stop_handler
 
 log = logging.getLogger("afd.ffn")
 
@@ -28,12 +28,12 @@ def run_cluster_node(args) -> int:
         return cfg
     state = {"rt": None}
     set_stop_handler(lambda _: state["rt"] and state["rt"].close(plane=False))
-    from afd.checkpoint import build_ffn_half, open_reader
-    from afd.llm import parse_dtype
-    from afd.metrics import FFNMetrics, serve_metrics
-    from afd.node_runtime import bring_up
-    from afd.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
-    from afd.topology import served_model_name
+    from afd.cluster.topology import served_model_name
+    from afd.dataplane.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
+    from afd.model.checkpoint import build_ffn_half, open_reader
+    from afd.model.config import parse_dtype
+    from afd.node.runtime import bring_up
+    from afd.observability.metrics import FFNMetrics, serve_metrics
     from ffn_node.server import FFNServer
 
     dtype = parse_dtype(cfg.model.dtype)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from afd.node_args import add_cluster_args
-from afd.signals import exit_on_signal
+from afd.node.args import add_cluster_args
+from afd.node.signals import exit_on_signal
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """The FFN node's serving loop: receive -> route -> experts -> send, for every attention peer.
 
 It never initiates: each step starts with a header from every active attention node, after which the
-sizes of all messages are known (afd.protocol). Per layer and micro-batch, the MoE inputs of all peers
+sizes of all messages are known (afd.dataplane.protocol). Per layer and micro-batch, the MoE inputs of all peers
 are received into one preallocated buffer, so the experts see the aggregate batch of every peer.
 """
 
@@ -13,11 +13,11 @@ import time
 import torch
 
 from afd.backend import Backend
-from afd.metrics import FFNMetrics
-from afd.model.ffn_half import FFNHalf
-from afd.protocol import FLAG_IDLE, FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, IDLE_ACK_LEN, StepHeader
-from afd.timing import Timers
-from afd.transport import BufferPool, DataPlane
+from afd.dataplane.protocol import FLAG_IDLE, FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, IDLE_ACK_LEN, StepHeader
+from afd.dataplane.transport import BufferPool, DataPlane
+from afd.model.longcat_flash.ffn import FFNHalf
+from afd.observability.metrics import FFNMetrics
+from afd.observability.timing import Timers
 
 log = logging.getLogger("afd.ffn")
 
@@ -33,7 +33,7 @@ class FFNServer:
         self.pool = BufferPool(backend.device, dtype)
         self._headers = {r: torch.empty(HEADER_LEN, dtype=torch.int64) for r in attention_ranks}
         self.layer_hook = layer_hook
-        """Called as hook(layer) -> bytes while waiting for that layer's inputs (afd.prefetch)."""
+        """Called as hook(layer) -> bytes while waiting for that layer's inputs (afd.dataplane.prefetch)."""
         self.metrics = metrics
         self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64)
         self.steps = 0

@@ -18,6 +18,8 @@ TINY_CONFIGS = {
                       ffn_hidden_size=22, q_lora_rank=10, kv_lora_rank=6, qk_nope_head_dim=5,
                       qk_rope_head_dim=6, head_dim=6, v_head_dim=7, moe_topk=5, n_routed_experts=7,
                       zero_expert_num=3, expert_ffn_hidden_size=9, routed_scaling_factor=6.0),
+    # HF builds the classifier's bias but its router never adds it: neither may afd.
+    "router_bias": dict(seed=3, router_bias=True),
 }
 
 

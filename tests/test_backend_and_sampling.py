@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from afd.backend import get_backend
-from afd.sampling import Sampler, SamplingParams
+from afd.engine.sampling import Sampler, SamplingParams
 
 
 def test_cpu_grouped_matmul_matches_per_group_reference():
@@ -22,7 +22,7 @@ def test_cpu_grouped_matmul_matches_per_group_reference():
 
 
 def test_importing_afd_never_imports_device_sdks():
-    code = ("import afd, afd.llm, afd.backend, afd.checkpoint, sys; "
+    code = ("import afd, afd.engine.llm, afd.backend, afd.model.checkpoint, sys; "
             "assert 'torch_npu' not in sys.modules and 'torchair' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

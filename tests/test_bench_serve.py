@@ -11,8 +11,8 @@ import threading
 import pytest
 from aiohttp import web
 
-from afd import bench_metrics as bm
-from afd import bench_serve
+from afd.bench import metrics as bm
+from afd.bench import serve as bench_serve
 
 API_KEY = "test-key"
 FAIL_503_AT = 3  # the request numbers (in arrival order at the server) that fail, one per kind of failure

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from afd import bench_gemm, bench_suite
+from afd.bench import gemm as bench_gemm
+from afd.bench import suite as bench_suite
 
 
 def _args(argv: list[str]) -> argparse.Namespace:

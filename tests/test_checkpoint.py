@@ -11,14 +11,15 @@ import torch
 from hf_reference import PROMPTS, make_hf_checkpoint
 
 import afd
-from afd.checkpoint import (
+from afd.model.checkpoint import (
     CheckpointError,
     DummyReader,
     SafetensorsReader,
     build_attention_half,
     build_ffn_half,
 )
-from afd.config import ConfigError, ModelConfig
+from afd.model.config import ConfigError
+from afd.model.registry import load_config
 
 CPU = torch.device("cpu")
 
@@ -38,7 +39,7 @@ def test_sharded_checkpoint_matches_single_file(sharded, tiny_checkpoint):
 
 
 def test_each_role_reads_only_its_tensors(tiny_checkpoint):
-    cfg = ModelConfig.from_dir(tiny_checkpoint)
+    cfg = load_config(tiny_checkpoint)
     ra, rf = SafetensorsReader(tiny_checkpoint), SafetensorsReader(tiny_checkpoint)
     build_attention_half(cfg, ra, torch.float32, CPU)
     build_ffn_half(cfg, rf, torch.float32, CPU, lo=2, hi=4)
@@ -56,7 +57,7 @@ def test_roles_load_with_the_other_roles_shard_deleted(tiny_checkpoint, tmp_path
     parts = {"attn.safetensors": {}, "ffn.safetensors": {}}
     for k, v in tensors.items():
         parts["ffn.safetensors" if _is_ffn_key(k) else "attn.safetensors"][k] = v
-    cfg = ModelConfig.from_dir(tiny_checkpoint)
+    cfg = load_config(tiny_checkpoint)
     for keep in parts:
         d = tmp_path / keep
         d.mkdir()
@@ -115,7 +116,7 @@ def test_missing_files_and_bad_model_type(tiny_checkpoint, tmp_path):
 
 
 def test_dummy_weights_agree_across_expert_partitions(tiny_checkpoint):
-    cfg = ModelConfig.from_dir(tiny_checkpoint)
+    cfg = load_config(tiny_checkpoint)
     whole = build_ffn_half(cfg, DummyReader(7), torch.float32, CPU)
     part = build_ffn_half(cfg, DummyReader(7), torch.float32, CPU, lo=3, hi=5)
     assert torch.equal(whole.layers[1].experts.w13[3:5], part.layers[1].experts.w13)
@@ -124,7 +125,7 @@ def test_dummy_weights_agree_across_expert_partitions(tiny_checkpoint):
 
 
 def test_demo_checkpoint_loads_like_dummy_weights(tmp_path):
-    from afd.demo_model import DEMO_CONFIG, write_checkpoint
+    from afd.model.demo import DEMO_CONFIG, write_checkpoint
 
     cfg = {**DEMO_CONFIG, "num_layers": 1, "vocab_size": 64}
     path = write_checkpoint(str(tmp_path / "demo"), cfg, seed=3)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from afd.cluster_config import ClusterConfig, ClusterConfigError, from_dict, load
-from afd.demo_model import DEMO_CONFIG
+from afd.cluster.config import ClusterConfig, ClusterConfigError, from_dict, load
+from afd.model.demo import DEMO_CONFIG
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

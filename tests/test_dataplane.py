@@ -14,7 +14,7 @@ import pytest
 from hf_reference import PROMPTS, hf_greedy
 
 import afd
-from afd.local_cluster import LocalCluster, LocalClusterSpec
+from afd.cluster.local import LocalCluster, LocalClusterSpec
 
 pytestmark = pytest.mark.multiprocess
 NEW_TOKENS = 32
@@ -37,6 +37,17 @@ def test_afd_generation_equals_hf(tiny_checkpoint, reference, A, F, overlap, mic
     assert llm.generate(PROMPTS, NEW_TOKENS) == reference
 
 
+def test_multiprocess_sampling_honours_seed_top_k_and_top_p(tiny_checkpoint, reference):
+    """Sampling runs in the attention nodes' engines, with every field of the request."""
+    seeded = dict(temperature=1.0, seed=7)
+    local = afd.LLM(tiny_checkpoint).generate(PROMPTS, 12, **seeded)
+    assert local != [ids[:12] for ids in reference]  # really sampled
+    nodes = afd.LLM(tiny_checkpoint, attention_nodes=2, ffn_nodes=1)
+    assert nodes.generate(PROMPTS, 12, **seeded) == local  # the seed, wherever each prompt ran
+    assert nodes.generate(PROMPTS, NEW_TOKENS, temperature=1.0, top_k=1) == reference
+    assert nodes.generate(PROMPTS, NEW_TOKENS, temperature=5.0, top_p=1e-4) == reference
+
+
 def test_generate_cli_multiprocess_prints_same_json(tiny_checkpoint, reference, tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps(PROMPTS))
@@ -49,7 +60,7 @@ def test_generate_cli_multiprocess_prints_same_json(tiny_checkpoint, reference, 
 
 def _long_job(tmp_path) -> LocalCluster:
     """A dummy-weights job long enough to be interrupted."""
-    from afd.demo_model import DEMO_CONFIG
+    from afd.model.demo import DEMO_CONFIG
 
     d = tmp_path / "model"
     d.mkdir()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from afd.cluster_config import ClusterConfig, from_dict
+from afd.cluster.config import ClusterConfig, from_dict
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -7,7 +7,7 @@ import torch
 from hf_reference import PROMPTS
 
 import afd
-from afd.kv_cache import BlockAllocator, KVCache, OutOfBlocks, blocks_needed
+from afd.engine.kv_cache import BlockAllocator, KVCache, OutOfBlocks, blocks_needed
 from afd.model.attention_metadata import AttentionMetadata
 
 

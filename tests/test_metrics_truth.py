@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from cluster_helpers import Cluster, cluster_yaml, get, post
 
-from afd.bench_step import BENCH_CONFIG
+from afd.bench.step import BENCH_CONFIG
 
 pytestmark = pytest.mark.multiprocess
 

@@ -18,10 +18,10 @@ import pytest
 import yaml
 from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, post
 
-from afd import prometheus_config
-from afd.cluster_config import from_dict, load
-from afd.metrics import AttentionMetrics, FFNMetrics
-from afd.prometheus_config import render
+from afd.cluster.config import from_dict, load
+from afd.observability import prometheus_config
+from afd.observability.metrics import AttentionMetrics, FFNMetrics
+from afd.observability.prometheus_config import render
 
 LOCAL_YAML = ROOT / "deploy" / "local.yaml"
 COMMITTED = ROOT / "deploy" / "prometheus.yml"

@@ -12,9 +12,9 @@ from hf_reference import PROMPTS, hf_greedy
 
 from afd.backend import Backend, get_backend
 from afd.backend.npu import NpuBackend
-from afd.checkpoint import DummyReader, build_ffn_half
-from afd.config import ModelConfig
-from afd.prefetch import PrefetchConfig, PrefetchSchedule
+from afd.dataplane.prefetch import PrefetchConfig, PrefetchSchedule
+from afd.model.checkpoint import DummyReader, build_ffn_half
+from afd.model.registry import load_config
 
 
 class _Recorder(Backend):
@@ -35,7 +35,7 @@ class _Recorder(Backend):
 
 @pytest.fixture(scope="module")
 def ffn(tiny_checkpoint):
-    cfg = ModelConfig.from_dir(tiny_checkpoint)
+    cfg = load_config(tiny_checkpoint)
     return build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"))
 
 

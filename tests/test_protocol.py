@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afd.overlap import MicroBatchTuner, micro_batches_rule
-from afd.placement import partition_experts
-from afd.protocol import FLAG_LEAVE, HEADER_LEN, ProtocolError, StepHeader
-from afd.runner import StepSeq, split_micro_batches
+from afd.cluster.placement import partition_experts
+from afd.dataplane.overlap import MicroBatchTuner, micro_batches_rule
+from afd.dataplane.protocol import FLAG_LEAVE, HEADER_LEN, ProtocolError, StepHeader
+from afd.engine.runner import StepSeq, split_micro_batches
 
 
 def test_header_round_trip():

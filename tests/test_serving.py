@@ -157,7 +157,7 @@ def test_dead_ffn_node_makes_health_503_and_requests_fail_fast(tiny_checkpoint, 
 
 def _slow_model(tmp_path) -> str:
     """Dummy weights big enough that a few hundred tokens take seconds."""
-    from afd.bench_step import BENCH_CONFIG
+    from afd.bench.step import BENCH_CONFIG
 
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)

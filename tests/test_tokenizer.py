@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from afd.demo_model import DEMO_CONFIG, write_tokenizer
-from afd.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, find_stop, load_tokenizer
+from afd.engine.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer, find_stop, load_tokenizer
+from afd.model.demo import DEMO_CONFIG, write_tokenizer
 
 TEXTS = ["The experts compute while attention waits.", "Attention-FFN 解耦 ✓", "café naïve 🚀 ok", " two  spaces\n"]
 VOCAB = DEMO_CONFIG["vocab_size"]
@@ -138,7 +138,7 @@ def test_streaming_prompt_ending_mid_character(tok):
 
 
 def test_demo_checkpoint_gets_a_tokenizer(tmp_path):
-    from afd.demo_model import ensure_demo_checkpoint, write_checkpoint
+    from afd.model.demo import ensure_demo_checkpoint, write_checkpoint
 
     path = ensure_demo_checkpoint(str(tmp_path / "demo"))
     (tmp_path / "demo" / "tokenizer.json").unlink()  # a cache from before the demo had a tokenizer

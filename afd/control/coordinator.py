@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 
 from afd import __version__
-from afd.cluster_config import ClusterConfig, check_expert_layout
+from afd.cluster.config import ClusterConfig, check_expert_layout
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
 

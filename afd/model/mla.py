@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.config import ModelConfig
 from afd.model.attention_metadata import AttentionMetadata
+from afd.model.config import ModelConfig
 from afd.model.layers import RMSNorm, apply_rotary
 
 # HF's q_a_layernorm / kv_a_layernorm are built without the config's eps.

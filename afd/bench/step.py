@@ -1,0 +1,123 @@
+"""`afd bench-step`: decode step time of colocated vs AFD (no overlap / overlap / ping-pong), side by side.
+
+Every mode runs the same dummy-weights model, batch and prompt length; modes are interleaved over
+`--repeats` rounds so that machine noise hits them alike; each figure is a median over decode steps
+and then over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+
+BENCH_CONFIG = {
+    # Sized so that the attention window (dense MLP 0, attention 1, dense MLP 1) and the MoE take
+    # comparable time on one CPU core at decode batch sizes.
+    "model_type": "longcat_flash", "vocab_size": 1024, "hidden_size": 512, "num_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 8, "ffn_hidden_size": 2048, "q_lora_rank": 256,
+    "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "head_dim": 16, "v_head_dim": 32,
+    "moe_topk": 4, "n_routed_experts": 16, "zero_expert_num": 4, "expert_ffn_hidden_size": 768,
+    "routed_scaling_factor": 6.0, "max_position_embeddings": 8192, "eos_token_id": 2,
+}
+
+SCENARIOS = {
+    "balanced": BENCH_CONFIG,
+    # The MoE round trip is longer than the ScMoE window: the case ping-pong micro-batches are for.
+    "ffn-heavy": {**BENCH_CONFIG, "ffn_hidden_size": 768, "moe_topk": 8, "expert_ffn_hidden_size": 1024},
+}
+
+MODES = {
+    "colocated": dict(colocated=True),
+    "afd --no-overlap": dict(overlap=False, micro_batches=1),
+    "afd overlap (m=1)": dict(overlap=True, micro_batches=1),
+    "afd ping-pong (m=2)": dict(overlap=True, micro_batches=2),
+    "afd auto m": dict(overlap=True, micro_batches=0),
+}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench-step", help="decode step time: colocated vs AFD without/with overlap")
+    p.add_argument("--model", default=None, help="checkpoint dir (config.json is enough: dummy weights)")
+    p.add_argument("--scenario", default="balanced", choices=list(SCENARIOS),
+                   help="built-in model size when --model is not given")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=24, help="decode steps per run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--attention-nodes", type=int, default=1)
+    p.add_argument("--ffn-nodes", type=int, default=1)
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.set_defaults(func=run)
+
+
+def _colocated(model: str, prompts, steps: int) -> list[dict]:
+    from afd.bench.common import Colocated
+
+    # one core, as each AFD node gets
+    return Colocated(model, dummy_weights=True).generate(prompts, steps + 1, threads=1).steps
+
+
+def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_batches: int) -> list[dict]:
+    from afd.cluster.local import LocalCluster, LocalClusterSpec
+
+    spec = LocalClusterSpec(model, A, F, dummy_weights=True, overlap=overlap, micro_batches=micro_batches)
+    with LocalCluster(spec) as cluster:
+        cluster.start(prompts, steps + 1, ignore_eos=True)
+        _, reports = cluster.wait()
+        ffn = cluster.ffn_reports[0]
+    busy = ffn["compute_seconds"] / max(1e-9, ffn["compute_seconds"] + ffn["idle_seconds"])
+    return [dict(s, ffn_busy=busy) for s in reports[0]["steps"]]
+
+
+def _summarize(steps: list[dict], batch: int) -> dict:
+    decode = [s for s in steps[1:] if s["tokens"] == batch][2:]  # skip prefill and warm-up steps
+    total = sum(s["seconds"] for s in decode)
+    return {"step_ms": 1e3 * statistics.median(s["seconds"] for s in decode),
+            "wait_fraction": sum(s["ffn_wait"] for s in decode) / total if total else 0.0,
+            "ffn_busy": steps[-1].get("ffn_busy")}
+
+
+def run(args) -> int:
+    modes = [m.strip() for m in args.modes.split(",")]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = args.model
+        if model is None:
+            model = tmp
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(SCENARIOS[args.scenario], f)
+        A, F = args.attention_nodes, args.ffn_nodes
+        per_node = args.batch_size
+        prompts = [[3 + (i * 7 + j) % 1000 for j in range(args.prompt_len)] for i in range(per_node * A)]
+        rounds: dict[str, list[dict]] = {m: [] for m in modes}
+        for r in range(args.repeats):
+            for m in modes[r % len(modes):] + modes[: r % len(modes)]:  # rotate the order each round
+                t0 = time.perf_counter()
+                if "colocated" in MODES[m]:
+                    steps = _colocated(model, prompts[:per_node], args.steps)
+                else:
+                    steps = _afd(model, prompts, args.steps, A, F, MODES[m]["overlap"], MODES[m]["micro_batches"])
+                rounds[m].append(_summarize(steps, per_node))
+                print(f"round {r + 1}/{args.repeats} {m}: {rounds[m][-1]['step_ms']:.2f} ms/step "
+                      f"({time.perf_counter() - t0:.1f}s)", flush=True)
+    results = {m: {k: statistics.median(x[k] for x in v) if v[0][k] is not None else None
+                   for k in ("step_ms", "wait_fraction", "ffn_busy")} for m, v in rounds.items()}
+    base = results.get("afd --no-overlap", {}).get("step_ms")
+    print(f"\n{args.model or args.scenario}: {A}A{F}F, batch {per_node} per attention node, prompt {args.prompt_len}, "
+          f"{args.steps} decode steps, median of {args.repeats} rounds")
+    print("| mode | decode step (ms) | attention waiting on FFN | FFN busy (compute / run) | vs --no-overlap |")
+    print("|---|---|---|---|---|")
+    for m, r in results.items():
+        speed = f"{base / r['step_ms']:.2f}x" if base else "-"
+        busy = "-" if r["ffn_busy"] is None else f"{100 * r['ffn_busy']:.0f}%"
+        print(f"| {m} | {r['step_ms']:.2f} | {100 * r['wait_fraction']:.1f}% | {busy} | {speed} |")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"config": vars(args) | {"func": None}, "results": results, "rounds": rounds}, f, indent=2)
+    return 0

@@ -1,0 +1,368 @@
+"""The cluster YAML: every node, the model, the parallel layout, the serving engine.
+
+Loaded into small frozen dataclasses. Every mistake raises ClusterConfigError naming the key path
+(`nodes[1].ports.http: ...`); `afd check-config` prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import yaml
+
+from afd.cluster.placement import ExpertShard, partition_experts
+
+ROLES = ("attention", "ffn")
+DEVICES = ("cpu", "cuda", "npu")
+
+
+class ClusterConfigError(ValueError):
+    """The cluster YAML is malformed; the message starts with the file and key path."""
+
+
+@dataclass(frozen=True)
+class Ports:
+    control: int
+    """gRPC: the node's health service (and the coordinator, on the coordinator node)."""
+    data: int
+    """Data-plane rendezvous (torch.distributed store); only rank 0's (the first attention node) is used."""
+    http: int | None = None
+    """OpenAI API, /health, /metrics (attention nodes)."""
+    metrics: int | None = None
+    """/health and /metrics of FFN nodes."""
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    role: str
+    host: str
+    ports: Ports
+    device: str = "cpu"
+    """cpu, cuda, cuda:N, npu or npu:N."""
+    threads: int | None = None
+    """torch intra-op threads; default on CPU: this host's cores shared evenly by its CPU nodes."""
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def device_index(self) -> int:
+        return int(self.device.split(":")[1]) if ":" in self.device else 0
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str
+    """Checkpoint directory; `demo` is the built-in demo checkpoint (made on first use)."""
+    dtype: str = "float32"
+    dummy_weights: bool = False
+    seed: int = 0
+    max_model_len: int | None = None
+    """Context limit for requests; default: the model's max_position_embeddings."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    overlap: bool = True
+    micro_batches: int = 0
+    """Ping-pong micro-batches (1-4); 0 chooses from measured times."""
+    experts: dict | None = None
+    """FFN node name -> [lo, hi) routed experts; default: an even split in node order."""
+    zero_experts: str | None = None
+    """FFN node that applies the identity experts; default: the first FFN node."""
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    block_size: int = 16
+    kv_cache_bytes: int = 256 << 20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    shutdown_timeout: float = 30.0
+    """Seconds SIGTERM lets running requests finish (0 aborts them)."""
+
+
+@dataclass(frozen=True)
+class PrefetchSection:
+    """FFN-side weight prefetch while waiting for each layer's inputs (afd.dataplane.prefetch)."""
+
+    enabled: bool | None = None
+    """Unset: the backend's default (on for Ascend NPU; off on CPU and CUDA, see docs/benchmarks.md)."""
+    budget_bytes: int = 8 << 20
+    weights: list | None = None
+    """Any of router, gate_up, down, in prefetch order (default: all three)."""
+    next_layer: bool = True
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    name: str = "afd"
+    coordinator: str | None = None
+    """Node hosting the coordinator; default: the first attention node."""
+    startup_timeout: float = 120.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    comm_timeout: float = 60.0
+    tls: dict | None = None
+    """Optional {cert, key, ca} file paths for the control plane."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    cluster: ClusterSection
+    model: ModelSection
+    layout: Layout
+    engine: EngineSection
+    nodes: tuple[Node, ...]
+    prefetch: PrefetchSection = PrefetchSection()
+    source: str = "<dict>"
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise ClusterConfigError(f"{self.source}: no node named {name!r} (nodes: {', '.join(self.names)})")
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    @property
+    def attention_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.role == "attention"]
+
+    @property
+    def ffn_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.role == "ffn"]
+
+    @property
+    def coordinator(self) -> Node:
+        return self.node(self.cluster.coordinator or self.attention_nodes[0].name)
+
+    def rank(self, name: str) -> int:
+        """Data-plane rank: attention nodes first, then FFN nodes, each in file order."""
+        order = self.attention_nodes + self.ffn_nodes
+        return [n.name for n in order].index(name)
+
+    def expert_shard(self, name: str, n_routed: int | None = None) -> ExpertShard:
+        ffn = [n.name for n in self.ffn_nodes]
+        zero = self.layout.zero_experts or ffn[0]
+        if self.layout.experts:
+            lo, hi = self.layout.experts[name]
+            return ExpertShard(lo, hi, name == zero)
+        if n_routed is None:
+            raise ValueError("n_routed is needed for the default expert split")
+        shard = partition_experts(n_routed, len(ffn))[ffn.index(name)]
+        return ExpertShard(shard.lo, shard.hi, name == zero)
+
+    @property
+    def topology_name(self) -> str:
+        return f"{len(self.attention_nodes)}A{len(self.ffn_nodes)}F"
+
+
+# ---- loading and validation -------------------------------------------------------------------
+
+
+def _fail(src: str, path: str, msg: str):
+    raise ClusterConfigError(f"{src}: {path}: {msg}" if path else f"{src}: {msg}")
+
+
+def _check_type(src: str, path: str, value: Any, typ: str) -> Any:
+    ok = {
+        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "bool": lambda v: isinstance(v, bool),
+        "str": lambda v: isinstance(v, str) and v != "",
+        "dict": lambda v: isinstance(v, dict),
+        "list": lambda v: isinstance(v, list),
+    }
+    base = typ.replace(" | None", "")
+    if value is None and "None" in typ:
+        return value
+    if base in ok and not ok[base](value):
+        _fail(src, path, f"expected {base}, got {type(value).__name__} {value!r}")
+    return float(value) if base == "float" else value
+
+
+def _section(cls, src: str, path: str, raw: Any, required: tuple[str, ...] = ()):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        _fail(src, path, f"expected a mapping, got {type(raw).__name__}")
+    known = {f.name: f for f in fields(cls)}
+    for key in raw:
+        if key not in known:
+            _fail(src, f"{path}.{key}" if path else str(key), f"unknown key (known: {', '.join(known)})")
+    for key in required:
+        if key not in raw:
+            _fail(src, f"{path}.{key}", "required key is missing")
+    kw = {k: _check_type(src, f"{path}.{k}", v, str(known[k].type)) for k, v in raw.items()}
+    return kw
+
+
+def _parse_bytes(src: str, path: str, v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+    if isinstance(v, str):
+        for unit, mult in units.items():
+            if v.endswith(unit) and v[: -len(unit)].strip().replace(".", "", 1).isdigit():
+                return int(float(v[: -len(unit)]) * mult)
+    _fail(src, path, f"expected a byte count like 256MiB, got {v!r}")
+
+
+def _positive(src: str, path: str, v, allow_zero: bool = False) -> None:
+    if v is not None and (v < 0 or (v == 0 and not allow_zero)):
+        _fail(src, path, f"must be {'>= 0' if allow_zero else 'positive'}, got {v}")
+
+
+@dataclass
+class _Ctx:
+    src: str
+    seen_ports: dict = field(default_factory=dict)
+
+
+def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
+    path = f"nodes[{i}]"
+    kw = _section(Node, ctx.src, path, raw, required=("name", "role", "host", "ports"))
+    if kw["role"] not in ROLES:
+        _fail(ctx.src, f"{path}.role", f"must be one of {', '.join(ROLES)}, got {kw['role']!r}")
+    dev = kw.get("device", "cpu")
+    dtype, _, idx = str(dev).partition(":")
+    if dtype not in DEVICES or (idx and not idx.isdigit()):
+        _fail(ctx.src, f"{path}.device", f"expected cpu, cuda[:N] or npu[:N], got {dev!r}")
+    pk = _section(Ports, ctx.src, f"{path}.ports", kw["ports"], required=("control", "data"))
+    for name, port in pk.items():
+        if port is None:
+            continue
+        if not 1 <= port <= 65535:
+            _fail(ctx.src, f"{path}.ports.{name}", f"port {port} outside 1..65535")
+        where = (kw["host"], port)
+        if where in ctx.seen_ports:
+            _fail(ctx.src, f"{path}.ports.{name}", f"port {port} on {kw['host']} is already used by "
+                                                   f"{ctx.seen_ports[where]}")
+        ctx.seen_ports[where] = f"{kw['name']}.ports.{name}"
+    if kw["role"] == "attention" and pk.get("http") is None:
+        _fail(ctx.src, f"{path}.ports.http", "attention nodes need an http port")
+    if kw["role"] == "ffn" and pk.get("http") is not None:
+        _fail(ctx.src, f"{path}.ports.http", "FFN nodes serve no API; use ports.metrics")
+    return Node(ports=Ports(**pk), **{k: v for k, v in kw.items() if k != "ports"})
+
+
+def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
+    ffn = [n.name for n in nodes if n.role == "ffn"]
+    if layout.zero_experts is not None and layout.zero_experts not in ffn:
+        _fail(src, "layout.zero_experts", f"{layout.zero_experts!r} is not an FFN node ({', '.join(ffn)})")
+    if not 0 <= layout.micro_batches <= 4:
+        _fail(src, "layout.micro_batches", f"must be in 0..4 (0: automatic), got {layout.micro_batches}")
+    if layout.experts is None:
+        return
+    if set(layout.experts) != set(ffn):
+        _fail(src, "layout.experts", f"must name every FFN node exactly ({', '.join(ffn)}); got "
+                                     f"{', '.join(map(str, layout.experts))}")
+    spans = []
+    for name, span in layout.experts.items():
+        ok = isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)
+        if not ok or not 0 <= span[0] < span[1]:
+            _fail(src, f"layout.experts.{name}", f"expected [lo, hi) with 0 <= lo < hi, got {span!r}")
+        spans.append((span[0], span[1], name))
+    spans.sort()
+    end = 0
+    for lo, hi, name in spans:
+        if lo != end:
+            what = "overlaps" if lo < end else "leaves a gap before"
+            _fail(src, f"layout.experts.{name}", f"[{lo}, {hi}) {what} expert {end}: ranges must tile [0, E)")
+        end = hi
+
+
+def check_expert_layout(cfg: ClusterConfig, n_routed: int) -> None:
+    """The expert layout against the model: explicit ranges must end at n_routed, an even split needs
+    at least one expert per FFN node."""
+    if cfg.layout.experts:
+        end = max(hi for _, hi in cfg.layout.experts.values())
+        if end != n_routed:
+            raise ClusterConfigError(f"{cfg.source}: layout.experts: ranges cover [0, {end}) but the model has "
+                                     f"{n_routed} routed experts")
+    elif len(cfg.ffn_nodes) > n_routed:
+        raise ClusterConfigError(f"{cfg.source}: nodes: {len(cfg.ffn_nodes)} FFN nodes for {n_routed} routed "
+                                 "experts: some would hold none")
+
+
+def _check_tls(src: str, tls: dict | None) -> None:
+    if tls is None:
+        return
+    for key, value in tls.items():
+        if key not in ("cert", "key", "ca"):
+            _fail(src, f"cluster.tls.{key}", "unknown key (known: cert, key, ca)")
+        if not isinstance(value, str) or not value:
+            _fail(src, f"cluster.tls.{key}", f"expected a file path, got {value!r}")
+    if ("cert" in tls) != ("key" in tls):
+        _fail(src, "cluster.tls", "cert and key go together")
+
+
+def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
+    if not isinstance(raw, dict):
+        _fail(src, "", "the file must be a YAML mapping")
+    allowed = ("cluster", "model", "layout", "engine", "prefetch", "nodes")
+    for key in raw:
+        if key not in allowed:
+            _fail(src, str(key), f"unknown key (known: {', '.join(allowed)})")
+    for key in ("model", "nodes"):
+        if key not in raw:
+            _fail(src, key, "required key is missing")
+    cluster = ClusterSection(**_section(ClusterSection, src, "cluster", raw.get("cluster")))
+    _check_tls(src, cluster.tls)
+    for k in ("startup_timeout", "heartbeat_interval", "heartbeat_timeout", "comm_timeout"):
+        _positive(src, f"cluster.{k}", getattr(cluster, k))
+    model_kw = _section(ModelSection, src, "model", raw["model"], required=("path",))
+    if model_kw.get("dtype", "float32") not in ("float32", "bfloat16", "float16"):
+        _fail(src, "model.dtype", f"expected float32, bfloat16 or float16, got {model_kw['dtype']!r}")
+    model = ModelSection(**model_kw)
+    _positive(src, "model.max_model_len", model.max_model_len)
+    layout = Layout(**_section(Layout, src, "layout", raw.get("layout")))
+    eng_raw = dict(raw.get("engine") or {})
+    if "kv_cache_bytes" in eng_raw:
+        eng_raw["kv_cache_bytes"] = _parse_bytes(src, "engine.kv_cache_bytes", eng_raw["kv_cache_bytes"])
+    engine = EngineSection(**_section(EngineSection, src, "engine", eng_raw))
+    for k in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        _positive(src, f"engine.{k}", getattr(engine, k))
+    _positive(src, "engine.shutdown_timeout", engine.shutdown_timeout, allow_zero=True)
+    pf_raw = dict(raw.get("prefetch") or {})
+    if "budget_bytes" in pf_raw:
+        pf_raw["budget_bytes"] = _parse_bytes(src, "prefetch.budget_bytes", pf_raw["budget_bytes"])
+    prefetch = PrefetchSection(**_section(PrefetchSection, src, "prefetch", pf_raw))
+    for i, w in enumerate(prefetch.weights or []):
+        if w not in ("router", "gate_up", "down"):
+            _fail(src, f"prefetch.weights[{i}]", f"expected router, gate_up or down, got {w!r}")
+    if not isinstance(raw["nodes"], list) or not raw["nodes"]:
+        _fail(src, "nodes", "expected a non-empty list of nodes")
+    ctx = _Ctx(src)
+    nodes, names = [], set()
+    for i, n in enumerate(raw["nodes"]):
+        node = _load_node(ctx, i, n)
+        if node.name in names:
+            _fail(src, f"nodes[{i}].name", f"duplicate node name {node.name!r}")
+        names.add(node.name)
+        nodes.append(node)
+    for role in ROLES:
+        if not any(n.role == role for n in nodes):
+            _fail(src, "nodes", f"needs at least one {role} node")
+    if cluster.coordinator is not None and cluster.coordinator not in names:
+        _fail(src, "cluster.coordinator", f"{cluster.coordinator!r} is not a node ({', '.join(sorted(names))})")
+    _check_layout(src, layout, nodes)
+    return ClusterConfig(cluster, model, layout, engine, tuple(nodes), prefetch, src)
+
+
+def load(path: str) -> ClusterConfig:
+    if not os.path.isfile(path):
+        raise ClusterConfigError(f"{path}: no such file")
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        raise ClusterConfigError(f"{path}: not valid YAML: {e}") from None
+    return from_dict(raw, path)

@@ -1,0 +1,162 @@
+"""`afd launch FILE`: every node of a cluster YAML on this host, logs prefixed, one URL when ready.
+
+SIGINT/SIGTERM are forwarded: attention nodes first (they drain, then leave the data plane), then FFN
+nodes; whatever is still alive after the grace period is killed. No child outlives the launcher.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+from afd.cluster.config import ClusterConfig, Node, load
+from afd.cluster.topology import with_overrides
+
+MODULES = {"attention": "attention_node.main", "ffn": "ffn_node.main"}
+COMMANDS = {"attention": "afd-attention", "ffn": "afd-ffn"}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("launch", help="start every node of a cluster YAML on this host")
+    p.add_argument("config", help="cluster YAML")
+    p.add_argument("--model", default=None, help="override the YAML's model path")
+    p.add_argument("--port", type=int, default=None, help="override the first attention node's HTTP port")
+    p.add_argument("--print-commands", action="store_true", help="print the per-node commands, run nothing")
+    p.add_argument("--curl-example", action="store_true", help="print a curl example once ready")
+    p.set_defaults(func=run)
+
+
+def node_args(cfg_path: str, node: Node, model: str | None, port: int | None, first_attention: str) -> list[str]:
+    args = ["--config", cfg_path, "--node", node.name]
+    if model:
+        args += ["--model", model]
+    if port is not None and node.name == first_attention:
+        args += ["--port", str(port)]
+    return args
+
+
+def run(args) -> int:
+    cfg = with_overrides(load(args.config), model=args.model, http_port=args.port)
+    first = cfg.attention_nodes[0]
+    plan = [(n, node_args(args.config, n, args.model, args.port, first.name)) for n in cfg.nodes]
+    if args.print_commands:
+        for n, a in plan:
+            print(shlex.join([COMMANDS[n.role], *a]))
+        return 0
+    if cfg.model.path != "demo":  # a wrong path is one line here, not a traceback from every node
+        from afd.cluster.config import check_expert_layout
+        from afd.model.registry import load_config
+
+        check_expert_layout(cfg, load_config(cfg.model.path).n_routed_experts)
+    busy = _ports_in_use(cfg)
+    if busy:
+        raise ValueError(f"{args.config}: port(s) already in use on this host: {', '.join(busy)} "
+                         "(another cluster running?)")
+    if cfg.model.path == "demo":  # made once here, not by every node at the same time
+        from afd.model.demo import ensure_demo_checkpoint
+
+        ensure_demo_checkpoint()
+    return _Launcher(cfg, plan).run(first, args.curl_example)
+
+
+class _Launcher:
+    def __init__(self, cfg: ClusterConfig, plan):
+        self.cfg, self.plan = cfg, plan
+        self.procs: list[tuple[Node, subprocess.Popen]] = []
+        self.stopping = False
+        self._lock = threading.Lock()
+
+    def run(self, first: Node, curl_example: bool) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        for node, args in reversed(self.plan):  # any order works; FFN nodes first shows it
+            p = subprocess.Popen([sys.executable, "-m", MODULES[node.role], *args], stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1)
+            self.procs.append((node, p))
+            threading.Thread(target=self._pump, args=(node.name, p), daemon=True).start()
+        url = f"http://{first.host}:{first.ports.http}"
+        deadline = time.monotonic() + self.cfg.cluster.startup_timeout + 60
+        ready = False
+        code = 0
+        while not self.stopping:
+            dead = [(n, p.returncode) for n, p in self.procs if p.poll() is not None]
+            if dead:
+                n, rc = dead[0]
+                self._say(f"node {n.name} exited with code {rc}; stopping the cluster")
+                code = 1
+                break
+            if not ready:
+                ready = _healthy(url)
+                if ready:
+                    self._say(f"cluster {self.cfg.cluster.name} ({self.cfg.topology_name}) ready; API at {url}")
+                    print(url, flush=True)
+                    if curl_example:
+                        self._say("try: curl " + shlex.quote(f"{url}/v1/completions") +
+                                  " -H 'Content-Type: application/json' -d '{\"prompt\": \"Experts are\", "
+                                  "\"max_tokens\": 16, \"temperature\": 0}'")
+                elif time.monotonic() > deadline:
+                    self._say(f"cluster not ready at {url} within the startup timeout; stopping")
+                    code = 1
+                    break
+            time.sleep(0.2)
+        self.shutdown()
+        return code
+
+    def _say(self, msg: str) -> None:
+        with self._lock:
+            print(f"[launch] {msg}", flush=True)
+
+    def _pump(self, name: str, p: subprocess.Popen) -> None:
+        width = max(len(n.name) for n in self.cfg.nodes)
+        for line in p.stdout:
+            with self._lock:
+                sys.stdout.write(f"[{name:<{width}}] {line}")
+                sys.stdout.flush()
+
+    def shutdown(self) -> None:
+        grace = self.cfg.engine.shutdown_timeout + 10
+        for role, wait in (("attention", grace), ("ffn", 10.0)):
+            group = [p for n, p in self.procs if n.role == role and p.poll() is None]
+            for p in group:
+                p.send_signal(signal.SIGTERM)
+            end = time.monotonic() + wait
+            for p in group:
+                try:
+                    p.wait(max(0.1, end - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    self._say(f"pid {p.pid} did not stop in {wait:.0f}s; killing it")
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+        self._say("all nodes stopped")
+
+
+def _ports_in_use(cfg: ClusterConfig) -> list[str]:
+    import socket
+
+    busy = []
+    for n in cfg.nodes:
+        for name in ("control", "data", "http", "metrics"):
+            port = getattr(n.ports, name)
+            if port is None:
+                continue
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is free
+                try:
+                    s.bind(("0.0.0.0", port))
+                except OSError:
+                    busy.append(f"{port} ({n.name}.ports.{name})")
+    return busy
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+            return r.status == 200
+    except OSError:
+        return False

@@ -1,0 +1,77 @@
+"""The cluster as the nodes see it: overrides from the command line, model path, a printable summary."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from afd.cluster.config import ClusterConfig, Node
+
+
+def resolve_model_path(path: str) -> str:
+    """`demo` is the built-in demo checkpoint, made into the cache on first use."""
+    if path == "demo":
+        from afd.model.demo import ensure_demo_checkpoint
+
+        return ensure_demo_checkpoint()
+    return path
+
+
+def cpu_threads(cfg: ClusterConfig, name: str) -> int:
+    """Intra-op threads for a node: its YAML value, or its host's cores split among the CPU nodes there
+    (two nodes that each take every core fight over them, and the exchange stops being hidden)."""
+    import os
+
+    node = cfg.node(name)
+    if node.threads:
+        return node.threads
+    if node.device_type != "cpu":
+        return 0
+    sharing = sum(1 for n in cfg.nodes if n.host == node.host and n.device_type == "cpu")
+    return max(1, (os.cpu_count() or 1) // sharing)
+
+
+def served_model_name(cfg: ClusterConfig, override: str | None = None) -> str:
+    """The model's name in the API and in every node's metrics labels."""
+    if override:
+        return override
+    return "demo-longcat-flash" if cfg.model.path == "demo" else cfg.model.path
+
+
+def with_overrides(cfg: ClusterConfig, model: str | None = None, http_port: int | None = None,
+                   node: str | None = None, dtype: str | None = None) -> ClusterConfig:
+    """CLI values over the YAML: the model path and dtype for all nodes, the HTTP port of `node`
+    (default: the first attention node)."""
+    if model is not None or dtype is not None:
+        m = cfg.model
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, path=model or m.path, dtype=dtype or m.dtype))
+    if http_port is not None:
+        target = node or cfg.attention_nodes[0].name
+
+        def patch(n: Node) -> Node:
+            if n.name != target:
+                return n
+            return dataclasses.replace(n, ports=dataclasses.replace(n.ports, http=http_port))
+
+        cfg = dataclasses.replace(cfg, nodes=tuple(patch(n) for n in cfg.nodes))
+    return cfg
+
+
+def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
+    coord = cfg.coordinator
+    lines = [f"cluster {cfg.cluster.name}: {cfg.topology_name}, model {cfg.model.path} ({cfg.model.dtype})",
+             f"coordinator: {coord.name} at {coord.host}:{coord.ports.control}; data-plane rendezvous "
+             f"{cfg.attention_nodes[0].host}:{cfg.attention_nodes[0].ports.data} (rank 0)",
+             f"overlap: {'on' if cfg.layout.overlap else 'off'}, micro-batches: "
+             f"{cfg.layout.micro_batches or 'auto'}"]
+    for n in cfg.attention_nodes + cfg.ffn_nodes:
+        line = f"  rank {cfg.rank(n.name)}: {n.name:<10} {n.role:<9} {n.device:<6} {n.host} control {n.ports.control}"
+        if n.role == "attention":
+            line += f", API http://{n.host}:{n.ports.http}"
+        else:
+            if n.ports.metrics:
+                line += f", metrics http://{n.host}:{n.ports.metrics}/metrics"
+            if n_routed is not None or cfg.layout.experts:
+                s = cfg.expert_shard(n.name, n_routed)
+                line += f", experts [{s.lo}, {s.hi})" + (" + identity experts" if s.serves_zero_experts else "")
+        lines.append(line)
+    return "\n".join(lines)

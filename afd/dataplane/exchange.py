@@ -1,0 +1,150 @@
+"""How the attention side reaches the MoE half: in-process, or over the data plane.
+
+The runner sees one interface: `begin_step` with the token count of each micro-batch, then per layer
+and micro-batch `submit(m)` returning a handle whose `wait()` gives the MoE output. Calls come in
+(layer, micro-batch) order, which is also the order of messages on the wire.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from afd.backend import Backend
+from afd.dataplane.protocol import FLAG_IDLE, FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, IDLE_ACK_LEN, StepHeader
+from afd.dataplane.transport import BufferPool, DataPlane
+from afd.model.longcat_flash.ffn import FFNHalf
+from afd.observability.timing import Timers
+
+
+class MoEHandle(Protocol):
+    def wait(self) -> torch.Tensor: ...
+
+
+class MoEExchange(Protocol):
+    timers: Timers
+    """`ffn_wait`: seconds blocked waiting for MoE outputs (the exchange that was not hidden)."""
+
+    def begin_step(self, tokens_per_micro_batch: list[int]) -> None: ...
+
+    def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle: ...
+
+    def end_step(self) -> None: ...
+
+    def idle(self) -> int:
+        """A step with no tokens (keeps FFN peers' steps going); returns how many attention nodes had work."""
+        ...
+
+    def leave(self, shutdown: bool = False) -> None:
+        """No more steps from this attention node."""
+        ...
+
+
+class Ready:
+    """A handle whose result is already there."""
+
+    def __init__(self, y: torch.Tensor):
+        self._y = y
+
+    def wait(self) -> torch.Tensor:
+        return self._y
+
+
+class LocalMoE:
+    """The colocated reference: the FFN half runs in this process, synchronously."""
+
+    def __init__(self, ffn: FFNHalf, backend: Backend):
+        self.ffn, self.backend = ffn, backend
+        self.timers = Timers()
+
+    def begin_step(self, tokens_per_micro_batch: list[int]) -> None:
+        pass
+
+    def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
+        return Ready(self.ffn(self.backend, layer, m))
+
+    def end_step(self) -> None:
+        pass
+
+    def idle(self) -> int:
+        return 0
+
+    def leave(self, shutdown: bool = False) -> None:
+        pass
+
+
+class _RemoteHandle:
+    def __init__(self, owner: RemoteMoE, works: list, recv_bufs: list[torch.Tensor], keep: torch.Tensor):
+        self.owner, self.works, self.recv_bufs, self.keep = owner, works, recv_bufs, keep
+
+    def wait(self) -> torch.Tensor:
+        o = self.owner
+        t0 = time.perf_counter()
+        for peer, work, what in self.works:
+            o.plane.wait(work, peer, what)
+        o.timers.add("ffn_wait", time.perf_counter() - t0)
+        self.keep = None
+        if len(self.recv_bufs) == 1:
+            return self.recv_bufs[0]
+        y = self.recv_bufs[0].clone()  # partial sums of the FFN nodes' experts, added in rank order
+        for b in self.recv_bufs[1:]:
+            y += b
+        return y
+
+
+class RemoteMoE:
+    """The MoE half on FFN nodes, over the data plane (the message order of afd.dataplane.protocol)."""
+
+    def __init__(self, plane: DataPlane, ffn_ranks: list[int], hidden: int, dtype: torch.dtype,
+                 device: torch.device, timers: Timers | None = None):
+        self.plane, self.ffn_ranks, self.hidden = plane, ffn_ranks, hidden
+        self.timers = timers or Timers()
+        self.pool = BufferPool(device, dtype)
+        self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self._header_sends: list = []
+        self._acks = {f: torch.empty(IDLE_ACK_LEN, dtype=torch.int64) for f in ffn_ranks}
+        self.step_id = 0
+        self.bytes_sent = 0
+
+    def _send_header(self, header: StepHeader) -> None:
+        header.encode(self._header)
+        self._header_sends = [(f, self.plane.isend(self._header, f), "step header send") for f in self.ffn_ranks]
+
+    def begin_step(self, tokens_per_micro_batch: list[int]) -> None:
+        self._send_header(StepHeader(self.step_id, tuple(tokens_per_micro_batch)))
+        self.step_id += 1
+
+    def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
+        m = m.contiguous()
+        T = m.shape[0]
+        works, bufs = [], []
+        for f in self.ffn_ranks:
+            works.append((f, self.plane.isend(m, f), f"layer {layer} MoE input send"))
+            buf = self.pool.get((micro_batch, f), T, self.hidden)
+            works.append((f, self.plane.irecv(buf, f), f"layer {layer} MoE output receive"))
+            bufs.append(buf)
+        self.bytes_sent += m.numel() * m.element_size() * len(self.ffn_ranks)
+        return _RemoteHandle(self, works, bufs, m)
+
+    def end_step(self) -> None:
+        for peer, work, what in self._header_sends:
+            self.plane.wait(work, peer, what)
+        self._header_sends = []
+
+    def idle(self) -> int:
+        """An empty step: tells the FFN nodes this node is alive; returns how many attention nodes had
+        work in the FFN step this joined (0: the whole cluster is idle)."""
+        self._send_header(StepHeader(self.step_id, (), FLAG_IDLE))
+        works = [(f, self.plane.irecv(self._acks[f], f)) for f in self.ffn_ranks]
+        for f, w in works:
+            self.plane.wait(w, f, "idle ack receive")
+        self.end_step()
+        return max(int(buf[0]) for buf in self._acks.values())
+
+    def leave(self, shutdown: bool = False) -> None:
+        """Tell every FFN node this attention node is done (and, with `shutdown`, to exit)."""
+        flags = FLAG_LEAVE | (FLAG_SHUTDOWN if shutdown else 0)
+        self._send_header(StepHeader(self.step_id, (), flags))
+        self.end_step()

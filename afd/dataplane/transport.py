@@ -1,0 +1,86 @@
+"""The data plane: point-to-point tensors over one torch.distributed process group.
+
+gloo on CPU (its isend/irecv already run off the compute thread), NCCL on CUDA and HCCL on NPU, where
+ops are issued on the backend's communication stream after an event from the compute stream.
+Every wait has a timeout, and a failed or timed-out op raises PeerError naming the peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from afd.backend import Backend
+
+log = logging.getLogger("afd.dataplane.transport")
+
+
+class PeerError(RuntimeError):
+    """A data-plane peer went away, timed out, or broke the protocol."""
+
+
+class BufferPool:
+    """Receive buffers reused across layers and steps: views into per-key tensors that only grow."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self._bufs: dict[object, torch.Tensor] = {}
+
+    def get(self, key, rows: int, cols: int) -> torch.Tensor:
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols:
+            buf = self._bufs[key] = torch.empty(max(rows, 1), cols, device=self.device, dtype=self.dtype)
+        return buf[:rows]
+
+
+class DataPlane:
+    def __init__(self, backend: Backend, rank: int, world_size: int, master_addr: str, master_port: int,
+                 timeout_s: float = 60.0):
+        self.backend, self.rank, self.world_size = backend, rank, world_size
+        self.timeout = timedelta(seconds=timeout_s)
+        self._stream = backend.comm_stream()
+        t0 = time.monotonic()
+        dist.init_process_group(backend.dist_backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                rank=rank, world_size=world_size, timeout=self.timeout)
+        log.info("data plane up: rank %d of %d over %s in %.2fs", rank, world_size, backend.dist_backend,
+                 time.monotonic() - t0)
+
+    def _issue(self, op, tensor: torch.Tensor, peer: int):
+        if self._stream is None:
+            return op(tensor, peer)
+        ready = self.backend.record_event()
+        with self.backend.stream_scope(self._stream):
+            self.backend.wait_event(ready, self._stream)
+            return op(tensor, peer)
+
+    def isend(self, tensor: torch.Tensor, peer: int):
+        return self._issue(dist.isend, tensor, peer)
+
+    def irecv(self, tensor: torch.Tensor, peer: int):
+        return self._issue(dist.irecv, tensor, peer)
+
+    def wait(self, work, peer: int, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as e:
+            raise PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)}); "
+                            f"the peer process is probably gone") from None
+        if ok is False:
+            raise PeerError(f"data plane: {what} with rank {peer} timed out after "
+                            f"{self.timeout.total_seconds():.0f}s")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # a dead peer can make teardown fail; exiting matters more
+                log.debug("process group teardown: %s", e)
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__

@@ -1,0 +1,241 @@
+"""The engine: `step()` is schedule -> execute -> update, the one generation path of afd.
+
+Serving runs it on a thread of its own (`start`): requests come in through a thread-safe inbox and
+each step's deltas go out through the request's `on_output` callback. With nothing to run, that
+thread sends the FFN nodes an idle step (they pace themselves by the busy attention nodes and need to
+hear from every peer) and backs off while the whole cluster is idle. A data-plane failure fails every
+request with an error and marks the engine dead, which /health reports. Offline generation
+(afd.engine.offline) calls `step()` itself until its requests are done.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from afd.dataplane.transport import PeerError
+from afd.engine.request import Request, RequestOutput
+from afd.engine.runner import ModelRunner, StepSeq
+from afd.engine.sampling import Sampler
+from afd.engine.scheduler import Scheduler
+from afd.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
+from afd.observability.metrics import AttentionMetrics
+
+log = logging.getLogger("afd.engine")
+IDLE_BACKOFF_MAX = 0.05
+
+
+class EngineDead(RuntimeError):
+    """The engine stopped (a peer died or it was shut down); no request can run."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one forward step did (metrics and benchmarks read it)."""
+
+    num_tokens: int
+    seconds: float
+    ffn_wait: float
+    """Seconds the step was blocked waiting for MoE outputs: the exchange that was not hidden."""
+    a2f_bytes: int
+    phase: str
+    """prefill, decode or mixed."""
+
+    def report(self) -> dict:
+        """The per-step record offline jobs write (afd.bench reads it)."""
+        return {"tokens": self.num_tokens, "seconds": self.seconds, "ffn_wait": self.ffn_wait}
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Tokenizer | None,
+                 eos_ids: tuple[int, ...], max_model_len: int, metrics: AttentionMetrics | None = None):
+        self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
+        self.eos_ids, self.max_model_len, self.metrics = eos_ids, max_model_len, metrics
+        self.sampler = Sampler()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.dead: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="afd-engine", daemon=True)
+        self._requests: dict[str, Request] = {}
+        self._preemptions_seen = 0
+
+    # ---- called from other threads ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def add_request(self, req: Request) -> None:
+        if self.dead:
+            raise EngineDead(self.dead)
+        self._inbox.put(("add", req))
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def num_unfinished(self) -> int:
+        return len(self._requests) + self._inbox.qsize()
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or not self._inbox.empty()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Leaves the data plane after the current step."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- the engine thread ------------------------------------------------------------------------
+
+    def step(self) -> StepStats | None:
+        """schedule -> execute -> update; None when nothing could be scheduled."""
+        self._drain_inbox()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
+        logits, stats = self._execute(batch)
+        self._update(batch, logits)
+        return stats
+
+    def _loop(self) -> None:
+        backoff = 0.0
+        try:
+            while not self._stop.is_set():
+                if self.step() is not None:
+                    backoff = 0.0
+                    continue
+                busy = self.runner.moe.idle()
+                backoff = 0.0 if busy else min(IDLE_BACKOFF_MAX, max(0.001, 2 * backoff))
+                if not busy and self._wake.wait(backoff):
+                    self._wake.clear()
+            self.runner.moe.leave()  # the FFN nodes stop once every attention node has left
+        except PeerError as e:
+            self._die(str(e))
+        except Exception as e:  # a bug must not leave requests hanging
+            log.exception("engine failed")
+            self._die(f"engine failed: {e}")
+
+    def _die(self, reason: str) -> None:
+        self.dead = reason
+        log.error("engine stopped: %s", reason)
+        while True:  # fail whatever still arrives: a request may slip into the inbox as `dead` is set
+            self._drain_inbox()
+            for req in list(self._requests.values()):
+                self._emit(req, [], "", finish_reason="abort", error=reason)
+            if self._stop.wait(0.05):
+                return
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                if self.dead:
+                    self._requests[item.request_id] = item
+                    continue
+                if self.tokenizer is not None:
+                    item.detok = IncrementalDetokenizer(self.tokenizer, item.prompt_ids)
+                self._requests[item.request_id] = item
+                self.scheduler.add(item)
+            elif item in self._requests:
+                self._emit(self._requests[item], [], "", finish_reason="abort")
+
+    def _execute(self, batch: list[tuple[Request, int]]) -> tuple[torch.Tensor, StepStats]:
+        now = time.monotonic()
+        for req, _ in batch:
+            if req.first_scheduled is None:
+                req.first_scheduled = now
+                if self.metrics:
+                    self.metrics.queue.observe(now - req.arrival)
+        seqs = [StepSeq(req.all_ids[req.num_computed:req.num_computed + n], req.num_computed, req.block_table)
+                for req, n in batch]
+        moe = self.runner.moe
+        wait0, sent0 = moe.timers.total("ffn_wait"), getattr(moe, "bytes_sent", 0)
+        t0 = time.perf_counter()
+        logits = self.runner.execute(seqs)
+        decoding = [bool(req.output_ids) and n == 1 for req, n in batch]
+        stats = StepStats(sum(n for _, n in batch), time.perf_counter() - t0, moe.timers.total("ffn_wait") - wait0,
+                          getattr(moe, "bytes_sent", 0) - sent0,
+                          "decode" if all(decoding) else "prefill" if not any(decoding) else "mixed")
+        if self.metrics:
+            m = self.metrics
+            m.step(stats.phase).observe(stats.seconds)
+            m.ffn_wait.observe(stats.ffn_wait)
+            m.a2f_bytes.inc(stats.a2f_bytes)
+        return logits, stats
+
+    def _update(self, batch: list[tuple[Request, int]], logits: torch.Tensor) -> None:
+        rows, reqs = [], []
+        for i, (req, n) in enumerate(batch):
+            req.num_computed += n
+            if req.num_computed == req.num_tokens:  # the chunk reached the end: a token is due
+                rows.append(i)
+                reqs.append(req)
+        if rows:
+            toks = self.sampler.sample(logits[rows], [r.params for r in reqs], [r.request_id for r in reqs])
+            now = time.monotonic()
+            for row, req, tok in zip(rows, reqs, toks):
+                if req.logits is not None:
+                    req.logits.append(logits[row].clone())
+                self._append(req, tok, now)
+        if self.metrics:
+            s = self.scheduler
+            self.metrics.running.set(len(s.running))
+            self.metrics.waiting.set(len(s.waiting))
+            self.metrics.kv_usage.set(s.kv.usage())
+            self.metrics.preemptions.inc(s.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = s.num_preemptions
+
+    def _append(self, req: Request, tok: int, now: float) -> None:
+        if self.metrics:
+            m = self.metrics
+            m.generation_tokens.inc()
+            if req.first_token_time is None:
+                m.ttft.observe(now - req.arrival)
+                m.prompt_tokens.inc(len(req.prompt_ids))
+            else:
+                m.itl.observe(now - req.last_token_time)
+        req.first_token_time = req.first_token_time or now
+        req.last_token_time = now
+        req.output_ids.append(tok)
+        reason, stop_reason = None, None
+        if not req.ignore_eos and tok in self.eos_ids:
+            reason = "stop"
+        elif len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = "length"
+        text = ""
+        if req.detok is not None:
+            req.detok.push(tok)
+            full = req.detok.text
+            hit = find_stop(full, req.stop, req.text_sent) if req.stop else None
+            if hit is not None:
+                stop_reason = next(s for s in req.stop if full.startswith(s, hit))
+                reason, full = "stop", full[:hit]
+            elif reason is not None:
+                full = full + req.detok.flush()
+            held = 0 if reason else max((len(s) - 1 for s in req.stop), default=0)
+            end = max(req.text_sent, len(full) - held)
+            text, req.text_sent = full[req.text_sent:end], end
+        self._emit(req, [tok], text, reason, stop_reason)
+
+    def _emit(self, req: Request, toks: list[int], text: str, finish_reason: str | None = None,
+              stop_reason=None, error: str | None = None) -> None:
+        finished = finish_reason is not None
+        if finished:
+            self._requests.pop(req.request_id, None)
+            self.scheduler.finish(req)
+            self.sampler.forget(req.request_id)
+            if self.metrics and error is None:
+                self.metrics.success(finish_reason).inc()
+                self.metrics.e2e.observe(time.monotonic() - req.arrival)
+        req.on_output(RequestOutput(req.request_id, toks, text, finished, finish_reason, stop_reason,
+                                    len(req.prompt_ids), len(req.output_ids), error))

@@ -1,0 +1,91 @@
+"""Paged KV cache: fixed-size blocks handed out by a plain-Python allocator; what a block holds per
+token (MLA latents, or K and V heads) is the model family's `kv_cache_shape`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from afd.model.config import ConfigError, ModelConfig
+
+
+class OutOfBlocks(RuntimeError):
+    """The cache has fewer free blocks than a request needs."""
+
+
+class BlockAllocator:
+    """Free-list allocator of block ids [0, num_blocks)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return (num_tokens + block_size - 1) // block_size
+
+
+class KVCache:
+    """[num_cache_layers, ...]: the family's layout, with a block and a slot dimension inside."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.data = torch.zeros(cfg.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+
+    def layer(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Extend a sequence's block table in place so that it can hold num_tokens tokens."""
+        need = blocks_needed(num_tokens, self.block_size) - len(table)
+        if need > 0:
+            table.extend(self.allocator.allocate(need))
+
+    def usage(self) -> float:
+        a = self.allocator
+        return 1.0 - a.num_free / a.num_blocks
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
+    n = 1
+    for d in cfg.kv_cache_shape(1, block_size):
+        n *= d
+    return n * dtype_bytes
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache layout."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int = 0
+    """Blocks per attention layer; 0 sizes the cache from `memory_budget_bytes`."""
+    memory_budget_bytes: int = 256 << 20
+    """Bytes the KV cache may take when `num_blocks` is 0."""
+
+    def __post_init__(self):
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.num_blocks < 0 or self.memory_budget_bytes <= 0:
+            raise ConfigError("num_blocks must be >= 0 and memory_budget_bytes positive")
+
+    def resolve_num_blocks(self, model: ModelConfig, dtype_bytes: int) -> int:
+        if self.num_blocks:
+            return self.num_blocks
+        return max(1, self.memory_budget_bytes // bytes_per_block(model, self.block_size, dtype_bytes))

@@ -1,0 +1,61 @@
+"""`afd.LLM`: offline generation on the serving engine, colocated (both halves in this process) or
+across AFD node processes on this machine."""
+
+from __future__ import annotations
+
+from afd.backend import get_backend
+from afd.cluster.local import LocalClusterSpec, run_generate
+from afd.dataplane.exchange import LocalMoE
+from afd.engine import offline
+from afd.engine.sampling import SamplingParams
+from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
+from afd.model.config import parse_dtype
+from afd.model.registry import load_config
+
+
+class LLM:
+    """Offline generation.
+
+    model: an HF checkpoint directory of a supported family. With `dummy_weights`, only its config.json
+    is read and the weights are seeded random.
+    """
+
+    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", dummy_weights: bool = False,
+                 seed: int = 0, block_size: int = 16, attention_nodes: int | None = None,
+                 ffn_nodes: int | None = None, colocated: bool | None = None, overlap: bool = True,
+                 micro_batches: int = 1):
+        """Colocated unless attention_nodes or ffn_nodes is given (or colocated=False): then every
+        generate() call runs that many node processes on this machine (afd.cluster.local)."""
+        self.cfg = load_config(model)
+        self.dtype = parse_dtype(dtype)
+        self.block_size = block_size
+        self.overlap, self.micro_batches = overlap, micro_batches
+        if colocated is None:
+            colocated = attention_nodes is None and ffn_nodes is None
+        self.cluster = None if colocated else LocalClusterSpec(
+            model, attention_nodes or 1, ffn_nodes or 1, dtype, dummy_weights, seed, overlap, micro_batches,
+            block_size)
+        if self.cluster:
+            if device != "cpu":
+                raise ValueError("multi-process afd.LLM runs on the CPU; launch nodes for devices (afd launch)")
+            return
+        self.backend = get_backend(device)
+        reader = open_reader(model, dummy=dummy_weights, seed=seed)
+        dev = self.backend.device
+        self.attn = build_attention_half(self.cfg, reader, self.dtype, dev)
+        self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev)
+
+    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int | list[int],
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 ignore_eos: bool = False, logits_out: list | None = None) -> list[list[int]]:
+        """Generated token ids per prompt. `logits_out`, if given, receives each step's fp32 logits.
+        A `seed` seeds every prompt's sampling alike, wherever the prompt runs."""
+        per = offline.validate_prompts(self.cfg, prompt_token_ids, max_tokens)
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        if self.cluster:
+            if logits_out is not None:
+                raise ValueError("logits_out is only available colocated")
+            return run_generate(self.cluster, prompt_token_ids, per, params, ignore_eos)[0]
+        engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompt_token_ids, per, self.dtype,
+                                    self.backend.device, self.block_size, self.micro_batches, self.overlap)
+        return offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out)

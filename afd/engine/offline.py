@@ -1,0 +1,91 @@
+"""Offline generation on the serving engine: a batch of prompts in, their generated ids out.
+
+`afd.LLM` (colocated), the attention node's offline worker (what `afd generate --attention-nodes A`
+and `afd.LLM(attention_nodes=A)` start) and the benchmarks all run here, on the engine that serves
+HTTP traffic (scheduler + runner + KV cache + sampler), driven step by step. The KV cache and the
+scheduler's limits are sized for the job, so every prompt is prefilled in the first step and nothing
+is preempted, as a static batch would run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from afd.dataplane.exchange import MoEExchange
+from afd.engine.engine import Engine, StepStats
+from afd.engine.kv_cache import KVCache, blocks_needed
+from afd.engine.request import Request, RequestOutput
+from afd.engine.runner import ModelRunner
+from afd.engine.sampling import SamplingParams
+from afd.engine.scheduler import Scheduler
+from afd.model.config import ModelConfig
+
+
+def validate_prompts(cfg: ModelConfig, prompts, max_tokens) -> list[int]:
+    """Checks token ids and lengths; returns max_tokens as one int per prompt."""
+    if not isinstance(prompts, list) or not all(isinstance(p, list) for p in prompts):
+        raise ValueError("prompt_token_ids must be a list of lists of token ids")
+    per = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+    if len(per) != len(prompts):
+        raise ValueError(f"max_tokens has {len(per)} entries for {len(prompts)} prompts")
+    for i, (p, n) in enumerate(zip(prompts, per)):
+        if not p:
+            raise ValueError(f"prompt {i} is empty")
+        bad = [t for t in p if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]!r} is outside the vocabulary [0, {cfg.vocab_size})")
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {n}.")
+        if len(p) + n > cfg.max_position_embeddings:
+            raise ValueError(f"prompt {i}: {len(p)} tokens + max_tokens {n} exceed the model's maximum "
+                             f"context length of {cfg.max_position_embeddings} tokens")
+    return per
+
+
+def job_engine(attn, moe: MoEExchange, prompts: list[list[int]], max_tokens: list[int], dtype: torch.dtype,
+               device: torch.device, block_size: int = 16, micro_batches: int = 1, overlap: bool = True,
+               eos_ids: tuple[int, ...] | None = None) -> Engine:
+    """An engine whose KV cache and batch limits hold exactly this job."""
+    cfg = attn.cfg
+    blocks = max(1, sum(blocks_needed(len(p) + n, block_size) for p, n in zip(prompts, max_tokens)))
+    kv = KVCache(cfg, blocks, block_size, dtype, device)
+    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap)
+    scheduler = Scheduler(kv, max(1, len(prompts)), max(1, sum(len(p) for p in prompts)))
+    return Engine(runner, scheduler, None, cfg.eos_token_ids if eos_ids is None else eos_ids,
+                  cfg.max_position_embeddings)
+
+
+def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], params: SamplingParams,
+             ignore_eos: bool = False, logits_out: list | None = None,
+             on_step: Callable[[StepStats], None] | None = None) -> list[list[int]]:
+    """Generated ids per prompt (an EOS token, when hit, is the last one kept). `logits_out`, if
+    given, receives each prompt's list of per-step fp32 logits."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    errors: list[str] = []
+
+    def collect(i: int) -> Callable[[RequestOutput], None]:
+        def on_output(out: RequestOutput) -> None:
+            outputs[i].extend(out.new_token_ids)
+            if out.error:
+                errors.append(f"prompt {i}: {out.error}")
+        return on_output
+
+    reqs = [Request(str(i), list(p), params, n, collect(i), ignore_eos=ignore_eos,
+                    logits=[] if logits_out is not None else None)
+            for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+    for req in reqs:
+        engine.add_request(req)
+    while engine.has_unfinished():
+        stats = engine.step()
+        if stats is None:
+            raise RuntimeError("the engine could schedule none of the unfinished requests "
+                               "(the KV cache is too small for them)")
+        if on_step is not None:
+            on_step(stats)
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    if logits_out is not None:
+        logits_out.extend(r.logits for r in reqs)
+    return outputs

@@ -1,0 +1,69 @@
+"""A request as the engine sees it, and what it hands back after each step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from afd.engine.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    """The delta since the last output of one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    """stop, length or abort."""
+    stop_reason: str | int | None = None
+    """The stop string or EOS token id that ended it."""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+    """Set when the engine failed the request (e.g. a dead FFN node)."""
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    on_output: Callable[[RequestOutput], None]
+    """Called from the engine thread with each delta (the API layer hands it to its event loop)."""
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    """Tokens of prompt + output whose KV is in the cache."""
+    block_table: list[int] = field(default_factory=list)
+    first_scheduled: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    detok: object = None
+    """IncrementalDetokenizer when the model has a tokenizer."""
+    text_sent: int = 0
+    """Characters of the detokenized output already handed out (held back while a stop string may form)."""
+    logits: list | None = None
+    """When a list, each sampled step's fp32 logits row is appended (offline parity checks)."""
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)

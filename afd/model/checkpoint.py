@@ -1,0 +1,161 @@
+"""Loads each half of the model from an HF checkpoint directory, reading only that half's tensors.
+
+A reader maps checkpoint keys (the hub's names) to tensors. `SafetensorsReader` reads a directory with
+`model.safetensors`, a sharded `model.safetensors.index.json`, or several `*.safetensors` files;
+`DummyReader` makes seeded random tensors from the key name, so that the two halves, in different
+processes, agree on a dummy model without sharing anything but the seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from afd.model.config import ModelConfig
+from afd.model.registry import family_module
+
+_PROGRESS_MIN_BYTES = 512 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or tensor is missing or does not match the model config."""
+
+
+class SafetensorsReader:
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map' object")
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+            weight_map = None
+        self._handles = {}
+        self._where: dict[str, str] = {}
+        for name in files:
+            fp = os.path.join(path, name)
+            if weight_map is None:
+                h = self._open(safe_open, fp)
+                self._where.update(dict.fromkeys(h.keys(), name))  # noqa: SIM118 (not a dict)
+        if weight_map is not None:
+            self._where = dict(weight_map)
+        self._safe_open = safe_open
+        self.keys_read: list[str] = []
+
+    def _open(self, safe_open, fp: str):
+        if fp not in self._handles:
+            if not os.path.isfile(fp):
+                raise CheckpointError(f"checkpoint shard missing: {fp}")
+            self._handles[fp] = safe_open(fp, framework="pt")
+        return self._handles[fp]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if key not in self._where:
+            raise CheckpointError(f"{self.path}: tensor '{key}' not found in the checkpoint")
+        h = self._open(self._safe_open, os.path.join(self.path, self._where[key]))
+        t = h.get_tensor(key)
+        if tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{self.path}: tensor '{key}' has shape {tuple(t.shape)}, "
+                                  f"config.json implies {tuple(shape)}")
+        self.keys_read.append(key)
+        return t
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.path, f)) for f in set(self._where.values())
+                   if os.path.isfile(os.path.join(self.path, f)))
+
+
+class DummyReader:
+    """Seeded random weights, any config: norms are ones, everything else N(0, std)."""
+
+    def __init__(self, seed: int = 0, std: float = 0.02):
+        self.seed, self.std = seed, std
+        self.keys_read: list[str] = []
+
+    def __contains__(self, key: str) -> bool:
+        return True
+
+    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        self.keys_read.append(key)
+        if key.endswith("norm.weight"):
+            return torch.ones(shape)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
+        std = 1e-3 if key.endswith("e_score_correction_bias") else self.std
+        return torch.randn(shape, generator=g) * std
+
+    total_bytes = 0
+
+
+Reader = SafetensorsReader | DummyReader
+
+
+def open_reader(path: str, dummy: bool = False, seed: int = 0) -> Reader:
+    """The checkpoint at `path`, or with `dummy`, seeded random weights (path then only gives config)."""
+    return DummyReader(seed) if dummy else SafetensorsReader(path)
+
+
+@dataclass(frozen=True)
+class Weight:
+    """One destination tensor of a half and the checkpoint tensors it is made from (a family's name map
+    yields these): `combine` turns the sources, in order, into the destination's layout."""
+
+    dest: torch.Tensor
+    sources: tuple[tuple[str, tuple[int, ...]], ...]
+    """(checkpoint key, shape config.json implies) of each source tensor."""
+    combine: Callable[..., torch.Tensor] | None = None
+
+
+def _load(weights: list[Weight], reader: Reader, desc: str) -> None:
+    with tqdm(total=len(weights), desc=desc, unit="tensor",
+              disable=reader.total_bytes < _PROGRESS_MIN_BYTES) as bar:
+        for w in weights:
+            srcs = [reader.get(key, shape) for key, shape in w.sources]
+            src = w.combine(*srcs) if w.combine is not None else srcs[0]
+            with torch.no_grad():
+                w.dest.copy_(src.to(w.dest.dtype))
+            bar.update()
+
+
+def _build(module: nn.Module, weights, reader: Reader, desc: str, dtype: torch.dtype,
+           device: torch.device) -> nn.Module:
+    module = module.to_empty(device="cpu")
+    _load(list(weights(module)), reader, desc)
+    module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if hasattr(module, "post_load"):
+        module.post_load()
+    return module
+
+
+def build_attention_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """cfg's family's attention half, with its weights from `reader` (and no other tensor read)."""
+    with torch.device("meta"):
+        model = family_module(cfg, "attention").AttentionHalf(cfg)
+    return _build(model, family_module(cfg, "weights").attention_weights, reader, "loading attention weights",
+                  dtype, device)
+
+
+def build_ffn_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device,
+                   lo: int = 0, hi: int | None = None, serves_zero: bool = True) -> nn.Module:
+    """cfg's family's FFN half holding routed experts [lo, hi) (all by default)."""
+    with torch.device("meta"):
+        model = family_module(cfg, "ffn").FFNHalf(cfg, lo, hi, serves_zero)
+    return _build(model, family_module(cfg, "weights").ffn_weights, reader, "loading expert weights", dtype, device)

@@ -1,0 +1,116 @@
+"""What the engine, the data plane and the nodes ask of any model family's config, and config.json.
+
+Each family (afd/model/<family>/config.py) is a frozen dataclass whose fields carry HF's defaults for
+that family: a key missing from config.json takes the value transformers would give it, never one of
+afd's own. `from_hf_dict` below does the reading; the family adds its own checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import MISSING, fields
+from typing import Any, ClassVar, Protocol
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, has the wrong type, or is inconsistent."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def parse_dtype(name: str):
+    """The torch dtype of a config's dtype name."""
+    import torch
+
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
+    return getattr(torch, name)
+
+
+class ModelConfig(Protocol):
+    """The family-independent part of a model config."""
+
+    model_type: ClassVar[str]
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    """Layers whose MoE crosses to the FFN nodes (one exchange per layer and micro-batch)."""
+    n_routed_experts: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """The paged KV cache: [num_cache_layers, ...] with block and slot dimensions inside."""
+        ...
+
+
+def read_config_json(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise ConfigError(f"model path {path!r} is not a directory")
+    if not os.path.isfile(cfg_path):
+        raise ConfigError(f"model path {path!r} has no config.json")
+    try:
+        with open(cfg_path) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ConfigError(f"{cfg_path}: expected a JSON object")
+    return d
+
+
+def eos_ids(value: Any) -> tuple[int, ...]:
+    """HF's eos_token_id: an int, a list of ints, or null."""
+    return tuple(value) if isinstance(value, list) else (() if value is None else (value,))
+
+
+def rope_theta(d: dict, default: float) -> float:
+    """transformers 5 keeps rope_theta in rope_parameters; older configs beside it or in rope_scaling."""
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    return float(rope.get("rope_theta", d.get("rope_theta", default)))
+
+
+def rope_type(d: dict) -> str:
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
+def from_hf_dict(cls, d: dict, aliases: dict[str, str] | None = None, **derived):
+    """An instance of the family config `cls` from a config.json dict: each field from the key of its
+    name (or an alias HF's attribute_map allows), else its default, which is HF's. `derived` gives
+    fields computed by the family (rope_theta, eos_token_ids, ...). A field without a default is a
+    required key."""
+    aliases = aliases or {}
+    kw = dict(derived)
+    missing = []
+    for f in fields(cls):
+        if f.name in kw:
+            continue
+        key = f.name if f.name in d else next((a for a, t in aliases.items() if t == f.name and a in d), None)
+        if key is not None and d[key] is not None:
+            kw[f.name] = d[key]
+        elif f.default is MISSING:
+            missing.append(f.name)
+    if missing:
+        raise ConfigError(f"config.json: missing required key(s): {', '.join(missing)}")
+    return cls(**kw)
+
+
+def check_types(cfg, positive: tuple[str, ...]) -> None:
+    """Integer fields are non-negative ints; `positive` ones above zero; floats are numbers."""
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"config.json: '{f.name}' must be a non-negative integer, got {v!r}")
+        if f.type == "float" and (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            raise ConfigError(f"config.json: '{f.name}' must be a number, got {v!r}")
+        if f.type == "bool" and not isinstance(v, bool):
+            raise ConfigError(f"config.json: '{f.name}' must be true or false, got {v!r}")
+    for name in positive:
+        if getattr(cfg, name) <= 0:
+            raise ConfigError(f"config.json: '{name}' must be positive, got {getattr(cfg, name)}")

@@ -1,0 +1,62 @@
+"""The attention half of LongCat-Flash: everything but the shortcut MoE.
+
+Each layer is cut where its MoE input leaves and its MoE output returns:
+
+    h = x + attn0(ln_in0(x));  m = ln_post0(h)          # pre_moe: m crosses to the FFN half
+    h = h + mlp0(m); h = h + attn1(ln_in1(h)); h = h + mlp1(ln_post1(h))   # post_moe: the overlap window
+    x = h + y                                            # y = MoE(m), back from the FFN half
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from afd.model.attention_metadata import AttentionMetadata
+from afd.model.layers import DenseMLP, RMSNorm, Rotary
+from afd.model.longcat_flash.config import LongcatFlashConfig
+from afd.model.mla import MLAttention
+
+
+class AttentionLayer(nn.Module):
+    def __init__(self, cfg: LongcatFlashConfig):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.ModuleList([RMSNorm(cfg.hidden_size, eps) for _ in range(2)])
+        self.post_attention_layernorm = nn.ModuleList([RMSNorm(cfg.hidden_size, eps) for _ in range(2)])
+        self.self_attn = nn.ModuleList([MLAttention(cfg) for _ in range(2)])
+        self.mlps = nn.ModuleList([DenseMLP(cfg.hidden_size, cfg.ffn_hidden_size) for _ in range(2)])
+
+
+class AttentionHalf(nn.Module):
+    """Parameter names follow the HF checkpoint (without its `model.` prefix)."""
+
+    def __init__(self, cfg: LongcatFlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([AttentionLayer(cfg) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta)
+
+    def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
+        """Token embeddings [T, H] and the rotary tables every layer of this step shares."""
+        x = self.embed_tokens(input_ids)
+        return x, self.rotary.cos_sin(meta.positions, x.dtype)
+
+    def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i up to the MoE input. kv [2, num_blocks, block_size, C + R]. Returns (h, m)."""
+        layer = self.layers[i]
+        h = x + layer.self_attn[0](layer.input_layernorm[0](x), *rope, meta, kv[0])
+        return h, layer.post_attention_layernorm[0](h)
+
+    def post_moe(self, i: int, h, m, rope, meta, kv: torch.Tensor) -> torch.Tensor:
+        """Layer i's work that does not need the MoE output: the window the exchange hides behind."""
+        layer = self.layers[i]
+        h = h + layer.mlps[0](m)
+        h = h + layer.self_attn[1](layer.input_layernorm[1](h), *rope, meta, kv[1])
+        return h + layer.mlps[1](layer.post_attention_layernorm[1](h))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(x)).float()

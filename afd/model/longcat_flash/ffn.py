@@ -1,0 +1,62 @@
+"""The FFN half of LongCat-Flash: per layer, the router and the experts this node holds.
+
+Routing follows HF's LongcatFlashTopkRouter exactly: an fp32 classifier over E = n_routed + n_zero
+outputs (its bias, when a checkpoint has one, is not applied: HF's forward uses the weight alone),
+softmax, top-K on softmax + e_score_correction_bias, weights = softmax[idx] * routed_scaling_factor.
+Shapes: T tokens, H hidden, E router outputs, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afd.backend import Backend
+from afd.model.experts import Experts
+from afd.model.longcat_flash.config import LongcatFlashConfig
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: LongcatFlashConfig):
+        super().__init__()
+        E = cfg.num_experts_total
+        self.classifier = nn.Linear(cfg.hidden_size, E, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(E))
+        self.top_k, self.scale = cfg.moe_topk, cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> weights [T, K] (fp32), ids [T, K]."""
+        scores = F.linear(x.float(), self.classifier.weight.float()).softmax(dim=-1)  # [T, E]
+        ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False)[1]
+        return scores.gather(1, ids) * self.scale, ids
+
+
+class FFNLayer(nn.Module):
+    def __init__(self, cfg: LongcatFlashConfig, lo: int, hi: int, serves_zero: bool):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.n_routed_experts, lo, hi,
+                               serves_zero)
+
+
+class FFNHalf(nn.Module):
+    """All MoE layers of the model, holding routed experts [lo, hi) (all of them by default)."""
+
+    def __init__(self, cfg: LongcatFlashConfig, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
+        super().__init__()
+        hi = cfg.n_routed_experts if hi is None else hi
+        if not 0 <= lo <= hi <= cfg.n_routed_experts:
+            raise ValueError(f"expert range [{lo}, {hi}) outside [0, {cfg.n_routed_experts})")
+        self.cfg, self.expert_range, self.serves_zero = cfg, (lo, hi), serves_zero
+        self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi, serves_zero) for _ in range(cfg.num_layers)])
+
+    def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
+        """MoE of layer i on m [T, H] (this node's experts only)."""
+        layer = self.layers[i]
+        weights, ids = layer.router(m)
+        return layer.experts(backend, m, weights, ids)
+
+    def post_load(self) -> None:
+        for layer in self.layers:  # the router stays fp32, as HF computes it
+            layer.router.float()

@@ -1,0 +1,1 @@
+"""What both node commands share: start-up through the control plane, flags, signals."""

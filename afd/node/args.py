@@ -1,0 +1,66 @@
+"""Command-line flags and start-up shared by the node commands (`--config FILE --node NAME`).
+
+Values given on the command line override the YAML, which overrides the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--config", default=None, help="cluster YAML")
+    g.add_argument("--node", default=None, help="this node's name in the cluster YAML")
+    g.add_argument("--bind-host", default="0.0.0.0", help="address the node's servers listen on")
+    g.add_argument("--served-model-name", default=None, help="model name in the API and metrics")
+
+
+def load_cluster_args(args, role: str):
+    """The cluster YAML with this command's overrides; checks that --node names a node of `role`."""
+    from afd.cluster.config import ClusterConfigError, load
+    from afd.cluster.topology import with_overrides
+
+    if not args.node:
+        raise ClusterConfigError(f"{args.config}: --node is required with --config")
+    cfg = load(args.config)
+    node = cfg.node(args.node)
+    if node.role != role:
+        raise ClusterConfigError(f"{args.config}: node {args.node!r} is an {node.role} node, not {role}")
+    cfg = with_overrides(cfg, model=args.model, dtype=args.dtype, node=args.node,
+                         http_port=getattr(args, "port", None))
+    timeout = getattr(args, "shutdown_timeout", None)
+    if timeout is not None:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, shutdown_timeout=timeout))
+    return cfg
+
+
+def setup_logging(role: str, name) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[{name}] %(levelname)s %(message)s")
+
+
+def start_cluster_node(args, role: str):
+    """The common start of `afd-attention/afd-ffn --config FILE --node NAME`: the YAML with this command's
+    overrides, logging, torch threads. Returns the config, or an exit code (2) after printing why."""
+    import sys
+
+    from afd.cluster.config import ClusterConfigError
+
+    try:
+        cfg = load_cluster_args(args, role)
+    except ClusterConfigError as e:
+        prog = "afd-attention" if role == "attention" else "afd-ffn"
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(role, args.node)
+    import torch
+
+    from afd.cluster.topology import cpu_threads
+
+    threads = args.threads or cpu_threads(cfg, args.node)
+    if threads:
+        torch.set_num_threads(threads)
+    return cfg

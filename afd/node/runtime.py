@@ -1,0 +1,83 @@
+"""Bringing one node of a cluster YAML up: control server, registration, model load, the wait for
+every other node, the data plane, readiness. Shared by `afd-attention` and `afd-ffn`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from afd.backend import Backend, get_backend
+from afd.cluster.config import ClusterConfig, Node
+from afd.cluster.fingerprint import model_fingerprint
+from afd.cluster.topology import resolve_model_path
+from afd.control import control_pb2 as pb
+from afd.control.client import ControlClient
+from afd.control.coordinator import Coordinator
+from afd.control.server import ControlServer
+from afd.dataplane.transport import DataPlane
+from afd.model.config import ModelConfig
+from afd.model.registry import load_config
+
+log = logging.getLogger("afd.node")
+
+
+@dataclass
+class NodeRuntime:
+    cfg: ClusterConfig
+    node: Node
+    model_path: str
+    model_cfg: ModelConfig
+    backend: Backend
+    server: ControlServer
+    client: ControlClient
+    assignment: pb.RegisterReply | None = None
+    plane: DataPlane | None = None
+    cluster_state: int = pb.ClusterStatus.STARTING
+    shutdown: threading.Event = field(default_factory=threading.Event)
+
+    def close(self, plane: bool = True) -> None:
+        """plane=False when the process is about to exit from a signal: another thread may be blocked
+        in a data-plane wait, and tearing the process group down under it aborts the process."""
+        self.client.close()
+        if plane and self.plane is not None:
+            self.plane.close()
+        self.server.stop()
+
+
+def bring_up(cfg: ClusterConfig, name: str, bind_host: str, load_model: Callable[[NodeRuntime], None],
+             on_status: Callable[[pb.ClusterStatus | None], None] | None = None) -> NodeRuntime:
+    """Raises ControlError (refused, timed out) or PeerError (data plane) with a message for the user."""
+    node = cfg.node(name)
+    path = resolve_model_path(cfg.model.path)
+    mcfg = load_config(path)
+    fp = model_fingerprint(path, cfg.model.dtype, cfg.model.dummy_weights, cfg.model.seed)
+    coordinator = Coordinator(cfg, fp, mcfg.n_routed_experts) if cfg.coordinator.name == name else None
+    server = ControlServer(bind_host, node.ports.control, cfg.cluster.tls, coordinator,
+                           workers=8 + 2 * len(cfg.nodes))
+    rt = NodeRuntime(cfg, node, path, mcfg, get_backend(node.device_type, node.device_index), server,
+                     ControlClient(cfg, name))
+    try:
+        rt.assignment = rt.client.register(fp)
+        a = rt.assignment
+        log.info("registered with %s as rank %d of %d", rt.client.address, a.rank, a.world_size)
+        load_model(rt)
+        rt.client.await_cluster()
+        rt.plane = DataPlane(rt.backend, a.rank, a.world_size, a.master_addr, a.master_port,
+                             cfg.cluster.comm_timeout)
+        rt.cluster_state = rt.client.report_ready().state
+    except BaseException:
+        rt.close()
+        raise
+
+    def track(st: pb.ClusterStatus | None) -> None:
+        rt.cluster_state = pb.ClusterStatus.DEGRADED if st is None else st.state
+        if st is not None and st.state == pb.ClusterStatus.SHUTDOWN:
+            rt.shutdown.set()
+        if on_status is not None:
+            on_status(st)
+
+    rt.client.start_heartbeats(track)
+    server.set_serving(True)
+    return rt

@@ -1,0 +1,1 @@
+"""Prometheus metrics, scrape config and the timers behind them."""
