@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,8 @@ from attention_node.openai_protocol import (
     validation_error,
 )
 
+log = logging.getLogger("afd.api")
+
 
 @dataclass
 class ServerState:
@@ -42,6 +45,8 @@ class ServerState:
     """Cluster ready and the data plane alive."""
     api_key: str | None = None
     draining: bool = False
+    max_body_bytes: int = 32 << 20
+    """Larger request bodies get 413 before they are read."""
 
 
 class _Generation:
@@ -91,6 +96,7 @@ async def _outputs(gens: list[_Generation]) -> AsyncIterator[tuple[int, rq.Reque
 
 def build_app(st: ServerState) -> FastAPI:
     app = FastAPI(title="afd", version=__version__)
+    app.openapi = lambda: _openapi(app)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
@@ -102,11 +108,20 @@ def build_app(st: ServerState) -> FastAPI:
         return JSONResponse(err.body(), status_code=err.code)
 
     @app.middleware("http")
-    async def _auth(request: Request, call_next):
+    async def _guard(request: Request, call_next):
         protected = st.api_key and request.url.path.startswith("/v1")
         if protected and request.headers.get("authorization") != f"Bearer {st.api_key}":
             return JSONResponse(ApiError(401, "Unauthorized").body(), status_code=401)
-        return await call_next(request)
+        size = request.headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > st.max_body_bytes):
+            err = ApiError(413, f"The request body is larger than {st.max_body_bytes} bytes.", "body")
+            return JSONResponse(err.body(), status_code=413, headers={"connection": "close"})
+        try:
+            return await call_next(request)
+        except Exception as e:  # answered here, so that the server keeps the client's connection open
+            log.exception("%s %s failed", request.method, request.url.path)
+            err = ApiError(500, f"Internal error: {type(e).__name__}: {e}")
+            return JSONResponse(err.body(), status_code=500)
 
     @app.get("/health")
     async def health():
@@ -131,7 +146,7 @@ def build_app(st: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _admit(st, body.model)
-        prompts = _completion_prompts(st, body.prompt)
+        prompts = await _completion_prompts(st, body.prompt)
         return await _serve(st, body, prompts, request, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -140,15 +155,16 @@ def build_app(st: ServerState) -> FastAPI:
         if st.tokenizer is None:
             raise ApiError(400, "This model has no tokenizer.json: chat needs one; send token ids to "
                                 "/v1/completions instead.", "messages")
-        msgs = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            text = st.tokenizer.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from None
+        tok = st.tokenizer
+        msgs = [m.for_template(tok.chat_template or "") for m in body.messages]
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        # the rendered template carries its own BOS
-        return await _serve(st, body, [st.tokenizer.encode(text, add_special_tokens=False)], request, chat=True)
+
+        def render() -> list[int]:  # the rendered template carries its own BOS
+            text = tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
+            return tok.encode(text, add_special_tokens=False)
+
+        return await _serve(st, body, [await _tokenize(render, "messages")], request, chat=True)
 
     return app
 
@@ -162,14 +178,25 @@ def _admit(st: ServerState, model: str | None) -> None:
         raise ApiError(503, f"The cluster is not serving: {st.engine.dead or 'not ready'}.")
 
 
-def _completion_prompts(st: ServerState, prompt) -> list[list[int]]:
+async def _tokenize(fn: Callable[[], list[int]], param: str) -> list[int]:
+    """Runs a tokenization off the event loop (and off the engine thread), so that a huge prompt holds up
+    neither the streams being served nor the heartbeats; text it cannot take is the client's mistake."""
+    from jinja2.exceptions import TemplateError
+
+    try:
+        return await asyncio.to_thread(fn)
+    except (TemplateError, ValueError, TypeError) as e:  # ValueError: UnicodeError (lone surrogates) too
+        raise ApiError(400, f"The {param} could not be tokenized: {e}", param) from None
+
+
+async def _completion_prompts(st: ServerState, prompt) -> list[list[int]]:
     items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     out = []
     for p in items:
         if isinstance(p, str):
             if st.tokenizer is None:
                 raise ApiError(400, "This model has no tokenizer.json: send the prompt as token ids.", "prompt")
-            out.append(st.tokenizer.encode(p))
+            out.append(await _tokenize(lambda p=p: st.tokenizer.encode(p), "prompt"))
         else:
             out.append(list(p))
     return out
@@ -192,4 +219,27 @@ async def _serve(st: ServerState, body, prompts: list[list[int]], request: Reque
     if body.stream:
         return StreamingResponse(responses.stream(st, body, gens, _outputs(gens), request, chat),
                                  media_type="text/event-stream")
-    return await responses.full(st, body, gens, _outputs(gens), chat)
+    return await responses.full(st, body, gens, _outputs(gens), request, chat)
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI documents 422 for body errors; this server answers them 400 with vLLM's error body."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        error = {"description": "Error", "content": {"application/json": {"schema": {
+            "type": "object", "required": ["error"], "properties": {"error": {"type": "object", "properties": {
+                "message": {"type": "string"}, "type": {"type": "string"},
+                "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}}}}
+        for path, ops in schema.get("paths", {}).items():
+            for op in ops.values():
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                if path.startswith("/v1/") and op.get("requestBody"):
+                    for code in ("400", "401", "404", "413", "500", "503"):
+                        responses[code] = error
+        schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+        schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from afd.engine.sampling import SamplingParams
+from afd.engine.sampling import INT64_MAX, INT64_MIN, SamplingParams
 
 
 class ApiError(Exception):
@@ -30,16 +30,27 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+MAX_N = 128
+"""Choices per prompt: each is a sequence in the engine, so n is bounded like the batch."""
+# Sampling fields OpenAI / vLLM clients send that afd does not implement yet, with the value that
+# means "off": anything else is refused naming the field, never silently ignored.
+UNSUPPORTED = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+               "logit_bias": ({},), "min_tokens": (0,), "stop_token_ids": ([],), "suffix": ("",),
+               "top_logprobs": (0,), "prompt_logprobs": (0,), "logprobs": (False,)}
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Non-finite floats are refused at validation, as vLLM does (JSON parsers accept NaN and Infinity).
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int = 1
+    best_of: int | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -52,10 +63,32 @@ class CompletionRequest(_Sampling):
     echo: bool = False
 
 
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict] | None = None
+
+    def for_template(self, template_roles: str) -> dict:
+        """The message as chat templates take it: content parts joined into text, and OpenAI's
+        `developer` role as `system` when the template does not know it."""
+        if self.role not in ROLES:
+            raise ApiError(400, f"Unknown chat role {self.role!r}; expected one of {', '.join(ROLES)}.",
+                           "messages.role")
+        msg = self.model_dump(exclude_none=True)
+        if self.role == "developer" and "developer" not in template_roles:
+            msg["role"] = "system"
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(400, f"Content parts of type {part.get('type')!r} are not supported; "
+                                        "send {\"type\": \"text\", \"text\": ...} parts.", "messages.content")
+                texts.append(part["text"])
+            msg["content"] = "\n".join(texts)
+        return msg
 
 
 class ChatCompletionRequest(_Sampling):
@@ -101,8 +134,14 @@ def sampling_params(req: _Sampling, choice: int) -> SamplingParams:
     """Choice i of n draws with seed + i, so n > 1 gives different samples yet stays reproducible."""
     if req.n < 1:
         raise ApiError(400, f"n must be at least 1, got {req.n}.", "n")
-    if req.logprobs not in (None, False):
-        raise ApiError(400, "logprobs are not supported by this server.", "logprobs")
+    if req.n > MAX_N:
+        raise ApiError(400, f"n must be at most {MAX_N}, got {req.n}.", "n")
+    if req.best_of not in (None, req.n):
+        raise ApiError(400, f"best_of ({req.best_of}) other than n is not supported by this server.", "best_of")
+    fields = {**(req.model_extra or {}), "logprobs": req.logprobs}
+    for name, off in UNSUPPORTED.items():
+        if fields.get(name) is not None and fields[name] not in off:
+            raise ApiError(400, f"{name} is not supported by this server.", name)
     temperature = 1.0 if req.temperature is None else req.temperature
     try:
         return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,

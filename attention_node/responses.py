@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -37,14 +38,30 @@ def _echo(st, body, gens, i: int) -> str:
     return st.tokenizer.decode(_prompt_of(gens, body.n, i))
 
 
-async def full(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
+async def _abort_on_disconnect(request, gens) -> None:
+    """A client that went away stops its generation (vLLM does the same for non-streaming requests)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(0.25)
+    for g in gens:
+        g.abort()
+
+
+async def full(st, body, gens, outputs: AsyncIterator, request, chat: bool) -> dict:
+    watch = asyncio.create_task(_abort_on_disconnect(request, gens))
+    try:
+        return await _collect(st, body, gens, outputs, chat)
+    finally:
+        watch.cancel()
+
+
+async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
     n = body.n
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
     ends: dict[int, tuple] = {}
     async for i, out in outputs:
         if out.error:
-            raise ApiError(503, f"The request failed: {out.error}")
+            raise ApiError(out.error_code, f"The request failed: {out.error}")
         texts.setdefault(i, []).append(out.new_text)
         ids.setdefault(i, []).extend(out.new_token_ids)
         if out.finished:
@@ -76,7 +93,7 @@ async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool) ->
     try:
         async for i, out in outputs:
             if out.error:
-                yield _sse(ApiError(503, f"The request failed: {out.error}").body())
+                yield _sse(ApiError(out.error_code, f"The request failed: {out.error}").body())
                 break
             produced += len(out.new_token_ids)
             if chat:

@@ -129,6 +129,7 @@ class Engine:
             self._drain_inbox()
             for req in list(self._requests.values()):
                 self._emit(req, [], "", finish_reason="abort", error=reason)
+            self._refresh_gauges()
             if self._stop.wait(0.05):
                 return
 
@@ -139,15 +140,19 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
-                if self.dead:
-                    self._requests[item.request_id] = item
-                    continue
-                if self.tokenizer is not None:
-                    item.detok = IncrementalDetokenizer(self.tokenizer, item.prompt_ids)
                 self._requests[item.request_id] = item
+                if self.dead:
+                    continue
+                try:
+                    if self.tokenizer is not None:
+                        item.detok = IncrementalDetokenizer(self.tokenizer, item.prompt_ids)
+                except Exception as e:
+                    self._fail(item, e)
+                    continue
                 self.scheduler.add(item)
             elif item in self._requests:
                 self._emit(self._requests[item], [], "", finish_reason="abort")
+                self._refresh_gauges()
 
     def _execute(self, batch: list[tuple[Request, int]]) -> tuple[torch.Tensor, StepStats]:
         now = time.monotonic()
@@ -181,12 +186,38 @@ class Engine:
                 rows.append(i)
                 reqs.append(req)
         if rows:
-            toks = self.sampler.sample(logits[rows], [r.params for r in reqs], [r.request_id for r in reqs])
+            toks = self._sample(logits, rows, reqs)
             now = time.monotonic()
             for row, req, tok in zip(rows, reqs, toks):
-                if req.logits is not None:
-                    req.logits.append(logits[row].clone())
-                self._append(req, tok, now)
+                if tok is None:
+                    continue
+                try:
+                    if req.logits is not None:
+                        req.logits.append(logits[row].clone())
+                    self._append(req, tok, now)
+                except Exception as e:  # detokenizing or stop handling: this request's alone
+                    self._fail(req, e)
+        self._refresh_gauges()
+
+    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> list[int | None]:
+        """One token per request; a request whose sampling raises is failed alone (None)."""
+        try:
+            return self.sampler.sample(logits[rows], [r.params for r in reqs], [r.request_id for r in reqs])
+        except Exception:
+            out: list[int | None] = []
+            for row, req in zip(rows, reqs):
+                try:
+                    out.append(self.sampler.sample(logits[[row]], [req.params], [req.request_id])[0])
+                except Exception as e:
+                    self._fail(req, e)
+                    out.append(None)
+            return out
+
+    def _fail(self, req: Request, e: Exception) -> None:
+        log.exception("request %s failed", req.request_id, exc_info=e)
+        self._emit(req, [], "", finish_reason="abort", error=f"{type(e).__name__}: {e}", error_code=500)
+
+    def _refresh_gauges(self) -> None:
         if self.metrics:
             s = self.scheduler
             self.metrics.running.set(len(s.running))
@@ -228,7 +259,7 @@ class Engine:
         self._emit(req, [tok], text, reason, stop_reason)
 
     def _emit(self, req: Request, toks: list[int], text: str, finish_reason: str | None = None,
-              stop_reason=None, error: str | None = None) -> None:
+              stop_reason=None, error: str | None = None, error_code: int = 503) -> None:
         finished = finish_reason is not None
         if finished:
             self._requests.pop(req.request_id, None)
@@ -238,4 +269,4 @@ class Engine:
                 self.metrics.success(finish_reason).inc()
                 self.metrics.e2e.observe(time.monotonic() - req.arrival)
         req.on_output(RequestOutput(req.request_id, toks, text, finished, finish_reason, stop_reason,
-                                    len(req.prompt_ids), len(req.output_ids), error))
+                                    len(req.prompt_ids), len(req.output_ids), error, error_code))

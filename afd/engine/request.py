@@ -32,6 +32,8 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     """Set when the engine failed the request (e.g. a dead FFN node)."""
+    error_code: int = 503
+    """HTTP status of `error`: 503 when the cluster cannot serve, 500 when this request alone failed."""
 
 
 @dataclass

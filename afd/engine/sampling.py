@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+# vLLM bounds seeds to torch.long; a generator refuses what does not fit 64 bits.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -17,6 +21,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX:
+            raise ValueError(f"seed must be in [{INT64_MIN}, {INT64_MAX}], got {self.seed}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
