@@ -87,6 +87,7 @@ def _cmd_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from afd.cluster.config import load
+    from afd.cluster.token import launched_token
     from afd.control import control_pb2 as pb
     from afd.control.auth import call_metadata
     from afd.control.client import ControlClient
@@ -94,7 +95,8 @@ def _cmd_status(args) -> int:
     cfg = load(args.config)
     client = ControlClient(cfg, cfg.coordinator.name)
     try:
-        st = client.stub.GetStatus(pb.StatusRequest(), metadata=call_metadata(), timeout=5)
+        token = launched_token(cfg.cluster.name, cfg.coordinator.ports.control)
+        st = client.stub.GetStatus(pb.StatusRequest(), metadata=call_metadata(token), timeout=5)
     except grpc.RpcError as e:
         raise UserError(f"coordinator at {client.address}: {e.details() or e.code().name}") from None
     finally:

@@ -100,6 +100,52 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
+def _listeners() -> dict[int, set[str]]:
+    """Listening TCP ports of this host -> their local addresses (/proc/net/tcp and tcp6; an IPv4-mapped
+    IPv6 address is shown as its IPv4 address, the IPv6 wildcard as '::')."""
+    import ipaddress
+
+    out: dict[int, set[str]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] != "0A":  # LISTEN
+                continue
+            addr, port = fields[1].split(":")
+            raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))  # host-order words
+            ip = ipaddress.ip_address(raw)
+            if ip.version == 6 and ip.ipv4_mapped:
+                ip = ip.ipv4_mapped
+            out.setdefault(int(port, 16), set()).add(str(ip))
+    return out
+
+
+def _launched_cluster_is_closed(path: Path, url: str) -> None:
+    """`afd launch` without AFD_CLUSTER_TOKEN makes one: a forged Shutdown is refused, `afd status` (same
+    user) still works, and the nodes' control, API and metrics ports listen on the YAML host only."""
+    import grpc
+
+    from afd.control import control_pb2 as pb
+    from afd.control import control_pb2_grpc as pb_grpc
+
+    doc = yaml.safe_load(path.read_text())
+    coord = doc["nodes"][0]["ports"]["control"]
+    with grpc.insecure_channel(f"127.0.0.1:{coord}") as ch, pytest.raises(grpc.RpcError) as e:
+        pb_grpc.CoordinatorStub(ch).Shutdown(pb.ShutdownRequest(reason="forged"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert health(url) == 200
+    env = {k: v for k, v in os.environ.items() if k != "AFD_CLUSTER_TOKEN"}
+    status = subprocess.run([sys.executable, "-m", "afd.cli", "status", str(path)], cwd=ROOT, capture_output=True,
+                            text=True, timeout=30, env=env)
+    assert status.returncode == 0, status.stdout + status.stderr
+    listening = _listeners()
+    for node in doc["nodes"]:
+        for kind in ("control", "http", "metrics"):
+            port = node["ports"].get(kind)
+            if port:
+                assert listening.get(port) == {"127.0.0.1"}, (node["name"], kind, listening.get(port))
+
+
 def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_path):
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="launch")
     launcher = subprocess.Popen([sys.executable, "-m", "afd.cli", "launch", str(path)], stdout=subprocess.PIPE,
@@ -113,6 +159,7 @@ def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_pat
                 url = line.strip()
                 break
         assert url and health(url) == 200
+        _launched_cluster_is_closed(path, url)
         children = _descendants(launcher.pid)
         assert len(children) >= 3
         launcher.send_signal(signal.SIGTERM)

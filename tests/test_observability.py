@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, post
+from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, post, skip_unless_ci_installs
 
 from afd.cluster.config import from_dict, load
 from afd.observability import prometheus_config
@@ -61,7 +61,7 @@ def _scrape_targets(doc: dict) -> dict[str, list[tuple[str, dict]]]:
 def _promtool_check(path: Path) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.skip(PROMTOOL_MISSING)
+        skip_unless_ci_installs(PROMTOOL_MISSING)
     r = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"promtool check config {path}:\n{r.stdout}{r.stderr}"
 
@@ -298,7 +298,7 @@ def _fill(expr: str) -> str:
 def test_prometheus_scrapes_a_cluster(tmp_path):
     prometheus = shutil.which("prometheus")
     if prometheus is None:
-        pytest.skip(PROMETHEUS_MISSING)
+        skip_unless_ci_installs(PROMETHEUS_MISSING)
     path = cluster_yaml(tmp_path, "demo", name="obs")
     cfg = load(str(path))
     prom_yml = tmp_path / "prometheus.yml"

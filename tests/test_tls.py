@@ -7,11 +7,16 @@ import subprocess
 
 import grpc
 import pytest
-from cluster_helpers import Cluster, cluster_yaml, post
+from cluster_helpers import Cluster, cluster_yaml, post, skip_unless_ci_installs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-pytestmark = [pytest.mark.multiprocess,
-              pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")]
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture(autouse=True)
+def _openssl():
+    if shutil.which("openssl") is None:
+        skip_unless_ci_installs("openssl is not installed (apt-get install openssl)")
 
 
 def _certs(d) -> dict:

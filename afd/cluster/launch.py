@@ -6,6 +6,7 @@ nodes; whatever is still alive after the grace period is killed. No child outliv
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
@@ -73,11 +74,27 @@ class _Launcher:
         self._lock = threading.Lock()
 
     def run(self, first: Node, curl_example: bool) -> int:
+        from afd.cluster.token import TOKEN_ENV, cluster_token, make_launch_token, token_file
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
+        env = dict(os.environ)
+        coord = self.cfg.coordinator
+        made = None
+        if not cluster_token():  # secure by default: the control plane of a launch always has a token
+            env[TOKEN_ENV] = make_launch_token(self.cfg.cluster.name, coord.ports.control)
+            made = token_file(self.cfg.cluster.name, coord.ports.control)
+        try:
+            return self._run(first, curl_example, env)
+        finally:
+            if made:
+                with contextlib.suppress(OSError):
+                    os.unlink(made)
+
+    def _run(self, first: Node, curl_example: bool, env: dict) -> int:
         for node, args in reversed(self.plan):  # any order works; FFN nodes first shows it
             p = subprocess.Popen([sys.executable, "-m", MODULES[node.role], *args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1)
+                                 stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1, env=env)
             self.procs.append((node, p))
             threading.Thread(target=self._pump, args=(node.name, p), daemon=True).start()
         url = f"http://{first.host}:{first.ports.http}"

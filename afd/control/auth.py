@@ -7,16 +7,12 @@ refuses calls without the same token (UNAUTHENTICATED, with a message that says 
 from __future__ import annotations
 
 import hmac
-import os
 
 import grpc
 
-TOKEN_ENV = "AFD_CLUSTER_TOKEN"
+from afd.cluster.token import TOKEN_ENV, cluster_token
+
 TOKEN_KEY = "x-afd-cluster-token"
-
-
-def cluster_token() -> str | None:
-    return os.environ.get(TOKEN_ENV) or None
 
 
 class TokenInterceptor(grpc.ServerInterceptor):
@@ -42,8 +38,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
         return self._deny
 
 
-def call_metadata() -> tuple[tuple[str, str], ...]:
-    token = cluster_token()
+def call_metadata(token: str | None = None) -> tuple[tuple[str, str], ...]:
+    token = token or cluster_token()
     return ((TOKEN_KEY, token),) if token else ()
 
 

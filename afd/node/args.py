@@ -13,7 +13,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--config", default=None, help="cluster YAML")
     g.add_argument("--node", default=None, help="this node's name in the cluster YAML")
-    g.add_argument("--bind-host", default="0.0.0.0", help="address the node's servers listen on")
+    g.add_argument("--bind-host", default=None,
+                   help="address the node's servers listen on (default: the node's host in the YAML; "
+                        "0.0.0.0 in a container whose YAML host is a service name)")
     g.add_argument("--served-model-name", default=None, help="model name in the API and metrics")
 
 
@@ -55,6 +57,8 @@ def start_cluster_node(args, role: str):
         prog = "afd-attention" if role == "attention" else "afd-ffn"
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
+    if args.bind_host is None:  # nothing listens beyond the address the cluster file gives the node
+        args.bind_host = cfg.node(args.node).host
     setup_logging(role, args.node)
     import torch
 
