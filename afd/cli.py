@@ -82,33 +82,91 @@ def _add_status(sub) -> None:
     p.set_defaults(func=_cmd_status)
 
 
-def _cmd_status(args) -> int:
+def _coordinator(cfg, rpc: str, request):
+    """One control-plane call to the cluster's coordinator, with the cluster token (or the one `afd
+    launch` made here); an error is one line for the user."""
     import grpc
-    from google.protobuf.json_format import MessageToDict
 
-    from afd.cluster.config import load
     from afd.cluster.token import launched_token
-    from afd.control import control_pb2 as pb
     from afd.control.auth import call_metadata
     from afd.control.client import ControlClient
 
-    cfg = load(args.config)
     client = ControlClient(cfg, cfg.coordinator.name)
     try:
         token = launched_token(cfg.cluster.name, cfg.coordinator.ports.control)
-        st = client.stub.GetStatus(pb.StatusRequest(), metadata=call_metadata(token), timeout=5)
+        return getattr(client.stub, rpc)(request, metadata=call_metadata(token), timeout=10)
     except grpc.RpcError as e:
         raise UserError(f"coordinator at {client.address}: {e.details() or e.code().name}") from None
     finally:
         client.close()
+
+
+def _cmd_status(args) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from afd.cluster.config import load
+    from afd.control import control_pb2 as pb
+
+    cfg = load(args.config)
+    st = _coordinator(cfg, "GetStatus", pb.StatusRequest())
     if args.json:
         print(json.dumps(MessageToDict(st, always_print_fields_with_no_presence=True)))
     else:
         print(f"cluster {cfg.cluster.name} ({cfg.topology_name}): {pb.ClusterStatus.State.Name(st.state)}"
               + (f" — {st.message}" if st.message else ""))
-        for key in ("registered", "ready", "missing", "lost"):
+        for key in ("registered", "ready", "missing", "lost", "draining"):
             print(f"  {key:<10} {', '.join(getattr(st, key)) or '-'}")
     return 0 if st.state in (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING) else 1
+
+
+def _add_drain(sub) -> None:
+    p = sub.add_parser("drain", help="tell attention nodes to take no new requests and finish running ones")
+    p.add_argument("config", help="cluster YAML")
+    p.add_argument("--node", default=None, help="the attention node to drain (default: all of them)")
+    p.add_argument("--wait", type=float, default=0.0, metavar="S",
+                   help="then wait up to S seconds for its running requests to finish (default: 0, do not wait)")
+    p.set_defaults(func=_cmd_drain)
+
+
+def _cmd_drain(args) -> int:
+    import time
+
+    from afd.cluster.config import load
+    from afd.control import control_pb2 as pb
+
+    cfg = load(args.config)
+    if args.node is not None and args.node not in [n.name for n in cfg.attention_nodes]:
+        raise UserError(f"--node {args.node}: not an attention node of {args.config}")
+    _coordinator(cfg, "Drain", pb.DrainRequest(node=args.node or ""))
+    nodes = [cfg.node(args.node)] if args.node else cfg.attention_nodes
+    print(f"draining {', '.join(n.name for n in nodes)}")
+    deadline = time.monotonic() + args.wait
+    while args.wait > 0:
+        running = sum(_running_requests(n) for n in nodes)
+        if running == 0:
+            print("no request running")
+            return 0
+        if time.monotonic() > deadline:
+            print(f"{running} request(s) still running after {args.wait:g}s")
+            return 1
+        time.sleep(0.5)
+    return 0
+
+
+def _running_requests(node) -> int:
+    """Running + waiting requests of an attention node, from its /metrics (0 once it is gone)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://{node.host}:{node.ports.http}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(("afd_num_requests_running{", "afd_num_requests_waiting{")):
+            total += float(line.rsplit(" ", 1)[1])
+    return int(total)
 
 
 class UserError(Exception):
@@ -122,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_check_config(sub)
     _add_status(sub)
+    _add_drain(sub)
     from afd.bench import serve, step, suite
     from afd.cluster import launch
     from afd.observability import prometheus_config

@@ -34,7 +34,13 @@ def build_server_state(cfg, args, box: dict):
         built["attn"] = build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device)
         log.info("attention half loaded from %s", rt.model_path)
 
-    rt = bring_up(cfg, args.node, args.bind_host, load)
+    def on_status(status) -> None:  # Drain: no new requests, running ones finish
+        st = box.get("state")
+        if status is not None and st is not None and args.node in status.draining and not st.draining:
+            log.info("draining: new requests get 503, %d running finish", st.engine.num_unfinished())
+            st.draining = True
+
+    rt = bring_up(cfg, args.node, args.bind_host, load, on_status=on_status)
     box["runtime"] = rt
     mcfg, eng = rt.model_cfg, cfg.engine
     cache = CacheConfig(block_size=eng.block_size, memory_budget_bytes=eng.kv_cache_bytes)

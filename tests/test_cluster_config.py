@@ -279,3 +279,23 @@ def test_print_commands_with_overrides():
         args = parsers[prog].parse_args(argv)
         assert (args.config, args.model) == ("deploy/2a1f.yaml", "/ckpt/my model")
         assert getattr(args, "port", None) == (8123 if args.node == "attn0" else None)
+
+
+@pytest.mark.parametrize("host,insecure,token,refused", [
+    ("127.0.0.1", False, None, False), ("localhost", False, None, False), ("::1", False, None, False),
+    ("192.0.2.7", False, None, True), ("attn-0.afd.svc", False, None, True),
+    ("192.0.2.7", True, None, False), ("192.0.2.7", False, "s3cret", False),
+])
+def test_reachable_host_without_token_is_refused_unless_insecure(monkeypatch, host, insecure, token, refused):
+    from afd.node.args import _insecure_start
+
+    monkeypatch.delenv("AFD_CLUSTER_TOKEN", raising=False)
+    if token:
+        monkeypatch.setenv("AFD_CLUSTER_TOKEN", token)
+    cfg = from_dict({"cluster": {"insecure": insecure}, "model": {"path": "demo"}, "nodes": [
+        {"name": "a0", "role": "attention", "host": host, "ports": {"control": 1, "data": 2, "http": 3}},
+        {"name": "f0", "role": "ffn", "host": host, "ports": {"control": 4, "data": 5}}]})
+    err = _insecure_start(cfg, "a0")
+    assert (err is not None) == refused
+    if refused:
+        assert "AFD_CLUSTER_TOKEN is not set" in err and "cluster.insecure: true" in err

@@ -188,3 +188,35 @@ def test_one_attention_node_leaving_does_not_stop_the_others(tiny_checkpoint, re
                                 capture_output=True, text=True, timeout=30)
         st = json.loads(status.stdout)
         assert status.returncode == 1 and st["state"] == "DEGRADED" and st["lost"] == ["attn1"]
+
+
+def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_checkpoint, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="drain", cluster={"heartbeat_interval": 0.2})
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(post, c.url(), "/v1/completions", {
+                "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0, "ignore_eos": True})
+            end = time.monotonic() + 30
+            while "afd_num_requests_running{" not in _metric_lines(c.url(), " 1.0"):
+                assert time.monotonic() < end, "the long request never started"
+                time.sleep(0.05)
+            drain = subprocess.run([sys.executable, "-m", "afd.cli", "drain", str(path), "--node", "attn0",
+                                    "--wait", "120"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+            code, body = running.result(timeout=60)
+        assert drain.returncode == 0 and "no request running" in drain.stdout, drain.stdout + drain.stderr
+        assert code == 200 and body["usage"]["completion_tokens"] == 300
+        assert health(c.url()) == 503
+        code, err = post(c.url(), "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2})
+        assert code == 503 and "draining" in err["error"]["message"]
+        bad = subprocess.run([sys.executable, "-m", "afd.cli", "drain", str(path), "--node", "ffn0"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=30)
+        assert bad.returncode == 2 and "not an attention node" in bad.stderr
+
+
+def _metric_lines(url: str, suffix: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        return "\n".join(line for line in r.read().decode().splitlines() if line.endswith(suffix))

@@ -57,10 +57,14 @@ def port_number(container: dict, port) -> int:
 
 
 def prestop_sleep(container: dict) -> int:
+    """Seconds the preStop hook may take: a sleep, or `afd drain ... --wait S`."""
     pre = container["lifecycle"]["preStop"]
     if "sleep" in pre:
         return int(pre["sleep"]["seconds"])
     cmd = pre["exec"]["command"]
+    if cmd[:2] == ["sh", "-c"] and cmd[2].startswith("afd drain "):
+        words = cmd[2].split()
+        return int(words[words.index("--wait") + 1])
     assert cmd[0] == "sleep", cmd
     return int(cmd[1])
 
@@ -148,7 +152,8 @@ def test_k8s_grace_period_covers_prestop_and_drain(k8s, embedded):
     for w in (d for d in k8s if d["kind"] in WORKLOADS):
         for pod in pod_specs(w):
             (c,) = pod["containers"]
-            need = prestop_sleep(c) + embedded.engine.shutdown_timeout
+            drains = "afd drain" in str(c["lifecycle"]["preStop"])
+            need = prestop_sleep(c) + (5 if drains else embedded.engine.shutdown_timeout)
             assert pod["terminationGracePeriodSeconds"] >= need, w["metadata"]["name"]
 
 

@@ -58,15 +58,21 @@ def test_attention_and_ffn_on_different_hosts(tiny_checkpoint, tmp_path, ffn_hos
                       "ports": {"control": next(p), "data": next(p), "metrics": next(p)}}]}
     cfg = tmp_path / "two-hosts.yaml"
     cfg.write_text(yaml.safe_dump(doc))
+    # off loopback, a node without a cluster token is refused before it opens any port
+    bare = {k: v for k, v in os.environ.items() if k != "AFD_CLUSTER_TOKEN"}
+    r = subprocess.run([sys.executable, "-m", "attention_node.main", "--config", str(cfg), "--node", "attn0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, env=bare)
+    assert r.returncode == 2 and "AFD_CLUSTER_TOKEN is not set" in r.stderr, r.stderr
+    token = {"AFD_CLUSTER_TOKEN": "two-hosts-secret"}
     logs = {n: open(tmp_path / f"{n}.log", "w") for n in ("attn0", "ffn0")}  # noqa: SIM115
     node = [sys.executable, "-m"]
     procs = [
         subprocess.Popen(["ip", "netns", "exec", ns, *node, "ffn_node.main", "--config", str(cfg), "--node", "ffn0",
                           "--bind-host", FFN_IP], cwd=ROOT, stdout=logs["ffn0"], stderr=subprocess.STDOUT,
-                         env={**os.environ, "GLOO_SOCKET_IFNAME": vb}),
+                         env={**os.environ, **token, "GLOO_SOCKET_IFNAME": vb}),
         subprocess.Popen([*node, "attention_node.main", "--config", str(cfg), "--node", "attn0", "--bind-host",
                           ATTN_IP], cwd=ROOT, stdout=logs["attn0"], stderr=subprocess.STDOUT,
-                         env={**os.environ, "GLOO_SOCKET_IFNAME": va}),
+                         env={**os.environ, **token, "GLOO_SOCKET_IFNAME": va}),
     ]
     url = f"http://{ATTN_IP}:{doc['nodes'][0]['ports']['http']}"
     try:

@@ -109,6 +109,8 @@ class ClusterSection:
     comm_timeout: float = 60.0
     tls: dict | None = None
     """Optional {cert, key, ca} file paths for the control plane."""
+    insecure: bool = False
+    """Let nodes whose host is not loopback start without AFD_CLUSTER_TOKEN (an open control plane)."""
 
 
 @dataclass(frozen=True)

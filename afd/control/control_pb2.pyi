@@ -54,10 +54,12 @@ class NodeRef(_message.Message):
     def __init__(self, name: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("timeout_seconds",)
+    __slots__ = ("timeout_seconds", "node")
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
     timeout_seconds: float
-    def __init__(self, timeout_seconds: _Optional[float] = ...) -> None: ...
+    node: str
+    def __init__(self, timeout_seconds: _Optional[float] = ..., node: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("reason",)
@@ -70,7 +72,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("state", "missing", "registered", "ready", "lost", "message")
+    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[ClusterStatus.State]
@@ -91,10 +93,12 @@ class ClusterStatus(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     LOST_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     state: ClusterStatus.State
     missing: _containers.RepeatedScalarFieldContainer[str]
     registered: _containers.RepeatedScalarFieldContainer[str]
     ready: _containers.RepeatedScalarFieldContainer[str]
     lost: _containers.RepeatedScalarFieldContainer[str]
     message: str
-    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ...) -> None: ...
+    draining: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -40,6 +40,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.members: dict[str, _Member] = {}
         self.state = State.STARTING
         self.message = ""
+        self.draining: set[str] = set()
         self._cv = threading.Condition()
         self._started = time.monotonic()
 
@@ -57,7 +58,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return pb.ClusterStatus(
             state=state, missing=[n for n in self.cfg.names if n not in self.members],
             registered=sorted(self.members), ready=sorted(m.name for m in self.members.values() if m.ready),
-            lost=lost, message=self.message)
+            lost=lost, message=self.message, draining=sorted(self.draining))
 
     def _member(self, ref: pb.NodeRef, context) -> _Member:
         m = self.members.get(ref.name)
@@ -144,10 +145,21 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             return self._status()
 
     def Drain(self, req: pb.DrainRequest, context) -> pb.ClusterStatus:
+        """Attention nodes told to drain take no new requests and finish their running ones (they see
+        it in their next heartbeat); one node (`req.node`) or every attention node."""
+        attention = [n.name for n in self.cfg.attention_nodes]
+        if req.node and req.node not in attention:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{req.node!r} is not an attention node of this cluster ({', '.join(attention)})")
         with self._cv:
-            if self.state in (State.STARTING, State.READY, State.DEGRADED):
-                self.state = State.DRAINING
-                self.message = "draining"
+            if req.node:
+                self.draining.add(req.node)
+                log.info("draining %s", req.node)
+            else:
+                self.draining.update(attention)
+                if self.state in (State.STARTING, State.READY, State.DEGRADED):
+                    self.state = State.DRAINING
+                    self.message = "draining"
             return self._status()
 
     def Shutdown(self, req: pb.ShutdownRequest, context) -> pb.ClusterStatus:

@@ -51,11 +51,14 @@ def start_cluster_node(args, role: str):
 
     from afd.cluster.config import ClusterConfigError
 
+    prog = "afd-attention" if role == "attention" else "afd-ffn"
     try:
         cfg = load_cluster_args(args, role)
+        err = _insecure_start(cfg, args.node)
     except ClusterConfigError as e:
-        prog = "afd-attention" if role == "attention" else "afd-ffn"
-        print(f"{prog}: error: {e}", file=sys.stderr)
+        err = str(e)
+    if err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     if args.bind_host is None:  # nothing listens beyond the address the cluster file gives the node
         args.bind_host = cfg.node(args.node).host
@@ -68,3 +71,27 @@ def start_cluster_node(args, role: str):
     if threads:
         torch.set_num_threads(threads)
     return cfg
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a DNS name: reachable from elsewhere
+        return False
+
+
+def _insecure_start(cfg, name: str) -> str | None:
+    """Why this node must not start: a host others can reach, no cluster token, and no explicit
+    `cluster.insecure: true`."""
+    from afd.cluster.token import TOKEN_ENV, cluster_token
+
+    node = cfg.node(name)
+    if _is_loopback(node.host) or cluster_token() or cfg.cluster.insecure:
+        return None
+    return (f"{cfg.source}: node {name} is on {node.host}, which other hosts can reach, and {TOKEN_ENV} is not "
+            f"set: anyone reaching its control port could shut the cluster down. Set {TOKEN_ENV} to the same "
+            "secret on every node, or `cluster.insecure: true` in the YAML to run without one.")
