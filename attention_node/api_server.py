@@ -59,7 +59,7 @@ class _Generation:
         for j in range(body.n):
             rid = uuid.uuid4().hex
             self.ids.append(rid)
-            r = rq.Request(rid, prompt_ids, sampling_params(body, j), max_tokens,
+            r = rq.Request(rid, prompt_ids, sampling_params(body, j, st.limits), max_tokens,
                            lambda out, i=index0 + j: loop.call_soon_threadsafe(self.queue.put_nowait, (i, out)),
                            stop=stop_strings(body), ignore_eos=body.ignore_eos)
             st.engine.add_request(r)
@@ -207,7 +207,7 @@ async def _serve(st: ServerState, body, prompts: list[list[int]], request: Reque
     for ids in prompts:
         check_prompt(ids, st.limits)
         plan.append((ids, resolve_max_tokens(body.max_tokens, len(ids), st.limits)))
-    sampling_params(body, 0)  # surfaces a bad n or sampling parameter as 400 before anything runs
+    sampling_params(body, 0, st.limits)  # surfaces a bad n or sampling parameter as 400 before anything runs
     if stop_strings(body) and st.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has no tokenizer.json.", "stop")
     try:

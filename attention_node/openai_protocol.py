@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,11 +31,10 @@ class StreamOptions(BaseModel):
 
 MAX_N = 128
 """Choices per prompt: each is a sequence in the engine, so n is bounded like the batch."""
-# Sampling fields OpenAI / vLLM clients send that afd does not implement yet, with the value that
-# means "off": anything else is refused naming the field, never silently ignored.
-UNSUPPORTED = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-               "logit_bias": ({},), "min_tokens": (0,), "stop_token_ids": ([],), "suffix": ("",),
-               "top_logprobs": (0,), "prompt_logprobs": (0,), "logprobs": (False,)}
+# Fields OpenAI / vLLM clients send that afd does not implement, with the value that means "off":
+# anything else is refused naming the field, never silently ignored.
+UNSUPPORTED = {"suffix": ("",), "prompt_logprobs": (0,), "guided_json": ({},), "response_format": ({"type": "text"},),
+               "tools": ([],), "use_beam_search": (False,), "length_penalty": (1, 1.0)}
 
 
 class _Sampling(BaseModel):
@@ -51,16 +49,28 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     best_of: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
-    logprobs: Any = None
 
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     echo: bool = False
+    logprobs: int | None = None
+    """Top logprobs per generated token (OpenAI's legacy completions shape)."""
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is not None and self.echo:
+            raise ApiError(400, "logprobs together with echo (prompt logprobs) are not supported.", "logprobs")
+        return self.logprobs
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -95,6 +105,13 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true.", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 @dataclass
@@ -130,7 +147,7 @@ def resolve_max_tokens(requested: int | None, n_prompt: int, limits: Limits) -> 
     return requested
 
 
-def sampling_params(req: _Sampling, choice: int) -> SamplingParams:
+def sampling_params(req: _Sampling, choice: int, limits: Limits | None = None) -> SamplingParams:
     """Choice i of n draws with seed + i, so n > 1 gives different samples yet stays reproducible."""
     if req.n < 1:
         raise ApiError(400, f"n must be at least 1, got {req.n}.", "n")
@@ -138,17 +155,43 @@ def sampling_params(req: _Sampling, choice: int) -> SamplingParams:
         raise ApiError(400, f"n must be at most {MAX_N}, got {req.n}.", "n")
     if req.best_of not in (None, req.n):
         raise ApiError(400, f"best_of ({req.best_of}) other than n is not supported by this server.", "best_of")
-    fields = {**(req.model_extra or {}), "logprobs": req.logprobs}
+    extra = req.model_extra or {}
     for name, off in UNSUPPORTED.items():
-        if fields.get(name) is not None and fields[name] not in off:
+        if extra.get(name) is not None and extra[name] not in off:
             raise ApiError(400, f"{name} is not supported by this server.", name)
+    vocab = limits.vocab_size if limits else None
+    bias = _token_map(req.logit_bias or {}, vocab)
+    stop_ids = list(req.stop_token_ids or [])
+    bad = [t for t in stop_ids if vocab is not None and not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"stop_token_ids: token id {bad[0]} is out of vocabulary (vocabulary size {vocab}).",
+                       "stop_token_ids")
     temperature = 1.0 if req.temperature is None else req.temperature
     try:
-        return SamplingParams(temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                              top_k=0 if req.top_k in (None, -1) else req.top_k,  # -1: vLLM's "off"
-                              seed=None if req.seed is None else req.seed + choice)
+        return SamplingParams(
+            temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k in (None, -1) else req.top_k,  # -1: vLLM's "off"
+            seed=None if req.seed is None else req.seed + choice,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=bias, min_tokens=req.min_tokens, stop_token_ids=tuple(stop_ids),
+            logprobs=req.num_logprobs())
     except ValueError as e:
-        raise ApiError(400, str(e), str(e).split()[0]) from None
+        raise ApiError(400, str(e), str(e).split()[0].rstrip(":")) from None
+
+
+def _token_map(bias: dict[str, float], vocab: int | None) -> dict[int, float]:
+    """logit_bias keys arrive as JSON strings of token ids."""
+    out = {}
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit():
+            raise ApiError(400, f"logit_bias: {key!r} is not a token id.", "logit_bias")
+        tok = int(key)
+        if vocab is not None and not 0 <= tok < vocab:
+            raise ApiError(400, f"logit_bias: token id {tok} is out of vocabulary (vocabulary size {vocab}).",
+                           "logit_bias")
+        out[tok] = value
+    return out
 
 
 def stop_strings(req: _Sampling) -> list[str]:

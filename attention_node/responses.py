@@ -38,6 +38,29 @@ def _echo(st, body, gens, i: int) -> str:
     return st.tokenizer.decode(_prompt_of(gens, body.n, i))
 
 
+def _token_text(st, tok: int) -> str:
+    return st.tokenizer.decode([tok]) if st.tokenizer is not None else f"token_id:{tok}"
+
+
+def _logprobs(st, toks: list[int], entries: list, chat: bool, offset: int = 0) -> dict:
+    """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists."""
+    if chat:
+        def one(tok, lp):
+            text = _token_text(st, tok)
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+        return {"content": [{**one(tok, lp), "top_logprobs": [one(a, alp) for a, alp in alts]}
+                            for tok, (lp, alts) in zip(toks, entries)]}
+    tokens = [_token_text(st, t) for t in toks]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
+            "top_logprobs": [{_token_text(st, a): alp for a, alp in alts} for _, alts in entries],
+            "text_offset": offsets}
+
+
 async def _abort_on_disconnect(request, gens) -> None:
     """A client that went away stops its generation (vLLM does the same for non-streaming requests)."""
     while not await request.is_disconnected():
@@ -58,12 +81,14 @@ async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
     n = body.n
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
+    lps: dict[int, list] = {}
     ends: dict[int, tuple] = {}
     async for i, out in outputs:
         if out.error:
             raise ApiError(out.error_code, f"The request failed: {out.error}")
         texts.setdefault(i, []).append(out.new_text)
         ids.setdefault(i, []).extend(out.new_token_ids)
+        lps.setdefault(i, []).extend(out.logprobs or [])
         if out.finished:
             ends[i] = (out.finish_reason, out.stop_reason)
     resp = _head(st, chat)
@@ -75,7 +100,9 @@ async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
             c["message"] = {"role": "assistant", "content": text}
         else:
             c["text"] = _echo(st, body, gens, i) + text
-        c.update(logprobs=None, finish_reason=ends[i][0], stop_reason=ends[i][1])
+        want = body.num_logprobs() is not None
+        c.update(logprobs=_logprobs(st, ids.get(i, []), lps.get(i, []), chat) if want else None,
+                 finish_reason=ends[i][0], stop_reason=ends[i][1])
         if body.return_token_ids:
             c["token_ids"] = ids.get(i, [])
             c["prompt_token_ids"] = _prompt_of(gens, n, i)
@@ -90,6 +117,8 @@ async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool) ->
     if chat:
         head["object"] = "chat.completion.chunk"
     n, started, produced = body.n, set(), 0
+    want = body.num_logprobs() is not None
+    offsets: dict[int, int] = {}
     try:
         async for i, out in outputs:
             if out.error:
@@ -106,7 +135,12 @@ async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool) ->
             else:
                 echo = "" if i in started else _echo(st, body, gens, i)
                 choice = {"index": i, "text": echo + out.new_text}
-            choice.update(logprobs=None, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            lp = None
+            if want:
+                lp = _logprobs(st, out.new_token_ids, out.logprobs or [], chat, offsets.get(i, 0))
+                if not chat and lp["tokens"]:
+                    offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+            choice.update(logprobs=lp, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
             if body.return_token_ids:
                 choice["token_ids"] = out.new_token_ids
                 if i not in started:

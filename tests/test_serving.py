@@ -54,6 +54,24 @@ def test_concurrent_greedy_completions_equal_hf(cluster, reference):
     assert preempted and float(preempted[0].split()[-1]) > 0
 
 
+def test_logprobs_are_hfs_and_penalties_apply(cluster, tiny_checkpoint):
+    """logprobs are the model's (HF's log_softmax at the chosen token, top alternatives in order);
+    a frequency penalty changes greedy output once tokens repeat."""
+    import torch
+
+    (ids, logits), = hf_greedy(tiny_checkpoint, PROMPTS[:1], NEW)
+    code, body = _complete(cluster.url(), PROMPTS[0], logprobs=3)
+    assert code == 200, body
+    lp = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["token_ids"] == ids and len(lp["token_logprobs"]) == NEW
+    for step, (got, top) in enumerate(zip(lp["token_logprobs"], lp["top_logprobs"])):
+        ref = torch.log_softmax(logits[step], dim=-1)
+        assert abs(got - ref[ids[step]].item()) < 1e-3
+        assert len(top) <= 3 and abs(max(top.values()) - got) < 1e-6  # greedy: the best is the chosen one
+    code, pen = _complete(cluster.url(), PROMPTS[0], frequency_penalty=2.0, presence_penalty=2.0)
+    assert code == 200 and pen["choices"][0]["token_ids"] != ids
+
+
 def _stream(url: str, body: dict, path: str = "/v1/completions") -> list[str]:
     req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})

@@ -104,8 +104,13 @@ HOSTILE = [  # (path, raw JSON body, expected status, expected param)
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "temperature": NaN}', 400, "body.temperature"),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "top_p": Infinity}', 400, "body.top_p"),
     ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', 400, "prompt"),
-    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "presence_penalty": 0.5}', 400, "presence_penalty"),
-    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"5": 10}}', 400, "logit_bias"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "presence_penalty": 2.5}', 400, "presence_penalty"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"x": 10}}', 400, "logit_bias"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"99999": 1}}', 400, "logit_bias"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}', 400, "prompt_logprobs"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "logprobs": 2, "echo": true}', 400, "logprobs"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
+     "top_logprobs"),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "best_of": 3}', 400, "best_of"),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "suffix": "!"}', 400, "suffix"),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "n": 20000}', 400, "n"),
@@ -167,3 +172,17 @@ def test_openapi_documents_the_status_codes_served(demo):
         spec = json.load(r)
     codes = spec["paths"]["/v1/completions"]["post"]["responses"]
     assert "422" not in codes and {"200", "400", "500", "503"} <= set(codes)
+
+
+def test_chat_logprobs_have_openais_shape(demo):
+    code, r = post(demo.url(), "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "logprobs": True,
+        "top_logprobs": 2}, AUTH)
+    assert code == 200, r
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == r["usage"]["completion_tokens"]
+    text = "".join(c["token"] for c in content)
+    assert text == r["choices"][0]["message"]["content"] or r["choices"][0]["finish_reason"] == "stop"
+    for c in content:
+        assert set(c) == {"token", "logprob", "bytes", "top_logprobs"} and len(c["top_logprobs"]) == 2
+        assert c["logprob"] == max(t["logprob"] for t in c["top_logprobs"]) <= 0

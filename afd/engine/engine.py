@@ -19,9 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from afd.dataplane.transport import PeerError
+from afd.engine.logits import History
 from afd.engine.request import Request, RequestOutput
 from afd.engine.runner import ModelRunner, StepSeq
-from afd.engine.sampling import Sampler
+from afd.engine.sampling import Sampler, top_logprobs
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from afd.observability.metrics import AttentionMetrics
@@ -56,7 +57,7 @@ class Engine:
                  eos_ids: tuple[int, ...], max_model_len: int, metrics: AttentionMetrics | None = None):
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.eos_ids, self.max_model_len, self.metrics = eos_ids, max_model_len, metrics
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_ids)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -194,7 +195,8 @@ class Engine:
                 try:
                     if req.logits is not None:
                         req.logits.append(logits[row].clone())
-                    self._append(req, tok, now)
+                    k = req.params.logprobs
+                    self._append(req, tok, now, None if k is None else top_logprobs(logits[row], tok, k))
                 except Exception as e:  # detokenizing or stop handling: this request's alone
                     self._fail(req, e)
         self._refresh_gauges()
@@ -202,12 +204,14 @@ class Engine:
     def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> list[int | None]:
         """One token per request; a request whose sampling raises is failed alone (None)."""
         try:
-            return self.sampler.sample(logits[rows], [r.params for r in reqs], [r.request_id for r in reqs])
+            return self.sampler.sample(logits[rows], [r.params for r in reqs], [r.request_id for r in reqs],
+                                       [History(r.prompt_ids, r.output_ids) for r in reqs])
         except Exception:
             out: list[int | None] = []
             for row, req in zip(rows, reqs):
                 try:
-                    out.append(self.sampler.sample(logits[[row]], [req.params], [req.request_id])[0])
+                    out.append(self.sampler.sample(logits[[row]], [req.params], [req.request_id],
+                                                   [History(req.prompt_ids, req.output_ids)])[0])
                 except Exception as e:
                     self._fail(req, e)
                     out.append(None)
@@ -226,7 +230,7 @@ class Engine:
             self.metrics.preemptions.inc(s.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = s.num_preemptions
 
-    def _append(self, req: Request, tok: int, now: float) -> None:
+    def _append(self, req: Request, tok: int, now: float, logprob=None) -> None:
         if self.metrics:
             m = self.metrics
             m.generation_tokens.inc()
@@ -241,13 +245,16 @@ class Engine:
         reason, stop_reason = None, None
         if not req.ignore_eos and tok in self.eos_ids:
             reason = "stop"
+        elif tok in req.params.stop_token_ids:
+            reason, stop_reason = "stop", tok
         elif len(req.output_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
         text = ""
         if req.detok is not None:
             req.detok.push(tok)
             full = req.detok.text
-            hit = find_stop(full, req.stop, req.text_sent) if req.stop else None
+            check = req.stop and len(req.output_ids) >= req.params.min_tokens
+            hit = find_stop(full, req.stop, req.text_sent) if check else None
             if hit is not None:
                 stop_reason = next(s for s in req.stop if full.startswith(s, hit))
                 reason, full = "stop", full[:hit]
@@ -256,10 +263,10 @@ class Engine:
             held = 0 if reason else max((len(s) - 1 for s in req.stop), default=0)
             end = max(req.text_sent, len(full) - held)
             text, req.text_sent = full[req.text_sent:end], end
-        self._emit(req, [tok], text, reason, stop_reason)
+        self._emit(req, [tok], text, reason, stop_reason, logprobs=None if logprob is None else [logprob])
 
     def _emit(self, req: Request, toks: list[int], text: str, finish_reason: str | None = None,
-              stop_reason=None, error: str | None = None, error_code: int = 503) -> None:
+              stop_reason=None, error: str | None = None, error_code: int = 503, logprobs=None) -> None:
         finished = finish_reason is not None
         if finished:
             self._requests.pop(req.request_id, None)
@@ -269,4 +276,4 @@ class Engine:
                 self.metrics.success(finish_reason).inc()
                 self.metrics.e2e.observe(time.monotonic() - req.arrival)
         req.on_output(RequestOutput(req.request_id, toks, text, finished, finish_reason, stop_reason,
-                                    len(req.prompt_ids), len(req.output_ids), error, error_code))
+                                    len(req.prompt_ids), len(req.output_ids), error, error_code, logprobs))

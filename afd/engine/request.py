@@ -34,6 +34,8 @@ class RequestOutput:
     """Set when the engine failed the request (e.g. a dead FFN node)."""
     error_code: int = 503
     """HTTP status of `error`: 503 when the cluster cannot serve, 500 when this request alone failed."""
+    logprobs: list | None = None
+    """Per new token, (its logprob, [(id, logprob) of the top alternatives]) when the request asked."""
 
 
 @dataclass

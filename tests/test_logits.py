@@ -1,0 +1,82 @@
+"""Sampling parameters that change logits, against HF's logits processors where HF has one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import PROMPTS
+
+from afd.dataplane.exchange import LocalMoE
+from afd.engine import offline
+from afd.engine.logits import History, process
+from afd.engine.sampling import SamplingParams
+
+V = 50
+PROMPT, OUTPUT = [3, 7, 7, 12], [7, 20, 20, 20, 41]
+
+
+def _row(seed: int = 0) -> torch.Tensor:
+    return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
+def test_repetition_penalty_is_hfs(penalty):
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    row = _row()
+    ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([PROMPT + OUTPUT]), row[None].clone())[0]
+    ours = process(row, SamplingParams(repetition_penalty=penalty), History(PROMPT, OUTPUT), ())
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("done", [0, 2, 3])
+def test_min_tokens_is_hfs_min_new_tokens(done):
+    from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+
+    row, out = _row(1), OUTPUT[:done]
+    hf = MinNewTokensLengthLogitsProcessor(len(PROMPT), 3, [2, 9])
+    ref = hf(torch.tensor([PROMPT + out]), row[None].clone())[0]
+    ours = process(row, SamplingParams(min_tokens=3, stop_token_ids=(9,)), History(PROMPT, out), (2,))
+    assert torch.equal(ours, ref)
+
+
+def test_logit_bias_is_hfs_sequence_bias():
+    from transformers.generation.logits_process import SequenceBiasLogitsProcessor
+
+    row, bias = _row(2), {5: 4.5, 17: -100.0, 0: 0.25}
+    ref = SequenceBiasLogitsProcessor({(k,): v for k, v in bias.items()})(torch.tensor([PROMPT]), row[None].clone())[0]
+    assert torch.allclose(process(row, SamplingParams(logit_bias=bias), History(PROMPT, []), ()), ref)
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    row = _row(3)
+    ours = process(row, SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4), History(PROMPT, OUTPUT), ())
+    want = row.clone()
+    for tok in set(OUTPUT):  # prompt tokens are not penalized
+        want[tok] -= -0.4 * OUTPUT.count(tok) + 0.7
+    assert torch.allclose(ours, want)
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")),
+                                 dict(repetition_penalty=0.0), dict(logit_bias={3: 101}), dict(min_tokens=-1),
+                                 dict(stop_token_ids=(-1,)), dict(logprobs=21), dict(seed=2**64)])
+def test_out_of_range_parameters_are_refused(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        SamplingParams(**bad)
+
+
+def _generate(llm, params: SamplingParams, n: int = 8) -> list[int]:
+    eng = offline.job_engine(llm.attn, LocalMoE(llm.ffn, llm.backend), [PROMPTS[1]], [n], torch.float32,
+                             llm.backend.device)
+    return offline.generate(eng, [PROMPTS[1]], [n], params)[0]
+
+
+def test_engine_applies_bias_stop_ids_and_min_tokens(tiny_checkpoint):
+    import afd
+
+    llm = afd.LLM(tiny_checkpoint)
+    greedy = _generate(llm, SamplingParams())
+    assert _generate(llm, SamplingParams(logit_bias={11: 100.0})) == [11] * 8
+    assert _generate(llm, SamplingParams(stop_token_ids=(greedy[0],))) == greedy[:1]
+    barred = _generate(llm, SamplingParams(stop_token_ids=(greedy[0],), min_tokens=3))
+    assert greedy[0] not in barred[:3]
