@@ -7,7 +7,7 @@ STAMP := $(VENV)/.afd-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow run lint format clean proto
+.PHONY: setup test test-slow fuzz run lint format clean proto
 
 setup: $(STAMP)
 
@@ -22,6 +22,13 @@ test: setup
 	@command -v prometheus >/dev/null || echo "note: prometheus is not installed; its end-to-end test will skip (install: bash .ci/prometheus.sh, or apt-get install prometheus)"
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# schemathesis against /openapi.json of a demo cluster for FUZZ_SECONDS: no 5xx, nothing off-schema, and
+# the cluster answers as before afterwards. CI runs it after `make test`.
+FUZZ_SECONDS ?= 150
+fuzz: setup
+	$(BIN)/python -m pip install --quiet "schemathesis>=4.30"
+	$(BIN)/python tests/fuzz_api.py --max-time $(FUZZ_SECONDS)
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from afd import __version__
 from afd.engine import request as rq
@@ -101,6 +102,11 @@ def build_app(st: ServerState) -> FastAPI:
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
         return JSONResponse(e.body(), status_code=e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, e: StarletteHTTPException):  # e.g. a body that is not UTF-8 JSON
+        err = ApiError(e.status_code, str(e.detail), "body" if e.status_code == 400 else None)
+        return JSONResponse(err.body(), status_code=e.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_, e: RequestValidationError):
@@ -232,13 +238,20 @@ def _openapi(app: FastAPI) -> dict:
             "type": "object", "required": ["error"], "properties": {"error": {"type": "object", "properties": {
                 "message": {"type": "string"}, "type": {"type": "string"},
                 "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}}}}
-        for path, ops in schema.get("paths", {}).items():
+        paths = schema.get("paths", {})
+        paths["/health"]["get"]["responses"] = {"200": {"description": "Serving (empty body)"},
+                                                "503": {"description": "Not ready, draining or a peer is dead"}}
+        paths["/metrics"]["get"]["responses"] = {"200": {"description": "Prometheus text format", "content": {
+            "text/plain": {"schema": {"type": "string"}}}}}
+        for path, ops in paths.items():
             for op in ops.values():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
                 if path.startswith("/v1/") and op.get("requestBody"):
                     for code in ("400", "401", "404", "413", "500", "503"):
                         responses[code] = error
+                    # `stream: true` answers server-sent events
+                    responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
         schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
         schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
         app.openapi_schema = schema

@@ -11,11 +11,11 @@ import logging
 import time
 
 import torch
+from torch import nn
 
 from afd.backend import Backend
 from afd.dataplane.protocol import FLAG_IDLE, FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, IDLE_ACK_LEN, StepHeader
 from afd.dataplane.transport import BufferPool, DataPlane
-from afd.model.longcat_flash.ffn import FFNHalf
 from afd.observability.metrics import FFNMetrics
 from afd.observability.timing import Timers
 
@@ -23,7 +23,7 @@ log = logging.getLogger("afd.ffn")
 
 
 class FFNServer:
-    def __init__(self, ffn: FFNHalf, backend: Backend, plane: DataPlane, attention_ranks: list[int],
+    def __init__(self, ffn: nn.Module, backend: Backend, plane: DataPlane, attention_ranks: list[int],
                  dtype: torch.dtype, timers: Timers | None = None, layer_hook=None,
                  metrics: FFNMetrics | None = None):
         self.ffn, self.backend, self.plane = ffn, backend, plane
