@@ -131,7 +131,7 @@ def build_app(st: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = st.ready() and not st.draining and not st.engine.dead
+        ok = st.ready() and not st.draining and not st.engine.dead and not st.engine.paused
         return Response(status_code=200 if ok else 503)
 
     @app.get("/version")

@@ -57,6 +57,12 @@ def build_server_state(cfg, args, box: dict):
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else mcfg.eos_token_ids
     engine = Engine(runner, Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens), tok, eos, max_len,
                     metrics)
+    if cfg.cluster.rejoin_timeout > 0:
+        def rejoin(why: str) -> RemoteMoE:
+            plane = rt.reform(why)
+            return RemoteMoE(plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
+
+        engine.rejoin = rejoin
     st = ServerState(engine, tok, name, rt.model_path, Limits(max_len, mcfg.vocab_size), metrics,
                      ready=lambda: rt.cluster_state in _SERVING, api_key=args.api_key)
     box["state"] = st

@@ -70,13 +70,26 @@ def run_cluster_node(args) -> int:
                        metrics=metrics)
     log.info("serving %d attention peer(s)", len(a.peer_ranks))
     code = 0
-    try:
-        reason = server.serve()
-        log.info("stopped: %s", reason)
-    except PeerError as e:
+    while True:
+        failed = None
+        try:
+            log.info("stopped: %s", server.serve())
+            break
+        except PeerError as e:
+            failed = str(e)  # handled below, outside the except block whose traceback pins the process group
         healthy["ok"] = False
-        log.error("stopping: %s", e)
-        code = 1
+        if cfg.cluster.rejoin_timeout <= 0:
+            log.error("stopping: %s", failed)
+            code = 1
+            break
+        try:  # wait for the failed node's replacement, then serve the next generation
+            server.reset(rt.reform(failed), list(a.peer_ranks))
+        except (ControlError, PeerError) as err:
+            log.error("stopping: %s; %s", failed, err)
+            code = 1
+            break
+        healthy["ok"] = True
+        log.info("data plane re-formed; serving %d attention peer(s)", len(a.peer_ranks))
     t = server.timers
     log.info("%d steps, %d tokens; compute %.3fs, idle %.3fs", server.steps, server.tokens, t.total("compute"),
              t.total("idle"))

@@ -14,8 +14,16 @@ import torch
 from torch import nn
 
 from afd.backend import Backend
-from afd.dataplane.protocol import FLAG_IDLE, FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, IDLE_ACK_LEN, StepHeader
-from afd.dataplane.transport import BufferPool, DataPlane
+from afd.dataplane.protocol import (
+    FLAG_IDLE,
+    FLAG_LEAVE,
+    FLAG_SHUTDOWN,
+    HEADER_LEN,
+    IDLE_ACK_LEN,
+    ProtocolError,
+    StepHeader,
+)
+from afd.dataplane.transport import BufferPool, DataPlane, PeerError
 from afd.observability.metrics import FFNMetrics
 from afd.observability.timing import Timers
 
@@ -36,8 +44,15 @@ class FFNServer:
         """Called as hook(layer) -> bytes while waiting for that layer's inputs (afd.dataplane.prefetch)."""
         self.metrics = metrics
         self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64)
+        self._next_step = dict.fromkeys(attention_ranks, 0)
+        """The step id each attention peer's next header must carry (idle and leave headers repeat it)."""
         self.steps = 0
         self.tokens = 0
+
+    def reset(self, plane: DataPlane, attention_ranks: list[int]) -> None:
+        """Serve a new data-plane generation (after a node was replaced)."""
+        self.plane, self.active = plane, list(attention_ranks)
+        self._next_step = dict.fromkeys(attention_ranks, 0)
 
     def serve(self) -> str:
         """Runs until every attention peer has left or one asks for shutdown; returns why it stopped."""
@@ -66,7 +81,17 @@ class FFNServer:
         for r, w in works:
             self.plane.wait(w, r, "step header receive")
         self.timers.add("idle", time.perf_counter() - t0)
-        return {r: StepHeader.decode(self._headers[r], r) for r in self.active}
+        try:
+            headers = {r: StepHeader.decode(self._headers[r], r) for r in self.active}
+        except ProtocolError as e:
+            raise PeerError(f"data plane: {e}", None) from None
+        for r, h in headers.items():  # a desynchronised peer is an error here, never wrong numbers later
+            if h.step_id != self._next_step[r]:
+                raise PeerError(f"data plane: rank {r} sent step {h.step_id} where step {self._next_step[r]} was "
+                                "due: the protocol is out of step", r)
+            if not h.flags & (FLAG_IDLE | FLAG_LEAVE):
+                self._next_step[r] += 1
+        return headers
 
     def _run_step(self, headers: dict[int, StepHeader]) -> None:
         num_mb = max(len(h.tokens) for h in headers.values())

@@ -83,3 +83,37 @@ def test_tuner_measures_again_when_the_batch_changes_size():
     assert t.chosen is None and t.micro_batches == 1
     t.observe(1.0, 0.5, is_decode=True, tokens=8)
     assert t.micro_batches == micro_batches_rule(0.5, 0.5) and t.batch == 8
+
+
+class _ScriptedPlane:
+    """Hands out scripted step headers to an FFN server's receives (no process group needed)."""
+
+    def __init__(self, script: list):
+        self.script = list(script)
+
+    def irecv(self, tensor, peer):
+        tensor.copy_(self.script.pop(0).encode())
+        return None
+
+    def wait(self, work, peer, what):
+        pass
+
+
+def test_ffn_refuses_a_peer_whose_step_ids_are_out_of_step():
+    import torch
+    from torch import nn
+
+    from afd.backend import get_backend
+    from afd.dataplane.protocol import FLAG_IDLE
+    from afd.dataplane.transport import PeerError
+    from ffn_node.server import FFNServer
+
+    ffn = nn.Module()
+    ffn.cfg = type("Cfg", (), {"hidden_size": 4, "num_layers": 1})()
+    plane = _ScriptedPlane([StepHeader(0, (), FLAG_IDLE), StepHeader(0, (3,)), StepHeader(1, (2,)),
+                            StepHeader(3, (1,))])
+    server = FFNServer(ffn, get_backend("cpu"), plane, [0], torch.float32)
+    for _ in range(3):  # an idle header repeats the next step's id; a step with tokens moves it on
+        server._recv_headers()
+    with pytest.raises(PeerError, match="rank 0 sent step 3 where step 2 was due"):
+        server._recv_headers()

@@ -157,7 +157,8 @@ def test_afd_bench_against_the_cluster(cluster, tmp_path):
 
 
 def test_dead_ffn_node_makes_health_503_and_requests_fail_fast(tiny_checkpoint, tmp_path):
-    path = cluster_yaml(tmp_path, tiny_checkpoint, name="dead")
+    """Without rejoin (cluster.rejoin_timeout: 0) a dead peer fails every request at once."""
+    path = cluster_yaml(tmp_path, tiny_checkpoint, name="dead", cluster={"rejoin_timeout": 0})
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
@@ -185,7 +186,7 @@ def _slow_model(tmp_path) -> str:
 
 def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
     path = cluster_yaml(tmp_path, _slow_model(tmp_path), name="midstream", model={"dummy_weights": True},
-                        engine={"kv_cache_bytes": "64MiB"})
+                        engine={"kv_cache_bytes": "64MiB"}, cluster={"rejoin_timeout": 2, "heartbeat_timeout": 2})
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
@@ -202,6 +203,7 @@ def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
     assert events[-1] == "[DONE]", rest[-500:]
     err = json.loads(events[-2])["error"]
     assert err["code"] == 503 and "peer process is probably gone" in err["message"]
+    assert "no replacement joined within 2s" in err["message"]  # the stream waited for one, then gave up
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):

@@ -107,6 +107,9 @@ class ClusterSection:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     comm_timeout: float = 60.0
+    rejoin_timeout: float = 60.0
+    """Seconds the surviving nodes wait, their requests paused, for a failed node's replacement to
+    register (the same command started again); 0 fails the requests at once."""
     tls: dict | None = None
     """Optional {cert, key, ca} file paths for the control plane."""
     insecure: bool = False
@@ -320,6 +323,7 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     _check_tls(src, cluster.tls)
     for k in ("startup_timeout", "heartbeat_interval", "heartbeat_timeout", "comm_timeout"):
         _positive(src, f"cluster.{k}", getattr(cluster, k))
+    _positive(src, "cluster.rejoin_timeout", cluster.rejoin_timeout, allow_zero=True)
     model_kw = _section(ModelSection, src, "model", raw["model"], required=("path",))
     if model_kw.get("dtype", "float32") not in ("float32", "bfloat16", "float16"):
         _fail(src, "model.dtype", f"expected float32, bfloat16 or float16, got {model_kw['dtype']!r}")

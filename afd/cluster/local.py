@@ -63,7 +63,9 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
               "ports": {"control": next(ports), "data": next(ports), "http": next(ports)}} for a in range(A)]
     nodes += [{"name": f"ffn{f}", "role": "ffn", "host": "127.0.0.1", "threads": spec.threads,
                "ports": {"control": next(ports), "data": next(ports)}} for f in range(F)]
-    return {"cluster": {"name": "local-job", "comm_timeout": spec.comm_timeout, "startup_timeout": 120},
+    # an offline job is not re-formed around a failed node: it fails, naming it
+    return {"cluster": {"name": "local-job", "comm_timeout": spec.comm_timeout, "startup_timeout": 120,
+                        "rejoin_timeout": 0},
             "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights,
                       "seed": spec.seed},
             "layout": {"overlap": spec.overlap, "micro_batches": spec.micro_batches},

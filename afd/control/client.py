@@ -36,11 +36,11 @@ class ControlClient:
         self.ref = pb.NodeRef(name=node, instance_id=self.instance_id)
         self._stop = threading.Event()
 
-    def _call(self, method, request, timeout: float):
+    def _call(self, method, request, timeout: float, retry=_RETRYABLE):
         try:
             return method(request, metadata=call_metadata(), timeout=timeout)
         except grpc.RpcError as e:
-            if e.code() in _RETRYABLE:
+            if e.code() in retry:
                 raise
             raise ControlError(f"coordinator at {self.address} refused {self.node.name}: {e.details()}") from None
 
@@ -49,10 +49,15 @@ class ControlClient:
         req = pb.RegisterRequest(name=n.name, role=n.role, address=f"{n.host}:{n.ports.control}",
                                  model_fingerprint=fingerprint, version=__version__, instance_id=self.instance_id)
         deadline = time.monotonic() + self.cfg.cluster.startup_timeout
+        # A replacement for a node that just died is taken once the dead instance misses its heartbeats.
+        replaced_by = time.monotonic() + self.cfg.cluster.heartbeat_timeout + 5
         while True:
             try:
-                return self._call(self.stub.Register, req, timeout=5)
-            except grpc.RpcError:
+                return self._call(self.stub.Register, req, timeout=5,
+                                  retry=(*_RETRYABLE, grpc.StatusCode.ALREADY_EXISTS))
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() > replaced_by:
+                    raise ControlError(f"coordinator at {self.address} refused {n.name}: {e.details()}") from None
                 if time.monotonic() > deadline:
                     raise ControlError(f"coordinator at {self.address} not reachable within "
                                        f"{self.cfg.cluster.startup_timeout:.0f}s") from None
@@ -77,6 +82,30 @@ class ControlClient:
                 return st
             if time.monotonic() > deadline:
                 raise ControlError(f"startup timeout: nodes never registered: {', '.join(st.missing)}")
+
+    def await_formation(self, after: int, timeout: float) -> pb.ClusterStatus:
+        """The status once a data-plane generation past `after` can form; raises ControlError when none
+        does within `timeout` seconds (nobody replaced the failed node)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                st = self._call(self.stub.AwaitFormation,
+                                pb.FormationRequest(ref=self.ref, after=after, timeout_seconds=max(0.0, min(left, 10))),
+                                timeout=max(1.0, min(left, 10) + 5))
+            except grpc.RpcError as e:
+                st = None
+                if time.monotonic() > deadline:
+                    raise ControlError(f"coordinator at {self.address} stopped answering: {e.details()}") from None
+            if st is not None and st.state == pb.ClusterStatus.SHUTDOWN:
+                raise ControlError(f"the cluster is shutting down: {st.message}")
+            if st is not None and st.generation > after and not st.missing and not st.lost:
+                return st
+            if time.monotonic() > deadline:
+                missing = ", ".join([*(st.missing if st else []), *(st.lost if st else [])]) or "?"
+                raise ControlError(f"no replacement joined within {timeout:.0f}s (waiting for: {missing})")
+            if st is None:
+                time.sleep(0.3)
 
     def report_ready(self) -> pb.ClusterStatus:
         return self._call(self.stub.ReportReady, self.ref, timeout=10)

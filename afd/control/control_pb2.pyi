@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -24,7 +24,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("rank", "world_size", "master_addr", "master_port", "peer_ranks", "expert_lo", "expert_hi", "serves_zero_experts", "cluster_name")
+    __slots__ = ("rank", "world_size", "master_addr", "master_port", "peer_ranks", "expert_lo", "expert_hi", "serves_zero_experts", "cluster_name", "generation")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class RegisterReply(_message.Message):
     EXPERT_HI_FIELD_NUMBER: _ClassVar[int]
     SERVES_ZERO_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_NAME_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     master_addr: str
@@ -43,7 +44,8 @@ class RegisterReply(_message.Message):
     expert_hi: int
     serves_zero_experts: bool
     cluster_name: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., expert_lo: _Optional[int] = ..., expert_hi: _Optional[int] = ..., serves_zero_experts: _Optional[bool] = ..., cluster_name: _Optional[str] = ...) -> None: ...
+    generation: int
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., expert_lo: _Optional[int] = ..., expert_hi: _Optional[int] = ..., serves_zero_experts: _Optional[bool] = ..., cluster_name: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class NodeRef(_message.Message):
     __slots__ = ("name", "instance_id")
@@ -72,7 +74,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining")
+    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining", "generation")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[ClusterStatus.State]
@@ -94,6 +96,7 @@ class ClusterStatus(_message.Message):
     LOST_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     state: ClusterStatus.State
     missing: _containers.RepeatedScalarFieldContainer[str]
     registered: _containers.RepeatedScalarFieldContainer[str]
@@ -101,4 +104,15 @@ class ClusterStatus(_message.Message):
     lost: _containers.RepeatedScalarFieldContainer[str]
     message: str
     draining: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...
+    generation: int
+    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class FormationRequest(_message.Message):
+    __slots__ = ("ref", "after", "timeout_seconds")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ref: NodeRef
+    after: int
+    timeout_seconds: float
+    def __init__(self, ref: _Optional[_Union[NodeRef, _Mapping]] = ..., after: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...

@@ -69,6 +69,11 @@ class CoordinatorStub:
                 request_serializer=afd_dot_control_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.AwaitFormation = channel.unary_unary(
+                '/afd.control.Coordinator/AwaitFormation',
+                request_serializer=afd_dot_control_dot_control__pb2.FormationRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -120,6 +125,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitFormation(self, request, context):
+        """After a data-plane failure: blocks until a newer data-plane generation can form (every node of
+        the YAML registered, the failed one replaced), or the timeout passes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -156,6 +169,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
                     request_deserializer=afd_dot_control_dot_control__pb2.StatusRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.ClusterStatus.SerializeToString,
+            ),
+            'AwaitFormation': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitFormation,
+                    request_deserializer=afd_dot_control_dot_control__pb2.FormationRequest.FromString,
                     response_serializer=afd_dot_control_dot_control__pb2.ClusterStatus.SerializeToString,
             ),
     }
@@ -347,6 +365,33 @@ class Coordinator:
             target,
             '/afd.control.Coordinator/GetStatus',
             afd_dot_control_dot_control__pb2.StatusRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitFormation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Coordinator/AwaitFormation',
+            afd_dot_control_dot_control__pb2.FormationRequest.SerializeToString,
             afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
             options,
             channel_credentials,

@@ -41,6 +41,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.state = State.STARTING
         self.message = ""
         self.draining: set[str] = set()
+        self.generation = 0
+        """Data-plane generation: bumped when a node is replaced, so that every node re-forms."""
         self._cv = threading.Condition()
         self._started = time.monotonic()
 
@@ -58,7 +60,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return pb.ClusterStatus(
             state=state, missing=[n for n in self.cfg.names if n not in self.members],
             registered=sorted(self.members), ready=sorted(m.name for m in self.members.values() if m.ready),
-            lost=lost, message=self.message, draining=sorted(self.draining))
+            lost=lost, message=self.message, draining=sorted(self.draining), generation=self.generation)
 
     def _member(self, ref: pb.NodeRef, context) -> _Member:
         m = self.members.get(ref.name)
@@ -80,21 +82,30 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"node {req.name!r} registered as {req.role!r} but the YAML says {node.role!r}")
             old = self.members.get(req.name)
-            if old is not None and old.instance_id != req.instance_id:
+            replacing = old is not None and old.instance_id != req.instance_id
+            if replacing and req.name not in self._lost():
                 context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"duplicate node name {req.name!r}: already registered from {old.address}")
+                              f"duplicate node name {req.name!r}: already registered from {old.address} "
+                              "(a replacement is taken once that instance misses its heartbeats)")
             if req.model_fingerprint != self.fingerprint:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                               f"node {req.name!r} has model fingerprint {req.model_fingerprint[:12]} but the "
                               f"cluster serves {self.fingerprint[:12]}: a different model, dtype or weights")
             if req.version != __version__:
                 log.warning("node %s runs afd %s, the coordinator %s", req.name, req.version, __version__)
+            if replacing:  # the old instance is gone: every node re-forms the data plane with the new one
+                self.generation += 1
+                self.draining.discard(req.name)
+                log.warning("%s replaced by a new instance from %s: data-plane generation %d", req.name,
+                            req.address, self.generation)
             self.members[req.name] = _Member(req.name, req.role, req.address, req.instance_id,
                                              req.model_fingerprint, time.monotonic())
             log.info("registered %s (%s) from %s [%d/%d]", req.name, req.role, req.address, len(self.members),
                      len(self.cfg.nodes))
             self._cv.notify_all()
-        return self._assignment(node)
+            reply = self._assignment(node)
+            reply.generation = self.generation
+        return reply
 
     def _assignment(self, node) -> pb.RegisterReply:
         cfg = self.cfg
@@ -127,6 +138,23 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                                 f"registered: {', '.join(missing)}")
                 log.error("%s", self.message)
                 self._cv.notify_all()
+            return self._status()
+
+    def AwaitFormation(self, req: pb.FormationRequest, context) -> pb.ClusterStatus:
+        """Returns once the generation is past `req.after` and every node is registered and alive, or when
+        the timeout (or the call's deadline) passes: the caller compares the generation."""
+        deadline = time.monotonic() + req.timeout_seconds
+        with self._cv:
+            self._member(req.ref, context)
+            while not (self.generation > req.after and len(self.members) == len(self.cfg.nodes)
+                       and not self._lost()) and self.state != State.SHUTDOWN:
+                left = deadline - time.monotonic()
+                if context.time_remaining() is not None:
+                    left = min(left, context.time_remaining())
+                if left <= 0:
+                    break
+                self._cv.wait(min(left, 0.5))
+                self._member(req.ref, context)  # waiting counts as alive
             return self._status()
 
     def ReportReady(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:

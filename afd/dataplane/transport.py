@@ -7,6 +7,7 @@ Every wait has a timeout, and a failed or timed-out op raises PeerError naming t
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from datetime import timedelta
@@ -21,6 +22,10 @@ log = logging.getLogger("afd.dataplane.transport")
 
 class PeerError(RuntimeError):
     """A data-plane peer went away, timed out, or broke the protocol."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
 
 
 class BufferPool:
@@ -37,17 +42,27 @@ class BufferPool:
         return buf[:rows]
 
 
+def rendezvous_store(rank: int, master_addr: str, master_port: int, timeout_s: float):
+    """torch.distributed's key-value store for forming process groups: rank 0 serves it for the life of
+    its process (every generation of the data plane forms through it), the others connect."""
+    return dist.TCPStore(master_addr, master_port, is_master=rank == 0, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
 class DataPlane:
-    def __init__(self, backend: Backend, rank: int, world_size: int, master_addr: str, master_port: int,
+    """One generation of the data plane. A node that is replaced makes every node form the next
+    generation: same ranks, its own key prefix in the same store."""
+
+    def __init__(self, backend: Backend, rank: int, world_size: int, store, generation: int = 0,
                  timeout_s: float = 60.0):
-        self.backend, self.rank, self.world_size = backend, rank, world_size
+        self.backend, self.rank, self.world_size, self.generation = backend, rank, world_size, generation
         self.timeout = timedelta(seconds=timeout_s)
         self._stream = backend.comm_stream()
         t0 = time.monotonic()
-        dist.init_process_group(backend.dist_backend, init_method=f"tcp://{master_addr}:{master_port}",
+        dist.init_process_group(backend.dist_backend, store=dist.PrefixStore(f"afd/g{generation}", store),
                                 rank=rank, world_size=world_size, timeout=self.timeout)
-        log.info("data plane up: rank %d of %d over %s in %.2fs", rank, world_size, backend.dist_backend,
-                 time.monotonic() - t0)
+        log.info("data plane up: rank %d of %d over %s, generation %d, in %.2fs", rank, world_size,
+                 backend.dist_backend, generation, time.monotonic() - t0)
 
     def _issue(self, op, tensor: torch.Tensor, peer: int):
         if self._stream is None:
@@ -68,10 +83,10 @@ class DataPlane:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
             raise PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)}); "
-                            f"the peer process is probably gone") from None
+                            f"the peer process is probably gone", peer) from None
         if ok is False:
             raise PeerError(f"data plane: {what} with rank {peer} timed out after "
-                            f"{self.timeout.total_seconds():.0f}s")
+                            f"{self.timeout.total_seconds():.0f}s", peer)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -79,6 +94,9 @@ class DataPlane:
                 dist.destroy_process_group()
             except Exception as e:  # a dead peer can make teardown fail; exiting matters more
                 log.debug("process group teardown: %s", e)
+            # pending works in dropped frames keep the group (and its sockets) alive until collected;
+            # peers blocked on this node notice only once the sockets close
+            gc.collect()
 
 
 def _first_line(e: BaseException) -> str:

@@ -14,10 +14,12 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from afd.dataplane.exchange import MoEExchange
 from afd.dataplane.transport import PeerError
 from afd.engine.logits import History
 from afd.engine.request import Request, RequestOutput
@@ -62,6 +64,11 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.dead: str | None = None
+        self.paused: str | None = None
+        """Why the engine is waiting for the data plane to re-form (requests wait, /health is 503)."""
+        self.rejoin: Callable[[str], MoEExchange] | None = None
+        """Serving sets it: re-forms the data plane after a failure (afd.node.runtime) and returns the
+        exchange over the new one; None fails every request at the first data-plane error."""
         self._thread = threading.Thread(target=self._loop, name="afd-engine", daemon=True)
         self._requests: dict[str, Request] = {}
         self._preemptions_seen = 0
@@ -109,10 +116,19 @@ class Engine:
         backoff = 0.0
         try:
             while not self._stop.is_set():
-                if self.step() is not None:
-                    backoff = 0.0
+                failed = None
+                try:
+                    if self.step() is not None:
+                        backoff = 0.0
+                        continue
+                    busy = self.runner.moe.idle()
+                except PeerError as e:
+                    if self.rejoin is None:
+                        raise
+                    failed = str(e)  # leave the except block first: its traceback pins the old process group
+                if failed is not None:
+                    self._rejoin(failed)
                     continue
-                busy = self.runner.moe.idle()
                 backoff = 0.0 if busy else min(IDLE_BACKOFF_MAX, max(0.001, 2 * backoff))
                 if not busy and self._wake.wait(backoff):
                     self._wake.clear()
@@ -122,6 +138,19 @@ class Engine:
         except Exception as e:  # a bug must not leave requests hanging
             log.exception("engine failed")
             self._die(f"engine failed: {e}")
+
+    def _rejoin(self, e: str) -> None:
+        """A peer failed mid-step: wait for the data plane to re-form, then run the step again. Nothing is
+        lost: the step's sampling never ran, and its KV writes land in the same slots when it reruns."""
+        self.paused = e
+        log.warning("requests paused: %s", e)
+        self.runner.moe = None  # drop the exchange over the failed generation before it is torn down
+        try:
+            self.runner.moe = self.rejoin(e)
+        except Exception as err:  # ControlError: nobody came back in time
+            raise PeerError(f"{e}; {err}") from None
+        self.paused = None
+        log.info("data plane re-formed; %d request(s) resume", len(self._requests))
 
     def _die(self, reason: str) -> None:
         self.dead = reason

@@ -16,7 +16,7 @@ from afd.control import control_pb2 as pb
 from afd.control.client import ControlClient
 from afd.control.coordinator import Coordinator
 from afd.control.server import ControlServer
-from afd.dataplane.transport import DataPlane
+from afd.dataplane.transport import DataPlane, rendezvous_store
 from afd.model.config import ModelConfig
 from afd.model.registry import load_config
 
@@ -34,8 +34,31 @@ class NodeRuntime:
     client: ControlClient
     assignment: pb.RegisterReply | None = None
     plane: DataPlane | None = None
+    store: object = None
+    """The rendezvous store every data-plane generation forms through (served by rank 0)."""
     cluster_state: int = pb.ClusterStatus.STARTING
     shutdown: threading.Event = field(default_factory=threading.Event)
+
+    def join_data_plane(self, generation: int) -> DataPlane:
+        a = self.assignment
+        if self.store is None:
+            self.store = rendezvous_store(a.rank, a.master_addr, a.master_port, self.cfg.cluster.comm_timeout)
+        self.plane = DataPlane(self.backend, a.rank, a.world_size, self.store, generation,
+                               self.cfg.cluster.comm_timeout)
+        return self.plane
+
+    def reform(self, why: str) -> DataPlane:
+        """After a data-plane failure: leave this generation, wait up to `cluster.rejoin_timeout` for the
+        failed node's replacement, and form the next generation with it. Raises ControlError when none
+        comes (or the cluster shuts down)."""
+        failed = self.plane.generation if self.plane is not None else 0
+        if self.plane is not None:
+            self.plane.close()  # peers blocked on this node see the failure at once, not after comm_timeout
+            self.plane = None
+        log.warning("data plane generation %d failed (%s); waiting up to %.0fs for the node to be replaced",
+                    failed, why, self.cfg.cluster.rejoin_timeout)
+        st = self.client.await_formation(failed, self.cfg.cluster.rejoin_timeout)
+        return self.join_data_plane(st.generation)
 
     def close(self, plane: bool = True) -> None:
         """plane=False when the process is about to exit from a signal: another thread may be blocked
@@ -63,9 +86,8 @@ def bring_up(cfg: ClusterConfig, name: str, bind_host: str, load_model: Callable
         a = rt.assignment
         log.info("registered with %s as rank %d of %d", rt.client.address, a.rank, a.world_size)
         load_model(rt)
-        rt.client.await_cluster()
-        rt.plane = DataPlane(rt.backend, a.rank, a.world_size, a.master_addr, a.master_port,
-                             cfg.cluster.comm_timeout)
+        st = rt.client.await_cluster()
+        rt.join_data_plane(st.generation)
         rt.cluster_state = rt.client.report_ready().state
     except BaseException:
         rt.close()

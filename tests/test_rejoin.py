@@ -1,0 +1,126 @@
+"""Nothing lost when a node dies and is started again by its own command: the survivors pause their
+requests, the data plane re-forms (a new generation, same ranks) and every request completes with
+HF's tokens; the surviving processes are never restarted."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+from cluster_helpers import Cluster, cluster_yaml, health, post
+from hf_reference import PROMPTS, hf_greedy
+
+pytestmark = pytest.mark.multiprocess
+NEW = 48
+FAST = {"heartbeat_interval": 0.3, "heartbeat_timeout": 2, "rejoin_timeout": 60, "comm_timeout": 30}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW)]
+
+
+class _Streams:
+    """Concurrent streaming greedy completions; `started` is set once every stream has its first chunk."""
+
+    def __init__(self, url: str, prompts: list[list[int]]):
+        self.results: list = [None] * len(prompts)
+        self._first = threading.Semaphore(0)
+        self.threads = [threading.Thread(target=self._run, args=(i, url, p)) for i, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int, url: str, prompt: list[int]) -> None:
+        body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "stream": True, "return_token_ids": True}
+        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+        ids, errors, first = [], [], True
+        try:
+            with urllib.request.urlopen(req, timeout=180) as r:
+                for line in r:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    ev = json.loads(line[len(b"data: "):])
+                    if "error" in ev:
+                        errors.append(ev["error"]["message"])
+                    for c in ev.get("choices", []):
+                        ids.extend(c.get("token_ids") or [])
+                    if first:
+                        first = False
+                        self._first.release()
+        except Exception as e:  # noqa: BLE001 (reported through the result)
+            errors.append(repr(e))
+        finally:
+            if first:
+                self._first.release()
+        self.results[i] = (ids, errors)
+
+    def wait_started(self) -> None:
+        for _ in self.threads:
+            assert self._first.acquire(timeout=60)
+
+    def join(self) -> list:
+        for t in self.threads:
+            t.join(240)
+        return self.results
+
+
+def _greedy(url: str, prompt: list[int]) -> list[int]:
+    code, body = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0,
+                                               "return_token_ids": True})
+    assert code == 200, body
+    return body["choices"][0]["token_ids"]
+
+
+def _assert_all_equal_hf(results, prompts, reference) -> None:
+    for (ids, errors), p in zip(results, prompts):
+        assert not errors, errors
+        assert ids == reference[PROMPTS.index(p)]
+
+
+def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, reference, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="rejoin-ffn", cluster=FAST)
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        attn_pid = c.procs["attn0"].pid
+        prompts = PROMPTS * 4  # 16 streams at once
+        streams = _Streams(c.url(), prompts)
+        streams.wait_started()
+        c.procs["ffn0"].send_signal(signal.SIGKILL)
+        time.sleep(0.5)
+        assert health(c.url()) == 503  # paused, waiting for the replacement
+        c.start("ffn0")  # the node's own command, as a supervisor would run it
+        results = streams.join()
+        _assert_all_equal_hf(results, prompts, reference)
+        assert c.procs["attn0"].pid == attn_pid and c.procs["attn0"].poll() is None
+        assert "data plane re-formed" in c.log("attn0") and "generation 1" in c.log("attn0")
+        assert health(c.url()) == 200 and _greedy(c.url(), PROMPTS[0]) == reference[0]
+
+
+def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_checkpoint, reference, tmp_path):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="rejoin-attn", cluster=FAST)
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        survivors = {n: c.procs[n].pid for n in ("attn0", "ffn0")}
+        prompts = PROMPTS * 4
+        streams = _Streams(c.url("attn0"), prompts)
+        streams.wait_started()
+        c.procs["attn1"].send_signal(signal.SIGKILL)
+        time.sleep(0.5)
+        c.start("attn1")
+        results = streams.join()
+        _assert_all_equal_hf(results, prompts, reference)
+        assert {n: c.procs[n].pid for n in survivors} == survivors
+        assert all(c.procs[n].poll() is None for n in survivors)
+        end = time.monotonic() + 60
+        while health(c.url("attn1")) != 200:
+            assert time.monotonic() < end and c.procs["attn1"].poll() is None, c.log("attn1")
+            time.sleep(0.2)
+        assert _greedy(c.url("attn1"), PROMPTS[3]) == reference[3]
+        assert _greedy(c.url("attn0"), PROMPTS[1]) == reference[1]
