@@ -100,12 +100,12 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
-def _listeners() -> dict[int, set[str]]:
-    """Listening TCP ports of this host -> their local addresses (/proc/net/tcp and tcp6; an IPv4-mapped
-    IPv6 address is shown as its IPv4 address, the IPv6 wildcard as '::')."""
+def _listeners() -> dict[int, set[tuple[str, int]]]:
+    """Listening TCP sockets of this host: socket inode -> {(local address, port)} (/proc/net/tcp and tcp6;
+    an IPv4-mapped IPv6 address is shown as its IPv4 address, the IPv6 wildcard as '::')."""
     import ipaddress
 
-    out: dict[int, set[str]] = {}
+    out: dict[int, set[tuple[str, int]]] = {}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
@@ -116,11 +116,23 @@ def _listeners() -> dict[int, set[str]]:
             ip = ipaddress.ip_address(raw)
             if ip.version == 6 and ip.ipv4_mapped:
                 ip = ip.ipv4_mapped
-            out.setdefault(int(port, 16), set()).add(str(ip))
+            out.setdefault(int(fields[9]), set()).add((str(ip), int(port, 16)))
     return out
 
 
-def _launched_cluster_is_closed(path: Path, url: str) -> None:
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[len("socket:["):-1]))
+    return inodes
+
+
+def _launched_cluster_is_closed(path: Path, url: str, launcher_pid: int) -> None:
     """`afd launch` without AFD_CLUSTER_TOKEN makes one: a forged Shutdown is refused, `afd status` (same
     user) still works, and the nodes' control, API and metrics ports listen on the YAML host only."""
     import grpc
@@ -139,11 +151,16 @@ def _launched_cluster_is_closed(path: Path, url: str) -> None:
                             text=True, timeout=30, env=env)
     assert status.returncode == 0, status.stdout + status.stderr
     listening = _listeners()
+    by_port = {port: addr for socks in listening.values() for addr, port in socks}
     for node in doc["nodes"]:
         for kind in ("control", "http", "metrics"):
             port = node["ports"].get(kind)
             if port:
-                assert listening.get(port) == {"127.0.0.1"}, (node["name"], kind, listening.get(port))
+                assert by_port.get(port) == "127.0.0.1", (node["name"], kind, by_port.get(port))
+    # every listener of every node (the rendezvous store and gloo's pairs included) is on the YAML host
+    for pid in _descendants(launcher_pid):
+        for inode in _socket_inodes(pid) & set(listening):
+            assert {addr for addr, _ in listening[inode]} == {"127.0.0.1"}, (pid, listening[inode])
 
 
 def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_path):
@@ -159,7 +176,7 @@ def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_pat
                 url = line.strip()
                 break
         assert url and health(url) == 200
-        _launched_cluster_is_closed(path, url)
+        _launched_cluster_is_closed(path, url, launcher.pid)
         children = _descendants(launcher.pid)
         assert len(children) >= 3
         launcher.send_signal(signal.SIGTERM)

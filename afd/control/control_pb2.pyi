@@ -74,7 +74,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining", "generation")
+    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining", "generation", "formation")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[ClusterStatus.State]
@@ -97,6 +97,7 @@ class ClusterStatus(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FORMATION_FIELD_NUMBER: _ClassVar[int]
     state: ClusterStatus.State
     missing: _containers.RepeatedScalarFieldContainer[str]
     registered: _containers.RepeatedScalarFieldContainer[str]
@@ -105,7 +106,8 @@ class ClusterStatus(_message.Message):
     message: str
     draining: _containers.RepeatedScalarFieldContainer[str]
     generation: int
-    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ...) -> None: ...
+    formation: str
+    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., formation: _Optional[str] = ...) -> None: ...
 
 class FormationRequest(_message.Message):
     __slots__ = ("ref", "after", "timeout_seconds")

@@ -7,6 +7,7 @@ node's control port. All state is guarded by one condition variable; AwaitCluste
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.draining: set[str] = set()
         self.generation = 0
         """Data-plane generation: bumped when a node is replaced, so that every node re-forms."""
+        self.formation = secrets.token_hex(16)
+        """The generation's store prefix: a process that reaches the store but not (with the token) the
+        coordinator cannot take a rank in the data plane."""
         self._cv = threading.Condition()
         self._started = time.monotonic()
 
@@ -52,7 +56,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         limit = time.monotonic() - self.cfg.cluster.heartbeat_timeout
         return sorted(m.name for m in self.members.values() if m.last_seen < limit)
 
-    def _status(self) -> pb.ClusterStatus:
+    def _status(self, formation: bool = False) -> pb.ClusterStatus:
+        """formation: include the store prefix (only for the nodes forming the data plane)."""
         lost = self._lost()
         state = self.state
         if state == State.READY and lost:
@@ -60,7 +65,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         return pb.ClusterStatus(
             state=state, missing=[n for n in self.cfg.names if n not in self.members],
             registered=sorted(self.members), ready=sorted(m.name for m in self.members.values() if m.ready),
-            lost=lost, message=self.message, draining=sorted(self.draining), generation=self.generation)
+            lost=lost, message=self.message, draining=sorted(self.draining), generation=self.generation,
+            formation=self.formation if formation else "")
 
     def _member(self, ref: pb.NodeRef, context) -> _Member:
         m = self.members.get(ref.name)
@@ -95,6 +101,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 log.warning("node %s runs afd %s, the coordinator %s", req.name, req.version, __version__)
             if replacing:  # the old instance is gone: every node re-forms the data plane with the new one
                 self.generation += 1
+                self.formation = secrets.token_hex(16)
                 self.draining.discard(req.name)
                 log.warning("%s replaced by a new instance from %s: data-plane generation %d", req.name,
                             req.address, self.generation)
@@ -138,7 +145,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                                 f"registered: {', '.join(missing)}")
                 log.error("%s", self.message)
                 self._cv.notify_all()
-            return self._status()
+            return self._status(formation=True)
 
     def AwaitFormation(self, req: pb.FormationRequest, context) -> pb.ClusterStatus:
         """Returns once the generation is past `req.after` and every node is registered and alive, or when
@@ -155,7 +162,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                     break
                 self._cv.wait(min(left, 0.5))
                 self._member(req.ref, context)  # waiting counts as alive
-            return self._status()
+            return self._status(formation=True)
 
     def ReportReady(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         with self._cv:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import socket
 import time
 from datetime import timedelta
 
@@ -44,9 +45,34 @@ class BufferPool:
 
 def rendezvous_store(rank: int, master_addr: str, master_port: int, timeout_s: float):
     """torch.distributed's key-value store for forming process groups: rank 0 serves it for the life of
-    its process (every generation of the data plane forms through it), the others connect."""
-    return dist.TCPStore(master_addr, master_port, is_master=rank == 0, wait_for_workers=False,
-                         timeout=timedelta(seconds=timeout_s))
+    its process (every generation of the data plane forms through it), the others connect. Rank 0
+    listens on its own address only (TCPStore alone would take every interface). Returns the store and,
+    on rank 0, the listening socket, which must stay open as long as the store."""
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout), None
+    family, kind, proto, _, addr = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise PeerError(f"data plane: cannot listen on {master_addr}:{master_port} for the rendezvous ({e})") from None
+    sock.listen(512)
+    store = dist.TCPStore(master_addr, master_port, is_master=True, wait_for_workers=False, timeout=timeout,
+                          master_listen_fd=sock.fileno())
+    return store, sock
+
+
+def _gloo_options(bind_host: str | None, timeout: timedelta):
+    """gloo's pair listeners on the node's own address (by default they take the hostname's)."""
+    if not bind_host or bind_host in ("0.0.0.0", "::"):
+        return None
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
+    opts._timeout = timeout
+    return opts
 
 
 class DataPlane:
@@ -54,13 +80,16 @@ class DataPlane:
     generation: same ranks, its own key prefix in the same store."""
 
     def __init__(self, backend: Backend, rank: int, world_size: int, store, generation: int = 0,
-                 timeout_s: float = 60.0):
+                 timeout_s: float = 60.0, formation: str = "", bind_host: str | None = None):
+        """formation: the secret part of this generation's store prefix, handed out over the (token-
+        authenticated) control plane, so a process that only reaches the store cannot join it."""
         self.backend, self.rank, self.world_size, self.generation = backend, rank, world_size, generation
         self.timeout = timedelta(seconds=timeout_s)
         self._stream = backend.comm_stream()
         t0 = time.monotonic()
-        dist.init_process_group(backend.dist_backend, store=dist.PrefixStore(f"afd/g{generation}", store),
-                                rank=rank, world_size=world_size, timeout=self.timeout)
+        opts = _gloo_options(bind_host, self.timeout) if backend.dist_backend == "gloo" else None
+        dist.init_process_group(backend.dist_backend, store=dist.PrefixStore(f"afd/g{generation}/{formation}", store),
+                                rank=rank, world_size=world_size, timeout=self.timeout, pg_options=opts)
         log.info("data plane up: rank %d of %d over %s, generation %d, in %.2fs", rank, world_size,
                  backend.dist_backend, generation, time.monotonic() - t0)
 

@@ -36,15 +36,18 @@ class NodeRuntime:
     plane: DataPlane | None = None
     store: object = None
     """The rendezvous store every data-plane generation forms through (served by rank 0)."""
+    bind_host: str | None = None
+    _store_socket: object = None
     cluster_state: int = pb.ClusterStatus.STARTING
     shutdown: threading.Event = field(default_factory=threading.Event)
 
-    def join_data_plane(self, generation: int) -> DataPlane:
+    def join_data_plane(self, st: pb.ClusterStatus) -> DataPlane:
         a = self.assignment
         if self.store is None:
-            self.store = rendezvous_store(a.rank, a.master_addr, a.master_port, self.cfg.cluster.comm_timeout)
-        self.plane = DataPlane(self.backend, a.rank, a.world_size, self.store, generation,
-                               self.cfg.cluster.comm_timeout)
+            self.store, self._store_socket = rendezvous_store(a.rank, a.master_addr, a.master_port,
+                                                              self.cfg.cluster.comm_timeout)
+        self.plane = DataPlane(self.backend, a.rank, a.world_size, self.store, st.generation,
+                               self.cfg.cluster.comm_timeout, st.formation, self.bind_host)
         return self.plane
 
     def reform(self, why: str) -> DataPlane:
@@ -57,8 +60,7 @@ class NodeRuntime:
             self.plane = None
         log.warning("data plane generation %d failed (%s); waiting up to %.0fs for the node to be replaced",
                     failed, why, self.cfg.cluster.rejoin_timeout)
-        st = self.client.await_formation(failed, self.cfg.cluster.rejoin_timeout)
-        return self.join_data_plane(st.generation)
+        return self.join_data_plane(self.client.await_formation(failed, self.cfg.cluster.rejoin_timeout))
 
     def close(self, plane: bool = True) -> None:
         """plane=False when the process is about to exit from a signal: another thread may be blocked
@@ -80,14 +82,13 @@ def bring_up(cfg: ClusterConfig, name: str, bind_host: str, load_model: Callable
     server = ControlServer(bind_host, node.ports.control, cfg.cluster.tls, coordinator,
                            workers=8 + 2 * len(cfg.nodes))
     rt = NodeRuntime(cfg, node, path, mcfg, get_backend(node.device_type, node.device_index), server,
-                     ControlClient(cfg, name))
+                     ControlClient(cfg, name), bind_host=bind_host)
     try:
         rt.assignment = rt.client.register(fp)
         a = rt.assignment
         log.info("registered with %s as rank %d of %d", rt.client.address, a.rank, a.world_size)
         load_model(rt)
-        st = rt.client.await_cluster()
-        rt.join_data_plane(st.generation)
+        rt.join_data_plane(rt.client.await_cluster())
         rt.cluster_state = rt.client.report_ready().state
     except BaseException:
         rt.close()
