@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -185,7 +186,10 @@ def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_pat
                  "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
         assert alive == []
     finally:
-        if launcher.poll() is None:
+        if launcher.poll() is None:  # a failed assertion must not leave the nodes running
+            for pid in _descendants(launcher.pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             launcher.kill()
 
 
