@@ -113,21 +113,7 @@ def build_app(st: ServerState) -> FastAPI:
         err = validation_error(list(e.errors()))
         return JSONResponse(err.body(), status_code=err.code)
 
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        protected = st.api_key and request.url.path.startswith("/v1")
-        if protected and request.headers.get("authorization") != f"Bearer {st.api_key}":
-            return JSONResponse(ApiError(401, "Unauthorized").body(), status_code=401)
-        size = request.headers.get("content-length")
-        if size is not None and (not size.isdigit() or int(size) > st.max_body_bytes):
-            err = ApiError(413, f"The request body is larger than {st.max_body_bytes} bytes.", "body")
-            return JSONResponse(err.body(), status_code=413, headers={"connection": "close"})
-        try:
-            return await call_next(request)
-        except Exception as e:  # answered here, so that the server keeps the client's connection open
-            log.exception("%s %s failed", request.method, request.url.path)
-            err = ApiError(500, f"Internal error: {type(e).__name__}: {e}")
-            return JSONResponse(err.body(), status_code=500)
+    app.add_middleware(_Guard, st=st)
 
     @app.get("/health")
     async def health():
@@ -173,6 +159,43 @@ def build_app(st: ServerState) -> FastAPI:
         return await _serve(st, body, [await _tokenize(render, "messages")], request, chat=True)
 
     return app
+
+
+class _Guard:
+    """API key, body-size limit, and a JSON 500 for anything the routes raise (answered here, so that
+    the client's keep-alive connection survives). Plain ASGI rather than @app.middleware: Starlette's
+    BaseHTTPMiddleware hides the client's disconnect from the routes, and a non-streaming request must
+    see it to stop generating."""
+
+    def __init__(self, app, st: ServerState):
+        self.app, self.st = app, st
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        st, headers = self.st, {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if st.api_key and scope["path"].startswith("/v1") and headers.get("authorization") != f"Bearer {st.api_key}":
+            return await JSONResponse(ApiError(401, "Unauthorized").body(), status_code=401)(scope, receive, send)
+        size = headers.get("content-length")
+        if size is not None and (not size.isdigit() or int(size) > st.max_body_bytes):
+            err = ApiError(413, f"The request body is larger than {st.max_body_bytes} bytes.", "body")
+            response = JSONResponse(err.body(), status_code=413, headers={"connection": "close"})
+            return await response(scope, receive, send)
+        started = False
+
+        async def send_tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as e:
+            log.exception("%s %s failed", scope.get("method"), scope["path"])
+            if started:  # too late for an error response
+                raise
+            err = ApiError(500, f"Internal error: {type(e).__name__}: {e}")
+            await JSONResponse(err.body(), status_code=500)(scope, receive, send)
 
 
 def _admit(st: ServerState, model: str | None) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from afd.cluster.local import free_ports
+from afd.cluster.local import descendants, free_ports
 
 
 def _cluster(tmp: str) -> tuple[str, str]:
@@ -38,23 +38,6 @@ def _cluster(tmp: str) -> tuple[str, str]:
     return path, f"http://127.0.0.1:{doc['nodes'][0]['ports']['http']}"
 
 
-def _descendants(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.append(k)
-            todo.append(k)
-    return out
-
-
 def _rss(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -64,7 +47,7 @@ def _rss(pid: int) -> int:
 
 def _node_pids(launcher: int) -> dict[str, int]:
     out = {}
-    for pid in _descendants(launcher):
+    for pid in descendants(launcher):
         cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         if b"--node" in cmd:
             out[cmd[cmd.index(b"--node") + 1].decode()] = pid

@@ -17,6 +17,8 @@ import yaml
 from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, health, post
 from hf_reference import PROMPTS, hf_greedy
 
+from afd.cluster.local import descendants
+
 pytestmark = pytest.mark.multiprocess
 NEW = 12
 
@@ -84,23 +86,6 @@ def test_different_model_is_refused(tiny_checkpoints, tmp_path):
         assert "model fingerprint" in c.log("ffn0") and "a different model" in c.log("ffn0")
 
 
-def _descendants(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = set(), [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.add(k)
-            todo.append(k)
-    return out
-
-
 def _listeners() -> dict[int, set[tuple[str, int]]]:
     """Listening TCP sockets of this host: socket inode -> {(local address, port)} (/proc/net/tcp and tcp6;
     an IPv4-mapped IPv6 address is shown as its IPv4 address, the IPv6 wildcard as '::')."""
@@ -159,7 +144,7 @@ def _launched_cluster_is_closed(path: Path, url: str, launcher_pid: int) -> None
             if port:
                 assert by_port.get(port) == "127.0.0.1", (node["name"], kind, by_port.get(port))
     # every listener of every node (the rendezvous store and gloo's pairs included) is on the YAML host
-    for pid in _descendants(launcher_pid):
+    for pid in descendants(launcher_pid):
         for inode in _socket_inodes(pid) & set(listening):
             assert {addr for addr, _ in listening[inode]} == {"127.0.0.1"}, (pid, listening[inode])
 
@@ -178,7 +163,7 @@ def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_pat
                 break
         assert url and health(url) == 200
         _launched_cluster_is_closed(path, url, launcher.pid)
-        children = _descendants(launcher.pid)
+        children = descendants(launcher.pid)
         assert len(children) >= 3
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(60) == 0
@@ -187,7 +172,7 @@ def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_pat
         assert alive == []
     finally:
         if launcher.poll() is None:  # a failed assertion must not leave the nodes running
-            for pid in _descendants(launcher.pid):
+            for pid in descendants(launcher.pid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             launcher.kill()

@@ -228,3 +228,37 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
         assert status == 200 and body["usage"]["completion_tokens"] == 400
         assert c.procs["attn0"].wait(15) == 0
         assert c.procs["ffn0"].wait(15) == 0  # every attention node left: the FFN node stops too
+
+
+def test_a_non_streaming_request_stops_when_its_client_leaves(tmp_path):
+    """vLLM aborts a request whose client disconnected; so does afd, streaming or not."""
+    import socket
+
+    path = cluster_yaml(tmp_path, _slow_model(tmp_path), name="gone", model={"dummy_weights": True},
+                        engine={"kv_cache_bytes": "64MiB"})
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True}).encode()
+        host, port = c.url().removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            end = time.monotonic() + 30
+            while _running(c.url()) < 1:
+                assert time.monotonic() < end, "the request never started"
+                time.sleep(0.05)
+        end = time.monotonic() + 5  # the client is gone: the engine must drop the request, not finish it
+        while _running(c.url()) > 0:
+            assert time.monotonic() < end, "the request kept running after its client left"
+            time.sleep(0.05)
+        _, metrics = get(c.url(), "/metrics")
+        aborted = [ln for ln in metrics.decode().splitlines()
+                   if ln.startswith("afd_generation_tokens_total")]
+        assert aborted and float(aborted[0].split()[-1]) < 3000
+
+
+def _running(url: str) -> float:
+    _, metrics = get(url, "/metrics")
+    lines = [ln for ln in metrics.decode().splitlines() if ln.startswith("afd_num_requests_running{")]
+    return float(lines[0].split()[-1]) if lines else 0.0
