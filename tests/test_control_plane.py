@@ -128,9 +128,10 @@ def _launched_cluster_is_closed(path: Path, url: str, launcher_pid: int) -> None
 
     doc = yaml.safe_load(path.read_text())
     coord = doc["nodes"][0]["ports"]["control"]
-    with grpc.insecure_channel(f"127.0.0.1:{coord}") as ch, pytest.raises(grpc.RpcError) as e:
-        pb_grpc.CoordinatorStub(ch).Shutdown(pb.ShutdownRequest(reason="forged"), timeout=5)
-    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for metadata in ((), (("x-afd-cluster-token", "guessed"),)):  # no token, a wrong one
+        with grpc.insecure_channel(f"127.0.0.1:{coord}") as ch, pytest.raises(grpc.RpcError) as e:
+            pb_grpc.CoordinatorStub(ch).Shutdown(pb.ShutdownRequest(reason="forged"), metadata=metadata, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert health(url) == 200
     env = {k: v for k, v in os.environ.items() if k != "AFD_CLUSTER_TOKEN"}
     status = subprocess.run([sys.executable, "-m", "afd.cli", "status", str(path)], cwd=ROOT, capture_output=True,
