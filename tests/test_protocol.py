@@ -117,3 +117,18 @@ def test_ffn_refuses_a_peer_whose_step_ids_are_out_of_step():
         server._recv_headers()
     with pytest.raises(PeerError, match="rank 0 sent step 3 where step 2 was due"):
         server._recv_headers()
+
+
+def test_posting_to_a_gone_peer_is_a_peer_error():
+    """gloo raises at post time (not at wait) once a pair is closed; that must be a PeerError, which
+    the engine and the FFN server handle (re-forming), not a crash."""
+    from afd.dataplane.transport import DataPlane, PeerError
+
+    def isend(tensor, peer):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
+
+    plane = object.__new__(DataPlane)
+    plane._stream = None
+    with pytest.raises(PeerError, match="isend to rank 3 failed .*Connection closed by peer") as e:
+        plane._issue(isend, torch.zeros(1), 3)
+    assert e.value.peer == 3

@@ -94,12 +94,16 @@ class DataPlane:
                  backend.dist_backend, generation, time.monotonic() - t0)
 
     def _issue(self, op, tensor: torch.Tensor, peer: int):
-        if self._stream is None:
-            return op(tensor, peer)
-        ready = self.backend.record_event()
-        with self.backend.stream_scope(self._stream):
-            self.backend.wait_event(ready, self._stream)
-            return op(tensor, peer)
+        try:
+            if self._stream is None:
+                return op(tensor, peer)
+            ready = self.backend.record_event()
+            with self.backend.stream_scope(self._stream):
+                self.backend.wait_event(ready, self._stream)
+                return op(tensor, peer)
+        except RuntimeError as e:  # gloo refuses to post on a pair whose peer is already gone
+            raise PeerError(f"data plane: {op.__name__} to rank {peer} failed ({_first_line(e)}); "
+                            f"the peer process is probably gone", peer) from None
 
     def isend(self, tensor: torch.Tensor, peer: int):
         return self._issue(dist.isend, tensor, peer)
