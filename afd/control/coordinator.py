@@ -76,6 +76,18 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         m.last_seen = time.monotonic()
         return m
 
+    def _wait(self, done, deadline: float, context, on_wake=None) -> None:
+        """Waits on the condition (held) until done(), the deadline or the call's own deadline."""
+        while not done():
+            left = deadline - time.monotonic()
+            if context.time_remaining() is not None:
+                left = min(left, context.time_remaining())
+            if left <= 0:
+                return
+            self._cv.wait(min(left, 0.5))
+            if on_wake is not None:
+                on_wake()
+
     # ---- RPCs ------------------------------------------------------------------------------------
 
     def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
@@ -131,13 +143,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         deadline = self._started + self.cfg.cluster.startup_timeout
         with self._cv:
             self._member(ref, context)
-            while len(self.members) < len(self.cfg.nodes) and self.state == State.STARTING:
-                left = deadline - time.monotonic()
-                if context.time_remaining() is not None:
-                    left = min(left, context.time_remaining())
-                if left <= 0:
-                    break
-                self._cv.wait(min(left, 1.0))
+            self._wait(lambda: len(self.members) == len(self.cfg.nodes) or self.state != State.STARTING,
+                       deadline, context)
             missing = [n for n in self.cfg.names if n not in self.members]
             if missing and time.monotonic() >= deadline and self.state == State.STARTING:
                 self.state = State.FAILED
@@ -153,15 +160,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         deadline = time.monotonic() + req.timeout_seconds
         with self._cv:
             self._member(req.ref, context)
-            while not (self.generation > req.after and len(self.members) == len(self.cfg.nodes)
-                       and not self._lost()) and self.state != State.SHUTDOWN:
-                left = deadline - time.monotonic()
-                if context.time_remaining() is not None:
-                    left = min(left, context.time_remaining())
-                if left <= 0:
-                    break
-                self._cv.wait(min(left, 0.5))
-                self._member(req.ref, context)  # waiting counts as alive
+            formed = lambda: self.state == State.SHUTDOWN or (
+                self.generation > req.after and len(self.members) == len(self.cfg.nodes) and not self._lost())
+            self._wait(formed, deadline, context, on_wake=lambda: self._member(req.ref, context))  # waiting = alive
             return self._status(formation=True)
 
     def ReportReady(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
