@@ -9,6 +9,7 @@ from afd.control import control_pb2 as pb
 from afd.dataplane.exchange import RemoteMoE
 from afd.engine.engine import Engine
 from afd.engine.kv_cache import CacheConfig, KVCache
+from afd.engine.membership import PlaneMembership
 from afd.engine.runner import ModelRunner
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import load_tokenizer
@@ -57,12 +58,13 @@ def build_server_state(cfg, args, box: dict):
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else mcfg.eos_token_ids
     engine = Engine(runner, Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens), tok, eos, max_len,
                     metrics)
-    if cfg.cluster.rejoin_timeout > 0:
-        def rejoin(why: str) -> RemoteMoE:
-            plane = rt.reform(why)
-            return RemoteMoE(plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
 
-        engine.rejoin = rejoin
+    def rejoin(why: str) -> RemoteMoE:
+        plane = rt.reform(why)
+        return RemoteMoE(plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
+
+    engine.membership = PlaneMembership(rejoin if cfg.cluster.rejoin_timeout > 0 else None, rt.superseded,
+                                        rt.release_plane)
     st = ServerState(engine, tok, name, rt.model_path, Limits(max_len, mcfg.vocab_size), metrics,
                      ready=lambda: rt.cluster_state in _SERVING, api_key=args.api_key)
     box["state"] = st

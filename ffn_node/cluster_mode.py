@@ -34,7 +34,7 @@ def run_cluster_node(args) -> int:
     from afd.model.config import parse_dtype
     from afd.node.runtime import bring_up
     from afd.observability.metrics import FFNMetrics, serve_metrics
-    from ffn_node.server import FFNServer
+    from ffn_node.server import FFNServer, ServeEnd
 
     dtype = parse_dtype(cfg.model.dtype)
     built = {}
@@ -71,21 +71,20 @@ def run_cluster_node(args) -> int:
     log.info("serving %d attention peer(s)", len(a.peer_ranks))
     code = 0
     while True:
-        failed = None
-        try:
-            log.info("stopped: %s", server.serve())
+        end = server.serve()
+        log.info("stopped serving generation %d: %s", rt.plane.generation, end.value)
+        if end is not ServeEnd.REFORM:
             break
-        except PeerError as e:
-            failed = str(e)  # handled below, outside the except block whose traceback pins the process group
+        why = "; ".join(server.gone.values())
         healthy["ok"] = False
         if cfg.cluster.rejoin_timeout <= 0:
-            log.error("stopping: %s", failed)
+            log.error("stopping: %s", why)
             code = 1
             break
         try:  # wait for the failed node's replacement, then serve the next generation
-            server.reset(rt.reform(failed), list(a.peer_ranks))
+            server.reset(rt.reform(why), list(a.peer_ranks))
         except (ControlError, PeerError) as err:
-            log.error("stopping: %s; %s", failed, err)
+            log.error("stopping: %s; %s", why, err)
             code = 1
             break
         healthy["ok"] = True

@@ -3,10 +3,16 @@
 It never initiates: each step starts with a header from every active attention node, after which the
 sizes of all messages are known (afd.dataplane.protocol). Per layer and micro-batch, the MoE inputs of all peers
 are received into one preallocated buffer, so the experts see the aggregate batch of every peer.
+
+A peer that fails (its process died, it timed out, it broke the protocol) is dropped, and the others
+are served on: one attention node's death never stalls the rest. Once no peer is left on this
+generation of the data plane, `serve` says whether the plane must re-form (a peer failed, or moved on
+to the next generation) or every peer left for good.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 
@@ -17,6 +23,7 @@ from afd.backend import Backend
 from afd.dataplane.protocol import (
     FLAG_IDLE,
     FLAG_LEAVE,
+    FLAG_REFORM,
     FLAG_SHUTDOWN,
     HEADER_LEN,
     IDLE_ACK_LEN,
@@ -28,14 +35,22 @@ from afd.observability.metrics import FFNMetrics
 from afd.observability.timing import Timers
 
 log = logging.getLogger("afd.ffn")
+_GONE = FLAG_LEAVE | FLAG_REFORM
+_FAILED = object()
+"""What _post hands back for an op that could not be posted (its peer is dropped)."""
+
+
+class ServeEnd(enum.Enum):
+    SHUTDOWN = "shutdown requested"
+    LEFT = "every attention peer left"
+    REFORM = "no attention peer left on this generation; the data plane re-forms"
 
 
 class FFNServer:
     def __init__(self, ffn: nn.Module, backend: Backend, plane: DataPlane, attention_ranks: list[int],
                  dtype: torch.dtype, timers: Timers | None = None, layer_hook=None,
                  metrics: FFNMetrics | None = None):
-        self.ffn, self.backend, self.plane = ffn, backend, plane
-        self.active = list(attention_ranks)
+        self.ffn, self.backend = ffn, backend
         self.hidden = ffn.cfg.hidden_size
         self.timers = timers or Timers()
         self.pool = BufferPool(backend.device, dtype)
@@ -44,53 +59,92 @@ class FFNServer:
         """Called as hook(layer) -> bytes while waiting for that layer's inputs (afd.dataplane.prefetch)."""
         self.metrics = metrics
         self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64)
-        self._next_step = dict.fromkeys(attention_ranks, 0)
-        """The step id each attention peer's next header must carry (idle and leave headers repeat it)."""
         self.steps = 0
         self.tokens = 0
+        self.reset(plane, attention_ranks)
 
     def reset(self, plane: DataPlane, attention_ranks: list[int]) -> None:
-        """Serve a new data-plane generation (after a node was replaced)."""
+        """Serve a (new) generation of the data plane."""
         self.plane, self.active = plane, list(attention_ranks)
+        self.gone: dict[int, str] = {}
+        """Peers that failed or moved to the next generation, and why: the plane must re-form for them."""
         self._next_step = dict.fromkeys(attention_ranks, 0)
+        """The step id each attention peer's next header must carry (idle and leave headers repeat it)."""
 
-    def serve(self) -> str:
-        """Runs until every attention peer has left or one asks for shutdown; returns why it stopped."""
+    def serve(self) -> ServeEnd:
+        """Runs until no attention peer is left on this generation, or one asks for shutdown."""
         while self.active:
             headers = self._recv_headers()
             if any(h.flags & FLAG_SHUTDOWN for h in headers.values()):
-                return "shutdown requested"
+                return ServeEnd.SHUTDOWN
             for r, h in headers.items():
-                if h.flags & FLAG_LEAVE:
+                if h.flags & FLAG_REFORM:
+                    self._drop(r, f"rank {r} moved to the next data-plane generation", level=logging.INFO)
+                elif h.flags & FLAG_LEAVE:
                     log.info("attention rank %d left", r)
                     self.active.remove(r)
-            work = {r: h for r, h in headers.items() if not h.flags & (FLAG_LEAVE | FLAG_IDLE)}
+            work = {r: h for r, h in headers.items() if not h.flags & (_GONE | FLAG_IDLE)}
             if work:
                 self._run_step(work)
-            idle = [r for r, h in headers.items() if h.flags & FLAG_IDLE and not h.flags & FLAG_LEAVE]
+            idle = [r for r, h in headers.items() if h.flags & FLAG_IDLE and not h.flags & _GONE]
             if idle:
                 self._ack.fill_(len(work))
-                acks = [(r, self.plane.isend(self._ack, r)) for r in idle]
+                acks = [(r, self._post(self.plane.isend, self._ack, r)) for r in idle]
                 for r, w in acks:
-                    self.plane.wait(w, r, "idle ack send")
-        return "all attention peers left"
+                    self._wait(w, r, "idle ack send")
+        return ServeEnd.REFORM if self.gone else ServeEnd.LEFT
+
+    # ---- one failing peer never takes the others down --------------------------------------------
+
+    def _drop(self, r: int, why: str, level: int = logging.WARNING) -> None:
+        if r in self.active:
+            self.active.remove(r)
+            self.gone[r] = why
+            log.log(level, "attention rank %d dropped from generation %d: %s; serving %d other(s)", r,
+                    self.plane.generation, why, len(self.active))
+
+    def _post(self, op, tensor: torch.Tensor, r: int):
+        """isend/irecv to a live peer; _FAILED (and the peer dropped) when it is gone."""
+        if r not in self.active:
+            return _FAILED
+        try:
+            return op(tensor, r)
+        except PeerError as e:
+            self._drop(r, str(e))
+            return _FAILED
+
+    def _wait(self, work, r: int, what: str) -> bool:
+        if work is _FAILED or r not in self.active:
+            return False
+        try:
+            self.plane.wait(work, r, what)
+            return True
+        except PeerError as e:
+            self._drop(r, str(e))
+            return False
+
+    # ---- the protocol ------------------------------------------------------------------------------
 
     def _recv_headers(self) -> dict[int, StepHeader]:
         t0 = time.perf_counter()
-        works = [(r, self.plane.irecv(self._headers[r], r)) for r in self.active]
-        for r, w in works:
-            self.plane.wait(w, r, "step header receive")
+        works = [(r, self._post(self.plane.irecv, self._headers[r], r))
+                 for r in list(self.active)]
+        received = [r for r, w in works if self._wait(w, r, "step header receive")]
         self.timers.add("idle", time.perf_counter() - t0)
-        try:
-            headers = {r: StepHeader.decode(self._headers[r], r) for r in self.active}
-        except ProtocolError as e:
-            raise PeerError(f"data plane: {e}", None) from None
-        for r, h in headers.items():  # a desynchronised peer is an error here, never wrong numbers later
-            if h.step_id != self._next_step[r]:
-                raise PeerError(f"data plane: rank {r} sent step {h.step_id} where step {self._next_step[r]} was "
-                                "due: the protocol is out of step", r)
-            if not h.flags & (FLAG_IDLE | FLAG_LEAVE):
+        headers = {}
+        for r in received:
+            try:
+                h = StepHeader.decode(self._headers[r], r)
+            except ProtocolError as e:
+                self._drop(r, f"data plane: {e}")
+                continue
+            if h.step_id != self._next_step[r]:  # a desynchronised peer is an error here, never wrong numbers
+                self._drop(r, f"data plane: rank {r} sent step {h.step_id} where step {self._next_step[r]} was "
+                              "due: the protocol is out of step")
+                continue
+            if not h.flags & (FLAG_IDLE | _GONE):
                 self._next_step[r] += 1
+            headers[r] = h
         return headers
 
     def _run_step(self, headers: dict[int, StepHeader]) -> None:
@@ -99,13 +153,13 @@ class FFNServer:
         sends, outputs = [], []  # outputs stay referenced until their sends complete
         for layer in range(self.ffn.cfg.num_layers):
             for i in range(num_mb):
-                parts = [(r, counts[r][i]) for r in headers if counts[r][i] > 0]
+                parts = [(r, counts[r][i]) for r in headers if counts[r][i] > 0 and r in self.active]
                 if parts:
                     y, works = self._run_micro_batch(layer, i, parts)
                     outputs.append(y)
                     sends += works
         for r, w in sends:
-            self.plane.wait(w, r, "MoE output send")
+            self._wait(w, r, "MoE output send")
         self.steps += 1
 
     def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]]):
@@ -113,15 +167,16 @@ class FFNServer:
         x = self.pool.get(i, total, self.hidden)  # [T_all, H]: every peer's tokens, peer by peer
         recvs, off = [], 0
         for r, n in parts:
-            recvs.append((r, self.plane.irecv(x[off:off + n], r)))
+            recvs.append((r, off, n, self._post(self.plane.irecv, x[off:off + n], r)))
             off += n
         if self.layer_hook is not None and i == 0:  # once per layer, while its first inputs travel
             hinted = self.layer_hook(layer) or 0
             if self.metrics is not None:
                 self.metrics.prefetch_bytes.inc(hinted)
         t0 = time.perf_counter()
-        for r, w in recvs:
-            self.plane.wait(w, r, f"layer {layer} MoE input receive")
+        for r, o, n, w in recvs:
+            if not self._wait(w, r, f"layer {layer} MoE input receive"):
+                x[o:o + n].zero_()  # a failed peer's rows: computed and thrown away, never read uninitialised
         t1 = time.perf_counter()
         with torch.inference_mode():
             y = self.ffn(self.backend, layer, x)
@@ -138,6 +193,6 @@ class FFNServer:
             m.add_expert_tokens(self.ffn.layers[layer].experts.last_counts)
         sends, off = [], 0
         for r, n in parts:
-            sends.append((r, self.plane.isend(y[off:off + n], r)))
+            sends.append((r, self._post(self.plane.isend, y[off:off + n], r)))
             off += n
         return y, sends

@@ -3,6 +3,8 @@ gauges follow aborts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hf_reference import PROMPTS
@@ -10,6 +12,7 @@ from hf_reference import PROMPTS
 import afd
 from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
+from afd.engine.membership import PlaneMembership
 from afd.engine.request import Request
 from afd.engine.sampling import SamplingParams
 from afd.observability.metrics import AttentionMetrics
@@ -58,3 +61,66 @@ def test_gauges_return_to_zero_after_aborts(llm):
     assert engine.step() is None  # nothing left to run: the aborts alone must move the gauges
     assert (metrics.running._value.get(), metrics.kv_usage._value.get()) == (0, 0)
     assert all(o[-1].finish_reason == "abort" for o in outs.values())
+
+
+class _Recording(LocalMoE):
+    """The colocated exchange, recording what the engine tells its FFN peers; `fail` raises in submit."""
+
+    def __init__(self, llm, fail: Exception | None = None):
+        super().__init__(llm.ffn, llm.backend)
+        self.fail, self.left = fail, []
+
+    def submit(self, layer, micro_batch, m):
+        if self.fail is not None:
+            raise self.fail
+        return super().submit(layer, micro_batch, m)
+
+    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
+        self.left.append("reform" if reform else "leave")
+
+
+def _serve(engine, prompts, outs: dict) -> None:
+    engine.start()
+    for i, p in enumerate(prompts):
+        engine.add_request(_request(str(i), p, SamplingParams(), outs))
+    deadline = time.monotonic() + 30
+    while engine.num_unfinished() and not engine.dead:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_an_engine_that_dies_of_a_bug_releases_its_data_plane(llm):
+    """Its FFN peers must see it go at once (and serve the others), not wait out comm_timeout."""
+    engine, outs, released = _engine(llm), {}, []
+    engine.runner.moe = _Recording(llm, fail=KeyError("a bug"))
+    engine.membership = PlaneMembership(lambda why: pytest.fail(why), lambda: False, lambda: released.append(1))
+    _serve(engine, PROMPTS[:2], outs)
+    engine.stop()
+    assert engine.dead and "engine failed" in engine.dead and released == [1]
+    assert all(o[-1].finished and "engine failed" in o[-1].error for o in outs.values())
+
+
+def test_a_superseded_generation_is_left_at_a_step_boundary_and_nothing_is_lost(llm):
+    engine, outs = _engine(llm), {}
+    old, new = _Recording(llm), _Recording(llm)
+    engine.runner.moe = old
+    state = {"superseded": False, "rejoined": []}
+
+    def rejoin(why):
+        state["rejoined"].append(why)
+        state["superseded"] = False
+        return new
+
+    engine.membership = PlaneMembership(rejoin, lambda: state["superseded"], lambda: None)
+    engine.start()
+    engine.add_request(_request("0", PROMPTS[0], SamplingParams(), outs))
+    while not outs.get("0"):
+        time.sleep(0.001)
+    state["superseded"] = True  # a node was replaced: the coordinator announced the next generation
+    deadline = time.monotonic() + 30
+    while engine.num_unfinished():
+        assert time.monotonic() < deadline and not engine.dead
+        time.sleep(0.01)
+    engine.stop()
+    assert old.left == ["reform"] and len(state["rejoined"]) == 1 and new.left == ["leave"]
+    assert [t for o in outs["0"] for t in o.new_token_ids] == llm.generate([PROMPTS[0]], 8)[0]

@@ -86,37 +86,39 @@ def test_tuner_measures_again_when_the_batch_changes_size():
 
 
 class _ScriptedPlane:
-    """Hands out scripted step headers to an FFN server's receives (no process group needed)."""
+    """Hands out scripted step headers to an FFN server's receives, per peer (no process group needed)."""
 
-    def __init__(self, script: list):
-        self.script = list(script)
+    generation = 0
+
+    def __init__(self, scripts: dict[int, list]):
+        self.scripts = {r: list(s) for r, s in scripts.items()}
 
     def irecv(self, tensor, peer):
-        tensor.copy_(self.script.pop(0).encode())
+        tensor.copy_(self.scripts[peer].pop(0).encode())
         return None
 
     def wait(self, work, peer, what):
         pass
 
 
-def test_ffn_refuses_a_peer_whose_step_ids_are_out_of_step():
+def test_ffn_drops_a_peer_whose_step_ids_are_out_of_step_and_serves_the_other():
     import torch
     from torch import nn
 
     from afd.backend import get_backend
     from afd.dataplane.protocol import FLAG_IDLE
-    from afd.dataplane.transport import PeerError
     from ffn_node.server import FFNServer
 
     ffn = nn.Module()
     ffn.cfg = type("Cfg", (), {"hidden_size": 4, "num_layers": 1})()
-    plane = _ScriptedPlane([StepHeader(0, (), FLAG_IDLE), StepHeader(0, (3,)), StepHeader(1, (2,)),
-                            StepHeader(3, (1,))])
-    server = FFNServer(ffn, get_backend("cpu"), plane, [0], torch.float32)
+    good = [StepHeader(0, (), FLAG_IDLE), StepHeader(0, (3,)), StepHeader(1, (2,)), StepHeader(2, (1,))]
+    bad = [StepHeader(0, (), FLAG_IDLE), StepHeader(0, (3,)), StepHeader(1, (2,)), StepHeader(3, (1,))]
+    server = FFNServer(ffn, get_backend("cpu"), _ScriptedPlane({0: good, 1: bad}), [0, 1], torch.float32)
     for _ in range(3):  # an idle header repeats the next step's id; a step with tokens moves it on
-        server._recv_headers()
-    with pytest.raises(PeerError, match="rank 0 sent step 3 where step 2 was due"):
-        server._recv_headers()
+        assert set(server._recv_headers()) == {0, 1}
+    assert list(server._recv_headers()) == [0]  # the desynchronised peer is dropped, never computed for
+    assert server.active == [0]
+    assert "sent step 3 where step 2 was due" in server.gone[1]
 
 
 def test_posting_to_a_gone_peer_is_a_peer_error():

@@ -1,6 +1,7 @@
-"""Nothing lost when a node dies and is started again by its own command: the survivors pause their
-requests, the data plane re-forms (a new generation, same ranks) and every request completes with
-HF's tokens; the surviving processes are never restarted."""
+"""Nothing lost when a node dies and is started again by its own command: the data plane re-forms
+(a new generation, same ranks) and every request completes with HF's tokens; the surviving processes
+are never restarted. While an FFN node is away its attention peers pause; while an attention node is
+away the FFN nodes go on serving the others."""
 
 from __future__ import annotations
 
@@ -112,7 +113,11 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
         streams = _Streams(c.url("attn0"), prompts)
         streams.wait_started()
         c.procs["attn1"].send_signal(signal.SIGKILL)
-        time.sleep(0.5)
+        c.procs["attn1"].wait()
+        # while attn1 is away, the FFN node keeps serving attn0: no pause, new requests complete
+        assert health(c.url("attn0")) == 200
+        assert _greedy(c.url("attn0"), PROMPTS[2]) == reference[2]
+        assert "attention rank 1 dropped from generation 0" in c.log("ffn0")
         c.start("attn1")
         results = streams.join()
         _assert_all_equal_hf(results, prompts, reference)
@@ -124,3 +129,4 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
             time.sleep(0.2)
         assert _greedy(c.url("attn1"), PROMPTS[3]) == reference[3]
         assert _greedy(c.url("attn0"), PROMPTS[1]) == reference[1]
+        assert "moving to the next data-plane generation" in c.log("attn0")

@@ -99,10 +99,10 @@ class ControlClient:
                     raise ControlError(f"coordinator at {self.address} stopped answering: {e.details()}") from None
             if st is not None and st.state == pb.ClusterStatus.SHUTDOWN:
                 raise ControlError(f"the cluster is shutting down: {st.message}")
-            if st is not None and st.generation > after and not st.missing and not st.lost:
+            if st is not None and st.generation > after and not st.forming and not st.lost:
                 return st
             if time.monotonic() > deadline:
-                missing = ", ".join([*(st.missing if st else []), *(st.lost if st else [])]) or "?"
+                missing = ", ".join(sorted({*(st.forming if st else []), *(st.lost if st else [])})) or "?"
                 raise ControlError(f"no replacement joined within {timeout:.0f}s (waiting for: {missing})")
             if st is None:
                 time.sleep(0.3)

@@ -74,7 +74,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining", "generation", "formation")
+    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining", "generation", "formation", "forming")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[ClusterStatus.State]
@@ -98,6 +98,7 @@ class ClusterStatus(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FORMATION_FIELD_NUMBER: _ClassVar[int]
+    FORMING_FIELD_NUMBER: _ClassVar[int]
     state: ClusterStatus.State
     missing: _containers.RepeatedScalarFieldContainer[str]
     registered: _containers.RepeatedScalarFieldContainer[str]
@@ -107,7 +108,8 @@ class ClusterStatus(_message.Message):
     draining: _containers.RepeatedScalarFieldContainer[str]
     generation: int
     formation: str
-    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., formation: _Optional[str] = ...) -> None: ...
+    forming: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., formation: _Optional[str] = ..., forming: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FormationRequest(_message.Message):
     __slots__ = ("ref", "after", "timeout_seconds")

@@ -32,6 +32,9 @@ class _Member:
     fingerprint: str
     last_seen: float
     ready: bool = False
+    awaiting: int = -1
+    """The newest generation this instance has asked to form (AwaitCluster, AwaitFormation): a dead
+    node never asks, so a generation forms only with the nodes that are really there."""
 
 
 class Coordinator(pb_grpc.CoordinatorServicer):
@@ -66,7 +69,22 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             state=state, missing=[n for n in self.cfg.names if n not in self.members],
             registered=sorted(self.members), ready=sorted(m.name for m in self.members.values() if m.ready),
             lost=lost, message=self.message, draining=sorted(self.draining), generation=self.generation,
-            formation=self.formation if formation else "")
+            formation=self.formation if formation else "", forming=self._forming())
+
+    def _forming(self) -> list[str]:
+        return [n for n in self.cfg.names if n not in self.members or self.members[n].awaiting != self.generation]
+
+    def _awaiting(self, ref: pb.NodeRef, context) -> None:
+        m = self._member(ref, context)  # also: waiting counts as alive
+        if m.awaiting != self.generation:
+            m.awaiting = self.generation
+            self._cv.notify_all()
+
+    def _next_generation(self, why: str) -> None:
+        self.generation += 1
+        self.formation = secrets.token_hex(16)
+        log.warning("%s: data-plane generation %d", why, self.generation)
+        self._cv.notify_all()
 
     def _member(self, ref: pb.NodeRef, context) -> _Member:
         m = self.members.get(ref.name)
@@ -112,11 +130,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if req.version != __version__:
                 log.warning("node %s runs afd %s, the coordinator %s", req.name, req.version, __version__)
             if replacing:  # the old instance is gone: every node re-forms the data plane with the new one
-                self.generation += 1
-                self.formation = secrets.token_hex(16)
                 self.draining.discard(req.name)
-                log.warning("%s replaced by a new instance from %s: data-plane generation %d", req.name,
-                            req.address, self.generation)
+                self._next_generation(f"{req.name} replaced by a new instance from {req.address}")
             self.members[req.name] = _Member(req.name, req.role, req.address, req.instance_id,
                                              req.model_fingerprint, time.monotonic())
             log.info("registered %s (%s) from %s [%d/%d]", req.name, req.role, req.address, len(self.members),
@@ -142,9 +157,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def AwaitCluster(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         deadline = self._started + self.cfg.cluster.startup_timeout
         with self._cv:
-            self._member(ref, context)
+            self._awaiting(ref, context)
             self._wait(lambda: len(self.members) == len(self.cfg.nodes) or self.state != State.STARTING,
-                       deadline, context)
+                       deadline, context, on_wake=lambda: self._awaiting(ref, context))
             missing = [n for n in self.cfg.names if n not in self.members]
             if missing and time.monotonic() >= deadline and self.state == State.STARTING:
                 self.state = State.FAILED
@@ -156,13 +171,20 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def AwaitFormation(self, req: pb.FormationRequest, context) -> pb.ClusterStatus:
         """Returns once the generation is past `req.after` and every node is registered and alive, or when
-        the timeout (or the call's deadline) passes: the caller compares the generation."""
+        the timeout (or the call's deadline) passes: the caller compares the generation.
+
+        A caller whose generation failed while it is still the newest one (a peer timed out but lives
+        on) opens the next: the nodes still serving on the failed one see it in their heartbeats and
+        move."""
         deadline = time.monotonic() + req.timeout_seconds
         with self._cv:
             self._member(req.ref, context)
+            if req.after == self.generation and self.state != State.SHUTDOWN:
+                self._next_generation(f"{req.ref.name} lost its data plane")
+            self._awaiting(req.ref, context)
             formed = lambda: self.state == State.SHUTDOWN or (
-                self.generation > req.after and len(self.members) == len(self.cfg.nodes) and not self._lost())
-            self._wait(formed, deadline, context, on_wake=lambda: self._member(req.ref, context))  # waiting = alive
+                self.generation > req.after and not self._forming() and not self._lost())
+            self._wait(formed, deadline, context, on_wake=lambda: self._awaiting(req.ref, context))
             return self._status(formation=True)
 
     def ReportReady(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:

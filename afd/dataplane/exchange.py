@@ -13,7 +13,15 @@ from typing import Protocol
 import torch
 
 from afd.backend import Backend
-from afd.dataplane.protocol import FLAG_IDLE, FLAG_LEAVE, FLAG_SHUTDOWN, HEADER_LEN, IDLE_ACK_LEN, StepHeader
+from afd.dataplane.protocol import (
+    FLAG_IDLE,
+    FLAG_LEAVE,
+    FLAG_REFORM,
+    FLAG_SHUTDOWN,
+    HEADER_LEN,
+    IDLE_ACK_LEN,
+    StepHeader,
+)
 from afd.dataplane.transport import BufferPool, DataPlane
 from afd.model.longcat_flash.ffn import FFNHalf
 from afd.observability.timing import Timers
@@ -37,8 +45,8 @@ class MoEExchange(Protocol):
         """A step with no tokens (keeps FFN peers' steps going); returns how many attention nodes had work."""
         ...
 
-    def leave(self, shutdown: bool = False) -> None:
-        """No more steps from this attention node."""
+    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
+        """No more steps from this attention node (on this generation of the data plane, with `reform`)."""
         ...
 
 
@@ -71,7 +79,7 @@ class LocalMoE:
     def idle(self) -> int:
         return 0
 
-    def leave(self, shutdown: bool = False) -> None:
+    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
         pass
 
 
@@ -143,8 +151,9 @@ class RemoteMoE:
         self.end_step()
         return max(int(buf[0]) for buf in self._acks.values())
 
-    def leave(self, shutdown: bool = False) -> None:
-        """Tell every FFN node this attention node is done (and, with `shutdown`, to exit)."""
-        flags = FLAG_LEAVE | (FLAG_SHUTDOWN if shutdown else 0)
+    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
+        """Tell every FFN node this attention node is done (with `shutdown`, that they exit; with
+        `reform`, that it moves to the next generation of the data plane)."""
+        flags = FLAG_REFORM if reform else FLAG_LEAVE | (FLAG_SHUTDOWN if shutdown else 0)
         self._send_header(StepHeader(self.step_id, (), flags))
         self.end_step()

@@ -8,6 +8,8 @@ Every wait has a timeout, and a failed or timed-out op raises PeerError naming t
 from __future__ import annotations
 
 import gc
+import hashlib
+import hmac
 import logging
 import socket
 import time
@@ -92,6 +94,25 @@ class DataPlane:
                                 rank=rank, world_size=world_size, timeout=self.timeout, pg_options=opts)
         log.info("data plane up: rank %d of %d over %s, generation %d, in %.2fs", rank, world_size,
                  backend.dist_backend, generation, time.monotonic() - t0)
+
+    def handshake(self, peers: list[int], token: str | None, formation: str) -> None:
+        """Each pair of peers proves to the other that it holds the cluster token: a process that took
+        a rank through a leaked store prefix cannot answer, and is refused before any tensor moves.
+        Pairs go in one order on both ends (the lower rank sends first), which NCCL and HCCL need."""
+        key = (token or formation).encode()
+
+        def digest(src: int, dst: int) -> torch.Tensor:
+            d = hmac.new(key, f"afd/{formation}/{src}->{dst}".encode(), hashlib.sha256).digest()
+            return torch.frombuffer(bytearray(d), dtype=torch.uint8).to(self.backend.device)
+
+        for p in sorted(peers):
+            mine, theirs = digest(self.rank, p), torch.empty(32, dtype=torch.uint8, device=self.backend.device)
+            ops = [(self.isend, mine), (self.irecv, theirs)]
+            for op, t in ops if self.rank < p else ops[::-1]:
+                self.wait(op(t, p), p, "handshake")
+            if not hmac.compare_digest(bytes(theirs.cpu().tolist()), bytes(digest(p, self.rank).cpu().tolist())):
+                raise PeerError(f"data plane: rank {p} failed the handshake: it does not hold this cluster's "
+                                "token (AFD_CLUSTER_TOKEN)", p)
 
     def _issue(self, op, tensor: torch.Tensor, peer: int):
         try:

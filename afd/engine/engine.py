@@ -3,8 +3,9 @@
 Serving runs it on a thread of its own (`start`): requests come in through a thread-safe inbox and
 each step's deltas go out through the request's `on_output` callback. With nothing to run, that
 thread sends the FFN nodes an idle step (they pace themselves by the busy attention nodes and need to
-hear from every peer) and backs off while the whole cluster is idle. A data-plane failure fails every
-request with an error and marks the engine dead, which /health reports. Offline generation
+hear from every peer) and backs off while the whole cluster is idle. A data-plane failure pauses the
+requests while the plane re-forms (`membership`), or, with no membership or nobody back in time,
+fails every request with an error and marks the engine dead, which /health reports. Offline generation
 (afd.engine.offline) calls `step()` itself until its requests are done.
 """
 
@@ -14,14 +15,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from afd.dataplane.exchange import MoEExchange
 from afd.dataplane.transport import PeerError
 from afd.engine.logits import History
+from afd.engine.membership import PlaneMembership
 from afd.engine.request import Request, RequestOutput
 from afd.engine.runner import ModelRunner, StepSeq
 from afd.engine.sampling import Sampler, top_logprobs
@@ -66,9 +66,8 @@ class Engine:
         self.dead: str | None = None
         self.paused: str | None = None
         """Why the engine is waiting for the data plane to re-form (requests wait, /health is 503)."""
-        self.rejoin: Callable[[str], MoEExchange] | None = None
-        """Serving sets it: re-forms the data plane after a failure (afd.node.runtime) and returns the
-        exchange over the new one; None fails every request at the first data-plane error."""
+        self.membership: PlaneMembership | None = None
+        """Serving sets it (afd.node.runtime); offline generation runs without."""
         self._thread = threading.Thread(target=self._loop, name="afd-engine", daemon=True)
         self._requests: dict[str, Request] = {}
         self._preemptions_seen = 0
@@ -118,12 +117,16 @@ class Engine:
             while not self._stop.is_set():
                 failed = None
                 try:
-                    if self.step() is not None:
+                    if self._can_rejoin() and self.membership.superseded():
+                        self.runner.moe.leave(reform=True)
+                        failed = "a node was replaced: moving to the next data-plane generation"
+                    elif self.step() is not None:
                         backoff = 0.0
                         continue
-                    busy = self.runner.moe.idle()
+                    else:
+                        busy = self.runner.moe.idle()
                 except PeerError as e:
-                    if self.rejoin is None:
+                    if not self._can_rejoin():
                         raise
                     failed = str(e)  # leave the except block first: its traceback pins the old process group
                 if failed is not None:
@@ -139,14 +142,18 @@ class Engine:
             log.exception("engine failed")
             self._die(f"engine failed: {e}")
 
+    def _can_rejoin(self) -> bool:
+        return self.membership is not None and self.membership.rejoin is not None
+
     def _rejoin(self, e: str) -> None:
-        """A peer failed mid-step: wait for the data plane to re-form, then run the step again. Nothing is
-        lost: the step's sampling never ran, and its KV writes land in the same slots when it reruns."""
+        """A peer failed mid-step (or the plane is being re-formed): wait for the next generation, then
+        run the step again. Nothing is lost: the step's sampling never ran, and its KV writes land in the
+        same slots when it reruns."""
         self.paused = e
         log.warning("requests paused: %s", e)
         self.runner.moe = None  # drop the exchange over the failed generation before it is torn down
         try:
-            self.runner.moe = self.rejoin(e)
+            self.runner.moe = self.membership.rejoin(e)
         except Exception as err:  # ControlError: nobody came back in time
             raise PeerError(f"{e}; {err}") from None
         self.paused = None
@@ -155,6 +162,9 @@ class Engine:
     def _die(self, reason: str) -> None:
         self.dead = reason
         log.error("engine stopped: %s", reason)
+        self.runner.moe = None
+        if self.membership is not None:
+            self.membership.release()
         while True:  # fail whatever still arrives: a request may slip into the inbox as `dead` is set
             self._drain_inbox()
             for req in list(self._requests.values()):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from afd.backend import Backend, get_backend
 from afd.cluster.config import ClusterConfig, Node
 from afd.cluster.fingerprint import model_fingerprint
+from afd.cluster.token import cluster_token
 from afd.cluster.topology import resolve_model_path
 from afd.control import control_pb2 as pb
 from afd.control.client import ControlClient
@@ -39,6 +40,8 @@ class NodeRuntime:
     bind_host: str | None = None
     _store_socket: object = None
     cluster_state: int = pb.ClusterStatus.STARTING
+    generation_seen: int = 0
+    """The newest data-plane generation the coordinator has announced (heartbeats carry it)."""
     shutdown: threading.Event = field(default_factory=threading.Event)
 
     def join_data_plane(self, st: pb.ClusterStatus) -> DataPlane:
@@ -48,6 +51,11 @@ class NodeRuntime:
                                                               self.cfg.cluster.comm_timeout)
         self.plane = DataPlane(self.backend, a.rank, a.world_size, self.store, st.generation,
                                self.cfg.cluster.comm_timeout, st.formation, self.bind_host)
+        try:
+            self.plane.handshake(list(a.peer_ranks), cluster_token(), st.formation)
+        except BaseException:
+            self.release_plane()
+            raise
         return self.plane
 
     def reform(self, why: str) -> DataPlane:
@@ -61,6 +69,15 @@ class NodeRuntime:
         log.warning("data plane generation %d failed (%s); waiting up to %.0fs for the node to be replaced",
                     failed, why, self.cfg.cluster.rejoin_timeout)
         return self.join_data_plane(self.client.await_formation(failed, self.cfg.cluster.rejoin_timeout))
+
+    def superseded(self) -> bool:
+        """A newer generation than the one this node is in has been announced: a node was replaced."""
+        return self.plane is not None and self.generation_seen > self.plane.generation
+
+    def release_plane(self) -> None:
+        if self.plane is not None:
+            self.plane.close()
+            self.plane = None
 
     def close(self, plane: bool = True) -> None:
         """plane=False when the process is about to exit from a signal: another thread may be blocked
@@ -96,6 +113,8 @@ def bring_up(cfg: ClusterConfig, name: str, bind_host: str, load_model: Callable
 
     def track(st: pb.ClusterStatus | None) -> None:
         rt.cluster_state = pb.ClusterStatus.DEGRADED if st is None else st.state
+        if st is not None:
+            rt.generation_seen = max(rt.generation_seen, st.generation)
         if st is not None and st.state == pb.ClusterStatus.SHUTDOWN:
             rt.shutdown.set()
         if on_status is not None:

@@ -1,0 +1,93 @@
+"""The coordinator's generations, in process: when the data plane must re-form and with whom."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from cluster_helpers import cluster_yaml
+
+from afd import __version__
+from afd.cluster.config import load
+from afd.control import control_pb2 as pb
+from afd.control.coordinator import Coordinator
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What a servicer sees of a gRPC call: a deadline and abort."""
+
+    def __init__(self, seconds: float | None = None):
+        self._end = None if seconds is None else time.monotonic() + seconds
+
+    def time_remaining(self):
+        return None if self._end is None else max(0.0, self._end - time.monotonic())
+
+    def abort(self, code: grpc.StatusCode, details: str):
+        raise _Aborted(f"{code.name}: {details}")
+
+
+@pytest.fixture
+def coordinator(tmp_path):
+    cfg = load(str(cluster_yaml(tmp_path, str(tmp_path), 2, 1, cluster={"heartbeat_timeout": 0.3})))
+    c = Coordinator(cfg, "fp", n_routed=4)
+    for name, role in NODES:
+        c.Register(_register(name, role, "i0"), _Context())
+    for name, _ in NODES:  # the first formation
+        assert c.AwaitCluster(_ref(name), _Context(5)).generation == 0
+    return c
+
+
+NODES = (("attn0", "attention"), ("attn1", "attention"), ("ffn0", "ffn"))
+
+
+def _ref(name: str, instance: str = "i0") -> pb.NodeRef:
+    return pb.NodeRef(name=name, instance_id=instance)
+
+
+def _register(name: str, role: str, instance: str) -> pb.RegisterRequest:
+    return pb.RegisterRequest(name=name, role=role, address="127.0.0.1", instance_id=instance,
+                              model_fingerprint="fp", version=__version__)
+
+
+def _await(c: Coordinator, ref: pb.NodeRef, after: int, seconds: float = 3) -> pb.ClusterStatus:
+    return c.AwaitFormation(pb.FormationRequest(ref=ref, after=after, timeout_seconds=seconds), _Context(10))
+
+
+def test_a_replacement_opens_a_generation_that_forms_once_everyone_asks(coordinator):
+    c = coordinator
+    with pytest.raises(_Aborted, match="ALREADY_EXISTS: duplicate node name 'attn1'"):
+        c.Register(_register("attn1", "attention", "i1"), _Context())  # the old instance is alive
+    assert c.generation == 0
+    time.sleep(0.4)  # attn1's old instance misses its heartbeats
+    for n in ("attn0", "ffn0"):
+        c.Heartbeat(_ref(n), _Context())
+    formation = c.formation
+    reply = c.Register(_register("attn1", "attention", "i1"), _Context())
+    assert reply.generation == c.generation == 1 and c.formation != formation
+    with ThreadPoolExecutor(3) as pool:  # the survivors move; the replacement comes up
+        done = [pool.submit(_await, c, _ref("attn0"), 0), pool.submit(_await, c, _ref("ffn0"), 0),
+                pool.submit(c.AwaitCluster, _ref("attn1", "i1"), _Context(5))]
+        sts = [f.result() for f in done]
+    assert {(st.generation, st.formation) for st in sts} == {(1, c.formation)}
+    assert not sts[0].forming and not sts[0].lost
+
+
+def test_a_failed_generation_forms_again_only_with_the_nodes_that_ask(coordinator):
+    """attn0's data plane failed (its FFN peer died, say): the next generation opens at once, but it
+    forms only once every node asks for it; a dead node never does, so nothing forms without it."""
+    c = coordinator
+    t0 = time.monotonic()
+    st = _await(c, _ref("attn0"), 0, seconds=0.5)
+    assert time.monotonic() - t0 >= 0.45
+    assert st.generation == 1 and st.forming == ["attn1", "ffn0"]  # the client keeps waiting
+    with ThreadPoolExecutor(3) as pool:
+        done = [pool.submit(_await, c, _ref(n), 0) for n in ("attn0", "attn1", "ffn0")]
+        sts = [f.result() for f in done]
+    assert [st.generation for st in sts] == [1, 1, 1] and not any(st.forming for st in sts)  # one bump only
+    assert c.Heartbeat(_ref("attn0"), _Context()).formation == ""  # heartbeats never carry the store prefix
