@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -105,7 +105,7 @@ def build_app(st: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_, e: StarletteHTTPException):  # e.g. a body that is not UTF-8 JSON
-        err = ApiError(e.status_code, str(e.detail), "body" if e.status_code == 400 else None)
+        err = ApiError(e.status_code, str(e.detail), "body" if e.status_code in (400, 413) else None)
         return JSONResponse(err.body(), status_code=e.status_code)
 
     @app.exception_handler(RequestValidationError)
@@ -177,11 +177,21 @@ class _Guard:
         if st.api_key and scope["path"].startswith("/v1") and headers.get("authorization") != f"Bearer {st.api_key}":
             return await JSONResponse(ApiError(401, "Unauthorized").body(), status_code=401)(scope, receive, send)
         size = headers.get("content-length")
+        too_large = f"The request body is larger than {st.max_body_bytes} bytes."
         if size is not None and (not size.isdigit() or int(size) > st.max_body_bytes):
-            err = ApiError(413, f"The request body is larger than {st.max_body_bytes} bytes.", "body")
+            err = ApiError(413, too_large, "body")
             response = JSONResponse(err.body(), status_code=413, headers={"connection": "close"})
             return await response(scope, receive, send)
-        started = False
+        started, received = False, 0
+
+        async def receive_limited():  # a chunked body has no Content-Length: count what arrives
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > st.max_body_bytes:
+                    raise HTTPException(413, too_large)  # FastAPI passes HTTPException through body parsing
+            return message
 
         async def send_tracked(message) -> None:
             nonlocal started
@@ -189,7 +199,7 @@ class _Guard:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_tracked)
+            await self.app(scope, receive_limited, send_tracked)
         except Exception as e:
             log.exception("%s %s failed", scope.get("method"), scope["path"])
             if started:  # too late for an error response
