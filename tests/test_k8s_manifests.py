@@ -1,10 +1,16 @@
-"""The Kubernetes manifests in deploy/k8s/: they parse, run the node commands, and agree with the
-cluster YAML they carry."""
+"""The Kubernetes manifests in deploy/k8s/: they parse, run the node commands, agree with the cluster
+YAML they carry, and are valid Kubernetes objects, as shipped and rendered for another size; the image
+they name is built by the Dockerfile."""
 
 from __future__ import annotations
 
+import copy
+import importlib.util
+import re
+from importlib.metadata import entry_points
 from pathlib import Path
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -13,6 +19,23 @@ from afd.cluster.config import ClusterConfig, from_dict
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
+# A recent release whose schemas kubernetes-validate bundles (pyproject's test extra pins a version that has them).
+K8S_VERSION = "1.35"
+# Custom resources: kubernetes-validate bundles only the built-in kinds' schemas, and a CRD's schema comes
+# from its controller's install manifest, which is not here. None is shipped now; one added is skipped
+# by name rather than failing with SchemaNotFoundError.
+CUSTOM_KINDS = {"LeaderWorkerSet"}
+
+
+def _load_render():
+    """deploy/k8s/render.py, which is a script beside the manifests, not a package module."""
+    spec = importlib.util.spec_from_file_location("afd_k8s_render", K8S / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+render = _load_render()
 
 
 # ---- Kubernetes manifests -----------------------------------------------------------------------
@@ -21,11 +44,18 @@ WORKLOADS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
 
 
 @pytest.fixture(scope="module")
-def k8s() -> list[dict]:
-    docs = []
-    for path in sorted(K8S.glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
-    return docs
+def shipped() -> list[dict]:
+    return render.load(K8S)
+
+
+# Every check below runs on the files as shipped (2A2F) and as render.py makes them for 2A1F: a size
+# change must keep the StatefulSets, the cluster YAML, the ports and the probes in agreement.
+@pytest.fixture(scope="module", params=["shipped", "2A1F"])
+def k8s(request, shipped) -> list[dict]:
+    if request.param == "shipped":
+        return shipped
+    # through the text render.py prints, since that is what `kubectl apply -f -` gets
+    return list(yaml.safe_load_all(render.dump(render.render(shipped, attention=2, ffn=1))))
 
 
 def kind(docs: list[dict], k: str) -> list[dict]:
@@ -137,11 +167,12 @@ def test_k8s_probes(k8s, embedded):
             name = argv(c)
             node = next(n for n in embedded.nodes if n.role == ("attention" if name[0] == "afd-attention" else "ffn"))
             if name[0] == "afd-attention":
-                for probe in ("startupProbe", "readinessProbe"):
+                # startup: the server answers (no API key on /version); readiness and liveness: /health,
+                # 503 when the engine is dead (/v1/models stays 200 then)
+                paths = {"startupProbe": "/version", "readinessProbe": "/health", "livenessProbe": "/health"}
+                for probe, path in paths.items():
                     get = c[probe]["httpGet"]
-                    assert get["path"] == "/v1/models" and port_number(c, get["port"]) == node.ports.http
-                live = c["livenessProbe"]["httpGet"]
-                assert live["path"] == "/health" and port_number(c, live["port"]) == node.ports.http
+                    assert get["path"] == path and port_number(c, get["port"]) == node.ports.http, probe
             else:
                 ready = c["readinessProbe"]["httpGet"]
                 assert ready["path"] == "/health" and port_number(c, ready["port"]) == node.ports.metrics
@@ -169,3 +200,134 @@ def test_k8s_secret_name_matches_readme(k8s):
             env = {e["name"]: e for e in pod["containers"][0]["env"]}
             assert env["AFD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] in text
 
+
+
+# ---- served metrics, volumes ----------------------------------------------------------------------
+
+
+def metrics_port(role: str, node) -> int | None:
+    """Where a node serves /metrics: attention nodes on their API port, FFN nodes on ports.metrics (if any)."""
+    return node.ports.http if role == "attention" else node.ports.metrics
+
+
+def test_k8s_pods_serving_metrics_carry_scrape_annotations(k8s, embedded):
+    for w in (d for d in k8s if d["kind"] in WORKLOADS):
+        (c,) = w["spec"]["template"]["spec"]["containers"]
+        role = "attention" if argv(c)[0] == "afd-attention" else "ffn"
+        ports = {metrics_port(role, n) for n in embedded.nodes if n.role == role}
+        assert len(ports) == 1, f"{role} nodes serve metrics on different ports: one annotation cannot say so"
+        (port,) = ports
+        if port is None:
+            continue
+        notes = w["spec"]["template"]["metadata"].get("annotations", {})
+        assert notes.get("prometheus.io/scrape") == "true", w["metadata"]["name"]
+        assert notes.get("prometheus.io/port") == str(port), w["metadata"]["name"]  # annotation values are strings
+        assert notes.get("prometheus.io/path") == "/metrics", w["metadata"]["name"]
+        assert port in {p["containerPort"] for p in c["ports"]}
+
+
+def test_k8s_claimed_volumes_exist(k8s):
+    claims = {d["metadata"]["name"]: d for d in kind(k8s, "PersistentVolumeClaim")}
+    used = [v["persistentVolumeClaim"]["claimName"] for w in k8s if w["kind"] in WORKLOADS
+            for pod in pod_specs(w) for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert used, "the checkpoint volume is no longer a PVC: update this test and README.md"
+    for name in used:
+        assert name in claims, f"PVC {name} is mounted but never created"
+        spec = claims[name]["spec"]
+        # pods of both StatefulSets, on different machines, read it at once
+        assert set(spec["accessModes"]) & {"ReadOnlyMany", "ReadWriteMany"}, spec["accessModes"]
+        assert spec["resources"]["requests"]["storage"]
+
+
+# ---- schema validation (kubernetes-validate, offline) --------------------------------------------
+
+
+def validate(doc: dict) -> None:
+    """Raises kubernetes_validate.ValidationError; strict: a misspelt or misplaced field fails too."""
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_k8s_manifests_are_valid_kubernetes_objects(k8s):
+    checked = 0
+    for doc in k8s:
+        if doc["kind"] in CUSTOM_KINDS:
+            continue  # no bundled schema: see CUSTOM_KINDS
+        validate(doc)
+        checked += 1
+    assert checked >= 7  # 2 StatefulSets, 3 Services, the ConfigMap, the PVC
+
+
+def test_k8s_rendered_2a1f_is_that_cluster(k8s, embedded):
+    sets = {d["metadata"]["name"]: d["spec"]["replicas"] for d in kind(k8s, "StatefulSet")}
+    nodes = (len(embedded.attention_nodes), len(embedded.ffn_nodes))
+    assert nodes == (sets["afd-attention"], sets["afd-ffn"]) and nodes in {(2, 2), (2, 1)}
+
+
+def parsed(docs: list[dict]) -> list[dict]:
+    """`docs` with the ConfigMap's cluster YAML parsed: render.py rewrites it without the comments."""
+    docs = copy.deepcopy(docs)
+    for cm in kind(docs, "ConfigMap"):
+        cm["data"] = {k: yaml.safe_load(v) for k, v in cm["data"].items()}
+    return docs
+
+
+def test_k8s_render_keeps_the_shipped_size_as_is(shipped):
+    assert parsed(render.render(shipped, attention=2, ffn=2)) == parsed(shipped)
+
+
+@pytest.mark.parametrize("breakage", ["unknown field", "wrong type", "missing required"])
+def test_k8s_validation_rejects_a_broken_manifest(shipped, breakage):
+    """The check above can fail: a StatefulSet broken three ways is refused."""
+    sts = copy.deepcopy(kind(shipped, "StatefulSet")[0])
+    validate(copy.deepcopy(sts))
+    spec = sts["spec"]
+    if breakage == "unknown field":
+        spec["replica"] = spec.pop("replicas")
+    elif breakage == "wrong type":
+        spec["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "control"
+    else:
+        del spec["selector"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(sts)
+
+
+def test_k8s_readme_manifests_are_valid():
+    """The loader pod README.md tells users to apply."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (K8S / "README.md").read_text(), re.S)
+    docs = [d for b in blocks for d in yaml.safe_load_all(b) if d is not None]
+    assert docs
+    for doc in docs:
+        validate(doc)
+
+
+# ---- the image ------------------------------------------------------------------------------------
+
+
+def makefile_torch_spec() -> str:
+    (spec,) = re.findall(r"^TORCH_SPEC \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    return spec
+
+
+def test_dockerfile_installs_the_cpu_torch_pin_then_afd():
+    text = (ROOT / "Dockerfile").read_text()
+    assert f"ARG TORCH_SPEC={makefile_torch_spec()}\n" in text  # the torch the test suite runs on
+    assert re.search(r"^ARG TORCH_INDEX=\S+/whl/cpu$", text, re.M)  # the CPU build by default
+    torch = re.search(r'pip install --index-url "\$\{TORCH_INDEX\}" "\$\{TORCH_SPEC\}"', text)
+    afd = re.search(r"^RUN pip install \.", text, re.M)
+    assert torch and afd and torch.start() < afd.start()  # else pip would pull torch from PyPI first
+
+
+def test_dockerfile_copies_the_packages_of_the_node_commands():
+    """The manifests run afd-attention, afd-ffn and `afd drain`: their packages must be in the image."""
+    text = (ROOT / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\S+) ", text, re.M))
+    scripts = {e.name: e.value for e in entry_points(group="console_scripts") if e.name.startswith("afd")}
+    assert {"afd", "afd-attention", "afd-ffn"} <= scripts.keys()
+    for name in ("afd", "afd-attention", "afd-ffn"):
+        assert scripts[name].split(".")[0] in copied, name
+    assert not re.search(r"^ENTRYPOINT", text, re.M)  # `docker run IMAGE afd-ffn ...` runs as the manifests do
+
+
+def test_dockerignore_keeps_the_venv_and_git_out():
+    lines = set((ROOT / ".dockerignore").read_text().split())
+    assert {".venv", ".git"} <= lines

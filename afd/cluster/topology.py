@@ -17,9 +17,10 @@ def resolve_model_path(path: str) -> str:
 
 
 def cpu_threads(cfg: ClusterConfig, name: str) -> int:
-    """Intra-op threads for a node: its YAML value, or its host's cores split among the CPU nodes there
-    (two nodes that each take every core fight over them, and the exchange stops being hidden)."""
-    import os
+    """Intra-op threads for a node: its YAML value, or its host's usable CPUs split among the CPU nodes
+    there (two nodes that each take every core fight over them, and the exchange stops being hidden).
+    Usable, not os.cpu_count(): in a pod with a CPU limit the host's core count oversubscribes the quota."""
+    from afd.cluster.cpus import usable_cpus
 
     node = cfg.node(name)
     if node.threads:
@@ -27,7 +28,7 @@ def cpu_threads(cfg: ClusterConfig, name: str) -> int:
     if node.device_type != "cpu":
         return 0
     sharing = sum(1 for n in cfg.nodes if n.host == node.host and n.device_type == "cpu")
-    return max(1, (os.cpu_count() or 1) // sharing)
+    return max(1, usable_cpus() // sharing)
 
 
 def served_model_name(cfg: ClusterConfig, override: str | None = None) -> str:

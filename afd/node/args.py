@@ -65,11 +65,13 @@ def start_cluster_node(args, role: str):
     setup_logging(role, args.node)
     import torch
 
+    from afd.cluster.cpus import usable_cpus
     from afd.cluster.topology import cpu_threads
 
-    threads = args.threads or cpu_threads(cfg, args.node)
-    if threads:
-        torch.set_num_threads(threads)
+    # Device nodes keep torch's default, which counts the host's cores: cap it at what a pod's CPU limit
+    # allows, or its host-side ops are throttled by the quota.
+    threads = args.threads or cpu_threads(cfg, args.node) or min(torch.get_num_threads(), usable_cpus())
+    torch.set_num_threads(threads)
     return cfg
 
 
