@@ -173,6 +173,10 @@ def test_k8s_probes(k8s, embedded):
                 for probe, path in paths.items():
                     get = c[probe]["httpGet"]
                     assert get["path"] == path and port_number(c, get["port"]) == node.ports.http, probe
+                # /health is 503 too while a replaced peer is awaited: liveness must outwait that
+                live = c["livenessProbe"]
+                cl = embedded.cluster
+                assert live["periodSeconds"] * live["failureThreshold"] > cl.rejoin_timeout + cl.heartbeat_timeout
             else:
                 ready = c["readinessProbe"]["httpGet"]
                 assert ready["path"] == "/health" and port_number(c, ready["port"]) == node.ports.metrics
