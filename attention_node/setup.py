@@ -52,6 +52,7 @@ def build_server_state(cfg, args, box: dict):
              kv.data.numel() * kv.data.element_size() / 2**20, max_len)
     name = served_model_name(cfg, args.served_model_name)
     metrics = AttentionMetrics(args.node, name)
+    metrics.watch_cluster_state(lambda: rt.cluster_state)
     moe = RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
     runner = ModelRunner(built["attn"], moe, kv, rt.backend.device, cfg.layout.micro_batches, cfg.layout.overlap)
     tok = load_tokenizer(rt.model_path)

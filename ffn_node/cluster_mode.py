@@ -54,7 +54,10 @@ def run_cluster_node(args) -> int:
         log.error("startup failed: %s", e)
         return 1
     a = rt.assignment
-    metrics = FFNMetrics(node.name, served_model_name(cfg, args.served_model_name), a.expert_lo, a.expert_hi)
+    metrics = FFNMetrics(node.name, served_model_name(cfg, args.served_model_name), a.expert_lo, a.expert_hi,
+                         rt.model_cfg.num_layers)
+    metrics.watch_cluster_state(lambda: rt.cluster_state)
+    metrics.count_zero_experts(layer.experts for layer in built["ffn"].layers)
     healthy = {"ok": True}
     http = None
     if node.ports.metrics:

@@ -8,6 +8,10 @@ A peer that fails (its process died, it timed out, it broke the protocol) is dro
 are served on: one attention node's death never stalls the rest. Once no peer is left on this
 generation of the data plane, `serve` says whether the plane must re-form (a peer failed, or moved on
 to the next generation) or every peer left for good.
+
+Time is accounted on one clock: every span of the serving loop that is not a layer's compute is idle
+(the wait for a layer's inputs, sends, bookkeeping, the wait for the next step's headers), so compute +
+idle adds up to the loop's wall time and busy = compute / (compute + idle) is honest.
 """
 
 from __future__ import annotations
@@ -61,6 +65,8 @@ class FFNServer:
         self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64)
         self.steps = 0
         self.tokens = 0
+        self._mark = time.perf_counter()
+        """Where the current idle span began: the end of the last compute, or of the last span accounted."""
         self.reset(plane, attention_ranks)
 
     def reset(self, plane: DataPlane, attention_ranks: list[int]) -> None:
@@ -73,6 +79,13 @@ class FFNServer:
 
     def serve(self) -> ServeEnd:
         """Runs until no attention peer is left on this generation, or one asks for shutdown."""
+        self._mark = time.perf_counter()  # time outside serve (a re-formation) is not the loop's
+        try:
+            return self._serve()
+        finally:
+            self._idle()
+
+    def _serve(self) -> ServeEnd:
         while self.active:
             headers = self._recv_headers()
             if any(h.flags & FLAG_SHUTDOWN for h in headers.values()):
@@ -123,14 +136,27 @@ class FFNServer:
             self._drop(r, str(e))
             return False
 
+    # ---- time: compute, and everything else as idle --------------------------------------------------
+
+    def _idle(self, layer: int | None = None) -> float:
+        """Accounts the span since the mark as idle (before `layer`'s compute, or between steps when
+        None) and returns now, the next span's start."""
+        now = time.perf_counter()
+        span, self._mark = now - self._mark, now
+        self.timers.add("idle", span)
+        if self.metrics is not None:
+            self.metrics.idle.observe(span)
+            if layer is not None:
+                self.metrics.layer_idle[layer] += span
+        return now
+
     # ---- the protocol ------------------------------------------------------------------------------
 
     def _recv_headers(self) -> dict[int, StepHeader]:
-        t0 = time.perf_counter()
         works = [(r, self._post(self.plane.irecv, self._headers[r], r))
                  for r in list(self.active)]
         received = [r for r, w in works if self._wait(w, r, "step header receive")]
-        self.timers.add("idle", time.perf_counter() - t0)
+        self._idle()  # between steps: the last step's sends and acks, then the wait for these headers
         headers = {}
         for r in received:
             try:
@@ -173,22 +199,20 @@ class FFNServer:
             hinted = self.layer_hook(layer) or 0
             if self.metrics is not None:
                 self.metrics.prefetch_bytes.inc(hinted)
-        t0 = time.perf_counter()
         for r, o, n, w in recvs:
             if not self._wait(w, r, f"layer {layer} MoE input receive"):
                 x[o:o + n].zero_()  # a failed peer's rows: computed and thrown away, never read uninitialised
-        t1 = time.perf_counter()
+        t1 = self._idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
         with torch.inference_mode():
             y = self.ffn(self.backend, layer, x)
         self.backend.synchronize()
-        t2 = time.perf_counter()
-        self.timers.add("idle", t1 - t0)
+        t2 = self._mark = time.perf_counter()
         self.timers.add("compute", t2 - t1)
         self.tokens += total
         if self.metrics is not None:
             m = self.metrics
-            m.idle.observe(t1 - t0)
             m.compute.observe(t2 - t1)
+            m.layer_compute[layer] += t2 - t1
             m.tokens.inc(total)
             m.add_expert_tokens(self.ffn.layers[layer].experts.last_counts)
         sends, off = [], 0

@@ -1,9 +1,11 @@
-"""The numbers on /metrics are true: token counts match what was generated, and the FFN wait metric
-tells an overlapped exchange from a serial one on the same load."""
+"""The numbers on /metrics are true: token counts match what was generated, the FFN wait metric
+tells an overlapped exchange from a serial one on the same load, and the FFN node's compute + idle
+cover its wall time under load (busy = compute / (compute + idle) leaves nothing out)."""
 
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -32,6 +34,13 @@ def _load(url: str, n: int = 12, tokens: int = 24) -> int:
     return sum(r["usage"]["completion_tokens"] for _, r in results)
 
 
+def _ffn_clock(c: Cluster) -> tuple[float, float]:
+    """(now, the FFN node's compute + idle seconds), now being the middle of the scrape."""
+    t0 = time.monotonic()
+    m = _scrape(f"http://127.0.0.1:{c.node('ffn0')['ports']['metrics']}")
+    return (t0 + time.monotonic()) / 2, m["afd_ffn_compute_seconds_sum"] + m["afd_ffn_idle_seconds_sum"]
+
+
 def _wait_fraction(tmp_path, overlap: bool) -> tuple[float, int, dict]:
     model = tmp_path / "bench-model"
     model.mkdir(exist_ok=True)
@@ -42,8 +51,11 @@ def _wait_fraction(tmp_path, overlap: bool) -> tuple[float, int, dict]:
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
+        t0, accounted0 = _ffn_clock(c)
         generated = _load(c.url())
+        t1, accounted1 = _ffn_clock(c)
         m = _scrape(c.url())
+    m["ffn_covered"] = (accounted1 - accounted0) / (t1 - t0)
     return m["afd_ffn_wait_seconds_sum"] / m["afd_step_seconds_sum"], generated, m
 
 
@@ -52,6 +64,8 @@ def test_generation_tokens_and_ffn_wait_are_true(tmp_path):
     assert m["afd_generation_tokens_total"] == generated
     assert m["afd_prompt_tokens_total"] == 12 * 4
     assert m['afd_request_success_total'] == 12
-    serial, _, _ = _wait_fraction(tmp_path, overlap=False)
+    serial, _, s = _wait_fraction(tmp_path, overlap=False)
     assert hidden < 0.1, f"overlapped: waited {hidden:.0%} of step time"
     assert serial > 3 * hidden and serial > 0.2, f"serial {serial:.0%} vs overlapped {hidden:.0%}"
+    for run in (m, s):  # was 0.74-0.76 when header waits and sends fell outside both timers
+        assert 0.9 <= run["ffn_covered"] <= 1.1, f"FFN compute + idle covered {run['ffn_covered']:.0%} of wall time"

@@ -1,5 +1,7 @@
-"""Observability: the Prometheus scrape config, the Grafana dashboard, and a real Prometheus scraping a
-real cluster (skipped where Prometheus is not installed: `.ci/prometheus.sh` installs it)."""
+"""Observability: the Prometheus scrape config, the Grafana dashboard, the metrics behind it (moving as
+they should, in process), and a real Prometheus scraping a real cluster (skipped where Prometheus is
+not installed: `.ci/prometheus.sh` installs it). Grafana itself cannot be installed here (no Debian
+package, not on PyPI), so the dashboard is checked by reading its JSON against the metrics that exist."""
 
 from __future__ import annotations
 
@@ -15,10 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
-from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, post, skip_unless_ci_installs
+from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, get, post, skip_unless_ci_installs
+from prometheus_client.parser import text_string_to_metric_families
 
 from afd.cluster.config import from_dict, load
+from afd.control import control_pb2 as pb
+from afd.model.demo_config import DEMO_CONFIG
 from afd.observability import prometheus_config
 from afd.observability.metrics import AttentionMetrics, FFNMetrics
 from afd.observability.prometheus_config import render
@@ -35,11 +41,17 @@ ATTENTION_METRICS = (
     "afd_e2e_request_latency_seconds_bucket", "afd_request_queue_time_seconds_bucket", "afd_num_requests_running",
     "afd_num_requests_waiting", "afd_kv_cache_usage_ratio", "afd_prompt_tokens_total", "afd_generation_tokens_total",
     "afd_request_success_total", "afd_step_seconds_bucket", "afd_ffn_wait_seconds_bucket", "afd_a2f_bytes_total",
+    "afd_cluster_state", "afd_engine_dead", "afd_micro_batches",
 )
 FFN_METRICS = (
     "afd_ffn_compute_seconds_bucket", "afd_ffn_idle_seconds_bucket", "afd_ffn_tokens_total",
-    "afd_expert_tokens_total", "afd_prefetch_bytes_total",
+    "afd_expert_tokens_total", "afd_prefetch_bytes_total", "afd_cluster_state", "afd_ffn_layer_compute_seconds_total",
+    "afd_ffn_layer_idle_seconds_total", "afd_zero_expert_tokens_total",
 )
+# The stat row on top: what each of its panels must query.
+STAT_ROW_METRICS = ("afd_cluster_state", "afd_engine_dead", "afd_ffn_wait_seconds_sum", "afd_step_seconds_sum",
+                    "afd_ffn_compute_seconds_sum", "afd_ffn_idle_seconds_sum", "afd_generation_tokens_total",
+                    "afd_micro_batches")
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -104,14 +116,28 @@ def exported_sample_names() -> set[str]:
     """Sample names both roles' metrics objects render, as the nodes serve them."""
     attn = AttentionMetrics("a", "m")
     attn.step("decode")  # afd_step_seconds{phase} has a series once a step ran
-    ffn = FFNMetrics("f", "m", 0, 4)
+    ffn = FFNMetrics("f", "m", 0, 4, num_layers=2)
     ffn.add_expert_tokens([1, 0, 0, 0])
     names = set()
     for m in (attn, ffn):
-        for line in m.render().decode().splitlines():
-            if line and not line.startswith("#"):
-                names.add(re.match(r"[A-Za-z_:][\w:]*", line).group())
+        m.watch_cluster_state(lambda: pb.ClusterStatus.READY)  # the nodes do; offline engines have no cluster
+        names |= set(samples(m.render().decode()))
     return names
+
+
+def samples(text: str) -> dict[str, dict[tuple, float]]:
+    """Sample name -> {sorted label items: value} of a /metrics body."""
+    out: dict[str, dict[tuple, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def total(text_or_samples, name: str, **labels) -> float:
+    """The sum of a sample's values over the series whose labels include `labels`."""
+    got = samples(text_or_samples) if isinstance(text_or_samples, str) else text_or_samples
+    return sum(v for key, v in got.get(name, {}).items() if set(labels.items()) <= set(key))
 
 
 # ---- the scrape config --------------------------------------------------------------------------
@@ -228,10 +254,260 @@ def test_dashboard_uses_only_exported_metrics():
                  "afd_ffn_wait_seconds_sum", "afd_step_seconds_sum", "afd_ffn_compute_seconds_sum",
                  "afd_ffn_idle_seconds_sum", "afd_expert_tokens_total", "afd_prefetch_bytes_total",
                  "afd_a2f_bytes_total", "afd_e2e_request_latency_seconds_bucket",
-                 "afd_request_queue_time_seconds_bucket"):
+                 "afd_request_queue_time_seconds_bucket", "afd_cluster_state", "afd_engine_dead",
+                 "afd_micro_batches", "afd_ffn_layer_compute_seconds_total", "afd_ffn_layer_idle_seconds_total",
+                 "afd_zero_expert_tokens_total"):
         assert name in used, f"no dashboard panel queries {name}"
-    ids = [p["id"] for p in dash["panels"]]
+    ids = [p["id"] for p in all_panels(dash)]
     assert len(ids) == len(set(ids))
+
+
+def all_panels(dash: dict) -> list[dict]:
+    """Every panel, rows' nested panels included."""
+    out = []
+
+    def walk(panels):
+        for p in panels:
+            out.append(p)
+            walk(p.get("panels", []))
+
+    walk(dash["panels"])
+    return out
+
+
+def _exprs(panel: dict) -> list[str]:
+    return [t["expr"] for t in panel.get("targets", []) if t.get("expr")]
+
+
+def test_every_panel_has_a_title_a_unit_and_a_query():
+    for p in all_panels(json.loads(DASHBOARD.read_text())):
+        assert p.get("title"), f"panel {p['id']} has no title"
+        if p["type"] == "row":
+            continue
+        assert p["fieldConfig"]["defaults"].get("unit"), f"panel {p['title']!r} has no unit"
+        assert _exprs(p), f"panel {p['title']!r} has no query"
+
+
+def test_the_stat_row_comes_first():
+    panels = sorted(json.loads(DASHBOARD.read_text())["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"]))
+    assert panels[0]["type"] == "row" and panels[0]["gridPos"]["y"] == 0, "the dashboard starts with a row header"
+    stats = [p for p in panels if p["type"] == "stat"]
+    others = [p for p in panels[1:] if p["type"] != "stat"]
+    assert stats and max(p["gridPos"]["y"] for p in stats) < min(p["gridPos"]["y"] for p in others), \
+        "the stat panels are the first row, above everything else"
+    assert max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in stats) <= 8, "the stat row is above the fold"
+    queried = {n for p in stats for e in _exprs(p) for n in promql_metric_names(e)}
+    assert set(STAT_ROW_METRICS) <= queried, sorted(set(STAT_ROW_METRICS) - queried)
+    by_metric = {n: p for p in stats for e in _exprs(p) for n in promql_metric_names(e)}
+    assert "lower is better" in by_metric["afd_ffn_wait_seconds_sum"]["title"]
+    state = by_metric["afd_cluster_state"]["fieldConfig"]["defaults"]["mappings"]
+    shown = {int(v): o["text"] for m in state for v, o in m["options"].items()}
+    assert shown == {v: k for k, v in pb.ClusterStatus.State.items()}, "every cluster state has its name"
+
+
+_TOKEN_RATE = re.compile(r"sum( by \(\w+\))? \(rate\(afd_\w*tokens_total\{[^}]*\}\[\$__rate_interval\]\)\)")
+
+
+def test_units_say_what_the_numbers_are():
+    """Token rates in tok/s, durations in seconds, shares (and seconds per second) as percentunit."""
+    for p in all_panels(json.loads(DASHBOARD.read_text())):
+        if p["type"] == "row":
+            continue
+        unit, exprs, title = p["fieldConfig"]["defaults"]["unit"], _exprs(p), p["title"]
+        if all(_TOKEN_RATE.fullmatch(e) for e in exprs):
+            assert unit == "suffix: tok/s", f"{title!r}: a token rate in {unit}"
+        if any("histogram_quantile" in e and "_seconds_bucket" in e for e in exprs):
+            assert unit == "s", f"{title!r}: a duration in {unit}"
+        if "share" in title.lower() or any(re.search(r"rate\(afd_\w*seconds_(sum|total)\b", e) and
+                                          "_count" not in e for e in exprs):
+            assert unit == "percentunit", f"{title!r}: a share in {unit}"
+
+
+def test_expert_and_layer_panels():
+    panels = {p["title"]: p for p in all_panels(json.loads(DASHBOARD.read_text()))}
+    heat = [p for p in panels.values() if p["type"] == "heatmap"]
+    assert len(heat) == 1 and "afd_expert_tokens_total" in _exprs(heat[0])[0] and "by (expert)" in _exprs(heat[0])[0]
+    # Grafana's `heatmap` format would de-accumulate the series as histogram buckets: per-expert rates
+    # are plain series, one row each.
+    assert all(t.get("format", "time_series") == "time_series" for t in heat[0]["targets"])
+    assert heat[0]["options"]["calculate"] is False
+    imbalance = next(p for t, p in panels.items() if "imbalance" in t.lower())
+    assert re.fullmatch(r"max\((.+)\) / avg\(\1\)", _exprs(imbalance)[0]), "max / mean of the per-expert rate"
+    zero = next(p for t, p in panels.items() if "zero-compute" in t.lower())
+    assert "afd_zero_expert_tokens_total" in _exprs(zero)[0] and "afd_expert_tokens_total" in _exprs(zero)[0]
+    layer = next(p for t, p in panels.items() if "per layer" in t.lower())
+    for name in ("afd_ffn_layer_compute_seconds_total", "afd_ffn_layer_idle_seconds_total"):
+        assert any(name in e and "by (layer)" in e for e in _exprs(layer)), name
+
+
+# ---- the metrics behind the dashboard move as they should ------------------------------------------
+
+
+class _SlowPlane:
+    """One attention peer's scripted step headers; every wait takes `wait_s`, as a peer still busy would."""
+
+    generation = 0
+
+    def __init__(self, headers: list, wait_s: float):
+        self.headers, self.wait_s = list(headers), wait_s
+
+    def irecv(self, tensor, peer):
+        if tensor.dtype == torch.int64:  # a step header (MoE inputs are float): the next one in the script
+            tensor.copy_(self.headers.pop(0).encode())
+
+    def isend(self, tensor, peer):
+        pass
+
+    def wait(self, work, peer, what):
+        time.sleep(self.wait_s)
+
+
+class _SlowFFN:
+    """An FFN half whose every layer computes for `compute_s`."""
+
+    def __init__(self, layers: int, compute_s: float):
+        self.cfg = argparse.Namespace(hidden_size=4, num_layers=layers)
+        self.layers = [argparse.Namespace(experts=argparse.Namespace(last_counts=[1, 0])) for _ in range(layers)]
+        self.compute_s = compute_s
+
+    def __call__(self, backend, layer, x):
+        time.sleep(self.compute_s)
+        return x.clone()
+
+
+def test_ffn_compute_and_idle_add_up_to_the_serving_loop_wall_time():
+    from afd.backend import get_backend
+    from afd.dataplane.protocol import FLAG_IDLE, FLAG_LEAVE, StepHeader
+    from ffn_node.server import FFNServer, ServeEnd
+
+    script = [StepHeader(0, (3, 2)), StepHeader(1, (1, 1)), StepHeader(2, (), FLAG_IDLE), StepHeader(2, (2,)),
+              StepHeader(3, (), FLAG_LEAVE)]
+    metrics = FFNMetrics("ffn0", "m", 0, 2, num_layers=3)
+    server = FFNServer(_SlowFFN(3, 0.004), get_backend("cpu"), _SlowPlane(script, 0.002), [0], torch.float32,
+                       metrics=metrics)
+    t0 = time.perf_counter()
+    assert server.serve() is ServeEnd.LEFT
+    wall = time.perf_counter() - t0
+    got = samples(metrics.render().decode())
+    compute, idle = total(got, "afd_ffn_compute_seconds_sum"), total(got, "afd_ffn_idle_seconds_sum")
+    assert compute + idle == pytest.approx(wall, rel=0.02), "sends, bookkeeping and header waits are idle too"
+    assert (compute, idle) == pytest.approx((server.timers.total("compute"), server.timers.total("idle")))
+    layer_compute = {dict(k)["layer"]: v for k, v in got["afd_ffn_layer_compute_seconds_total"].items()}
+    layer_idle = {dict(k)["layer"]: v for k, v in got["afd_ffn_layer_idle_seconds_total"].items()}
+    assert sorted(layer_compute) == sorted(layer_idle) == ["0", "1", "2"]
+    assert sum(layer_compute.values()) == pytest.approx(compute)
+    assert all(v >= 5 * 0.004 for v in layer_compute.values())  # 5 micro-batches computed per layer
+    assert all(v >= 5 * 0.002 for v in layer_idle.values())  # each waited for its inputs
+    # The rest of idle is between steps: 5 header waits, an idle ack, each step's sends (15 in all).
+    assert idle - sum(layer_idle.values()) >= 21 * 0.002
+
+
+def test_cluster_state_gauge_reads_the_nodes_view_at_scrape_time():
+    view = {"state": pb.ClusterStatus.READY}
+    metrics = FFNMetrics("ffn0", "m", 0, 1, num_layers=1)
+    metrics.watch_cluster_state(lambda: view["state"])
+    assert total(metrics.render().decode(), "afd_cluster_state") == pb.ClusterStatus.READY
+    view["state"] = pb.ClusterStatus.DEGRADED
+    assert total(metrics.render().decode(), "afd_cluster_state") == pb.ClusterStatus.DEGRADED
+
+
+def _demo_ffn(lo: int = 0, hi: int | None = None, serves_zero: bool = True):
+    from afd.model.longcat_flash.ffn import FFNHalf
+    from afd.model.registry import config_from_hf
+
+    cfg = config_from_hf(DEMO_CONFIG)
+    torch.manual_seed(0)
+    ffn = FFNHalf(cfg, lo, hi, serves_zero)
+    for p in ffn.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    return cfg, ffn
+
+
+def test_zero_expert_tokens_count_identity_assignments():
+    from afd.backend import get_backend
+
+    cfg, ffn = _demo_ffn()
+    metrics = FFNMetrics("ffn0", "m", 0, cfg.n_routed_experts, cfg.num_layers)
+    metrics.count_zero_experts(layer.experts for layer in ffn.layers)
+    want, T = 0, 32
+    with torch.inference_mode():
+        for layer in range(cfg.num_layers):
+            x = torch.randn(T, cfg.hidden_size)
+            ffn(get_backend("cpu"), layer, x)
+            metrics.add_expert_tokens(ffn.layers[layer].experts.last_counts)
+            want += int((ffn.layers[layer].router(x)[1] >= cfg.n_routed_experts).sum())
+    got = samples(metrics.render().decode())
+    assert total(got, "afd_zero_expert_tokens_total") == want > 0
+    assert want + total(got, "afd_expert_tokens_total") == T * cfg.moe_topk * cfg.num_layers  # every slot
+    # An FFN node that does not apply identity experts counts none: the cluster's sum is not doubled.
+    _, other = _demo_ffn(0, 8, serves_zero=False)
+    metrics = FFNMetrics("ffn1", "m", 0, 8, cfg.num_layers)
+    metrics.count_zero_experts(layer.experts for layer in other.layers)
+    with torch.inference_mode():
+        other(get_backend("cpu"), 0, torch.randn(T, cfg.hidden_size))
+    assert total(metrics.render().decode(), "afd_zero_expert_tokens_total") == 0
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    import afd
+
+    return afd.LLM(tiny_checkpoint)
+
+
+def _job(llm, moe=None, micro_batches: int = 1):
+    from hf_reference import PROMPTS
+
+    from afd.dataplane.exchange import LocalMoE
+    from afd.engine import offline
+
+    engine = offline.job_engine(llm.attn, moe or LocalMoE(llm.ffn, llm.backend), PROMPTS, [6] * len(PROMPTS),
+                                torch.float32, llm.backend.device, micro_batches=micro_batches)
+    engine.metrics = AttentionMetrics("attn0", "m")
+    return engine, PROMPTS
+
+
+def _add(engine, prompts) -> None:
+    from afd.engine.request import Request
+    from afd.engine.sampling import SamplingParams
+
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(str(i), p, SamplingParams(), 6, lambda out: None))
+
+
+def test_micro_batch_gauge_is_what_each_step_ran_with(llm):
+    engine, prompts = _job(llm, micro_batches=0)  # 0: MicroBatchTuner decides
+    tuner = engine.runner.tuner
+    for _ in range(tuner.warmup):  # decode steps that waited half the time: the tuner tries a split next
+        tuner.observe(1.0, 0.5, True, len(prompts))
+    _add(engine, prompts)
+    seen = []
+    while engine.has_unfinished():
+        chosen = engine.runner.micro_batches
+        assert engine.step() is not None
+        assert engine.metrics.micro_batches._value.get() == chosen
+        seen.append(chosen)
+    assert max(seen) > 1, "the tuner's split reached the gauge"
+
+
+def test_engine_dead_gauge_is_set_when_the_engine_dies(llm):
+    from afd.dataplane.exchange import LocalMoE
+    from afd.dataplane.transport import PeerError
+
+    class Gone(LocalMoE):
+        def submit(self, layer, micro_batch, m):
+            raise PeerError("rank 1 is gone", 1)
+
+    engine, prompts = _job(llm, Gone(llm.ffn, llm.backend))
+    dead = engine.metrics.engine_dead
+    assert dead._value.get() == 0
+    engine.start()
+    try:
+        _add(engine, prompts[:1])
+        _wait("afd_engine_dead == 1", lambda: dead._value.get() == 1, 10)
+        assert engine.dead and "rank 1 is gone" in engine.dead
+    finally:
+        engine.stop()
 
 
 # ---- a real Prometheus scraping a real cluster ---------------------------------------------------
@@ -294,12 +570,46 @@ def _fill(expr: str) -> str:
     return expr.replace("$__rate_interval", "1m").replace("$model_name", ".*").replace("$node", ".*")
 
 
+def _scrape_at(url: str) -> tuple[float, dict]:
+    """(when, samples) of a node's /metrics; `when` is the middle of the request."""
+    t0 = time.monotonic()
+    code, body = get(url, "/metrics")
+    assert code == 200
+    return (t0 + time.monotonic()) / 2, samples(body.decode())
+
+
+def _check_node_metrics(attn_url: str, ffn_url: str, ffn_before: tuple[float, dict]) -> None:
+    """The new metrics of a live 1A1F demo cluster (2 micro-batches), read from the nodes themselves
+    once the load is over."""
+    t1, ffn = _scrape_at(ffn_url)
+    _, attn = _scrape_at(attn_url)
+    t0, before = ffn_before
+    busy = ["afd_ffn_compute_seconds_sum", "afd_ffn_idle_seconds_sum"]
+    covered = sum(total(ffn, n) - total(before, n) for n in busy) / (t1 - t0)
+    assert 0.9 <= covered <= 1.1, f"FFN compute + idle covered {covered:.0%} of the wall time"
+    per_layer = {dict(k)["layer"]: v for k, v in ffn["afd_ffn_layer_compute_seconds_total"].items()}
+    assert sorted(per_layer, key=int) == [str(i) for i in range(DEMO_CONFIG["num_layers"])]
+    assert all(v > 0 for v in per_layer.values())
+    assert sum(per_layer.values()) == pytest.approx(total(ffn, "afd_ffn_compute_seconds_sum"))
+    assert len(ffn["afd_ffn_layer_idle_seconds_total"]) == DEMO_CONFIG["num_layers"]
+    # Every routing slot of every token and layer went to a routed expert or an identity one.
+    zero = total(ffn, "afd_zero_expert_tokens_total")
+    assert zero > 0
+    slots = total(ffn, "afd_ffn_tokens_total") * DEMO_CONFIG["moe_topk"]
+    assert zero + total(ffn, "afd_expert_tokens_total") == slots
+    for got in (attn, ffn):
+        assert total(got, "afd_cluster_state") == pb.ClusterStatus.READY
+    assert total(attn, "afd_micro_batches") == 2
+    assert total(attn, "afd_engine_dead") == 0
+
+
 @pytest.mark.multiprocess
 def test_prometheus_scrapes_a_cluster(tmp_path):
     prometheus = shutil.which("prometheus")
     if prometheus is None:
         skip_unless_ci_installs(PROMETHEUS_MISSING)
-    path = cluster_yaml(tmp_path, "demo", name="obs")
+    # Two fixed micro-batches: the runner's choice, which afd_micro_batches must show.
+    path = cluster_yaml(tmp_path, "demo", name="obs", layout={"micro_batches": 2})
     cfg = load(str(path))
     prom_yml = tmp_path / "prometheus.yml"
     prom_yml.write_text(render(cfg, scrape_interval="1s"))
@@ -317,6 +627,8 @@ def test_prometheus_scrapes_a_cluster(tmp_path):
                                     stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         cluster.wait_ready()
         url = cluster.url()
+        ffn_url = f"http://127.0.0.1:{cluster.node('ffn0')['ports']['metrics']}"
+        ffn_before = _scrape_at(ffn_url)
         with ThreadPoolExecutor(4) as pool:
             completion_tokens = sum(pool.map(lambda i: _complete(url, i), range(10)))
         assert completion_tokens > 0
@@ -371,6 +683,7 @@ def test_prometheus_scrapes_a_cluster(tmp_path):
         assert float(tokens[0]["value"][1]) > 0
         experts = _query(base, "sum(afd_expert_tokens_total)")
         assert float(experts[0]["value"][1]) > 0
+        _check_node_metrics(url, ffn_url, ffn_before)
     finally:
         if prom is not None and prom.poll() is None:
             prom.terminate()

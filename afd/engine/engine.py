@@ -216,6 +216,7 @@ class Engine:
             m.step(stats.phase).observe(stats.seconds)
             m.ffn_wait.observe(stats.ffn_wait)
             m.a2f_bytes.inc(stats.a2f_bytes)
+            m.micro_batches.set(self.runner.last_micro_batches)
         return logits, stats
 
     def _update(self, batch: list[tuple[Request, int]], logits: torch.Tensor) -> None:
@@ -266,6 +267,7 @@ class Engine:
             self.metrics.running.set(len(s.running))
             self.metrics.waiting.set(len(s.waiting))
             self.metrics.kv_usage.set(s.kv.usage())
+            self.metrics.engine_dead.set(self.dead is not None)
             self.metrics.preemptions.inc(s.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = s.num_preemptions
 

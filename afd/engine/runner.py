@@ -61,6 +61,8 @@ class ModelRunner:
         self.overlap = overlap
         self.tuner = MicroBatchTuner() if micro_batches == 0 and overlap else None
         self._fixed_micro_batches = max(1, micro_batches)
+        self.last_micro_batches = 0
+        """What the last step ran with (afd_micro_batches): the tuner may choose anew right after it."""
 
     @property
     def micro_batches(self) -> int:
@@ -70,8 +72,9 @@ class ModelRunner:
     def execute(self, seqs: list[StepSeq]) -> torch.Tensor:
         """Runs the step; returns fp32 logits of each sequence's last new token, [B, V]."""
         t0, wait0 = time.perf_counter(), self.moe.timers.total("ffn_wait")
+        self.last_micro_batches = self.micro_batches
         mbs = [self._prepare(i, rows, seqs)
-               for i, rows in enumerate(split_micro_batches(seqs, self.micro_batches))]
+               for i, rows in enumerate(split_micro_batches(seqs, self.last_micro_batches))]
         self.moe.begin_step([mb.meta.num_tokens for mb in mbs])
         L = self.attn.cfg.num_layers
         live = [mb for mb in mbs if mb.rows]  # an empty micro-batch sends nothing

@@ -1,6 +1,7 @@
 """Prometheus metrics of both roles. Labels are bounded: role, node, model_name (and finished_reason,
-phase, expert where a metric needs them). Names use the afd_ prefix and base units; request-level
-histograms use vLLM's bucket sets, per-layer and per-step timings microsecond-to-second buckets."""
+phase, expert, layer where a metric needs them). Names use the afd_ prefix and base units; request-level
+histograms use vLLM's bucket sets, per-layer and per-step timings microsecond-to-second buckets.
+What the hot path counts per layer or per expert is kept in plain lists and exported at scrape time."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -19,6 +20,8 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 FINE_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
                 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 BASE_LABELS = ("role", "node", "model_name")
+CLUSTER_STATE_DOC = ("Cluster state as this node last heard it (ClusterStatus.State): 0 STARTING, 1 READY, "
+                     "2 DEGRADED, 3 DRAINING, 4 SHUTDOWN, 5 FAILED.")
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -36,6 +39,19 @@ class _Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def watch_cluster_state(self, state) -> None:
+        """afd_cluster_state: `state()` (ClusterStatus.State as this node last heard it from the
+        coordinator), read at scrape time so that the gauge is never staler than the node's own view."""
+        def collect():
+            fam = GaugeMetricFamily("afd_cluster_state", CLUSTER_STATE_DOC, labels=BASE_LABELS)
+            fam.add_metric(self._values(), state())
+            yield fam
+
+        self.registry.register(_Collector(collect))
+
+    def _values(self, *extra: str) -> list[str]:
+        return [*(self._base[k] for k in BASE_LABELS), *extra]
 
 
 class AttentionMetrics(_Metrics):
@@ -61,6 +77,9 @@ class AttentionMetrics(_Metrics):
                                    "Per step, time blocked waiting for FFN results (exchange not hidden).",
                                    buckets=FINE_BUCKETS)
         self.a2f_bytes = self._make(c, "afd_a2f_bytes", "Bytes of hidden states sent to FFN nodes.")
+        self.micro_batches = self._make(g, "afd_micro_batches",
+                                        "Micro-batches the last step ran with (fixed, or MicroBatchTuner's choice).")
+        self.engine_dead = self._make(g, "afd_engine_dead", "1 once the engine stopped for good (/health is 503).")
         for reason in ("stop", "length", "abort"):  # exported at 0 before the first request, so
             self.labels(self._success, finished_reason=reason)  # dashboards show 0, not "no data"
         for phase in ("prefill", "decode", "mixed"):
@@ -74,36 +93,67 @@ class AttentionMetrics(_Metrics):
 
 
 class FFNMetrics(_Metrics):
-    def __init__(self, node: str, model_name: str, expert_lo: int, expert_hi: int):
+    def __init__(self, node: str, model_name: str, expert_lo: int, expert_hi: int, num_layers: int):
         super().__init__("ffn", node, model_name)
         self.compute = self._make(Histogram, "afd_ffn_compute_seconds",
                                   "Router + experts time per layer and micro-batch.", buckets=FINE_BUCKETS)
         self.idle = self._make(Histogram, "afd_ffn_idle_seconds",
-                               "Time waiting for attention nodes per layer and micro-batch.", buckets=FINE_BUCKETS)
+                               "Serving-loop time outside compute, per gap: before a layer's compute (waiting "
+                               "for its inputs) and between steps; compute + idle = the loop's wall time.",
+                               buckets=FINE_BUCKETS)
         self.tokens = self._make(Counter, "afd_ffn_tokens", "Tokens through this node's MoE layers.")
         self.prefetch_bytes = self._make(Counter, "afd_prefetch_bytes", "Expert weight bytes prefetched.")
         self.expert_counts = [0] * (expert_hi - expert_lo)
         self._lo = expert_lo
-        self.registry.register(_ExpertCollector(self))
+        # Seconds per layer: a bounded label (a model has a few dozen layers), kept in plain lists since
+        # a labelled Prometheus child costs a lock and a dict lookup per observation on the hot path.
+        self.layer_compute = [0.0] * num_layers
+        self.layer_idle = [0.0] * num_layers
+        self.zero_tokens = 0
+        """Token assignments to identity experts: a device tensor once counted, read at scrape time."""
+        self.registry.register(_Collector(self._collect))
 
     def add_expert_tokens(self, sizes: list[int]) -> None:
         for i, n in enumerate(sizes):
             self.expert_counts[i] += n
 
+    def count_zero_experts(self, experts) -> None:
+        """Counts identity-expert assignments on the expert holders (afd.model.experts.Experts) that apply
+        them: one FFN node does, so the cluster's sum is not multiplied by the number of FFN nodes (every
+        FFN node routes every token). The count stays on the device: no host sync on the hot path."""
+        for e in experts:
+            if e.serves_zero:
+                e.register_forward_hook(self._add_zero)
 
-class _ExpertCollector:
-    """afd_expert_tokens_total{expert}: counted in a plain list on the hot path, exported at scrape."""
+    def _add_zero(self, module, args, out) -> None:
+        ids = args[-1]  # forward(backend, x, weights, ids): ids [T, K], routed experts first, then identity
+        self.zero_tokens = self.zero_tokens + (ids >= module.n_routed).sum()
 
-    def __init__(self, m: FFNMetrics):
-        self.m = m
+    def _collect(self):
+        experts = CounterMetricFamily("afd_expert_tokens", "Token-expert assignments per routed expert.",
+                                      labels=(*BASE_LABELS, "expert"))
+        for i, n in enumerate(self.expert_counts):
+            experts.add_metric(self._values(str(self._lo + i)), n)
+        yield experts
+        zero = CounterMetricFamily("afd_zero_expert_tokens", "Token assignments to zero-computation (identity) "
+                                   "experts; 0 on FFN nodes that do not apply them.", labels=BASE_LABELS)
+        zero.add_metric(self._values(), int(self.zero_tokens))
+        yield zero
+        for name, values, doc in (
+                ("afd_ffn_layer_compute_seconds", self.layer_compute, "Router + experts time per layer."),
+                ("afd_ffn_layer_idle_seconds", self.layer_idle, "Time before each layer's compute (waiting for "
+                 "its inputs) per layer; the rest of afd_ffn_idle_seconds is spent between steps.")):
+            fam = CounterMetricFamily(name, doc, labels=(*BASE_LABELS, "layer"))
+            for layer, v in enumerate(values):
+                fam.add_metric(self._values(str(layer)), v)
+            yield fam
 
-    def collect(self):
-        fam = CounterMetricFamily("afd_expert_tokens", "Token-expert assignments per routed expert.",
-                                  labels=(*BASE_LABELS, "expert"))
-        base = [self.m._base[k] for k in BASE_LABELS]
-        for i, n in enumerate(self.m.expert_counts):
-            fam.add_metric([*base, str(self.m._lo + i)], n)
-        yield fam
+
+class _Collector:
+    """Exports the metric families `collect` builds at scrape time from plain values."""
+
+    def __init__(self, collect):
+        self.collect = collect
 
 
 def serve_metrics(host: str, port: int, metrics: _Metrics, healthy) -> ThreadingHTTPServer:
