@@ -42,7 +42,7 @@ def run_offline(cfg, args) -> int:
                                     cfg.engine.block_size, cfg.layout.micro_batches, cfg.layout.overlap)
         steps: list[dict] = []
         out = offline.generate(engine, prompts, per, params, spec.get("ignore_eos", False),
-                               on_step=lambda s: steps.append(s.report()))
+                               on_step=lambda s: steps.append(s.report()), progress=True)
         moe.leave()
         with open(args.output_file, "w") as f:
             json.dump({"outputs": out, "steps": steps, "a2f_bytes": moe.bytes_sent,

@@ -35,7 +35,7 @@ def sharded(tmp_path_factory) -> str:
 
 def test_sharded_checkpoint_matches_single_file(sharded, tiny_checkpoint):
     assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
-    assert afd.LLM(sharded).generate(PROMPTS, 8) == afd.LLM(tiny_checkpoint).generate(PROMPTS, 8)
+    assert afd.LLM(sharded).generate_ids(PROMPTS, 8) == afd.LLM(tiny_checkpoint).generate_ids(PROMPTS, 8)
 
 
 def test_each_role_reads_only_its_tensors(tiny_checkpoint):
@@ -130,5 +130,5 @@ def test_demo_checkpoint_loads_like_dummy_weights(tmp_path):
     cfg = {**DEMO_CONFIG, "num_layers": 1, "vocab_size": 64}
     path = write_checkpoint(str(tmp_path / "demo"), cfg, seed=3)
     prompts = [[1, 2, 3], [4, 5]]
-    from_disk = afd.LLM(path).generate(prompts, 6, ignore_eos=True)
-    assert from_disk == afd.LLM(path, dummy_weights=True, seed=3).generate(prompts, 6, ignore_eos=True)
+    from_disk = afd.LLM(path).generate_ids(prompts, 6, ignore_eos=True)
+    assert from_disk == afd.LLM(path, dummy_weights=True, seed=3).generate_ids(prompts, 6, ignore_eos=True)

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_colocated_generation_on_cuda_equals_cpu(tiny_checkpoint):
-    ref = afd.LLM(tiny_checkpoint).generate(PROMPTS, 16)
-    assert afd.LLM(tiny_checkpoint, device="cuda").generate(PROMPTS, 16) == ref
+    ref = afd.LLM(tiny_checkpoint).generate_ids(PROMPTS, 16)
+    assert afd.LLM(tiny_checkpoint, device="cuda").generate_ids(PROMPTS, 16) == ref
 
 
 def test_cuda_backend_streams_and_events():

@@ -34,18 +34,18 @@ def reference(tiny_checkpoint):
 def test_afd_generation_equals_hf(tiny_checkpoint, reference, A, F, overlap, micro_batches):
     llm = afd.LLM(tiny_checkpoint, attention_nodes=A, ffn_nodes=F, overlap=overlap,
                   micro_batches=micro_batches, block_size=4)
-    assert llm.generate(PROMPTS, NEW_TOKENS) == reference
+    assert llm.generate_ids(PROMPTS, NEW_TOKENS) == reference
 
 
 def test_multiprocess_sampling_honours_seed_top_k_and_top_p(tiny_checkpoint, reference):
     """Sampling runs in the attention nodes' engines, with every field of the request."""
     seeded = dict(temperature=1.0, seed=7)
-    local = afd.LLM(tiny_checkpoint).generate(PROMPTS, 12, **seeded)
+    local = afd.LLM(tiny_checkpoint).generate_ids(PROMPTS, 12, **seeded)
     assert local != [ids[:12] for ids in reference]  # really sampled
     nodes = afd.LLM(tiny_checkpoint, attention_nodes=2, ffn_nodes=1)
-    assert nodes.generate(PROMPTS, 12, **seeded) == local  # the seed, wherever each prompt ran
-    assert nodes.generate(PROMPTS, NEW_TOKENS, temperature=1.0, top_k=1) == reference
-    assert nodes.generate(PROMPTS, NEW_TOKENS, temperature=5.0, top_p=1e-4) == reference
+    assert nodes.generate_ids(PROMPTS, 12, **seeded) == local  # the seed, wherever each prompt ran
+    assert nodes.generate_ids(PROMPTS, NEW_TOKENS, temperature=1.0, top_k=1) == reference
+    assert nodes.generate_ids(PROMPTS, NEW_TOKENS, temperature=5.0, top_p=1e-4) == reference
 
 
 def test_generate_cli_multiprocess_prints_same_json(tiny_checkpoint, reference, tmp_path):

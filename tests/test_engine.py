@@ -46,7 +46,7 @@ def test_a_request_failing_in_sampling_fails_alone(llm):
     last = outs["bad"][-1]
     assert last.finished and last.error_code == 500 and "Overflow" in last.error
     good = [t for o in outs["good"] for t in o.new_token_ids]
-    assert good == llm.generate([PROMPTS[1]], 8)[0]
+    assert good == llm.generate_ids([PROMPTS[1]], 8)[0]
 
 
 def test_gauges_return_to_zero_after_aborts(llm):
@@ -123,4 +123,4 @@ def test_a_superseded_generation_is_left_at_a_step_boundary_and_nothing_is_lost(
         time.sleep(0.01)
     engine.stop()
     assert old.left == ["reform"] and len(state["rejoined"]) == 1 and new.left == ["leave"]
-    assert [t for o in outs["0"] for t in o.new_token_ids] == llm.generate([PROMPTS[0]], 8)[0]
+    assert [t for o in outs["0"] for t in o.new_token_ids] == llm.generate_ids([PROMPTS[0]], 8)[0]

@@ -47,14 +47,14 @@ def test_grow_extends_table(tiny_checkpoint):
 @pytest.mark.parametrize("block_size", [1, 3, 16])
 def test_tokens_do_not_depend_on_block_size(tiny_checkpoint, block_size):
     # The longest prompt spans many blocks at sizes 1 and 3; 16 keeps short prompts inside one block.
-    ref = afd.LLM(tiny_checkpoint, block_size=64).generate(PROMPTS, 20)
-    assert afd.LLM(tiny_checkpoint, block_size=block_size).generate(PROMPTS, 20) == ref
+    ref = afd.LLM(tiny_checkpoint, block_size=64).generate_ids(PROMPTS, 20)
+    assert afd.LLM(tiny_checkpoint, block_size=block_size).generate_ids(PROMPTS, 20) == ref
 
 
 def test_sequences_ending_at_different_steps(tiny_checkpoint):
     llm = afd.LLM(tiny_checkpoint, block_size=4)
-    full = llm.generate(PROMPTS, 20, ignore_eos=True)
+    full = llm.generate_ids(PROMPTS, 20, ignore_eos=True)
     lens = [3, 20, 1, 9]
-    short = llm.generate(PROMPTS, lens, ignore_eos=True)
+    short = llm.generate_ids(PROMPTS, lens, ignore_eos=True)
     assert [len(s) for s in short] == lens
     assert all(s == f[: len(s)] for s, f in zip(short, full))

@@ -19,7 +19,7 @@ def test_greedy_tokens_and_logits_match_hf(tiny_checkpoints, name):
     path = tiny_checkpoints[name]
     ref = hf_greedy(path, PROMPTS, NEW_TOKENS)
     logits: list = []
-    ours = afd.LLM(path, dtype="float32", block_size=4).generate(PROMPTS, NEW_TOKENS, logits_out=logits)
+    ours = afd.LLM(path, dtype="float32", block_size=4).generate_ids(PROMPTS, NEW_TOKENS, logits_out=logits)
     for i, (ref_ids, ref_logits) in enumerate(ref):
         assert ours[i] == ref_ids, f"prompt {i}"
         assert max_rel_err(logits[i], ref_logits) <= 1e-4
@@ -38,5 +38,5 @@ def test_generate_cli_colocated_matches_hf(tiny_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("micro_batches", [2, 3])
 def test_micro_batches_do_not_change_tokens(tiny_checkpoint, micro_batches):
-    ref = afd.LLM(tiny_checkpoint).generate(PROMPTS, 12)
-    assert afd.LLM(tiny_checkpoint, micro_batches=micro_batches).generate(PROMPTS, 12) == ref
+    ref = afd.LLM(tiny_checkpoint).generate_ids(PROMPTS, 12)
+    assert afd.LLM(tiny_checkpoint, micro_batches=micro_batches).generate_ids(PROMPTS, 12) == ref

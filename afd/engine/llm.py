@@ -3,21 +3,45 @@ across AFD node processes on this machine."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from afd.backend import get_backend
 from afd.cluster.local import LocalClusterSpec, run_generate
+from afd.cluster.topology import resolve_model_path
 from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
 from afd.engine.sampling import SamplingParams
+from afd.engine.tokenizer import load_tokenizer
 from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
 from afd.model.config import parse_dtype
 from afd.model.registry import load_config
 
 
+@dataclass
+class CompletionOutput:
+    """One generated sequence, as vLLM's `CompletionOutput` has it."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    """"stop" (an EOS token, kept as the last id) or "length" (max_tokens reached)."""
+
+
+@dataclass
+class GenerateOutput:
+    """One prompt's result, as vLLM's `RequestOutput` has it: `outputs[0].text`, `outputs[0].token_ids`."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+
 class LLM:
     """Offline generation.
 
-    model: an HF checkpoint directory of a supported family. With `dummy_weights`, only its config.json
-    is read and the weights are seeded random.
+    model: an HF checkpoint directory of a supported family, or `demo`. With `dummy_weights`, only its
+    config.json is read and the weights are seeded random.
     """
 
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", dummy_weights: bool = False,
@@ -26,7 +50,11 @@ class LLM:
                  micro_batches: int = 1):
         """Colocated unless attention_nodes or ffn_nodes is given (or colocated=False): then every
         generate() call runs that many node processes on this machine (afd.cluster.local)."""
+        if colocated and (attention_nodes or ffn_nodes):
+            raise ValueError("colocated runs both halves in this process; it takes no attention_nodes or ffn_nodes")
+        model = resolve_model_path(model)
         self.cfg = load_config(model)
+        self.tokenizer = load_tokenizer(model)
         self.dtype = parse_dtype(dtype)
         self.block_size = block_size
         self.overlap, self.micro_batches = overlap, micro_batches
@@ -45,9 +73,22 @@ class LLM:
         self.attn = build_attention_half(self.cfg, reader, self.dtype, dev)
         self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev)
 
-    def generate(self, prompt_token_ids: list[list[int]], max_tokens: int | list[int],
+    def generate(self, prompts: str | list[str] | list[int] | list[list[int]], max_tokens: int | list[int] = 16,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 ignore_eos: bool = False, logits_out: list | None = None) -> list[list[int]]:
+                 ignore_eos: bool = False, use_tqdm: bool = True) -> list[GenerateOutput]:
+        """Text or token ids in (one prompt or a list); per prompt, the generated text and ids out."""
+        texts, ids = self._prompt_ids(prompts)
+        out = self.generate_ids(ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, progress=use_tqdm)
+        per = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids)
+        eos = set(self.tokenizer.eos_token_ids if self.tokenizer and self.tokenizer.eos_token_ids
+                  else self.cfg.eos_token_ids)
+        return [GenerateOutput(t, p, [CompletionOutput(0, self._decode(g), g, _finish(g, n, eos, ignore_eos))])
+                for t, p, g, n in zip(texts, ids, out, per)]
+
+    def generate_ids(self, prompt_token_ids: list[list[int]], max_tokens: int | list[int],
+                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                     ignore_eos: bool = False, logits_out: list | None = None,
+                     progress: bool = False) -> list[list[int]]:
         """Generated token ids per prompt. `logits_out`, if given, receives each step's fp32 logits.
         A `seed` seeds every prompt's sampling alike, wherever the prompt runs."""
         per = offline.validate_prompts(self.cfg, prompt_token_ids, max_tokens)
@@ -58,4 +99,28 @@ class LLM:
             return run_generate(self.cluster, prompt_token_ids, per, params, ignore_eos)[0]
         engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompt_token_ids, per, self.dtype,
                                     self.backend.device, self.block_size, self.micro_batches, self.overlap)
-        return offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out)
+        return offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out, progress=progress)
+
+    def _prompt_ids(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not isinstance(prompts, list) or not prompts:
+            raise ValueError("prompts: a string, a list of token ids, or a non-empty list of either")
+        texts, ids = [], []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("this model has no tokenizer.json: give prompts as token ids")
+                texts.append(p)
+                ids.append(self.tokenizer.encode(p))
+            else:
+                texts.append(None)
+                ids.append(p)
+        return texts, ids
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+
+def _finish(ids: list[int], max_tokens: int, eos: set[int], ignore_eos: bool) -> str:
+    return "stop" if not ignore_eos and ids and ids[-1] in eos and len(ids) <= max_tokens else "length"

@@ -21,6 +21,7 @@ from afd.engine.runner import ModelRunner
 from afd.engine.sampling import SamplingParams
 from afd.engine.scheduler import Scheduler
 from afd.model.config import ModelConfig
+from afd.model.progress import Progress
 
 
 def validate_prompts(cfg: ModelConfig, prompts, max_tokens) -> list[int]:
@@ -59,9 +60,10 @@ def job_engine(attn, moe: MoEExchange, prompts: list[list[int]], max_tokens: lis
 
 def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], params: SamplingParams,
              ignore_eos: bool = False, logits_out: list | None = None,
-             on_step: Callable[[StepStats], None] | None = None) -> list[list[int]]:
+             on_step: Callable[[StepStats], None] | None = None, progress: bool = False) -> list[list[int]]:
     """Generated ids per prompt (an EOS token, when hit, is the last one kept). `logits_out`, if
-    given, receives each prompt's list of per-step fp32 logits."""
+    given, receives each prompt's list of per-step fp32 logits. `progress`: a bar on a terminal,
+    periodic lines in a log, counting prompts done."""
     outputs: list[list[int]] = [[] for _ in prompts]
     errors: list[str] = []
 
@@ -77,13 +79,16 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], pa
             for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     for req in reqs:
         engine.add_request(req)
-    while engine.has_unfinished():
-        stats = engine.step()
-        if stats is None:
-            raise RuntimeError("the engine could schedule none of the unfinished requests "
-                               "(the KV cache is too small for them)")
-        if on_step is not None:
-            on_step(stats)
+    with Progress(len(reqs), "generating", "prompts", enabled=progress) as bar:
+        while engine.has_unfinished():
+            stats = engine.step()
+            if stats is None:
+                raise RuntimeError("the engine could schedule none of the unfinished requests "
+                                   "(the KV cache is too small for them)")
+            if on_step is not None:
+                on_step(stats)
+            finished = len(reqs) - engine.num_unfinished()
+            bar.update(finished - bar.done)
     if errors:
         raise RuntimeError("; ".join(errors))
     if logits_out is not None:

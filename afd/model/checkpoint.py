@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from afd.model.config import ModelConfig
+from afd.model.progress import Progress
 from afd.model.registry import family_module
 
 _PROGRESS_MIN_BYTES = 512 << 20
@@ -125,8 +125,8 @@ class Weight:
 
 
 def _load(weights: list[Weight], reader: Reader, desc: str) -> None:
-    with tqdm(total=len(weights), desc=desc, unit="tensor",
-              disable=reader.total_bytes < _PROGRESS_MIN_BYTES) as bar:
+    with Progress(len(weights), desc, "tensors", enabled=reader.total_bytes >= _PROGRESS_MIN_BYTES,
+                  every_s=5.0) as bar:
         for w in weights:
             srcs = [reader.get(key, shape) for key, shape in w.sources]
             src = w.combine(*srcs) if w.combine is not None else srcs[0]

@@ -1,0 +1,46 @@
+"""`afd.LLM` as a vLLM user calls it: text or ids in, outputs with text and ids; progress of long work."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import afd
+from afd.model.progress import Progress
+
+
+@pytest.fixture(scope="module")
+def demo_llm():
+    return afd.LLM("demo")
+
+
+def test_generate_takes_text_and_returns_text_and_ids(demo_llm):
+    tok = demo_llm.tokenizer
+    out = demo_llm.generate(["Experts are", "Attention is"], max_tokens=6, ignore_eos=True)
+    assert [o.prompt for o in out] == ["Experts are", "Attention is"]
+    for o in out:
+        c = o.outputs[0]
+        assert o.prompt_token_ids == tok.encode(o.prompt)
+        assert c.token_ids == demo_llm.generate_ids([o.prompt_token_ids], 6, ignore_eos=True)[0]
+        assert c.text == tok.decode(c.token_ids) and c.finish_reason == "length" and len(c.token_ids) == 6
+
+
+def test_generate_takes_one_prompt_or_ids_and_defaults_to_16_tokens(demo_llm):
+    (one,) = demo_llm.generate("Experts are", ignore_eos=True)
+    (ids,) = demo_llm.generate([one.prompt_token_ids], ignore_eos=True)
+    assert ids.prompt is None and ids.outputs[0].token_ids == one.outputs[0].token_ids
+    assert len(one.outputs[0].token_ids) == 16
+
+
+def test_colocated_with_node_counts_is_refused():
+    with pytest.raises(ValueError, match="colocated runs both halves"):
+        afd.LLM("demo", colocated=True, attention_nodes=2)
+
+
+def test_progress_writes_plain_lines_when_not_on_a_terminal(caplog):
+    with caplog.at_level(logging.INFO, logger="afd.progress"), Progress(4, "loading", "tensors", every_s=0) as p:
+        for _ in range(4):
+            p.update()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[-1].startswith("loading: 4/4 tensors (100%") and "\r" not in "".join(lines)
