@@ -6,10 +6,13 @@ import argparse
 import json
 import sys
 
+from afd.cluster.overrides import DefaultsHelpFormatter
+
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="offline generation from token ids (greedy by default)")
-    p.add_argument("--model", required=True, help="HF checkpoint directory")
+    p = sub.add_parser("generate", help="offline generation from token ids (greedy by default)",
+                       formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--model", required=True, help="HF checkpoint directory, or `demo`")
     p.add_argument("--prompt-ids", required=True, help="JSON file: a list of token-id lists")
     p.add_argument("--max-tokens", type=int, required=True)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -19,17 +22,19 @@ def _add_generate(sub) -> None:
     p.add_argument("--dummy-weights", action="store_true", help="seeded random weights; config.json only")
     p.add_argument("--seed", type=int, default=0, help="seed of --dummy-weights")
     p.add_argument("--colocated", action="store_true", help="both halves in this process (the reference)")
-    p.add_argument("--attention-nodes", type=int, default=1, help="attention node processes (default 1)")
-    p.add_argument("--ffn-nodes", type=int, default=1, help="FFN node processes (default 1)")
+    p.add_argument("--attention-nodes", type=int, default=1, help="attention node processes")
+    p.add_argument("--ffn-nodes", type=int, default=1, help="FFN node processes")
     p.add_argument("--no-overlap", action="store_true", help="wait for each MoE result at once (baseline)")
     p.add_argument("--micro-batches", type=int, default=0, choices=range(5), metavar="{0..4}",
-                   help="ping-pong micro-batches; 0 (default) chooses from measured times")
+                   help="ping-pong micro-batches; 0 chooses from measured times")
     p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args) -> int:
     from afd.engine.llm import LLM
 
+    if args.colocated and (args.attention_nodes != 1 or args.ffn_nodes != 1):
+        raise UserError("--colocated runs both halves in this process; it takes no --attention-nodes or --ffn-nodes")
     try:
         with open(args.prompt_ids) as f:
             prompts = json.load(f)
@@ -42,7 +47,8 @@ def _cmd_generate(args) -> int:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
                   seed=args.seed, attention_nodes=args.attention_nodes, ffn_nodes=args.ffn_nodes,
                   overlap=not args.no_overlap, micro_batches=args.micro_batches)
-    out = llm.generate(prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos)
+    out = llm.generate_ids(prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
+                           progress=True)
     print(json.dumps(out))
     return 0
 
@@ -183,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_drain(sub)
     from afd.bench import serve, step, suite
     from afd.cluster import launch
+    from afd.cluster import serve as serve_model
     from afd.observability import prometheus_config
 
-    for module in (launch, prometheus_config, serve, step, suite):
+    for module in (serve_model, launch, prometheus_config, serve, step, suite):
         module.add_parser(sub)
     args = parser.parse_args(argv)
     from afd.cluster.local import ClusterError  # light: no torch

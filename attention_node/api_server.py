@@ -20,10 +20,13 @@ from afd.engine.engine import Engine, EngineDead
 from afd.engine.tokenizer import Tokenizer
 from afd.observability.metrics import CONTENT_TYPE, AttentionMetrics
 from attention_node.openai_protocol import (
+    COMPLETION_MAX_TOKENS,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Limits,
+    TokenizeRequest,
     check_prompt,
     resolve_max_tokens,
     sampling_params,
@@ -117,8 +120,11 @@ def build_app(st: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = st.ready() and not st.draining and not st.engine.dead and not st.engine.paused
-        return Response(status_code=200 if ok else 503)
+        return Response(status_code=200 if _serving(st) else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():  # what SageMaker-style load balancers probe; the same answer as /health
+        return Response(status_code=200 if _serving(st) else 503)
 
     @app.get("/version")
     async def version():
@@ -133,7 +139,8 @@ def build_app(st: ServerState) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{
             "id": st.model_name, "object": "model", "created": int(time.time()), "owned_by": "afd",
-            "root": st.model_path, "parent": None, "max_model_len": st.limits.max_model_len}]}
+            "root": st.model_path, "parent": None, "max_model_len": st.limits.max_model_len,
+            "vocab_size": st.limits.vocab_size}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -157,6 +164,35 @@ def build_app(st: ServerState) -> FastAPI:
             return tok.encode(text, add_special_tokens=False)
 
         return await _serve(st, body, [await _tokenize(render, "messages")], request, chat=True)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        tok = _need_tokenizer(st, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "Send either `prompt` or `messages`.", "prompt")
+        if body.messages is not None:
+            msgs = [m.for_template(tok.chat_template or "") for m in body.messages]
+
+            def render() -> list[int]:
+                text = tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
+                return tok.encode(text, add_special_tokens=False)
+
+            ids = await _tokenize(render, "messages")
+        else:
+            ids = await _tokenize(lambda: tok.encode(body.prompt, body.add_special_tokens), "prompt")
+        out = {"count": len(ids), "max_model_len": st.limits.max_model_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = tok.token_strs(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        tok = _need_tokenizer(st, body.model)
+        bad = [t for t in body.tokens if not 0 <= t < st.limits.vocab_size]
+        if bad:
+            raise ApiError(400, f"Token id {bad[0]} is out of vocabulary (vocabulary size "
+                                f"{st.limits.vocab_size}).", "tokens")
+        return {"prompt": await _tokenize(lambda: tok.decode(body.tokens), "tokens")}
 
     return app
 
@@ -208,9 +244,24 @@ class _Guard:
             await JSONResponse(err.body(), status_code=500)(scope, receive, send)
 
 
-def _admit(st: ServerState, model: str | None) -> None:
+def _serving(st: ServerState) -> bool:
+    return st.ready() and not st.draining and not st.engine.dead and not st.engine.paused
+
+
+def _check_model(st: ServerState, model: str | None) -> None:
     if model is not None and model not in (st.model_name, st.model_path):
         raise ApiError(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+
+
+def _need_tokenizer(st: ServerState, model: str | None) -> Tokenizer:
+    _check_model(st, model)
+    if st.tokenizer is None:
+        raise ApiError(400, "This model has no tokenizer.json to tokenize with.", "model")
+    return st.tokenizer
+
+
+def _admit(st: ServerState, model: str | None) -> None:
+    _check_model(st, model)
     if st.draining:
         raise ApiError(503, "The server is draining and takes no new requests.")
     if st.engine.dead or not st.ready():
@@ -245,7 +296,8 @@ async def _serve(st: ServerState, body, prompts: list[list[int]], request: Reque
     plan = []
     for ids in prompts:
         check_prompt(ids, st.limits)
-        plan.append((ids, resolve_max_tokens(body.max_tokens, len(ids), st.limits)))
+        default = None if chat else COMPLETION_MAX_TOKENS
+        plan.append((ids, resolve_max_tokens(body.max_tokens, len(ids), st.limits, default)))
     sampling_params(body, 0, st.limits)  # surfaces a bad n or sampling parameter as 400 before anything runs
     if stop_strings(body) and st.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has no tokenizer.json.", "stop")
@@ -272,18 +324,23 @@ def _openapi(app: FastAPI) -> dict:
                 "message": {"type": "string"}, "type": {"type": "string"},
                 "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}}}}
         paths = schema.get("paths", {})
-        paths["/health"]["get"]["responses"] = {"200": {"description": "Serving (empty body)"},
-                                                "503": {"description": "Not ready, draining or a peer is dead"}}
+        probe = {"200": {"description": "Serving (empty body)"},
+                 "503": {"description": "Not ready, draining or a peer is dead"}}
+        paths["/health"]["get"]["responses"] = dict(probe)
+        for method in ("get", "post"):
+            paths["/ping"][method]["responses"] = dict(probe)
         paths["/metrics"]["get"]["responses"] = {"200": {"description": "Prometheus text format", "content": {
             "text/plain": {"schema": {"type": "string"}}}}}
         for path, ops in paths.items():
             for op in ops.values():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
-                if path.startswith("/v1/") and op.get("requestBody"):
-                    for code in ("400", "401", "404", "413", "500", "503"):
+                if op.get("requestBody"):
+                    codes = ("400", "401", "404", "413", "500", "503") if path.startswith("/v1/") else \
+                        ("400", "404", "413", "500")
+                    for code in codes:
                         responses[code] = error
-                    # `stream: true` answers server-sent events
+                if path.startswith("/v1/") and op.get("requestBody"):  # `stream: true` answers server-sent events
                     responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
         schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
         schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)

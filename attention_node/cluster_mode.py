@@ -39,9 +39,9 @@ def run_cluster_node(args) -> int:
     from attention_node.api_server import build_app
 
     node = cfg.node(args.node)
-    config = uvicorn.Config(build_app(st), host=args.bind_host, port=node.ports.http, log_level="warning",
+    config = uvicorn.Config(build_app(st), host=args.host or args.bind_host, port=node.ports.http, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=1)
-    server = _Server(config)
+    server = UvicornServer(config)
     box["server"] = server
     st.engine.start()
     log.info("API ready at http://%s:%d (cluster %s, %s)", node.host, node.ports.http, cfg.cluster.name,
@@ -50,7 +50,7 @@ def run_cluster_node(args) -> int:
     return 0
 
 
-class _Server(uvicorn.Server):
+class UvicornServer(uvicorn.Server):
     """uvicorn without its own signal handlers: this process takes signals on a sigwait thread."""
 
     @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
     afd-attention --config cluster.yaml --node attn0 [--model PATH] [--port N] [--api-key KEY]
     afd-attention generate --config cluster.yaml --node attn0 --prompts-file F --output-file O   (offline)
+    afd-attention colocated --model PATH [--port N] ...   (both halves in this process: `afd serve --colocated`)
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import logging
 import os
 import sys
 
-from afd.node.args import add_cluster_args, start_cluster_node
+from afd.node.args import add_cluster_args, add_engine_args, start_cluster_node
 from afd.node.signals import exit_on_signal
 
 log = logging.getLogger("afd.attention")
@@ -24,8 +25,11 @@ def build_server_parser() -> argparse.ArgumentParser:
     add_cluster_args(p)
     p.add_argument("--model", default=None, help="override the YAML's model path")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--host", default=None,
+                   help="address the HTTP API listens on (default: --bind-host); e.g. 0.0.0.0 to serve other hosts")
     p.add_argument("--port", type=int, default=None, help="override this node's HTTP port")
     p.add_argument("--api-key", default=os.environ.get("AFD_API_KEY"), help="require Bearer KEY on /v1 routes")
+    add_engine_args(p)
     p.add_argument("--shutdown-timeout", type=float, default=None,
                    help="seconds SIGTERM lets running requests finish (0 aborts them)")
     p.add_argument("--threads", type=int, default=0,
@@ -51,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "generate":
         return _run_generate(build_generate_parser().parse_args(argv[1:]))
+    if argv and argv[0] == "colocated":
+        from attention_node import colocated
+
+        return colocated.run(colocated.build_parser().parse_args(argv[1:]))
     args = build_server_parser().parse_args(argv)
     if not args.config:
         print("afd-attention: error: --config FILE --node NAME is required (or the `generate` mode)",

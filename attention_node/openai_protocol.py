@@ -133,10 +133,14 @@ def check_prompt(ids: list[int], limits: Limits, param: str = "prompt") -> None:
                        "input_tokens")
 
 
-def resolve_max_tokens(requested: int | None, n_prompt: int, limits: Limits) -> int:
+COMPLETION_MAX_TOKENS = 16
+"""/v1/completions without max_tokens generates this many, as vLLM and OpenAI do; chat takes the room left."""
+
+
+def resolve_max_tokens(requested: int | None, n_prompt: int, limits: Limits, default: int | None = None) -> int:
     room = limits.max_model_len - n_prompt
     if requested is None:
-        return room
+        return room if default is None else min(default, room)
     if requested < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {requested}.", "max_tokens")
     if requested > room:
@@ -211,3 +215,21 @@ def validation_error(errors: list[dict]) -> ApiError:
         return ApiError(400, f"Malformed JSON body: {first.get('msg', 'invalid JSON')}", "body", "Bad Request")
     msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:3])
     return ApiError(400, msg or "Invalid request body", param, "Bad Request")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the template."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

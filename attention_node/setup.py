@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
+from afd.cluster.config import EngineSection
 from afd.cluster.topology import served_model_name
 from afd.control import control_pb2 as pb
 from afd.dataplane.exchange import RemoteMoE
@@ -43,22 +46,14 @@ def build_server_state(cfg, args, box: dict):
 
     rt = bring_up(cfg, args.node, args.bind_host, load, on_status=on_status)
     box["runtime"] = rt
-    mcfg, eng = rt.model_cfg, cfg.engine
-    cache = CacheConfig(block_size=eng.block_size, memory_budget_bytes=eng.kv_cache_bytes)
-    num_blocks = cache.resolve_num_blocks(mcfg, dtype.itemsize)
-    kv = KVCache(mcfg, num_blocks, eng.block_size, dtype, rt.backend.device)
-    max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
-    log.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d", num_blocks, eng.block_size,
-             kv.data.numel() * kv.data.element_size() / 2**20, max_len)
+    mcfg = rt.model_cfg
     name = served_model_name(cfg, args.served_model_name)
     metrics = AttentionMetrics(args.node, name)
     metrics.watch_cluster_state(lambda: rt.cluster_state)
     moe = RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
-    runner = ModelRunner(built["attn"], moe, kv, rt.backend.device, cfg.layout.micro_batches, cfg.layout.overlap)
-    tok = load_tokenizer(rt.model_path)
-    eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else mcfg.eos_token_ids
-    engine = Engine(runner, Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens), tok, eos, max_len,
-                    metrics)
+    engine, tok, max_len = build_engine(built["attn"], moe, rt.model_path, mcfg, dtype, rt.backend.device,
+                                        cfg.engine, cfg.model.max_model_len, args, metrics,
+                                        cfg.layout.micro_batches, cfg.layout.overlap)
 
     def rejoin(why: str) -> RemoteMoE:
         plane = rt.reform(why)
@@ -70,3 +65,28 @@ def build_server_state(cfg, args, box: dict):
                      ready=lambda: rt.cluster_state in _SERVING, api_key=args.api_key)
     box["state"] = st
     return st, rt
+
+
+def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSection, max_model_len: int | None,
+                 args, metrics: AttentionMetrics, micro_batches: int = 1, overlap: bool = True):
+    """The serving engine over an attention half and its MoE exchange (remote or colocated): KV cache
+    sized from the budget, tokenizer with `--chat-template`, `--seed`. Returns (engine, tokenizer,
+    max_model_len)."""
+    cache = CacheConfig(block_size=eng.block_size, memory_budget_bytes=eng.kv_cache_bytes)
+    num_blocks = cache.resolve_num_blocks(mcfg, dtype.itemsize)
+    kv = KVCache(mcfg, num_blocks, eng.block_size, dtype, device)
+    max_len = min(max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d", num_blocks, eng.block_size,
+             kv.data.numel() * kv.data.element_size() / 2**20, max_len)
+    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap)
+    tok = load_tokenizer(model_path)
+    if args.chat_template:
+        if tok is None:
+            raise ValueError(f"--chat-template: {model_path} has no tokenizer.json to render a template for")
+        tok.set_chat_template(args.chat_template)
+    if args.seed is not None:  # requests without a seed of their own sample from torch's default generator
+        torch.manual_seed(args.seed)
+    eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else mcfg.eos_token_ids
+    engine = Engine(runner, Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens), tok, eos, max_len,
+                    metrics)
+    return engine, tok, max_len

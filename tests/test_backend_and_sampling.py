@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from afd.backend import get_backend
+from afd.backend import DeviceUnavailable, get_backend
 from afd.engine.sampling import Sampler, SamplingParams
 
 
@@ -29,7 +29,7 @@ def test_importing_afd_never_imports_device_sdks():
 
 @pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here")
 def test_npu_backend_fails_clearly_without_torch_npu():
-    with pytest.raises(RuntimeError, match="torch_npu is not importable"):
+    with pytest.raises(DeviceUnavailable, match="torch_npu is not importable"):
         get_backend("npu")
 
 

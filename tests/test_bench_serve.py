@@ -111,8 +111,15 @@ def test_bad_flags_raise_value_error(argv):
 # --- end to end against a small streaming server -----------------------------------------------------
 
 
+VOCAB = {"size": 512}
+"""The vocab_size the fake server lists (afd's /v1/models does; None: a server that does not)."""
+
+
 async def _models(request):
-    return web.json_response({"object": "list", "data": [{"id": "org/tiny-model", "object": "model"}]})
+    model = {"id": "org/tiny-model", "object": "model"}
+    if VOCAB["size"] is not None:
+        model["vocab_size"] = VOCAB["size"]
+    return web.json_response({"object": "list", "data": [model]})
 
 
 async def _completions(request):
@@ -211,3 +218,14 @@ def test_poisson_rate_runs(server, monkeypatch):
     args = _parse(["--base-url", server, "--num-prompts", "5", "--random-input-len", "4", "--random-output-len",
                    "2", "--request-rate", "200", "--disable-tqdm"])
     assert bench_serve.run(args) == 0
+
+
+def test_prompt_ids_come_from_the_servers_vocabulary(server, monkeypatch):
+    """The README's line once drew ids from [0, 1000) against a 512-token demo: every request failed."""
+    args = _parse(["--base-url", server, "--num-prompts", "50", "--random-input-len", "40"])
+    assert bench_serve.vocab_size(args, None) == 512
+    args.vocab_size = 512
+    assert max(t for p, _ in bench_serve.sample_requests(args) for t in p) < 512
+    monkeypatch.setitem(VOCAB, "size", None)
+    with pytest.raises(ValueError, match="lists no vocab_size; pass --vocab-size or --tokenizer"):
+        bench_serve.vocab_size(args, None)

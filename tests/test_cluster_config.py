@@ -253,10 +253,18 @@ def test_print_commands_one_per_node():
     r = afd("launch", "deploy/2a1f.yaml", "--print-commands")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == [
-        "afd-attention --config deploy/2a1f.yaml --node attn0",
-        "afd-attention --config deploy/2a1f.yaml --node attn1",
-        "afd-ffn --config deploy/2a1f.yaml --node ffn0",
+        "afd-attention --config deploy/2a1f.yaml --node attn0  # on 127.0.0.1",
+        "afd-attention --config deploy/2a1f.yaml --node attn1  # on 127.0.0.1",
+        "afd-ffn --config deploy/2a1f.yaml --node ffn0  # on 127.0.0.1",
     ]
+
+
+def test_the_ascend_example_shows_what_print_commands_prints():
+    r = afd("launch", "deploy/ascend-multihost.yaml", "--print-commands")
+    assert r.returncode == 0, r.stderr
+    comment = (ROOT / "deploy/ascend-multihost.yaml").read_text()
+    for line in r.stdout.splitlines():
+        assert f"#     {line}\n" in comment
 
 
 def test_print_commands_with_overrides():
@@ -265,9 +273,9 @@ def test_print_commands_with_overrides():
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines == [
-        "afd-attention --config deploy/2a1f.yaml --node attn0 --model '/ckpt/my model' --port 8123",
-        "afd-attention --config deploy/2a1f.yaml --node attn1 --model '/ckpt/my model'",
-        "afd-ffn --config deploy/2a1f.yaml --node ffn0 --model '/ckpt/my model'",
+        "afd-attention --config deploy/2a1f.yaml --node attn0 --model '/ckpt/my model' --port 8123  # on 127.0.0.1",
+        "afd-attention --config deploy/2a1f.yaml --node attn1 --model '/ckpt/my model'  # on 127.0.0.1",
+        "afd-ffn --config deploy/2a1f.yaml --node ffn0 --model '/ckpt/my model'  # on 127.0.0.1",
     ]
     # and the node commands accept exactly these flags
     from attention_node.main import build_server_parser
@@ -275,10 +283,31 @@ def test_print_commands_with_overrides():
 
     parsers = {"afd-attention": build_server_parser(), "afd-ffn": build_ffn_parser()}
     for line in lines:
-        prog, *argv = shlex.split(line)
+        prog, *argv = shlex.split(line, comments=True)
         args = parsers[prog].parse_args(argv)
         assert (args.config, args.model) == ("deploy/2a1f.yaml", "/ckpt/my model")
         assert getattr(args, "port", None) == (8123 if args.node == "attn0" else None)
+
+
+def test_print_commands_pass_vllm_flags_to_the_nodes_that_take_them():
+    """--dtype and --served-model-name reach every node; the engine's flags only attention nodes; the API
+    key never a command line (others can read those in `ps`)."""
+    r = afd("launch", "deploy/2a1f.yaml", "--print-commands", "--dtype", "bfloat16", "--served-model-name", "m",
+            "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "7", "--chat-template", "t.jinja",
+            "--host", "0.0.0.0", "--api-key", "SECRET")
+    assert r.returncode == 0, r.stderr
+    assert "SECRET" not in r.stdout
+    from attention_node.main import build_server_parser
+    from ffn_node.main import build_parser as build_ffn_parser
+
+    parsers = {"afd-attention": build_server_parser(), "afd-ffn": build_ffn_parser()}
+    for line in r.stdout.splitlines():
+        prog, *argv = shlex.split(line, comments=True)
+        args = parsers[prog].parse_args(argv)
+        assert (args.dtype, args.served_model_name) == ("bfloat16", "m")
+        if prog == "afd-attention":
+            assert (args.max_model_len, args.max_num_seqs, args.seed, args.chat_template, args.host) == \
+                (512, 8, 7, "t.jinja", "0.0.0.0")
 
 
 @pytest.mark.parametrize("host,insecure,token,refused", [

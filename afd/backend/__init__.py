@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from afd.backend.base import Backend
+from afd.backend.base import Backend, DeviceUnavailable
 
 BACKENDS = ("cpu", "cuda", "npu")
 
@@ -27,4 +27,21 @@ def get_backend(name: str = "cpu", index: int = 0) -> Backend:
     raise ValueError(f"unknown device {name!r}; expected one of {', '.join(BACKENDS)} or 'auto'")
 
 
-__all__ = ["Backend", "BACKENDS", "get_backend"]
+def check_device(name: str) -> None:
+    """Raises DeviceUnavailable (one line) unless `name`'s device is here: before any process starts."""
+    if name == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise DeviceUnavailable(f"device cuda: no CUDA device is visible (torch {torch.__version__}: "
+                                    "torch.cuda.is_available() is False)")
+    elif name == "npu":
+        import importlib.util
+
+        if importlib.util.find_spec("torch_npu") is None:
+            raise DeviceUnavailable("device npu: torch_npu is not installed (Ascend needs CANN and torch_npu)")
+    elif name not in ("cpu", "auto"):
+        raise DeviceUnavailable(f"unknown device {name!r}; expected one of {', '.join(BACKENDS)} or 'auto'")
+
+
+__all__ = ["Backend", "BACKENDS", "DeviceUnavailable", "check_device", "get_backend"]

@@ -19,6 +19,10 @@ def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: list
     return out
 
 
+
+class DeviceUnavailable(ValueError):
+    """The device asked for is not on this machine (said in one line, not a traceback)."""
+
 class Backend(ABC):
     """One device family. Implementations import their SDKs lazily, inside their own module."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from afd.backend.base import Backend, grouped_matmul_by_slices
+from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices
 
 
 class CudaBackend(Backend):
@@ -13,7 +13,8 @@ class CudaBackend(Backend):
 
     def __init__(self, index: int = 0):
         if not torch.cuda.is_available():
-            raise RuntimeError("CUDA backend requested but torch.cuda.is_available() is False")
+            raise DeviceUnavailable(f"device cuda: no CUDA device is visible (torch {torch.__version__}: "
+                                    "torch.cuda.is_available() is False)")
         self._device = torch.device("cuda", index)
         torch.cuda.set_device(self._device)
         self._comm = torch.cuda.Stream(device=self._device)

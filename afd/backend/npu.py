@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from afd.backend.base import Backend
+from afd.backend.base import Backend, DeviceUnavailable
 
 
 def _import_torch_npu():
     try:
         import torch_npu  # noqa: F401  (registers the "npu" device with torch)
     except ImportError as e:
-        raise RuntimeError(f"NPU backend requested but torch_npu is not importable: {e}") from None
+        raise DeviceUnavailable(f"device npu: torch_npu is not importable ({e})") from None
     return torch_npu
 
 

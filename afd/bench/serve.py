@@ -13,14 +13,17 @@ import os
 import time
 from datetime import datetime
 
+from afd.cluster.overrides import DefaultsHelpFormatter
+
 # aiohttp, numpy and tqdm are imported where used: `afd --help` and the other subcommands should not pay for them.
 
 DEFAULT_METRICS = "ttft,tpot,itl,e2el"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="load-test an OpenAI-compatible completions server (like `vllm bench serve`)")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default %(default)s)")
+    p = sub.add_parser("bench", help="load-test an OpenAI-compatible completions server (like `vllm bench serve`)",
+                       formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root")
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
     p.add_argument("--dataset-name", default="random", help="only `random` is supported")
@@ -39,7 +42,9 @@ def add_parser(sub) -> None:
     p.add_argument("--result-dir", default=".")
     p.add_argument("--result-filename", default=None)
     p.add_argument("--api-key", default=None, help="bearer token (default: $AFD_API_KEY, else $OPENAI_API_KEY)")
-    p.add_argument("--vocab-size", type=int, default=1000, help="prompt token ids are drawn from [0, vocab-size)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompt token ids are drawn from [0, vocab-size) (default: the --tokenizer's vocabulary, "
+                        "else the vocab_size the server lists in GET /v1/models)")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send ignore_eos (servers that reject the field, e.g. transformers serve); "
                         "outputs may then end early at EOS")
@@ -57,7 +62,7 @@ def _validated(args) -> tuple[list[str], list[float]]:
     if args.dataset_name != "random":
         raise ValueError(f"--dataset-name {args.dataset_name!r} is not supported; only 'random' is")
     for flag in ("num_prompts", "random_input_len", "random_output_len", "vocab_size"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
@@ -170,6 +175,32 @@ async def send_request(session, url: str, payload: dict, t0: float):
     return r
 
 
+def vocab_size(args, api_key: str | None) -> int:
+    """Where prompt ids come from when --vocab-size is not given: the tokenizer's vocabulary, else the
+    one the server lists (afd's /v1/models carries vocab_size); ids past it would be refused."""
+    if args.tokenizer:
+        from afd.engine.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(args.tokenizer)
+        if tok is None:
+            raise ValueError(f"--tokenizer {args.tokenizer}: no tokenizer.json there")
+        return tok.vocab_size
+    import json
+    import urllib.request
+
+    url = f"{args.base_url.rstrip('/')}/v1/models"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            models = json.load(r).get("data") or []
+    except (OSError, ValueError) as e:
+        raise ValueError(f"GET {url} failed ({e}); check --base-url, or pass --vocab-size") from None
+    sizes = [m["vocab_size"] for m in models if isinstance(m.get("vocab_size"), int)]
+    if not sizes:
+        raise ValueError(f"GET {url} lists no vocab_size; pass --vocab-size or --tokenizer")
+    return sizes[0]
+
+
 async def first_model(session, base_url: str) -> str:
     url = f"{base_url}/v1/models"
     try:
@@ -255,6 +286,8 @@ def run(args) -> int:
 
     metrics, percentiles = _validated(args)
     api_key = args.api_key or os.environ.get("AFD_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    if args.vocab_size is None:
+        args.vocab_size = vocab_size(args, api_key)
     requests = sample_requests(args)
     results, duration, model = asyncio.run(_bench(args, requests, api_key))
     summary = bm.summarize(results, duration, metrics, percentiles)

@@ -13,6 +13,8 @@ import statistics
 import tempfile
 import time
 
+from afd.cluster.overrides import DefaultsHelpFormatter
+
 BENCH_CONFIG = {
     # Sized so that the attention window (dense MLP 0, attention 1, dense MLP 1) and the MoE take
     # comparable time on one CPU core at decode batch sizes.
@@ -39,7 +41,8 @@ MODES = {
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench-step", help="decode step time: colocated vs AFD without/with overlap")
+    p = sub.add_parser("bench-step", help="decode step time: colocated vs AFD without/with overlap",
+                       formatter_class=DefaultsHelpFormatter)
     p.add_argument("--model", default=None, help="checkpoint dir (config.json is enough: dummy weights)")
     p.add_argument("--scenario", default="balanced", choices=list(SCENARIOS),
                    help="built-in model size when --model is not given")

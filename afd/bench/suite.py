@@ -19,6 +19,7 @@ from afd.bench.common import Colocated, interleaved, median, run_afd, synthetic_
 from afd.bench.gemm import _print_gemm, section_gemm
 from afd.bench.prefetch import format_prefetch, run_prefetch_bench
 from afd.bench.step import BENCH_CONFIG, _summarize
+from afd.cluster.overrides import DefaultsHelpFormatter
 
 SECTIONS = ("gemm", "prefetch", "decode", "scaling")
 AFD_MODE = dict(overlap=True, micro_batches=1)
@@ -33,7 +34,8 @@ HF_CONFIG = {
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench-suite", help="grouped GEMM, decode throughput vs HF transformers, AFD scaling")
+    p = sub.add_parser("bench-suite", help="grouped GEMM, decode throughput vs HF transformers, AFD scaling",
+                       formatter_class=DefaultsHelpFormatter)
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per comparison")
     p.add_argument("--quick", action="store_true", help="fewer steps and sizes (a smoke test)")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))

@@ -209,7 +209,7 @@ def _section(cls, src: str, path: str, raw: Any, required: tuple[str, ...] = ())
     return kw
 
 
-def _parse_bytes(src: str, path: str, v: Any) -> int:
+def parse_bytes(src: str, path: str, v: Any) -> int:
     if isinstance(v, int) and not isinstance(v, bool) and v > 0:
         return v
     units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
@@ -332,14 +332,14 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     layout = Layout(**_section(Layout, src, "layout", raw.get("layout")))
     eng_raw = dict(raw.get("engine") or {})
     if "kv_cache_bytes" in eng_raw:
-        eng_raw["kv_cache_bytes"] = _parse_bytes(src, "engine.kv_cache_bytes", eng_raw["kv_cache_bytes"])
+        eng_raw["kv_cache_bytes"] = parse_bytes(src, "engine.kv_cache_bytes", eng_raw["kv_cache_bytes"])
     engine = EngineSection(**_section(EngineSection, src, "engine", eng_raw))
     for k in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         _positive(src, f"engine.{k}", getattr(engine, k))
     _positive(src, "engine.shutdown_timeout", engine.shutdown_timeout, allow_zero=True)
     pf_raw = dict(raw.get("prefetch") or {})
     if "budget_bytes" in pf_raw:
-        pf_raw["budget_bytes"] = _parse_bytes(src, "prefetch.budget_bytes", pf_raw["budget_bytes"])
+        pf_raw["budget_bytes"] = parse_bytes(src, "prefetch.budget_bytes", pf_raw["budget_bytes"])
     prefetch = PrefetchSection(**_section(PrefetchSection, src, "prefetch", pf_raw))
     for i, w in enumerate(prefetch.weights or []):
         if w not in ("router", "gate_up", "down"):

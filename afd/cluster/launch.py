@@ -17,6 +17,7 @@ import time
 import urllib.request
 
 from afd.cluster.config import ClusterConfig, Node, load
+from afd.cluster.overrides import DefaultsHelpFormatter, add_serving_overrides
 from afd.cluster.topology import with_overrides
 
 MODULES = {"attention": "attention_node.main", "ffn": "ffn_node.main"}
@@ -24,80 +25,105 @@ COMMANDS = {"attention": "afd-attention", "ffn": "afd-ffn"}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("launch", help="start every node of a cluster YAML on this host")
+    p = sub.add_parser("launch", help="start every node of a cluster YAML on this host",
+                       formatter_class=DefaultsHelpFormatter)
     p.add_argument("config", help="cluster YAML")
     p.add_argument("--model", default=None, help="override the YAML's model path")
     p.add_argument("--port", type=int, default=None, help="override the first attention node's HTTP port")
+    add_serving_overrides(p)
     p.add_argument("--print-commands", action="store_true", help="print the per-node commands, run nothing")
     p.add_argument("--curl-example", action="store_true", help="print a curl example once ready")
     p.set_defaults(func=run)
 
 
-def node_args(cfg_path: str, node: Node, model: str | None, port: int | None, first_attention: str) -> list[str]:
-    args = ["--config", cfg_path, "--node", node.name]
-    if model:
-        args += ["--model", model]
-    if port is not None and node.name == first_attention:
-        args += ["--port", str(port)]
-    return args
+_ALL_NODES = ("dtype", "served_model_name")
+_ATTENTION = ("host", "max_model_len", "max_num_seqs", "chat_template", "seed")
+
+
+def node_args(cfg_path: str, node: Node, args, first_attention: str) -> list[str]:
+    """A node's command line: its place in the YAML plus the overrides that concern its role. The API
+    key travels in the environment (AFD_API_KEY), never on a command line others can read in `ps`."""
+    out = ["--config", cfg_path, "--node", node.name]
+    if args.model:
+        out += ["--model", args.model]
+    if args.port is not None and node.name == first_attention:
+        out += ["--port", str(args.port)]
+    for key in _ALL_NODES + (_ATTENTION if node.role == "attention" else ()):
+        value = getattr(args, key, None)
+        if value is not None:
+            out += [f"--{key.replace('_', '-')}", str(value)]
+    return out
 
 
 def run(args) -> int:
-    cfg = with_overrides(load(args.config), model=args.model, http_port=args.port)
+    cfg = with_overrides(load(args.config), model=args.model, http_port=args.port, dtype=args.dtype,
+                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
     first = cfg.attention_nodes[0]
-    plan = [(n, node_args(args.config, n, args.model, args.port, first.name)) for n in cfg.nodes]
+    plan = [(n, node_args(args.config, n, args, first.name)) for n in cfg.nodes]
     if args.print_commands:
-        for n, a in plan:
-            print(shlex.join([COMMANDS[n.role], *a]))
+        for n, a in plan:  # the host as a shell comment: the line still pastes as it is
+            print(f"{shlex.join([COMMANDS[n.role], *a])}  # on {n.host}")
         return 0
-    if cfg.model.path != "demo":  # a wrong path is one line here, not a traceback from every node
+    check_startable(cfg, args.config)
+    env = dict(os.environ)
+    if args.api_key:
+        env["AFD_API_KEY"] = args.api_key
+    return _Launcher(cfg, plan, env).run(args.curl_example)
+
+
+def check_startable(cfg: ClusterConfig, source: str) -> None:
+    """What would make every node fail, said once here rather than as a traceback from each."""
+    if cfg.model.path != "demo":
         from afd.cluster.config import check_expert_layout
         from afd.model.registry import load_config
 
         check_expert_layout(cfg, load_config(cfg.model.path).n_routed_experts)
+    from afd.backend import check_device  # here: afd.backend imports torch, which `afd --help` need not
+
+    for device in sorted({n.device_type for n in cfg.nodes}):
+        check_device(device)
     busy = _ports_in_use(cfg)
     if busy:
-        raise ValueError(f"{args.config}: port(s) already in use on this host: {', '.join(busy)} "
+        raise ValueError(f"{source}: port(s) already in use on this host: {', '.join(busy)} "
                          "(another cluster running?)")
     if cfg.model.path == "demo":  # made once here, not by every node at the same time
         from afd.model.demo import ensure_demo_checkpoint
 
         ensure_demo_checkpoint()
-    return _Launcher(cfg, plan).run(first, args.curl_example)
 
 
 class _Launcher:
-    def __init__(self, cfg: ClusterConfig, plan):
-        self.cfg, self.plan = cfg, plan
+    def __init__(self, cfg: ClusterConfig, plan, env: dict):
+        self.cfg, self.plan, self.env = cfg, plan, env
         self.procs: list[tuple[Node, subprocess.Popen]] = []
         self.stopping = False
         self._lock = threading.Lock()
 
-    def run(self, first: Node, curl_example: bool) -> int:
+    def run(self, curl_example: bool) -> int:
         from afd.cluster.token import TOKEN_ENV, cluster_token, make_launch_token, token_file
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
-        env = dict(os.environ)
+        env = self.env
         coord = self.cfg.coordinator
         made = None
         if not cluster_token():  # secure by default: the control plane of a launch always has a token
             env[TOKEN_ENV] = make_launch_token(self.cfg.cluster.name, coord.ports.control)
             made = token_file(self.cfg.cluster.name, coord.ports.control)
         try:
-            return self._run(first, curl_example, env)
+            return self._run(curl_example, env)
         finally:
             if made:
                 with contextlib.suppress(OSError):
                     os.unlink(made)
 
-    def _run(self, first: Node, curl_example: bool, env: dict) -> int:
+    def _run(self, curl_example: bool, env: dict) -> int:
         for node, args in reversed(self.plan):  # any order works; FFN nodes first shows it
             p = subprocess.Popen([sys.executable, "-m", MODULES[node.role], *args], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1, env=env)
             self.procs.append((node, p))
             threading.Thread(target=self._pump, args=(node.name, p), daemon=True).start()
-        url = f"http://{first.host}:{first.ports.http}"
+        urls = [f"http://{n.host}:{n.ports.http}" for n in self.cfg.attention_nodes]
         deadline = time.monotonic() + self.cfg.cluster.startup_timeout + 60
         ready = False
         code = 0
@@ -109,16 +135,18 @@ class _Launcher:
                 code = 1
                 break
             if not ready:
-                ready = _healthy(url)
+                ready = all(_healthy(u) for u in urls)
                 if ready:
-                    self._say(f"cluster {self.cfg.cluster.name} ({self.cfg.topology_name}) ready; API at {url}")
-                    print(url, flush=True)
+                    self._say(f"cluster {self.cfg.cluster.name} ({self.cfg.topology_name}) ready; "
+                              f"API at {', '.join(urls)}")
+                    for u in urls:  # one line each, for scripts
+                        print(u, flush=True)
                     if curl_example:
-                        self._say("try: curl " + shlex.quote(f"{url}/v1/completions") +
+                        self._say("try: curl " + shlex.quote(f"{urls[0]}/v1/completions") +
                                   " -H 'Content-Type: application/json' -d '{\"prompt\": \"Experts are\", "
                                   "\"max_tokens\": 16, \"temperature\": 0}'")
                 elif time.monotonic() > deadline:
-                    self._say(f"cluster not ready at {url} within the startup timeout; stopping")
+                    self._say(f"cluster not ready at {', '.join(urls)} within the startup timeout; stopping")
                     code = 1
                     break
             time.sleep(0.2)

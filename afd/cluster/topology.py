@@ -39,12 +39,17 @@ def served_model_name(cfg: ClusterConfig, override: str | None = None) -> str:
 
 
 def with_overrides(cfg: ClusterConfig, model: str | None = None, http_port: int | None = None,
-                   node: str | None = None, dtype: str | None = None) -> ClusterConfig:
-    """CLI values over the YAML: the model path and dtype for all nodes, the HTTP port of `node`
-    (default: the first attention node)."""
-    if model is not None or dtype is not None:
-        m = cfg.model
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, path=model or m.path, dtype=dtype or m.dtype))
+                   node: str | None = None, dtype: str | None = None, max_model_len: int | None = None,
+                   max_num_seqs: int | None = None) -> ClusterConfig:
+    """CLI values over the YAML: the model path, dtype, context limit and batch size for all nodes,
+    the HTTP port of `node` (default: the first attention node)."""
+    m = cfg.model
+    model_fields = {"path": model, "dtype": dtype, "max_model_len": max_model_len}
+    model_fields = {k: v for k, v in model_fields.items() if v is not None}
+    if model_fields:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **model_fields))
+    if max_num_seqs is not None:
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_num_seqs=max_num_seqs))
     if http_port is not None:
         target = node or cfg.attention_nodes[0].name
 

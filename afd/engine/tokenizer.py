@@ -93,6 +93,17 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_strs(self, ids: list[int]) -> list[str | None]:
+        """Each id's token as the vocabulary spells it (None for an id outside it)."""
+        return [self._tok.id_to_token(i) for i in ids]
+
+    def set_chat_template(self, template: str) -> None:
+        """`--chat-template`: a file holding a Jinja template, or the template itself (as vLLM takes it)."""
+        if os.path.isfile(template):
+            with open(template, encoding="utf-8") as f:
+                template = f.read()
+        self.chat_template, self._compiled_template = template, None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text for a conversation. Like HF, the template writes its own special tokens (BOS
         included), so encode the result with add_special_tokens=False. Extra kwargs reach the template."""

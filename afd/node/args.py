@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from afd.cluster.overrides import positive_int
+
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
@@ -17,6 +19,17 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="address the node's servers listen on (default: the node's host in the YAML; "
                         "0.0.0.0 in a container whose YAML host is a service name)")
     g.add_argument("--served-model-name", default=None, help="model name in the API and metrics")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The attention node's overrides that vLLM users know by these names."""
+    p.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context limit of a request (default: the YAML's, else the model's)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per step (default: the YAML's)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the random sampling of requests that bring no seed of their own")
 
 
 def load_cluster_args(args, role: str):
@@ -31,7 +44,8 @@ def load_cluster_args(args, role: str):
     if node.role != role:
         raise ClusterConfigError(f"{args.config}: node {args.node!r} is an {node.role} node, not {role}")
     cfg = with_overrides(cfg, model=args.model, dtype=args.dtype, node=args.node,
-                         http_port=getattr(args, "port", None))
+                         http_port=getattr(args, "port", None), max_model_len=getattr(args, "max_model_len", None),
+                         max_num_seqs=getattr(args, "max_num_seqs", None))
     timeout = getattr(args, "shutdown_timeout", None)
     if timeout is not None:
         import dataclasses

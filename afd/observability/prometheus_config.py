@@ -14,6 +14,7 @@ import sys
 import yaml
 
 from afd.cluster.config import ClusterConfig, Node
+from afd.cluster.overrides import DefaultsHelpFormatter
 
 JOBS = (("attention", "afd-attention"), ("ffn", "afd-ffn"))
 _DURATION = re.compile(r"^((\d+)(ms|s|m|h|d|w|y))+$")
@@ -72,7 +73,8 @@ def render(cfg: ClusterConfig, scrape_interval: str = "5s") -> str:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("prometheus-config", help="print a Prometheus scrape config for a cluster YAML")
+    p = sub.add_parser("prometheus-config", help="print a Prometheus scrape config for a cluster YAML",
+                       formatter_class=DefaultsHelpFormatter)
     p.add_argument("config", metavar="FILE", help="cluster YAML")
     p.add_argument("--output", "-o", default=None, help="write it to this file instead of stdout")
     p.add_argument("--scrape-interval", default="5s", help="Prometheus duration (default 5s)")

@@ -1,0 +1,59 @@
+"""Command-line flags shared by afd's commands: the overrides of a cluster YAML that `afd launch`,
+`afd serve` and the node commands take, with the names and meanings vLLM users know, and how --help
+shows defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """Every option's default in --help, unless its help already says it or there is none to show."""
+
+    @staticmethod
+    def _shows(default) -> bool:  # identity checks: 0 and 0.0 equal False, yet are defaults worth showing
+        return not (default is None or default is False or default is argparse.SUPPRESS)
+
+    def add_argument(self, action):
+        if action.help is None and action.option_strings and self._shows(action.default):
+            action.help = "(default: %(default)s)"  # argparse prints no line at all for an option without help
+        super().add_argument(action)
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not action.option_strings or "default" in text or not self._shows(action.default):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def parse_bytes_arg(text: str) -> int:
+    """A size as the YAML writes it: 268435456, 256MiB, 1GiB."""
+    from afd.cluster.config import ClusterConfigError, parse_bytes
+
+    try:
+        return parse_bytes("command line", "size", int(text) if text.isdigit() else text)
+    except ClusterConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def add_serving_overrides(p: argparse.ArgumentParser) -> None:
+    """The flags `vllm serve` users know, with vLLM's names and meanings (`afd launch` and `afd serve`)."""
+    g = p.add_argument_group("serving (override the YAML)")
+    g.add_argument("--host", default=None, help="address the attention nodes' HTTP APIs listen on "
+                                                "(default: each node's YAML host)")
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes "
+                                                   "(or AFD_API_KEY)")
+    g.add_argument("--served-model-name", default=None, help="the model's name in the API and metrics")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (default: the YAML's; float32 for `afd serve`)")
+    g.add_argument("--max-model-len", type=positive_int, default=None, help="context limit of a request")
+    g.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per step")
+    g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    g.add_argument("--seed", type=int, default=None, help="seed of unseeded requests' random sampling")
