@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -19,6 +19,7 @@ from afd.engine import request as rq
 from afd.engine.engine import Engine, EngineDead
 from afd.engine.tokenizer import Tokenizer
 from afd.observability.metrics import CONTENT_TYPE, AttentionMetrics
+from attention_node.http_guard import Guard
 from attention_node.openai_protocol import (
     COMPLETION_MAX_TOKENS,
     ApiError,
@@ -33,6 +34,7 @@ from attention_node.openai_protocol import (
     stop_strings,
     validation_error,
 )
+from attention_node.openapi_doc import openapi_schema
 
 log = logging.getLogger("afd.api")
 
@@ -100,7 +102,7 @@ async def _outputs(gens: list[_Generation]) -> AsyncIterator[tuple[int, rq.Reque
 
 def build_app(st: ServerState) -> FastAPI:
     app = FastAPI(title="afd", version=__version__)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: openapi_schema(app)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
@@ -116,7 +118,7 @@ def build_app(st: ServerState) -> FastAPI:
         err = validation_error(list(e.errors()))
         return JSONResponse(err.body(), status_code=err.code)
 
-    app.add_middleware(_Guard, st=st)
+    app.add_middleware(Guard, st=st)
 
     @app.get("/health")
     async def health():
@@ -197,53 +199,6 @@ def build_app(st: ServerState) -> FastAPI:
     return app
 
 
-class _Guard:
-    """API key, body-size limit, and a JSON 500 for anything the routes raise (answered here, so that
-    the client's keep-alive connection survives). Plain ASGI rather than @app.middleware: Starlette's
-    BaseHTTPMiddleware hides the client's disconnect from the routes, and a non-streaming request must
-    see it to stop generating."""
-
-    def __init__(self, app, st: ServerState):
-        self.app, self.st = app, st
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        st, headers = self.st, {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if st.api_key and scope["path"].startswith("/v1") and headers.get("authorization") != f"Bearer {st.api_key}":
-            return await JSONResponse(ApiError(401, "Unauthorized").body(), status_code=401)(scope, receive, send)
-        size = headers.get("content-length")
-        too_large = f"The request body is larger than {st.max_body_bytes} bytes."
-        if size is not None and (not size.isdigit() or int(size) > st.max_body_bytes):
-            err = ApiError(413, too_large, "body")
-            response = JSONResponse(err.body(), status_code=413, headers={"connection": "close"})
-            return await response(scope, receive, send)
-        started, received = False, 0
-
-        async def receive_limited():  # a chunked body has no Content-Length: count what arrives
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > st.max_body_bytes:
-                    raise HTTPException(413, too_large)  # FastAPI passes HTTPException through body parsing
-            return message
-
-        async def send_tracked(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive_limited, send_tracked)
-        except Exception as e:
-            log.exception("%s %s failed", scope.get("method"), scope["path"])
-            if started:  # too late for an error response
-                raise
-            err = ApiError(500, f"Internal error: {type(e).__name__}: {e}")
-            await JSONResponse(err.body(), status_code=500)(scope, receive, send)
-
-
 def _serving(st: ServerState) -> bool:
     return st.ready() and not st.draining and not st.engine.dead and not st.engine.paused
 
@@ -311,38 +266,3 @@ async def _serve(st: ServerState, body, prompts: list[list[int]], request: Reque
         return StreamingResponse(responses.stream(st, body, gens, _outputs(gens), request, chat),
                                  media_type="text/event-stream")
     return await responses.full(st, body, gens, _outputs(gens), request, chat)
-
-
-def _openapi(app: FastAPI) -> dict:
-    """FastAPI documents 422 for body errors; this server answers them 400 with vLLM's error body."""
-    if app.openapi_schema is None:
-        from fastapi.openapi.utils import get_openapi
-
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        error = {"description": "Error", "content": {"application/json": {"schema": {
-            "type": "object", "required": ["error"], "properties": {"error": {"type": "object", "properties": {
-                "message": {"type": "string"}, "type": {"type": "string"},
-                "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}}}}}
-        paths = schema.get("paths", {})
-        probe = {"200": {"description": "Serving (empty body)"},
-                 "503": {"description": "Not ready, draining or a peer is dead"}}
-        paths["/health"]["get"]["responses"] = dict(probe)
-        for method in ("get", "post"):
-            paths["/ping"][method]["responses"] = dict(probe)
-        paths["/metrics"]["get"]["responses"] = {"200": {"description": "Prometheus text format", "content": {
-            "text/plain": {"schema": {"type": "string"}}}}}
-        for path, ops in paths.items():
-            for op in ops.values():
-                responses = op.setdefault("responses", {})
-                responses.pop("422", None)
-                if op.get("requestBody"):
-                    codes = ("400", "401", "404", "413", "500", "503") if path.startswith("/v1/") else \
-                        ("400", "404", "413", "500")
-                    for code in codes:
-                        responses[code] = error
-                if path.startswith("/v1/") and op.get("requestBody"):  # `stream: true` answers server-sent events
-                    responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
-        schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
-        schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
-        app.openapi_schema = schema
-    return app.openapi_schema
