@@ -57,7 +57,7 @@ def run_cluster_node(args) -> int:
     metrics = FFNMetrics(node.name, served_model_name(cfg, args.served_model_name), a.expert_lo, a.expert_hi,
                          rt.model_cfg.num_layers)
     metrics.watch_cluster_state(lambda: rt.cluster_state)
-    metrics.count_zero_experts(layer.experts for layer in built["ffn"].layers)
+    metrics.count_zero_experts(built["ffn"].layer(i).experts for i in rt.model_cfg.moe_layers)
     healthy = {"ok": True}
     http = None
     if node.ports.metrics:

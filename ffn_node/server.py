@@ -177,7 +177,7 @@ class FFNServer:
         num_mb = max(len(h.tokens) for h in headers.values())
         counts = {r: list(h.tokens) + [0] * (num_mb - len(h.tokens)) for r, h in headers.items()}
         sends, outputs = [], []  # outputs stay referenced until their sends complete
-        for layer in range(self.ffn.cfg.num_layers):
+        for layer in self.ffn.cfg.moe_layers:
             for i in range(num_mb):
                 parts = [(r, counts[r][i]) for r in headers if counts[r][i] > 0 and r in self.active]
                 if parts:
@@ -214,7 +214,7 @@ class FFNServer:
             m.compute.observe(t2 - t1)
             m.layer_compute[layer] += t2 - t1
             m.tokens.inc(total)
-            m.add_expert_tokens(self.ffn.layers[layer].experts.last_counts)
+            m.add_expert_tokens(self.ffn.layer(layer).experts.last_counts)
         sends, off = [], 0
         for r, n in parts:
             sends.append((r, self._post(self.plane.isend, y[off:off + n], r)))

@@ -41,7 +41,7 @@ class PrefetchConfig:
 
 
 def _tensors(ffn: FFNHalf, layer: int, names) -> list[torch.Tensor]:
-    lay = ffn.layers[layer]
+    lay = ffn.layer(layer)
     by_name = {"router": lay.router.classifier.weight, "gate_up": lay.experts.w13, "down": lay.experts.w2}
     return [by_name[n] for n in names]
 
@@ -49,13 +49,13 @@ def _tensors(ffn: FFNHalf, layer: int, names) -> list[torch.Tensor]:
 class PrefetchSchedule:
     def __init__(self, ffn: FFNHalf, backend: Backend, cfg: PrefetchConfig):
         self.backend, self.cfg = backend, cfg
-        L = len(ffn.layers)
-        self.plan: list[list[torch.Tensor]] = []
-        for layer in range(L):
+        moe = ffn.cfg.moe_layers
+        self.plan: dict[int, list[torch.Tensor]] = {}
+        for k, layer in enumerate(moe):
             items = _tensors(ffn, layer, cfg.weights)
-            if cfg.next_layer and layer + 1 < L:
-                items += _tensors(ffn, layer + 1, [w for w in ("router", "gate_up") if w in cfg.weights])
-            self.plan.append(items)
+            if cfg.next_layer and k + 1 < len(moe):
+                items += _tensors(ffn, moe[k + 1], [w for w in ("router", "gate_up") if w in cfg.weights])
+            self.plan[layer] = items
         self.bytes_total = 0
 
     def __call__(self, layer: int) -> int:

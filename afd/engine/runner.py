@@ -106,11 +106,13 @@ class ModelRunner:
 
     def _start(self, layer: int, mb: _MicroBatch) -> None:
         mb.h, mb.m = self.attn.pre_moe(layer, mb.x, mb.rope, mb.meta, self.kv.layer(layer))
+        if mb.m is None:  # a dense layer: nothing crosses (the FFN nodes skip it too: cfg.moe_layers)
+            return
         mb.pending = self.moe.submit(layer, mb.index, mb.m)
         if not self.overlap:
             mb.pending = Ready(mb.pending.wait())
 
     def _finish(self, layer: int, mb: _MicroBatch) -> None:
         h = self.attn.post_moe(layer, mb.h, mb.m, mb.rope, mb.meta, self.kv.layer(layer))
-        mb.x = h + mb.pending.wait()
+        mb.x = h if mb.pending is None else h + mb.pending.wait()
         mb.h = mb.m = mb.pending = None

@@ -36,7 +36,10 @@ class ModelConfig(Protocol):
     vocab_size: int
     hidden_size: int
     num_layers: int
-    """Layers whose MoE crosses to the FFN nodes (one exchange per layer and micro-batch)."""
+    """Decoder layers (the KV cache and the attention half hold all of them)."""
+    moe_layers: tuple[int, ...]
+    """The layers whose MoE crosses to the FFN nodes, ascending (one exchange per such layer and
+    micro-batch); the others are dense and run on the attention side alone."""
     n_routed_experts: int
     max_position_embeddings: int
     tie_word_embeddings: bool

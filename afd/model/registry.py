@@ -1,9 +1,15 @@
 """Model families by config.json's `model_type`: the one place that knows which families exist.
 
 A family is a package `afd.model.<family>` with four modules:
-  config.py     a frozen dataclass with HF's defaults and `from_hf_dict` (torch-free);
-  attention.py  `AttentionHalf`: embed, pre_moe, post_moe, logits;
-  ffn.py        `FFNHalf`: the MoE of each layer, for a range of routed experts;
+  config.py     a frozen dataclass with HF's defaults and `from_hf_dict` (torch-free), satisfying
+                afd.model.config.ModelConfig (`moe_layers`, `kv_cache_shape`, ...);
+  attention.py  `AttentionHalf(cfg)`: embed(ids, meta) -> (x, rope); pre_moe(i, x, rope, meta, kv) -> (h, m)
+                with m the MoE input, or None on a dense layer; post_moe(i, h, m, rope, meta, kv) -> h, the
+                work that needs no MoE output (the overlap window; a dense layer's MLP); logits(x).
+                Decoder layer i ends as x = post_moe(...) + MoE(m);
+  ffn.py        `FFNHalf(cfg, lo, hi, serves_zero)`: forward(backend, i, m) -> this node's share of layer
+                i's MoE for routed experts [lo, hi); layer(i) -> a module with `router.classifier`
+                (nn.Linear) and `experts` (afd.model.experts.Experts), which metrics and prefetch read;
   weights.py    `attention_weights` / `ffn_weights`: the checkpoint name map of each half.
 Adding a family is a folder and a line in FAMILIES.
 """

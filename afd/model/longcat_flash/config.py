@@ -72,6 +72,11 @@ class LongcatFlashConfig:
         """Per-token, per-attention KV cache width: the MLA latent plus the shared rotary key."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Every LongCat-Flash layer has a shortcut MoE."""
+        return tuple(range(self.num_layers))
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Two MLA sublayers per layer, each caching latents: [L, 2, blocks, block_size, C + R]."""
         return (self.num_layers, 2, num_blocks, block_size, self.latent_dim)

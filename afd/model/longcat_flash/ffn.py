@@ -51,8 +51,12 @@ class FFNHalf(nn.Module):
         self.cfg, self.expert_range, self.serves_zero = cfg, (lo, hi), serves_zero
         self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi, serves_zero) for _ in range(cfg.num_layers)])
 
+    def layer(self, i: int) -> FFNLayer:
+        """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
+        return self.layers[i]
+
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
-        """MoE of layer i on m [T, H] (this node's experts only)."""
+        """MoE of decoder layer i on m [T, H] (this node's experts only)."""
         layer = self.layers[i]
         weights, ids = layer.router(m)
         return layer.experts(backend, m, weights, ids)
