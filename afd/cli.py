@@ -195,11 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     for module in (serve_model, launch, prometheus_config, serve, step, suite):
         module.add_parser(sub)
     args = parser.parse_args(argv)
+    from afd.cluster.link import LinkError
     from afd.cluster.local import ClusterError  # light: no torch
 
     try:
         return args.func(args)
-    except (UserError, ValueError, ClusterError) as e:  # ValueError: ConfigError, CheckpointError, ...
+    except (UserError, ValueError, ClusterError, LinkError) as e:  # ValueError: ConfigError, CheckpointError, ...
         print(f"afd {args.command}: error: {e}", file=sys.stderr)
         return 2
 

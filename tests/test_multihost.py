@@ -99,3 +99,45 @@ def test_attention_and_ffn_on_different_hosts(tiny_checkpoint, tmp_path, ffn_hos
                 pr.kill()
         for f in logs.values():
             f.close()
+
+
+def test_a_job_behind_an_emulated_link_equals_hf(tiny_checkpoint):
+    """The FFN node behind a shaped veth (afd bench-step --link): the exchange really crosses it, and
+    gloo listens on each node's own address (torch passes no options to gloo: GLOO_SOCKET_IFNAME)."""
+    from afd.cluster.link import EmulatedLink, LinkError, LinkSpec
+    from afd.cluster.local import LocalClusterSpec, run_generate
+
+    try:
+        link = EmulatedLink(LinkSpec.parse("1gbit")).__enter__()
+    except LinkError as e:
+        pytest.skip(str(e))
+    try:
+        spec = LocalClusterSpec(tiny_checkpoint, 1, 1, attention_host=link.near_ip, ffn_host=link.far_ip,
+                                ffn_command_prefix=tuple(link.wrap([])), micro_batches=2)
+        got, _ = run_generate(spec, PROMPTS, 8)
+    finally:
+        link.__exit__()
+    assert got == [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 8)]
+
+
+@pytest.mark.parametrize("text,want", [("25gbit,20us", ("25gbit", "20us")), ("10gbit", ("10gbit", None)),
+                                       (",1ms", (None, "1ms"))])
+def test_link_specs(text, want):
+    from afd.cluster.link import LinkSpec
+
+    spec = LinkSpec.parse(text)
+    assert (spec.rate, spec.delay) == want
+
+
+@pytest.mark.parametrize("text", ["fast", "25gb", "10gbit,soon", ","])
+def test_bad_link_specs_are_refused(text):
+    from afd.cluster.link import LinkSpec
+
+    with pytest.raises(ValueError, match="--link"):
+        LinkSpec.parse(text)
+
+
+def test_gloo_is_told_the_interface_of_the_bind_address():
+    from afd.dataplane.transport import _interface_of
+
+    assert _interface_of("127.0.0.1") == "lo" and _interface_of("192.0.2.77") is None

@@ -53,6 +53,9 @@ def add_parser(sub) -> None:
     p.add_argument("--attention-nodes", type=int, default=1)
     p.add_argument("--ffn-nodes", type=int, default=1)
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    p.add_argument("--link", default=None, metavar="RATE[,DELAY]",
+                   help="run the FFN nodes behind an emulated link, e.g. 25gbit,20us (needs root; a delay needs "
+                        "the kernel's netem)")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -64,10 +67,13 @@ def _colocated(model: str, prompts, steps: int) -> list[dict]:
     return Colocated(model, dummy_weights=True).generate(prompts, steps + 1, threads=1).steps
 
 
-def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_batches: int) -> list[dict]:
+def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_batches: int,
+         link=None) -> list[dict]:
     from afd.cluster.local import LocalCluster, LocalClusterSpec
 
-    spec = LocalClusterSpec(model, A, F, dummy_weights=True, overlap=overlap, micro_batches=micro_batches)
+    where = {} if link is None else {"attention_host": link.near_ip, "ffn_host": link.far_ip,
+                                     "ffn_command_prefix": tuple(link.wrap([]))}
+    spec = LocalClusterSpec(model, A, F, dummy_weights=True, overlap=overlap, micro_batches=micro_batches, **where)
     with LocalCluster(spec) as cluster:
         cluster.start(prompts, steps + 1, ignore_eos=True)
         _, reports = cluster.wait()
@@ -84,12 +90,30 @@ def _summarize(steps: list[dict], batch: int) -> dict:
             "ffn_busy": steps[-1].get("ffn_busy")}
 
 
+def _link(spec):
+    """The emulated link as a context (a null one without --link)."""
+    import contextlib
+
+    if spec is None:
+        return contextlib.nullcontext()
+    from afd.cluster.link import EmulatedLink
+
+    return EmulatedLink(spec)
+
+
 def run(args) -> int:
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise ValueError(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
-    with tempfile.TemporaryDirectory() as tmp:
+    link_spec = None
+    if args.link:
+        from afd.cluster.link import LinkSpec
+
+        link_spec = LinkSpec.parse(args.link)
+    with tempfile.TemporaryDirectory() as tmp, _link(link_spec) as link:
+        if link is not None:
+            print(f"FFN nodes behind an emulated link: {link.qdisc} each way", flush=True)
         model = args.model
         if model is None:
             model = tmp
@@ -105,7 +129,8 @@ def run(args) -> int:
                 if "colocated" in MODES[m]:
                     steps = _colocated(model, prompts[:per_node], args.steps)
                 else:
-                    steps = _afd(model, prompts, args.steps, A, F, MODES[m]["overlap"], MODES[m]["micro_batches"])
+                    steps = _afd(model, prompts, args.steps, A, F, MODES[m]["overlap"], MODES[m]["micro_batches"],
+                                 link)
                 rounds[m].append(_summarize(steps, per_node))
                 print(f"round {r + 1}/{args.repeats} {m}: {rounds[m][-1]['step_ms']:.2f} ms/step "
                       f"({time.perf_counter() - t0:.1f}s)", flush=True)
@@ -113,7 +138,7 @@ def run(args) -> int:
                    for k in ("step_ms", "wait_fraction", "ffn_busy")} for m, v in rounds.items()}
     base = results.get("afd --no-overlap", {}).get("step_ms")
     print(f"\n{args.model or args.scenario}: {A}A{F}F, batch {per_node} per attention node, prompt {args.prompt_len}, "
-          f"{args.steps} decode steps, median of {args.repeats} rounds")
+          f"{args.steps} decode steps, median of {args.repeats} rounds" + (f", link {args.link}" if args.link else ""))
     print("| mode | decode step (ms) | attention waiting on FFN | FFN busy (compute / run) | vs --no-overlap |")
     print("|---|---|---|---|---|")
     for m, r in results.items():

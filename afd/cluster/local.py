@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -17,6 +18,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+
+from afd.cluster.token import TOKEN_ENV, cluster_token
 
 
 def free_ports(n: int) -> list[int]:
@@ -67,6 +70,10 @@ class LocalClusterSpec:
     block_size: int = 16
     threads: int = 1
     comm_timeout: float = 60.0
+    attention_host: str = "127.0.0.1"
+    ffn_host: str = "127.0.0.1"
+    ffn_command_prefix: tuple[str, ...] = ()
+    """How to start an FFN node elsewhere, e.g. `ip netns exec NS` behind an emulated link (afd.cluster.link)."""
 
     def __post_init__(self):
         if self.attention_nodes < 1 or self.ffn_nodes < 1:
@@ -79,9 +86,9 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
     """The cluster YAML (as a dict) of a local job: every node on 127.0.0.1, free ports."""
     A, F = spec.attention_nodes, spec.ffn_nodes
     ports = iter(free_ports(3 * (A + F)))
-    nodes = [{"name": f"attn{a}", "role": "attention", "host": "127.0.0.1", "threads": spec.threads,
+    nodes = [{"name": f"attn{a}", "role": "attention", "host": spec.attention_host, "threads": spec.threads,
               "ports": {"control": next(ports), "data": next(ports), "http": next(ports)}} for a in range(A)]
-    nodes += [{"name": f"ffn{f}", "role": "ffn", "host": "127.0.0.1", "threads": spec.threads,
+    nodes += [{"name": f"ffn{f}", "role": "ffn", "host": spec.ffn_host, "threads": spec.threads,
                "ports": {"control": next(ports), "data": next(ports)}} for f in range(F)]
     # an offline job is not re-formed around a failed node: it fails, naming it
     return {"cluster": {"name": "local-job", "comm_timeout": spec.comm_timeout, "startup_timeout": 120,
@@ -118,13 +125,17 @@ class LocalCluster:
         config = os.path.join(self.dir, "cluster.yaml")
         with open(config, "w") as fh:
             yaml.safe_dump(cluster_doc(spec), fh, sort_keys=False)
-        node = ["--config", config, "--bind-host", "127.0.0.1", "--node"]
         per = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
         self.num_prompts = len(prompts)
+        env = dict(os.environ)  # the job's own token: nodes behind an emulated link are not on loopback
+        if not cluster_token():
+            env[TOKEN_ENV] = secrets.token_hex(16)
+        node = ["--config", config, "--bind-host", spec.ffn_host, "--node"]
         for f in range(spec.ffn_nodes):
-            cmd = [sys.executable, "-m", "ffn_node.main", *node, f"ffn{f}",
+            cmd = [*spec.ffn_command_prefix, sys.executable, "-m", "ffn_node.main", *node, f"ffn{f}",
                    "--report-file", os.path.join(self.dir, f"ffn{f}.json")]
-            self.procs.append(_spawn(f"ffn{f}", cmd, self.dir))
+            self.procs.append(_spawn(f"ffn{f}", cmd, self.dir, env))
+        node = ["--config", config, "--bind-host", spec.attention_host, "--node"]
         for a in range(spec.attention_nodes):
             mine = list(range(a, len(prompts), spec.attention_nodes))
             self._shares.append(mine)
@@ -135,7 +146,7 @@ class LocalCluster:
                            "ignore_eos": ignore_eos}, fh)
             cmd = [sys.executable, "-m", "attention_node.main", "generate", *node, f"attn{a}",
                    "--prompts-file", pfile, "--output-file", os.path.join(self.dir, f"out{a}.json")]
-            self.procs.append(_spawn(f"attention{a}", cmd, self.dir))
+            self.procs.append(_spawn(f"attention{a}", cmd, self.dir, env))
 
     def process(self, name: str) -> subprocess.Popen:
         return next(p for n, p, _ in self.procs if n == name)
@@ -170,10 +181,10 @@ def run_generate(spec: LocalClusterSpec, prompts: list[list[int]], max_tokens, p
         return cluster.wait(timeout_s)
 
 
-def _spawn(name: str, cmd: list[str], tmp: str) -> tuple[str, subprocess.Popen, str]:
+def _spawn(name: str, cmd: list[str], tmp: str, env: dict | None = None) -> tuple[str, subprocess.Popen, str]:
     log = os.path.join(tmp, f"{name}.log")
     with open(log, "w") as fh:
-        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     return name, p, log
 
 

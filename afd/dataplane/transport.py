@@ -11,6 +11,7 @@ import gc
 import hashlib
 import hmac
 import logging
+import os
 import socket
 import time
 from datetime import timedelta
@@ -67,14 +68,37 @@ def rendezvous_store(rank: int, master_addr: str, master_port: int, timeout_s: f
     return store, sock
 
 
-def _gloo_options(bind_host: str | None, timeout: timedelta):
-    """gloo's pair listeners on the node's own address (by default they take the hostname's)."""
-    if not bind_host or bind_host in ("0.0.0.0", "::"):
+def _interface_of(address: str) -> str | None:
+    """The network interface that holds the IPv4 `address` (Linux), or None."""
+    import fcntl
+    import struct
+
+    try:
+        want = socket.inet_aton(socket.gethostbyname(address))
+    except OSError:
         return None
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_host)]
-    opts._timeout = timeout
-    return opts
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if got[20:24] == want:
+                return name
+    return None
+
+
+def _bind_gloo(bind_host: str | None) -> None:
+    """gloo's pair listeners on the node's own address. init_process_group passes no options to gloo
+    (torch ignores pg_options there), so its device comes from GLOO_SOCKET_IFNAME, else from the
+    hostname's address: name the interface that holds bind_host."""
+    if not bind_host or bind_host in ("0.0.0.0", "::") or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    ifname = _interface_of(bind_host)
+    if ifname is None:
+        log.warning("no interface holds %s: gloo listens on the hostname's address", bind_host)
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
 class DataPlane:
@@ -89,9 +113,10 @@ class DataPlane:
         self.timeout = timedelta(seconds=timeout_s)
         self._stream = backend.comm_stream()
         t0 = time.monotonic()
-        opts = _gloo_options(bind_host, self.timeout) if backend.dist_backend == "gloo" else None
+        if backend.dist_backend == "gloo":
+            _bind_gloo(bind_host)
         dist.init_process_group(backend.dist_backend, store=dist.PrefixStore(f"afd/g{generation}/{formation}", store),
-                                rank=rank, world_size=world_size, timeout=self.timeout, pg_options=opts)
+                                rank=rank, world_size=world_size, timeout=self.timeout)
         log.info("data plane up: rank %d of %d over %s, generation %d, in %.2fs", rank, world_size,
                  backend.dist_backend, generation, time.monotonic() - t0)
 
