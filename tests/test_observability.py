@@ -366,9 +366,12 @@ class _SlowFFN:
     """An FFN half whose every layer computes for `compute_s`."""
 
     def __init__(self, layers: int, compute_s: float):
-        self.cfg = argparse.Namespace(hidden_size=4, num_layers=layers)
+        self.cfg = argparse.Namespace(hidden_size=4, num_layers=layers, moe_layers=tuple(range(layers)))
         self.layers = [argparse.Namespace(experts=argparse.Namespace(last_counts=[1, 0])) for _ in range(layers)]
         self.compute_s = compute_s
+
+    def layer(self, i: int):
+        return self.layers[i]
 
     def __call__(self, backend, layer, x):
         time.sleep(self.compute_s)
