@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hf_qwen3 import BASE as QWEN3_BASE
 from hf_reference import BASE
 
 from afd.model.config import ConfigError, eos_ids
@@ -22,6 +23,10 @@ def _hf_view(hf, ours) -> dict:
             out[f.name] = eos_ids(hf.eos_token_id)
         elif f.name == "zero_expert_num":
             out[f.name] = hf.zero_expert_num or 0  # HF's MoE reads `zero_expert_num or 0`
+        elif f.name == "head_dim" and hf.model_type == "qwen3_moe":  # Qwen3MoeAttention's fallback
+            out[f.name] = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        elif f.name == "mlp_only_layers":
+            out[f.name] = tuple(hf.mlp_only_layers)
         else:
             out[f.name] = getattr(hf, f.name)
     return out
@@ -48,6 +53,33 @@ def test_longcat_missing_key_takes_hf_default_or_is_named(key):
     from transformers import LongcatFlashConfig as HF
 
     d = {k: v for k, v in _full_longcat().items() if k != key}
+    try:
+        ours = config_from_hf(d)
+    except ConfigError as e:
+        assert f"'{key}'" in str(e)
+        return
+    assert dataclasses.asdict(ours) == _hf_view(HF(**{k: v for k, v in d.items() if k != "model_type"}), ours)
+
+
+def _full_qwen3() -> dict:
+    from transformers import Qwen3MoeConfig as HF
+
+    return HF(**{**QWEN3_BASE, "mlp_only_layers": [1]}).to_dict()
+
+
+def test_qwen3_moe_defaults_are_hf_defaults():
+    from transformers import Qwen3MoeConfig as HF
+
+    ours = config_from_hf({"model_type": "qwen3_moe"})
+    assert dataclasses.asdict(ours) == _hf_view(HF(), ours)
+
+
+@pytest.mark.parametrize("key", sorted(set(_full_qwen3()) - {"model_type"}))
+def test_qwen3_moe_missing_key_takes_hf_default_or_is_named(key):
+    """As for LongCat-Flash: a saved Qwen3MoeConfig with one key left out reads as transformers reads it."""
+    from transformers import Qwen3MoeConfig as HF
+
+    d = {k: v for k, v in _full_qwen3().items() if k != key}
     try:
         ours = config_from_hf(d)
     except ConfigError as e:
@@ -84,7 +116,8 @@ def test_family_config_is_torch_free():
     import sys
 
     code = ("import sys; from afd.model.registry import config_from_hf; "
-            "config_from_hf({'model_type': 'longcat_flash'}); print('torch' in sys.modules)")
+            "config_from_hf({'model_type': 'longcat_flash'}); config_from_hf({'model_type': 'qwen3_moe'}); "
+            "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert LongcatFlashConfig.model_type in FAMILIES

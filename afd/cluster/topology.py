@@ -62,6 +62,19 @@ def with_overrides(cfg: ClusterConfig, model: str | None = None, http_port: int 
     return cfg
 
 
+def _model_type(path: str) -> str | None:
+    """config.json's model_type (the model family), when the checkpoint is readable here."""
+    from afd.model.config import ConfigError, read_config_json
+    from afd.model.demo_config import DEMO_CONFIG
+
+    if path == "demo":
+        return DEMO_CONFIG["model_type"]
+    try:
+        return read_config_json(path).get("model_type")
+    except ConfigError:
+        return None
+
+
 def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
     coord = cfg.coordinator
     lines = [f"cluster {cfg.cluster.name}: {cfg.topology_name}, model {cfg.model.path} ({cfg.model.dtype})",
@@ -69,6 +82,9 @@ def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
              f"{cfg.attention_nodes[0].host}:{cfg.attention_nodes[0].ports.data} (rank 0)",
              f"overlap: {'on' if cfg.layout.overlap else 'off'}, micro-batches: "
              f"{cfg.layout.micro_batches or 'auto'}"]
+    family = _model_type(cfg.model.path)
+    if family:
+        lines.insert(1, f"family: {family}")
     for n in cfg.attention_nodes + cfg.ffn_nodes:
         line = f"  rank {cfg.rank(n.name)}: {n.name:<10} {n.role:<9} {n.device:<6} {n.host} control {n.ports.control}"
         if n.role == "attention":

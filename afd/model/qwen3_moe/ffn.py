@@ -1,0 +1,65 @@
+"""The FFN half of Qwen3-MoE: per sparse layer, the router and the experts this node holds.
+
+Routing follows HF's Qwen3MoeTopKRouter: logits in the model dtype, softmax over E in fp32, top-K,
+renormalised over the K when `norm_topk_prob`, then cast back to the model dtype. No identity experts.
+Shapes: T tokens, H hidden, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afd.backend import Backend
+from afd.model.experts import Experts
+from afd.model.qwen3_moe.config import Qwen3MoeConfig
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> weights [T, K] (x's dtype), ids [T, K]."""
+        probs = F.linear(x, self.classifier.weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
+        if self.renormalise:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class FFNLayer(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig, lo: int, hi: int):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, lo, hi,
+                               serves_zero=False)
+
+
+class FFNHalf(nn.Module):
+    """The sparse layers (cfg.moe_layers) of the model, holding experts [lo, hi) (all of them by default).
+
+    `serves_zero` is accepted for the family contract; Qwen3-MoE has no identity experts to serve."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
+        super().__init__()
+        hi = cfg.num_experts if hi is None else hi
+        if not 0 <= lo <= hi <= cfg.num_experts:
+            raise ValueError(f"expert range [{lo}, {hi}) outside [0, {cfg.num_experts})")
+        self.cfg, self.expert_range, self.serves_zero = cfg, (lo, hi), False
+        self.index = {layer: k for k, layer in enumerate(cfg.moe_layers)}
+        """Decoder layer -> its position in `layers`: dense layers hold nothing here."""
+        self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi) for _ in cfg.moe_layers])
+
+    def layer(self, i: int) -> FFNLayer:
+        """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
+        return self.layers[self.index[i]]
+
+    def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
+        """MoE of decoder layer i on m [T, H] (this node's experts only)."""
+        layer = self.layer(i)
+        weights, ids = layer.router(m)
+        return layer.experts(backend, m, weights, ids)
