@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hf_deepseek import BASE as DEEPSEEK_BASE
 from hf_qwen3 import BASE as QWEN3_BASE
 from hf_reference import BASE
 
@@ -27,6 +28,8 @@ def _hf_view(hf, ours) -> dict:
             out[f.name] = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         elif f.name == "mlp_only_layers":
             out[f.name] = tuple(hf.mlp_only_layers)
+        elif f.name.startswith("rope_") and not hasattr(hf, f.name):  # rope_type and YaRN's rope_<key>
+            out[f.name] = hf.rope_parameters.get(f.name, hf.rope_parameters.get(f.name[5:]))
         else:
             out[f.name] = getattr(hf, f.name)
     return out
@@ -80,6 +83,33 @@ def test_qwen3_moe_missing_key_takes_hf_default_or_is_named(key):
     from transformers import Qwen3MoeConfig as HF
 
     d = {k: v for k, v in _full_qwen3().items() if k != key}
+    try:
+        ours = config_from_hf(d)
+    except ConfigError as e:
+        assert f"'{key}'" in str(e)
+        return
+    assert dataclasses.asdict(ours) == _hf_view(HF(**{k: v for k, v in d.items() if k != "model_type"}), ours)
+
+
+def _full_deepseek() -> dict:
+    from transformers import DeepseekV3Config as HF
+
+    return HF(**DEEPSEEK_BASE).to_dict()
+
+
+def test_deepseek_v3_defaults_are_hf_defaults():
+    from transformers import DeepseekV3Config as HF
+
+    ours = config_from_hf({"model_type": "deepseek_v3"})
+    assert dataclasses.asdict(ours) == _hf_view(HF(), ours)
+
+
+@pytest.mark.parametrize("key", sorted(set(_full_deepseek()) - {"model_type"}))
+def test_deepseek_v3_missing_key_takes_hf_default_or_is_named(key):
+    """As for LongCat-Flash: a saved DeepseekV3Config with one key left out reads as transformers reads it."""
+    from transformers import DeepseekV3Config as HF
+
+    d = {k: v for k, v in _full_deepseek().items() if k != key}
     try:
         ours = config_from_hf(d)
     except ConfigError as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -51,3 +53,39 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos, sin = cos.view(shape), sin.view(shape)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_rotary_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotate_half layout (DeepSeek's `rope_interleave: false`): pairs (x_j, x_{j + dim/2})."""
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    cos, sin = cos.view(shape), sin.view(shape)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class YarnRotary(Rotary):
+    """YaRN rope, as transformers' `_compute_yarn_parameters` builds it (same float ops in the same order,
+    so the tables are bit-identical): per frequency a blend of the original (extrapolated) and the
+    `factor`-stretched (interpolated) inverse frequency, ramped between the dims that turn beta_fast and
+    beta_slow times over the original context; cos and sin are scaled by `attention_factor`."""
+
+    def __init__(self, dim: int, theta: float, factor: float, original_max_position_embeddings: int,
+                 beta_fast: float = 32, beta_slow: float = 1, attention_factor: float = 1.0, truncate: bool = True):
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # HF's guard against a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+        extrapolate = 1 - ramp  # 1: keep the original frequency, 0: stretch it by `factor`
+        pos_freqs = theta ** (torch.arange(0, dim, 2, device="cpu").to(dtype=torch.float) / dim)
+        self.inv_freq = 1.0 / (factor * pos_freqs) * (1 - extrapolate) + 1.0 / pos_freqs * extrapolate
+        self.attention_factor = attention_factor
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)  # [T, dim/2]
+        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)

@@ -7,6 +7,11 @@ shared key k_rot (qk_rope_head_dim values). Decode uses the absorbed form, atten
     o[h]     = (softmax(score) @ c) @ W_UV[h]^T
 
 Prefill expands the latents to per-head keys and values (cheaper when many queries share them).
+
+Families differ in small ways, chosen by the constructor's options: LongCat-Flash scales the LoRA
+latents by sqrt(hidden / rank) (`lora_scales`); DeepSeek-V3 may project q without a LoRA
+(`q_lora_rank: null`), stretches the softmax scale under YaRN (`softmax_scale`) and may lay rope dims
+out in halves rather than interleaved pairs (`rope_interleave`).
 """
 
 from __future__ import annotations
@@ -16,29 +21,41 @@ from torch import nn
 
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.config import ModelConfig
-from afd.model.layers import RMSNorm, apply_rotary
+from afd.model.layers import RMSNorm, apply_rotary, apply_rotary_halves
 
 # HF's q_a_layernorm / kv_a_layernorm are built without the config's eps.
 _LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, lora_scales: bool = True, softmax_scale: float | None = None,
+                 rope_interleave: bool = True):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora = cfg.kv_lora_rank
         bias = cfg.attention_bias
-        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
-        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
+        if cfg.q_lora_rank is None:  # a plain projection, as HF builds it (without attention_bias)
+            self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * cfg.qk_head_dim, bias=False)
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=bias)
-        self.scale = cfg.qk_head_dim ** -0.5
-        self.q_lora_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5
-        self.kv_lora_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5
+        self.scale = cfg.qk_head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        # x * 1.0 is exact: without lora_scales the products below change nothing.
+        self.q_lora_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5 if lora_scales else 1.0
+        self.kv_lora_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if lora_scales else 1.0
+        self.rotate = apply_rotary if rope_interleave else apply_rotary_halves
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_proj is not None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
@@ -48,13 +65,13 @@ class MLAttention(nn.Module):
                 cache: torch.Tensor) -> torch.Tensor:
         """x [T, H]; cache [num_blocks, block_size, C + R] for this layer. Returns [T, H]."""
         T = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))).view(T, self.n_heads, -1)
+        q = self._query(x).view(T, self.n_heads, -1)
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
         c = self.kv_a_layernorm(c) * self.kv_lora_scale  # [T, C]
         q_nope = q_nope * self.q_lora_scale
-        q_rot = apply_rotary(q_rot * self.q_lora_scale, cos, sin)  # [T, NH, R]
-        k_rot = apply_rotary(k_rot, cos, sin)  # [T, R]
+        q_rot = self.rotate(q_rot * self.q_lora_scale, cos, sin)  # [T, NH, R]
+        k_rot = self.rotate(k_rot, cos, sin)  # [T, R]
         cache.view(-1, cache.shape[-1])[meta.slot_mapping] = torch.cat([c, k_rot], dim=-1)
 
         out = x.new_empty(T, self.n_heads, self.v_dim)

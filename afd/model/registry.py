@@ -24,6 +24,7 @@ from afd.model.config import ConfigError, ModelConfig, read_config_json
 FAMILIES = {
     "longcat_flash": ("afd.model.longcat_flash", "LongcatFlashConfig"),
     "qwen3_moe": ("afd.model.qwen3_moe", "Qwen3MoeConfig"),
+    "deepseek_v3": ("afd.model.deepseek_v3", "DeepseekV3Config"),
 }
 
 

@@ -1,0 +1,79 @@
+"""The FFN half of DeepSeek-V3: per MoE layer, the router and the routed experts this node holds.
+
+Routing follows HF's DeepseekV3TopkRouter exactly (noaux_tc): fp32 sigmoid scores; the correction bias
+steers the choice only; experts split into G groups, each scored by the sum of its top-2 biased
+scores; the best topk_group groups stay; top-K over their experts; weights = the unbiased scores of
+the chosen, normalised if norm_topk_prob, times routed_scaling_factor.
+Shapes: T tokens, H hidden, E routed experts, G groups, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from afd.backend import Backend
+from afd.model.deepseek_v3.config import DeepseekV3Config
+from afd.model.experts import Experts
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config):
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.classifier = nn.Linear(cfg.hidden_size, E, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(E))
+        self.top_k, self.scale, self.norm = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob
+        self.groups, self.keep_groups = cfg.n_group, cfg.topk_group
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> weights [T, K] (fp32), ids [T, K]."""
+        T, E, G = x.shape[0], self.classifier.weight.shape[0], self.groups
+        scores = F.linear(x.float(), self.classifier.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias  # [T, E]
+        group_scores = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        best = group_scores.topk(self.keep_groups, dim=-1, sorted=False)[1]  # [T, topk_group]
+        kept = torch.zeros_like(group_scores).scatter_(1, best, 1)
+        kept = kept.unsqueeze(-1).expand(T, G, E // G).reshape(T, E).bool()  # [T, E]
+        ids = choice.masked_fill(~kept, float("-inf")).topk(self.top_k, dim=-1, sorted=False)[1]  # [T, K]
+        weights = scores.gather(1, ids)
+        if self.norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+
+class FFNLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, lo: int, hi: int):
+        super().__init__()
+        self.router = Router(cfg)
+        # DeepSeek has no identity experts: nothing for a holder to serve beyond its routed ones.
+        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, lo, hi,
+                               serves_zero=False)
+
+
+class FFNHalf(nn.Module):
+    """The MoE layers of the model (cfg.moe_layers), holding routed experts [lo, hi) (all by default)."""
+
+    def __init__(self, cfg: DeepseekV3Config, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
+        super().__init__()
+        hi = cfg.n_routed_experts if hi is None else hi
+        if not 0 <= lo <= hi <= cfg.n_routed_experts:
+            raise ValueError(f"expert range [{lo}, {hi}) outside [0, {cfg.n_routed_experts})")
+        self.cfg, self.expert_range, self.serves_zero = cfg, (lo, hi), serves_zero
+        self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi) for _ in cfg.moe_layers])
+        self._index = {layer: k for k, layer in enumerate(cfg.moe_layers)}
+
+    def layer(self, i: int) -> FFNLayer:
+        """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
+        return self.layers[self._index[i]]
+
+    def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
+        """Routed experts of decoder layer i on m [T, H] (this node's experts only)."""
+        layer = self.layer(i)
+        weights, ids = layer.router(m)
+        return layer.experts(backend, m, weights, ids)
+
+    def post_load(self) -> None:
+        for layer in self.layers:  # the router stays fp32, as HF keeps it (_keep_in_fp32_modules_strict)
+            layer.router.float()
