@@ -61,3 +61,18 @@ def test_naive_loop_is_hf_longcat_flash_experts():
         ref = experts(x, ids, weights)
     ours = bench_gemm.naive_experts(x, weights, ids, hf["gate_up"], hf["down"], hf["n_routed"])
     torch.testing.assert_close(ours, ref)
+
+
+def test_every_bench_step_scenario_is_a_model_afd_builds():
+    """bench-step's models for each family: configs afd reads and halves it builds, with MoE layers."""
+    import torch
+
+    from afd.bench.step import SCENARIOS
+    from afd.model.checkpoint import DummyReader, build_attention_half, build_ffn_half
+    from afd.model.registry import config_from_hf
+
+    for name, raw in SCENARIOS.items():
+        cfg = config_from_hf(raw)
+        assert cfg.moe_layers, name
+        build_attention_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"))
+        build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"))

@@ -25,10 +25,30 @@ BENCH_CONFIG = {
     "routed_scaling_factor": 6.0, "max_position_embeddings": 8192, "eos_token_id": 2,
 }
 
+# The other families at the same scale: hidden 512, 2 layers, 16 routed experts of 768, top-4.
+QWEN3_MOE = {
+    # No window at all: post_moe has nothing to do, so only ping-pong can hide the exchange.
+    "model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 512, "num_hidden_layers": 2,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 2048,
+    "moe_intermediate_size": 768, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
+    "max_position_embeddings": 8192, "eos_token_id": 2,
+}
+DEEPSEEK_V3 = {
+    # The window is the shared expert (one of 768), computed while the routed experts are away.
+    "model_type": "deepseek_v3", "vocab_size": 1024, "hidden_size": 512, "num_hidden_layers": 2,
+    "first_k_dense_replace": 0, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 256,
+    "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
+    "intermediate_size": 2048, "moe_intermediate_size": 768, "n_routed_experts": 16, "n_shared_experts": 1,
+    "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "max_position_embeddings": 8192,
+    "eos_token_id": 2, "bos_token_id": 0,
+}
+
 SCENARIOS = {
     "balanced": BENCH_CONFIG,
     # The MoE round trip is longer than the ScMoE window: the case ping-pong micro-batches are for.
     "ffn-heavy": {**BENCH_CONFIG, "ffn_hidden_size": 768, "moe_topk": 8, "expert_ffn_hidden_size": 1024},
+    "qwen3-moe": QWEN3_MOE,
+    "deepseek-v3": DEEPSEEK_V3,
 }
 
 MODES = {
@@ -36,8 +56,10 @@ MODES = {
     "afd --no-overlap": dict(overlap=False, micro_batches=1),
     "afd overlap (m=1)": dict(overlap=True, micro_batches=1),
     "afd ping-pong (m=2)": dict(overlap=True, micro_batches=2),
+    "afd ping-pong (m=3)": dict(overlap=True, micro_batches=3),
     "afd auto m": dict(overlap=True, micro_batches=0),
 }
+DEFAULT_MODES = ("colocated", "afd --no-overlap", "afd overlap (m=1)", "afd ping-pong (m=2)", "afd auto m")
 
 
 def add_parser(sub) -> None:
@@ -52,7 +74,7 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-nodes", type=int, default=1)
     p.add_argument("--ffn-nodes", type=int, default=1)
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of: " + ", ".join(MODES))
     p.add_argument("--link", default=None, metavar="RATE[,DELAY]",
                    help="run the FFN nodes behind an emulated link, e.g. 25gbit,20us (needs root; a delay needs "
                         "the kernel's netem)")
@@ -79,7 +101,8 @@ def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_b
         _, reports = cluster.wait()
         ffn = cluster.ffn_reports[0]
     busy = ffn["compute_seconds"] / max(1e-9, ffn["compute_seconds"] + ffn["idle_seconds"])
-    return [dict(s, ffn_busy=busy) for s in reports[0]["steps"]]
+    # m: the micro-batch count the attention node ended on (the tuner's pick in auto mode)
+    return [dict(s, ffn_busy=busy, m=reports[0].get("micro_batches")) for s in reports[0]["steps"]]
 
 
 def _summarize(steps: list[dict], batch: int) -> dict:
@@ -87,7 +110,7 @@ def _summarize(steps: list[dict], batch: int) -> dict:
     total = sum(s["seconds"] for s in decode)
     return {"step_ms": 1e3 * statistics.median(s["seconds"] for s in decode),
             "wait_fraction": sum(s["ffn_wait"] for s in decode) / total if total else 0.0,
-            "ffn_busy": steps[-1].get("ffn_busy")}
+            "ffn_busy": steps[-1].get("ffn_busy"), "m": steps[-1].get("m")}
 
 
 def _link(spec):
@@ -136,15 +159,19 @@ def run(args) -> int:
                       f"({time.perf_counter() - t0:.1f}s)", flush=True)
     results = {m: {k: statistics.median(x[k] for x in v) if v[0][k] is not None else None
                    for k in ("step_ms", "wait_fraction", "ffn_busy")} for m, v in rounds.items()}
+    for m, v in rounds.items():  # the micro-batch count of each round (auto: what the tuner chose)
+        results[m]["m"] = [x["m"] for x in v]
     base = results.get("afd --no-overlap", {}).get("step_ms")
     print(f"\n{args.model or args.scenario}: {A}A{F}F, batch {per_node} per attention node, prompt {args.prompt_len}, "
           f"{args.steps} decode steps, median of {args.repeats} rounds" + (f", link {args.link}" if args.link else ""))
-    print("| mode | decode step (ms) | attention waiting on FFN | FFN busy (compute / run) | vs --no-overlap |")
-    print("|---|---|---|---|---|")
+    print("| mode | decode step (ms) | attention waiting on FFN | FFN busy (compute / run) | vs --no-overlap "
+          "| m per round |")
+    print("|---|---|---|---|---|---|")
     for m, r in results.items():
         speed = f"{base / r['step_ms']:.2f}x" if base else "-"
         busy = "-" if r["ffn_busy"] is None else f"{100 * r['ffn_busy']:.0f}%"
-        print(f"| {m} | {r['step_ms']:.2f} | {100 * r['wait_fraction']:.1f}% | {busy} | {speed} |")
+        used = ", ".join("-" if x is None else str(x) for x in r["m"])
+        print(f"| {m} | {r['step_ms']:.2f} | {100 * r['wait_fraction']:.1f}% | {busy} | {speed} | {used} |")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"config": vars(args) | {"func": None}, "results": results, "rounds": rounds}, f, indent=2)
