@@ -14,12 +14,14 @@ from afd.engine.logits import History, process
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_LOGPROBS = 20
 """Top logprobs per token a request may ask for (OpenAI's cap)."""
+GREEDY_BELOW = 1e-5
+"""Temperatures under this are greedy, as in vLLM: dividing logits by 1e-172 overflows to inf."""
 
 
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
-    """0 means greedy."""
+    """0 (or anything below GREEDY_BELOW) means greedy."""
     top_p: float = 1.0
     top_k: int = 0
     """0 means no top-k cut."""
@@ -95,7 +97,7 @@ class Sampler:
                 logits[b] = process(logits[b], params[b], histories[b], self.eos_ids)
         out = logits.argmax(dim=-1).tolist()
         for b, p in enumerate(params):
-            if p.temperature > 0:
+            if p.temperature >= GREEDY_BELOW:
                 out[b] = self._sample_row(logits[b], p, request_ids[b])
         return out
 
