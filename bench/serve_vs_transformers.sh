@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# afd (deploy/local.yaml: 1 attention + 1 FFN node) against `transformers serve` on the same demo
+# afd (deploy/local.yaml: 1 attention + 1 FFN node) against `transformers serve` on the same
 # checkpoint, the same machine and the same `afd bench` load, one after the other in one run.
-#   bash bench/serve_vs_transformers.sh            # N=200 IN=64 OUT=32 CONC=8 by default
+#   bash bench/serve_vs_transformers.sh            # the demo (LongCat-Flash); N=200 IN=64 OUT=32 CONC=8
+#   MODEL=$(python bench/qwen3_moe_checkpoint.py /tmp/q3) CB=1 OUTDIR=docs/bench/serve-qwen3 \
+#       bash bench/serve_vs_transformers.sh       # Qwen3-MoE, transformers with --continuous-batching
 # Results: $OUTDIR/{afd,transformers}.json and a table on stdout (copied to docs/benchmarks.md).
 # transformers serve rejects `ignore_eos`, so neither server gets it: both stop at the same EOS tokens,
 # since afd's greedy tokens equal transformers' on the same checkpoint.
@@ -12,7 +14,8 @@ N=${N:-200}; IN=${IN:-64}; OUT=${OUT:-32}; CONC=${CONC:-8}; OUTDIR=${OUTDIR:-doc
 HF_PORT=${HF_PORT:-8010}
 mkdir -p "$OUTDIR"
 $BIN/python -m pip install --quiet "transformers[serving]"  # FastAPI extras transformers serve needs
-MODEL=$($BIN/python -c "from afd.model.demo import ensure_demo_checkpoint; print(ensure_demo_checkpoint())")
+MODEL=${MODEL:-$($BIN/python -c "from afd.model.demo import ensure_demo_checkpoint; print(ensure_demo_checkpoint())")}
+CB=${CB:-0}
 
 wait_health() {  # url, seconds
   for _ in $(seq 1 "$2"); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done
@@ -32,8 +35,9 @@ bench afd http://127.0.0.1:8000
 kill -TERM $LAUNCH; wait $LAUNCH || true
 
 # transformers serve: its continuous batching has no MLA latent cache (it fails on LongCat-Flash), so
-# it runs in its default mode, one generate() per request.
-$BIN/transformers serve "$MODEL" --device cpu --dtype float32 --port "$HF_PORT" > "${TMPDIR:-/tmp}/afd-bench-transformers.log" 2>&1 &
+# there it runs in its default mode, one generate() per request; CB=1 (a GQA model) turns it on.
+CB_FLAG=(); [ "$CB" = 1 ] && CB_FLAG=(--continuous-batching)
+$BIN/transformers serve "$MODEL" --device cpu --dtype float32 --port "$HF_PORT" "${CB_FLAG[@]}" > "${TMPDIR:-/tmp}/afd-bench-transformers.log" 2>&1 &
 HF=$!
 wait_health "http://127.0.0.1:$HF_PORT" 120
 bench transformers "http://127.0.0.1:$HF_PORT"
