@@ -64,10 +64,13 @@ def test_naive_loop_is_hf_longcat_flash_experts():
 
 
 def test_every_bench_step_scenario_is_a_model_afd_builds():
-    """bench-step's models for each family: configs afd reads and halves it builds, with MoE layers."""
+    """bench-step's models for each family: configs afd reads, halves it builds, and FFN halves the weight
+    prefetch and the expert metrics can read."""
     import torch
 
+    from afd.backend import get_backend
     from afd.bench.step import SCENARIOS
+    from afd.dataplane.prefetch import PrefetchConfig, PrefetchSchedule
     from afd.model.checkpoint import DummyReader, build_attention_half, build_ffn_half
     from afd.model.registry import config_from_hf
 
@@ -75,4 +78,8 @@ def test_every_bench_step_scenario_is_a_model_afd_builds():
         cfg = config_from_hf(raw)
         assert cfg.moe_layers, name
         build_attention_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"))
-        build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"))
+        ffn = build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"))
+        # what every family's FFN half must offer the weight prefetch and the metrics (registry contract)
+        schedule = PrefetchSchedule(ffn, get_backend("cpu"), PrefetchConfig(enabled=True, budget_bytes=1 << 16))
+        assert all(schedule(layer) > 0 for layer in cfg.moe_layers), name
+        assert all(len(ffn.layer(i).experts.last_counts) == cfg.n_routed_experts for i in cfg.moe_layers)
