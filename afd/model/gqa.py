@@ -15,14 +15,7 @@ import torch
 from torch import nn
 
 from afd.model.attention_metadata import AttentionMetadata
-from afd.model.layers import RMSNorm
-
-
-def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, D/2] (afd.model.layers.Rotary) -> x rotated in HF's rotate_half layout."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+from afd.model.layers import RMSNorm, apply_rotary_halves
 
 
 class GQAttention(nn.Module):
@@ -50,7 +43,7 @@ class GQAttention(nn.Module):
         v = self.v_proj(x).view(T, self.n_kv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
+        q, k = apply_rotary_halves(q, cos, sin), apply_rotary_halves(k, cos, sin)
         cache[0].view(-1, self.n_kv, D)[meta.slot_mapping] = k
         cache[1].view(-1, self.n_kv, D)[meta.slot_mapping] = v
 
