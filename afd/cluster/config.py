@@ -43,7 +43,8 @@ class Node:
     device: str = "cpu"
     """cpu, cuda, cuda:N, npu or npu:N."""
     threads: int | None = None
-    """torch intra-op threads; default on CPU: this host's cores shared evenly by its CPU nodes."""
+    """torch intra-op threads; default on CPU: this host's usable CPUs (affinity and cgroup limit) shared
+    evenly by its CPU nodes."""
 
     @property
     def device_type(self) -> str:

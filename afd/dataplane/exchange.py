@@ -11,6 +11,7 @@ import time
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from afd.backend import Backend
 from afd.dataplane.protocol import (
@@ -23,7 +24,6 @@ from afd.dataplane.protocol import (
     StepHeader,
 )
 from afd.dataplane.transport import BufferPool, DataPlane
-from afd.model.longcat_flash.ffn import FFNHalf
 from afd.observability.timing import Timers
 
 
@@ -63,7 +63,7 @@ class Ready:
 class LocalMoE:
     """The colocated reference: the FFN half runs in this process, synchronously."""
 
-    def __init__(self, ffn: FFNHalf, backend: Backend):
+    def __init__(self, ffn: nn.Module, backend: Backend):
         self.ffn, self.backend = ffn, backend
         self.timers = Timers()
 

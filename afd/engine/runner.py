@@ -11,12 +11,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from afd.dataplane.exchange import MoEExchange, Ready
 from afd.dataplane.overlap import MicroBatchTuner
 from afd.engine.kv_cache import KVCache
 from afd.model.attention_metadata import AttentionMetadata
-from afd.model.longcat_flash.attention import AttentionHalf
 
 
 @dataclass
@@ -54,7 +54,7 @@ class _MicroBatch:
 
 
 class ModelRunner:
-    def __init__(self, attn: AttentionHalf, moe: MoEExchange, kv: KVCache, device: torch.device,
+    def __init__(self, attn: nn.Module, moe: MoEExchange, kv: KVCache, device: torch.device,
                  micro_batches: int = 1, overlap: bool = True):
         """micro_batches: 1..4, or 0 to choose from measured times (afd.dataplane.overlap)."""
         self.attn, self.moe, self.kv, self.device = attn, moe, kv, device
