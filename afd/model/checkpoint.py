@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -122,6 +122,32 @@ class Weight:
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     """(checkpoint key, shape config.json implies) of each source tensor."""
     combine: Callable[..., torch.Tensor] | None = None
+
+
+def hub_named_weights(model: nn.Module) -> Iterator[Weight]:
+    """Each parameter of a half from the hub key of the same name under `model.` (the layout every
+    family's attention half keeps); lm_head from the embeddings when the config ties them."""
+    tied = model.cfg.tie_word_embeddings
+    for name, p in model.named_parameters():
+        if name == "lm_head.weight":
+            name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+        else:
+            name = f"model.{name}"
+        yield Weight(p, ((name, tuple(p.shape)),))
+
+
+def _gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.cat([gate, up], dim=0).t()
+
+
+def per_expert_weights(experts: nn.Module, prefix: str, hidden: int, inter: int) -> Iterator[Weight]:
+    """Stacked experts [lo, hi) (afd.model.experts.Experts) from the hub's per-expert keys
+    `{prefix}.{e}.{gate,up,down}_proj.weight`: w13[g] = [gate; up]^T, w2[g] = down^T of expert lo + g."""
+    H, I = hidden, inter
+    for g, e in enumerate(range(experts.lo, experts.hi)):
+        x = f"{prefix}.{e}"
+        yield Weight(experts.w13[g], ((f"{x}.gate_proj.weight", (I, H)), (f"{x}.up_proj.weight", (I, H))), _gate_up)
+        yield Weight(experts.w2[g], ((f"{x}.down_proj.weight", (H, I)),), torch.t)
 
 
 def _load(weights: list[Weight], reader: Reader, desc: str) -> None:

@@ -8,41 +8,24 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import torch
-
-from afd.model.checkpoint import Weight
+from afd.model.checkpoint import Weight, hub_named_weights, per_expert_weights
 from afd.model.longcat_flash.attention import AttentionHalf
 from afd.model.longcat_flash.ffn import FFNHalf
 
 
 def attention_weights(model: AttentionHalf) -> Iterator[Weight]:
-    tied = model.cfg.tie_word_embeddings
-    for name, p in model.named_parameters():
-        if name == "lm_head.weight":
-            name = "model.embed_tokens.weight" if tied else "lm_head.weight"
-        else:
-            name = f"model.{name}"
-        yield Weight(p, ((name, tuple(p.shape)),))
-
-
-def _gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return torch.cat([gate, up], dim=0).t()
+    return hub_named_weights(model)
 
 
 def ffn_weights(model: FFNHalf) -> Iterator[Weight]:
     cfg = model.cfg
-    lo, hi = model.expert_range
-    H, I, E = cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.num_experts_total
+    H, E = cfg.hidden_size, cfg.num_experts_total
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}.mlp"
         router = layer.router
         yield Weight(router.classifier.weight, ((f"{pre}.router.classifier.weight", (E, H)),))
         yield Weight(router.e_score_correction_bias, ((f"{pre}.router.e_score_correction_bias", (E,)),))
-        ex = layer.experts
-        for g, e in enumerate(range(lo, hi)):
-            x = f"{pre}.experts.{e}"
-            yield Weight(ex.w13[g], ((f"{x}.gate_proj.weight", (I, H)), (f"{x}.up_proj.weight", (I, H))), _gate_up)
-            yield Weight(ex.w2[g], ((f"{x}.down_proj.weight", (H, I)),), torch.t)
+        yield from per_expert_weights(layer.experts, f"{pre}.experts", H, cfg.expert_ffn_hidden_size)
 
 
 def extra_checkpoint_keys(cfg) -> Iterator[tuple[str, tuple[int, ...]]]:
