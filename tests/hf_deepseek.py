@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from hf_reference import greedy_with_logits, scale_weights_
 
 BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=8,
@@ -44,12 +45,8 @@ def make_deepseek_checkpoint(path: str, seed: int = 0, bias_std: float = 0.05, w
     cfg = DeepseekV3Config(**{**BASE, **overrides})
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg)
+    scale_weights_(model, weight_std)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, weight_std)
         for layer in model.model.layers[cfg.first_k_dense_replace:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0.0, bias_std)
     model.save_pretrained(path)
@@ -61,10 +58,5 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int):
     from transformers import DeepseekV3ForCausalLM
 
     # the eager expert loop: grouped_mm (the default) needs 16-byte aligned sizes, which odd_sizes lacks
-    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
-    out = []
-    for p in prompts:
-        r = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
-                           output_logits=True, return_dict_in_generate=True)
-        out.append((r.sequences[0, len(p):].tolist(), [x[0].float() for x in r.logits]))
-    return out
+    model = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
+    return greedy_with_logits(model, prompts, max_new_tokens)

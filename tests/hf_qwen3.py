@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+from hf_reference import greedy_with_logits, scale_weights_
 
 BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, moe_intermediate_size=12, num_experts=6, num_experts_per_tok=2,
@@ -37,12 +38,7 @@ def make_qwen3_checkpoint(path: str, seed: int = 0, weight_std: float = 0.2, **o
     cfg = Qwen3MoeConfig(**{**BASE, **overrides})
     torch.manual_seed(seed)
     model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, weight_std)
+    scale_weights_(model, weight_std)
     model.save_pretrained(path)
     return path
 
@@ -52,10 +48,5 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int):
     from transformers import Qwen3MoeForCausalLM
 
     # The eager experts: torch's grouped_mm needs 16-byte strides, which odd sizes lack.
-    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
-    out = []
-    for p in prompts:
-        r = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
-                           output_logits=True, return_dict_in_generate=True)
-        out.append((r.sequences[0, len(p):].tolist(), [x[0].float() for x in r.logits]))
-    return out
+    model = Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
+    return greedy_with_logits(model, prompts, max_new_tokens)

@@ -34,12 +34,8 @@ def make_hf_checkpoint(path: str, seed: int = 0, bias_std: float = 0.05, weight_
     cfg = LongcatFlashConfig(**{**BASE, **overrides})
     torch.manual_seed(seed)
     model = LongcatFlashForCausalLM(cfg)
+    scale_weights_(model, weight_std)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.1)
-            else:
-                p.normal_(0.0, weight_std)
         for layer in model.model.layers:
             layer.mlp.router.e_score_correction_bias.normal_(0.0, bias_std)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
@@ -51,13 +47,53 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int):
     """Per prompt: (generated ids, per-step fp32 logits), from HF generate with batch size 1."""
     from transformers import LongcatFlashForCausalLM
 
-    model = LongcatFlashForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return greedy_with_logits(LongcatFlashForCausalLM.from_pretrained(path, dtype=torch.float32), prompts,
+                              max_new_tokens)
+
+
+def scale_weights_(model, weight_std: float) -> None:
+    """Weights larger than HF's init (norms near 1), so that routing and attention are far from uniform."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, weight_std)
+
+
+def greedy_with_logits(model, prompts: list[list[int]], max_new_tokens: int):
+    """Per prompt: (generated ids, per-step fp32 logits), from HF generate with batch size 1."""
+    model.eval()
     out = []
     for p in prompts:
         r = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
                            output_logits=True, return_dict_in_generate=True)
         out.append((r.sequences[0, len(p):].tolist(), [x[0].float() for x in r.logits]))
     return out
+
+
+def lazy_refs(hf_greedy, ckpts: dict[str, str], max_new_tokens: int):
+    """name -> HF's greedy (ids, logits) on PROMPTS for checkpoint `name`, computed on first use."""
+    cache: dict = {}
+
+    def ref(name: str):
+        if name not in cache:
+            cache[name] = hf_greedy(ckpts[name], PROMPTS, max_new_tokens)
+        return cache[name]
+    return ref
+
+
+def assert_colocated_matches_hf(path: str, ref, max_new_tokens: int) -> None:
+    """afd.LLM in this process against HF's reference: the same greedy tokens over every step (no early
+    EOS) and logits within 1e-4 relative error."""
+    import afd
+
+    logits: list = []
+    ours = afd.LLM(path, dtype="float32", block_size=4).generate_ids(PROMPTS, max_new_tokens, logits_out=logits)
+    for i, (ref_ids, ref_logits) in enumerate(ref):
+        assert len(ref_ids) == max_new_tokens  # no early EOS: every step is compared
+        assert ours[i] == ref_ids, f"prompt {i}"
+        assert max_rel_err(logits[i], ref_logits) <= 1e-4
 
 
 def max_rel_err(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from cluster_helpers import post
 from hf_deepseek import BASE, DEEPSEEK_CONFIGS, hf_greedy, make_deepseek_checkpoint
-from hf_reference import PROMPTS, max_rel_err
+from hf_reference import PROMPTS, assert_colocated_matches_hf, lazy_refs
 from serve_helpers import Served, free_port_run
 
 import afd
@@ -28,24 +28,12 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def refs(ckpts):
-    """name -> HF's greedy (ids, logits) per prompt, computed on first use."""
-    cache: dict = {}
-
-    def ref(name: str):
-        if name not in cache:
-            cache[name] = hf_greedy(ckpts[name], PROMPTS, NEW_TOKENS)
-        return cache[name]
-    return ref
+    return lazy_refs(hf_greedy, ckpts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("name", list(DEEPSEEK_CONFIGS))
 def test_colocated_greedy_tokens_and_logits_match_hf(ckpts, refs, name):
-    logits: list = []
-    ours = afd.LLM(ckpts[name], dtype="float32", block_size=4).generate_ids(PROMPTS, NEW_TOKENS, logits_out=logits)
-    for i, (ref_ids, ref_logits) in enumerate(refs(name)):
-        assert len(ref_ids) == NEW_TOKENS  # no early EOS: every step is compared
-        assert ours[i] == ref_ids, f"prompt {i}"
-        assert max_rel_err(logits[i], ref_logits) <= 1e-4
+    assert_colocated_matches_hf(ckpts[name], refs(name), NEW_TOKENS)
 
 
 @pytest.mark.parametrize("over", [dict(seed=0), dict(n_routed_experts=12, n_group=4, topk_group=2,
