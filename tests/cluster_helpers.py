@@ -154,3 +154,20 @@ def get(url: str, path: str, timeout: float = 10) -> tuple[int, bytes]:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
+
+
+def wait_for(what: str, fn, timeout: float, log: Path | None = None):
+    """Polls fn() until it is truthy (an OSError counts as not yet); the AssertionError names `what`."""
+    end = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < end:
+        try:
+            last = fn()
+        except OSError as e:  # not listening yet
+            last = e
+        else:
+            if last:
+                return last
+        time.sleep(0.25)
+    extra = f"\n--- prometheus log\n{log.read_text()[-4000:]}" if log else ""
+    raise AssertionError(f"timed out waiting for {what}; last: {last}{extra}")
