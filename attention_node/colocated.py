@@ -41,7 +41,7 @@ def run(args) -> int:
     import uvicorn
 
     from afd.backend import get_backend
-    from afd.cluster.topology import resolve_model_path
+    from afd.cluster.topology import resolve_model_path, served_model_name
     from afd.dataplane.exchange import LocalMoE
     from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
     from afd.model.config import parse_dtype
@@ -60,7 +60,7 @@ def run(args) -> int:
     reader = open_reader(path, args.dummy_weights, 0)
     attn = build_attention_half(mcfg, reader, dtype, backend.device)
     ffn = build_ffn_half(mcfg, reader, dtype, backend.device)
-    name = args.served_model_name or ("demo-longcat-flash" if args.model == "demo" else args.model)
+    name = served_model_name(args.model, args.served_model_name)
     metrics = AttentionMetrics("colocated", name)
     metrics.watch_cluster_state(lambda: 3 if st.draining else 1)  # a cluster of one: READY (1), DRAINING (3)
     eng = EngineSection(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,

@@ -30,9 +30,8 @@ class Guard:
         if st.api_key and scope["path"].startswith("/v1") and headers.get("authorization") != f"Bearer {st.api_key}":
             return await JSONResponse(ApiError(401, "Unauthorized").body(), status_code=401)(scope, receive, send)
         size = headers.get("content-length")
-        too_large = f"The request body is larger than {st.max_body_bytes} bytes."
         if size is not None and (not size.isdigit() or int(size) > st.max_body_bytes):
-            err = ApiError(413, too_large, "body")
+            err = ApiError(413, _too_large(st), "body")
             response = JSONResponse(err.body(), status_code=413, headers={"connection": "close"})
             return await response(scope, receive, send)
         started, received = False, 0
@@ -43,7 +42,7 @@ class Guard:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > st.max_body_bytes:
-                    raise HTTPException(413, too_large)  # FastAPI passes HTTPException through body parsing
+                    raise HTTPException(413, _too_large(st))  # FastAPI passes HTTPException through body parsing
             return message
 
         async def send_tracked(message) -> None:
@@ -59,3 +58,7 @@ class Guard:
                 raise
             err = ApiError(500, f"Internal error: {type(e).__name__}: {e}")
             await JSONResponse(err.body(), status_code=500)(scope, receive, send)
+
+
+def _too_large(st) -> str:
+    return f"The request body is larger than {st.max_body_bytes} bytes."

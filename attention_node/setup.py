@@ -47,7 +47,7 @@ def build_server_state(cfg, args, box: dict):
     rt = bring_up(cfg, args.node, args.bind_host, load, on_status=on_status)
     box["runtime"] = rt
     mcfg = rt.model_cfg
-    name = served_model_name(cfg, args.served_model_name)
+    name = served_model_name(cfg.model.path, args.served_model_name)
     metrics = AttentionMetrics(args.node, name)
     metrics.watch_cluster_state(lambda: rt.cluster_state)
     moe = RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)

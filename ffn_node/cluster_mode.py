@@ -54,7 +54,7 @@ def run_cluster_node(args) -> int:
         log.error("startup failed: %s", e)
         return 1
     a = rt.assignment
-    metrics = FFNMetrics(node.name, served_model_name(cfg, args.served_model_name), a.expert_lo, a.expert_hi,
+    metrics = FFNMetrics(node.name, served_model_name(cfg.model.path, args.served_model_name), a.expert_lo, a.expert_hi,
                          rt.model_cfg.num_layers)
     metrics.watch_cluster_state(lambda: rt.cluster_state)
     metrics.count_zero_experts(built["ffn"].layer(i).experts for i in rt.model_cfg.moe_layers)

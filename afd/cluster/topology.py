@@ -31,11 +31,12 @@ def cpu_threads(cfg: ClusterConfig, name: str) -> int:
     return max(1, usable_cpus() // sharing)
 
 
-def served_model_name(cfg: ClusterConfig, override: str | None = None) -> str:
-    """The model's name in the API and in every node's metrics labels."""
+def served_model_name(model_path: str, override: str | None = None) -> str:
+    """The model's name in the API and in every node's metrics labels: `--served-model-name`, else the
+    model path as given (the demo's own name for `demo`)."""
     if override:
         return override
-    return "demo-longcat-flash" if cfg.model.path == "demo" else cfg.model.path
+    return "demo-longcat-flash" if model_path == "demo" else model_path
 
 
 def with_overrides(cfg: ClusterConfig, model: str | None = None, http_port: int | None = None,

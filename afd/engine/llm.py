@@ -79,11 +79,10 @@ class LLM:
         """Text or token ids in (one prompt or a list); per prompt, the generated text and ids out."""
         texts, ids = self._prompt_ids(prompts)
         out = self.generate_ids(ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, progress=use_tqdm)
-        per = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids)
         eos = set(self.tokenizer.eos_token_ids if self.tokenizer and self.tokenizer.eos_token_ids
                   else self.cfg.eos_token_ids)
-        return [GenerateOutput(t, p, [CompletionOutput(0, self._decode(g), g, _finish(g, n, eos, ignore_eos))])
-                for t, p, g, n in zip(texts, ids, out, per)]
+        return [GenerateOutput(t, p, [CompletionOutput(0, self._decode(g), g, _finish(g, eos, ignore_eos))])
+                for t, p, g in zip(texts, ids, out)]
 
     def generate_ids(self, prompt_token_ids: list[list[int]], max_tokens: int | list[int],
                      temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -122,5 +121,5 @@ class LLM:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
 
-def _finish(ids: list[int], max_tokens: int, eos: set[int], ignore_eos: bool) -> str:
-    return "stop" if not ignore_eos and ids and ids[-1] in eos and len(ids) <= max_tokens else "length"
+def _finish(ids: list[int], eos: set[int], ignore_eos: bool) -> str:
+    return "stop" if not ignore_eos and ids and ids[-1] in eos else "length"
