@@ -17,7 +17,13 @@ import time
 import urllib.request
 
 from afd.cluster.config import ClusterConfig, Node, load
-from afd.cluster.overrides import DefaultsHelpFormatter, add_serving_overrides
+from afd.cluster.overrides import (
+    FOR_ATTENTION,
+    FOR_EVERY_NODE,
+    DefaultsHelpFormatter,
+    add_serving_overrides,
+    override_argv,
+)
 from afd.cluster.topology import with_overrides
 
 MODULES = {"attention": "attention_node.main", "ffn": "ffn_node.main"}
@@ -36,10 +42,6 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-_ALL_NODES = ("dtype", "served_model_name")
-_ATTENTION = ("host", "max_model_len", "max_num_seqs", "chat_template", "seed")
-
-
 def node_args(cfg_path: str, node: Node, args, first_attention: str) -> list[str]:
     """A node's command line: its place in the YAML plus the overrides that concern its role. The API
     key travels in the environment (AFD_API_KEY), never on a command line others can read in `ps`."""
@@ -48,11 +50,7 @@ def node_args(cfg_path: str, node: Node, args, first_attention: str) -> list[str
         out += ["--model", args.model]
     if args.port is not None and node.name == first_attention:
         out += ["--port", str(args.port)]
-    for key in _ALL_NODES + (_ATTENTION if node.role == "attention" else ()):
-        value = getattr(args, key, None)
-        if value is not None:
-            out += [f"--{key.replace('_', '-')}", str(value)]
-    return out
+    return out + override_argv(args, FOR_EVERY_NODE + (FOR_ATTENTION if node.role == "attention" else ()))
 
 
 def run(args) -> int:

@@ -57,3 +57,19 @@ def add_serving_overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per step")
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     g.add_argument("--seed", type=int, default=None, help="seed of unseeded requests' random sampling")
+
+
+FOR_EVERY_NODE = ("dtype", "served_model_name")
+"""The overrides every node command takes."""
+FOR_ATTENTION = ("host", "max_model_len", "max_num_seqs", "chat_template", "seed")
+"""The overrides only attention nodes take (the API key goes through the environment instead)."""
+
+
+def override_argv(args, keys: tuple[str, ...]) -> list[str]:
+    """The given overrides as a node command's flags, for those set on `args`."""
+    out: list[str] = []
+    for key in keys:
+        value = getattr(args, key, None)
+        if value is not None:
+            out += [f"--{key.replace('_', '-')}", str(value)]
+    return out

@@ -14,7 +14,15 @@ import tempfile
 
 import yaml
 
-from afd.cluster.overrides import DefaultsHelpFormatter, add_serving_overrides, parse_bytes_arg, positive_int
+from afd.cluster.overrides import (
+    FOR_ATTENTION,
+    FOR_EVERY_NODE,
+    DefaultsHelpFormatter,
+    add_serving_overrides,
+    override_argv,
+    parse_bytes_arg,
+    positive_int,
+)
 
 
 def add_parser(sub) -> None:
@@ -96,11 +104,8 @@ def run(args) -> int:
 def _exec_colocated(args) -> int:
     """Replaces this process with the colocated server: one process, as the flag promises."""
     argv = [sys.executable, "-m", "attention_node.main", "colocated", "--model", args.model,
-            "--device", args.device, "--port", str(args.port), "--kv-cache-bytes", str(args.kv_cache_bytes)]
-    for key in ("dtype", "host", "served_model_name", "max_model_len", "max_num_seqs", "chat_template", "seed"):
-        value = getattr(args, key)
-        if value is not None:
-            argv += [f"--{key.replace('_', '-')}", str(value)]
+            "--device", args.device, "--port", str(args.port), "--kv-cache-bytes", str(args.kv_cache_bytes),
+            *override_argv(args, FOR_EVERY_NODE + FOR_ATTENTION)]
     if args.dummy_weights:
         argv.append("--dummy-weights")
     if args.print_config:
