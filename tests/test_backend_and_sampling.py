@@ -15,7 +15,7 @@ from afd.engine.sampling import Sampler, SamplingParams
 
 def test_cpu_grouped_matmul_matches_per_group_reference():
     be = get_backend("cpu")
-    sizes = [3, 0, 5, 1]
+    sizes = torch.tensor([3, 0, 5, 1])
     x, w = torch.randn(9, 6), torch.randn(4, 6, 5)
     ref = torch.cat([x[0:3] @ w[0], x[3:8] @ w[2], x[8:9] @ w[3]])
     assert torch.allclose(be.grouped_matmul(x, w, sizes), ref)
@@ -36,7 +36,7 @@ def test_npu_backend_fails_clearly_without_torch_npu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_grouped_matmul():
     be = get_backend("cuda")
-    sizes = [16, 0, 32]
+    sizes = torch.tensor([16, 0, 32], device="cuda")
     x, w = torch.randn(48, 64, device="cuda"), torch.randn(3, 64, 32, device="cuda")
     ref = torch.cat([x[:16] @ w[0], x[16:] @ w[2]])
     assert torch.allclose(be.grouped_matmul(x, w, sizes), ref, atol=1e-3)

@@ -8,11 +8,11 @@ from abc import ABC, abstractmethod
 import torch
 
 
-def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
-    """One GEMM per non-empty group over its contiguous row slice of x."""
+def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """One GEMM per non-empty group over its contiguous row slice of x (reads the sizes on the host)."""
     out = x.new_empty(x.shape[0], w.shape[-1])
     start = 0
-    for g, n in enumerate(group_sizes):
+    for g, n in enumerate(group_sizes.tolist()):
         if n:
             torch.mm(x[start:start + n], w[g], out=out[start:start + n])
             start += n
@@ -57,8 +57,10 @@ class Backend(ABC):
         return (0, 0)
 
     @abstractmethod
-    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
-        """x [T, K] with rows sorted by group; w [G, K, N]; returns [T, N], group g's rows times w[g]."""
+    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """x [T, K] with rows sorted by group; w [G, K, N]; group_sizes [G] int64 row counts on x's device
+        (they stay there: a device backend never reads them on the host). Returns [T, N], group g's rows
+        times w[g]."""
 
     prefetch_by_default: bool = False
     """Whether FFN nodes prefetch weights unless the YAML says otherwise (see docs/benchmarks.md)."""

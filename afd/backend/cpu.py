@@ -33,7 +33,7 @@ class CpuBackend(Backend):
         flat[:n:step].sum()
         return n * flat.element_size()
 
-    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         # One GEMM per non-empty group over a contiguous row slice: on CPU this measures as fast as
         # torch._grouped_mm and has no alignment constraints.
         return grouped_matmul_by_slices(x, w, group_sizes)

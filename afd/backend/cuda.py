@@ -47,9 +47,9 @@ class CudaBackend(Backend):
     # bandwidth, and the real L2 tool (a cudaAccessPolicyWindow persisting region) is not reachable
     # from torch without the CUDA runtime API. Reasoned, not measured: see docs/benchmarks.md.
 
-    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
+    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         aligned = x.dtype in (torch.bfloat16,) and x.shape[1] % 8 == 0 and w.shape[-1] % 8 == 0
         if aligned and hasattr(torch, "_grouped_mm"):
-            offs = torch.tensor(group_sizes, device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            offs = group_sizes.cumsum(0, dtype=torch.int32)  # end row of each group
             return torch._grouped_mm(x, w, offs=offs)
         return grouped_matmul_by_slices(x, w, group_sizes)

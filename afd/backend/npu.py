@@ -56,8 +56,8 @@ class NpuBackend(Backend):
     def memory_info(self) -> tuple[int, int]:
         return torch.npu.mem_get_info(self._device)
 
-    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: list[int]) -> torch.Tensor:
-        group_list = torch.tensor(group_sizes, device=x.device, dtype=torch.int64)
+    def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        group_list = group_sizes.to(torch.int64)
         # split_item=2: one output tensor; group_type=0: groups along M; group_list_type=1: counts.
         (y,) = self._torch_npu.npu_grouped_matmul(
             [x], [w], group_list=group_list, split_item=2, group_type=0, group_list_type=1)

@@ -24,8 +24,9 @@ class Experts(nn.Module):
         self.lo, self.hi, self.n_routed, self.serves_zero = lo, hi, n_routed, serves_zero
         self.w13 = nn.Parameter(torch.empty(G, H, 2 * I))
         self.w2 = nn.Parameter(torch.empty(G, I, H))
-        self.last_counts: list[int] = [0] * G
-        """Tokens each local expert got in the last call (read by the FFN node's metrics)."""
+        self.last_counts = torch.zeros(G, dtype=torch.int64)
+        """[G] tokens each local expert got in the last call, on the device (the FFN node's metrics add
+        them up there and read them once per step)."""
 
     def forward(self, backend: Backend, x, weights, ids) -> torch.Tensor:
         """x [T, H], weights/ids [T, K] -> this holder's share of the MoE output [T, H]."""
@@ -35,7 +36,7 @@ class Experts(nn.Module):
         local = (flat >= self.lo) & (flat < self.hi)
         sel = local.nonzero().squeeze(1)
         order = sel[torch.argsort(flat[sel], stable=True)]  # (token, k) slots sorted by expert
-        sizes = torch.bincount(flat[order] - self.lo, minlength=self.hi - self.lo).tolist()
+        sizes = torch.bincount(flat[order] - self.lo, minlength=self.hi - self.lo)  # [G], stays on the device
         self.last_counts = sizes
         if order.numel():
             token = order // K

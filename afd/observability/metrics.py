@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -103,7 +104,7 @@ class FFNMetrics(_Metrics):
                                buckets=FINE_BUCKETS)
         self.tokens = self._make(Counter, "afd_ffn_tokens", "Tokens through this node's MoE layers.")
         self.prefetch_bytes = self._make(Counter, "afd_prefetch_bytes", "Expert weight bytes prefetched.")
-        self.expert_counts = [0] * (expert_hi - expert_lo)
+        self.expert_counts = torch.zeros(expert_hi - expert_lo, dtype=torch.int64)
         self._lo = expert_lo
         # Seconds per layer: a bounded label (a model has a few dozen layers), kept in plain lists since
         # a labelled Prometheus child costs a lock and a dict lookup per observation on the hot path.
@@ -113,9 +114,13 @@ class FFNMetrics(_Metrics):
         """Token assignments to identity experts: a device tensor once counted, read at scrape time."""
         self.registry.register(_Collector(self._collect))
 
-    def add_expert_tokens(self, sizes: list[int]) -> None:
-        for i, n in enumerate(sizes):
-            self.expert_counts[i] += n
+    def add_expert_tokens(self, sizes) -> None:
+        """sizes [G]: tokens per local expert, a device tensor (added up there and read at scrape time,
+        so the hot path has no host sync) or a list."""
+        sizes = torch.as_tensor(sizes)
+        if self.expert_counts.device != sizes.device:
+            self.expert_counts = self.expert_counts.to(sizes.device)
+        self.expert_counts += sizes
 
     def count_zero_experts(self, experts) -> None:
         """Counts identity-expert assignments on the expert holders (afd.model.experts.Experts) that apply
@@ -132,7 +137,7 @@ class FFNMetrics(_Metrics):
     def _collect(self):
         experts = CounterMetricFamily("afd_expert_tokens", "Token-expert assignments per routed expert.",
                                       labels=(*BASE_LABELS, "expert"))
-        for i, n in enumerate(self.expert_counts):
+        for i, n in enumerate(self.expert_counts.tolist()):
             experts.add_metric(self._values(str(self._lo + i)), n)
         yield experts
         zero = CounterMetricFamily("afd_zero_expert_tokens", "Token assignments to zero-computation (identity) "
