@@ -134,6 +134,17 @@ def layout(**kw) -> Callable[[dict], None]:
     return lambda c: c.setdefault("layout", {}).update(kw)
 
 
+def devices(*per_node: str | None, hosts: tuple[str, ...] = ()) -> Callable[[dict], None]:
+    """Node i's device per_node[i] (None: left out, so cpu), and its host hosts[i] where given."""
+    def edit(c: dict) -> None:
+        for n, dev in zip(c["nodes"], per_node):
+            if dev is not None:
+                n["device"] = dev
+        for n, host in zip(c["nodes"], hosts):
+            n["host"] = host
+    return edit
+
+
 # id, the mistake (an edit of valid(), raw file text, or None: no file at all), key path, the problem
 MISTAKES = [
     ("unknown-top-level-key", lambda c: c.update(servers=[]), "servers", "unknown key (known: cluster, model"),
@@ -155,6 +166,12 @@ MISTAKES = [
     ("bad-device", lambda c: node(1)(c).update(device="tpu:0"), "nodes[1].device",
      "expected cpu, cuda[:N] or npu[:N], got 'tpu:0'"),
     ("bad-device-index", lambda c: node(1)(c).update(device="cuda:x"), "nodes[1].device", "got 'cuda:x'"),
+    ("shared-gpu", devices("cuda:0", "cuda:0"), "nodes[1].device",
+     "ffn0 and attn0 (nodes[0].device 'cuda:0') both use cuda:0 on 127.0.0.1: give each node its own device"),
+    ("shared-gpu-other-roles", devices("cuda:0", "cuda:1", "cuda:1"), "nodes[2].device",
+     "ffn1 and ffn0 (nodes[1].device 'cuda:1') both use cuda:1 on 127.0.0.1"),
+    ("shared-npu-no-index-is-0", devices(None, "npu", "npu:0"), "nodes[2].device",
+     "ffn1 and ffn0 (nodes[1].device 'npu') both use npu:0 on 127.0.0.1"),
     ("attention-without-http", lambda c: node(0)(c)["ports"].pop("http"), "nodes[0].ports.http",
      "attention nodes need an http port"),
     ("ffn-with-http", lambda c: node(1)(c)["ports"].update(http=50010), "nodes[1].ports.http",
@@ -239,6 +256,35 @@ def test_check_config_rejects_mistake(check_config_runs, mistake_files, case_id,
     assert problem in r.stderr
     assert r.stderr.count("error:") == 1  # one message (the YAML parser's spans lines: where and what)
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("edit", [
+    devices("cuda:0", "cuda:1", "cuda:2"),
+    devices("cuda", "cuda:1", "npu"),  # a cuda and an npu index are different devices
+    devices("cuda:0", "cuda:0", "cuda:0", hosts=("10.0.0.1", "10.0.0.2", "gpu-host-3")),
+    devices("npu:0", "npu:0", hosts=("afd-attention-0.afd-attention", "afd-ffn-0.afd-ffn")),  # pods
+    devices("cpu", "cpu", "cpu"),  # CPU nodes share a host freely (and so does the base, all cpu)
+    devices(None, "cpu", "cuda:0"),
+], ids=["gpus-of-one-host", "default-index-and-types", "one-gpu-per-host", "one-npu-per-pod", "cpus",
+        "cpu-beside-gpu"])
+def test_nodes_on_their_own_devices_are_accepted(edit):
+    cfg = valid()
+    edit(cfg)
+    from_dict(cfg)
+
+
+def test_k8s_rendered_at_any_size_keeps_one_device_per_pod():
+    """Every pod is its own host, so the ConfigMap's nodes may all say npu:0 (render.py copies the device)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("afd_k8s_render", DEPLOY / "k8s" / "render.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    for a, f in ((1, 1), (3, 5)):
+        (cm,) = [d for d in render.render(render.load(), a, f) if d["kind"] == "ConfigMap"
+                 and "cluster.yaml" in d.get("data", {})]
+        cfg = from_dict(yaml.safe_load(cm["data"]["cluster.yaml"]), "rendered")
+        assert len({(n.host, n.device) for n in cfg.nodes}) == len(cfg.nodes) == a + f
 
 
 def test_from_dict_rejects_a_non_mapping():

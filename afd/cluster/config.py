@@ -41,7 +41,8 @@ class Node:
     host: str
     ports: Ports
     device: str = "cpu"
-    """cpu, cuda, cuda:N, npu or npu:N."""
+    """cpu, cuda, cuda:N, npu or npu:N (no N: 0). One node per accelerator on a host: two nodes with the same
+    host and device are refused (NCCL and HCCL drive a device from one process); CPU nodes share freely."""
     threads: int | None = None
     """torch intra-op threads; default on CPU: this host's usable CPUs (affinity and cgroup limit) shared
     evenly by its CPU nodes."""
@@ -230,6 +231,7 @@ def _positive(src: str, path: str, v, allow_zero: bool = False) -> None:
 class _Ctx:
     src: str
     seen_ports: dict = field(default_factory=dict)
+    seen_devices: dict = field(default_factory=dict)
 
 
 def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
@@ -241,6 +243,13 @@ def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
     dtype, _, idx = str(dev).partition(":")
     if dtype not in DEVICES or (idx and not idx.isdigit()):
         _fail(ctx.src, f"{path}.device", f"expected cpu, cuda[:N] or npu[:N], got {dev!r}")
+    if dtype != "cpu":  # hosts compare as written, as for ports; `cuda` is cuda:0 (Node.device_index)
+        where = (kw["host"], dtype, int(idx or 0))
+        if where in ctx.seen_devices:
+            _fail(ctx.src, f"{path}.device", f"{kw['name']} and {ctx.seen_devices[where]} both use {dtype}:{where[2]} "
+                                             f"on {kw['host']}: give each node its own device (NCCL and HCCL take "
+                                             "one process per device)")
+        ctx.seen_devices[where] = f"{kw['name']} (nodes[{i}].device {dev!r})"
     pk = _section(Ports, ctx.src, f"{path}.ports", kw["ports"], required=("control", "data"))
     for name, port in pk.items():
         if port is None:
