@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="both halves of the model in one process, behind the OpenAI API")
     p.add_argument("--model", required=True, help="HF checkpoint directory, or `demo`")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu", "auto"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu", "auto"],
+                   help="auto: npu if torch_npu sees one, else cuda if torch sees one, else cpu")
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("AFD_API_KEY"), help="require Bearer KEY on /v1 routes")

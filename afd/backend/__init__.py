@@ -2,16 +2,49 @@
 
 from __future__ import annotations
 
+import logging
+
 from afd.backend.base import Backend, DeviceUnavailable
 
 BACKENDS = ("cpu", "cuda", "npu")
 
+log = logging.getLogger("afd.backend")
+
+
+def resolve_device(name: str) -> str:
+    """`auto` as the device it means here: npu when torch_npu imports and sees an NPU, else cuda when
+    torch sees a GPU, else cpu. Any other name is returned as it is. The one place `auto` is decided."""
+    if name != "auto":
+        return name
+    if _npu_available():
+        return "npu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _npu_available() -> bool:
+    """torch_npu is imported here, on demand only: importing afd never imports a device SDK."""
+    try:
+        import torch
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception as e:
+        if isinstance(e, ModuleNotFoundError) and e.name == "torch_npu":
+            return False  # not installed
+        # installed but broken (a missing dependency, CANN's environment not set): say why, then skip it
+        log.warning("device auto: torch_npu is installed but does not import (%s: %s); not using npu",
+                    type(e).__name__, e)
+        return False
+    npu = getattr(torch, "npu", None)
+    try:
+        return npu is not None and bool(npu.is_available())
+    except Exception as e:  # a driver error is "no NPU here" for auto
+        log.warning("device auto: torch.npu.is_available() failed (%s: %s); not using npu", type(e).__name__, e)
+        return False
+
 
 def get_backend(name: str = "cpu", index: int = 0) -> Backend:
-    if name == "auto":
-        import torch
-
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    name = resolve_device(name)
     if name == "cpu":
         from afd.backend.cpu import CpuBackend
 
@@ -28,7 +61,9 @@ def get_backend(name: str = "cpu", index: int = 0) -> Backend:
 
 
 def check_device(name: str) -> None:
-    """Raises DeviceUnavailable (one line) unless `name`'s device is here: before any process starts."""
+    """Raises DeviceUnavailable (one line) unless `name`'s device is here: before any process starts.
+    `auto` is checked as the device it resolves to (resolve_device)."""
+    name = resolve_device(name)
     if name == "cuda":
         import torch
 
@@ -40,8 +75,8 @@ def check_device(name: str) -> None:
 
         if importlib.util.find_spec("torch_npu") is None:
             raise DeviceUnavailable("device npu: torch_npu is not installed (Ascend needs CANN and torch_npu)")
-    elif name not in ("cpu", "auto"):
+    elif name != "cpu":
         raise DeviceUnavailable(f"unknown device {name!r}; expected one of {', '.join(BACKENDS)} or 'auto'")
 
 
-__all__ = ["Backend", "BACKENDS", "DeviceUnavailable", "check_device", "get_backend"]
+__all__ = ["Backend", "BACKENDS", "DeviceUnavailable", "check_device", "get_backend", "resolve_device"]
