@@ -1,0 +1,1 @@
+"""Fake torchair.configs (tests only): the CompilerConfig options afd may set."""
