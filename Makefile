@@ -7,7 +7,7 @@ STAMP := $(VENV)/.afd-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow fuzz run lint format clean proto
+.PHONY: setup test test-slow test-device fuzz run lint format clean proto
 
 setup: $(STAMP)
 
@@ -32,6 +32,14 @@ fuzz: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+
+# On a CUDA GPU or an Ascend NPU (torch_npu in the venv): afd on the device against the CPU reference, at most
+# 8 minutes on one device (tests/device/check.py says what it checks); the table is printed and written to
+# docs/bench/device/. Without an accelerator every device check skips with its reason, nothing is written, and
+# it exits 0. DEVICE_CHECK_ARGS: e.g. --checks gemm, --quick, --no-write, --device cpu (a dry run on the CPU).
+DEVICE_CHECK_ARGS ?=
+test-device: setup
+	$(BIN)/python tests/device/check.py $(DEVICE_CHECK_ARGS)
 
 run: setup
 	$(BIN)/afd launch deploy/local.yaml --curl-example

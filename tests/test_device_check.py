@@ -1,0 +1,141 @@
+"""`make test-device` (tests/device/check.py) on a machine without an accelerator: it reports the
+environment, says why every device check skips, exits 0 and writes nothing. Its parts that need no
+device, on made-up inputs: the report writer, the pytest report reader, teacher forcing and the verdicts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICE = ROOT / "tests" / "device"
+sys.path.insert(0, str(DEVICE))
+
+import check as device_check  # noqa: E402
+from device_report import SCHEMA, Result, write_report  # noqa: E402
+
+
+def _accelerator_here() -> bool:
+    return torch.cuda.is_available() or importlib.util.find_spec("torch_npu") is not None
+
+
+@pytest.mark.skipif(_accelerator_here(), reason="an accelerator is here: `make test-device` runs the real checks")
+def test_without_an_accelerator_every_device_check_skips_with_the_reason_and_nothing_is_written():
+    out = ROOT / "docs" / "bench" / "device"
+    before = sorted(out.iterdir()) if out.exists() else []
+    # pytest on the device tests is left out: it is a pytest run inside this one, and its verdict is theirs
+    r = subprocess.run([sys.executable, str(DEVICE / "check.py"), "--checks", "colocated,gemm,1a1f"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "== environment" in r.stdout and re.search(rf"^ +torch +{re.escape(torch.__version__)}$", r.stdout, re.M)
+    why = re.search(r"no accelerator here, so every device check was skipped: (.+)", r.stdout)
+    assert why and ("CPU-only build" in why.group(1) or "is_available() is False" in why.group(1)), r.stdout
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ") and not ln.startswith(("| check", "| ---"))]
+    assert len(rows) == 4 and all(" | skip | " in ln and "no accelerator: " in ln for ln in rows), rows
+    assert "nothing written" in r.stdout
+    assert (sorted(out.iterdir()) if out.exists() else []) == before
+
+
+def test_report_is_a_well_formed_table_and_json(tmp_path):
+    env = {"date": "2025-06-01T10:00:00+00:00", "torch": "2.13.0", "device_type": "cuda", "device_count": 2,
+           "devices": [{"index": i, "name": "NVIDIA H200", "capability": "9.0"} for i in range(2)]}
+    results = [Result("colocated bfloat16 vs CPU fp32", "pass", "top-1 on 99.8% of steps",
+                      {"steps": 512, "top1_strict": 0.977, "logits_err_max": float("nan")}, 12.3),
+               Result("grouped GEMM float32 G=1", "fail", "rel err 0.01 > 0.0001 | a pipe\nand a newline",
+                      {"grouped_ms": float("inf")}, 0.5),
+               Result("1A1F over NCCL via the OpenAI API", "skip", "1 cuda device here: 1A1F needs 2")]
+    md, js = write_report(tmp_path, env, results, ["check.py"], 42.0)
+    assert (md.name, js.name) == ("2x-nvidia-h200-2025-06-01.md", "2x-nvidia-h200-2025-06-01.json")
+
+    def not_json(const):
+        raise AssertionError(f"{const} is not JSON")
+
+    doc = json.loads(js.read_text(), parse_constant=not_json)
+    assert doc["schema"] == SCHEMA and doc["summary"] == {"pass": 1, "fail": 1, "skip": 1}
+    assert [(c["check"], c["status"]) for c in doc["checks"]] == [(r.check, r.status) for r in results]
+    assert doc["checks"][0]["figures"] == {"steps": 512, "top1_strict": 0.977, "logits_err_max": "nan"}
+    assert doc["checks"][2]["reason"] == results[2].reason and doc["environment"] == env
+
+    table = [ln for ln in md.read_text().splitlines() if ln.startswith("|")]
+    assert len(table) == 2 + len(results)
+    assert all(len(re.findall(r"(?<!\\)\|", ln)) == 6 for ln in table), table  # 5 cells; escaped pipes aside
+    assert [ln.split(" | ")[1] for ln in table[2:]] == ["pass", "fail", "skip"]
+    assert "a pipe and a newline" in table[3]
+
+    again = write_report(tmp_path, env, results, ["check.py"], 1.0)  # the same day: a new file, not over the first
+    assert [p.name for p in again] == ["2x-nvidia-h200-2025-06-01-2.md", "2x-nvidia-h200-2025-06-01-2.json"]
+
+
+def test_pytest_report_reader(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text("""<testsuites><testsuite name="pytest">
+<testcase classname="tests.test_cuda" name="test_a"><skipped message="needs a CUDA device">x</skipped></testcase>
+<testcase classname="tests.test_cuda" name="test_b"/>
+<testcase classname="tests.t" name="test_c"><failure message="assert 1 == 2&#10;where">tb</failure></testcase>
+<testcase classname="tests.t" name="test_d"><error message="">tb</error></testcase>
+</testsuite></testsuites>""")
+    got = device_check.parse_junit(xml)
+    assert {k: got[k] for k in ("passed", "failed", "skipped")} == {"passed": 1, "failed": 2, "skipped": 1}
+    assert got["skips"] == ["needs a CUDA device"]
+    assert got["failures"] == ["tests.t::test_c: assert 1 == 2", "tests.t::test_d: "]
+
+
+class _FakeLLM:
+    """Greedy decoding of `truth`, except that it picks truth[k] + 1 at the steps in `flips` (when its
+    history is the reference's) and 0 after that; each step's logits are [k], to check the alignment."""
+
+    def __init__(self, prompt: list[int], truth: list[int], flips: set[int]):
+        self.prompt, self.truth, self.flips, self.calls = prompt, truth, flips, 0
+
+    def generate_ids(self, prompts, max_tokens, ignore_eos, logits_out):
+        self.calls += 1
+        outs = []
+        for p, n in zip(prompts, max_tokens):
+            start = len(p) - len(self.prompt)
+            assert p == self.prompt + self.truth[:start]  # restarted from the reference's own history
+            ids, off = [], False
+            for k in range(start, start + n):
+                ids.append(0 if off else self.truth[k] + 1 if k in self.flips else self.truth[k])
+                off = off or k in self.flips
+            outs.append(ids)
+            logits_out.append([torch.tensor([float(k)]) for k in range(start, start + n)])
+        return outs
+
+
+def test_teacher_forcing_restarts_from_the_reference_after_each_disagreement():
+    truth = [11, 12, 13, 14, 15, 16, 17, 18]
+    llm = _FakeLLM([5, 6], truth, flips={2, 5})
+    tokens, logits, rounds = device_check.teacher_forced(llm, [[5, 6]], [truth])
+    assert tokens == [[11, 12, 14, 14, 15, 17, 17, 18]]
+    assert [x.item() for x in logits[0]] == list(range(8)) and rounds == llm.calls == 3
+
+    cut = device_check.teacher_forced(_FakeLLM([5, 6], truth, set(range(8))), [[5, 6]], [truth], max_rounds=3)
+    assert len(cut[0][0]) == 3 and cut[2] == 3  # cut short: the verdict then fails it
+
+
+def _steps(n: int, misses: int, gap: float, err: float = 1e-4) -> list:
+    """n compared steps over a 4-token vocabulary; `misses` of them pick a token `gap` below the top-1."""
+    ref = torch.tensor([0.0, 10.0, 10.0 - 10 * gap, 1.0])
+    return [device_check.compare_step(f"s{k}", 2 if k < misses else 1, ref + err * 10, 1, ref) for k in range(n)]
+
+
+def test_verdicts():
+    judge = device_check.judge_colocated
+    assert judge("fp32", "float32", _steps(100, 0, 0.5), 0, []).status == "pass"
+    fp32_miss = judge("fp32", "float32", _steps(100, 1, 0.001), 1, [])
+    assert fp32_miss.status == "fail" and "tokens differ at 1 steps (first: s0)" in fp32_miss.reason
+    assert judge("fp32", "float32", _steps(10, 0, 0.5, err=0.01), 0, []).status == "fail"  # logits off
+    # bf16: a near-tie flip is agreement; 1 decisive flip in 100 is 99 %; 2 are not enough
+    near = judge("bf16", "bfloat16", _steps(100, 50, device_check.TIE / 2, err=0.01), 5, [])
+    assert near.status == "pass" and near.figures["top1_strict"] == 0.5 and near.figures["top1_up_to_ties"] == 1
+    assert judge("bf16", "bfloat16", _steps(100, 1, 0.5), 1, []).status == "pass"
+    assert judge("bf16", "bfloat16", _steps(100, 2, 0.5), 2, []).status == "fail"
+    assert judge("bf16", "bfloat16", _steps(100, 0, 0.5, err=0.03), 0, []).status == "fail"  # median too far
+    assert "cut short" in judge("bf16", "bfloat16", _steps(10, 0, 0.5), 5, ["x prompt 0"]).reason
