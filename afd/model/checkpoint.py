@@ -161,11 +161,37 @@ def _load(weights: list[Weight], reader: Reader, desc: str) -> None:
             bar.update()
 
 
+def kept_in_fp32(module: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+    """Name suffixes of the tensors of a half that stay fp32 when it serves `dtype`: transformers' rule
+    (`PreTrainedModel._get_dtype_plan`), whose `_keep_in_fp32_modules` apply to fp16 only (a bf16 model
+    holds them in bf16) and `_keep_in_fp32_modules_strict` to fp16 and bf16. A family states its lists
+    as `keep_in_fp32` / `keep_in_fp32_strict` on the half, under afd's parameter names."""
+    keep: tuple[str, ...] = ()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep += tuple(getattr(module, "keep_in_fp32_strict", ()))
+    if dtype == torch.float16:
+        keep += tuple(getattr(module, "keep_in_fp32", ()))
+    return keep
+
+
+def _cast(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Every floating tensor to `dtype` on `device`, but the kept ones to fp32 from the values as loaded:
+    HF reads those from the checkpoint at full precision, so they must not pass through `dtype`."""
+    keep = kept_in_fp32(module, dtype)
+    kept = {name: t.detach().clone() for name, t in [*module.named_parameters(), *module.named_buffers()]
+            if keep and name.endswith(keep)}
+    module.to(device=device, dtype=dtype)
+    tensors = dict([*module.named_parameters(), *module.named_buffers()])
+    for name, t in kept.items():
+        tensors[name].data = t.to(device)
+
+
 def _build(module: nn.Module, weights, reader: Reader, desc: str, dtype: torch.dtype,
            device: torch.device) -> nn.Module:
-    module = module.to_empty(device="cpu")
+    module = module.to_empty(device="cpu")  # fp32: every checkpoint dtype loads into it exactly
     _load(list(weights(module)), reader, desc)
-    module = module.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    _cast(module, dtype, device)
+    module = module.eval().requires_grad_(False)
     if hasattr(module, "post_load"):
         module.post_load()
     return module

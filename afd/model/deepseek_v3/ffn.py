@@ -1,6 +1,7 @@
 """The FFN half of DeepSeek-V3: per MoE layer, the router and the routed experts this node holds.
 
-Routing follows HF's DeepseekV3TopkRouter exactly (noaux_tc): fp32 sigmoid scores; the correction bias
+Routing follows HF's DeepseekV3TopkRouter exactly (noaux_tc): fp32 sigmoid scores (classifier and
+correction bias stay fp32 at the checkpoint's precision in a bf16 model, as HF keeps them); the bias
 steers the choice only; experts split into G groups, each scored by the sum of its top-2 biased
 scores; the best topk_group groups stay; top-K over their experts; weights = the unbiased scores of
 the chosen, normalised if norm_topk_prob, times routed_scaling_factor.
@@ -55,6 +56,10 @@ class FFNLayer(nn.Module):
 class FFNHalf(nn.Module):
     """The MoE layers of the model (cfg.moe_layers), holding routed experts [lo, hi) (all by default)."""
 
+    keep_in_fp32_strict = ("router.classifier.weight", "router.e_score_correction_bias")
+    """HF's `_keep_in_fp32_modules_strict` (`gate.weight`, `e_score_correction_bias`): in a bf16 or fp16
+    model the whole router stays fp32 at the checkpoint's precision, bias included (afd.model.checkpoint)."""
+
     def __init__(self, cfg: DeepseekV3Config, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
         super().__init__()
         hi = cfg.n_routed_experts if hi is None else hi
@@ -74,6 +79,3 @@ class FFNHalf(nn.Module):
         weights, ids = layer.router(m)
         return layer.experts(backend, m, weights, ids)
 
-    def post_load(self) -> None:
-        for layer in self.layers:  # the router stays fp32, as HF keeps it (_keep_in_fp32_modules_strict)
-            layer.router.float()

@@ -43,6 +43,9 @@ class FFNLayer(nn.Module):
 class FFNHalf(nn.Module):
     """All MoE layers of the model, holding routed experts [lo, hi) (all of them by default)."""
 
+    keep_in_fp32 = ("router.classifier.weight",)
+    """HF's `_keep_in_fp32_modules` (`classifier.weight`): unrounded in an fp16 model, bf16 in a bf16 one."""
+
     def __init__(self, cfg: LongcatFlashConfig, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
         super().__init__()
         hi = cfg.n_routed_experts if hi is None else hi
@@ -62,5 +65,8 @@ class FFNHalf(nn.Module):
         return layer.experts(backend, m, weights, ids)
 
     def post_load(self) -> None:
-        for layer in self.layers:  # the router stays fp32, as HF computes it
+        # HF holds the classifier and the correction bias in the model dtype (LongCat's fp32 list is
+        # not strict: a bf16 model rounds both to bf16) and upcasts them in the router's forward;
+        # upcasting the rounded values once here gives the same fp32 numbers.
+        for layer in self.layers:
             layer.router.float()
