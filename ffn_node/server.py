@@ -58,11 +58,11 @@ class FFNServer:
         self.hidden = ffn.cfg.hidden_size
         self.timers = timers or Timers()
         self.pool = BufferPool(backend.device, dtype)
-        self._headers = {r: torch.empty(HEADER_LEN, dtype=torch.int64) for r in attention_ranks}
+        self._headers = {r: torch.empty(HEADER_LEN, dtype=torch.int64, device=backend.device) for r in attention_ranks}
         self.layer_hook = layer_hook
         """Called as hook(layer) -> bytes while waiting for that layer's inputs (afd.dataplane.prefetch)."""
         self.metrics = metrics
-        self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64)
+        self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=backend.device)
         self.steps = 0
         self.tokens = 0
         self._mark = time.perf_counter()
@@ -79,6 +79,7 @@ class FFNServer:
 
     def serve(self) -> ServeEnd:
         """Runs until no attention peer is left on this generation, or one asks for shutdown."""
+        self.backend.bind_thread()
         self._mark = time.perf_counter()  # time outside serve (a re-formation) is not the loop's
         try:
             return self._serve()
@@ -116,6 +117,12 @@ class FFNServer:
             log.log(level, "attention rank %d dropped from generation %d: %s; serving %d other(s)", r,
                     self.plane.generation, why, len(self.active))
 
+    def _fail(self, r: int, e: PeerError) -> None:
+        self._drop(r, str(e))
+        if self.backend.peer_failure_breaks_group:  # the communicators are aborted: nobody is served on them
+            for other in list(self.active):
+                self._drop(other, f"{self.backend.dist_backend} aborted the group when rank {r} failed")
+
     def _post(self, op, tensor: torch.Tensor, r: int):
         """isend/irecv to a live peer; _FAILED (and the peer dropped) when it is gone."""
         if r not in self.active:
@@ -123,7 +130,7 @@ class FFNServer:
         try:
             return op(tensor, r)
         except PeerError as e:
-            self._drop(r, str(e))
+            self._fail(r, e)
             return _FAILED
 
     def _wait(self, work, r: int, what: str) -> bool:
@@ -133,7 +140,7 @@ class FFNServer:
             self.plane.wait(work, r, what)
             return True
         except PeerError as e:
-            self._drop(r, str(e))
+            self._fail(r, e)
             return False
 
     # ---- time: compute, and everything else as idle --------------------------------------------------

@@ -16,14 +16,21 @@ def test_colocated_generation_on_cuda_equals_cpu(tiny_checkpoint):
     assert afd.LLM(tiny_checkpoint, device="cuda").generate_ids(PROMPTS, 16) == ref
 
 
-def test_cuda_backend_streams_and_events():
+def test_engine_thread_binds_the_nodes_device():
+    """The current device is per thread: a node on device 1 whose engine thread never binds it would
+    record events and synchronize on device 0."""
+    import threading
+
     from afd.backend import get_backend
 
-    be = get_backend("cuda")
-    x = torch.randn(256, 256, device=be.device)
-    ev = be.record_event()
-    with be.stream_scope(be.comm_stream()):
-        be.wait_event(ev, be.comm_stream())
-        y = x @ x
-    be.synchronize()
-    assert torch.allclose(y, x @ x)
+    be = get_backend("cuda", torch.cuda.device_count() - 1)
+    seen = []
+
+    def work():
+        be.bind_thread()
+        seen.append(torch.cuda.current_device())
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen == [be.device.index]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -18,6 +17,12 @@ def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torc
             start += n
     return out
 
+
+
+def bind_device(device: torch.device) -> None:
+    """The calling thread's current device becomes `device` (nothing to do on CPU)."""
+    if device.type != "cpu":
+        getattr(torch, device.type).set_device(device)
 
 
 class DeviceUnavailable(ValueError):
@@ -37,20 +42,20 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Wait for all queued device work (no-op where ops are synchronous)."""
 
-    def comm_stream(self):
-        """The side stream data-plane ops are issued on, or None where the transport is already async."""
-        return None
+    def bind_thread(self) -> None:
+        """Make this node's device the calling thread's current device. The current device is per
+        thread on CUDA and on Ascend (aclrtSetDevice binds the calling thread), so every thread that
+        issues device work calls this first; otherwise implicit-device calls act on device 0."""
+        bind_device(self.device)
 
-    def stream_scope(self, stream) -> contextlib.AbstractContextManager:
-        """Make `stream` current for the ops issued inside the scope."""
-        return contextlib.nullcontext()
+    peer_failure_breaks_group: bool = False
+    """Whether one failed or timed-out peer leaves the whole process group unusable. NCCL and HCCL abort
+    the communicators when a blocking wait times out; gloo fails only the pair that broke."""
 
-    def record_event(self):
-        """An event marking the work queued so far on the current stream (None where not needed)."""
-        return None
-
-    def wait_event(self, event, stream=None) -> None:
-        """Order `stream` (default: current) after `event`."""
+    def comm_env(self) -> dict[str, str]:
+        """Environment variables the data plane needs before its process group forms (so that every
+        wait's timeout holds); checked and set by afd.dataplane.transport."""
+        return {}
 
     def memory_info(self) -> tuple[int, int]:
         """(free, total) bytes of device memory."""

@@ -1,4 +1,4 @@
-"""The CUDA backend: NCCL data plane on a dedicated stream, torch._grouped_mm for experts."""
+"""The CUDA backend: NCCL data plane (its own streams, ordered by ProcessGroupNCCL), torch._grouped_mm for experts."""
 
 from __future__ import annotations
 
@@ -16,29 +16,24 @@ class CudaBackend(Backend):
             raise DeviceUnavailable(f"device cuda: no CUDA device is visible (torch {torch.__version__}: "
                                     "torch.cuda.is_available() is False)")
         self._device = torch.device("cuda", index)
-        torch.cuda.set_device(self._device)
-        self._comm = torch.cuda.Stream(device=self._device)
+        self.bind_thread()
 
     @property
     def device(self) -> torch.device:
         return self._device
 
+    # A blocking wait times out and aborts the communicators; without it wait() only orders streams and a
+    # dead peer hangs the next host read. With it, TORCH_NCCL_ASYNC_ERROR_HANDLING is off (no watchdog
+    # kills the process): the node reports the PeerError and re-forms. source: pytorch
+    # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ProcessGroupNCCL::ProcessGroupNCCL and
+    # WorkNCCL::synchronize (torch 2.4-2.13), and docs/architecture.md "Devices, streams and timeouts".
+    peer_failure_breaks_group = True
+
+    def comm_env(self) -> dict[str, str]:
+        return {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)
-
-    def comm_stream(self):
-        return self._comm
-
-    def stream_scope(self, stream):
-        return torch.cuda.stream(stream)
-
-    def record_event(self):
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
-
-    def wait_event(self, event, stream=None) -> None:
-        (stream or torch.cuda.current_stream()).wait_event(event)
 
     def memory_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self._device)
@@ -47,9 +42,39 @@ class CudaBackend(Backend):
     # bandwidth, and the real L2 tool (a cudaAccessPolicyWindow persisting region) is not reachable
     # from torch without the CUDA runtime API. Reasoned, not measured: see docs/benchmarks.md.
 
+    @staticmethod
+    def grouped_mm_fast_path(torch_version: str, capability: tuple[int, int] | None, hip: bool,
+                             dtype: torch.dtype, k: int, n: int) -> bool:
+        """Whether torch._grouped_mm runs its fused kernel (offsets stay on the device) for x [T, k] @ w [G, k, n]
+        of `dtype`, contiguous, on a GPU of compute `capability` under `torch_version`. Elsewhere it raises
+        (torch 2.8) or takes a fallback that copies the offsets to the host and loops over groups (2.9 on),
+        which is what grouped_matmul_by_slices does without its alignment and dtype rules."""
+        # source: pytorch aten/src/ATen/native/cuda/Blas.cpp (_grouped_mm_cuda, torch 2.8: a device check
+        #   _scaled_mm_allowed_device(sm90_only=true), i.e. major == 9, else "torch._grouped_mm is only supported
+        #   on CUDA devices with compute capability = 9.0"; bf16 only), quoted in
+        #   https://github.com/huggingface/transformers/issues/47999; fallback added by
+        #   https://github.com/pytorch/pytorch/pull/161407 and /162059 (torch 2.9).
+        # source: pytorch aten/src/ATen/native/cuda/GroupedBlas.cpp (_grouped_mm_cuda: fast path iff
+        #   sm90_only or sm100_only device, i.e. major 9 or 10, and bf16 inputs and output) and
+        #   aten/src/ATen/native/GroupedMMUtils.h (check_valid_strides_and_return_transposed: the major stride
+        #   a multiple of 16 bytes), https://github.com/pytorch/pytorch, main at 00d4eaf9 (GroupedBlas.cpp) and
+        #   2295ac79 (GroupedMMUtils.h), 2026.
+        # Pre-releases count as the previous release (TorchVersion("2.9.0a0") < (2, 9)): conservative.
+        from torch.torch_version import TorchVersion
+
+        version = TorchVersion(torch_version)
+        if hip or capability is None or version < (2, 8) or dtype != torch.bfloat16:
+            return False  # ROCm: 2.8 refuses, later only CK builds on some gfx take a fused path
+        if capability[0] not in ((9,) if version < (2, 9) else (9, 10)):
+            return False
+        return k > 0 and n > 0 and (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
+
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        aligned = x.dtype in (torch.bfloat16,) and x.shape[1] % 8 == 0 and w.shape[-1] % 8 == 0
-        if aligned and hasattr(torch, "_grouped_mm"):
-            offs = group_sizes.cumsum(0, dtype=torch.int32)  # end row of each group
+        fast = (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and x.is_contiguous() and w.is_contiguous()
+                and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0  # GroupedMMUtils.h: 16-byte aligned data
+                and self.grouped_mm_fast_path(torch.__version__, torch.cuda.get_device_capability(x.device),
+                                              bool(torch.version.hip), x.dtype, x.shape[1], w.shape[-1]))
+        if fast:
+            offs = group_sizes.cumsum(0, dtype=torch.int32)  # end row of each group; offsets must be int32
             return torch._grouped_mm(x, w, offs=offs)
         return grouped_matmul_by_slices(x, w, group_sizes)

@@ -110,14 +110,14 @@ class RemoteMoE:
         self.plane, self.ffn_ranks, self.hidden = plane, ffn_ranks, hidden
         self.timers = timers or Timers()
         self.pool = BufferPool(device, dtype)
-        self._header = torch.empty(HEADER_LEN, dtype=torch.int64)
+        self._header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
         self._header_sends: list = []
-        self._acks = {f: torch.empty(IDLE_ACK_LEN, dtype=torch.int64) for f in ffn_ranks}
+        self._acks = {f: torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=device) for f in ffn_ranks}
         self.step_id = 0
         self.bytes_sent = 0
 
     def _send_header(self, header: StepHeader) -> None:
-        header.encode(self._header)
+        self._header.copy_(header.encode())  # the last header's sends were waited for in end_step
         self._header_sends = [(f, self.plane.isend(self._header, f), "step header send") for f in self.ffn_ranks]
 
     def begin_step(self, tokens_per_micro_batch: list[int]) -> None:

@@ -1,8 +1,17 @@
-"""The data plane: point-to-point tensors over one torch.distributed process group.
+"""The data plane: point-to-point device tensors over torch.distributed process groups.
 
-gloo on CPU (its isend/irecv already run off the compute thread), NCCL on CUDA and HCCL on NPU, where
-ops are issued on the backend's communication stream after an event from the compute stream.
-Every wait has a timeout, and a failed or timed-out op raises PeerError naming the peer.
+gloo on CPU, NCCL on CUDA, HCCL on NPU. Every message is a tensor on the node's device (headers too:
+NCCL and HCCL groups take device tensors only). Ops are issued from the thread that computed the
+tensors, with that thread's current stream: the process group orders its own communication stream after
+it and keeps the tensor alive for the transfer, so no side stream is needed (docs/architecture.md,
+"Devices, streams and timeouts").
+
+Two groups over the same ranks, one per direction: messages to a higher rank go on one, to a lower rank
+on the other. NCCL and HCCL run a pair's sends and receives on one stream in issue order, so with one
+group a send queued behind a pending receive (ping-pong's next micro-batch behind the last one's result).
+
+Every wait has a timeout that holds (the backend's comm_env makes NCCL/HCCL waits blocking), and a failed
+or timed-out op raises PeerError naming the peer.
 """
 
 from __future__ import annotations
@@ -101,6 +110,17 @@ def _bind_gloo(bind_host: str | None) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
 
 
+def apply_comm_env(backend: Backend) -> None:
+    """Sets the variables the backend's process group needs for timeouts that hold; refuses a value the
+    user set against them (naming the variable), since the group reads them once, at creation."""
+    for key, want in backend.comm_env().items():
+        have = os.environ.get(key)
+        if have is not None and have != want:
+            raise ValueError(f"environment: {key}={have}, but the {backend.dist_backend} data plane needs "
+                             f"{key}={want} so that a dead peer ends in a timeout instead of a hang; unset it")
+        os.environ[key] = want
+
+
 class DataPlane:
     """One generation of the data plane. A node that is replaced makes every node form the next
     generation: same ranks, its own key prefix in the same store."""
@@ -111,12 +131,14 @@ class DataPlane:
         authenticated) control plane, so a process that only reaches the store cannot join it."""
         self.backend, self.rank, self.world_size, self.generation = backend, rank, world_size, generation
         self.timeout = timedelta(seconds=timeout_s)
-        self._stream = backend.comm_stream()
         t0 = time.monotonic()
+        apply_comm_env(backend)
         if backend.dist_backend == "gloo":
             _bind_gloo(bind_host)
         dist.init_process_group(backend.dist_backend, store=dist.PrefixStore(f"afd/g{generation}/{formation}", store),
                                 rank=rank, world_size=world_size, timeout=self.timeout)
+        self._upward = dist.group.WORLD
+        self._downward = dist.new_group(list(range(world_size)), timeout=self.timeout, backend=backend.dist_backend)
         log.info("data plane up: rank %d of %d over %s, generation %d, in %.2fs", rank, world_size,
                  backend.dist_backend, generation, time.monotonic() - t0)
 
@@ -139,23 +161,18 @@ class DataPlane:
                 raise PeerError(f"data plane: rank {p} failed the handshake: it does not hold this cluster's "
                                 "token (AFD_CLUSTER_TOKEN)", p)
 
-    def _issue(self, op, tensor: torch.Tensor, peer: int):
+    def _issue(self, op, tensor: torch.Tensor, peer: int, upward: bool):
         try:
-            if self._stream is None:
-                return op(tensor, peer)
-            ready = self.backend.record_event()
-            with self.backend.stream_scope(self._stream):
-                self.backend.wait_event(ready, self._stream)
-                return op(tensor, peer)
+            return op(tensor, peer, group=self._upward if upward else self._downward)
         except RuntimeError as e:  # gloo refuses to post on a pair whose peer is already gone
             raise PeerError(f"data plane: {op.__name__} to rank {peer} failed ({_first_line(e)}); "
                             f"the peer process is probably gone", peer) from None
 
     def isend(self, tensor: torch.Tensor, peer: int):
-        return self._issue(dist.isend, tensor, peer)
+        return self._issue(dist.isend, tensor, peer, upward=peer > self.rank)
 
     def irecv(self, tensor: torch.Tensor, peer: int):
-        return self._issue(dist.irecv, tensor, peer)
+        return self._issue(dist.irecv, tensor, peer, upward=self.rank > peer)
 
     def wait(self, work, peer: int, what: str) -> None:
         try:

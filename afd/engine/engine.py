@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.backend.base import bind_device
 from afd.dataplane.transport import PeerError
 from afd.engine.logits import History
 from afd.engine.membership import PlaneMembership
@@ -114,6 +115,7 @@ class Engine:
     def _loop(self) -> None:
         backoff = 0.0
         try:
+            bind_device(self.runner.device)  # the current device is per thread; this one issues the device work
             while not self._stop.is_set():
                 failed = None
                 try:

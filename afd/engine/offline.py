@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from afd.backend.base import bind_device
 from afd.dataplane.exchange import MoEExchange
 from afd.engine.engine import Engine, StepStats
 from afd.engine.kv_cache import KVCache, blocks_needed
@@ -79,6 +80,7 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], pa
             for i, (p, n) in enumerate(zip(prompts, max_tokens))]
     for req in reqs:
         engine.add_request(req)
+    bind_device(engine.runner.device)  # steps run in the caller's thread, maybe not the one that made the backend
     with Progress(len(reqs), "generating", "prompts", enabled=progress) as bar:
         while engine.has_unfinished():
             stats = engine.step()

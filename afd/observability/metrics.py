@@ -12,6 +12,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from afd.backend.base import bind_device
+
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -137,6 +139,7 @@ class FFNMetrics(_Metrics):
     def _collect(self):
         experts = CounterMetricFamily("afd_expert_tokens", "Token-expert assignments per routed expert.",
                                       labels=(*BASE_LABELS, "expert"))
+        bind_device(self.expert_counts.device)  # the scrape thread reads a device tensor: bind first
         for i, n in enumerate(self.expert_counts.tolist()):
             experts.add_metric(self._values(str(self._lo + i)), n)
         yield experts

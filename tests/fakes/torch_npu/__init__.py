@@ -1,0 +1,46 @@
+"""A fake torch_npu for CPU tests (tests/fakes is put on sys.path only by tests that ask for it).
+
+Importing it does what importing torch_npu does for afd: registers the "npu" device and `torch.npu`
+(device.py), the "hccl" process group (hccl.py) and the fused ops afd calls (ops.py). Each module says
+which behaviour of the real package it reproduces, and where that behaviour is documented.
+"""
+
+import atexit
+import json
+import os
+import threading
+import time
+
+from . import device as npu
+from . import hccl
+from .ops import npu_grouped_matmul, npu_prefetch  # noqa: F401  (afd calls them as torch_npu.<op>)
+
+__version__ = "0.0.0+fake"
+
+npu.install()
+hccl.install()
+
+
+def report() -> dict:
+    return {"device": {k: v for k, v in npu.STATS.items()}, "hccl": dict(hccl.STATS)}
+
+
+def _write_report() -> None:
+    path = os.environ.get("AFD_FAKE_NPU_REPORT")
+    if path:
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report(), f)
+        os.replace(tmp, f"{path}.{os.getpid()}.json")
+
+
+def _keep_writing() -> None:
+    # afd's nodes leave by os._exit (no atexit): the report is rewritten twice a second instead
+    while True:
+        _write_report()
+        time.sleep(0.5)
+
+
+atexit.register(_write_report)
+if os.environ.get("AFD_FAKE_NPU_REPORT"):
+    threading.Thread(target=_keep_writing, name="fake-npu-report", daemon=True).start()

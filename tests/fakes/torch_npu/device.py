@@ -1,0 +1,469 @@
+"""A fake Ascend device for CPU tests: tensors on "npu:N" that compute on the CPU, while the rules of
+a real accelerator that afd depends on are checked as the code runs.
+
+What is real: the device type. torch_npu renames PyTorch's PrivateUse1 backend to "npu" and registers
+`torch.npu`; so does this module, with a wrapper tensor subclass whose data lives in a CPU tensor.
+A CPU tensor meeting an npu tensor in one op fails as it does on the device, and `.tolist()` on an
+npu tensor is a device-to-host copy (counted: `STATS["host_reads"]`).
+
+What is modelled: streams. Every op runs on the issuing thread's current stream of its tensors'
+device (per thread and per device, as in c10's CUDA and torch_npu's NPU stream pools). Each stream
+keeps a vector clock; events carry a copy; `wait_event` merges it. Every storage remembers its last
+writer and the readers since, so an op that reads memory whose write is not ordered before it (RAW),
+or overwrites memory still being read elsewhere (WAR), is a hazard: raised at once, and counted.
+
+The current device is per thread and starts at 0 in a new thread (aclrtSetDevice binds a device to
+the calling thread: CANN "aclrtSetDevice", Ascend CANN 8.0 application development guide). APIs that
+use the current device implicitly (Event.record(), current_stream(), synchronize() without a device)
+in a thread that never called set_device are recorded as `unbound` uses: afd's rule is that every
+thread issuing device work binds its node's device first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+DEVICE_COUNT = int(os.environ.get("AFD_FAKE_NPU_COUNT", "8"))
+STATS = {"ops": 0, "host_reads": 0, "hazards": [], "unbound": []}
+_lock = threading.RLock()
+_local = threading.local()
+
+
+class HazardError(RuntimeError):
+    """Device memory used without the stream order that makes it safe on a real device."""
+
+
+def _index(device) -> int:
+    if device is None:
+        return current_device()
+    if isinstance(device, int):
+        return device
+    if isinstance(device, str):
+        device = torch.device(device)
+    return device.index if device.index is not None else current_device()
+
+
+# ---- streams, events, clocks ----------------------------------------------------------------------
+
+class Stream:
+    """An in-order queue of device work, modelled by its vector clock (what is ordered before its next op)."""
+
+    _ids = itertools.count(1)
+
+    def __new__(cls, device=None, priority: int = 0, **kwargs):
+        self = object.__new__(cls)
+        self.device_index = _index(device)
+        self.device = torch.device("npu", self.device_index)
+        self.id = next(Stream._ids)
+        self.priority = priority
+        self.clock: dict[int, int] = {self.id: 0}
+        self.label = kwargs.get("label", f"npu:{self.device_index} stream {self.id}")
+        return self
+
+    def __repr__(self) -> str:
+        return f"<fake {self.label}>"
+
+    def tick(self) -> int:
+        self.clock[self.id] += 1
+        return self.clock[self.id]
+
+    def merge(self, clock: dict[int, int]) -> None:
+        for k, v in clock.items():
+            if self.clock.get(k, 0) < v:
+                self.clock[k] = v
+
+    def ordered_after(self, stream_id: int, seq: int) -> bool:
+        return self.clock.get(stream_id, 0) >= seq
+
+    def wait_event(self, event: Event) -> None:
+        with _lock:
+            self.merge(event.clock)
+
+    def wait_stream(self, other: Stream) -> None:
+        with _lock:
+            self.merge(other.clock)
+
+    def record_event(self, event: Event | None = None) -> Event:
+        event = event or Event()
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        _host_waits(self)
+
+    def query(self) -> bool:
+        return True
+
+
+class Event:
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
+        self.clock: dict[int, int] = {}
+        self.device_index: int | None = None
+
+    def record(self, stream: Stream | None = None) -> None:
+        if stream is None:
+            _note_implicit("Event.record() without a stream")
+            stream = current_stream()
+        with _lock:
+            self.clock = dict(stream.clock)
+            self.device_index = stream.device_index
+
+    def wait(self, stream: Stream | None = None) -> None:
+        (stream or current_stream()).wait_event(self)
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_default_streams: dict[int, Stream] = {}
+_all_streams: dict[int, list[Stream]] = {}
+
+
+def new_stream(device_index: int, label: str) -> Stream:
+    """A stream the fake process group owns (its communication stream for one peer pair)."""
+    s = Stream(device_index, label=label)
+    with _lock:
+        _all_streams[device_index].append(s)
+    return s
+
+
+def _current_streams() -> dict[int, Stream]:
+    if not hasattr(_local, "streams"):
+        _local.streams = {}
+    return _local.streams
+
+
+def _note_implicit(what: str) -> None:
+    if not getattr(_local, "bound", False) and threading.current_thread() is not threading.main_thread():
+        STATS["unbound"].append(f"{what} in thread {threading.current_thread().name!r}, which never called "
+                                "torch.npu.set_device: it acts on device 0")
+
+
+def _note_unbound(what: str) -> None:
+    thread = threading.current_thread().name
+    if not any(thread in u for u in STATS["unbound"][-8:]):  # one line per thread and stretch, not per op
+        STATS["unbound"].append(f"{what} from thread {thread!r}, whose current device is "
+                                f"npu:{current_device()}: the thread never bound its node's device")
+
+
+def _host_waits(stream: Stream) -> None:
+    """The host saw `stream` finish up to now: whatever it issues next, on any stream of the device, is
+    ordered after that."""
+    with _lock:
+        for s in _all_streams[stream.device_index]:
+            s.merge(stream.clock)
+
+
+# ---- the torch.npu module ---------------------------------------------------------------------------
+
+def is_available() -> bool:
+    return True
+
+
+def is_initialized() -> bool:
+    return True
+
+
+def _is_in_bad_fork() -> bool:
+    return False
+
+
+def device_count() -> int:
+    return DEVICE_COUNT
+
+
+def current_device() -> int:
+    return getattr(_local, "device", 0)
+
+
+def set_device(device) -> None:
+    idx = _index(device if not isinstance(device, str) or ":" in device else torch.device(device, 0))
+    if not 0 <= idx < DEVICE_COUNT:
+        raise RuntimeError(f"npu:{idx}: invalid device ordinal ({DEVICE_COUNT} devices)")
+    _local.device, _local.bound = idx, True
+
+
+def current_stream(device=None) -> Stream:
+    if device is None:
+        _note_implicit("torch.npu.current_stream() without a device")
+    idx = _index(device)
+    return _current_streams().get(idx) or _default_streams[idx]
+
+
+def default_stream(device=None) -> Stream:
+    return _default_streams[_index(device)]
+
+
+def set_stream(stream: Stream) -> None:
+    _current_streams()[stream.device_index] = stream
+
+
+@contextlib.contextmanager
+def stream(s: Stream | None):
+    """Makes `s` current and its device the current device, as torch.npu.stream / torch.cuda.stream do."""
+    if s is None:
+        yield
+        return
+    streams, prev_dev = _current_streams(), getattr(_local, "device", None)
+    prev = streams.get(s.device_index)
+    streams[s.device_index], _local.device = s, s.device_index
+    try:
+        yield
+    finally:
+        if prev is None:
+            streams.pop(s.device_index, None)
+        else:
+            streams[s.device_index] = prev
+        if prev_dev is None:
+            del _local.device
+        else:
+            _local.device = prev_dev
+
+
+def synchronize(device=None) -> None:
+    if device is None:
+        _note_implicit("torch.npu.synchronize() without a device")
+    idx = _index(device)
+    with _lock:
+        for s in list(_all_streams[idx]):
+            _host_waits(s)
+
+
+def mem_get_info(device=None) -> tuple[int, int]:
+    return (32 << 30, 64 << 30)
+
+
+def manual_seed_all(seed: int) -> None:
+    pass
+
+
+def get_device_name(device=None) -> str:
+    return "fake Ascend (CPU)"
+
+
+# ---- the device's tensors ---------------------------------------------------------------------------
+
+class NpuTensor(torch.Tensor):
+    """A tensor on npu:N whose data is the CPU tensor `_payload` (same sizes, strides and storage offset)."""
+
+    @staticmethod
+    def __new__(cls, payload: torch.Tensor, index: int):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, payload.size(), strides=payload.stride(), storage_offset=payload.storage_offset(),
+            dtype=payload.dtype, device=torch.device("npu", index), requires_grad=payload.requires_grad)
+        t._payload = payload
+        return t
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"NpuTensor({self._payload!r}, device='{self.device}')"
+
+    def tolist(self):
+        return self.cpu().tolist()
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert npu tensor to numpy: copy it to the host first (.cpu())")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _run(func, args, kwargs or {})
+
+
+_NO_CHECK = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+_TO_HOST = {torch.ops.aten._to_copy.default, torch.ops.aten._local_scalar_dense.default,
+            torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    inner = t._payload if isinstance(t, NpuTensor) else t
+    ptr = inner.untyped_storage().data_ptr()
+    return ptr or None
+
+
+_shadow: dict[int, list] = {}
+"""storage -> accesses [(lo, hi, write, stream id, seq, what)] over byte ranges [lo, hi) of the storage:
+disjoint slices of one buffer (one peer's rows, another's) never order against each other."""
+_KEEP = 64
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    p = t._payload if isinstance(t, NpuTensor) else t
+    size = p.element_size()
+    extent = 1 + sum((n - 1) * st for n, st in zip(p.shape, p.stride())) if p.numel() else 0
+    return p.storage_offset() * size, (p.storage_offset() + extent) * size
+
+
+def _check(stream: Stream, t: NpuTensor, write: bool, what: str) -> None:
+    key = _storage_key(t)
+    lo, hi = _span(t)
+    for alo, ahi, awrite, s_id, seq, awhat in _shadow.get(key, []) if key else []:
+        if ahi <= lo or hi <= alo or s_id == stream.id or stream.ordered_after(s_id, seq):
+            continue
+        if awrite:
+            _hazard(f"{what} on {stream.label} {'overwrites' if write else 'reads'} memory written by {awhat} "
+                    f"(stream {s_id}, op {seq}) with no event or stream wait ordering it after that write")
+        if write:
+            _hazard(f"{what} on {stream.label} overwrites memory that {awhat} (stream {s_id}, op {seq}) "
+                    "may still be reading: nothing orders the write after that read")
+
+
+def _hazard(message: str) -> None:
+    STATS["hazards"].append(message)
+    raise HazardError(message)
+
+
+def _stamp(stream: Stream, seq: int, t: torch.Tensor, write: bool, what: str, fresh: bool = False) -> None:
+    key = _storage_key(t)
+    if not key:
+        return
+    lo, hi = _span(t)
+    if fresh:
+        _shadow[key] = []
+    rec = _shadow.setdefault(key, [])
+    if write:  # accesses inside a range just overwritten are ordered before this write: forget them
+        rec[:] = [a for a in rec if not (lo <= a[0] and a[1] <= hi)]
+    rec.append((lo, hi, write, stream.id, seq, what))
+    del rec[:-_KEEP]
+
+
+def access(stream: Stream, reads: list, writes: list, what: str, fresh: list = ()) -> int:
+    """Issues one op on `stream` that reads `reads` and writes `writes` (npu tensors), checking its
+    order against every earlier access; returns the op's sequence number on the stream."""
+    with _lock:
+        for t in reads:
+            _check(stream, t, False, what)
+        for t in writes:
+            _check(stream, t, True, what)
+        seq = stream.tick()
+        for t in reads:
+            _stamp(stream, seq, t, False, what)
+        for t in writes:
+            _stamp(stream, seq, t, True, what)
+        for t in fresh:
+            _stamp(stream, seq, t, True, what, fresh=True)
+        return seq
+
+
+def _written_args(func, args, kwargs) -> list:
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            v = args[i] if i < len(args) else kwargs.get(a.name)
+            out += [x for x in tree_flatten(v)[0] if isinstance(x, NpuTensor)]
+    return out
+
+
+def _run(func, args, kwargs):
+    flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    npu = [x for x in flat if isinstance(x, NpuTensor)]
+    devices = {x.device.index for x in npu}
+    if len(devices) > 1:
+        raise RuntimeError(f"{func}: Expected all tensors to be on the same device, but found at least two "
+                           f"devices, npu:{min(devices)} and npu:{max(devices)}!")
+    host = [x for x in flat if not isinstance(x, NpuTensor) and x.dim() > 0]
+    if host and func not in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+        raise RuntimeError(f"{func}: Expected all tensors to be on the same device, but found at least two "
+                           f"devices, npu:{min(devices)} and cpu!")
+    index = devices.pop()
+
+    def unwrap(x):
+        if isinstance(x, NpuTensor):
+            return x._payload
+        if isinstance(x, torch.device) and x.type == "npu":
+            return torch.device("cpu")
+        return x
+
+    to_host = (func in _TO_HOST and not (func is torch.ops.aten._to_copy.default
+                                         and torch.device(kwargs.get("device") or "npu").type == "npu")
+               or func is torch.ops.aten.copy_.default and not isinstance(args[0], NpuTensor))
+    out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    if func in _NO_CHECK or func.is_view:  # views touch metadata only, never the data
+        return tree_map(lambda x: _wrap(x, index, npu), out)
+    if getattr(_local, "device", None) != index and threading.current_thread() is not threading.main_thread():
+        _note_unbound(f"{func.__name__} on npu:{index}")
+    stream = current_stream(index)
+    written = _written_args(func, args, kwargs)
+    result = out if to_host else tree_map(lambda x: _wrap(x, index, npu), out)
+    fresh = [x for x in tree_flatten(result)[0] if isinstance(x, NpuTensor)
+             and not any(x is a for a in npu) and not any(x is w for w in written)]
+    STATS["ops"] += 1
+    access(stream, [x for x in npu if not any(x is w for w in written)], written, str(func.__name__),
+           fresh=[x for x in fresh if not _aliases_input(x, npu)])
+    if to_host:
+        STATS["host_reads"] += 1
+        _host_waits(stream)
+    return result
+
+
+def _aliases_input(x: NpuTensor, inputs: list) -> bool:
+    key = _storage_key(x)
+    return any(_storage_key(a) == key for a in inputs)
+
+
+def _wrap(x, index: int, inputs: list):
+    if not isinstance(x, torch.Tensor) or isinstance(x, NpuTensor):
+        return x
+    for a in inputs:  # an in-place op or out= returns its argument: hand back the same wrapper
+        if a._payload is x:
+            return a
+    # Made as a normal tensor even under inference_mode: autograd sets a view's version counter from
+    # its base after this returns, which an inference-mode wrapper refuses.
+    with torch.inference_mode(False):
+        return NpuTensor(x, index)
+
+
+def _factory(op):
+    def impl(*args, device=None, **kwargs):
+        kwargs.pop("pin_memory", None)
+        t = NpuTensor(op(*args, **kwargs), _index(device))
+        access(current_stream(t.device.index), [], [], op.__name__, fresh=[t])
+        return t
+    return impl
+
+
+def _copy_from(src, dst, non_blocking=False):
+    """Host <-> device copies (Tensor.to, .cpu(), copy_ across devices) land here."""
+    s = src._payload if isinstance(src, NpuTensor) else src
+    d = dst._payload if isinstance(dst, NpuTensor) else dst
+    d.copy_(s)
+    dev = dst if isinstance(dst, NpuTensor) else src
+    stream = current_stream(dev.device.index)
+    access(stream, [src] if isinstance(src, NpuTensor) else [], [dst] if isinstance(dst, NpuTensor) else [],
+           "copy_")
+    if not isinstance(dst, NpuTensor):
+        STATS["host_reads"] += 1
+        _host_waits(stream)
+    return dst
+
+
+_lib = None
+
+
+def install() -> None:
+    """Registers the device: once per process, as importing torch_npu does."""
+    global _lib
+    if _lib is not None:
+        return
+    import sys
+
+    import torch.utils.backend_registration as reg
+
+    module = sys.modules[__name__]
+    reg._setup_privateuseone_for_python_backend(rename="npu", backend_module=module)
+    _lib = torch.library.Library("aten", "IMPL")
+    _lib.impl("empty.memory_format", _factory(torch.empty), "PrivateUse1")
+    _lib.impl("empty_strided", _factory(torch.empty_strided), "PrivateUse1")
+    _lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    for i in range(DEVICE_COUNT):
+        _default_streams[i] = Stream(i, label=f"npu:{i} default stream")
+        _all_streams[i] = [_default_streams[i]]

@@ -1,0 +1,153 @@
+"""A fake `hccl` process group: gloo moves the bytes, and the behaviour of torch_npu's ProcessGroupHCCL
+that afd depends on is reproduced and checked.
+
+source: Ascend/pytorch (torch_npu) master @9e73e70, 2026-08-21:
+- torch_npu/_init/registry/distributed.py: `register_backend("hccl", ..., devices=["npu"])`: the group
+  takes npu tensors only; a CPU tensor fails in c10d's ProcessGroup::getBackend with "No backend type
+  associated with device type cpu" (pytorch torch/csrc/distributed/c10d/ProcessGroup.hpp).
+- torch_npu/csrc/distributed/ProcessGroupHCCL.cpp, `pointToPoint`: the communicator and its stream are
+  keyed by the rank pair (getKeySendRecv) or by the device (getKeyFromDevices): sends and receives
+  between two ranks share one stream and run in issue order. `syncStreams` makes that stream wait for
+  the issuing thread's current stream of the tensor's device; the tensor is recordStream'd on it.
+- the same file, `WorkHCCL::synchronizeInternal`: wait() makes the current stream wait for the work;
+  the host blocks, and the timeout applies, only with TORCH_HCCL_BLOCKING_WAIT=1 or HCCL_BLOCKING_WAIT=1
+  (ProcessGroupHCCL.hpp: `TORCH_HCCL_BLOCKING_WAIT = {"TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT"}`).
+  Without it, a dead peer hangs the first host read of the result.
+- getHcclDataType: the dtypes HCCL moves.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import device as npu
+
+HCCL_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
+               torch.float64, torch.bool, torch.bfloat16}
+HANG_S = float(os.environ.get("AFD_FAKE_HANG_S", "20"))
+"""How long the fake lets a wait that a real HCCL would never end run before it says so."""
+STATS = {"sends": 0, "recvs": 0, "send_behind_recv": 0}
+
+
+class HangError(RuntimeError):
+    """A real HCCL would block here forever."""
+
+
+def _blocking_wait() -> bool:
+    return any(os.environ.get(k, "0").lower() in ("1", "true", "yes", "y")
+               for k in ("TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT"))
+
+
+class _Work(dist.Work):
+    def __init__(self, pg: FakeHcclGroup, inner, stream: npu.Stream, seq: int, kind: str, peer: int):
+        super().__init__()
+        self.pg, self._payload, self.stream, self.seq, self.kind, self.peer = pg, inner, stream, seq, kind, peer
+        self._done = False
+
+    def is_completed(self) -> bool:
+        return self._done or self._payload.is_completed()
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        blocking = _blocking_wait()
+        limit = timeout if blocking and timeout.total_seconds() > 0 else timedelta(seconds=HANG_S)
+        try:
+            self._payload.wait(limit)
+        except RuntimeError as e:
+            if not blocking:
+                raise HangError(f"fake hccl: {self.kind} with rank {self.peer} never completed; a real HCCL "
+                                "wait() ignores its timeout unless HCCL_BLOCKING_WAIT=1 (or "
+                                "TORCH_HCCL_BLOCKING_WAIT=1), so this process would hang here") from None
+            raise RuntimeError(f"[Rank {self.pg.rank()}] Work {self.kind} timed out in blocking wait "
+                               f"(TORCH_HCCL_BLOCKING_WAIT=1 or HCCL_BLOCKING_WAIT=1): {e}") from None
+        self._done = True
+        self.pg._finished(self)
+        with npu._lock:
+            npu.current_stream(self.stream.device_index).merge(self.stream.clock)
+            if blocking:
+                npu._host_waits(self.stream)
+        return True
+
+
+class FakeHcclGroup(dist.ProcessGroup):
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        super().__init__(rank, size)
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("fake-hccl", store), rank, size, timeout)
+        self._streams: dict[tuple[int, int], npu.Stream] = {}
+        self._pending: dict[tuple[int, int], list[_Work]] = {}
+        self._mu = threading.Lock()
+
+    def getBackendName(self) -> str:
+        return "hccl"
+
+    def _check(self, tensors: list[torch.Tensor], what: str) -> npu.NpuTensor:
+        if len(tensors) != 1:
+            raise RuntimeError(f"fake hccl {what}: one tensor per call, got {len(tensors)}")
+        (t,) = tensors
+        if t.device.type != "npu":
+            raise RuntimeError(f"No backend type associated with device type {t.device.type}")
+        if t.dtype not in HCCL_DTYPES:
+            raise RuntimeError(f"fake hccl {what}: unsupported dtype {t.dtype} for HCCL")
+        if not t.is_contiguous():
+            raise RuntimeError(f"fake hccl {what}: tensors must be contiguous")
+        return t
+
+    def _stream(self, t: npu.NpuTensor, peer: int) -> npu.Stream:
+        key = (t.device.index, peer)
+        with self._mu:
+            if key not in self._streams:
+                lo, hi = sorted((self.rank(), peer))
+                self._streams[key] = npu.new_stream(t.device.index, f"hccl stream {lo}:{hi} of group {id(self):x}")
+            return self._streams[key]
+
+    def _issue(self, kind: str, t: npu.NpuTensor, peer: int, inner_op) -> _Work:
+        stream = self._stream(t, peer)
+        key = (t.device.index, peer)
+        with npu._lock:
+            # syncStreams: the communication stream waits for the issuing thread's current stream
+            stream.merge(npu.current_stream(t.device.index).clock)
+            with self._mu:  # a receive nobody has waited for yet may still be running on this stream
+                if kind == "send" and any(w.kind == "recv" for w in self._pending.get(key, [])):
+                    STATS["send_behind_recv"] += 1
+            seq = npu.access(stream, [t] if kind == "send" else [], [t] if kind == "recv" else [],
+                             f"hccl {kind} with rank {peer}")
+        work = _Work(self, inner_op(), stream, seq, kind, peer)
+        with self._mu:
+            self._pending.setdefault(key, []).append(work)
+        STATS[kind + "s"] += 1
+        return work
+
+    def _finished(self, work: _Work) -> None:
+        with self._mu:
+            for lst in self._pending.values():
+                if work in lst:
+                    lst.remove(work)
+
+    def send(self, tensors, dst: int, tag: int = 0):
+        t = self._check(tensors, "send")
+        return self._issue("send", t, dst, lambda: self._gloo.send([t._payload], dst, tag))
+
+    def recv(self, tensors, src: int, tag: int = 0):
+        t = self._check(tensors, "recv")
+        return self._issue("recv", t, src, lambda: self._gloo.recv([t._payload], src, tag))
+
+    def barrier(self, opts=None):
+        return self._gloo.barrier()
+
+
+def _create(store, rank: int, size: int, timeout: timedelta) -> FakeHcclGroup:
+    return FakeHcclGroup(store, rank, size, timeout)
+
+
+_registered = False
+
+
+def install() -> None:
+    global _registered
+    if not _registered:
+        dist.Backend.register_backend("hccl", _create, devices=["npu"])
+        _registered = True

@@ -1,0 +1,85 @@
+"""The fake Ascend device itself (tests/fakes/torch_npu/device.py): it must catch what a real device
+would punish, or the tests that run afd on it prove nothing. One subprocess: the fake renames
+PyTorch's PrivateUse1 backend, which is process-wide."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+FAKES = str(Path(__file__).parent / "fakes")
+
+SCRIPT = textwrap.dedent("""
+    import sys, threading
+    sys.path.insert(0, {fakes!r})
+    import torch, torch_npu
+    from torch_npu.device import HazardError, STATS
+
+    def raises(fn, match):
+        try:
+            fn()
+        except (RuntimeError, TypeError) as e:
+            assert match in str(e), e
+            return
+        raise AssertionError(f"no error, expected {{match!r}}")
+
+    # a device of its own: mixing with the host fails, as on the device
+    torch.npu.set_device(1)
+    x = torch.ones(4, device="npu:1")
+    raises(lambda: x + torch.ones(4), "same device")
+    raises(lambda: x + torch.ones(4, device="npu:2"), "same device")
+    assert (x * 2).cpu().tolist() == [2.0] * 4 and STATS["host_reads"] >= 1
+
+    # views write through to their base, in-place ops hand back the same tensor
+    buf = torch.zeros(4, 2, device="npu:1")
+    buf[1:3].add_(1)
+    assert buf.sum().item() == 4.0
+
+    # the old side-stream pattern, in a thread that never bound npu:1: the event is recorded on npu:0's
+    # stream, so the side stream is not ordered after the write it is about to read
+    m = torch.empty(8, device="npu:1")
+    def old_send():
+        m.fill_(3)                                   # pre_moe writes m on npu:1's current stream
+        ready = torch.npu.Event(); ready.record()    # current device is 0 in this thread
+        side = torch.npu.Stream(device=1)
+        with torch.npu.stream(side):
+            side.wait_event(ready)
+            torch_npu.device.access(side, [m], [], "isend(m)")
+    errors = []
+    t = threading.Thread(target=lambda: errors.append(_catch(old_send)))
+    def _catch(fn):
+        try:
+            fn()
+        except HazardError as e:
+            return str(e)
+    t.start(); t.join()
+    assert errors[0] and "reads memory written by fill_" in errors[0], errors
+    assert any("never" in u for u in STATS["unbound"]), STATS["unbound"]
+
+    # the same, bound and ordered: no hazard
+    def new_send():
+        torch.npu.set_device(1)
+        m.fill_(4)
+        side = torch.npu.Stream(device=1)
+        side.wait_stream(torch.npu.current_stream(1))
+        torch_npu.device.access(side, [m], [], "isend(m)")
+        return True
+    assert new_send()
+
+    # a receive into a buffer still being read elsewhere is a write-after-read hazard
+    y = torch.ones(8, device="npu:1")
+    written = torch.npu.Event(); written.record(torch.npu.current_stream(1))
+    (y + 1).sum()                                    # read on the current stream, after the event
+    comm = torch.npu.Stream(device=1)
+    comm.wait_event(written)                         # ordered after the write, not after the read
+    raises(lambda: torch_npu.device.access(comm, [], [y], "irecv(y)"), "may still be reading")
+    print("OK")
+""")
+
+
+def test_the_fake_device_catches_what_a_device_punishes():
+    out = subprocess.run([sys.executable, "-c", SCRIPT.format(fakes=FAKES)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

@@ -1,0 +1,136 @@
+"""AFD decode through NpuBackend on the fake Ascend device (tests/fakes/torch_npu): real node processes,
+HCCL played by gloo, every device rule of the fake checked as the nodes run, tokens compared with HF.
+
+Nodes sit on devices other than 0 (attention on npu:1, FFN nodes on npu:2..), so a thread that forgets
+to bind its node's device acts on the wrong one, as it would on a real machine. Each node's fake
+writes what it saw (hazards, unbound threads, sends queued behind receives) when it exits.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+from cluster_helpers import Cluster, cluster_yaml, post
+from hf_reference import PROMPTS, hf_greedy
+
+pytestmark = pytest.mark.multiprocess
+FAKES = str(Path(__file__).parent / "fakes")
+NEW = 12
+
+
+def fake_env(report: Path) -> dict:
+    return {"PYTHONPATH": os.pathsep.join([FAKES, os.environ.get("PYTHONPATH", "")]),
+            "AFD_FAKE_NPU_REPORT": str(report)}
+
+
+def reports(report: Path) -> list[dict]:
+    return [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{report}.*.json"))]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW)]
+
+
+def _on_devices(path: Path) -> None:
+    doc = yaml.safe_load(path.read_text())
+    for i, node in enumerate(doc["nodes"]):
+        node["device"] = f"npu:{i + 1}"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+
+
+@pytest.mark.parametrize("A,F,micro_batches,overlap", [
+    (1, 1, 2, True),
+    pytest.param(2, 1, 1, True, marks=pytest.mark.slow),  # `make test-slow`, which CI runs too
+    pytest.param(1, 2, 2, False, marks=pytest.mark.slow),
+])
+def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_path, A, F, micro_batches, overlap):
+    path = cluster_yaml(tmp_path, tiny_checkpoint, A, F, name="npu",
+                        layout={"micro_batches": micro_batches, "overlap": overlap})
+    _on_devices(path)
+    report = tmp_path / "fake-npu"
+    with Cluster(path, env=fake_env(report)) as c:
+        c.start_all()
+        c.wait_ready(timeout=120)
+        jobs = [(a, i) for a in range(A) for i in range(len(PROMPTS))]
+        with ThreadPoolExecutor(len(jobs)) as pool:  # at once: decode batches that ping-pong can split
+            answers = list(pool.map(lambda job: post(c.url(f"attn{job[0]}"), "/v1/completions", {
+                "prompt": PROMPTS[job[1]], "max_tokens": NEW, "temperature": 0, "return_token_ids": True}), jobs))
+        for (a, i), (code, body) in zip(jobs, answers):
+            assert code == 200, body
+            assert body["choices"][0]["token_ids"] == reference[i], f"attn{a}, prompt {i}"
+    seen = reports(report)
+    assert len(seen) == A + F, "every node ran on the fake device and wrote its report"
+    for r in seen:
+        assert r["device"]["ops"] > 0
+        assert r["device"]["hazards"] == []
+        assert r["device"]["unbound"] == []
+        assert r["hccl"]["send_behind_recv"] == 0, "a send waited behind a pending receive on one HCCL stream"
+        assert r["hccl"]["sends"] > 0 and r["hccl"]["recvs"] > 0
+
+
+_PAIR = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {fakes!r})
+    from afd.backend import get_backend
+    from afd.dataplane.transport import DataPlane, PeerError, rendezvous_store
+    rank = int(sys.argv[1])
+    store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    plane = DataPlane(get_backend("npu", rank + 1), rank, 2, store, timeout_s={timeout})
+    buf = torch.empty(4, device=plane.backend.device)
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            plane.wait(plane.irecv(buf, 1), 1, "a receive the peer never answers")
+        except PeerError as e:
+            print("PeerError", e.peer, round(time.monotonic() - t0, 1), e, flush=True)
+    else:
+        time.sleep({timeout} + 6)
+""")
+
+
+def test_a_silent_peer_ends_in_a_timeout_not_a_hang(tmp_path):
+    """HCCL's wait() ignores its timeout unless blocking wait is on; the data plane turns it on."""
+    from cluster_helpers import free_ports
+
+    code = _PAIR.format(fakes=FAKES, port=free_ports(1)[0], timeout=2)
+    env = {**os.environ, "AFD_FAKE_HANG_S": "6"}
+    env.pop("HCCL_BLOCKING_WAIT", None)
+    env.pop("TORCH_HCCL_BLOCKING_WAIT", None)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=env, cwd=Path(__file__).parent.parent) for r in (0, 1)]
+    t0 = time.monotonic()
+    out = procs[0].communicate(timeout=60)[0]
+    procs[1].kill()
+    procs[1].wait()
+    assert "PeerError 1" in out, out
+    assert "timed out" in out and time.monotonic() - t0 < 45, out
+    waited = float(out.split("PeerError 1 ")[1].split()[0])
+    assert waited < 5, f"the wait took {waited}s: the 2s timeout did not hold"
+
+
+def test_a_conflicting_blocking_wait_setting_is_refused():
+    from afd.dataplane.transport import apply_comm_env
+
+    class Hccl:
+        dist_backend = "hccl"
+
+        def comm_env(self):
+            return {"HCCL_BLOCKING_WAIT": "1"}
+
+    os.environ["HCCL_BLOCKING_WAIT"] = "0"
+    try:
+        with pytest.raises(ValueError, match="HCCL_BLOCKING_WAIT=0.*needs HCCL_BLOCKING_WAIT=1"):
+            apply_comm_env(Hccl())
+    finally:
+        del os.environ["HCCL_BLOCKING_WAIT"]
