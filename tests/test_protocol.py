@@ -126,11 +126,11 @@ def test_posting_to_a_gone_peer_is_a_peer_error():
     the engine and the FFN server handle (re-forming), not a crash."""
     from afd.dataplane.transport import DataPlane, PeerError
 
-    def isend(tensor, peer):
+    def isend(tensor, peer, group=None):
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
 
     plane = object.__new__(DataPlane)
-    plane._stream = None
+    plane._upward = plane._downward = None
     with pytest.raises(PeerError, match="isend to rank 3 failed .*Connection closed by peer") as e:
-        plane._issue(isend, torch.zeros(1), 3)
+        plane._issue(isend, torch.zeros(1), 3, upward=True)
     assert e.value.peer == 3

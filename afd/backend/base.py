@@ -75,6 +75,12 @@ class Backend(ABC):
         No numerical effect."""
         return 0
 
+    def mm_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, world_size: int) -> torch.Tensor | None:
+        """Fused (x @ weight^T) then ReduceScatter over `group` along rows: x [T, K] (T a multiple of
+        world_size), weight [N, K] -> [T / world_size, N]; None where the device has no fused kernel (the
+        caller then runs matmul and reduce_scatter)."""
+        return None
+
     def compile(self, fn):
         """Graph-compile `fn` where the device benefits; identity by default."""
         return fn

@@ -120,13 +120,13 @@ class Engine:
                 failed = None
                 try:
                     if self._can_rejoin() and self.membership.superseded():
-                        self.runner.moe.leave(reform=True)
+                        self.runner.leave(reform=True)
                         failed = "a node was replaced: moving to the next data-plane generation"
                     elif self.step() is not None:
                         backoff = 0.0
                         continue
                     else:
-                        busy = self.runner.moe.idle()
+                        busy = self.runner.idle()
                 except PeerError as e:
                     if not self._can_rejoin():
                         raise
@@ -137,7 +137,7 @@ class Engine:
                 backoff = 0.0 if busy else min(IDLE_BACKOFF_MAX, max(0.001, 2 * backoff))
                 if not busy and self._wake.wait(backoff):
                     self._wake.clear()
-            self.runner.moe.leave()  # the FFN nodes stop once every attention node has left
+            self.runner.leave()  # the FFN nodes stop once every attention node has left
         except PeerError as e:
             self._die(str(e))
         except Exception as e:  # a bug must not leave requests hanging

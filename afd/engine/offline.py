@@ -23,6 +23,7 @@ from afd.engine.sampling import SamplingParams
 from afd.engine.scheduler import Scheduler
 from afd.model.config import ModelConfig
 from afd.model.progress import Progress
+from afd.model.tp.comm import SINGLE, TPComm
 
 
 def validate_prompts(cfg: ModelConfig, prompts, max_tokens) -> list[int]:
@@ -48,12 +49,13 @@ def validate_prompts(cfg: ModelConfig, prompts, max_tokens) -> list[int]:
 
 def job_engine(attn, moe: MoEExchange, prompts: list[list[int]], max_tokens: list[int], dtype: torch.dtype,
                device: torch.device, block_size: int = 16, micro_batches: int = 1, overlap: bool = True,
-               eos_ids: tuple[int, ...] | None = None) -> Engine:
-    """An engine whose KV cache and batch limits hold exactly this job."""
+               eos_ids: tuple[int, ...] | None = None, tp: TPComm = SINGLE) -> Engine:
+    """An engine whose KV cache and batch limits hold exactly this job (the same on every TP rank, which
+    all size it from the same prompts)."""
     cfg = attn.cfg
     blocks = max(1, sum(blocks_needed(len(p) + n, block_size) for p, n in zip(prompts, max_tokens)))
     kv = KVCache(cfg, blocks, block_size, dtype, device)
-    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap)
+    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp)
     scheduler = Scheduler(kv, max(1, len(prompts)), max(1, sum(len(p) for p in prompts)))
     return Engine(runner, scheduler, None, cfg.eos_token_ids if eos_ids is None else eos_ids,
                   cfg.max_position_embeddings)

@@ -3,6 +3,11 @@
 The batch is cut into micro-batches (by sequence). Layer l of micro-batch i hands its MoE input to the
 exchange and runs its overlap window; the MoE output is awaited only when micro-batch i enters layer
 l + 1, so micro-batch i's exchange also hides behind the other micro-batches' work (ping-pong).
+
+Under tensor parallelism (afd.model.tp) every rank of the attention node runs the same step in lockstep:
+the leader (TP rank 0) schedules, sends the step to the others (`follow` runs it there) and samples;
+each rank exchanges only its own rows with the MoE (its token shard, or its slice of a replicated
+micro-batch), so the FFN side sees G peers per attention node.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from afd.dataplane.exchange import MoEExchange, Ready
 from afd.dataplane.overlap import MicroBatchTuner
 from afd.engine.kv_cache import KVCache
 from afd.model.attention_metadata import AttentionMetadata
+from afd.model.tp.comm import SINGLE, TPComm
+from afd.model.tp.config import ShardPlan
 
 
 @dataclass
@@ -48,6 +55,7 @@ class _MicroBatch:
     meta: AttentionMetadata
     rope: tuple
     x: torch.Tensor
+    plan: ShardPlan
     h: torch.Tensor | None = None
     m: torch.Tensor | None = None
     pending: object = None
@@ -55,9 +63,10 @@ class _MicroBatch:
 
 class ModelRunner:
     def __init__(self, attn: nn.Module, moe: MoEExchange, kv: KVCache, device: torch.device,
-                 micro_batches: int = 1, overlap: bool = True):
-        """micro_batches: 1..4, or 0 to choose from measured times (afd.dataplane.overlap)."""
-        self.attn, self.moe, self.kv, self.device = attn, moe, kv, device
+                 micro_batches: int = 1, overlap: bool = True, tp: TPComm = SINGLE):
+        """micro_batches: 1..4, or 0 to choose from measured times (afd.dataplane.overlap). tp: the
+        attention node's TP group (attn cut to this rank's share by afd.model.tp.shard)."""
+        self.attn, self.moe, self.kv, self.device, self.tp = attn, moe, kv, device, tp
         self.overlap = overlap
         self.tuner = MicroBatchTuner() if micro_batches == 0 and overlap else None
         self._fixed_micro_batches = max(1, micro_batches)
@@ -69,13 +78,16 @@ class ModelRunner:
         return self.tuner.micro_batches if self.tuner else self._fixed_micro_batches
 
     @torch.inference_mode()
-    def execute(self, seqs: list[StepSeq]) -> torch.Tensor:
-        """Runs the step; returns fp32 logits of each sequence's last new token, [B, V]."""
+    def execute(self, seqs: list[StepSeq], micro_batches: int | None = None) -> torch.Tensor:
+        """Runs the step; returns fp32 logits of each sequence's last new token, [B, V]. micro_batches:
+        the leader's choice, on the other TP ranks (each rank's tuner would measure its own times)."""
         t0, wait0 = time.perf_counter(), self.moe.timers.total("ffn_wait")
-        self.last_micro_batches = self.micro_batches
+        self.last_micro_batches = micro_batches or self.micro_batches
+        if self.tp.size > 1 and self.tp.is_leader:
+            self.tp.send_step(("step", seqs, self.last_micro_batches))
         mbs = [self._prepare(i, rows, seqs)
                for i, rows in enumerate(split_micro_batches(seqs, self.last_micro_batches))]
-        self.moe.begin_step([mb.meta.num_tokens for mb in mbs])
+        self.moe.begin_step([self._moe_rows(mb) for mb in mbs])
         L = self.attn.cfg.num_layers
         live = [mb for mb in mbs if mb.rows]  # an empty micro-batch sends nothing
         for layer in range(L):
@@ -88,8 +100,9 @@ class ModelRunner:
         self.moe.end_step()
         logits = torch.empty(len(seqs), self.attn.cfg.vocab_size, device=self.device)
         for mb in live:
+            self.tp.use(mb.plan)
             last = torch.tensor([s.q_start + s.q_len - 1 for s in mb.meta.seqs], device=self.device)
-            logits[mb.rows] = self.attn.logits(mb.x[last])
+            logits[mb.rows] = self.attn.logits(self.tp.gather(mb.x)[last])
         if self.tuner:
             waited = self.moe.timers.total("ffn_wait") - wait0
             decode = all(len(s.token_ids) == 1 for s in seqs)
@@ -101,18 +114,61 @@ class ModelRunner:
         meta = AttentionMetadata.build([s.start for s in part], [len(s.token_ids) for s in part],
                                        [s.block_table for s in part], self.kv.block_size, self.device)
         ids = torch.tensor([t for s in part for t in s.token_ids], dtype=torch.long, device=self.device)
+        plan = self.tp.plan_for(meta.num_tokens)
+        self.tp.use(plan)
         x, rope = self.attn.embed(ids, meta)
-        return _MicroBatch(index, rows, meta, rope, x)
+        return _MicroBatch(index, rows, meta, rope, x, plan)
+
+    def _moe_rows(self, mb: _MicroBatch) -> int:
+        """How many of the micro-batch's tokens this rank exchanges with the MoE."""
+        if not mb.rows:
+            return 0
+        self.tp.use(mb.plan)
+        lo, hi = self.tp.moe_rows()
+        return hi - lo
 
     def _start(self, layer: int, mb: _MicroBatch) -> None:
+        self.tp.use(mb.plan)
         mb.h, mb.m = self.attn.pre_moe(layer, mb.x, mb.rope, mb.meta, self.kv.layer(layer))
         if mb.m is None:  # a dense layer: nothing crosses (the FFN nodes skip it too: cfg.moe_layers)
             return
-        mb.pending = self.moe.submit(layer, mb.index, mb.m)
+        lo, hi = self.tp.moe_rows()
+        if hi == lo:  # under TP, a rank with no rows of this micro-batch sends nothing (its header said 0)
+            mb.pending = Ready(mb.m[:0])
+            return
+        mb.pending = self.moe.submit(layer, mb.index, mb.m[lo:hi])
         if not self.overlap:
             mb.pending = Ready(mb.pending.wait())
 
     def _finish(self, layer: int, mb: _MicroBatch) -> None:
+        self.tp.use(mb.plan)
         h = self.attn.post_moe(layer, mb.h, mb.m, mb.rope, mb.meta, self.kv.layer(layer))
-        mb.x = h if mb.pending is None else h + mb.pending.wait()
+        mb.x = h if mb.pending is None else h + self.tp.moe_output(mb.pending.wait())
         mb.h = mb.m = mb.pending = None
+
+    # ---- steps without tokens, mirrored on the other TP ranks ---------------------------------------
+
+    def idle(self) -> int:
+        """An empty step (afd.dataplane.exchange.MoEExchange.idle)."""
+        if self.tp.size > 1 and self.tp.is_leader:
+            self.tp.send_step(("idle",))
+        return self.moe.idle()
+
+    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
+        if self.tp.size > 1 and self.tp.is_leader:
+            self.tp.send_step(("leave", shutdown, reform))
+        self.moe.leave(shutdown=shutdown, reform=reform)
+
+
+def follow(runner: ModelRunner) -> tuple:
+    """A TP rank other than the leader: runs what the leader sends, until it leaves. Returns the leave
+    message ("leave", shutdown, reform)."""
+    while True:
+        msg = runner.tp.recv_step()
+        if msg[0] == "step":
+            runner.execute(msg[1], micro_batches=msg[2])
+        elif msg[0] == "idle":
+            runner.moe.idle()
+        else:
+            runner.moe.leave(shutdown=msg[1], reform=msg[2])
+            return msg

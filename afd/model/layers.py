@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd.model.tp.comm import SINGLE
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -22,15 +24,18 @@ class RMSNorm(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). Under TP (afd.model.tp.shard) gate/up hold this rank's rows
+    and down_proj sums over the group: x and the result are in the residual stream's layout."""
 
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.tp = SINGLE
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.tp.gather(x)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.config import ModelConfig
 from afd.model.layers import RMSNorm, apply_rotary, apply_rotary_halves
+from afd.model.tp.comm import SINGLE
 
 # HF's q_a_layernorm / kv_a_layernorm are built without the config's eps.
 _LATENT_NORM_EPS = 1e-6
@@ -51,11 +52,26 @@ class MLAttention(nn.Module):
         self.q_lora_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5 if lora_scales else 1.0
         self.kv_lora_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if lora_scales else 1.0
         self.rotate = apply_rotary if rope_interleave else apply_rotary_halves
+        self.tp = SINGLE
+        """The TP group (afd.model.tp.shard cuts the heads): x comes in the residual stream's layout, and
+        o_proj hands its result back in that layout."""
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q_proj is not None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream -> (q [T, NH, qk_head_dim], q_a_proj | kv_a_proj_with_mqa latents [T, C + R]) of
+        every token. flashcomm1 runs the replicated down-projections on this rank's token shard and
+        gathers their (narrower) output instead of the hidden state."""
+        tp = self.tp
+        if tp.plan.latents and self.q_proj is None:
+            q_lora = self.q_a_proj.out_features
+            lat = tp.gather(torch.cat([self.q_a_proj(x), self.kv_a_proj_with_mqa(x)], dim=-1))
+            qa, kva = lat.split([q_lora, lat.shape[-1] - q_lora], dim=-1)
+        else:
+            x = tp.gather(x)
+            kva = self.kv_a_proj_with_mqa(x)
+            if self.q_proj is not None:
+                return self.q_proj(x).view(x.shape[0], self.n_heads, -1), kva
+            qa = self.q_a_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(qa)).view(qa.shape[0], self.n_heads, -1), kva
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
@@ -63,18 +79,19 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 cache: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; cache [num_blocks, block_size, C + R] for this layer. Returns [T, H]."""
-        T = x.shape[0]
-        q = self._query(x).view(T, self.n_heads, -1)
+        """x [T, H] (a token shard [s, H] under a sharded TP mode); cache [num_blocks, block_size, C + R]
+        for this layer. Returns o_proj's output in x's layout."""
+        q, kva = self._project(x)
+        T = q.shape[0]
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
-        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        c, k_rot = kva.split([self.kv_lora, self.rope], dim=-1)
         c = self.kv_a_layernorm(c) * self.kv_lora_scale  # [T, C]
         q_nope = q_nope * self.q_lora_scale
         q_rot = self.rotate(q_rot * self.q_lora_scale, cos, sin)  # [T, NH, R]
         k_rot = self.rotate(k_rot, cos, sin)  # [T, R]
         cache.view(-1, cache.shape[-1])[meta.slot_mapping] = torch.cat([c, k_rot], dim=-1)
 
-        out = x.new_empty(T, self.n_heads, self.v_dim)
+        out = q.new_empty(T, self.n_heads, self.v_dim)
         if meta.decode_rows.numel():
             rows = meta.decode_rows
             out[rows] = self._decode_absorbed(q_nope[rows], q_rot[rows], meta, cache)

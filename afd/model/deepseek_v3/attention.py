@@ -55,6 +55,9 @@ def rotary(cfg: DeepseekV3Config) -> Rotary:
 class AttentionHalf(nn.Module):
     """Parameter names follow the HF checkpoint (without its `model.` prefix)."""
 
+    supports_tp = True
+    """afd.model.tp.shard can cut it across the ranks of a TP group (its layers are MLA and dense MLPs)."""
+
     def __init__(self, cfg: DeepseekV3Config):
         super().__init__()
         self.cfg = cfg

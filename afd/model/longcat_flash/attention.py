@@ -31,6 +31,9 @@ class AttentionLayer(nn.Module):
 class AttentionHalf(nn.Module):
     """Parameter names follow the HF checkpoint (without its `model.` prefix)."""
 
+    supports_tp = True
+    """afd.model.tp.shard can cut it across the ranks of a TP group (its layers are MLA and dense MLPs)."""
+
     def __init__(self, cfg: LongcatFlashConfig):
         super().__init__()
         self.cfg = cfg

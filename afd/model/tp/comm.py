@@ -1,0 +1,199 @@
+"""One rank's view of its attention node's TP group: the collectives each mode makes, and their bytes.
+
+The residual stream of a micro-batch is either replicated (allreduce, or a sharded mode below its
+threshold) or a token shard: rank r holds rows [r*s, (r+1)*s) of the T tokens padded to G*s. Layers see
+only three calls: `gather` (stream -> every token, before a column-parallel layer), `row_parallel` /
+`o_proj` (a partial product -> the stream), and the embedding's `reduce`. The runner sets the plan of the
+micro-batch it is working on (`use`) before each call into the model, since micro-batches interleave.
+
+Bytes are counted per rank as the bandwidth-optimal algorithm sends them: AllReduce 2(G-1)/G of the
+tensor, ReduceScatter and AllGather (G-1)/G of the full tensor, all_to_all (D-1)/D of the input
+(afd/model/tp/volume.py states the same per layer by formula).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from afd.model.tp.config import ShardPlan, TPConfig, fc2_groups, plan
+
+log = logging.getLogger("afd.tp")
+# torch 2.13 renamed the tensor-in/tensor-out collectives; the old names still work before it
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class TPError(RuntimeError):
+    """A collective of the TP group failed or timed out: a rank of this attention node is gone."""
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return x if x.shape[0] == rows else F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
+
+
+class TPComm:
+    def __init__(self, cfg: TPConfig, rank: int = 0, ranks: list[int] | None = None, backend=None,
+                 timeout_s: float = 60.0):
+        """ranks: the group's global ranks in TP-rank order (ranks[0] leads: it schedules and samples).
+        Groups are made by their members only, so other processes of the world need not take part."""
+        self.cfg, self.rank, self.size = cfg, rank, cfg.size
+        self.ranks = ranks or [0]
+        self.backend = backend
+        self.plan = plan(cfg, 0)
+        self.bytes: Counter = Counter()
+        """Bytes this rank sent, by collective (afd_tp_comm_bytes_total)."""
+        self.fallbacks: Counter = Counter()
+        """Micro-batches a sharded mode ran as allreduce, below its token threshold."""
+        if self.size == 1:
+            return
+        timeout = timedelta(seconds=timeout_s)
+
+        def group(members: list[int], **kw):
+            return dist.new_group([self.ranks[i] for i in members], timeout=timeout, use_local_synchronization=True,
+                                  **kw)
+
+        self.group = group(list(range(self.size)))
+        self.cpu_group = group(list(range(self.size)), backend="gloo")  # schedules, as pickled objects
+        if cfg.mode == "flashcomm2":
+            odp, otp = fc2_groups(self.size, cfg.otp)
+            self.odp_group = group(next(g for g in odp if rank in g))
+            self.otp_group = group(next(g for g in otp if rank in g))
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    # ---- plans -------------------------------------------------------------------------------------
+
+    def plan_for(self, tokens: int) -> ShardPlan:
+        p = plan(self.cfg, tokens)
+        if self.size > 1 and self.cfg.mode != "allreduce" and not p.sharded and tokens:
+            if not self.fallbacks:
+                log.info("tp_comm %s: a micro-batch of %d tokens runs as allreduce (below the threshold of %d; "
+                         "afd_tp_comm_fallbacks_total counts each)", self.cfg.mode, tokens, self.cfg.threshold)
+            log.debug("tp_comm %s -> allreduce for %d tokens", self.cfg.mode, tokens)
+            self.fallbacks[self.cfg.mode] += 1
+        return p
+
+    def use(self, p: ShardPlan) -> None:
+        self.plan = p
+
+    # ---- collectives -------------------------------------------------------------------------------
+
+    def _run(self, op: str, nbytes: int, fn, *args, **kw) -> None:
+        try:
+            fn(*args, **kw)
+        except RuntimeError as e:
+            line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TPError(f"tensor parallel: {op} in the TP group (ranks {self.ranks}) failed ({line}); a rank "
+                          "of this attention node is probably gone") from None
+        self.bytes[op] += nbytes
+
+    def _share(self, n: int, parts: int) -> int:
+        return n * (parts - 1) // parts
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The stream (or anything per token of it) -> all T tokens' rows."""
+        p = self.plan
+        if not p.sharded:
+            return x
+        out = x.new_empty(p.padded, *x.shape[1:])
+        self._run("all_gather", self._share(out.numel() * out.element_size(), self.size),
+                  _all_gather, out, x.contiguous(), group=self.group)
+        return out[: p.tokens]
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """A partial sum over all T tokens -> the stream: AllReduce, or ReduceScatter onto the shard."""
+        p = self.plan
+        if self.size == 1:
+            return y
+        if not p.sharded:
+            self._run("all_reduce", 2 * self._share(y.numel() * y.element_size(), self.size),
+                      dist.all_reduce, y, group=self.group)
+            return y
+        y = _pad_rows(y, p.padded).contiguous()
+        out = y.new_empty(p.shard, *y.shape[1:])
+        self._run("reduce_scatter", self._share(y.numel() * y.element_size(), self.size),
+                  _reduce_scatter, out, y, group=self.group)
+        return out
+
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [T, K/G] @ weight[H, K/G]^T summed over the group, into the stream's layout."""
+        p = self.plan
+        if self.size > 1 and p.sharded and self.backend is not None:
+            xp = _pad_rows(x, p.padded)
+            fused = self.backend.mm_reduce_scatter(xp, weight, self.group, self.size)
+            if fused is not None:
+                self.bytes["reduce_scatter"] += self._share(p.padded * weight.shape[0] * x.element_size(), self.size)
+                return fused if bias is None else fused + bias
+        y = self.reduce(F.linear(x, weight))
+        return y if bias is None else y + bias
+
+    def fc2_o_proj(self, x: torch.Tensor, block: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """FlashComm2's o_proj. x [T, F/G] (this rank's heads), block [H, F/P] (the columns of this rank's
+        ODP group). Returns this rank's token shard [s, H]."""
+        p, G, P = self.plan, self.size, self.cfg.otp
+        D, s, Fl = G // P, p.shard, x.shape[1]
+        chunks = _pad_rows(x, p.padded).view(P, D, s, Fl)  # chunk k*D + i goes to ODP member i
+        send = chunks.transpose(0, 1).contiguous()  # [D (to member i), P, s, Fl]
+        recv = torch.empty_like(send)  # [D (from member i), P, s, Fl]: member i's heads for my chunks
+        self._run("all_to_all", self._share(send.numel() * send.element_size(), D),
+                  dist.all_to_all_single, recv, send, group=self.odp_group)
+        inp = recv.permute(1, 2, 0, 3).reshape(P * s, D * Fl)  # my chunks, the ODP group's heads side by side
+        partial = (inp @ block.t()).contiguous()  # [P*s, H]
+        out = partial.new_empty(s, partial.shape[1])
+        self._run("reduce_scatter", self._share(partial.numel() * partial.element_size(), P),
+                  _reduce_scatter, out, partial, group=self.otp_group)
+        return out if bias is None else out + bias
+
+    # ---- the MoE boundary --------------------------------------------------------------------------
+
+    def moe_rows(self) -> tuple[int, int]:
+        """The rows of the stream this rank exchanges with the MoE: its real shard rows when sharded
+        ([0, n) of its shard), else its slice [lo, hi) of the replicated tokens."""
+        lo, hi = self.plan.span(self.rank)
+        return (0, hi - lo) if self.plan.sharded else (lo, hi)
+
+    def moe_output(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's MoE output rows -> the stream: padded to the shard, or gathered from every rank."""
+        p = self.plan
+        if self.size == 1:
+            return y
+        y = _pad_rows(y, p.shard)
+        if p.sharded:
+            return y
+        out = y.new_empty(p.padded, *y.shape[1:])
+        self._run("all_gather", self._share(out.numel() * out.element_size(), self.size),
+                  _all_gather, out, y.contiguous(), group=self.group)
+        return out[: p.tokens]
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V/G] of this rank's vocabulary slice -> [B, V_padded] on every rank."""
+        if self.size == 1:
+            return logits
+        B, Vl = logits.shape
+        out = logits.new_empty(self.size * B, Vl)
+        self._run("all_gather", self._share(out.numel() * out.element_size(), self.size),
+                  _all_gather, out, logits.contiguous(), group=self.group)
+        return out.view(self.size, B, Vl).transpose(0, 1).reshape(B, self.size * Vl)
+
+    # ---- the leader's schedule ---------------------------------------------------------------------
+
+    def send_step(self, msg: tuple) -> None:
+        """The leader tells the other ranks what to run next (they run it in lockstep)."""
+        self._run("schedule", 0, dist.broadcast_object_list, [msg], src=self.ranks[0], group=self.cpu_group)
+
+    def recv_step(self) -> tuple:
+        box = [None]
+        self._run("schedule", 0, dist.broadcast_object_list, box, src=self.ranks[0], group=self.cpu_group)
+        return box[0]
+
+
+SINGLE = TPComm(TPConfig())
+"""The comm of an attention node of one rank: every call is the identity."""

@@ -1,0 +1,98 @@
+"""Cuts a loaded attention half down to one TP rank's share.
+
+    MLA          q_b_proj / q_proj and kv_b_proj column-parallel (this rank's n = NH/G heads), o_proj
+                 row-parallel over the same heads (flashcomm2: the ODP group's columns); q_a_proj and
+                 kv_a_proj_with_mqa replicated, and so is the latent KV cache they fill
+    dense MLPs   gate_proj / up_proj column-parallel, down_proj row-parallel
+    vocabulary   embed_tokens and lm_head by rows of the vocabulary padded to a multiple of G
+
+The half is loaded whole and then cut (simple, and memory-hungry on the host for a large model: reading
+only the slices from safetensors is a known next step, docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from afd.model.layers import DenseMLP
+from afd.model.mla import MLAttention
+from afd.model.tp.comm import TPComm
+from afd.model.tp.config import TPConfigError
+from afd.model.tp.layers import FC2OProj, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+
+
+def _rows(lin: nn.Linear, w: torch.Tensor) -> None:
+    lin.weight = nn.Parameter(w.contiguous(), requires_grad=False)
+    lin.out_features = w.shape[0]
+
+
+def _heads(w: torch.Tensor, n_heads: int, lo: int, n: int) -> torch.Tensor:
+    """Rows of heads [lo, lo + n) of a per-head-major weight [NH * d, K]."""
+    return w.view(n_heads, -1, w.shape[-1])[lo:lo + n].reshape(-1, w.shape[-1])
+
+
+def shard_mla(attn: MLAttention, tp: TPComm) -> None:
+    G, r, NH = tp.size, tp.rank, attn.n_heads
+    n = NH // G
+    if attn.q_proj is not None:
+        _rows(attn.q_proj, _heads(attn.q_proj.weight, NH, r * n, n))
+    else:
+        _rows(attn.q_b_proj, _heads(attn.q_b_proj.weight, NH, r * n, n))
+    _rows(attn.kv_b_proj, _heads(attn.kv_b_proj.weight, NH, r * n, n))
+    w, b = attn.o_proj.weight, attn.o_proj.bias  # [H, NH * v]
+    cols = n * attn.v_dim
+    if tp.cfg.mode == "flashcomm2":
+        D = G // tp.cfg.otp
+        g, j = divmod(r, D)
+        block = w[:, g * D * cols:(g + 1) * D * cols]
+        attn.o_proj = FC2OProj(block, slice(j * cols, (j + 1) * cols), b, tp)
+    else:
+        attn.o_proj = RowParallelLinear(w[:, r * cols:(r + 1) * cols], b, tp)
+    attn.n_heads, attn.tp = n, tp
+
+
+def shard_mlp(mlp: DenseMLP, tp: TPComm, where: str) -> None:
+    inter = mlp.gate_proj.weight.shape[0]
+    if inter % tp.size:
+        raise TPConfigError(f"layout.attention_tp: {tp.size} ranks do not divide {where}'s intermediate size "
+                            f"{inter}")
+    k = inter // tp.size
+    rows = slice(tp.rank * k, (tp.rank + 1) * k)
+    _rows(mlp.gate_proj, mlp.gate_proj.weight[rows])
+    _rows(mlp.up_proj, mlp.up_proj.weight[rows])
+    mlp.down_proj = RowParallelLinear(mlp.down_proj.weight[:, rows], None, tp)
+    mlp.tp = tp
+
+
+def _vocab_rows(w: torch.Tensor, tp: TPComm) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a [V, H] table padded with zero rows to a multiple of G, and the first id."""
+    V = w.shape[0]
+    per = -(-V // tp.size)
+    lo = tp.rank * per
+    part = w.new_zeros(per, w.shape[1])
+    have = max(0, min(V, lo + per) - lo)
+    part[:have] = w[lo:lo + have]
+    return part, lo
+
+
+def shard_attention_half(model: nn.Module, tp: TPComm) -> nn.Module:
+    """In place; returns the model. Raises TPConfigError when the model cannot be cut G ways."""
+    if tp.size == 1:
+        return model
+    cfg = model.cfg
+    if not getattr(model, "supports_tp", False):
+        raise TPConfigError(f"layout.attention_tp: {cfg.model_type}'s attention half has no TP layers yet "
+                            "(MLA families do: longcat_flash, deepseek_v3)")
+    tp.cfg.check_model(cfg.num_attention_heads)
+    for name, mod in model.named_modules():
+        if isinstance(mod, MLAttention):
+            shard_mla(mod, tp)
+        elif isinstance(mod, DenseMLP):
+            shard_mlp(mod, tp, name)
+    emb, lo = _vocab_rows(model.embed_tokens.weight, tp)
+    model.embed_tokens = VocabParallelEmbedding(emb, lo, tp)
+    head, _ = _vocab_rows(model.lm_head.weight, tp)
+    model.lm_head = ParallelLMHead(head, cfg.vocab_size, tp)
+    model.tp = tp
+    return model
