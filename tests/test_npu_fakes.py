@@ -370,28 +370,43 @@ def test_cache_compile_rules_and_layout(torchair, tmp_path):
     assert cached.cache_bin == str(path.resolve())
 
 
-# ---- npu_mm_reduce_scatter_base (tensor parallelism, later) ----------------------------------------------
+# ---- npu_mm_reduce_scatter_base (attention TP; NpuBackend.mm_reduce_scatter: tests/test_npu_mm_reduce_scatter.py) --
 
 RS_FAILURES = [
+    # (what the call changes, what the error says): op-plugin 26.0.0's document and TORCH_CHECKs, and the V2 kernel's
     (dict(a=torch.randn(4, 256)), "float16 or bfloat16"),
     (dict(b=torch.randn(256, 8, dtype=torch.bfloat16)), "x2 dtype"),
     (dict(a=torch.randn(4, 128, dtype=torch.float16), b=torch.randn(128, 8, dtype=torch.float16)), r"k must be in"),
-    (dict(world_size=3), "world_size must be one of"),
-    (dict(a=torch.randn(3, 256, dtype=torch.float16)), "not divisible by world_size"),
+    (dict(world_size=3), r"world_size should be in \[2, 4, 8, 16, 32\]"),
+    (dict(world_size=16, a=torch.randn(16, 256, dtype=torch.float16)), "'aiv' takes world_size 2, 4 or 8"),
+    (dict(a=torch.randn(3, 256, dtype=torch.float16)), "divisible by world_size"),
+    (dict(a=torch.randn(4, 256, 1, dtype=torch.float16)), "required to be 2D"),
     (dict(reduce_op="max"), "only 'sum'"),
     (dict(bias=torch.zeros(8, dtype=torch.float16)), "bias is not supported"),
     (dict(comm_turn=1), "comm_turn supports only 0"),
     (dict(a=torch.randn(256, 4, dtype=torch.float16).t()), "must not be transposed"),
+    (dict(b=torch.randn(8, 256, dtype=torch.float16)), "K-axis in the two inputs"),  # an (n, k) weight, not .t()
+    (dict(b=torch.randn(256, 16, dtype=torch.float16)[:, ::2]), "x2 must be contiguous"),
+    (dict(a=torch.randn(0, 256, dtype=torch.float16)), "no empty tensor"),
+    (dict(comm_mode=None), "training only"),
+    (dict(comm_mode="ai_cpu"), "training only"),
+    (dict(comm_mode="ccu"), "comm_mode must be 'ai_cpu' or 'aiv'"),
 ]
 
 
 @pytest.mark.parametrize("change,match", RS_FAILURES, ids=[m for _, m in RS_FAILURES])
 def test_fake_mm_reduce_scatter_base_rules(change, match):
     c = dict(a=torch.randn(4, 256, dtype=torch.float16), b=torch.randn(256, 8, dtype=torch.float16),
-             world_size=2) | change
+             world_size=2, comm_mode="aiv") | change
     a, b, ws = c.pop("a"), c.pop("b"), c.pop("world_size")
     with pytest.raises(RuntimeError, match=match):
         ops.npu_mm_reduce_scatter_base(a, b, "hcom", ws, **c)
+
+
+def test_fake_mm_reduce_scatter_base_refuses_the_quantized_scenario():
+    a, b = torch.randn(4, 256, dtype=torch.float16), torch.randn(256, 8, dtype=torch.float16)
+    with pytest.raises(NotImplementedError, match="quantized"):
+        ops.npu_mm_reduce_scatter_base(a, b, "hcom", 2, x2_scale=torch.ones(1, 8), comm_mode="aiv")
 
 
 def test_fake_mm_reduce_scatter_base_numerics():
@@ -401,16 +416,16 @@ def test_fake_mm_reduce_scatter_base_numerics():
     if dist.is_initialized():
         pytest.skip("a default process group exists in this process")
     # The "fake" backend's all_reduce leaves the data as it is: what is checked is the local product and
-    # this rank's row block (rank 1 of 2), not the sum over ranks, which is torch.distributed's.
+    # this rank's row block (rank 1 of 2), not the sum over ranks (tests/test_npu_mm_reduce_scatter.py has two).
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
         ops.register_hcom("tp", dist.group.WORLD)
         a, b = torch.randn(4, 256, dtype=torch.bfloat16), torch.randn(256, 8, dtype=torch.bfloat16)
-        y = ops.npu_mm_reduce_scatter_base(a, b, "tp", 2)
+        y = ops.npu_mm_reduce_scatter_base(a, b, "tp", 2, comm_mode="aiv")
         torch.testing.assert_close(y.float(), (a.double() @ b.double())[2:].float(), rtol=2e-2, atol=5e-2)
         with pytest.raises(RuntimeError, match="unknown hcom"):
-            ops.npu_mm_reduce_scatter_base(a, b, "nope", 2)
+            ops.npu_mm_reduce_scatter_base(a, b, "nope", 2, comm_mode="aiv")
         with pytest.raises(RuntimeError, match="world_size 4 != size"):
-            ops.npu_mm_reduce_scatter_base(a, b, "tp", 4)
+            ops.npu_mm_reduce_scatter_base(a, b, "tp", 4, comm_mode="aiv")
     finally:
         dist.destroy_process_group()

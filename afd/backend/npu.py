@@ -8,6 +8,7 @@ machine without them never fails.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices
 
@@ -26,6 +27,25 @@ GMM_MAX_GROUPS = 1024
 """Groups one call takes with a single x and a single 3-D weight."""
 GMM_INNER_LIMIT = 65536
 """Atlas A2/A3: x's last dim (K) and the weight's (N) must be below it."""
+
+# source: torch_npu.npu_mm_reduce_scatter_base ("doc" below), https://github.com/Ascend/op-plugin/blob/7.1.0/docs/
+#   context/torch_npu-npu_mm_reduce_scatter_base.md (op-plugin 7.1.0), the same path @7.2.0 (7.2.0, comm_mode
+#   added), and .../blob/26.0.0/docs/en/custom_APIs/torch_npu/torch_npu-npu_mm_reduce_scatter_base.md (26.0.0).
+# source: the kernel comm_mode "aiv" runs ("V2 doc"), aclnnMatmulReduceScatterV2, CANN ops-transformer
+#   mc2/matmul_reduce_scatter_v2/docs/aclnnMatmulReduceScatterV2.md (read at repo-mirror-test/ops-transformer
+#   @f33d3ce). Both list Atlas A2 and A3 only: Ascend 950 takes "ccu" or "ai_cpu", not "aiv" (vllm-ascend #12689),
+#   and is not handled here.
+MMRS_DTYPES = (torch.float16, torch.bfloat16)
+"""input and x2, one dtype (doc, all versions; int8 only in the quantized scenario afd does not use)."""
+MMRS_WORLD_SIZES = (2, 4, 8)
+"""Atlas A2 takes 2/4/8 ranks, A3 also 16/32 (doc); the "aiv" kernel only 2/4/8 (aclnnMatmulReduceScatterV2
+doc), which is also vllm-ascend's mmrs_fusion default, tp <= 8 (seed 000, 3.4)."""
+MMRS_K_RANGE = (256, 65535)
+"""k in [256, 65535) (doc, all versions)."""
+MMRS_COMM_MODE = "aiv"
+"""7.1.0's op (no comm_mode) and comm_mode "ai_cpu", the default since 7.2.0, are documented "仅在训练场景下使用"
+(training only); "aiv" is documented for training and inference (doc 7.2.0, 26.0.0). vllm-ascend passes "aiv"
+on A2/A3 too (vllm_ascend/device/device_op.py, BaseDeviceAdaptor.npu_mm_reduce_scatter_base)."""
 
 
 class NpuBackend(Backend):
@@ -73,6 +93,37 @@ class NpuBackend(Backend):
             [x], [w], group_list=group_sizes.to(torch.int64), split_item=2, group_type=0, group_list_type=1)
         return y
 
+    def mm_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, world_size: int) -> torch.Tensor | None:
+        op = self._mmrs_op()
+        if op is None or not _mmrs_fits(x, weight, world_size):
+            return None
+        # x2 is (k, n): nn.Linear's (n, k) weight, transposed as a view, which the doc allows for x2 (not for
+        # input, which must be a plain ND tensor: .contiguous() is a no-op for row_parallel's padded rows).
+        # bias=None: "aiv" takes no bias (the caller adds it); reduce_op "sum" and comm_turn 0 are the only values.
+        # Not gated on size: vllm-ascend turned the fusion off for MoE models, whose SP shards from 1 token, after
+        # measuring it slower on small shapes (vllm-ascend #3834); its dense models fuse only above 1000 tokens.
+        return op(x.contiguous(), weight.t(), self._hcom_name(group), world_size, reduce_op="sum", bias=None,
+                  comm_turn=0, comm_mode=MMRS_COMM_MODE)
+
+    def _mmrs_op(self):
+        """torch_npu.npu_mm_reduce_scatter_base where it takes comm_mode (op-plugin 7.2.0 and later), else None."""
+        if "_mmrs" not in self.__dict__:
+            op = getattr(self._torch_npu, "npu_mm_reduce_scatter_base", None)
+            self._mmrs = op if _takes_argument(op, "comm_mode") else None
+        return self._mmrs
+
+    def _hcom_name(self, group) -> str:
+        """The communicator name the op takes as `hcom`, the documented way (doc example, and op-plugin's own
+        test, test_mm_reduce_scatter_base.py): group._get_backend(npu).get_hccl_comm_name(rank). torch_npu uses
+        rankid only to warn when rankid % device_count is not the current device (ProcessGroupHCCL.cpp,
+        getHcclCommName); vllm-ascend passes the rank in the TP group, as here. The first call creates the
+        group's communicator for the current device if no collective has: every rank reaches it together, since
+        the TP ranks run each layer in lockstep. Cached per group."""
+        names = self.__dict__.setdefault("_hcom_names", {})
+        if group not in names:
+            names[group] = group._get_backend(torch.device("npu")).get_hccl_comm_name(dist.get_rank(group))
+        return names[group]
+
     def prefetch(self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None) -> int:
         # npu_prefetch(input, dependency, max_size): an L2 hint that starts after `dependency`'s producer.
         # Graph mode (torchair) refuses dependency=None, so one is always passed: without a caller's choice,
@@ -95,3 +146,29 @@ class NpuBackend(Backend):
 
         config = torchair.CompilerConfig()
         return torch.compile(fn, backend=torchair.get_npu_backend(compiler_config=config), dynamic=False)
+
+
+def _takes_argument(op, name: str) -> bool:
+    # torch_npu.<op> is the torch.ops.npu packet (torch_npu/__init__.py binds each name of torch.ops.npu), so
+    # its schema says which release's signature this is.
+    schema = getattr(getattr(op, "default", None), "_schema", None)
+    return schema is not None and any(a.name == name for a in schema.arguments)
+
+
+def _mmrs_fits(x: torch.Tensor, weight: torch.Tensor, world_size: int) -> bool:
+    """Whether npu_mm_reduce_scatter_base is documented to take x [m, k] @ weight[n, k]^T over world_size
+    ranks; outside, the caller's matmul and reduce_scatter run instead."""
+    if x.dim() != 2 or weight.dim() != 2:  # doc: input and x2 are 2-D
+        return False
+    if x.dtype not in MMRS_DTYPES or weight.dtype != x.dtype:  # doc: float16 / bfloat16, x2 as input
+        return False
+    if world_size not in MMRS_WORLD_SIZES:
+        return False
+    (m, k), (n, k_w) = x.shape, weight.shape
+    if k_w != k or not MMRS_K_RANGE[0] <= k < MMRS_K_RANGE[1]:  # doc: equal k, in [256, 65535)
+        return False
+    if m == 0 or n == 0 or m % world_size:  # V2 doc: no empty tensor; doc: m divisible by world_size
+        return False
+    # doc: x2 may be transposed; weight.t() of a row-major weight is that plain transpose, other strides are not
+    # documented.
+    return weight.is_contiguous()

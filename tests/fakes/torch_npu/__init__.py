@@ -13,7 +13,7 @@ import time
 
 from . import device as npu
 from . import hccl
-from .ops import npu_grouped_matmul, npu_prefetch  # noqa: F401  (afd calls them as torch_npu.<op>)
+from .ops import npu_grouped_matmul, npu_mm_reduce_scatter_base, npu_prefetch  # noqa: F401  (torch_npu.<op>)
 
 __version__ = "0.0.0+fake"
 

@@ -14,10 +14,16 @@ source: Ascend/pytorch (torch_npu) master @9e73e70, 2026-08-21:
   (ProcessGroupHCCL.hpp: `TORCH_HCCL_BLOCKING_WAIT = {"TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT"}`).
   Without it, a dead peer hangs the first host read of the result.
 - getHcclDataType: the dtypes HCCL moves.
+- `getHcclCommName` (bound as `get_hccl_comm_name(rankid, init_comm=True)` in torch_npu/csrc/distributed/
+  Init.cpp), reached as `group._get_backend(torch.device("npu"))`, which is how the fused communication ops'
+  documents obtain `hcom` (op-plugin docs, torch_npu-npu_mm_reduce_scatter_base.md, 7.1.0 to 26.0.0): rankid
+  must be >= 0 and serves only a warning (not modelled) when rankid % device_count is not the current device;
+  the name is the current device's communicator's, created on the way unless init_comm=False (then "").
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from datetime import timedelta
@@ -26,12 +32,14 @@ import torch
 import torch.distributed as dist
 
 from . import device as npu
+from . import ops
 
 HCCL_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
                torch.float64, torch.bool, torch.bfloat16}
 HANG_S = float(os.environ.get("AFD_FAKE_HANG_S", "20"))
 """How long the fake lets a wait that a real HCCL would never end run before it says so."""
 STATS = {"sends": 0, "recvs": 0, "send_behind_recv": 0}
+_COMM_IDS = itertools.count()
 
 
 class HangError(RuntimeError):
@@ -80,9 +88,29 @@ class FakeHcclGroup(dist.ProcessGroup):
         self._streams: dict[tuple[int, int], npu.Stream] = {}
         self._pending: dict[tuple[int, int], list[_Work]] = {}
         self._mu = threading.Lock()
+        self._comm_name = ""
 
     def getBackendName(self) -> str:
         return "hccl"
+
+    def _get_backend(self, device) -> FakeHcclGroup:
+        # torch_npu registers ProcessGroupHCCL as the group's backend for "npu"; this fake is group and backend
+        # in one (a Python ProcessGroup, which c10d keeps as is), so it answers for itself.
+        device = torch.device(device)
+        if device.type != "npu":
+            raise RuntimeError(f"No backend type associated with device type {device.type}")
+        return self
+
+    def get_hccl_comm_name(self, rankid: int, init_comm: bool = True) -> str:
+        """The name the fused communication ops take as `hcom`; the fake op reduces over this group's gloo."""
+        if rankid < 0:
+            raise RuntimeError(f"Invalid rank {rankid}")
+        if not self._comm_name:
+            if not init_comm:
+                return ""
+            self._comm_name = f"fake_hccl_comm_{next(_COMM_IDS)}"
+            ops.register_hcom(self._comm_name, self._gloo)
+        return self._comm_name
 
     def _check(self, tensors: list[torch.Tensor], what: str) -> npu.NpuTensor:
         if len(tensors) != 1:
