@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from afd.cluster.overrides import DefaultsHelpFormatter
+from afd.cluster.overrides import DefaultsHelpFormatter, add_tp_args, tp_kwargs
 
 
 def _add_generate(sub) -> None:
@@ -23,10 +23,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of --dummy-weights")
     p.add_argument("--colocated", action="store_true", help="both halves in this process (the reference)")
     p.add_argument("--attention-nodes", type=int, default=1, help="attention node processes")
-    p.add_argument("--ffn-nodes", type=int, default=1, help="FFN node processes")
+    p.add_argument("--ffn-nodes", type=int, default=1, help="FFN node processes (0: the attention nodes run the "
+                                                            "experts themselves)")
     p.add_argument("--no-overlap", action="store_true", help="wait for each MoE result at once (baseline)")
     p.add_argument("--micro-batches", type=int, default=0, choices=range(5), metavar="{0..4}",
                    help="ping-pong micro-batches; 0 chooses from measured times")
+    add_tp_args(p)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -40,13 +42,14 @@ def _cmd_generate(args) -> int:
             prompts = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--prompt-ids {args.prompt_ids}: {e}") from None
+    tp = tp_kwargs(args)
     if args.colocated:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
-                  seed=args.seed, micro_batches=max(1, args.micro_batches), overlap=not args.no_overlap)
+                  seed=args.seed, micro_batches=max(1, args.micro_batches), overlap=not args.no_overlap, **tp)
     else:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
                   seed=args.seed, attention_nodes=args.attention_nodes, ffn_nodes=args.ffn_nodes,
-                  overlap=not args.no_overlap, micro_batches=args.micro_batches)
+                  overlap=not args.no_overlap, micro_batches=args.micro_batches, **tp)
     out = llm.generate_ids(prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
                            progress=True)
     print(json.dumps(out))

@@ -23,6 +23,9 @@ def build_server_parser() -> argparse.ArgumentParser:
                                 "KV cache and the attention half of every layer. (`afd-attention generate "
                                 "--help`: the offline worker.)")
     add_cluster_args(p)
+    p.add_argument("--tp-rank", type=int, default=0,
+                   help="this process's TP rank in the node (layout.attention_tp); ranks > 0 follow rank 0, "
+                        "which serves the API")
     p.add_argument("--model", default=None, help="override the YAML's model path")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--host", default=None,
@@ -46,7 +49,8 @@ def build_generate_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     g.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: as for serving)")
     g.add_argument("--prompts-file", required=True, help='JSON {"prompts": [[ids]], "max_tokens": n, ...}')
-    g.add_argument("--output-file", required=True)
+    g.add_argument("--output-file", default=None, help="where rank 0 writes the outputs (required there)")
+    g.add_argument("--tp-rank", type=int, default=0, help="this process's TP rank in the node (layout.attention_tp)")
     return g
 
 
@@ -64,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         print("afd-attention: error: --config FILE --node NAME is required (or the `generate` mode)",
               file=sys.stderr)
         return 2
+    if args.tp_rank:
+        from attention_node.tp_rank import run_tp_rank
+
+        return run_tp_rank(args)
     from attention_node.cluster_mode import run_cluster_node
 
     return run_cluster_node(args)
@@ -75,14 +83,20 @@ def _run_generate(args) -> int:
         return cfg
     from afd.control.client import ControlError
     from afd.dataplane.transport import PeerError
+    from afd.model.tp.comm import TPError
+    from attention_node.tp_rank import check_tp_rank
     from attention_node.worker import run_offline
 
+    err = check_tp_rank(cfg, args) or (None if args.tp_rank or args.output_file else "--output-file is required")
+    if err:
+        print(f"afd-attention generate: error: {err}", file=sys.stderr)
+        return 2
     try:
         return run_offline(cfg, args)
     except (ControlError, OSError, ValueError) as e:  # ValueError: model config/checkpoint
         log.error("startup failed: %s", e)
         return 1
-    except PeerError as e:
+    except (PeerError, TPError) as e:
         log.error("stopping: %s", e)
         return 1
 

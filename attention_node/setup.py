@@ -16,11 +16,12 @@ from afd.engine.membership import PlaneMembership
 from afd.engine.runner import ModelRunner
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import load_tokenizer
-from afd.model.checkpoint import build_attention_half, open_reader
 from afd.model.config import parse_dtype
+from afd.model.tp.comm import SINGLE
 from afd.node.runtime import bring_up
 from afd.observability.metrics import AttentionMetrics
 from attention_node.api_server import ServerState
+from attention_node.halves import build_rank, load_halves
 from attention_node.openai_protocol import Limits
 
 log = logging.getLogger("afd.attention")
@@ -34,9 +35,7 @@ def build_server_state(cfg, args, box: dict):
     built = {}
 
     def load(rt) -> None:
-        reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
-        built["attn"] = build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device)
-        log.info("attention half loaded from %s", rt.model_path)
+        built.update(load_halves(rt, dtype))
 
     def on_status(status) -> None:  # Drain: no new requests, running ones finish
         st = box.get("state")
@@ -50,35 +49,44 @@ def build_server_state(cfg, args, box: dict):
     name = served_model_name(cfg.model.path, args.served_model_name)
     metrics = AttentionMetrics(args.node, name)
     metrics.watch_cluster_state(lambda: rt.cluster_state)
-    moe = RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
-    engine, tok, max_len = build_engine(built["attn"], moe, rt.model_path, mcfg, dtype, rt.backend.device,
+    attn, tp, moe = build_rank(rt, built, dtype)
+    metrics.watch_tp(tp)
+    engine, tok, max_len = build_engine(attn, moe, rt.model_path, mcfg, dtype, rt.backend.device,
                                         cfg.engine, cfg.model.max_model_len, args, metrics,
-                                        cfg.layout.micro_batches, cfg.layout.overlap)
+                                        cfg.layout.micro_batches, cfg.layout.overlap, tp)
 
     def rejoin(why: str) -> RemoteMoE:
         plane = rt.reform(why)
         return RemoteMoE(plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
 
-    engine.membership = PlaneMembership(rejoin if cfg.cluster.rejoin_timeout > 0 else None, rt.superseded,
-                                        rt.release_plane)
+    # A TP group lives in one generation of the data plane; re-forming it with the node's other ranks is
+    # not built yet, so a TP node fails its requests on a data-plane failure (docs/architecture.md).
+    can_rejoin = cfg.cluster.rejoin_timeout > 0 and tp.size == 1 and not cfg.colocated
+    engine.membership = PlaneMembership(rejoin if can_rejoin else None, rt.superseded, rt.release_plane)
     st = ServerState(engine, tok, name, rt.model_path, Limits(max_len, mcfg.vocab_size), metrics,
                      ready=lambda: rt.cluster_state in _SERVING, api_key=args.api_key)
     box["state"] = st
     return st, rt
 
 
+def kv_cache_for(mcfg, dtype, device, eng: EngineSection) -> KVCache:
+    """The KV cache a serving attention rank sizes from its budget (every TP rank alike: block tables
+    come from the leader). MLA's latent cache is the same on every rank."""
+    cache = CacheConfig(block_size=eng.block_size, memory_budget_bytes=eng.kv_cache_bytes)
+    return KVCache(mcfg, cache.resolve_num_blocks(mcfg, dtype.itemsize), eng.block_size, dtype, device)
+
+
 def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSection, max_model_len: int | None,
-                 args, metrics: AttentionMetrics, micro_batches: int = 1, overlap: bool = True):
+                 args, metrics: AttentionMetrics, micro_batches: int = 1, overlap: bool = True, tp=SINGLE):
     """The serving engine over an attention half and its MoE exchange (remote or colocated): KV cache
     sized from the budget, tokenizer with `--chat-template`, `--seed`. Returns (engine, tokenizer,
     max_model_len)."""
-    cache = CacheConfig(block_size=eng.block_size, memory_budget_bytes=eng.kv_cache_bytes)
-    num_blocks = cache.resolve_num_blocks(mcfg, dtype.itemsize)
-    kv = KVCache(mcfg, num_blocks, eng.block_size, dtype, device)
+    kv = kv_cache_for(mcfg, dtype, device, eng)
+    num_blocks = kv.allocator.num_blocks
     max_len = min(max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d", num_blocks, eng.block_size,
              kv.data.numel() * kv.data.element_size() / 2**20, max_len)
-    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap)
+    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp)
     tok = load_tokenizer(model_path)
     if args.chat_template:
         if tok is None:

@@ -11,42 +11,47 @@ from __future__ import annotations
 import json
 import logging
 
-from afd.dataplane.exchange import RemoteMoE
 from afd.engine import offline
+from afd.engine.runner import follow
 from afd.engine.sampling import SamplingParams
-from afd.model.checkpoint import build_attention_half, open_reader
 from afd.model.config import parse_dtype
 from afd.node.runtime import bring_up
+from attention_node.halves import build_rank, load_halves
 
 log = logging.getLogger("afd.attention")
 
 
 def run_offline(cfg, args) -> int:
+    """The node's job; on a TP rank > 0 (`--tp-rank`), that rank's share of it, led by rank 0. Every
+    rank reads the same prompts file, so that their KV caches are sized alike."""
     with open(args.prompts_file) as f:
         spec = json.load(f)
     dtype = parse_dtype(cfg.model.dtype)
     params = SamplingParams(**spec.get("sampling", {}))
     built = {}
-
-    def load(rt) -> None:
-        reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
-        built["attn"] = build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device)
-
-    rt = bring_up(cfg, args.node, args.bind_host, load)
+    rank = getattr(args, "tp_rank", 0)
+    rt = bring_up(cfg, args.node, args.bind_host, lambda rt: built.update(load_halves(rt, dtype)), tp_rank=rank)
     try:
         mcfg = rt.model_cfg
         prompts, max_tokens = spec["prompts"], spec["max_tokens"]
         per = offline.validate_prompts(mcfg, prompts, max_tokens) if prompts else []
-        moe = RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
-        engine = offline.job_engine(built["attn"], moe, prompts, per, dtype, rt.backend.device,
-                                    cfg.engine.block_size, cfg.layout.micro_batches, cfg.layout.overlap)
+        attn, tp, moe = build_rank(rt, built, dtype)
+        engine = offline.job_engine(attn, moe, prompts, per, dtype, rt.backend.device, cfg.engine.block_size,
+                                    cfg.layout.micro_batches, cfg.layout.overlap, tp=tp)
+        if rank > 0:
+            follow(engine.runner)
+            log.info("TP rank %d done", rank)
+            return 0
         steps: list[dict] = []
-        out = offline.generate(engine, prompts, per, params, spec.get("ignore_eos", False),
+        logits: list | None = [] if spec.get("logits") else None
+        out = offline.generate(engine, prompts, per, params, spec.get("ignore_eos", False), logits,
                                on_step=lambda s: steps.append(s.report()), progress=True)
-        moe.leave()
+        engine.runner.leave()
         with open(args.output_file, "w") as f:
-            json.dump({"outputs": out, "steps": steps, "a2f_bytes": moe.bytes_sent,
-                       "micro_batches": engine.runner.micro_batches}, f)
+            json.dump({"outputs": out, "steps": steps, "a2f_bytes": getattr(moe, "bytes_sent", 0),
+                       "micro_batches": engine.runner.micro_batches, "tp_bytes": dict(tp.bytes),
+                       "tp_fallbacks": dict(tp.fallbacks),
+                       "logits": [[t.tolist() for t in p] for p in logits] if logits is not None else None}, f)
         log.info("generated %d sequences in %d steps", len(out), len(steps))
         return 0
     finally:

@@ -6,11 +6,11 @@ Fast: the only processes are `afd` CLI calls, run a few at a time.
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,9 +32,30 @@ def afd(*argv: str) -> subprocess.CompletedProcess:
 
 
 def afd_many(argvs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
-    """`afd ARGV...` for each key, four at a time: each call spends its first second importing torch."""
-    with ThreadPoolExecutor(4) as pool:
-        return dict(zip(argvs, pool.map(lambda argv: afd(*argv), argvs.values())))
+    """`afd ARGV...` for each key: afd.cli.main called in turn inside one process, each call's exit code
+    and output captured (a process per call spent a second each importing torch). An exception that
+    main() lets through fails the whole process, so it cannot pass unnoticed."""
+    r = subprocess.run([sys.executable, "-c", _MAIN_MANY, json.dumps(argvs)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {k: subprocess.CompletedProcess(argvs[k], code, out, err)
+            for k, (code, out, err) in json.loads(r.stdout.splitlines()[-1]).items()}
+
+
+_MAIN_MANY = """
+import contextlib, io, json, sys
+from afd.cli import main
+results = {}
+for key, argv in json.loads(sys.argv[1]).items():
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+    results[key] = [code, out.getvalue(), err.getvalue()]
+print(json.dumps(results))
+"""
 
 
 # ---- the examples in deploy/ --------------------------------------------------------------------
@@ -184,7 +205,8 @@ MISTAKES = [
      "expected a byte count like 256MiB, got 'lots'"),
     ("negative-shutdown-timeout", lambda c: c.update(engine={"shutdown_timeout": -1}), "engine.shutdown_timeout",
      "must be >= 0, got -1"),
-    ("no-ffn-node", lambda c: c.update(nodes=c["nodes"][:1]), "nodes", "needs at least one ffn node"),
+    ("experts-without-ffn-nodes", lambda c: c.update(nodes=c["nodes"][:1], layout={"experts": {"ffn0": [0, 16]}}),
+     "layout.experts", "must name every FFN node exactly"),
     ("no-attention-node", lambda c: c.update(nodes=c["nodes"][1:]), "nodes", "needs at least one attention node"),
     ("experts-gap", layout(experts={"ffn0": [0, 7], "ffn1": [8, 16]}), "layout.experts.ffn1",
      "[8, 16) leaves a gap before expert 7"),
@@ -374,3 +396,10 @@ def test_reachable_host_without_token_is_refused_unless_insecure(monkeypatch, ho
     assert (err is not None) == refused
     if refused:
         assert "AFD_CLUSTER_TOKEN is not set" in err and "cluster.insecure: true" in err
+
+
+def test_a_cluster_without_ffn_nodes_is_colocated():
+    """No FFN nodes: each attention node (every TP rank of it) holds every expert itself."""
+    cfg = from_dict({"model": {"path": "demo"}, "nodes": [
+        {"name": "attn0", "role": "attention", "host": "127.0.0.1", "ports": {"control": 1, "data": 2, "http": 3}}]})
+    assert cfg.colocated and cfg.topology_name == "1A0F"

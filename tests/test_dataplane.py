@@ -25,11 +25,14 @@ def reference(tiny_checkpoint):
     return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW_TOKENS)]
 
 
+SLOW = pytest.mark.slow  # the same paths as a default case next to it; `make test-slow` (CI) runs them
+
+
 @pytest.mark.parametrize("A,F,overlap,micro_batches", [
-    (1, 1, True, 0), (1, 1, False, 1), (1, 1, True, 3),
-    (2, 1, True, 2), (2, 1, False, 1),
-    (1, 2, True, 1), (1, 2, True, 2),
-    (2, 2, True, 0), (2, 2, False, 1),
+    (1, 1, True, 0), (1, 1, False, 1), pytest.param(1, 1, True, 3, marks=SLOW),
+    (2, 1, True, 2), pytest.param(2, 1, False, 1, marks=SLOW),
+    pytest.param(1, 2, True, 1, marks=SLOW), (1, 2, True, 2),
+    (2, 2, True, 0), pytest.param(2, 2, False, 1, marks=SLOW),
 ])
 def test_afd_generation_equals_hf(tiny_checkpoint, reference, A, F, overlap, micro_batches):
     llm = afd.LLM(tiny_checkpoint, attention_nodes=A, ffn_nodes=F, overlap=overlap,

@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from afd.cluster.placement import ExpertShard, partition_experts
+from afd.model.tp.config import TPConfig, TPConfigError
 
 ROLES = ("attention", "ffn")
 DEVICES = ("cpu", "cuda", "npu")
@@ -55,6 +56,28 @@ class Node:
     def device_index(self) -> int:
         return int(self.device.split(":")[1]) if ":" in self.device else 0
 
+    def rank_device(self, tp_rank: int) -> str:
+        """TP rank r's device: the node's device index + r (cpu for every rank of a CPU node)."""
+        return self.device if self.device_type == "cpu" else f"{self.device_type}:{self.device_index + tp_rank}"
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process of the cluster: a node, or one TP rank of an attention node."""
+
+    name: str
+    """The node's name for its TP rank 0 (and every FFN node); `NODE.tpR` for rank R > 0."""
+    node: Node
+    tp_rank: int = 0
+
+    @property
+    def device(self) -> str:
+        return self.node.rank_device(self.tp_rank)
+
+
+def process_name(node: str, tp_rank: int) -> str:
+    return node if tp_rank == 0 else f"{node}.tp{tp_rank}"
+
 
 @dataclass(frozen=True)
 class ModelSection:
@@ -76,6 +99,20 @@ class Layout:
     """FFN node name -> [lo, hi) routed experts; default: an even split in node order."""
     zero_experts: str | None = None
     """FFN node that applies the identity experts; default: the first FFN node."""
+    attention_tp: int = 1
+    """Ranks of every attention node: TP rank r of a node is its own process (`--tp-rank r`) on device
+    index (the node's) + r, and exchanges its own rows with the FFN nodes (afd.model.tp)."""
+    tp_comm: str = "allreduce"
+    """How the TP ranks combine row-parallel results: allreduce, sp, flashcomm1 or flashcomm2."""
+    flashcomm2_otp: int | None = None
+    """flashcomm2's o_proj TP group size P (attention_tp > P, attention_tp % P == 0)."""
+    tp_comm_min_tokens: int | None = None
+    """Micro-batches with fewer tokens run as allreduce (counted in afd_tp_comm_fallbacks_total); default:
+    the seed's threshold of the mode (sp 1, flashcomm1/2 1001)."""
+
+    @property
+    def tp(self) -> TPConfig:
+        return TPConfig(self.attention_tp, self.tp_comm, self.flashcomm2_otp, self.tp_comm_min_tokens)
 
 
 @dataclass(frozen=True)
@@ -150,10 +187,37 @@ class ClusterConfig:
     def coordinator(self) -> Node:
         return self.node(self.cluster.coordinator or self.attention_nodes[0].name)
 
+    @property
+    def processes(self) -> list[Process]:
+        """In data-plane rank order: every attention node's TP ranks, then the FFN nodes, in file order."""
+        tp = self.layout.attention_tp
+        return ([Process(process_name(n.name, r), n, r) for n in self.attention_nodes for r in range(tp)]
+                + [Process(n.name, n) for n in self.ffn_nodes])
+
+    @property
+    def process_names(self) -> list[str]:
+        return [p.name for p in self.processes]
+
+    def process(self, name: str) -> Process:
+        for p in self.processes:
+            if p.name == name:
+                return p
+        raise ClusterConfigError(f"{self.source}: no node or TP rank named {name!r} (processes: "
+                                 f"{', '.join(self.process_names)})")
+
     def rank(self, name: str) -> int:
-        """Data-plane rank: attention nodes first, then FFN nodes, each in file order."""
-        order = self.attention_nodes + self.ffn_nodes
-        return [n.name for n in order].index(name)
+        """Data-plane rank of a process (a node's name: its TP rank 0)."""
+        return self.process_names.index(name)
+
+    def tp_ranks(self, node: str) -> list[int]:
+        """The data-plane ranks of an attention node's TP group, in TP-rank order."""
+        first = self.rank(node)
+        return list(range(first, first + self.layout.attention_tp))
+
+    @property
+    def colocated(self) -> bool:
+        """No FFN nodes: every attention node runs the experts itself."""
+        return not self.ffn_nodes
 
     def expert_shard(self, name: str, n_routed: int | None = None) -> ExpertShard:
         ffn = [n.name for n in self.ffn_nodes]
@@ -168,7 +232,9 @@ class ClusterConfig:
 
     @property
     def topology_name(self) -> str:
-        return f"{len(self.attention_nodes)}A{len(self.ffn_nodes)}F"
+        lay = self.layout
+        tp = f" (attention tp {lay.attention_tp}, {lay.tp_comm})" if lay.attention_tp > 1 else ""
+        return f"{len(self.attention_nodes)}A{len(self.ffn_nodes)}F{tp}"
 
 
 # ---- loading and validation -------------------------------------------------------------------
@@ -232,6 +298,7 @@ class _Ctx:
     src: str
     seen_ports: dict = field(default_factory=dict)
     seen_devices: dict = field(default_factory=dict)
+    attention_tp: int = 1
 
 
 def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
@@ -243,13 +310,18 @@ def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
     dtype, _, idx = str(dev).partition(":")
     if dtype not in DEVICES or (idx and not idx.isdigit()):
         _fail(ctx.src, f"{path}.device", f"expected cpu, cuda[:N] or npu[:N], got {dev!r}")
-    if dtype != "cpu":  # hosts compare as written, as for ports; `cuda` is cuda:0 (Node.device_index)
-        where = (kw["host"], dtype, int(idx or 0))
+    ranks = ctx.attention_tp if kw["role"] == "attention" else 1
+    for r in range(ranks if dtype != "cpu" else 0):  # hosts compare as written, as for ports; `cuda` is cuda:0
+        where = (kw["host"], dtype, int(idx or 0) + r)
+        who = kw["name"] if r == 0 else f"{kw['name']} TP rank {r}"
         if where in ctx.seen_devices:
-            _fail(ctx.src, f"{path}.device", f"{kw['name']} and {ctx.seen_devices[where]} both use {dtype}:{where[2]} "
+            _fail(ctx.src, f"{path}.device", f"{who} and {ctx.seen_devices[where]} both use {dtype}:{where[2]} "
                                              f"on {kw['host']}: give each node its own device (NCCL and HCCL take "
-                                             "one process per device)")
-        ctx.seen_devices[where] = f"{kw['name']} (nodes[{i}].device {dev!r})"
+                                             "one process per device; TP rank r of an attention node takes the "
+                                             "node's device index + r)")
+        ctx.seen_devices[where] = f"{who} (nodes[{i}].device {dev!r})"
+    if ".tp" in kw["name"]:
+        _fail(ctx.src, f"{path}.name", f"{kw['name']!r}: `.tp` is reserved for the names of TP ranks (NODE.tpR)")
     pk = _section(Ports, ctx.src, f"{path}.ports", kw["ports"], required=("control", "data"))
     for name, port in pk.items():
         if port is None:
@@ -270,6 +342,10 @@ def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
 
 def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
     ffn = [n.name for n in nodes if n.role == "ffn"]
+    try:
+        layout.tp  # noqa: B018 (validates)
+    except TPConfigError as e:
+        _fail(src, "", str(e))
     if layout.zero_experts is not None and layout.zero_experts not in ffn:
         _fail(src, "layout.zero_experts", f"{layout.zero_experts!r} is not an FFN node ({', '.join(ffn)})")
     if not 0 <= layout.micro_batches <= 4:
@@ -305,6 +381,14 @@ def check_expert_layout(cfg: ClusterConfig, n_routed: int) -> None:
     elif len(cfg.ffn_nodes) > n_routed:
         raise ClusterConfigError(f"{cfg.source}: nodes: {len(cfg.ffn_nodes)} FFN nodes for {n_routed} routed "
                                  "experts: some would hold none")
+
+
+def check_tp_layout(cfg: ClusterConfig, num_heads: int) -> None:
+    """The TP layout against the model: each rank holds whole attention heads."""
+    try:
+        cfg.layout.tp.check_model(num_heads)
+    except TPConfigError as e:
+        raise ClusterConfigError(f"{cfg.source}: {e}") from None
 
 
 def _check_tls(src: str, tls: dict | None) -> None:
@@ -356,7 +440,7 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
             _fail(src, f"prefetch.weights[{i}]", f"expected router, gate_up or down, got {w!r}")
     if not isinstance(raw["nodes"], list) or not raw["nodes"]:
         _fail(src, "nodes", "expected a non-empty list of nodes")
-    ctx = _Ctx(src)
+    ctx = _Ctx(src, attention_tp=layout.attention_tp if type(layout.attention_tp) is int else 1)
     nodes, names = [], set()
     for i, n in enumerate(raw["nodes"]):
         node = _load_node(ctx, i, n)
@@ -364,9 +448,8 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
             _fail(src, f"nodes[{i}].name", f"duplicate node name {node.name!r}")
         names.add(node.name)
         nodes.append(node)
-    for role in ROLES:
-        if not any(n.role == role for n in nodes):
-            _fail(src, "nodes", f"needs at least one {role} node")
+    if not any(n.role == "attention" for n in nodes):
+        _fail(src, "nodes", "needs at least one attention node")  # without FFN nodes: colocated (.colocated)
     if cluster.coordinator is not None and cluster.coordinator not in names:
         _fail(src, "cluster.coordinator", f"{cluster.coordinator!r} is not a node ({', '.join(sorted(names))})")
     _check_layout(src, layout, nodes)

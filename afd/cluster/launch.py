@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.request
 
-from afd.cluster.config import ClusterConfig, Node, load
+from afd.cluster.config import ClusterConfig, Node, Process, load
 from afd.cluster.overrides import (
     FOR_ATTENTION,
     FOR_EVERY_NODE,
@@ -42,10 +42,11 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def node_args(cfg_path: str, node: Node, args, first_attention: str) -> list[str]:
-    """A node's command line: its place in the YAML plus the overrides that concern its role. The API
-    key travels in the environment (AFD_API_KEY), never on a command line others can read in `ps`."""
-    out = ["--config", cfg_path, "--node", node.name]
+def node_args(cfg_path: str, node: Node, args, first_attention: str, tp_rank: int = 0) -> list[str]:
+    """A node's command line (with `--tp-rank R` for an attention node's TP rank R > 0): its place in the
+    YAML plus the overrides that concern its role. The API key travels in the environment
+    (AFD_API_KEY), never on a command line others can read in `ps`."""
+    out = ["--config", cfg_path, "--node", node.name] + (["--tp-rank", str(tp_rank)] if tp_rank else [])
     if args.model:
         out += ["--model", args.model]
     if args.port is not None and node.name == first_attention:
@@ -57,10 +58,11 @@ def run(args) -> int:
     cfg = with_overrides(load(args.config), model=args.model, http_port=args.port, dtype=args.dtype,
                          max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
     first = cfg.attention_nodes[0]
-    plan = [(n, node_args(args.config, n, args, first.name)) for n in cfg.nodes]
+    plan = [(p, node_args(args.config, p.node, args, first.name, p.tp_rank)) for p in cfg.processes]
     if args.print_commands:
-        for n, a in plan:  # the host as a shell comment: the line still pastes as it is
-            print(f"{shlex.join([COMMANDS[n.role], *a])}  # on {n.host}")
+        for p, a in plan:  # the host (and device) as a shell comment: the line still pastes as it is
+            dev = f", {p.device}" if p.device != "cpu" else ""
+            print(f"{shlex.join([COMMANDS[p.node.role], *a])}  # on {p.node.host}{dev}")
         return 0
     check_startable(cfg, args.config)
     env = dict(os.environ)
@@ -72,13 +74,15 @@ def run(args) -> int:
 def check_startable(cfg: ClusterConfig, source: str) -> None:
     """What would make every node fail, said once here rather than as a traceback from each."""
     if cfg.model.path != "demo":
-        from afd.cluster.config import check_expert_layout
+        from afd.cluster.config import check_expert_layout, check_tp_layout
         from afd.model.registry import load_config
 
-        check_expert_layout(cfg, load_config(cfg.model.path).n_routed_experts)
+        mcfg = load_config(cfg.model.path)
+        check_expert_layout(cfg, mcfg.n_routed_experts)
+        check_tp_layout(cfg, mcfg.num_attention_heads)
     from afd.backend import check_device  # here: afd.backend imports torch, which `afd --help` need not
 
-    for device in sorted({n.device_type for n in cfg.nodes}):
+    for device in sorted({n.device_type for n in cfg.nodes}):  # TP ranks share their node's device type
         check_device(device)
     busy = _ports_in_use(cfg)
     if busy:
@@ -93,7 +97,7 @@ def check_startable(cfg: ClusterConfig, source: str) -> None:
 class _Launcher:
     def __init__(self, cfg: ClusterConfig, plan, env: dict):
         self.cfg, self.plan, self.env = cfg, plan, env
-        self.procs: list[tuple[Node, subprocess.Popen]] = []
+        self.procs: list[tuple[Process, subprocess.Popen]] = []
         self.stopping = False
         self._lock = threading.Lock()
 
@@ -116,17 +120,17 @@ class _Launcher:
                     os.unlink(made)
 
     def _run(self, curl_example: bool, env: dict) -> int:
-        for node, args in reversed(self.plan):  # any order works; FFN nodes first shows it
-            p = subprocess.Popen([sys.executable, "-m", MODULES[node.role], *args], stdout=subprocess.PIPE,
+        for proc, args in reversed(self.plan):  # any order works; FFN nodes first shows it
+            p = subprocess.Popen([sys.executable, "-m", MODULES[proc.node.role], *args], stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1, env=env)
-            self.procs.append((node, p))
-            threading.Thread(target=self._pump, args=(node.name, p), daemon=True).start()
+            self.procs.append((proc, p))
+            threading.Thread(target=self._pump, args=(proc.name, p), daemon=True).start()
         urls = [f"http://{n.host}:{n.ports.http}" for n in self.cfg.attention_nodes]
         deadline = time.monotonic() + self.cfg.cluster.startup_timeout + 60
         ready = False
         code = 0
         while not self.stopping:
-            dead = [(n, p.returncode) for n, p in self.procs if p.poll() is not None]
+            dead = [(n, p.returncode) for n, p in self.procs if p.poll() is not None]  # n: a Process
             if dead:
                 n, rc = dead[0]
                 self._say(f"node {n.name} exited with code {rc}; stopping the cluster")
@@ -156,16 +160,22 @@ class _Launcher:
             print(f"[launch] {msg}", flush=True)
 
     def _pump(self, name: str, p: subprocess.Popen) -> None:
-        width = max(len(n.name) for n in self.cfg.nodes)
+        width = max(len(n) for n in self.cfg.process_names)
         for line in p.stdout:
             with self._lock:
                 sys.stdout.write(f"[{name:<{width}}] {line}")
                 sys.stdout.flush()
 
     def shutdown(self) -> None:
+        """Attention nodes (their TP rank 0) drain and leave first; their other ranks follow them out;
+        then the FFN nodes."""
         grace = self.cfg.engine.shutdown_timeout + 10
-        for role, wait in (("attention", grace), ("ffn", 10.0)):
-            group = [p for n, p in self.procs if n.role == role and p.poll() is None]
+
+        def stage(proc: Process) -> str:
+            return "tp" if proc.tp_rank else proc.node.role
+
+        for role, wait in (("attention", grace), ("tp", 10.0), ("ffn", 10.0)):
+            group = [p for n, p in self.procs if stage(n) == role and p.poll() is None]
             for p in group:
                 p.send_signal(signal.SIGTERM)
             end = time.monotonic() + wait

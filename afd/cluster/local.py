@@ -74,10 +74,19 @@ class LocalClusterSpec:
     ffn_host: str = "127.0.0.1"
     ffn_command_prefix: tuple[str, ...] = ()
     """How to start an FFN node elsewhere, e.g. `ip netns exec NS` behind an emulated link (afd.cluster.link)."""
+    attention_tp: int = 1
+    """TP ranks (processes) per attention node."""
+    tp_comm: str = "allreduce"
+    flashcomm2_otp: int | None = None
+    tp_comm_min_tokens: int | None = None
 
     def __post_init__(self):
-        if self.attention_nodes < 1 or self.ffn_nodes < 1:
-            raise ValueError("need at least one attention node and one FFN node")
+        if self.attention_nodes < 1 or self.ffn_nodes < 0:
+            raise ValueError("need at least one attention node (and 0 or more FFN nodes: 0 runs the experts on the "
+                             "attention nodes)")
+        from afd.model.tp.config import TPConfig
+
+        TPConfig(self.attention_tp, self.tp_comm, self.flashcomm2_otp, self.tp_comm_min_tokens)  # validates
         if not 0 <= self.micro_batches <= 4:
             raise ValueError(f"--micro-batches must be in 0..4 (0: automatic), got {self.micro_batches}")
 
@@ -95,8 +104,19 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
                         "rejoin_timeout": 0},
             "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights,
                       "seed": spec.seed},
-            "layout": {"overlap": spec.overlap, "micro_batches": spec.micro_batches},
+            "layout": {"overlap": spec.overlap, "micro_batches": spec.micro_batches, **_tp_layout(spec)},
             "engine": {"block_size": spec.block_size}, "nodes": nodes}
+
+
+def _tp_layout(spec: LocalClusterSpec) -> dict:
+    if spec.attention_tp == 1:
+        return {}
+    out = {"attention_tp": spec.attention_tp, "tp_comm": spec.tp_comm}
+    if spec.flashcomm2_otp is not None:
+        out["flashcomm2_otp"] = spec.flashcomm2_otp
+    if spec.tp_comm_min_tokens is not None:
+        out["tp_comm_min_tokens"] = spec.tp_comm_min_tokens
+    return out
 
 
 class LocalCluster:
@@ -115,8 +135,10 @@ class LocalCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, prompts: list[list[int]], max_tokens, params=None, ignore_eos: bool = False) -> None:
-        """params: the SamplingParams of every prompt (greedy by default)."""
+    def start(self, prompts: list[list[int]], max_tokens, params=None, ignore_eos: bool = False,
+              logits: bool = False) -> None:
+        """params: the SamplingParams of every prompt (greedy by default). logits: each attention node's
+        report carries every prompt's per-step logits (`reports_logits`)."""
         import dataclasses
 
         import yaml
@@ -143,10 +165,14 @@ class LocalCluster:
             with open(pfile, "w") as fh:
                 json.dump({"prompts": [prompts[i] for i in mine], "max_tokens": [per[i] for i in mine],
                            "sampling": dataclasses.asdict(params) if params is not None else {},
-                           "ignore_eos": ignore_eos}, fh)
+                           "ignore_eos": ignore_eos, "logits": logits}, fh)
             cmd = [sys.executable, "-m", "attention_node.main", "generate", *node, f"attn{a}",
                    "--prompts-file", pfile, "--output-file", os.path.join(self.dir, f"out{a}.json")]
             self.procs.append(_spawn(f"attention{a}", cmd, self.dir, env))
+            for r in range(1, spec.attention_tp):  # the node's other TP ranks, on the same prompts
+                cmd = [sys.executable, "-m", "attention_node.main", "generate", *node, f"attn{a}",
+                       "--prompts-file", pfile, "--tp-rank", str(r)]
+                self.procs.append(_spawn(f"attention{a}.tp{r}", cmd, self.dir, env))
 
     def process(self, name: str) -> subprocess.Popen:
         return next(p for n, p, _ in self.procs if n == name)
@@ -175,10 +201,22 @@ class LocalCluster:
 
 
 def run_generate(spec: LocalClusterSpec, prompts: list[list[int]], max_tokens, params=None,
-                 ignore_eos: bool = False, timeout_s: float = 600.0) -> tuple[list[list[int]], list[dict]]:
+                 ignore_eos: bool = False, timeout_s: float = 600.0,
+                 logits: bool = False) -> tuple[list[list[int]], list[dict]]:
     with LocalCluster(spec) as cluster:
-        cluster.start(prompts, max_tokens, params, ignore_eos)
+        cluster.start(prompts, max_tokens, params, ignore_eos, logits)
         return cluster.wait(timeout_s)
+
+
+def reports_logits(spec: LocalClusterSpec, reports: list[dict], num_prompts: int) -> list:
+    """Per prompt (in the job's order), its per-step fp32 logits as tensors, from the nodes' reports."""
+    import torch
+
+    out: list = [None] * num_prompts
+    for a, rep in enumerate(reports):
+        for i, steps in zip(range(a, num_prompts, spec.attention_nodes), rep["logits"]):
+            out[i] = [torch.tensor(s, dtype=torch.float32) for s in steps]
+    return out
 
 
 def _spawn(name: str, cmd: list[str], tmp: str, env: dict | None = None) -> tuple[str, subprocess.Popen, str]:

@@ -59,6 +59,29 @@ def add_serving_overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="seed of unseeded requests' random sampling")
 
 
+def add_tp_args(p: argparse.ArgumentParser) -> None:
+    """Attention-side tensor parallelism (the YAML's layout.attention_tp / tp_comm / flashcomm2_otp /
+    tp_comm_min_tokens; afd.model.tp)."""
+    g = p.add_argument_group("attention tensor parallelism (override the YAML's layout)")
+    g.add_argument("--attention-tp", type=positive_int, default=None,
+                   help="processes (ranks) per attention node, one device each (default: 1)")
+    g.add_argument("--tp-comm", default=None, choices=["allreduce", "sp", "flashcomm1", "flashcomm2"],
+                   help="how TP ranks combine row-parallel results (default: allreduce)")
+    g.add_argument("--flashcomm2-otp", type=positive_int, default=None,
+                   help="flashcomm2: the o_proj TP group size P (attention-tp > P, divisible by P)")
+    g.add_argument("--tp-comm-min-tokens", type=int, default=None,
+                   help="micro-batches with fewer tokens run as allreduce (default: the seed's threshold: sp 1, "
+                        "flashcomm1/2 1001)")
+
+
+TP_KEYS = ("attention_tp", "tp_comm", "flashcomm2_otp", "tp_comm_min_tokens")
+
+
+def tp_kwargs(args) -> dict:
+    """The TP flags set on `args`, as afd.LLM / LocalClusterSpec / Layout keywords."""
+    return {k: getattr(args, k) for k in TP_KEYS if getattr(args, k, None) is not None}
+
+
 FOR_EVERY_NODE = ("dtype", "served_model_name")
 """The overrides every node command takes."""
 FOR_ATTENTION = ("host", "max_model_len", "max_num_seqs", "chat_template", "seed")

@@ -19,9 +19,11 @@ from afd.cluster.overrides import (
     FOR_EVERY_NODE,
     DefaultsHelpFormatter,
     add_serving_overrides,
+    add_tp_args,
     override_argv,
     parse_bytes_arg,
     positive_int,
+    tp_kwargs,
 )
 
 
@@ -31,8 +33,10 @@ def add_parser(sub) -> None:
     p.add_argument("model", help="HF checkpoint directory, or `demo` (the built-in demo checkpoint)")
     p.add_argument("--attention-nodes", type=positive_int, default=None, help="attention node processes "
                    "(default: 1)")
-    p.add_argument("--ffn-nodes", type=positive_int, default=None, help="FFN node processes (default: 1)")
-    p.add_argument("--colocated", action="store_true", help="both halves in one process: no data plane")
+    p.add_argument("--ffn-nodes", type=_count, default=None,
+                   help="FFN node processes (default: 1; 0: the attention nodes run the experts themselves)")
+    p.add_argument("--colocated", action="store_true", help="both halves in one process: no data plane (with "
+                   "--attention-tp N: N processes, each with every expert)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port of the first attention node; the "
                                                            "others take the next ones")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"],
@@ -42,22 +46,33 @@ def add_parser(sub) -> None:
     p.add_argument("--dummy-weights", action="store_true", help="seeded random weights; config.json only")
     p.add_argument("--print-config", action="store_true", help="print the cluster YAML, run nothing")
     add_serving_overrides(p)
+    add_tp_args(p)
     p.set_defaults(func=run)
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"must be at least 0, got {value}")
+    return value
 
 
 def cluster_doc(args) -> dict:
     """The cluster YAML of `afd serve`'s flags."""
     from afd.cluster.local import free_ports
 
-    A, F = args.attention_nodes or 1, args.ffn_nodes or 1
+    A = args.attention_nodes or 1
+    F = 0 if args.colocated else (1 if args.ffn_nodes is None else args.ffn_nodes)
+    tp = tp_kwargs(args)
+    G = tp.get("attention_tp", 1)
     internal = iter(free_ports(2 * (A + F) + F))
     nodes = []
-    for i in range(A):
+    for i in range(A):  # attention node i's TP ranks take devices i*G .. i*G + G - 1
         nodes.append({"name": f"attn{i}", "role": "attention", "host": "127.0.0.1",
-                      "device": _device(args.device, i),
+                      "device": _device(args.device, i * G),
                       "ports": {"control": next(internal), "data": next(internal), "http": args.port + i}})
     for i in range(F):
-        nodes.append({"name": f"ffn{i}", "role": "ffn", "host": "127.0.0.1", "device": _device(args.device, A + i),
+        nodes.append({"name": f"ffn{i}", "role": "ffn", "host": "127.0.0.1", "device": _device(args.device, A * G + i),
                       "ports": {"control": next(internal), "data": next(internal), "metrics": next(internal)}})
     model = {"path": args.model, "dtype": args.dtype or "float32", "dummy_weights": args.dummy_weights}
     if args.max_model_len:
@@ -65,7 +80,10 @@ def cluster_doc(args) -> dict:
     engine = {"kv_cache_bytes": args.kv_cache_bytes}
     if args.max_num_seqs:
         engine["max_num_seqs"] = args.max_num_seqs
-    return {"cluster": {"name": "serve", "coordinator": "attn0"}, "model": model, "engine": engine, "nodes": nodes}
+    doc = {"cluster": {"name": "serve", "coordinator": "attn0"}, "model": model, "engine": engine, "nodes": nodes}
+    if tp:
+        doc["layout"] = tp
+    return doc
 
 
 def _device(kind: str, index: int) -> str:
@@ -73,7 +91,7 @@ def _device(kind: str, index: int) -> str:
 
 
 def run(args) -> int:
-    if args.colocated and (args.attention_nodes or args.ffn_nodes):
+    if args.colocated and (args.attention_nodes or args.ffn_nodes is not None):
         raise ValueError("--colocated runs both halves in one process; it takes no --attention-nodes or "
                          "--ffn-nodes")
     if args.model != "demo" and not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -81,7 +99,7 @@ def run(args) -> int:
     from afd.backend import check_device
 
     check_device(args.device)
-    if args.colocated:
+    if args.colocated and (args.attention_tp or 1) == 1:
         return _exec_colocated(args)
     doc = cluster_doc(args)
     if args.print_config:

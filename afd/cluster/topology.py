@@ -27,7 +27,7 @@ def cpu_threads(cfg: ClusterConfig, name: str) -> int:
         return node.threads
     if node.device_type != "cpu":
         return 0
-    sharing = sum(1 for n in cfg.nodes if n.host == node.host and n.device_type == "cpu")
+    sharing = sum(1 for p in cfg.processes if p.node.host == node.host and p.node.device_type == "cpu")
     return max(1, usable_cpus() // sharing)
 
 
@@ -86,8 +86,15 @@ def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
     family = _model_type(cfg.model.path)
     if family:
         lines.insert(1, f"family: {family}")
-    for n in cfg.attention_nodes + cfg.ffn_nodes:
-        line = f"  rank {cfg.rank(n.name)}: {n.name:<10} {n.role:<9} {n.device:<6} {n.host} control {n.ports.control}"
+    if cfg.colocated:
+        lines.append("no FFN nodes: every attention node runs the experts itself")
+    for p in cfg.processes:
+        n = p.node
+        if p.tp_rank:  # listens on nothing of its own
+            lines.append(f"  rank {cfg.rank(p.name)}: {p.name:<10} {n.role:<9} {p.device:<6} {n.host} TP rank "
+                         f"{p.tp_rank} of {n.name}")
+            continue
+        line = f"  rank {cfg.rank(n.name)}: {n.name:<10} {n.role:<9} {p.device:<6} {n.host} control {n.ports.control}"
         if n.role == "attention":
             line += f", API http://{n.host}:{n.ports.http}"
         else:

@@ -26,14 +26,16 @@ class ControlError(RuntimeError):
 
 
 class ControlClient:
-    def __init__(self, cfg: ClusterConfig, node: str):
+    def __init__(self, cfg: ClusterConfig, node: str, process: str | None = None):
+        """process: the name this process registers under (a TP rank's `NODE.tpR`); default: the node's."""
         self.cfg, self.node = cfg, cfg.node(node)
+        self.process = process or node
         coord = cfg.coordinator
         self.address = f"{coord.host}:{coord.ports.control}"
         self._channel = channel(self.address, cfg.cluster.tls)
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         self.instance_id = uuid.uuid4().hex
-        self.ref = pb.NodeRef(name=node, instance_id=self.instance_id)
+        self.ref = pb.NodeRef(name=self.process, instance_id=self.instance_id)
         self._stop = threading.Event()
 
     def _call(self, method, request, timeout: float, retry=_RETRYABLE):
@@ -42,11 +44,11 @@ class ControlClient:
         except grpc.RpcError as e:
             if e.code() in retry:
                 raise
-            raise ControlError(f"coordinator at {self.address} refused {self.node.name}: {e.details()}") from None
+            raise ControlError(f"coordinator at {self.address} refused {self.process}: {e.details()}") from None
 
     def register(self, fingerprint: str) -> pb.RegisterReply:
         n = self.node
-        req = pb.RegisterRequest(name=n.name, role=n.role, address=f"{n.host}:{n.ports.control}",
+        req = pb.RegisterRequest(name=self.process, role=n.role, address=f"{n.host}:{n.ports.control}",
                                  model_fingerprint=fingerprint, version=__version__, instance_id=self.instance_id)
         deadline = time.monotonic() + self.cfg.cluster.startup_timeout
         # A replacement for a node that just died is taken once the dead instance misses its heartbeats.
@@ -57,7 +59,7 @@ class ControlClient:
                                   retry=(*_RETRYABLE, grpc.StatusCode.ALREADY_EXISTS))
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() > replaced_by:
-                    raise ControlError(f"coordinator at {self.address} refused {n.name}: {e.details()}") from None
+                    raise ControlError(f"coordinator at {self.address} refused {self.process}: {e.details()}") from None
                 if time.monotonic() > deadline:
                     raise ControlError(f"coordinator at {self.address} not reachable within "
                                        f"{self.cfg.cluster.startup_timeout:.0f}s") from None

@@ -66,13 +66,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if state == State.READY and lost:
             state = State.DEGRADED
         return pb.ClusterStatus(
-            state=state, missing=[n for n in self.cfg.names if n not in self.members],
+            state=state, missing=[n for n in self.cfg.process_names if n not in self.members],
             registered=sorted(self.members), ready=sorted(m.name for m in self.members.values() if m.ready),
             lost=lost, message=self.message, draining=sorted(self.draining), generation=self.generation,
             formation=self.formation if formation else "", forming=self._forming())
 
     def _forming(self) -> list[str]:
-        return [n for n in self.cfg.names if n not in self.members or self.members[n].awaiting != self.generation]
+        return [n for n in self.cfg.process_names
+                if n not in self.members or self.members[n].awaiting != self.generation]
 
     def _awaiting(self, ref: pb.NodeRef, context) -> None:
         m = self._member(ref, context)  # also: waiting counts as alive
@@ -110,10 +111,11 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
         with self._cv:
-            if req.name not in self.cfg.names:
+            if req.name not in self.cfg.process_names:
                 context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {req.name!r}: the cluster YAML names "
-                                                         f"{', '.join(self.cfg.names)}")
-            node = self.cfg.node(req.name)
+                                                         f"{', '.join(self.cfg.process_names)}")
+            proc = self.cfg.process(req.name)
+            node = proc.node
             if req.role != node.role:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"node {req.name!r} registered as {req.role!r} but the YAML says {node.role!r}")
@@ -135,19 +137,21 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             self.members[req.name] = _Member(req.name, req.role, req.address, req.instance_id,
                                              req.model_fingerprint, time.monotonic())
             log.info("registered %s (%s) from %s [%d/%d]", req.name, req.role, req.address, len(self.members),
-                     len(self.cfg.nodes))
+                     len(self.cfg.processes))
             self._cv.notify_all()
-            reply = self._assignment(node)
+            reply = self._assignment(proc)
             reply.generation = self.generation
         return reply
 
-    def _assignment(self, node) -> pb.RegisterReply:
-        cfg = self.cfg
-        other = cfg.ffn_nodes if node.role == "attention" else cfg.attention_nodes
+    def _assignment(self, proc) -> pb.RegisterReply:
+        """A process's rank, and its data-plane peers: an attention rank's are the FFN nodes, an FFN
+        node's every attention node's every TP rank."""
+        cfg, node = self.cfg, proc.node
+        peers = [p.name for p in cfg.processes if p.node.role != node.role]
         rank0 = cfg.attention_nodes[0]  # torch.distributed's store lives in rank 0's process
-        reply = pb.RegisterReply(rank=cfg.rank(node.name), world_size=len(cfg.nodes),
+        reply = pb.RegisterReply(rank=cfg.rank(proc.name), world_size=len(cfg.processes),
                                  master_addr=rank0.host, master_port=rank0.ports.data,
-                                 peer_ranks=[cfg.rank(n.name) for n in other], cluster_name=cfg.cluster.name)
+                                 peer_ranks=[cfg.rank(p) for p in peers], cluster_name=cfg.cluster.name)
         if node.role == "ffn":
             shard = cfg.expert_shard(node.name, self.n_routed)
             reply.expert_lo, reply.expert_hi = shard.lo, shard.hi
@@ -158,9 +162,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         deadline = self._started + self.cfg.cluster.startup_timeout
         with self._cv:
             self._awaiting(ref, context)
-            self._wait(lambda: len(self.members) == len(self.cfg.nodes) or self.state != State.STARTING,
+            self._wait(lambda: len(self.members) == len(self.cfg.processes) or self.state != State.STARTING,
                        deadline, context, on_wake=lambda: self._awaiting(ref, context))
-            missing = [n for n in self.cfg.names if n not in self.members]
+            missing = [n for n in self.cfg.process_names if n not in self.members]
             if missing and time.monotonic() >= deadline and self.state == State.STARTING:
                 self.state = State.FAILED
                 self.message = (f"startup timeout ({self.cfg.cluster.startup_timeout:.0f}s): nodes never "
@@ -191,7 +195,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         with self._cv:
             self._member(ref, context).ready = True
             if self.state == State.STARTING and all(m.ready for m in self.members.values()) \
-                    and len(self.members) == len(self.cfg.nodes):
+                    and len(self.members) == len(self.cfg.processes):
                 self.state = State.READY
                 log.info("cluster %s ready: %s", self.cfg.cluster.name, self.cfg.topology_name)
             self._cv.notify_all()

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from afd.backend import get_backend
-from afd.cluster.local import LocalClusterSpec, run_generate
+from afd.cluster.local import LocalClusterSpec, reports_logits, run_generate
 from afd.cluster.topology import resolve_model_path
 from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
@@ -14,7 +14,7 @@ from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import load_tokenizer
 from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
 from afd.model.config import parse_dtype
-from afd.model.registry import load_config
+from afd.model.registry import family_module, load_config
 
 
 @dataclass
@@ -47,9 +47,12 @@ class LLM:
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", dummy_weights: bool = False,
                  seed: int = 0, block_size: int = 16, attention_nodes: int | None = None,
                  ffn_nodes: int | None = None, colocated: bool | None = None, overlap: bool = True,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, attention_tp: int = 1, tp_comm: str = "allreduce",
+                 flashcomm2_otp: int | None = None, tp_comm_min_tokens: int | None = None):
         """Colocated unless attention_nodes or ffn_nodes is given (or colocated=False): then every
-        generate() call runs that many node processes on this machine (afd.cluster.local)."""
+        generate() call runs that many node processes on this machine (afd.cluster.local).
+        attention_tp > 1: every attention node is that many processes (afd.model.tp); colocated, that is
+        one attention node whose ranks each hold every expert (a local cluster without FFN nodes)."""
         if colocated and (attention_nodes or ffn_nodes):
             raise ValueError("colocated runs both halves in this process; it takes no attention_nodes or ffn_nodes")
         model = resolve_model_path(model)
@@ -60,10 +63,20 @@ class LLM:
         self.overlap, self.micro_batches = overlap, micro_batches
         if colocated is None:
             colocated = attention_nodes is None and ffn_nodes is None
-        self.cluster = None if colocated else LocalClusterSpec(
-            model, attention_nodes or 1, ffn_nodes or 1, dtype, dummy_weights, seed, overlap, micro_batches,
-            block_size)
+        tp = dict(attention_tp=attention_tp, tp_comm=tp_comm, flashcomm2_otp=flashcomm2_otp,
+                  tp_comm_min_tokens=tp_comm_min_tokens)
+        self.cluster = None if colocated and attention_tp == 1 else LocalClusterSpec(
+            model, attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes), dtype,
+            dummy_weights, seed, overlap, micro_batches, block_size, **tp)
         if self.cluster:
+            from afd.model.tp.config import TPConfig
+
+            tp_cfg = TPConfig(attention_tp, tp_comm, flashcomm2_otp, tp_comm_min_tokens)
+            tp_cfg.check_model(self.cfg.num_attention_heads)
+            half = family_module(self.cfg, "attention").AttentionHalf
+            if attention_tp > 1 and not getattr(half, "supports_tp", False):
+                raise ValueError(f"attention_tp: {self.cfg.model_type}'s attention half has no TP layers yet "
+                                 "(MLA families do: longcat_flash, deepseek_v3)")
             if device != "cpu":
                 raise ValueError("multi-process afd.LLM runs on the CPU; launch nodes for devices (afd launch)")
             return
@@ -93,9 +106,11 @@ class LLM:
         per = offline.validate_prompts(self.cfg, prompt_token_ids, max_tokens)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if self.cluster:
+            out, reports = run_generate(self.cluster, prompt_token_ids, per, params, ignore_eos,
+                                        logits=logits_out is not None)
             if logits_out is not None:
-                raise ValueError("logits_out is only available colocated")
-            return run_generate(self.cluster, prompt_token_ids, per, params, ignore_eos)[0]
+                logits_out.extend(reports_logits(self.cluster, reports, len(prompt_token_ids)))
+            return out
         engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompt_token_ids, per, self.dtype,
                                     self.backend.device, self.block_size, self.micro_batches, self.overlap)
         return offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out, progress=progress)

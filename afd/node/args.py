@@ -76,7 +76,8 @@ def start_cluster_node(args, role: str):
         return 2
     if args.bind_host is None:  # nothing listens beyond the address the cluster file gives the node
         args.bind_host = cfg.node(args.node).host
-    setup_logging(role, args.node)
+    rank = getattr(args, "tp_rank", 0)
+    setup_logging(role, f"{args.node}.tp{rank}" if rank else args.node)
     import torch
 
     from afd.cluster.cpus import usable_cpus

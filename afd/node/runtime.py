@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from afd.backend import Backend, get_backend
-from afd.cluster.config import ClusterConfig, Node
+from afd.cluster.config import ClusterConfig, Node, check_tp_layout, process_name
 from afd.cluster.fingerprint import model_fingerprint
 from afd.cluster.token import cluster_token
 from afd.cluster.topology import resolve_model_path
@@ -31,7 +31,8 @@ class NodeRuntime:
     model_path: str
     model_cfg: ModelConfig
     backend: Backend
-    server: ControlServer
+    server: ControlServer | None
+    """None on an attention node's TP ranks > 0: they listen on nothing of their own."""
     client: ControlClient
     assignment: pb.RegisterReply | None = None
     plane: DataPlane | None = None
@@ -43,6 +44,7 @@ class NodeRuntime:
     generation_seen: int = 0
     """The newest data-plane generation the coordinator has announced (heartbeats carry it)."""
     shutdown: threading.Event = field(default_factory=threading.Event)
+    tp_rank: int = 0
 
     def join_data_plane(self, st: pb.ClusterStatus) -> DataPlane:
         a = self.assignment
@@ -85,21 +87,30 @@ class NodeRuntime:
         self.client.close()
         if plane and self.plane is not None:
             self.plane.close()
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
 
 
 def bring_up(cfg: ClusterConfig, name: str, bind_host: str, load_model: Callable[[NodeRuntime], None],
-             on_status: Callable[[pb.ClusterStatus | None], None] | None = None) -> NodeRuntime:
-    """Raises ControlError (refused, timed out) or PeerError (data plane) with a message for the user."""
+             on_status: Callable[[pb.ClusterStatus | None], None] | None = None, tp_rank: int = 0) -> NodeRuntime:
+    """Raises ControlError (refused, timed out) or PeerError (data plane) with a message for the user.
+    tp_rank > 0: one more rank of attention node `name`; it registers as `name.tpR`, on the node's device
+    index + R, and serves no control port (the node's rank 0 does)."""
     node = cfg.node(name)
+    proc = cfg.process(process_name(name, tp_rank))
     path = resolve_model_path(cfg.model.path)
     mcfg = load_config(path)
+    check_tp_layout(cfg, mcfg.num_attention_heads)
     fp = model_fingerprint(path, cfg.model.dtype, cfg.model.dummy_weights, cfg.model.seed)
-    coordinator = Coordinator(cfg, fp, mcfg.n_routed_experts) if cfg.coordinator.name == name else None
-    server = ControlServer(bind_host, node.ports.control, cfg.cluster.tls, coordinator,
-                           workers=8 + 2 * len(cfg.nodes))
-    rt = NodeRuntime(cfg, node, path, mcfg, get_backend(node.device_type, node.device_index), server,
-                     ControlClient(cfg, name), bind_host=bind_host)
+    server = None
+    if tp_rank == 0:
+        coordinator = Coordinator(cfg, fp, mcfg.n_routed_experts) if cfg.coordinator.name == name else None
+        server = ControlServer(bind_host, node.ports.control, cfg.cluster.tls, coordinator,
+                               workers=8 + 2 * len(cfg.processes))
+    device = proc.device
+    backend = get_backend(device.split(":")[0], int(device.split(":")[1]) if ":" in device else 0)
+    rt = NodeRuntime(cfg, node, path, mcfg, backend, server, ControlClient(cfg, name, proc.name),
+                     bind_host=bind_host, tp_rank=tp_rank)
     try:
         rt.assignment = rt.client.register(fp)
         a = rt.assignment
@@ -121,5 +132,6 @@ def bring_up(cfg: ClusterConfig, name: str, bind_host: str, load_model: Callable
             on_status(st)
 
     rt.client.start_heartbeats(track)
-    server.set_serving(True)
+    if server is not None:
+        server.set_serving(True)
     return rt

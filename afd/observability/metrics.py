@@ -91,6 +91,26 @@ class AttentionMetrics(_Metrics):
     def success(self, reason: str):
         return self.labels(self._success, finished_reason=reason)
 
+    def watch_tp(self, tp) -> None:
+        """The TP group's counters (afd.model.tp.comm.TPComm), read at scrape time: bytes this rank sent
+        per collective (every rank of a node runs the same collectives, so rank 0's count is each
+        rank's), and micro-batches a sharded tp_comm mode ran as allreduce below its threshold."""
+        if tp.size == 1:
+            return
+
+        def collect():
+            sent = CounterMetricFamily("afd_tp_comm_bytes", "Bytes this TP rank sent in its TP group, by "
+                                       "collective.", labels=(*BASE_LABELS, "op"))
+            for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
+                sent.add_metric(self._values(op), tp.bytes[op])
+            fell = CounterMetricFamily("afd_tp_comm_fallbacks", "Micro-batches a sharded tp_comm mode ran as "
+                                       "allreduce (fewer tokens than its threshold).", labels=(*BASE_LABELS, "mode"))
+            fell.add_metric(self._values(tp.cfg.mode), tp.fallbacks[tp.cfg.mode])
+            yield sent
+            yield fell
+
+        self.registry.register(_Collector(collect))
+
     def step(self, phase: str):
         return self.labels(self._step, phase=phase)
 

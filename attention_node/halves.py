@@ -1,0 +1,49 @@
+"""What every rank of an attention node builds in its process: its share of the attention half, its TP
+group, and the way it reaches the MoE (the FFN nodes, or its own copy of the experts in a cluster
+without FFN nodes)."""
+
+from __future__ import annotations
+
+import logging
+
+from afd.dataplane.exchange import LocalMoE, RemoteMoE
+from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
+from afd.model.tp.comm import SINGLE, TPComm
+from afd.model.tp.shard import shard_attention_half
+
+log = logging.getLogger("afd.attention")
+
+
+def load_halves(rt, dtype) -> dict:
+    """Called by bring_up before the data plane forms: the whole attention half (cut once the TP group
+    exists) and, in a cluster without FFN nodes, every expert."""
+    cfg = rt.cfg
+    reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
+    built = {"attn": build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device)}
+    if cfg.colocated:
+        built["ffn"] = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device)
+    log.info("attention half loaded from %s%s", rt.model_path, " with every expert (no FFN nodes)" if cfg.colocated
+             else "")
+    return built
+
+
+def tp_group(rt):
+    """This rank's TP group (once the data plane is up), and the attention half cut to its share."""
+    cfg = rt.cfg
+    if cfg.layout.attention_tp == 1:
+        return SINGLE
+    tp = TPComm(cfg.layout.tp, rt.tp_rank, cfg.tp_ranks(rt.node.name), rt.backend, cfg.cluster.comm_timeout)
+    log.info("TP rank %d of %d (tp_comm %s)", rt.tp_rank, tp.size, cfg.layout.tp_comm)
+    return tp
+
+
+def build_rank(rt, built: dict, dtype):
+    """(attention half cut to this rank, TP group, MoE exchange) after bring_up."""
+    tp = tp_group(rt)
+    attn = shard_attention_half(built["attn"], tp)
+    mcfg = rt.model_cfg
+    if rt.cfg.colocated:
+        moe = LocalMoE(built["ffn"], rt.backend)
+    else:
+        moe = RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
+    return attn, tp, moe
