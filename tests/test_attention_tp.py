@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 from hf_reference import hf_greedy, make_hf_checkpoint, max_rel_err
@@ -98,6 +99,36 @@ def test_generate_cli_with_attention_tp(ckpt, hf, tmp_path):
                            "--tp-comm-min-tokens", "1"], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [ids[:3] for ids, _ in hf]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--attention-tp", "2", "--tp-comm", "flashcomm2", "--flashcomm2-otp", "1"],
+    pytest.param(["--colocated", "--attention-tp", "2", "--tp-comm", "sp"], marks=pytest.mark.slow),
+], ids=["1A1F-flashcomm2", "colocated-sp"])
+def test_api_serves_hfs_tokens_with_attention_tp(ckpt, hf, tmp_path, argv):
+    """`afd serve` with TP ranks: concurrent completions (their steps batch and shard together)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster_helpers import post
+    from serve_helpers import Served, free_port_run
+
+    port = free_port_run(1)
+    url = f"http://127.0.0.1:{port}"
+    s = Served([ckpt, "--port", str(port), "--tp-comm-min-tokens", "1", *argv], tmp_path / "serve.log", [url])
+    try:
+        s.wait_ready()
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(lambda a: post(url, "/v1/completions", {
+                "prompt": a[0], "max_tokens": a[1], "temperature": 0, "return_token_ids": True}),
+                zip(PROMPTS, MAX_TOKENS)))
+        with urllib.request.urlopen(f"{url}/metrics") as r:
+            metrics = r.read().decode()
+    finally:
+        assert s.stop() == 0
+    for (code, body), (ids, _) in zip(results, hf):
+        assert code == 200, body
+        assert body["choices"][0]["token_ids"] == ids
+    assert 'afd_tp_comm_bytes_total{model_name=' in metrics
 
 
 @pytest.mark.slow
