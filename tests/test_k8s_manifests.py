@@ -1,12 +1,20 @@
 """The Kubernetes manifests in deploy/k8s/: they parse, run the node commands, agree with the cluster
-YAML they carry, and are valid Kubernetes objects, as shipped and rendered for another size; the image
-they name is built by the Dockerfile."""
+YAML they carry, and are valid Kubernetes objects, as shipped and rendered for another size and for
+attention TP ranks (whose supervisor, tp_node.py, is run here on stub node commands); the image they
+name is built by the Dockerfile."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -14,7 +22,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from afd.cluster.config import ClusterConfig, from_dict
+from afd.cluster.config import ClusterConfig, from_dict, process_name
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -43,19 +51,30 @@ render = _load_render()
 WORKLOADS = ("Deployment", "StatefulSet", "LeaderWorkerSet")
 
 
+# render.py's arguments per rendering the checks below run on
+RENDERS = {
+    "2A1F": dict(attention=2, ffn=1),
+    "2A1F-tp2": dict(attention=2, ffn=1, attention_tp=2),
+    "2A2F-tp4-fc2": dict(attention=2, ffn=2, attention_tp=4, tp_comm="flashcomm2", flashcomm2_otp=2),
+}
+TP_RENDERS = [name for name, kw in RENDERS.items() if kw.get("attention_tp", 1) > 1]
+
+
 @pytest.fixture(scope="module")
 def shipped() -> list[dict]:
     return render.load(K8S)
 
 
-# Every check below runs on the files as shipped (2A2F) and as render.py makes them for 2A1F: a size
-# change must keep the StatefulSets, the cluster YAML, the ports and the probes in agreement.
-@pytest.fixture(scope="module", params=["shipped", "2A1F"])
-def k8s(request, shipped) -> list[dict]:
-    if request.param == "shipped":
-        return shipped
+def rendered(shipped: list[dict], name: str) -> list[dict]:
     # through the text render.py prints, since that is what `kubectl apply -f -` gets
-    return list(yaml.safe_load_all(render.dump(render.render(shipped, attention=2, ffn=1))))
+    return list(yaml.safe_load_all(render.dump(render.render(shipped, **RENDERS[name]))))
+
+
+# Every check below runs on the files as shipped (2A2F) and as render.py makes them for 2A1F and for
+# TP ranks: a size change must keep the StatefulSets, the cluster YAML, the ports and the probes in agreement.
+@pytest.fixture(scope="module", params=["shipped", *RENDERS])
+def k8s(request, shipped) -> list[dict]:
+    return shipped if request.param == "shipped" else rendered(shipped, request.param)
 
 
 def kind(docs: list[dict], k: str) -> list[dict]:
@@ -73,6 +92,17 @@ def pod_specs(workload: dict) -> list[dict]:
 
 def argv(container: dict) -> list[str]:
     return [str(a) for a in container.get("command", []) + container.get("args", [])]
+
+
+TP_SCRIPT = f"{render.TP_MOUNT}/{render.TP_SCRIPT}"
+
+
+def node_argv(container: dict) -> list[str]:
+    """The node command a container runs: its command, or the one tp_node.py runs as every TP rank."""
+    args = argv(container)
+    if args[:2] == ["python3", TP_SCRIPT]:
+        return args[3:]
+    return args
 
 
 def flag(args: list[str], name: str) -> str:
@@ -121,7 +151,7 @@ def test_k8s_containers_run_the_node_commands(k8s):
     for w in (d for d in k8s if d["kind"] in WORKLOADS):
         for pod in pod_specs(w):
             (c,) = pod["containers"]
-            args = argv(c)
+            args = node_argv(c)
             assert args[0] in ("afd-attention", "afd-ffn"), args
             role = "attention" if args[0] == "afd-attention" else "ffn"
             roles.add(role)
@@ -145,7 +175,7 @@ def test_k8s_pod_names_and_dns_match_the_nodes(k8s, embedded):
     for sts in kind(k8s, "StatefulSet"):
         spec = sts["spec"]
         (c,) = spec["template"]["spec"]["containers"]
-        role = "attention" if argv(c)[0] == "afd-attention" else "ffn"
+        role = "attention" if node_argv(c)[0] == "afd-attention" else "ffn"
         pods = [f"{sts['metadata']['name']}-{i}" for i in range(spec["replicas"])]
         nodes = [n for n in embedded.nodes if n.role == role]
         assert [n.name for n in nodes] == pods
@@ -164,7 +194,7 @@ def test_k8s_probes(k8s, embedded):
     for w in (d for d in k8s if d["kind"] in WORKLOADS):
         for pod in pod_specs(w):
             (c,) = pod["containers"]
-            name = argv(c)
+            name = node_argv(c)
             node = next(n for n in embedded.nodes if n.role == ("attention" if name[0] == "afd-attention" else "ffn"))
             if name[0] == "afd-attention":
                 # startup: the server answers (no API key on /version); readiness and liveness: /health,
@@ -217,7 +247,7 @@ def metrics_port(role: str, node) -> int | None:
 def test_k8s_pods_serving_metrics_carry_scrape_annotations(k8s, embedded):
     for w in (d for d in k8s if d["kind"] in WORKLOADS):
         (c,) = w["spec"]["template"]["spec"]["containers"]
-        role = "attention" if argv(c)[0] == "afd-attention" else "ffn"
+        role = "attention" if node_argv(c)[0] == "afd-attention" else "ffn"
         ports = {metrics_port(role, n) for n in embedded.nodes if n.role == role}
         assert len(ports) == 1, f"{role} nodes serve metrics on different ports: one annotation cannot say so"
         (port,) = ports
@@ -302,6 +332,224 @@ def test_k8s_readme_manifests_are_valid():
     assert docs
     for doc in docs:
         validate(doc)
+
+
+# ---- attention TP: one container per node, G ranks under tp_node.py ------------------------------
+
+
+def accelerators(container: dict) -> dict[str, int]:
+    """The container's accelerator limits (huawei.com/Ascend910, nvidia.com/gpu): every limit but CPU and memory."""
+    limits = container["resources"]["limits"]
+    return {k: int(v) for k, v in limits.items() if k not in ("cpu", "memory", "ephemeral-storage")}
+
+
+def attention_container(docs: list[dict]) -> tuple[dict, dict]:
+    (sts,) = [d for d in kind(docs, "StatefulSet") if d["metadata"]["labels"]["llm-d.ai/role"] == "attention"]
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    return sts, c
+
+
+def test_k8s_shipped_attention_pod_runs_one_rank(shipped):
+    """The files as shipped (and any tp-1 render) run the node command itself, on one accelerator."""
+    _, c = attention_container(shipped)
+    assert argv(c)[0] == "afd-attention" and "--tp-rank" not in argv(c)
+    assert list(accelerators(c).values()) == [1]
+    assert not [d for d in shipped if d["metadata"]["name"] == render.TP_CONFIGMAP]
+
+
+def test_k8s_tp_render_of_one_rank_is_the_plain_render(shipped):
+    assert render.render(shipped, 2, 1, attention_tp=1) == render.render(shipped, 2, 1)
+
+
+@pytest.fixture(scope="module", params=TP_RENDERS)
+def tp(request, shipped) -> tuple[list[dict], ClusterConfig, dict]:
+    docs = rendered(shipped, request.param)
+    (cm,) = [d for d in kind(docs, "ConfigMap") if "cluster.yaml" in d.get("data", {})]
+    return docs, from_dict(yaml.safe_load(cm["data"]["cluster.yaml"]), request.param), RENDERS[request.param]
+
+
+def test_k8s_tp_cluster_yaml_sets_the_layout(tp):
+    """The rendered cluster YAML loads (from_dict: TP rules, no two processes on one pod's device) with the
+    layout asked for; the FFN side is as before."""
+    _, cfg, kw = tp
+    assert cfg.layout.attention_tp == kw["attention_tp"]
+    assert cfg.layout.tp_comm == kw.get("tp_comm", "allreduce")
+    assert cfg.layout.flashcomm2_otp == kw.get("flashcomm2_otp")
+    assert len(cfg.processes) == kw["attention"] * kw["attention_tp"] + kw["ffn"]
+
+
+def test_k8s_tp_pod_holds_a_device_per_rank(tp):
+    """Each attention pod's container gets G accelerators, numbered 0..G-1 inside it: rank r's device
+    (the node's index + r) is one of them and no two ranks share one; FFN pods keep one."""
+    docs, cfg, kw = tp
+    g = kw["attention_tp"]
+    _, c = attention_container(docs)
+    (count,) = accelerators(c).values()
+    assert count == g
+    for node in cfg.attention_nodes:
+        procs = [p for p in cfg.processes if p.node is node]
+        assert [p.name for p in procs] == [process_name(node.name, r) for r in range(g)]
+        assert sorted(int(p.device.split(":")[1]) for p in procs) == list(range(g))
+    (ffn,) = [d for d in kind(docs, "StatefulSet") if d["metadata"]["labels"]["llm-d.ai/role"] == "ffn"]
+    assert list(accelerators(ffn["spec"]["template"]["spec"]["containers"][0]).values()) == [1]
+    # G processes like a one-rank node's in the container: G times its CPU and memory
+    one = attention_container(render.load(K8S))[1]["resources"]
+    for kind_ in ("requests", "limits"):
+        for name, amount in one[kind_].items():
+            assert str(c["resources"][kind_][name]) == str(render._times(amount, g)), (kind_, name)
+
+
+def test_k8s_tp_supervisor_is_shipped_and_mounted(tp):
+    docs, _, kw = tp
+    sts, c = attention_container(docs)
+    args = argv(c)
+    assert args[:3] == ["python3", TP_SCRIPT, str(kw["attention_tp"])]
+    (cm,) = [d for d in kind(docs, "ConfigMap") if d["metadata"]["name"] == render.TP_CONFIGMAP]
+    assert cm["data"] == {render.TP_SCRIPT: (K8S / render.TP_SCRIPT).read_text()}
+    assert docs.index(cm) < docs.index(sts)  # exists before the pods that mount it
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == render.TP_MOUNT)
+    volume = next(v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == render.TP_CONFIGMAP
+
+
+# `afd-attention` as tp_node.py finds it on PATH: records its argv, answers SIGTERM, and (STUB_FAIL=R) rank R
+# exits 3 once every rank has started.
+STUB = """\
+import json, os, signal, sys, time
+args = sys.argv[1:]
+rank = int(args[args.index("--tp-rank") + 1]) if "--tp-rank" in args else 0
+out = os.environ["STUB_DIR"]
+def note(what):
+    with open(os.path.join(out, f"{rank}.{what}"), "w") as f:
+        json.dump(args, f)
+def term(*_):
+    note("term")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+note("argv")
+if os.environ.get("STUB_FAIL") == str(rank):
+    while len([f for f in os.listdir(out) if f.endswith(".argv")]) < int(os.environ["STUB_RANKS"]):
+        time.sleep(0.02)
+    sys.exit(3)
+while True:
+    time.sleep(0.02)
+"""
+
+
+def kubelet_expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """$(VAR) in a container's command, as the kubelet substitutes it."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), a) for a in args]
+
+
+def start_pod(docs: list[dict], tmp_path: Path, pod: str, **env: str) -> tuple[subprocess.Popen, Path]:
+    """The attention container's command of pod `pod`, with the script from the ConfigMap and the stub node."""
+    _, c = attention_container(docs)
+    (cm,) = [d for d in kind(docs, "ConfigMap") if d["metadata"]["name"] == render.TP_CONFIGMAP]
+    script = tmp_path / render.TP_SCRIPT
+    script.write_text(cm["data"][render.TP_SCRIPT])
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    stub = bin_ / "afd-attention"
+    stub.write_text(f"#!{sys.executable}\n{STUB}")
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = kubelet_expand(argv(c), {"NODE_NAME": pod})
+    assert args[:2] == ["python3", TP_SCRIPT]
+    env = {**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "STUB_DIR": str(out),
+           "STUB_RANKS": args[2], **env}
+    # its own process group, so that stop() ends the stub ranks too, whatever the script did
+    return subprocess.Popen([sys.executable, str(script), *args[2:]], env=env, start_new_session=True), out
+
+
+def stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def wait_for(cond, timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.02)
+
+
+def test_k8s_tp_supervisor_runs_every_rank_and_stops_them_on_sigterm(tp, tmp_path):
+    """The pod's command runs the node's processes of the cluster YAML, rank 0 alone without --tp-rank (it
+    serves the ports and probes), and the kubelet's SIGTERM reaches every rank."""
+    docs, cfg, kw = tp
+    g = kw["attention_tp"]
+    node = cfg.attention_nodes[-1]
+    proc, out = start_pod(docs, tmp_path, node.name)
+    try:
+        wait_for(lambda: len(list(out.glob("*.argv"))) == g)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        stop(proc)
+    base = ["--config", "/etc/afd/cluster.yaml", "--node", node.name, "--bind-host", "0.0.0.0"]
+    started = {}
+    for r in range(g):
+        args = json.loads((out / f"{r}.argv").read_text())
+        assert args == base + (["--tp-rank", str(r)] if r else [])
+        started[process_name(flag(args, "--node"), int(flag(args, "--tp-rank")) if r else 0)] = r
+        assert (out / f"{r}.term").exists(), f"rank {r} got no SIGTERM"
+    assert list(started) == [p.name for p in cfg.processes if p.node is node]
+
+
+@pytest.mark.parametrize("which", ["rank 0", "last rank"])
+def test_k8s_tp_supervisor_a_rank_that_exits_takes_the_node_down(tp, tmp_path, which):
+    """One rank exits: the others get SIGTERM and the container exits with its code, so the kubelet
+    restarts every rank of the node together."""
+    docs, cfg, kw = tp
+    g = kw["attention_tp"]
+    failed = 0 if which == "rank 0" else g - 1
+    proc, out = start_pod(docs, tmp_path, cfg.attention_nodes[0].name, STUB_FAIL=str(failed))
+    try:
+        assert proc.wait(20) == 3
+    finally:
+        stop(proc)
+    assert sorted(p.name for p in out.glob("*.term")) == [f"{r}.term" for r in range(g) if r != failed]
+
+
+def test_k8s_tp_supervisor_outwaits_the_ranks_own_shutdown(shipped):
+    """After one rank exits the others get KILL_AFTER s to stop: more than a rank > 0 waits for rank 0
+    (engine.shutdown_timeout + 10), and within what liveness would take anyway."""
+    spec = importlib.util.spec_from_file_location("afd_k8s_tp_node", K8S / render.TP_SCRIPT)
+    tp_node = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tp_node)
+    (cm,) = [d for d in kind(shipped, "ConfigMap") if "cluster.yaml" in d.get("data", {})]
+    cfg = from_dict(yaml.safe_load(cm["data"]["cluster.yaml"]))
+    assert cfg.engine.shutdown_timeout + 10 < tp_node.KILL_AFTER
+    assert tp_node.exit_code([0, -15, 1]) == 143 and tp_node.exit_code([0, 0]) == 0
+    assert tp_node.main(["0", "afd-attention"]) == 2
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(attention_tp=0), "--attention-tp"),
+    (dict(attention_tp=2, device="npu:1"), "must be index 0"),
+])
+def test_k8s_tp_render_refuses(shipped, kw, why):
+    docs = copy.deepcopy(shipped)
+    if "device" in kw:
+        (cm,) = [d for d in kind(docs, "ConfigMap") if "cluster.yaml" in d.get("data", {})]
+        cluster = yaml.safe_load(cm["data"]["cluster.yaml"])
+        for n in cluster["nodes"]:
+            n["device"] = kw["device"]
+        cm["data"]["cluster.yaml"] = yaml.safe_dump(cluster)
+    with pytest.raises(ValueError, match=why):
+        render.render(docs, 2, 1, attention_tp=kw["attention_tp"])
+
+
+def test_k8s_render_cli_takes_the_tp_flags(capsys):
+    assert render.main(["--attention", "1", "--ffn", "1", "--attention-tp", "4", "--tp-comm", "flashcomm2",
+                        "--flashcomm2-otp", "2"]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    (cm,) = [d for d in kind(docs, "ConfigMap") if "cluster.yaml" in d.get("data", {})]
+    cfg = from_dict(yaml.safe_load(cm["data"]["cluster.yaml"]))
+    assert (cfg.layout.attention_tp, cfg.layout.tp_comm, cfg.layout.flashcomm2_otp) == (4, "flashcomm2", 2)
+    assert cfg.process_names == ["afd-attention-0", *(f"afd-attention-0.tp{r}" for r in (1, 2, 3)), "afd-ffn-0"]
 
 
 # ---- the image ------------------------------------------------------------------------------------
