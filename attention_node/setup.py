@@ -69,11 +69,12 @@ def build_server_state(cfg, args, box: dict):
     return st, rt
 
 
-def kv_cache_for(mcfg, dtype, device, eng: EngineSection) -> KVCache:
+def kv_cache_for(mcfg, dtype, device, eng: EngineSection, kvp: int = 1) -> KVCache:
     """The KV cache a serving attention rank sizes from its budget (every TP rank alike: block tables
-    come from the leader). MLA's latent cache is the same on every rank."""
+    come from the leader). MLA's latent cache is the same on every rank, or with KVP each rank holds its
+    1/kvp share of a node-wide cache kvp times the budget's blocks."""
     cache = CacheConfig(block_size=eng.block_size, memory_budget_bytes=eng.kv_cache_bytes)
-    return KVCache(mcfg, cache.resolve_num_blocks(mcfg, dtype.itemsize), eng.block_size, dtype, device)
+    return KVCache(mcfg, kvp * cache.resolve_num_blocks(mcfg, dtype.itemsize), eng.block_size, dtype, device, kvp)
 
 
 def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSection, max_model_len: int | None,
@@ -81,12 +82,13 @@ def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSec
     """The serving engine over an attention half and its MoE exchange (remote or colocated): KV cache
     sized from the budget, tokenizer with `--chat-template`, `--seed`. Returns (engine, tokenizer,
     max_model_len)."""
-    kv = kv_cache_for(mcfg, dtype, device, eng)
+    kv = kv_cache_for(mcfg, dtype, device, eng, tp.cfg.kvp)
     num_blocks = kv.allocator.num_blocks
     max_len = min(max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d", num_blocks, eng.block_size,
              kv.data.numel() * kv.data.element_size() / 2**20, max_len)
     runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp)
+    metrics.watch_kv_ranks(kv.allocator)
     tok = load_tokenizer(model_path)
     if args.chat_template:
         if tok is None:

@@ -54,7 +54,7 @@ def run_tp_rank(args) -> int:
     box["runtime"] = rt
     try:
         attn, tp, moe = build_rank(rt, built, dtype)
-        kv = kv_cache_for(rt.model_cfg, dtype, rt.backend.device, cfg.engine)
+        kv = kv_cache_for(rt.model_cfg, dtype, rt.backend.device, cfg.engine, tp.cfg.kvp)
         runner = ModelRunner(attn, moe, kv, rt.backend.device, cfg.layout.micro_batches, cfg.layout.overlap, tp)
         rt.backend.bind_thread()
         log.info("TP rank %d of %s ready", args.tp_rank, args.node)

@@ -110,9 +110,13 @@ class Layout:
     """Micro-batches with fewer tokens run as allreduce (counted in afd_tp_comm_fallbacks_total); default:
     the seed's threshold of the mode (sp 1, flashcomm1/2 1001)."""
 
+    kvp: int = 1
+    """KV-parallel ranks (divides attention_tp): each holds 1/kvp of every sequence's KV cache, round-robin by
+    block, so max_model_len grows kvp-fold (afd/model/kvp.py)."""
+
     @property
     def tp(self) -> TPConfig:
-        return TPConfig(self.attention_tp, self.tp_comm, self.flashcomm2_otp, self.tp_comm_min_tokens)
+        return TPConfig(self.attention_tp, self.tp_comm, self.flashcomm2_otp, self.tp_comm_min_tokens, self.kvp)
 
 
 @dataclass(frozen=True)

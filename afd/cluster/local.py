@@ -79,6 +79,7 @@ class LocalClusterSpec:
     tp_comm: str = "allreduce"
     flashcomm2_otp: int | None = None
     tp_comm_min_tokens: int | None = None
+    kvp: int = 1
 
     def __post_init__(self):
         if self.attention_nodes < 1 or self.ffn_nodes < 0:
@@ -86,7 +87,7 @@ class LocalClusterSpec:
                              "attention nodes)")
         from afd.model.tp.config import TPConfig
 
-        TPConfig(self.attention_tp, self.tp_comm, self.flashcomm2_otp, self.tp_comm_min_tokens)  # validates
+        TPConfig(self.attention_tp, self.tp_comm, self.flashcomm2_otp, self.tp_comm_min_tokens, self.kvp)  # validates
         if not 0 <= self.micro_batches <= 4:
             raise ValueError(f"--micro-batches must be in 0..4 (0: automatic), got {self.micro_batches}")
 
@@ -116,6 +117,8 @@ def _tp_layout(spec: LocalClusterSpec) -> dict:
         out["flashcomm2_otp"] = spec.flashcomm2_otp
     if spec.tp_comm_min_tokens is not None:
         out["tp_comm_min_tokens"] = spec.tp_comm_min_tokens
+    if spec.kvp > 1:
+        out["kvp"] = spec.kvp
     return out
 
 

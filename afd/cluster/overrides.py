@@ -72,9 +72,12 @@ def add_tp_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-comm-min-tokens", type=int, default=None,
                    help="micro-batches with fewer tokens run as allreduce (default: the seed's threshold: sp 1, "
                         "flashcomm1/2 1001)")
+    g.add_argument("--kvp", type=positive_int, default=None,
+                   help="KV-parallel ranks (dividing --attention-tp): the KV cache split by block across them, so "
+                        "the context a node holds grows that many times (default: 1)")
 
 
-TP_KEYS = ("attention_tp", "tp_comm", "flashcomm2_otp", "tp_comm_min_tokens")
+TP_KEYS = ("attention_tp", "tp_comm", "flashcomm2_otp", "tp_comm_min_tokens", "kvp")
 
 
 def tp_kwargs(args) -> dict:

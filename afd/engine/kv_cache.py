@@ -15,23 +15,45 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Free-list allocator of block ids [0, num_blocks)."""
+    """Free-list allocator of block ids [0, num_blocks).
 
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+    With `pools` N > 1 (KVP) block g lives on KV-parallel rank g % N (as local block g // N), and the
+    i-th block of a sequence comes from pool i % N: every rank holds its round-robin share of every
+    sequence, so a sequence may be N times longer than one rank's cache."""
+
+    def __init__(self, num_blocks: int, pools: int = 1):
+        self.num_blocks, self.pools = num_blocks - num_blocks % pools, pools
+        # pop() hands out low ids first
+        self._free = [list(range(self.num_blocks - self.pools + p, -1, -self.pools)) for p in range(pools)]
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free)
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfBlocks(f"need {n} KV blocks, {len(self._free)} free of {self.num_blocks}")
-        return [self._free.pop() for _ in range(n)]
+    def pool_usage(self) -> list[float]:
+        """Fraction of each KV-parallel rank's blocks in use."""
+        per = self.num_blocks // self.pools
+        return [1.0 - len(f) / per for f in self._free]
+
+    def _need(self, have: int, n: int) -> list[int]:
+        """Blocks each pool gives a table of `have` blocks that grows by `n`."""
+        need = [0] * self.pools
+        for i in range(have, have + n):
+            need[i % self.pools] += 1
+        return need
+
+    def can_allocate(self, have: int, n: int) -> bool:
+        return all(k <= len(f) for k, f in zip(self._need(have, n), self._free))
+
+    def allocate(self, n: int, have: int = 0) -> list[int]:
+        """n more blocks for a table that holds `have`."""
+        if not self.can_allocate(have, n):
+            raise OutOfBlocks(f"need {n} KV blocks, {self.num_free} free of {self.num_blocks}")
+        return [self._free[i % self.pools].pop() for i in range(have, have + n)]
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        for g in reversed(blocks):
+            self._free[g % self.pools].append(g)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -42,10 +64,12 @@ class KVCache:
     """[num_cache_layers, ...]: the family's layout, with a block and a slot dimension inside."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, kvp: int = 1):
+        """num_blocks: of the whole node; with kvp N each rank's tensor holds num_blocks / N of them."""
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
-        self.data = torch.zeros(cfg.kv_cache_shape(num_blocks, block_size), dtype=dtype, device=device)
+        self.allocator = BlockAllocator(num_blocks, kvp)
+        local = self.allocator.num_blocks // kvp
+        self.data = torch.zeros(cfg.kv_cache_shape(local, block_size), dtype=dtype, device=device)
 
     def layer(self, i: int) -> torch.Tensor:
         return self.data[i]
@@ -54,7 +78,10 @@ class KVCache:
         """Extend a sequence's block table in place so that it can hold num_tokens tokens."""
         need = blocks_needed(num_tokens, self.block_size) - len(table)
         if need > 0:
-            table.extend(self.allocator.allocate(need))
+            table.extend(self.allocator.allocate(need, len(table)))
+
+    def can_grow(self, table: list[int], num_tokens: int) -> bool:
+        return self.allocator.can_allocate(len(table), max(0, blocks_needed(num_tokens, self.block_size) - len(table)))
 
     def usage(self) -> float:
         a = self.allocator

@@ -48,7 +48,7 @@ class LLM:
                  seed: int = 0, block_size: int = 16, attention_nodes: int | None = None,
                  ffn_nodes: int | None = None, colocated: bool | None = None, overlap: bool = True,
                  micro_batches: int = 1, attention_tp: int = 1, tp_comm: str = "allreduce",
-                 flashcomm2_otp: int | None = None, tp_comm_min_tokens: int | None = None):
+                 flashcomm2_otp: int | None = None, tp_comm_min_tokens: int | None = None, kvp: int = 1):
         """Colocated unless attention_nodes or ffn_nodes is given (or colocated=False): then every
         generate() call runs that many node processes on this machine (afd.cluster.local).
         attention_tp > 1: every attention node is that many processes (afd.model.tp); colocated, that is
@@ -64,14 +64,14 @@ class LLM:
         if colocated is None:
             colocated = attention_nodes is None and ffn_nodes is None
         tp = dict(attention_tp=attention_tp, tp_comm=tp_comm, flashcomm2_otp=flashcomm2_otp,
-                  tp_comm_min_tokens=tp_comm_min_tokens)
+                  tp_comm_min_tokens=tp_comm_min_tokens, kvp=kvp)
         self.cluster = None if colocated and attention_tp == 1 else LocalClusterSpec(
             model, attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes), dtype,
             dummy_weights, seed, overlap, micro_batches, block_size, **tp)
         if self.cluster:
             from afd.model.tp.config import TPConfig
 
-            tp_cfg = TPConfig(attention_tp, tp_comm, flashcomm2_otp, tp_comm_min_tokens)
+            tp_cfg = TPConfig(attention_tp, tp_comm, flashcomm2_otp, tp_comm_min_tokens, kvp)
             tp_cfg.check_model(self.cfg.num_attention_heads)
             half = family_module(self.cfg, "attention").AttentionHalf
             if attention_tp > 1 and not getattr(half, "supports_tp", False):

@@ -52,9 +52,10 @@ def job_engine(attn, moe: MoEExchange, prompts: list[list[int]], max_tokens: lis
                eos_ids: tuple[int, ...] | None = None, tp: TPComm = SINGLE) -> Engine:
     """An engine whose KV cache and batch limits hold exactly this job (the same on every TP rank, which
     all size it from the same prompts)."""
-    cfg = attn.cfg
-    blocks = max(1, sum(blocks_needed(len(p) + n, block_size) for p, n in zip(prompts, max_tokens)))
-    kv = KVCache(cfg, blocks, block_size, dtype, device)
+    cfg, N = attn.cfg, tp.cfg.kvp
+    # with KVP, pool k must hold blocks k, k + N, ... of every sequence: pool 0 the most
+    blocks = max(1, sum(-(-blocks_needed(len(p) + n, block_size) // N) for p, n in zip(prompts, max_tokens)))
+    kv = KVCache(cfg, N * blocks, block_size, dtype, device, N)
     runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp)
     scheduler = Scheduler(kv, max(1, len(prompts)), max(1, sum(len(p) for p in prompts)))
     return Engine(runner, scheduler, None, cfg.eos_token_ids if eos_ids is None else eos_ids,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from afd.engine.kv_cache import KVCache, blocks_needed
+from afd.engine.kv_cache import KVCache
 from afd.engine.request import Request, Status
 
 
@@ -30,8 +30,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _fits(self, req: Request, n: int) -> bool:
-        need = blocks_needed(req.num_computed + n, self.kv.block_size) - len(req.block_table)
-        return need <= self.kv.allocator.num_free
+        return self.kv.can_grow(req.block_table, req.num_computed + n)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)

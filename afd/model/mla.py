@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from afd.model import kvp
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.config import ModelConfig
 from afd.model.layers import RMSNorm, apply_rotary, apply_rotary_halves
@@ -55,6 +56,9 @@ class MLAttention(nn.Module):
         self.tp = SINGLE
         """The TP group (afd.model.tp.shard cuts the heads): x comes in the residual stream's layout, and
         o_proj hands its result back in that layout."""
+        self.kvp: tuple[int, int] | None = None
+        """(N, k) under KV parallelism: this rank stores KV blocks k, k + N, ... and attends with the heads
+        of its head group, merging with its N - 1 peers (afd/model/kvp.py)."""
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream -> (q [T, NH, qk_head_dim], q_a_proj | kv_a_proj_with_mqa latents [T, C + R]) of
@@ -89,6 +93,8 @@ class MLAttention(nn.Module):
         q_nope = q_nope * self.q_lora_scale
         q_rot = self.rotate(q_rot * self.q_lora_scale, cos, sin)  # [T, NH, R]
         k_rot = self.rotate(k_rot, cos, sin)  # [T, R]
+        if self.kvp is not None:
+            return self.o_proj(self._kvp_attend(q_nope, q_rot, torch.cat([c, k_rot], dim=-1), meta, cache))
         cache.view(-1, cache.shape[-1])[meta.slot_mapping] = torch.cat([c, k_rot], dim=-1)
 
         out = q.new_empty(T, self.n_heads, self.v_dim)
@@ -131,3 +137,37 @@ class MLAttention(nn.Module):
         score.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         p = torch.softmax(score, dim=-1, dtype=torch.float32).to(q.dtype)
         return (p @ v.transpose(0, 1)).transpose(0, 1)  # [n, NH, v]
+
+    def _kvp_attend(self, q_nope, q_rot, latents, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """KV-parallel attention: store this rank's share of the new latents, attend over this rank's blocks
+        with the head group's heads, merge with the other KV ranks. Returns [T, n_own_heads * v]."""
+        N, k = self.kvp
+        view = kvp.local_view(meta, N, k)
+        cache.view(-1, cache.shape[-1])[view.write_slots] = latents[view.write_rows]
+        T, bs = q_nope.shape[0], meta.block_size
+        o = q_nope.new_zeros(T, self.n_heads, self.v_dim)
+        lse = torch.full((T, self.n_heads), float("-inf"), device=o.device)
+        w_uk, w_uv = self._w_uk_uv()
+        if meta.decode_rows.numel():
+            rows = meta.decode_rows
+            q_full = torch.cat([torch.einsum("bhn,hnc->bhc", q_nope[rows], w_uk), q_rot[rows]], dim=-1)
+            B, nb = view.decode_tables.shape
+            kv = cache[view.decode_tables].view(B, nb * bs, cache.shape[-1])  # [B, L/N, C + R]; L/N may be 0
+            score = torch.einsum("bhd,bld->bhl", q_full, kv) * self.scale
+            score.masked_fill_(view.decode_pos[:, None, :] >= meta.decode_ctx_lens[:, None, None], float("-inf"))
+            o_lat, lse[rows] = kvp.partial(score, kv[..., : self.kv_lora])
+            o[rows] = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+        for s, (blocks, pos) in zip(meta.prefill_seqs, view.prefill):
+            rows = slice(s.q_start, s.q_start + s.q_len)
+            kv = cache[blocks].view(-1, cache.shape[-1])  # [L/N, C + R], this rank's keys of the sequence
+            c, k_rot = kv.split([self.kv_lora, self.rope], dim=-1)
+            kvb = self.kv_b_proj(c).view(kv.shape[0], self.n_heads, self.nope + self.v_dim)  # L/N may be 0
+            k_nope, v = kvb.split([self.nope, self.v_dim], dim=-1)
+            q = torch.cat([q_nope[rows], q_rot[rows]], dim=-1).transpose(0, 1)  # [h, n, D]
+            key = torch.cat([k_nope, k_rot[:, None, :].expand(-1, self.n_heads, -1)], dim=-1).transpose(0, 1)
+            score = q @ key.transpose(1, 2) * self.scale  # [h, n, L/N]
+            q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=kv.device)
+            score.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+            o_s, l_s = kvp.partial(score, v.transpose(0, 1))
+            o[rows], lse[rows] = o_s.transpose(0, 1), l_s.transpose(0, 1)
+        return self.tp.kvp_merge(o, lse).reshape(T, -1)

@@ -91,6 +91,21 @@ class AttentionMetrics(_Metrics):
     def success(self, reason: str):
         return self.labels(self._success, finished_reason=reason)
 
+    def watch_kv_ranks(self, allocator) -> None:
+        """afd_kv_cache_rank_usage_ratio{kv_rank}: with KVP (layout.kvp), each KV rank's share of the
+        node's cache in use (afd_kv_cache_usage_ratio is the node's whole); read at scrape time."""
+        if allocator.pools == 1:
+            return
+
+        def collect():
+            fam = GaugeMetricFamily("afd_kv_cache_rank_usage_ratio", "Fraction of each KV-parallel rank's KV "
+                                    "blocks in use (0..1).", labels=(*BASE_LABELS, "kv_rank"))
+            for k, used in enumerate(allocator.pool_usage()):
+                fam.add_metric(self._values(str(k)), used)
+            yield fam
+
+        self.registry.register(_Collector(collect))
+
     def watch_tp(self, tp) -> None:
         """The TP group's counters (afd.model.tp.comm.TPComm), read at scrape time: bytes this rank sent
         per collective (every rank of a node runs the same collectives, so rank 0's count is each

@@ -60,6 +60,9 @@ class TPComm:
 
         self.group = group(list(range(self.size)))
         self.cpu_group = group(list(range(self.size)), backend="gloo")  # schedules, as pickled objects
+        if cfg.kvp > 1:  # consecutive ranks: head group rank // N, KV rank rank % N
+            first = rank - rank % cfg.kvp
+            self.kvp_group = group(list(range(first, first + cfg.kvp)))
         if cfg.mode == "flashcomm2":
             odp, otp = fc2_groups(self.size, cfg.otp)
             self.odp_group = group(next(g for g in odp if rank in g))
@@ -151,6 +154,20 @@ class TPComm:
         self._run("reduce_scatter", self._share(partial.numel() * partial.element_size(), P),
                   _reduce_scatter, out, partial, group=self.otp_group)
         return out if bias is None else out + bias
+
+    def kvp_merge(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """o [T, N*n, v] and lse [T, N*n] (this rank's partials for its head group's heads) -> [T, n, v]:
+        the merged attention of this rank's own n heads (afd/model/kvp.py)."""
+        from afd.model.kvp import merge
+
+        N, (T, hg, v) = self.cfg.kvp, o.shape
+        send_o = o.view(T, N, hg // N, v).transpose(0, 1).contiguous()  # [N, T, n, v]: piece j to KV rank j
+        send_l = lse.view(T, N, hg // N).transpose(0, 1).contiguous()
+        recv_o, recv_l = torch.empty_like(send_o), torch.empty_like(send_l)
+        for send, recv in ((send_o, recv_o), (send_l, recv_l)):
+            self._run("all_to_all", self._share(send.numel() * send.element_size(), N),
+                      dist.all_to_all_single, recv, send, group=self.kvp_group)
+        return merge(recv_o, recv_l)
 
     # ---- the MoE boundary --------------------------------------------------------------------------
 

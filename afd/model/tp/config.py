@@ -41,6 +41,9 @@ class TPConfig:
     """`layout.flashcomm2_otp`: the o_proj TP group size P of flashcomm2 (G > P, G % P == 0)."""
     min_tokens: int | None = None
     """`layout.tp_comm_min_tokens`: micro-batches with fewer tokens run as allreduce (None: the seed's)."""
+    kvp: int = 1
+    """`layout.kvp`: KV-parallel ranks N (seed 001's KVP): the KV cache is split by block over N consecutive
+    ranks, which attend over their share with its log-sum-exp and merge (afd/model/kvp.py)."""
 
     def __post_init__(self):
         if type(self.size) is not int or self.size < 1:
@@ -60,6 +63,11 @@ class TPConfig:
                                     f"{self.size}")
         elif self.otp is not None:
             raise TPConfigError(f"layout.flashcomm2_otp: only tp_comm flashcomm2 uses it (tp_comm is {self.mode})")
+        if type(self.kvp) is not int or self.kvp < 1:
+            raise TPConfigError(f"layout.kvp: expected a positive integer, got {self.kvp!r}")
+        if self.size % self.kvp:
+            raise TPConfigError(f"layout.kvp: {self.kvp} KV-parallel ranks must divide layout.attention_tp = "
+                                f"{self.size} (KVP runs on the ranks of one attention node)")
         if self.min_tokens is not None and (type(self.min_tokens) is not int or self.min_tokens < 0):
             raise TPConfigError(f"layout.tp_comm_min_tokens: expected an integer >= 0, got {self.min_tokens!r}")
 

@@ -33,13 +33,16 @@ def _heads(w: torch.Tensor, n_heads: int, lo: int, n: int) -> torch.Tensor:
 
 
 def shard_mla(attn: MLAttention, tp: TPComm) -> None:
-    G, r, NH = tp.size, tp.rank, attn.n_heads
+    """Under KVP (N ranks) the rank attends with its head group's N*n heads (rank // N) over its KV share,
+    and o_proj then takes its own n heads, as without KVP."""
+    G, r, NH, N = tp.size, tp.rank, attn.n_heads, tp.cfg.kvp
     n = NH // G
+    lo, hg = (r // N) * n * N, n * N  # this rank's heads while attending
     if attn.q_proj is not None:
-        _rows(attn.q_proj, _heads(attn.q_proj.weight, NH, r * n, n))
+        _rows(attn.q_proj, _heads(attn.q_proj.weight, NH, lo, hg))
     else:
-        _rows(attn.q_b_proj, _heads(attn.q_b_proj.weight, NH, r * n, n))
-    _rows(attn.kv_b_proj, _heads(attn.kv_b_proj.weight, NH, r * n, n))
+        _rows(attn.q_b_proj, _heads(attn.q_b_proj.weight, NH, lo, hg))
+    _rows(attn.kv_b_proj, _heads(attn.kv_b_proj.weight, NH, lo, hg))
     w, b = attn.o_proj.weight, attn.o_proj.bias  # [H, NH * v]
     cols = n * attn.v_dim
     if tp.cfg.mode == "flashcomm2":
@@ -49,7 +52,9 @@ def shard_mla(attn: MLAttention, tp: TPComm) -> None:
         attn.o_proj = FC2OProj(block, slice(j * cols, (j + 1) * cols), b, tp)
     else:
         attn.o_proj = RowParallelLinear(w[:, r * cols:(r + 1) * cols], b, tp)
-    attn.n_heads, attn.tp = n, tp
+    attn.n_heads, attn.tp = hg, tp
+    if N > 1:
+        attn.kvp = (N, r % N)
 
 
 def shard_mlp(mlp: DenseMLP, tp: TPComm, where: str) -> None:
@@ -79,7 +84,7 @@ def _vocab_rows(w: torch.Tensor, tp: TPComm) -> tuple[torch.Tensor, int]:
 def shard_attention_half(model: nn.Module, tp: TPComm) -> nn.Module:
     """In place; returns the model. Raises TPConfigError when the model cannot be cut G ways."""
     if tp.size == 1:
-        return model
+        return model  # (KVP needs ranks: TPConfig refuses kvp > attention_tp)
     cfg = model.cfg
     if not getattr(model, "supports_tp", False):
         raise TPConfigError(f"layout.attention_tp: {cfg.model_type}'s attention half has no TP layers yet "
