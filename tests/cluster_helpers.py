@@ -76,22 +76,30 @@ class Cluster:
     def url(self, name: str = "attn0") -> str:
         return f"http://127.0.0.1:{self.node(name)['ports']['http']}"
 
-    def start(self, name: str, extra: list[str] | None = None, env: dict | None = None) -> subprocess.Popen:
+    def start(self, name: str, extra: list[str] | None = None, env: dict | None = None,
+              key: str | None = None) -> subprocess.Popen:
+        """key: the process's name here (a TP rank's `NODE.tpR`), default the node's."""
         role = self.node(name)["role"]
         module = "attention_node.main" if role == "attention" else "ffn_node.main"
-        log = self.config.parent / f"{self.config.stem}-{name}-{len(self.logs)}.log"
-        self.logs[name] = log
+        key = key or name
+        log = self.config.parent / f"{self.config.stem}-{key}-{len(self.logs)}.log"
+        self.logs[key] = log
         with open(log, "w") as fh:
             p = subprocess.Popen([sys.executable, "-m", module, "--config", str(self.config), "--node", name,
                                   "--bind-host", "127.0.0.1", *(extra or [])], stdout=fh, stderr=subprocess.STDOUT,
                                  env={**self.env, **(env or {})}, cwd=ROOT, start_new_session=True)
-        self.procs[name] = p
+        self.procs[key] = p
         return p
 
     def start_all(self, reverse: bool = True) -> None:
+        """Every node, and an attention node's TP ranks (layout.attention_tp) after it."""
         names = [n["name"] for n in self.doc["nodes"]]
+        tp = (self.doc.get("layout") or {}).get("attention_tp", 1)
         for name in reversed(names) if reverse else names:
             self.start(name)
+            if self.node(name)["role"] == "attention":
+                for r in range(1, tp):
+                    self.start(name, ["--tp-rank", str(r)], key=f"{name}.tp{r}")
 
     def log(self, name: str) -> str:
         return self.logs[name].read_text()

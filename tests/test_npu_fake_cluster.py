@@ -43,20 +43,29 @@ def reference(tiny_checkpoint):
 
 
 def _on_devices(path: Path) -> None:
+    """Node i on the next free device from npu:1; an attention node's TP rank r on its device + r."""
     doc = yaml.safe_load(path.read_text())
-    for i, node in enumerate(doc["nodes"]):
-        node["device"] = f"npu:{i + 1}"
+    tp = (doc.get("layout") or {}).get("attention_tp", 1)
+    free = 1
+    for node in doc["nodes"]:
+        node["device"] = f"npu:{free}"
+        free += tp if node["role"] == "attention" else 1
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
-@pytest.mark.parametrize("A,F,micro_batches,overlap", [
-    (1, 1, 2, True),
-    pytest.param(2, 1, 1, True, marks=pytest.mark.slow),  # `make test-slow`, which CI runs too
-    pytest.param(1, 2, 2, False, marks=pytest.mark.slow),
-])
-def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_path, A, F, micro_batches, overlap):
+@pytest.mark.parametrize("A,F,micro_batches,overlap,tp", [
+    (1, 1, 2, True, {}),
+    pytest.param(2, 1, 1, True, {}, marks=pytest.mark.slow),  # `make test-slow`, which CI runs too
+    pytest.param(1, 2, 2, False, {}, marks=pytest.mark.slow),
+    # attention TP over the fake HCCL's collectives: every device and stream rule, on each mode's path
+    pytest.param(1, 1, 2, True, {"attention_tp": 2, "tp_comm": "flashcomm2", "flashcomm2_otp": 1,
+                                 "tp_comm_min_tokens": 1}, marks=pytest.mark.slow),
+    pytest.param(1, 1, 1, True, {"attention_tp": 2, "tp_comm": "allreduce", "kvp": 2}, marks=pytest.mark.slow),
+], ids=["1A1F", "2A1F", "1A2F", "1A1F-tp2-flashcomm2", "1A1F-tp2-kvp2"])
+def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_path, A, F, micro_batches, overlap,
+                                              tp):
     path = cluster_yaml(tmp_path, tiny_checkpoint, A, F, name="npu",
-                        layout={"micro_batches": micro_batches, "overlap": overlap})
+                        layout={"micro_batches": micro_batches, "overlap": overlap, **tp})
     _on_devices(path)
     report = tmp_path / "fake-npu"
     with Cluster(path, env=fake_env(report)) as c:
@@ -70,7 +79,7 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
             assert code == 200, body
             assert body["choices"][0]["token_ids"] == reference[i], f"attn{a}, prompt {i}"
     seen = reports(report)
-    assert len(seen) == A + F, "every node ran on the fake device and wrote its report"
+    assert len(seen) == A * tp.get("attention_tp", 1) + F, "every process ran on the fake device and wrote its report"
     for r in seen:
         assert r["device"]["ops"] > 0
         assert r["device"]["hazards"] == []
