@@ -11,22 +11,14 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from hf_reference import hf_greedy, make_hf_checkpoint, max_rel_err
+import test_attention_tp
+from hf_reference import hf_greedy, max_rel_err
 from test_attention_tp import MAX_TOKENS, PROMPTS
 
 import afd
 from afd.engine.kv_cache import BlockAllocator
 
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> str:
-    return make_hf_checkpoint(str(tmp_path_factory.mktemp("kvp") / "longcat"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def hf(ckpt):
-    ref = hf_greedy(ckpt, PROMPTS, max(MAX_TOKENS))
-    return [(ids[:n], logits[:n]) for (ids, logits), n in zip(ref, MAX_TOKENS)]
+ckpt, hf = test_attention_tp.ckpt, test_attention_tp.hf  # the same checkpoint and HF reference (fixtures)
 
 
 def generate(ckpt, tp: int, kvp: int, colocated: bool, mode: str = "allreduce"):

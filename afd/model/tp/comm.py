@@ -103,13 +103,14 @@ class TPComm:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The stream (or anything per token of it) -> all T tokens' rows."""
-        p = self.plan
-        if not p.sharded:
-            return x
-        out = x.new_empty(p.padded, *x.shape[1:])
+        return self._gather_rows(x) if self.plan.sharded else x
+
+    def _gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's [shard, ...] rows -> the micro-batch's [T, ...] (padding dropped)."""
+        out = x.new_empty(self.plan.padded, *x.shape[1:])
         self._run("all_gather", self._share(out.numel() * out.element_size(), self.size),
                   _all_gather, out, x.contiguous(), group=self.group)
-        return out[: p.tokens]
+        return out[: self.plan.tokens]
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """A partial sum over all T tokens -> the stream: AllReduce, or ReduceScatter onto the shard."""
@@ -183,12 +184,7 @@ class TPComm:
         if self.size == 1:
             return y
         y = _pad_rows(y, p.shard)
-        if p.sharded:
-            return y
-        out = y.new_empty(p.padded, *y.shape[1:])
-        self._run("all_gather", self._share(out.numel() * out.element_size(), self.size),
-                  _all_gather, out, y.contiguous(), group=self.group)
-        return out[: p.tokens]
+        return y if p.sharded else self._gather_rows(y)
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V/G] of this rank's vocabulary slice -> [B, V_padded] on every rank."""
