@@ -206,8 +206,23 @@ def build_attention_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, d
 
 
 def build_ffn_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device,
-                   lo: int = 0, hi: int | None = None, serves_zero: bool = True) -> nn.Module:
-    """cfg's family's FFN half holding routed experts [lo, hi) (all by default)."""
+                   lo: int = 0, hi: int | None = None, serves_zero: bool = True, mtp: bool = False) -> nn.Module:
+    """cfg's family's FFN half holding routed experts [lo, hi) (all by default); with `mtp`, also the
+    MTP module's MoE layer when it has one (afd.model.mtp)."""
+    from afd.model.mtp import mtp_moe_layers
+
+    kw = {"mtp": True} if mtp and mtp_moe_layers(cfg) else {}
     with torch.device("meta"):
-        model = family_module(cfg, "ffn").FFNHalf(cfg, lo, hi, serves_zero)
+        model = family_module(cfg, "ffn").FFNHalf(cfg, lo, hi, serves_zero, **kw)
     return _build(model, family_module(cfg, "weights").ffn_weights, reader, "loading expert weights", dtype, device)
+
+
+def build_mtp_layer(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """cfg's family's MTP module (afd.model.mtp.MTPLayer) on the attention side: everything of it but the
+    routed experts, which the FFN half holds (build_ffn_half with `mtp`)."""
+    from afd.model.mtp import family_mtp
+
+    fam = family_mtp(cfg)
+    with torch.device("meta"):
+        model = fam.build(cfg)
+    return _build(model, family_module(cfg, "weights").mtp_weights, reader, "loading MTP weights", dtype, device)

@@ -51,7 +51,8 @@ class DeepseekV3Config:
     rope_interleave: bool = True
     attention_bias: bool = False
     num_nextn_predict_layers: int = 1
-    """MTP modules a checkpoint may hold after the decoder layers; afd never loads them."""
+    """MTP modules a checkpoint holds after the decoder layers (model.layers.{num_hidden_layers + k}.*);
+    speculative decoding uses the first (afd.model.deepseek_v3.mtp)."""
     bos_token_id: int | None = 0
     eos_token_ids: tuple[int, ...] = (1,)
     rope_theta: float = 10000.0
@@ -103,6 +104,14 @@ class DeepseekV3Config:
     def moe_layers(self) -> tuple[int, ...]:
         """HF's DeepseekV3DecoderLayer: an MoE from layer first_k_dense_replace on, a dense MLP below."""
         return tuple(range(self.first_k_dense_replace, self.num_hidden_layers))
+
+    @property
+    def mtp_moe_layers(self) -> tuple[int, ...]:
+        """The MTP module's MoE layer, by its checkpoint index: it is decoder layer num_hidden_layers to
+        HF's DeepseekV3DecoderLayer (vLLM's deepseek_mtp.py builds it with that prefix), so an MoE
+        layer whenever that index is past first_k_dense_replace."""
+        L = self.num_hidden_layers
+        return (L,) if self.first_k_dense_replace <= L else ()
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One MLA per layer, caching latents: [L, blocks, block_size, C + R]."""

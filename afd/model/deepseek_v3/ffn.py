@@ -54,20 +54,25 @@ class FFNLayer(nn.Module):
 
 
 class FFNHalf(nn.Module):
-    """The MoE layers of the model (cfg.moe_layers), holding routed experts [lo, hi) (all by default)."""
+    """The MoE layers of the model (cfg.moe_layers), holding routed experts [lo, hi) (all by default).
+    With `mtp`, also the MTP module's MoE layer (afd.model.deepseek_v3.mtp), as layer num_hidden_layers."""
 
     keep_in_fp32_strict = ("router.classifier.weight", "router.e_score_correction_bias")
     """HF's `_keep_in_fp32_modules_strict` (`gate.weight`, `e_score_correction_bias`): in a bf16 or fp16
     model the whole router stays fp32 at the checkpoint's precision, bias included (afd.model.checkpoint)."""
 
-    def __init__(self, cfg: DeepseekV3Config, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
+    def __init__(self, cfg: DeepseekV3Config, lo: int = 0, hi: int | None = None, serves_zero: bool = True,
+                 mtp: bool = False):
         super().__init__()
         hi = cfg.n_routed_experts if hi is None else hi
         if not 0 <= lo <= hi <= cfg.n_routed_experts:
             raise ValueError(f"expert range [{lo}, {hi}) outside [0, {cfg.n_routed_experts})")
         self.cfg, self.expert_range, self.serves_zero = cfg, (lo, hi), serves_zero
-        self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi) for _ in cfg.moe_layers])
-        self._index = {layer: k for k, layer in enumerate(cfg.moe_layers)}
+        self.mtp_layers = cfg.mtp_moe_layers if mtp else ()
+        """MoE layers past the decoder's that FLAG_MTP steps run (afd.dataplane.protocol)."""
+        served = cfg.moe_layers + self.mtp_layers
+        self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi) for _ in served])
+        self._index = {layer: k for k, layer in enumerate(served)}
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
