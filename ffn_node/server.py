@@ -27,6 +27,7 @@ from afd.backend import Backend
 from afd.dataplane.protocol import (
     FLAG_IDLE,
     FLAG_LEAVE,
+    FLAG_MTP,
     FLAG_REFORM,
     FLAG_SHUTDOWN,
     HEADER_LEN,
@@ -171,6 +172,10 @@ class FFNServer:
             except ProtocolError as e:
                 self._drop(r, f"data plane: {e}")
                 continue
+            if h.flags & FLAG_MTP and not getattr(self.ffn, "mtp_layers", ()):
+                self._drop(r, f"data plane: rank {r} sent an MTP step, but this FFN node holds no MTP layer: "
+                              "start every node with the same engine.speculative_tokens")
+                continue
             if h.step_id != self._next_step[r]:  # a desynchronised peer is an error here, never wrong numbers
                 self._drop(r, f"data plane: rank {r} sent step {h.step_id} where step {self._next_step[r]} was "
                               "due: the protocol is out of step")
@@ -180,13 +185,19 @@ class FFNServer:
             headers[r] = h
         return headers
 
+    def _layers(self, h: StepHeader) -> tuple[int, ...]:
+        """The MoE layers a peer's step runs: the decoder's, or the MTP module's (FLAG_MTP)."""
+        return self.ffn.mtp_layers if h.flags & FLAG_MTP else self.ffn.cfg.moe_layers
+
     def _run_step(self, headers: dict[int, StepHeader]) -> None:
         num_mb = max(len(h.tokens) for h in headers.values())
         counts = {r: list(h.tokens) + [0] * (num_mb - len(h.tokens)) for r, h in headers.items()}
+        runs = {r: self._layers(h) for r, h in headers.items()}
         sends, outputs = [], []  # outputs stay referenced until their sends complete
-        for layer in self.ffn.cfg.moe_layers:
+        for layer in sorted(set().union(*runs.values())):  # each peer's layers stay in its own order
             for i in range(num_mb):
-                parts = [(r, counts[r][i]) for r in headers if counts[r][i] > 0 and r in self.active]
+                parts = [(r, counts[r][i]) for r in headers
+                         if layer in runs[r] and counts[r][i] > 0 and r in self.active]
                 if parts:
                     y, works = self._run_micro_batch(layer, i, parts)
                     outputs.append(y)
@@ -202,7 +213,7 @@ class FFNServer:
         for r, n in parts:
             recvs.append((r, off, n, self._post(self.plane.irecv, x[off:off + n], r)))
             off += n
-        if self.layer_hook is not None and i == 0:  # once per layer, while its first inputs travel
+        if self.layer_hook is not None and i == 0 and layer in self.ffn.cfg.moe_layers:  # once per layer
             hinted = self.layer_hook(layer) or 0
             if self.metrics is not None:
                 self.metrics.prefetch_bytes.inc(hinted)

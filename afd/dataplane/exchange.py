@@ -2,7 +2,8 @@
 
 The runner sees one interface: `begin_step` with the token count of each micro-batch, then per layer
 and micro-batch `submit(m)` returning a handle whose `wait()` gives the MoE output. Calls come in
-(layer, micro-batch) order, which is also the order of messages on the wire.
+(layer, micro-batch) order, which is also the order of messages on the wire. A step with `mtp=True`
+runs only the multi-token-prediction module's MoE layer (afd.dataplane.protocol, FLAG_MTP).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from afd.backend import Backend
 from afd.dataplane.protocol import (
     FLAG_IDLE,
     FLAG_LEAVE,
+    FLAG_MTP,
     FLAG_REFORM,
     FLAG_SHUTDOWN,
     HEADER_LEN,
@@ -35,7 +37,9 @@ class MoEExchange(Protocol):
     timers: Timers
     """`ffn_wait`: seconds blocked waiting for MoE outputs (the exchange that was not hidden)."""
 
-    def begin_step(self, tokens_per_micro_batch: list[int]) -> None: ...
+    def begin_step(self, tokens_per_micro_batch: list[int], mtp: bool = False) -> None:
+        """mtp: the step runs only the MTP module's MoE layer (its submits name that layer)."""
+        ...
 
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle: ...
 
@@ -67,7 +71,7 @@ class LocalMoE:
         self.ffn, self.backend = ffn, backend
         self.timers = Timers()
 
-    def begin_step(self, tokens_per_micro_batch: list[int]) -> None:
+    def begin_step(self, tokens_per_micro_batch: list[int], mtp: bool = False) -> None:
         pass
 
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
@@ -120,8 +124,8 @@ class RemoteMoE:
         self._header.copy_(header.encode())  # the last header's sends were waited for in end_step
         self._header_sends = [(f, self.plane.isend(self._header, f), "step header send") for f in self.ffn_ranks]
 
-    def begin_step(self, tokens_per_micro_batch: list[int]) -> None:
-        self._send_header(StepHeader(self.step_id, tuple(tokens_per_micro_batch)))
+    def begin_step(self, tokens_per_micro_batch: list[int], mtp: bool = False) -> None:
+        self._send_header(StepHeader(self.step_id, tuple(tokens_per_micro_batch), FLAG_MTP if mtp else 0))
         self.step_id += 1
 
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:

@@ -19,6 +19,13 @@ going and tells them it is alive); f answers it, once the step is done, with an 
     f -> a   IdleAck  (1 int64: how many attention peers had work in that step)
 
 so an idle node paces itself by the busy nodes' steps and backs off only when all are idle.
+
+Which layers a step runs is in its header: the model's MoE layers (cfg.moe_layers), or, with the MTP
+flag, only the multi-token-prediction module's MoE layer (the FFN half's `mtp_layers`, an index after
+the decoder's layers: DeepSeek-V3's `num_hidden_layers`). Speculative decoding sends such a step after
+each forward step, to draft the next tokens; an FFN node serving several attention nodes runs the
+union of their steps' layers in increasing order, each peer's tokens only in the layers its header
+names, so every pair still sees its messages in its own order.
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ FLAG_IDLE = 4
 """No tokens this step: a heartbeat from an attention node with nothing to run."""
 FLAG_REFORM = 8
 """The sender leaves this generation of the data plane for the next one (with a replaced node)."""
+FLAG_MTP = 16
+"""The step runs only the MTP module's MoE layer (afd.model.mtp), not the decoder's MoE layers."""
 
 
 IDLE_ACK_LEN = 1
