@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from afd.dataplane.exchange import LocalMoE, RemoteMoE
-from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
+from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.model.tp.shard import shard_attention_half
 
@@ -16,12 +16,16 @@ log = logging.getLogger("afd.attention")
 
 def load_halves(rt, dtype) -> dict:
     """Called by bring_up before the data plane forms: the whole attention half (cut once the TP group
-    exists) and, in a cluster without FFN nodes, every expert."""
+    exists), the MTP module with engine.speculative_tokens and, in a cluster without FFN nodes, every
+    expert (the MTP layer's too)."""
     cfg = rt.cfg
     reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
     built = {"attn": build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device)}
+    mtp = cfg.engine.speculative_tokens > 0
+    if mtp:
+        built["mtp"] = build_mtp_layer(rt.model_cfg, reader, dtype, rt.backend.device)
     if cfg.colocated:
-        built["ffn"] = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device)
+        built["ffn"] = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, mtp=mtp)
     log.info("attention half loaded from %s%s", rt.model_path, " with every expert (no FFN nodes)" if cfg.colocated
              else "")
     return built

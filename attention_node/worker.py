@@ -37,7 +37,8 @@ def run_offline(cfg, args) -> int:
         per = offline.validate_prompts(mcfg, prompts, max_tokens) if prompts else []
         attn, tp, moe = build_rank(rt, built, dtype)
         engine = offline.job_engine(attn, moe, prompts, per, dtype, rt.backend.device, cfg.engine.block_size,
-                                    cfg.layout.micro_batches, cfg.layout.overlap, tp=tp)
+                                    cfg.layout.micro_batches, cfg.layout.overlap, tp=tp, mtp=built.get("mtp"),
+                                    speculative_tokens=cfg.engine.speculative_tokens)
         if rank > 0:
             follow(engine.runner)
             log.info("TP rank %d done", rank)
@@ -51,6 +52,7 @@ def run_offline(cfg, args) -> int:
             json.dump({"outputs": out, "steps": steps, "a2f_bytes": getattr(moe, "bytes_sent", 0),
                        "micro_batches": engine.runner.micro_batches, "tp_bytes": dict(tp.bytes),
                        "tp_fallbacks": dict(tp.fallbacks),
+                       "spec_decode": engine.spec.stats.report() if engine.spec else None,
                        "logits": [[t.tolist() for t in p] for p in logits] if logits is not None else None}, f)
         log.info("generated %d sequences in %d steps", len(out), len(steps))
         return 0

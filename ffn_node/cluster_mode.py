@@ -43,7 +43,7 @@ def run_cluster_node(args) -> int:
         a = rt.assignment
         reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
         built["ffn"] = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, a.expert_lo, a.expert_hi,
-                                      a.serves_zero_experts)
+                                      a.serves_zero_experts, mtp=cfg.engine.speculative_tokens > 0)
         log.info("experts [%d, %d) of %d loaded%s", a.expert_lo, a.expert_hi, rt.model_cfg.n_routed_experts,
                  ", serving identity experts" if a.serves_zero_experts else "")
 
@@ -54,10 +54,11 @@ def run_cluster_node(args) -> int:
         log.error("startup failed: %s", e)
         return 1
     a = rt.assignment
+    mtp_layers = getattr(built["ffn"], "mtp_layers", ())  # the MTP module's MoE layer: per-layer metrics too
     metrics = FFNMetrics(node.name, served_model_name(cfg.model.path, args.served_model_name), a.expert_lo, a.expert_hi,
-                         rt.model_cfg.num_layers)
+                         rt.model_cfg.num_layers + len(mtp_layers))
     metrics.watch_cluster_state(lambda: rt.cluster_state)
-    metrics.count_zero_experts(built["ffn"].layer(i).experts for i in rt.model_cfg.moe_layers)
+    metrics.count_zero_experts(built["ffn"].layer(i).experts for i in (*rt.model_cfg.moe_layers, *mtp_layers))
     healthy = {"ok": True}
     http = None
     if node.ports.metrics:

@@ -127,6 +127,9 @@ class EngineSection:
     max_num_batched_tokens: int = 512
     shutdown_timeout: float = 30.0
     """Seconds SIGTERM lets running requests finish (0 aborts them)."""
+    speculative_tokens: int = 0
+    """MTP speculative decoding: draft tokens per step from the checkpoint's MTP module (0 off, 1 or 2);
+    every node reads it (FFN nodes then hold the MTP layer's experts too)."""
 
 
 @dataclass(frozen=True)
@@ -457,7 +460,35 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     if cluster.coordinator is not None and cluster.coordinator not in names:
         _fail(src, "cluster.coordinator", f"{cluster.coordinator!r} is not a node ({', '.join(sorted(names))})")
     _check_layout(src, layout, nodes)
-    return ClusterConfig(cluster, model, layout, engine, tuple(nodes), prefetch, src)
+    cfg = ClusterConfig(cluster, model, layout, engine, tuple(nodes), prefetch, src)
+    check_speculative(cfg)
+    return cfg
+
+
+def with_speculative_tokens(cfg: ClusterConfig, n: int | None) -> ClusterConfig:
+    """`--speculative-tokens N` over the YAML's engine.speculative_tokens (None: the YAML's), checked."""
+    if n is None:
+        return cfg
+    import dataclasses
+
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, speculative_tokens=n))
+    check_speculative(cfg)
+    return cfg
+
+
+def check_speculative(cfg: ClusterConfig) -> None:
+    """engine.speculative_tokens against the layout: MTP runs on a single-rank attention node for now (the
+    drafts' KV cache layer is not cut across TP ranks), and not with KV-parallel attention, which seed
+    001 does not support with MTP either."""
+    n, lay = cfg.engine.speculative_tokens, cfg.layout
+    if type(n) is not int or not 0 <= n <= 2:
+        _fail(cfg.source, "engine.speculative_tokens", f"must be 0 (off), 1 or 2, got {n!r}")
+    if n and getattr(lay, "kvp", 1) > 1:
+        _fail(cfg.source, "engine.speculative_tokens", f"MTP speculative decoding does not run with KV-parallel "
+                                                       f"attention (layout.kvp {lay.kvp}): use one or the other")
+    if n and lay.attention_tp > 1:
+        _fail(cfg.source, "engine.speculative_tokens", f"MTP speculative decoding with layout.attention_tp "
+                                                       f"{lay.attention_tp} is not supported yet: use attention_tp 1")
 
 
 def load(path: str) -> ClusterConfig:

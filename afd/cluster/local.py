@@ -68,6 +68,8 @@ class LocalClusterSpec:
     micro_batches: int = 0
     """0: each attention node chooses from measured times (afd.dataplane.overlap)."""
     block_size: int = 16
+    speculative_tokens: int = 0
+    """MTP draft tokens per step (engine.speculative_tokens; 0 off)."""
     threads: int = 1
     comm_timeout: float = 60.0
     attention_host: str = "127.0.0.1"
@@ -106,7 +108,11 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
             "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights,
                       "seed": spec.seed},
             "layout": {"overlap": spec.overlap, "micro_batches": spec.micro_batches, **_tp_layout(spec)},
-            "engine": {"block_size": spec.block_size}, "nodes": nodes}
+            "engine": {"block_size": spec.block_size, **_speculative(spec)}, "nodes": nodes}
+
+
+def _speculative(spec: LocalClusterSpec) -> dict:
+    return {"speculative_tokens": spec.speculative_tokens} if spec.speculative_tokens else {}
 
 
 def _tp_layout(spec: LocalClusterSpec) -> dict:

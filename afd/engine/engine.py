@@ -7,10 +7,15 @@ hear from every peer) and backs off while the whole cluster is idle. A data-plan
 requests while the plane re-forms (`membership`), or, with no membership or nobody back in time,
 fails every request with an error and marks the engine dead, which /health reports. Offline generation
 (afd.engine.offline) calls `step()` itself until its requests are done.
+
+With speculative decoding (`speculative_tokens` N > 0, afd.engine.speculative) a step verifies each
+request's drafts and may emit up to N + 1 tokens for it; after the update the MTP module drafts the next
+ones.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -23,10 +28,11 @@ from afd.backend.base import bind_device
 from afd.dataplane.transport import PeerError
 from afd.engine.logits import History
 from afd.engine.membership import PlaneMembership
-from afd.engine.request import Request, RequestOutput
-from afd.engine.runner import ModelRunner, StepSeq
+from afd.engine.request import Request, RequestOutput, Status
+from afd.engine.runner import ModelRunner
 from afd.engine.sampling import Sampler, top_logprobs
 from afd.engine.scheduler import Scheduler
+from afd.engine.speculative import Speculator, step_seq
 from afd.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 from afd.observability.metrics import AttentionMetrics
 
@@ -49,18 +55,28 @@ class StepStats:
     a2f_bytes: int
     phase: str
     """prefill, decode or mixed."""
+    generated: int = 0
+    """Tokens the step emitted (up to N + 1 per decoding request with N speculative tokens)."""
+    draft_seconds: float = 0.0
+    """Seconds the MTP module took to draft the next step's tokens (speculative decoding)."""
 
     def report(self) -> dict:
         """The per-step record offline jobs write (afd.bench reads it)."""
-        return {"tokens": self.num_tokens, "seconds": self.seconds, "ffn_wait": self.ffn_wait}
+        return {"tokens": self.num_tokens, "seconds": self.seconds, "ffn_wait": self.ffn_wait,
+                "generated": self.generated, "draft_seconds": self.draft_seconds}
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Tokenizer | None,
-                 eos_ids: tuple[int, ...], max_model_len: int, metrics: AttentionMetrics | None = None):
+                 eos_ids: tuple[int, ...], max_model_len: int, metrics: AttentionMetrics | None = None,
+                 speculative_tokens: int = 0):
+        """speculative_tokens: MTP drafts per step (0: off; the runner then needs the MTP module)."""
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.eos_ids, self.max_model_len, self.metrics = eos_ids, max_model_len, metrics
         self.sampler = Sampler(eos_ids)
+        self.spec = Speculator(runner, speculative_tokens) if speculative_tokens else None
+        if self.spec is not None and metrics is not None:
+            metrics.watch_spec_decode(self.spec.stats)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -109,8 +125,14 @@ class Engine:
         if not batch:
             return None
         logits, stats = self._execute(batch)
-        self._update(batch, logits)
-        return stats
+        generated = sum(len(r.output_ids) for r, _ in batch)
+        advanced = self._update(batch, logits)
+        generated = sum(len(r.output_ids) for r, _ in batch) - generated
+        if self.spec is None:
+            return dataclasses.replace(stats, generated=generated)
+        t0 = time.perf_counter()
+        self.spec.propose(advanced, self.max_model_len)
+        return dataclasses.replace(stats, generated=generated, draft_seconds=time.perf_counter() - t0)
 
     def _loop(self) -> None:
         backoff = 0.0
@@ -203,13 +225,12 @@ class Engine:
                 req.first_scheduled = now
                 if self.metrics:
                     self.metrics.queue.observe(now - req.arrival)
-        seqs = [StepSeq(req.all_ids[req.num_computed:req.num_computed + n], req.num_computed, req.block_table)
-                for req, n in batch]
+        seqs = [step_seq(req, n) for req, n in batch]
         moe = self.runner.moe
         wait0, sent0 = moe.timers.total("ffn_wait"), getattr(moe, "bytes_sent", 0)
         t0 = time.perf_counter()
         logits = self.runner.execute(seqs)
-        decoding = [bool(req.output_ids) and n == 1 for req, n in batch]
+        decoding = [bool(req.output_ids) and req.num_tokens - req.num_computed == 1 for req, _ in batch]
         stats = StepStats(sum(n for _, n in batch), time.perf_counter() - t0, moe.timers.total("ffn_wait") - wait0,
                           getattr(moe, "bytes_sent", 0) - sent0,
                           "decode" if all(decoding) else "prefill" if not any(decoding) else "mixed")
@@ -221,29 +242,64 @@ class Engine:
             m.micro_batches.set(self.runner.last_micro_batches)
         return logits, stats
 
-    def _update(self, batch: list[tuple[Request, int]], logits: torch.Tensor) -> None:
-        rows, reqs = [], []
-        for i, (req, n) in enumerate(batch):
-            req.num_computed += n
+    def _update(self, batch: list[tuple[Request, int]], logits: torch.Tensor) -> list[tuple[Request, int, int]]:
+        """Appends the step's tokens. Returns (request, tokens cached before the step, its first row in the
+        step) per request: where the MTP module drafts from."""
+        rows, reqs, drafts, advanced = [], [], [], []
+        row = q = 0
+        for req, n in batch:
+            d = max(0, req.num_computed + n - req.num_tokens)  # drafts the step verifies
+            advanced.append((req, req.num_computed, q))
+            req.num_computed += n - d  # a draft's KV counts once it is accepted
             if req.num_computed == req.num_tokens:  # the chunk reached the end: a token is due
-                rows.append(i)
+                rows.append(row)
                 reqs.append(req)
-        if rows:
-            toks = self._sample(logits, rows, reqs)
-            now = time.monotonic()
-            for row, req, tok in zip(rows, reqs, toks):
-                if tok is None:
-                    continue
-                try:
+                drafts.append(req.draft[:d])
+            req.draft = []
+            row, q = row + d + 1, q + n
+        now = time.monotonic()
+        for row, req, d, toks in zip(rows, reqs, drafts, self._sample(logits, rows, reqs, drafts)):
+            if toks is None:
+                continue
+            req.num_computed += len(toks) - 1  # the accepted drafts
+            if d:
+                self.spec.stats.observe(len(d), len(toks) - 1)
+            try:
+                for j, tok in enumerate(toks):
+                    if req.status is Status.FINISHED:  # EOS, a stop or the length limit came first
+                        break
                     if req.logits is not None:
-                        req.logits.append(logits[row].clone())
+                        req.logits.append(logits[row + j].clone())
                     k = req.params.logprobs
-                    self._append(req, tok, now, None if k is None else top_logprobs(logits[row], tok, k))
-                except Exception as e:  # detokenizing or stop handling: this request's alone
-                    self._fail(req, e)
+                    self._append(req, tok, now, None if k is None else top_logprobs(logits[row + j], tok, k))
+            except Exception as e:  # detokenizing or stop handling: this request's alone
+                self._fail(req, e)
         self._refresh_gauges()
+        return advanced
 
-    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> list[int | None]:
+    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Request],
+                drafts: list[list[int]]) -> list[list[int] | None]:
+        """The tokens each request emits: one, or with drafts to verify (rows row .. row + d of logits)
+        the accepted ones and one more (Sampler.verify). A request whose sampling raises is failed alone
+        (None)."""
+        out: list[list[int] | None] = [None] * len(reqs)
+        plain = [k for k, d in enumerate(drafts) if not d]
+        if plain:
+            toks = self._sample_one(logits, [rows[k] for k in plain], [reqs[k] for k in plain])
+            for k, tok in zip(plain, toks):
+                out[k] = None if tok is None else [tok]
+        for k, d in enumerate(drafts):
+            if not d:
+                continue
+            req = reqs[k]
+            try:
+                out[k] = self.sampler.verify(logits[rows[k]:rows[k] + len(d) + 1], d, req.params, req.request_id,
+                                             History(req.prompt_ids, req.output_ids))
+            except Exception as e:
+                self._fail(req, e)
+        return out
+
+    def _sample_one(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> list[int | None]:
         """One token per request; a request whose sampling raises is failed alone (None)."""
         try:
             return self.sampler.sample(logits[rows], [r.params for r in reqs], [r.request_id for r in reqs],

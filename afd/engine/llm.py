@@ -12,8 +12,9 @@ from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import load_tokenizer
-from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
+from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
 from afd.model.config import parse_dtype
+from afd.model.mtp import check_speculative_tokens, family_mtp
 from afd.model.registry import family_module, load_config
 
 
@@ -48,13 +49,22 @@ class LLM:
                  seed: int = 0, block_size: int = 16, attention_nodes: int | None = None,
                  ffn_nodes: int | None = None, colocated: bool | None = None, overlap: bool = True,
                  micro_batches: int = 1, attention_tp: int = 1, tp_comm: str = "allreduce",
-                 flashcomm2_otp: int | None = None, tp_comm_min_tokens: int | None = None, kvp: int = 1):
+                 flashcomm2_otp: int | None = None, tp_comm_min_tokens: int | None = None, kvp: int = 1,
+                 speculative_tokens: int = 0):
         """Colocated unless attention_nodes or ffn_nodes is given (or colocated=False): then every
         generate() call runs that many node processes on this machine (afd.cluster.local).
         attention_tp > 1: every attention node is that many processes (afd.model.tp); colocated, that is
-        one attention node whose ranks each hold every expert (a local cluster without FFN nodes)."""
+        one attention node whose ranks each hold every expert (a local cluster without FFN nodes).
+        speculative_tokens: MTP speculative decoding with that many drafts per step (1 or 2; afd.engine.
+        speculative); `spec_decode` then holds the last generate()'s acceptance counters."""
         if colocated and (attention_nodes or ffn_nodes):
             raise ValueError("colocated runs both halves in this process; it takes no attention_nodes or ffn_nodes")
+        check_speculative_tokens(speculative_tokens)
+        if speculative_tokens and (attention_tp > 1 or kvp > 1):
+            raise ValueError("speculative_tokens: MTP speculative decoding runs with attention_tp 1 and no KV-parallel "
+                             "attention (kvp 1) for now")
+        self.speculative_tokens = speculative_tokens
+        self.spec_decode: dict | None = None
         model = resolve_model_path(model)
         self.cfg = load_config(model)
         self.tokenizer = load_tokenizer(model)
@@ -67,7 +77,9 @@ class LLM:
                   tp_comm_min_tokens=tp_comm_min_tokens, kvp=kvp)
         self.cluster = None if colocated and attention_tp == 1 else LocalClusterSpec(
             model, attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes), dtype,
-            dummy_weights, seed, overlap, micro_batches, block_size, **tp)
+            dummy_weights, seed, overlap, micro_batches, block_size, speculative_tokens=speculative_tokens, **tp)
+        if speculative_tokens:
+            family_mtp(self.cfg)  # refuses a family without an MTP module here, not in a node process
         if self.cluster:
             from afd.model.tp.config import TPConfig
 
@@ -84,7 +96,8 @@ class LLM:
         reader = open_reader(model, dummy=dummy_weights, seed=seed)
         dev = self.backend.device
         self.attn = build_attention_half(self.cfg, reader, self.dtype, dev)
-        self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev)
+        self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev, mtp=speculative_tokens > 0)
+        self.mtp = build_mtp_layer(self.cfg, reader, self.dtype, dev) if speculative_tokens else None
 
     def generate(self, prompts: str | list[str] | list[int] | list[list[int]], max_tokens: int | list[int] = 16,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
@@ -110,10 +123,15 @@ class LLM:
                                         logits=logits_out is not None)
             if logits_out is not None:
                 logits_out.extend(reports_logits(self.cluster, reports, len(prompt_token_ids)))
+            if self.speculative_tokens:
+                self.spec_decode = _add_counters([r["spec_decode"] for r in reports])
             return out
         engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompt_token_ids, per, self.dtype,
-                                    self.backend.device, self.block_size, self.micro_batches, self.overlap)
-        return offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out, progress=progress)
+                                    self.backend.device, self.block_size, self.micro_batches, self.overlap,
+                                    mtp=self.mtp, speculative_tokens=self.speculative_tokens)
+        out = offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out, progress=progress)
+        self.spec_decode = engine.spec.stats.report() if engine.spec else None
+        return out
 
     def _prompt_ids(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -134,6 +152,15 @@ class LLM:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+
+def _add_counters(reports: list[dict]) -> dict:
+    """The attention nodes' spec-decode counters, summed (afd.engine.speculative.SpecDecodeStats.report)."""
+    out = dict(reports[0])
+    for r in reports[1:]:
+        for key, value in r.items():
+            out[key] = [a + b for a, b in zip(out[key], value)] if isinstance(value, list) else out[key] + value
+    return out
 
 
 def _finish(ids: list[int], eos: set[int], ignore_eos: bool) -> str:

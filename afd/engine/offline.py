@@ -49,17 +49,20 @@ def validate_prompts(cfg: ModelConfig, prompts, max_tokens) -> list[int]:
 
 def job_engine(attn, moe: MoEExchange, prompts: list[list[int]], max_tokens: list[int], dtype: torch.dtype,
                device: torch.device, block_size: int = 16, micro_batches: int = 1, overlap: bool = True,
-               eos_ids: tuple[int, ...] | None = None, tp: TPComm = SINGLE) -> Engine:
+               eos_ids: tuple[int, ...] | None = None, tp: TPComm = SINGLE, mtp=None,
+               speculative_tokens: int = 0) -> Engine:
     """An engine whose KV cache and batch limits hold exactly this job (the same on every TP rank, which
-    all size it from the same prompts)."""
+    all size it from the same prompts). mtp, speculative_tokens: MTP speculative decoding (drafts stay
+    within each prompt's max_tokens, so the cache holds them too)."""
     cfg, N = attn.cfg, tp.cfg.kvp
     # with KVP, pool k must hold blocks k, k + N, ... of every sequence: pool 0 the most
     blocks = max(1, sum(-(-blocks_needed(len(p) + n, block_size) // N) for p, n in zip(prompts, max_tokens)))
     kv = KVCache(cfg, N * blocks, block_size, dtype, device, N)
-    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp)
-    scheduler = Scheduler(kv, max(1, len(prompts)), max(1, sum(len(p) for p in prompts)))
+    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp, mtp if speculative_tokens else None)
+    budget = max(1, sum(len(p) for p in prompts), len(prompts) * (1 + speculative_tokens))  # a decode step's drafts
+    scheduler = Scheduler(kv, max(1, len(prompts)), budget)
     return Engine(runner, scheduler, None, cfg.eos_token_ids if eos_ids is None else eos_ids,
-                  cfg.max_position_embeddings)
+                  cfg.max_position_embeddings, speculative_tokens=speculative_tokens)
 
 
 def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], params: SamplingParams,

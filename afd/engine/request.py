@@ -63,6 +63,9 @@ class Request:
     """Characters of the detokenized output already handed out (held back while a stop string may form)."""
     logits: list | None = None
     """When a list, each sampled step's fp32 logits row is appended (offline parity checks)."""
+    draft: list[int] = field(default_factory=list)
+    """Speculative decoding: the tokens the MTP module proposed to follow the last one, which the next
+    step runs with it and verifies (afd.engine.speculative)."""
 
     @property
     def all_ids(self) -> list[int]:
@@ -71,3 +74,8 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens the next step may run: those whose KV is not cached yet, then the drafts to verify."""
+        return self.num_tokens + len(self.draft) - self.num_computed

@@ -33,6 +33,9 @@ class StepSeq:
     token_ids: list[int]
     start: int
     block_table: list[int]
+    num_logits: int = 1
+    """Logits rows the step returns for it: of its last token, or of its last 1 + d when it verifies d
+    draft tokens (speculative decoding)."""
 
 
 def split_micro_batches(seqs: list[StepSeq], m: int) -> list[list[int]]:
@@ -63,15 +66,23 @@ class _MicroBatch:
 
 class ModelRunner:
     def __init__(self, attn: nn.Module, moe: MoEExchange, kv: KVCache, device: torch.device,
-                 micro_batches: int = 1, overlap: bool = True, tp: TPComm = SINGLE):
+                 micro_batches: int = 1, overlap: bool = True, tp: TPComm = SINGLE, mtp: nn.Module | None = None):
         """micro_batches: 1..4, or 0 to choose from measured times (afd.dataplane.overlap). tp: the
-        attention node's TP group (attn cut to this rank's share by afd.model.tp.shard)."""
+        attention node's TP group (attn cut to this rank's share by afd.model.tp.shard). mtp: the
+        checkpoint's MTP module (afd.model.mtp), for speculative decoding (`draft`)."""
         self.attn, self.moe, self.kv, self.device, self.tp = attn, moe, kv, device, tp
         self.overlap = overlap
         self.tuner = MicroBatchTuner() if micro_batches == 0 and overlap else None
         self._fixed_micro_batches = max(1, micro_batches)
         self.last_micro_batches = 0
         """What the last step ran with (afd_micro_batches): the tuner may choose anew right after it."""
+        self.mtp = mtp
+        self.mtp_kv = None if mtp is None else torch.zeros(
+            mtp.kv_cache_shape(kv.allocator.num_blocks, kv.block_size), dtype=kv.data.dtype, device=device)
+        """The MTP block's own KV cache layer, addressed by the main model's block tables."""
+        self.last_hidden: torch.Tensor | None = None
+        """With an MTP module: every token's final hidden state [T, H] of the last step (what the head
+        reads), in the step's token order: the drafts' input."""
 
     @property
     def micro_batches(self) -> int:
@@ -98,11 +109,21 @@ class ModelRunner:
         for mb in live:
             self._finish(L - 1, mb)
         self.moe.end_step()
-        logits = torch.empty(len(seqs), self.attn.cfg.vocab_size, device=self.device)
+        first = [0]
+        for s in seqs:
+            first.append(first[-1] + s.num_logits)
+        logits = torch.empty(first[-1], self.attn.cfg.vocab_size, device=self.device)
+        hidden = []
         for mb in live:
             self.tp.use(mb.plan)
-            last = torch.tensor([s.q_start + s.q_len - 1 for s in mb.meta.seqs], device=self.device)
-            logits[mb.rows] = self.attn.logits(self.tp.gather(mb.x)[last])
+            x = self.tp.gather(mb.x)
+            src = [s.q_start + s.q_len - k for r, s in zip(mb.rows, mb.meta.seqs)
+                   for k in range(seqs[r].num_logits, 0, -1)]  # each sequence's last num_logits rows
+            dst = [first[r] + j for r in mb.rows for j in range(seqs[r].num_logits)]
+            logits[dst] = self.attn.logits(x[torch.tensor(src, device=self.device)])
+            if self.mtp is not None:
+                hidden.append(self.attn.norm(x))
+        self.last_hidden = torch.cat(hidden) if hidden else None
         if self.tuner:
             waited = self.moe.timers.total("ffn_wait") - wait0
             decode = all(len(s.token_ids) == 1 for s in seqs)
@@ -145,6 +166,34 @@ class ModelRunner:
         h = self.attn.post_moe(layer, mb.h, mb.m, mb.rope, mb.meta, self.kv.layer(layer))
         mb.x = h if mb.pending is None else h + self.tp.moe_output(mb.pending.wait())
         mb.h = mb.m = mb.pending = None
+
+    # ---- the MTP module's forward (speculative decoding) --------------------------------------------
+
+    @torch.inference_mode()
+    def mtp_step(self, seqs: list[StepSeq], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP module over sequences whose `token_ids` are the tokens at start + 1 ... (each one
+        position after the hidden state it pairs with) and `hidden` [T, H] those hidden states, in order.
+        Writes its KV cache layer at positions start ...; returns, at each sequence's last position, its
+        own hidden state [B, H] (the next draft's input) and fp32 logits [B, V] of the token after next.
+        Its MoE crosses as one FLAG_MTP step of one micro-batch (none for a dense MTP block)."""
+        mtp = self.mtp
+        meta = AttentionMetadata.build([s.start for s in seqs], [len(s.token_ids) for s in seqs],
+                                       [s.block_table for s in seqs], self.kv.block_size, self.device)
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
+        e, rope = self.attn.embed(ids, meta)  # the main model's embedding and rotary tables
+        x = mtp.fuse(e, hidden)  # [T, H]
+        h, m = mtp.block.pre_moe(x, rope, meta, self.mtp_kv)
+        pending = None
+        if m is not None:
+            self.moe.begin_step([meta.num_tokens], mtp=True)
+            pending = self.moe.submit(mtp.moe_layer, 0, m)
+        h = mtp.block.post_moe(h, m, rope, meta, self.mtp_kv)
+        if pending is not None:
+            h = h + pending.wait()
+            self.moe.end_step()
+        last = torch.tensor([s.q_start + s.q_len - 1 for s in meta.seqs], device=self.device)
+        out = mtp.norm(h[last])  # [B, H]
+        return out, self.attn.lm_head(out).float()
 
     # ---- steps without tokens, mirrored on the other TP ranks ---------------------------------------
 

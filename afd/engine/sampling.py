@@ -102,7 +102,11 @@ class Sampler:
         return out
 
     def _sample_row(self, logits: torch.Tensor, p: SamplingParams, rid) -> int:
-        # on the CPU: one row is cheap to move, and the per-request generators live there
+        return int(torch.multinomial(self._probs(logits, p), 1, generator=self._generator(rid, p)))
+
+    def _probs(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """The distribution a token is drawn from: temperature, then top-k and top-p, [V] on the CPU
+        (one row is cheap to move, and the per-request generators live there)."""
         logits = logits.float().cpu() / p.temperature
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
@@ -112,12 +116,56 @@ class Sampler:
             sorted_p, idx = probs.sort(descending=True)
             keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # always keeps the most likely token
             probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        gen = None
-        if p.seed is not None:
-            gen = self._generators.get(rid)
-            if gen is None:
-                gen = self._generators[rid] = torch.Generator().manual_seed(p.seed)
-        return int(torch.multinomial(probs, 1, generator=gen))
+        return probs
+
+    def _generator(self, rid, p: SamplingParams) -> torch.Generator | None:
+        if p.seed is None:
+            return None
+        gen = self._generators.get(rid)
+        if gen is None:
+            gen = self._generators[rid] = torch.Generator().manual_seed(p.seed)
+        return gen
+
+    def verify(self, logits: torch.Tensor, drafts: list[int], p: SamplingParams, rid, history: History) -> list[int]:
+        """Speculative decoding: logits [d + 1, V] of a request's last token and its d draft tokens ->
+        the tokens it emits: the accepted drafts, then one more (the target's correction at the first
+        rejected draft, or a bonus token after the last). Row j is processed with the tokens before it
+        (penalties, min_tokens). Greedy keeps a draft iff it is the argmax, so the tokens are those of
+        decoding one at a time; sampling follows the rejection rule (`rejection_sample`), so their
+        distribution is too. Drafts are the MTP head's argmax: q is one-hot at the draft."""
+        out: list[int] = []
+        for j in range(len(drafts) + 1):
+            row = logits[j]
+            if p.processes_logits:
+                row = process(row, p, History(history.prompt_ids, history.output_ids + out), self.eos_ids)
+            if p.temperature < GREEDY_BELOW:
+                out.append(int(row.argmax()))
+                if j < len(drafts) and out[-1] == drafts[j]:
+                    continue
+                return out
+            probs, gen = self._probs(row, p), self._generator(rid, p)
+            if j == len(drafts):
+                return out + [int(torch.multinomial(probs, 1, generator=gen))]
+            q = torch.zeros_like(probs)
+            q[drafts[j]] = 1.0  # the draft distribution: one-hot at the MTP head's argmax
+            tok, kept = rejection_sample(probs, q, drafts[j], gen)
+            out.append(tok)
+            if not kept:
+                return out
+        return out
+
+
+def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: int, gen: torch.Generator | None) -> tuple[int, bool]:
+    """Speculative sampling's rule (Leviathan et al. 2023; Chen et al. 2023) for a draft x ~ q [V] checked
+    against the target p [V]: keep x with probability min(1, p(x) / q(x)), else draw from
+    normalize(max(0, p - q)). The token returned is distributed as p, whatever q is. Returns (token, kept)."""
+    u = float(torch.rand((), generator=gen))
+    if u * float(q[draft]) < float(p[draft]):
+        return draft, True
+    residual = (p - q).clamp_min(0)
+    if float(residual.sum()) <= 0:  # only by rounding: a rejection needs p(x) < q(x), so p > q somewhere
+        residual = p
+    return int(torch.multinomial(residual / residual.sum(), 1, generator=gen)), False
 
 
 def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:

@@ -47,7 +47,7 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted while making room for an earlier one
                 continue
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_uncomputed, budget)
             while not self._fits(req, n) and self.running[-1] is not req:
                 self._preempt(self.running[-1])
             if not self._fits(req, n):
@@ -58,7 +58,7 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed, budget)
+            n = min(req.num_uncomputed, budget)
             if not self._fits(req, n):
                 break
             self.waiting.popleft()

@@ -126,6 +126,28 @@ class AttentionMetrics(_Metrics):
 
         self.registry.register(_Collector(collect))
 
+    def watch_spec_decode(self, stats) -> None:
+        """MTP speculative decoding's counters (afd.engine.speculative.SpecDecodeStats), read at scrape
+        time, under vLLM's names (vllm/v1/spec_decode/metrics.py) with the afd_ prefix. Acceptance rate:
+        rate(afd_spec_decode_num_accepted_tokens_total) / rate(afd_spec_decode_num_draft_tokens_total);
+        tokens per step of a drafting request: 1 + rate(..._num_accepted_tokens_total) /
+        rate(afd_spec_decode_num_drafts_total)."""
+        def collect():
+            for name, doc, value in (
+                    ("afd_spec_decode_num_drafts", "Number of spec decoding drafts.", stats.num_drafts),
+                    ("afd_spec_decode_num_draft_tokens", "Number of draft tokens.", stats.num_draft_tokens),
+                    ("afd_spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.num_accepted_tokens)):
+                fam = CounterMetricFamily(name, doc, labels=BASE_LABELS)
+                fam.add_metric(self._values(), value)
+                yield fam
+            fam = CounterMetricFamily("afd_spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+                                      "position.", labels=(*BASE_LABELS, "position"))
+            for pos, value in enumerate(stats.num_accepted_tokens_per_pos):
+                fam.add_metric(self._values(str(pos)), value)
+            yield fam
+
+        self.registry.register(_Collector(collect))
+
     def step(self, phase: str):
         return self.labels(self._step, phase=phase)
 
