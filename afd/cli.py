@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from afd.cluster.overrides import DefaultsHelpFormatter, add_tp_args, tp_kwargs
+from afd.cluster.overrides import DefaultsHelpFormatter, add_speculative_arg, add_tp_args, tp_kwargs
 
 
 def _add_generate(sub) -> None:
@@ -29,6 +29,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--micro-batches", type=int, default=0, choices=range(5), metavar="{0..4}",
                    help="ping-pong micro-batches; 0 chooses from measured times")
     add_tp_args(p)
+    add_speculative_arg(p)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -43,6 +44,8 @@ def _cmd_generate(args) -> int:
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--prompt-ids {args.prompt_ids}: {e}") from None
     tp = tp_kwargs(args)
+    if args.speculative_tokens:
+        tp["speculative_tokens"] = args.speculative_tokens
     if args.colocated:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
                   seed=args.seed, micro_batches=max(1, args.micro_batches), overlap=not args.no_overlap, **tp)

@@ -11,7 +11,7 @@ import logging
 import os
 
 from afd.cluster.config import EngineSection
-from afd.cluster.overrides import DefaultsHelpFormatter, parse_bytes_arg, positive_int
+from afd.cluster.overrides import DefaultsHelpFormatter, add_speculative_arg, parse_bytes_arg, positive_int
 from afd.node.args import add_engine_args, setup_logging
 from afd.node.signals import set_stop_handler
 
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     add_engine_args(p)
+    add_speculative_arg(p)
     return p
 
 
@@ -44,7 +45,7 @@ def run(args) -> int:
     from afd.backend import get_backend
     from afd.cluster.topology import resolve_model_path, served_model_name
     from afd.dataplane.exchange import LocalMoE
-    from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
+    from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
     from afd.model.config import parse_dtype
     from afd.model.registry import load_config
     from afd.observability.metrics import AttentionMetrics
@@ -60,14 +61,16 @@ def run(args) -> int:
     mcfg, dtype, backend = load_config(path), parse_dtype(args.dtype), get_backend(args.device)
     reader = open_reader(path, args.dummy_weights, 0)
     attn = build_attention_half(mcfg, reader, dtype, backend.device)
-    ffn = build_ffn_half(mcfg, reader, dtype, backend.device)
+    spec = args.speculative_tokens or 0
+    ffn = build_ffn_half(mcfg, reader, dtype, backend.device, mtp=spec > 0)
+    mtp = build_mtp_layer(mcfg, reader, dtype, backend.device) if spec else None
     name = served_model_name(args.model, args.served_model_name)
     metrics = AttentionMetrics("colocated", name)
     metrics.watch_cluster_state(lambda: 3 if st.draining else 1)  # a cluster of one: READY (1), DRAINING (3)
-    eng = EngineSection(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes,
+    eng = EngineSection(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes, speculative_tokens=spec,
                         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
     engine, tok, max_len = build_engine(attn, LocalMoE(ffn, backend), path, mcfg, dtype, backend.device, eng,
-                                        args.max_model_len, args, metrics)
+                                        args.max_model_len, args, metrics, mtp=mtp)
     st = ServerState(engine, tok, name, path, Limits(max_len, mcfg.vocab_size), metrics, ready=lambda: True,
                      api_key=args.api_key)
     server = UvicornServer(uvicorn.Config(build_app(st), host=args.host, port=args.port, log_level="warning",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 
 import torch
 
@@ -53,7 +55,7 @@ def build_server_state(cfg, args, box: dict):
     metrics.watch_tp(tp)
     engine, tok, max_len = build_engine(attn, moe, rt.model_path, mcfg, dtype, rt.backend.device,
                                         cfg.engine, cfg.model.max_model_len, args, metrics,
-                                        cfg.layout.micro_batches, cfg.layout.overlap, tp)
+                                        cfg.layout.micro_batches, cfg.layout.overlap, tp, built.get("mtp"))
 
     def rejoin(why: str) -> RemoteMoE:
         plane = rt.reform(why)
@@ -78,16 +80,18 @@ def kv_cache_for(mcfg, dtype, device, eng: EngineSection, kvp: int = 1) -> KVCac
 
 
 def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSection, max_model_len: int | None,
-                 args, metrics: AttentionMetrics, micro_batches: int = 1, overlap: bool = True, tp=SINGLE):
+                 args, metrics: AttentionMetrics, micro_batches: int = 1, overlap: bool = True, tp=SINGLE,
+                 mtp=None):
     """The serving engine over an attention half and its MoE exchange (remote or colocated): KV cache
-    sized from the budget, tokenizer with `--chat-template`, `--seed`. Returns (engine, tokenizer,
-    max_model_len)."""
-    kv = kv_cache_for(mcfg, dtype, device, eng, tp.cfg.kvp)
+    sized from the budget, tokenizer with `--chat-template`, `--seed`; with engine.speculative_tokens,
+    MTP drafting with the MTP module `mtp` (its KV cache layer taken from the same budget). Returns
+    (engine, tokenizer, max_model_len)."""
+    kv = kv_cache_for(mcfg, dtype, device, _without_mtp_layer(eng, mcfg, mtp), tp.cfg.kvp)
     num_blocks = kv.allocator.num_blocks
     max_len = min(max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d", num_blocks, eng.block_size,
              kv.data.numel() * kv.data.element_size() / 2**20, max_len)
-    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp)
+    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp, mtp if eng.speculative_tokens else None)
     metrics.watch_kv_ranks(kv.allocator)
     tok = load_tokenizer(model_path)
     if args.chat_template:
@@ -98,5 +102,15 @@ def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSec
         torch.manual_seed(args.seed)
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else mcfg.eos_token_ids
     engine = Engine(runner, Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens), tok, eos, max_len,
-                    metrics)
+                    metrics, eng.speculative_tokens)
     return engine, tok, max_len
+
+
+def _without_mtp_layer(eng: EngineSection, mcfg, mtp) -> EngineSection:
+    """The budget left for the main model's layers once the MTP block's cache layer (as many blocks)
+    has its share."""
+    if not eng.speculative_tokens or mtp is None:
+        return eng
+    main, extra = (math.prod(shape) for shape in (mcfg.kv_cache_shape(1, eng.block_size),
+                                                   mtp.kv_cache_shape(1, eng.block_size)))
+    return dataclasses.replace(eng, kv_cache_bytes=eng.kv_cache_bytes * main // (main + extra))

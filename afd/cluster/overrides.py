@@ -43,6 +43,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def speculative_count(text: str) -> int:
+    """--speculative-tokens: 0 (off), 1 or 2 MTP draft tokens per step."""
+    value = int(text)
+    if value not in (0, 1, 2):
+        raise argparse.ArgumentTypeError(f"must be 0 (off), 1 or 2, got {value}")
+    return value
+
+
+def add_speculative_arg(p) -> None:
+    p.add_argument("--speculative-tokens", type=speculative_count, default=None, metavar="N",
+                   help="MTP speculative decoding: N = 1 or 2 draft tokens per step from the checkpoint's "
+                        "multi-token-prediction module (the YAML's engine.speculative_tokens; default: off)")
+
+
 def add_serving_overrides(p: argparse.ArgumentParser) -> None:
     """The flags `vllm serve` users know, with vLLM's names and meanings (`afd launch` and `afd serve`)."""
     g = p.add_argument_group("serving (override the YAML)")
@@ -57,6 +71,7 @@ def add_serving_overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per step")
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     g.add_argument("--seed", type=int, default=None, help="seed of unseeded requests' random sampling")
+    add_speculative_arg(g)
 
 
 def add_tp_args(p: argparse.ArgumentParser) -> None:
@@ -85,8 +100,8 @@ def tp_kwargs(args) -> dict:
     return {k: getattr(args, k) for k in TP_KEYS if getattr(args, k, None) is not None}
 
 
-FOR_EVERY_NODE = ("dtype", "served_model_name")
-"""The overrides every node command takes."""
+FOR_EVERY_NODE = ("dtype", "served_model_name", "speculative_tokens")
+"""The overrides every node command takes (FFN nodes hold the MTP layer's experts with speculative_tokens)."""
 FOR_ATTENTION = ("host", "max_model_len", "max_num_seqs", "chat_template", "seed")
 """The overrides only attention nodes take (the API key goes through the environment instead)."""
 

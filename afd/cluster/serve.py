@@ -80,6 +80,8 @@ def cluster_doc(args) -> dict:
     engine = {"kv_cache_bytes": args.kv_cache_bytes}
     if args.max_num_seqs:
         engine["max_num_seqs"] = args.max_num_seqs
+    if args.speculative_tokens:
+        engine["speculative_tokens"] = args.speculative_tokens
     doc = {"cluster": {"name": "serve", "coordinator": "attn0"}, "model": model, "engine": engine, "nodes": nodes}
     if tp:
         doc["layout"] = tp

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from afd.cluster.overrides import positive_int
+from afd.cluster.overrides import add_speculative_arg, positive_int
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -19,6 +19,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
                    help="address the node's servers listen on (default: the node's host in the YAML; "
                         "0.0.0.0 in a container whose YAML host is a service name)")
     g.add_argument("--served-model-name", default=None, help="model name in the API and metrics")
+    add_speculative_arg(g)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -51,7 +52,9 @@ def load_cluster_args(args, role: str):
         import dataclasses
 
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, shutdown_timeout=timeout))
-    return cfg
+    from afd.cluster.config import with_speculative_tokens
+
+    return with_speculative_tokens(cfg, getattr(args, "speculative_tokens", None))
 
 
 def setup_logging(role: str, name) -> None:
