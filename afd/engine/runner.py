@@ -126,7 +126,7 @@ class ModelRunner:
         self.last_hidden = torch.cat(hidden) if hidden else None
         if self.tuner:
             waited = self.moe.timers.total("ffn_wait") - wait0
-            decode = all(len(s.token_ids) == 1 for s in seqs)
+            decode = all(len(s.token_ids) == s.num_logits for s in seqs)  # decode, drafts included
             self.tuner.observe(time.perf_counter() - t0, waited, decode, len(seqs))
         return logits
 
