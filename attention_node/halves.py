@@ -45,9 +45,11 @@ def build_rank(rt, built: dict, dtype):
     """(attention half cut to this rank, TP group, MoE exchange) after bring_up."""
     tp = tp_group(rt)
     attn = shard_attention_half(built["attn"], tp)
-    mcfg = rt.model_cfg
+    return attn, tp, exchange(rt, built, dtype)
+
+
+def exchange(rt, built: dict, dtype):
+    """How this rank reaches the MoE on the current data plane: the FFN nodes, or its own experts."""
     if rt.cfg.colocated:
-        moe = LocalMoE(built["ffn"], rt.backend)
-    else:
-        moe = RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
-    return attn, tp, moe
+        return LocalMoE(built["ffn"], rt.backend)
+    return RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), rt.model_cfg.hidden_size, dtype, rt.backend.device)

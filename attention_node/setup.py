@@ -11,7 +11,6 @@ import torch
 from afd.cluster.config import EngineSection
 from afd.cluster.topology import served_model_name
 from afd.control import control_pb2 as pb
-from afd.dataplane.exchange import RemoteMoE
 from afd.engine.engine import Engine
 from afd.engine.kv_cache import CacheConfig, KVCache
 from afd.engine.membership import PlaneMembership
@@ -23,7 +22,7 @@ from afd.model.tp.comm import SINGLE
 from afd.node.runtime import bring_up
 from afd.observability.metrics import AttentionMetrics
 from attention_node.api_server import ServerState
-from attention_node.halves import build_rank, load_halves
+from attention_node.halves import build_rank, exchange, load_halves
 from attention_node.openai_protocol import Limits
 
 log = logging.getLogger("afd.attention")
@@ -57,14 +56,13 @@ def build_server_state(cfg, args, box: dict):
                                         cfg.engine, cfg.model.max_model_len, args, metrics,
                                         cfg.layout.micro_batches, cfg.layout.overlap, tp, built.get("mtp"))
 
-    def rejoin(why: str) -> RemoteMoE:
-        plane = rt.reform(why)
-        return RemoteMoE(plane, list(rt.assignment.peer_ranks), mcfg.hidden_size, dtype, rt.backend.device)
+    def rejoin(why: str):
+        rt.reform(why)
+        tp.connect()  # the node's TP ranks re-form with it (attention_node/tp_rank.py) and meet in new groups
+        return exchange(rt, built, dtype)
 
-    # A TP group lives in one generation of the data plane; re-forming it with the node's other ranks is
-    # not built yet, so a TP node fails its requests on a data-plane failure (docs/architecture.md).
-    can_rejoin = cfg.cluster.rejoin_timeout > 0 and tp.size == 1 and not cfg.colocated
-    engine.membership = PlaneMembership(rejoin if can_rejoin else None, rt.superseded, rt.release_plane)
+    engine.membership = PlaneMembership(rejoin if cfg.cluster.rejoin_timeout > 0 else None, rt.superseded,
+                                        rt.release_plane)
     st = ServerState(engine, tok, name, rt.model_path, Limits(max_len, mcfg.vocab_size), metrics,
                      ready=lambda: rt.cluster_state in _SERVING, api_key=args.api_key)
     box["state"] = st

@@ -15,11 +15,10 @@ from afd.control.client import ControlError
 from afd.dataplane.transport import PeerError
 from afd.engine.runner import ModelRunner, follow
 from afd.model.config import parse_dtype
-from afd.model.tp.comm import TPError
 from afd.node.args import start_cluster_node
 from afd.node.runtime import bring_up
 from afd.node.signals import set_stop_handler
-from attention_node.halves import build_rank, load_halves
+from attention_node.halves import build_rank, exchange, load_halves
 from attention_node.setup import kv_cache_for
 
 log = logging.getLogger("afd.attention")
@@ -59,14 +58,36 @@ def run_tp_rank(args) -> int:
         rt.backend.bind_thread()
         log.info("TP rank %d of %s ready", args.tp_rank, args.node)
         box["following"] = True
-        follow(runner)
-    except (PeerError, TPError) as e:
+        _follow(rt, runner, tp, built, dtype)
+    except PeerError as e:  # TPError too
         log.error("stopping: %s", e)
         return 1
     finally:
         box["done"].set()
         rt.close(plane=False)
     return 0
+
+
+def _follow(rt, runner: ModelRunner, tp, built: dict, dtype) -> None:
+    """Follows rank 0 until it leaves for good. When the data plane fails (a peer died) or rank 0 moves
+    to the next generation, this rank re-forms with it, as rank 0's engine does, and follows on: rank 0
+    runs the interrupted step again."""
+    can_rejoin = rt.cfg.cluster.rejoin_timeout > 0
+    while True:
+        try:
+            msg = follow(runner)
+            if not msg[2]:  # a plain leave: the node is done
+                return
+            why = "rank 0 moves to the next data-plane generation"
+        except PeerError as e:
+            if not can_rejoin:
+                raise
+            why = str(e)  # leave the except block first: its traceback pins the old process group
+        runner.moe = None
+        rt.reform(why)
+        tp.connect()
+        runner.moe = exchange(rt, built, dtype)
+        log.info("TP rank %d re-formed with data-plane generation %d", rt.tp_rank, rt.plane.generation)
 
 
 def _stop(box: dict, grace: float) -> None:

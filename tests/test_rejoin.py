@@ -130,3 +130,32 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
         assert _greedy(c.url("attn1"), PROMPTS[3]) == reference[3]
         assert _greedy(c.url("attn0"), PROMPTS[1]) == reference[1]
         assert "moving to the next data-plane generation" in c.log("attn0")
+
+
+@pytest.mark.parametrize("layout", [
+    {"attention_tp": 2, "tp_comm": "sp", "tp_comm_min_tokens": 1},
+    pytest.param({"attention_tp": 2, "kvp": 2}, marks=pytest.mark.slow),
+], ids=["tp2-sp", "tp2-kvp2"])
+def test_an_attention_node_on_tp_ranks_re_forms_with_a_replaced_ffn_node(tiny_checkpoint, reference, tmp_path,
+                                                                         layout):
+    """Every TP rank of the node pauses, re-forms with the new generation and re-makes its TP groups;
+    rank 0 runs the interrupted step again, and no stream loses a token."""
+    path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="rejoin-tp", cluster=FAST, layout=layout)
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        ranks = {n: c.procs[n].pid for n in ("attn0", "attn0.tp1")}
+        prompts = PROMPTS * 4
+        streams = _Streams(c.url(), prompts)
+        streams.wait_started()
+        c.procs["ffn0"].send_signal(signal.SIGKILL)
+        time.sleep(0.5)
+        c.start("ffn0")
+        results = streams.join()
+        try:
+            _assert_all_equal_hf(results, prompts, reference)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n" + "\n".join(f"--- {n}\n{c.log(n)}" for n in c.procs)) from None
+        assert {n: c.procs[n].pid for n in ranks} == ranks and all(c.procs[n].poll() is None for n in ranks)
+        assert "TP rank 1 re-formed with data-plane generation" in c.log("attn0.tp1")
+        assert _greedy(c.url(), PROMPTS[0]) == reference[0]

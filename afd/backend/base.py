@@ -25,6 +25,16 @@ def bind_device(device: torch.device) -> None:
         getattr(torch, device.type).set_device(device)
 
 
+class PeerError(RuntimeError):
+    """A peer process went away, timed out, or broke the protocol: on the data plane (afd.dataplane) or in
+    an attention node's TP group (afd.model.tp). Here, below both, so that one except clause (the engine's
+    re-forming) covers every process boundary."""
+
+    def __init__(self, message: str, peer: int | None = None):
+        super().__init__(message)
+        self.peer = peer
+
+
 class DeviceUnavailable(ValueError):
     """The device asked for is not on this machine (said in one line, not a traceback)."""
 

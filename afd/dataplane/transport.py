@@ -29,16 +29,11 @@ import torch
 import torch.distributed as dist
 
 from afd.backend import Backend
+from afd.backend.base import PeerError
+
+__all__ = ["PeerError"]  # defined with the backends, so that the model's TP group can raise it too
 
 log = logging.getLogger("afd.dataplane.transport")
-
-
-class PeerError(RuntimeError):
-    """A data-plane peer went away, timed out, or broke the protocol."""
-
-    def __init__(self, message: str, peer: int | None = None):
-        super().__init__(message)
-        self.peer = peer
 
 
 class BufferPool:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from afd.backend.base import PeerError
 from afd.model.tp.config import ShardPlan, TPConfig, fc2_groups, plan
 
 log = logging.getLogger("afd.tp")
@@ -29,8 +30,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class TPError(RuntimeError):
-    """A collective of the TP group failed or timed out: a rank of this attention node is gone."""
+class TPError(PeerError):
+    """A collective of the TP group failed or timed out: a rank of this attention node is gone (or the
+    data plane it lives in was torn down to re-form)."""
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -50,9 +52,16 @@ class TPComm:
         """Bytes this rank sent, by collective (afd_tp_comm_bytes_total)."""
         self.fallbacks: Counter = Counter()
         """Micro-batches a sharded mode ran as allreduce, below its token threshold."""
-        if self.size == 1:
-            return
-        timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        if self.size > 1:
+            self.connect()
+
+    def connect(self) -> None:
+        """Makes the group's process groups in the current data plane: at start-up, and again after the
+        data plane re-forms (a node was replaced), when the old groups died with the old world. Layers
+        keep this object, so they follow."""
+        cfg, rank = self.cfg, self.rank
+        timeout = timedelta(seconds=self.timeout_s)
 
         def group(members: list[int], **kw):
             return dist.new_group([self.ranks[i] for i in members], timeout=timeout, use_local_synchronization=True,
