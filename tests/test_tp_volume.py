@@ -52,25 +52,29 @@ CONFIGS = {
 }
 CONFIGS_CFG = {name: config_from_hf(d) for name, d in CONFIGS.items()}
 
-# (family, mode, otp, tp_comm_min_tokens) by TP group (its global ranks)
+# (family, mode, otp, tp_comm_min_tokens[, kvp]) by TP group (its global ranks)
 CASES = {
     (0, 1): [("longcat", "allreduce", None, None), ("longcat", "sp", None, None),
-             ("deepseek", "flashcomm1", None, 3), ("deepseek", "flashcomm2", 1, 3)],
+             ("deepseek", "flashcomm1", None, 3), ("deepseek", "flashcomm2", 1, 3),
+             ("longcat", "allreduce", None, None, 2)],
     (2, 3): [("deepseek", "allreduce", None, None), ("deepseek", "sp", None, None),
-             ("longcat", "flashcomm1", None, 3), ("longcat", "flashcomm2", 1, 3)],
-    (0, 1, 2, 3): [("longcat", "flashcomm2", 2, 3), ("deepseek", "flashcomm2", 2, 3), ("longcat", "sp", None, None)],
+             ("longcat", "flashcomm1", None, 3), ("longcat", "flashcomm2", 1, 3),
+             ("deepseek", "flashcomm1", None, 3, 2)],
+    (0, 1, 2, 3): [("longcat", "flashcomm2", 2, 3), ("deepseek", "flashcomm2", 2, 3), ("longcat", "sp", None, None),
+                   ("deepseek", "sp", None, None, 2)],
 }
 PROMPTS = [[3, 5, 7, 11], [13, 17, 19]]  # prefill: T = 7, B = 2
 DECODE = [23, 29]  # decode: T = 2, B = 2
 
 
 def case_id(ranks: tuple, case: tuple) -> str:
-    family, mode, otp, min_tokens = case
-    return f"{family}-tp{len(ranks)}-{mode}" + (f"-P{otp}" if otp else "") + (f"-min{min_tokens}" if min_tokens else "")
+    family, mode, otp, min_tokens, *kvp = case
+    return (f"{family}-tp{len(ranks)}-{mode}" + (f"-P{otp}" if otp else "")
+            + (f"-min{min_tokens}" if min_tokens else "") + (f"-kvp{kvp[0]}" if kvp else ""))
 
 
 def tp_config(ranks: tuple, case: tuple) -> TPConfig:
-    return TPConfig(len(ranks), case[1], case[2], case[3])
+    return TPConfig(len(ranks), case[1], case[2], case[3], *case[4:])
 
 
 # ---- the counted side (spawned processes) ---------------------------------------------------------------
@@ -93,9 +97,10 @@ def _run_case(ranks: tuple, case: tuple, tp_rank: int) -> list[dict]:
     tp = TPComm(tp_config(ranks, case), tp_rank, list(ranks))
     attn = shard_attention_half(build_attention_half(cfg, reader, torch.float32, be.device), tp)
     moe = CountingMoE(build_ffn_half(cfg, reader, torch.float32, be.device), be)
-    runner = ModelRunner(attn, moe, KVCache(cfg, 2, 8, torch.float32, be.device), be.device, 1, True, tp)
-    steps = [[StepSeq(p, 0, [i]) for i, p in enumerate(PROMPTS)],
-             [StepSeq([t], len(p), [i]) for i, (p, t) in enumerate(zip(PROMPTS, DECODE))]]
+    N = tp.cfg.kvp  # with KVP a sequence's first block comes from pool 0: ids 0 and N
+    runner = ModelRunner(attn, moe, KVCache(cfg, 2 * N, 8, torch.float32, be.device, N), be.device, 1, True, tp)
+    steps = [[StepSeq(p, 0, [i * N]) for i, p in enumerate(PROMPTS)],
+             [StepSeq([t], len(p), [i * N]) for i, (p, t) in enumerate(zip(PROMPTS, DECODE))]]
     out = []
     for seqs in steps:
         before, moe.sent = Counter(tp.bytes), 0

@@ -38,6 +38,9 @@ all_gather the stream share(Tp*H*b, G), then every mode all_gathers the B last t
 share(G*B*ceil(V/G)*b, G).
 
 A sharded mode below its token threshold runs, and counts, as allreduce (afd.model.tp.config.plan).
+
+With KVP (layout.kvp N), each MLA adds the merge's all_to_all inside the N ranks of a head group: the
+partial outputs [T, N*NH/G, v] (b bytes) and their log-sum-exps [T, N*NH/G] (fp32), share(., N) of each.
 """
 
 from __future__ import annotations
@@ -96,6 +99,9 @@ def mla_bytes(cfg, tp: TPConfig, p: ShardPlan, b: int) -> Counter:
     """One MLA: the gather of its input (hidden state or latents), then o_proj."""
     H = cfg.hidden_size
     c = _gather(p, _latent_width(cfg) if p.latents else H, b)
+    if tp.kvp > 1:  # the KVP merge (afd/model/kvp.py): partial outputs and LSEs of the head group's heads
+        heads = cfg.num_attention_heads // tp.size * tp.kvp
+        c["all_to_all"] += share(p.tokens * heads * cfg.v_head_dim * b, tp.kvp) + share(p.tokens * heads * 4, tp.kvp)
     if not p.fc2:
         return c + _row_parallel(p, H, b)
     P, D = tp.otp, tp.odp
