@@ -62,3 +62,26 @@ class AttentionMetadata:
             decode_ctx_lens=torch.tensor([s.ctx_len for s in decode], **as_long),
             prefill_seqs=[s for s in seqs if s.q_len > 1],
         )
+
+
+@torch.library.custom_op("afd::store_kv", mutates_args=("cache",))
+def _store_kv_op(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    cache.flatten(0, 1)[slots] = values
+
+
+@_store_kv_op.register_fake
+def _(cache, slots, values) -> None:
+    return None
+
+
+def store_kv(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache [num_blocks, block_size, ...] (a view into the KV cache), slots [T]: writes values [T, ...] to
+    the flat slots. Under torch.compile (inductor) the write goes through one custom op that says it
+    mutates `cache`: an indexed write into a view of a graph input is otherwise functionalized into a copy
+    of the whole cache layer per call (measured: 60 ms instead of 0.06 ms for an 8192-block layer), while
+    the op is put back in place. Eager, CUDA-graph capture and torchair (which lowers input mutations
+    itself) take the plain indexed write."""
+    if torch.compiler.is_compiling() and cache.device.type != "npu":
+        _store_kv_op(cache, slots, values)
+    else:
+        cache.flatten(0, 1)[slots] = values

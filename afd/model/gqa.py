@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from afd.model.attention_metadata import AttentionMetadata
+from afd.model.attention_metadata import AttentionMetadata, store_kv
 from afd.model.layers import RMSNorm, apply_rotary_halves
 
 
@@ -44,8 +44,8 @@ class GQAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_halves(q, cos, sin), apply_rotary_halves(k, cos, sin)
-        cache[0].view(-1, self.n_kv, D)[meta.slot_mapping] = k
-        cache[1].view(-1, self.n_kv, D)[meta.slot_mapping] = v
+        store_kv(cache[0], meta.slot_mapping, k)
+        store_kv(cache[1], meta.slot_mapping, v)
 
         q = q.view(T, self.n_kv, -1, D)  # [T, KVH, G, D]
         out = torch.empty_like(q)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from afd.model import kvp
-from afd.model.attention_metadata import AttentionMetadata
+from afd.model.attention_metadata import AttentionMetadata, store_kv
 from afd.model.config import ModelConfig
 from afd.model.layers import RMSNorm, apply_rotary, apply_rotary_halves
 from afd.model.tp.comm import SINGLE
@@ -95,7 +95,7 @@ class MLAttention(nn.Module):
         k_rot = self.rotate(k_rot, cos, sin)  # [T, R]
         if self.kvp is not None:
             return self.o_proj(self._kvp_attend(q_nope, q_rot, torch.cat([c, k_rot], dim=-1), meta, cache))
-        cache.view(-1, cache.shape[-1])[meta.slot_mapping] = torch.cat([c, k_rot], dim=-1)
+        store_kv(cache, meta.slot_mapping, torch.cat([c, k_rot], dim=-1))
 
         out = q.new_empty(T, self.n_heads, self.v_dim)
         if meta.decode_rows.numel():
