@@ -19,6 +19,25 @@ def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torc
 
 
 
+HOST_SYNCS = ("item", "tolist", "_local_scalar_dense")
+"""What reads a device value on the host (dynamo traces .item() into a graph rather than breaking it)."""
+
+
+def refuse_host_syncs(compiler):
+    """A torch.compile backend: the graph dynamo hands over, refused if it reads a value on the host (a sync
+    inside the compiled region, and an error under CUDA-graph capture), else compiled by `compiler` (a
+    backend or its registered name)."""
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        syncs = [str(n.target) for n in gm.graph.nodes
+                 if n.op in ("call_method", "call_function") and str(n.target).split(".")[-1] in HOST_SYNCS]
+        if syncs:
+            raise RuntimeError(f"a host sync in the graph: {', '.join(syncs)}")
+        inner = torch._dynamo.lookup_backend(compiler) if isinstance(compiler, str) else compiler
+        return inner(gm, example_inputs)
+
+    return backend
+
+
 def bind_device(device: torch.device) -> None:
     """The calling thread's current device becomes `device` (nothing to do on CPU)."""
     if device.type != "cpu":
@@ -80,9 +99,9 @@ class Backend(ABC):
     prefetch_by_default: bool = False
     """Whether FFN nodes prefetch weights unless the YAML says otherwise (see docs/benchmarks.md)."""
 
-    def prefetch(self, weight: torch.Tensor, max_bytes: int) -> int:
-        """Hint that the first `max_bytes` of `weight` are needed soon; returns the bytes hinted (0: no-op).
-        No numerical effect."""
+    def prefetch(self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None) -> int:
+        """Hint that the first `max_bytes` of `weight` are needed soon, once `dependency` is computed (inside
+        a graph: the node it follows); returns the bytes hinted (0: no-op). No numerical effect."""
         return 0
 
     def mm_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, world_size: int) -> torch.Tensor | None:
@@ -91,6 +110,11 @@ class Backend(ABC):
         caller then runs matmul and reduce_scatter)."""
         return None
 
-    def compile(self, fn):
-        """Graph-compile `fn` where the device benefits; identity by default."""
+    graph_mode_default: str = "eager"
+    """layout.graph_mode when the YAML leaves it unset (afd.engine.graph); each backend's by measurement."""
+
+    def compile(self, fn, cache_dir: str | None = None):
+        """`fn` as the device's static graph, compiled (or loaded from `cache_dir`) on its first call. afd.engine
+        .graph calls it with one bound method of an nn.Module per graph, each with a code object of its own,
+        always called with the same input shapes, dtypes and non-tensor values. Identity by default."""
         return fn

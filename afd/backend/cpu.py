@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-from afd.backend.base import Backend, grouped_matmul_by_slices
+from afd.backend.base import Backend, grouped_matmul_by_slices, refuse_host_syncs
 
 
 class CpuBackend(Backend):
@@ -16,15 +18,14 @@ class CpuBackend(Backend):
         return torch.device("cpu")
 
     def memory_info(self) -> tuple[int, int]:
-        import os
-
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return free, total
 
-    def prefetch(self, weight: torch.Tensor, max_bytes: int) -> int:
+    def prefetch(self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None) -> int:
         # Reads one value per 64-byte line of the first max_bytes: the lines land in the caches before the
-        # GEMM needs them. Costs memory bandwidth; the suite decides whether it pays (off by default).
+        # GEMM needs them (now: a CPU has no dependency to wait for). Costs memory bandwidth; the suite decides
+        # whether it pays (off by default).
         flat = weight.detach().reshape(-1)
         n = min(flat.numel(), max_bytes // flat.element_size())
         if n <= 0:
@@ -37,3 +38,39 @@ class CpuBackend(Backend):
         # One GEMM per non-empty group over a contiguous row slice: on CPU this measures as fast as
         # torch._grouped_mm and has no alignment constraints.
         return grouped_matmul_by_slices(x, w, group_sizes)
+
+    graph_mode_default = "eager"
+    """Measured with `afd bench-graph` (balanced scenario, one thread per process, on the 2-core machine that
+    built this): inductor's graphs decode 1.16-1.18x faster colocated (batch 4, 16) but not at 1A1F (0.85-0.87x,
+    where the FFN node bounds the step and the rounds were noisy), and a bucket's graphs take 13-28 s to compile
+    with a cold cache (2-6 s warm) for every block-table width they meet. Not worth it by default on CPU."""
+
+    graph_compiler = "inductor"
+    """The torch.compile backend of compile(); tests swap in aot_eager (the same trace, no C++ compile)."""
+
+    def compile(self, fn, cache_dir: str | None = None):
+        # inductor, static shapes, one graph: a graph break or a host sync fails the compile, and afd.engine.graph
+        # runs that graph eager. Its compiled code lands in cache_dir (TORCHINDUCTOR_CACHE_DIR's FX graph and
+        # AOTAutograd caches), where the next process finds it.
+        return _Inductor(torch.compile(fn, backend=refuse_host_syncs(self.graph_compiler), dynamic=False,
+                                       fullgraph=True), cache_dir)
+
+
+class _Inductor:
+    """A torch.compile'd function whose first call (the compile) reads and writes `cache_dir`."""
+
+    def __init__(self, fn, cache_dir: str | None):
+        self.fn, self.cache_dir = fn, cache_dir
+
+    def __call__(self, *args):
+        if self.cache_dir is None:
+            return self.fn(*args)
+        path, self.cache_dir = os.path.abspath(self.cache_dir), None  # compiled by this call: later ones run it
+        os.makedirs(path, exist_ok=True)
+        try:
+            from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+        except ImportError:  # older torch: the directory for the whole process
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = path
+            return self.fn(*args)
+        with temporary_cache_dir(path):  # sets TORCHINDUCTOR_CACHE_DIR, clears inductor's cached paths
+            return self.fn(*args)

@@ -35,6 +35,20 @@ class CudaBackend(Backend):
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)
 
+    graph_mode_default = "eager"
+    """Not measured: no GPU has run afd's CUDA graphs yet (tests/test_graph_cuda.py is written, skipped here).
+    vLLM and SGLang capture decode CUDA graphs by default, for the launch overhead of small decode kernels, so
+    `compile` is expected to win; it becomes the default once a GPU run of `make test-device` holds it."""
+
+    def compile(self, fn, cache_dir: str | None = None):
+        # One CUDA graph of fn's kernels, captured on the first call. There is nothing to cache across
+        # restarts (a graph holds this process's device addresses): cache_dir is not used. The data plane's
+        # NCCL sends and receives stay outside: afd.engine.graph captures the compute between two exchanges,
+        # and the exchange's sizes, peers and blocking-wait timeouts are the host's business every step.
+        if "_graph_pool" not in self.__dict__:
+            self._graph_pool = torch.cuda.graph_pool_handle()  # shared: graphs replay one at a time
+        return _CudaGraph(fn, self._device, self._graph_pool)
+
     def memory_info(self) -> tuple[int, int]:
         return torch.cuda.mem_get_info(self._device)
 
@@ -78,3 +92,44 @@ class CudaBackend(Backend):
             offs = group_sizes.cumsum(0, dtype=torch.int32)  # end row of each group; offsets must be int32
             return torch._grouped_mm(x, w, offs=offs)
         return grouped_matmul_by_slices(x, w, group_sizes)
+
+
+class _CudaGraph:
+    """fn as one CUDA graph: the first call warms up on a side stream (lazy cuBLAS and allocator set-up stay
+    out of the graph), captures, and replays; later calls copy their tensor inputs into the captured ones
+    (skipped when they are the same memory: the KV cache, the weights) and replay. Outputs are cloned: the
+    next replay of this graph rewrites its own, while a micro-batch's m may still be in flight to the FFN."""
+
+    def __init__(self, fn, device: torch.device, pool):
+        self.fn, self.device, self.pool = fn, device, pool
+        self.graph = None
+
+    def __call__(self, *args):
+        from torch.utils._pytree import tree_flatten, tree_map
+
+        flat, spec = tree_flatten(args)
+        if self.graph is None:
+            self._capture(args, flat, spec)
+        else:
+            if spec != self.spec or len(flat) != len(self.inputs):
+                raise ValueError("a CUDA graph is replayed with inputs of another structure")
+            for new, old in zip(flat, self.inputs):
+                if isinstance(old, torch.Tensor):
+                    if new.data_ptr() != old.data_ptr():
+                        old.copy_(new)  # shapes match: afd.engine.graph keys graphs by every shape
+                elif new != old:
+                    raise ValueError(f"a CUDA graph is replayed with {new!r} where it was captured with {old!r}")
+        self.graph.replay()
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.outputs)
+
+    def _capture(self, args, flat, spec) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.fn(*args)  # warm-up (its KV writes are the ones the replay below makes again)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (the metrics scrape) may use CUDA meanwhile; this one may not
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self.outputs = self.fn(*args)
+        self.graph, self.inputs, self.spec = graph, flat, spec  # the inputs captured: held, so never freed

@@ -63,3 +63,16 @@ class AttentionHalf(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(x)).float()
+
+    def prefetch_weights(self, i: int, phase: str) -> list[torch.Tensor]:
+        """What graph mode (afd.engine.graph) prefetches at the end of layer i's `phase` graph: the weights
+        the next graph reads first. After pre_moe: dense MLP 0's gate and up (post_moe's first GEMMs),
+        loading while m is away at the FFN nodes; after post_moe: layer i + 1's latent down-projections."""
+        if phase == "pre":
+            mlp = self.layers[i].mlps[0]
+            return [mlp.gate_proj.weight, mlp.up_proj.weight]
+        if i + 1 == len(self.layers):
+            return []
+        attn = self.layers[i + 1].self_attn[0]
+        q = attn.q_proj if attn.q_proj is not None else attn.q_a_proj
+        return [q.weight, attn.kv_a_proj_with_mqa.weight]

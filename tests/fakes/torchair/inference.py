@@ -4,6 +4,9 @@ source: cache_compile, https://www.hiascend.com/document/detail/zh/Pytorch/710/m
   torchair_00080.html, Ascend Extension for PyTorch 7.1.0
 source: torchair/inference/_cache_compiler.py (cache_compile, CompiledModel.get_cache_bin),
   https://github.com/Ascend/torchair/blob/7.1.0/python/torchair/inference/_cache_compiler.py, torchair 7.1.0
+source: the same file (ModelCacheSaver: torch.compile(..., fullgraph=True); save_compiled_fn: one compiled code
+  per function, "Skip cache as ... recompiled"; LazyCompiledModel.compile / CompiledModel.rebase: a found cache
+  runs without guards), read at commit 0208753d of https://github.com/Ascend/torchair
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import types
 import warnings
 
@@ -41,25 +45,71 @@ def _cache_bin(func, config, dynamic: bool, cache_dir, global_rank, tp_rank, pp_
     return os.path.realpath(os.path.join(cache_dir, "_".join(parts), "_".join(dist), func.__name__, CACHE_FILE))
 
 
+def _signature(args, kwargs) -> list[str]:
+    """What a compiled graph is specialized on, per input leaf: a tensor's shape and dtype, any other value."""
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    return [f"{tuple(x.shape)}:{x.dtype}" if isinstance(x, torch.Tensor) else repr(x) for x in leaves]
+
+
 class _LazyCompiled:
-    """Compiles on the first call (torchair compiles or loads the cache then) and records the cache file."""
+    """Compiles on the first call (torchair compiles or loads the cache then) and records the cache file.
+
+    The rules of torchair 7.1.0's _cache_compiler.py this fake keeps (the real cache holds a GE graph; this
+    one the inputs it was made for):
+    - ModelSaver compiles with torch.compile(func, fullgraph=True, dynamic=dynamic): a graph break fails.
+    - ModelCacheSaver.save_compiled_fn keeps one compiled code per cached function: on a second one (a
+      recompile: other shapes, other constants) it warns "Skip cache as ... recompiled" and removes the
+      cache directory.
+    - A cache file found at the first call is loaded (CompiledModel.load) and rebased onto the module
+      (CompiledModel.rebase): its graph then runs for every call with no dynamo guard. The real one silently
+      computes with the cached graph whatever the inputs; this fake raises when a call's inputs differ from
+      those the cache was made for, so that a test sees it.
+    """
 
     def __init__(self, func, config, dynamic: bool, cache_bin_args: tuple):
         self.func, self.config, self.dynamic, self._args = func, config, dynamic, cache_bin_args
         self.cache_bin: str | None = None
+        self.loaded = False
+        """Whether the first call found the cache (no compile)."""
+        self.graphs = 0
+        """Graphs compiled for this function (a second one is a recompile)."""
         self._compiled = None
+        self._cached_inputs: list[str] | None = None
 
     def __call__(self, *args, **kwargs):
+        sig = _signature(args, kwargs)
         if self._compiled is None:
-            from . import get_npu_backend
+            self._first_call(sig)
+        if self.loaded and sig != self._cached_inputs:
+            raise RuntimeError(f"torchair cache_compile: {self.cache_bin} holds a graph compiled for other inputs "
+                               f"({self._cached_inputs} != {sig}); torchair would run it unguarded")
+        out = self._compiled(*args, **kwargs)
+        if self.graphs > 1 and self.cache_bin is not None:
+            warnings.warn(f"Skip cache as {self.func.__qualname__} recompiled, set torch._logging.set_logs("
+                          "recompiles=True) for details", UserWarning, stacklevel=2)
+            shutil.rmtree(os.path.dirname(self.cache_bin), ignore_errors=True)
+            self.cache_bin = None
+        return out
 
-            self.cache_bin = _cache_bin(self.func, self.config, self.dynamic, *self._args)
+    def _first_call(self, sig: list[str]) -> None:
+        from . import get_npu_backend
+
+        self.cache_bin = _cache_bin(self.func, self.config, self.dynamic, *self._args)
+        if os.path.exists(self.cache_bin):
+            with open(self.cache_bin) as f:
+                self._cached_inputs, self.loaded = json.load(f)["inputs"], True
+        else:
             os.makedirs(os.path.dirname(self.cache_bin), exist_ok=True)
             with open(self.cache_bin, "w") as f:
-                json.dump({"func": self.func.__qualname__, "config": self.config.leaves()}, f, default=str)
-            self._compiled = torch.compile(self.func, backend=get_npu_backend(compiler_config=self.config),
-                                           dynamic=self.dynamic)
-        return self._compiled(*args, **kwargs)
+                json.dump({"func": self.func.__qualname__, "config": self.config.leaves(), "inputs": sig}, f,
+                          default=str)
+        backend = get_npu_backend(compiler_config=self.config)
+
+        def counting(gm, example_inputs):
+            self.graphs += 1
+            return backend(gm, example_inputs)
+
+        self._compiled = torch.compile(self.func, backend=counting, dynamic=self.dynamic, fullgraph=True)
 
 
 def cache_compile(func, *, config=None, backend=None, dynamic: bool = True, cache_dir: str | None = None,
