@@ -6,7 +6,13 @@ import argparse
 import json
 import sys
 
-from afd.cluster.overrides import DefaultsHelpFormatter, add_speculative_arg, add_tp_args, tp_kwargs
+from afd.cluster.overrides import (
+    DefaultsHelpFormatter,
+    add_graph_mode_arg,
+    add_speculative_arg,
+    add_tp_args,
+    tp_kwargs,
+)
 
 
 def _add_generate(sub) -> None:
@@ -30,6 +36,7 @@ def _add_generate(sub) -> None:
                    help="ping-pong micro-batches; 0 chooses from measured times")
     add_tp_args(p)
     add_speculative_arg(p)
+    add_graph_mode_arg(p)
     p.set_defaults(func=_cmd_generate)
 
 
@@ -46,6 +53,8 @@ def _cmd_generate(args) -> int:
     tp = tp_kwargs(args)
     if args.speculative_tokens:
         tp["speculative_tokens"] = args.speculative_tokens
+    if args.graph_mode:
+        tp["graph_mode"] = args.graph_mode
     if args.colocated:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
                   seed=args.seed, micro_batches=max(1, args.micro_batches), overlap=not args.no_overlap, **tp)

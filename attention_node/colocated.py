@@ -11,7 +11,13 @@ import logging
 import os
 
 from afd.cluster.config import EngineSection
-from afd.cluster.overrides import DefaultsHelpFormatter, add_speculative_arg, parse_bytes_arg, positive_int
+from afd.cluster.overrides import (
+    DefaultsHelpFormatter,
+    add_graph_mode_arg,
+    add_speculative_arg,
+    parse_bytes_arg,
+    positive_int,
+)
 from afd.node.args import add_engine_args, setup_logging
 from afd.node.signals import set_stop_handler
 
@@ -35,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     add_engine_args(p)
     add_speculative_arg(p)
+    add_graph_mode_arg(p)
     return p
 
 
@@ -45,6 +52,7 @@ def run(args) -> int:
     from afd.backend import get_backend
     from afd.cluster.topology import resolve_model_path, served_model_name
     from afd.dataplane.exchange import LocalMoE
+    from afd.engine.graph import GraphSettings
     from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
     from afd.model.config import parse_dtype
     from afd.model.registry import load_config
@@ -70,7 +78,8 @@ def run(args) -> int:
     eng = EngineSection(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes, speculative_tokens=spec,
                         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
     engine, tok, max_len = build_engine(attn, LocalMoE(ffn, backend), path, mcfg, dtype, backend.device, eng,
-                                        args.max_model_len, args, metrics, mtp=mtp)
+                                        args.max_model_len, args, metrics, mtp=mtp,
+                                        graph=GraphSettings(args.graph_mode), backend=backend)
     st = ServerState(engine, tok, name, path, Limits(max_len, mcfg.vocab_size), metrics, ready=lambda: True,
                      api_key=args.api_key)
     server = UvicornServer(uvicorn.Config(build_app(st), host=args.host, port=args.port, log_level="warning",

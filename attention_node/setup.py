@@ -12,6 +12,7 @@ from afd.cluster.config import EngineSection
 from afd.cluster.topology import served_model_name
 from afd.control import control_pb2 as pb
 from afd.engine.engine import Engine
+from afd.engine.graph import GraphSettings, settings_of, wrap
 from afd.engine.kv_cache import CacheConfig, KVCache
 from afd.engine.membership import PlaneMembership
 from afd.engine.runner import ModelRunner
@@ -54,7 +55,8 @@ def build_server_state(cfg, args, box: dict):
     metrics.watch_tp(tp)
     engine, tok, max_len = build_engine(attn, moe, rt.model_path, mcfg, dtype, rt.backend.device,
                                         cfg.engine, cfg.model.max_model_len, args, metrics,
-                                        cfg.layout.micro_batches, cfg.layout.overlap, tp, built.get("mtp"))
+                                        cfg.layout.micro_batches, cfg.layout.overlap, tp, built.get("mtp"),
+                                        graph=settings_of(cfg), backend=rt.backend)
 
     def rejoin(why: str):
         rt.reform(why)
@@ -79,13 +81,15 @@ def kv_cache_for(mcfg, dtype, device, eng: EngineSection, kvp: int = 1) -> KVCac
 
 def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSection, max_model_len: int | None,
                  args, metrics: AttentionMetrics, micro_batches: int = 1, overlap: bool = True, tp=SINGLE,
-                 mtp=None):
+                 mtp=None, graph: GraphSettings | None = None, backend=None):
     """The serving engine over an attention half and its MoE exchange (remote or colocated): KV cache
     sized from the budget, tokenizer with `--chat-template`, `--seed`; with engine.speculative_tokens,
-    MTP drafting with the MTP module `mtp` (its KV cache layer taken from the same budget). Returns
-    (engine, tokenizer, max_model_len)."""
+    MTP drafting with the MTP module `mtp` (its KV cache layer taken from the same budget); graph mode
+    per `graph` (afd.engine.graph, compiled by `backend`). Returns (engine, tokenizer, max_model_len)."""
     kv = kv_cache_for(mcfg, dtype, device, _without_mtp_layer(eng, mcfg, mtp), tp.cfg.kvp)
-    num_blocks = kv.allocator.num_blocks
+    attn = wrap(attn, kv, graph, tp, backend)  # graph mode takes its scratch block from the cache
+    metrics.watch_graph(attn)
+    num_blocks = kv.allocator.num_free  # what requests can have
     max_len = min(max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d", num_blocks, eng.block_size,
              kv.data.numel() * kv.data.element_size() / 2**20, max_len)

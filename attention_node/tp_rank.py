@@ -13,6 +13,7 @@ import threading
 
 from afd.control.client import ControlError
 from afd.dataplane.transport import PeerError
+from afd.engine.graph import settings_of, wrap
 from afd.engine.runner import ModelRunner, follow
 from afd.model.config import parse_dtype
 from afd.node.args import start_cluster_node
@@ -54,6 +55,7 @@ def run_tp_rank(args) -> int:
     try:
         attn, tp, moe = build_rank(rt, built, dtype)
         kv = kv_cache_for(rt.model_cfg, dtype, rt.backend.device, cfg.engine, tp.cfg.kvp)
+        attn = wrap(attn, kv, settings_of(cfg), tp, rt.backend)  # under TP: eager, said once (afd.engine.graph)
         runner = ModelRunner(attn, moe, kv, rt.backend.device, cfg.layout.micro_batches, cfg.layout.overlap, tp)
         rt.backend.bind_thread()
         log.info("TP rank %d of %s ready", args.tp_rank, args.node)

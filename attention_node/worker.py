@@ -12,6 +12,7 @@ import json
 import logging
 
 from afd.engine import offline
+from afd.engine.graph import graph_report, settings_of
 from afd.engine.runner import follow
 from afd.engine.sampling import SamplingParams
 from afd.model.config import parse_dtype
@@ -38,7 +39,7 @@ def run_offline(cfg, args) -> int:
         attn, tp, moe = build_rank(rt, built, dtype)
         engine = offline.job_engine(attn, moe, prompts, per, dtype, rt.backend.device, cfg.engine.block_size,
                                     cfg.layout.micro_batches, cfg.layout.overlap, tp=tp, mtp=built.get("mtp"),
-                                    speculative_tokens=cfg.engine.speculative_tokens)
+                                    speculative_tokens=cfg.engine.speculative_tokens, graph=settings_of(cfg))
         if rank > 0:
             follow(engine.runner)
             log.info("TP rank %d done", rank)
@@ -53,6 +54,7 @@ def run_offline(cfg, args) -> int:
                        "micro_batches": engine.runner.micro_batches, "tp_bytes": dict(tp.bytes),
                        "tp_fallbacks": dict(tp.fallbacks),
                        "spec_decode": engine.spec.stats.report() if engine.spec else None,
+                       "graph": graph_report(engine.runner.attn),
                        "logits": [[t.tolist() for t in p] for p in logits] if logits is not None else None}, f)
         log.info("generated %d sequences in %d steps", len(out), len(steps))
         return 0

@@ -17,6 +17,8 @@ from afd.model.tp.config import TPConfig, TPConfigError
 
 ROLES = ("attention", "ffn")
 DEVICES = ("cpu", "cuda", "npu")
+GRAPH_MODES = ("eager", "compile")
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ClusterConfigError(ValueError):
@@ -113,6 +115,10 @@ class Layout:
     kvp: int = 1
     """KV-parallel ranks (divides attention_tp): each holds 1/kvp of every sequence's KV cache, round-robin by
     block, so max_model_len grows kvp-fold (afd/model/kvp.py)."""
+    graph_mode: str | None = None
+    """eager or compile: decode micro-batches padded to engine.graph_batch_sizes run each layer's attention
+    side as a compiled graph (afd/engine/graph.py; eager under attention_tp > 1). Unset: the device backend's
+    default, chosen by measurement (`graph_mode_default` in afd/backend/; `afd bench-graph`)."""
 
     @property
     def tp(self) -> TPConfig:
@@ -127,6 +133,14 @@ class EngineSection:
     max_num_batched_tokens: int = 512
     shutdown_timeout: float = 30.0
     """Seconds SIGTERM lets running requests finish (0 aborts them)."""
+    graph_batch_sizes: tuple = GRAPH_BATCH_SIZES
+    """Graph mode's batch buckets (a YAML list): a decode micro-batch of B sequences runs padded to the
+    smallest bucket >= B, a larger one eager. Each bucket costs a compile (or CUDA graph memory) per
+    block-table width it meets, so fewer buckets start faster and more waste less on padding."""
+    compile_cache_dir: str | None = None
+    """Where graph mode keeps compiled graphs for the next start: inductor's caches on CPU, torchair's
+    cache_compile files on NPU (CUDA graphs are captured anew each start). Unset: the backend's own default
+    (TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_USER; TORCHAIR_CACHE_HOME or ./.torchair_cache)."""
     speculative_tokens: int = 0
     """MTP speculative decoding: draft tokens per step from the checkpoint's MTP module (0 off, 1 or 2);
     every node reads it (FFN nodes then hold the MTP layer's experts too)."""
@@ -300,6 +314,13 @@ def _positive(src: str, path: str, v, allow_zero: bool = False) -> None:
         _fail(src, path, f"must be {'>= 0' if allow_zero else 'positive'}, got {v}")
 
 
+def _batch_sizes(src: str, v: Any) -> tuple[int, ...]:
+    """engine.graph_batch_sizes: a non-empty list of positive ints, kept sorted and without repeats."""
+    if not isinstance(v, list) or not v or not all(type(b) is int and b > 0 for b in v):
+        _fail(src, "engine.graph_batch_sizes", f"expected a non-empty list of positive batch sizes, got {v!r}")
+    return tuple(sorted(set(v)))
+
+
 @dataclass
 class _Ctx:
     src: str
@@ -357,6 +378,8 @@ def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
         _fail(src, "layout.zero_experts", f"{layout.zero_experts!r} is not an FFN node ({', '.join(ffn)})")
     if not 0 <= layout.micro_batches <= 4:
         _fail(src, "layout.micro_batches", f"must be in 0..4 (0: automatic), got {layout.micro_batches}")
+    if layout.graph_mode is not None and layout.graph_mode not in GRAPH_MODES:
+        _fail(src, "layout.graph_mode", f"expected eager or compile, got {layout.graph_mode!r}")
     if layout.experts is None:
         return
     if set(layout.experts) != set(ffn):
@@ -434,6 +457,8 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     eng_raw = dict(raw.get("engine") or {})
     if "kv_cache_bytes" in eng_raw:
         eng_raw["kv_cache_bytes"] = parse_bytes(src, "engine.kv_cache_bytes", eng_raw["kv_cache_bytes"])
+    if "graph_batch_sizes" in eng_raw:
+        eng_raw["graph_batch_sizes"] = _batch_sizes(src, eng_raw["graph_batch_sizes"])
     engine = EngineSection(**_section(EngineSection, src, "engine", eng_raw))
     for k in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         _positive(src, f"engine.{k}", getattr(engine, k))

@@ -82,6 +82,10 @@ class LocalClusterSpec:
     flashcomm2_otp: int | None = None
     tp_comm_min_tokens: int | None = None
     kvp: int = 1
+    graph_mode: str | None = None
+    """layout.graph_mode (None: the backend's default)."""
+    graph_batch_sizes: tuple[int, ...] | None = None
+    compile_cache_dir: str | None = None
 
     def __post_init__(self):
         if self.attention_nodes < 1 or self.ffn_nodes < 0:
@@ -107,8 +111,14 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
                         "rejoin_timeout": 0},
             "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights,
                       "seed": spec.seed},
-            "layout": {"overlap": spec.overlap, "micro_batches": spec.micro_batches, **_tp_layout(spec)},
-            "engine": {"block_size": spec.block_size, **_speculative(spec)}, "nodes": nodes}
+            "layout": {"overlap": spec.overlap, "micro_batches": spec.micro_batches, **_tp_layout(spec),
+                       **({"graph_mode": spec.graph_mode} if spec.graph_mode else {})},
+            "engine": {"block_size": spec.block_size, **_speculative(spec), **_graph_engine(spec)}, "nodes": nodes}
+
+
+def _graph_engine(spec: LocalClusterSpec) -> dict:
+    out = {"graph_batch_sizes": list(spec.graph_batch_sizes)} if spec.graph_batch_sizes else {}
+    return out | ({"compile_cache_dir": spec.compile_cache_dir} if spec.compile_cache_dir else {})
 
 
 def _speculative(spec: LocalClusterSpec) -> dict:

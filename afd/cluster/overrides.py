@@ -57,6 +57,12 @@ def add_speculative_arg(p) -> None:
                         "multi-token-prediction module (the YAML's engine.speculative_tokens; default: off)")
 
 
+def add_graph_mode_arg(p) -> None:
+    p.add_argument("--graph-mode", default=None, choices=["eager", "compile"],
+                   help="decode steps' attention layers as compiled graphs per batch bucket (layout.graph_mode; "
+                        "default: the device backend's, chosen by measurement)")
+
+
 def add_serving_overrides(p: argparse.ArgumentParser) -> None:
     """The flags `vllm serve` users know, with vLLM's names and meanings (`afd launch` and `afd serve`)."""
     g = p.add_argument_group("serving (override the YAML)")

@@ -18,6 +18,7 @@ from afd.cluster.overrides import (
     FOR_ATTENTION,
     FOR_EVERY_NODE,
     DefaultsHelpFormatter,
+    add_graph_mode_arg,
     add_serving_overrides,
     add_tp_args,
     override_argv,
@@ -47,6 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--print-config", action="store_true", help="print the cluster YAML, run nothing")
     add_serving_overrides(p)
     add_tp_args(p)
+    add_graph_mode_arg(p)
     p.set_defaults(func=run)
 
 
@@ -83,6 +85,8 @@ def cluster_doc(args) -> dict:
     if args.speculative_tokens:
         engine["speculative_tokens"] = args.speculative_tokens
     doc = {"cluster": {"name": "serve", "coordinator": "attn0"}, "model": model, "engine": engine, "nodes": nodes}
+    if args.graph_mode:
+        tp = tp | {"graph_mode": args.graph_mode}
     if tp:
         doc["layout"] = tp
     return doc
@@ -128,6 +132,8 @@ def _exec_colocated(args) -> int:
             *override_argv(args, FOR_EVERY_NODE + FOR_ATTENTION)]
     if args.dummy_weights:
         argv.append("--dummy-weights")
+    if args.graph_mode:
+        argv += ["--graph-mode", args.graph_mode]
     if args.print_config:
         print(" ".join(argv[1:]))
         return 0

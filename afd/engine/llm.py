@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from afd.backend import get_backend
+from afd.cluster.config import GRAPH_BATCH_SIZES
 from afd.cluster.local import LocalClusterSpec, reports_logits, run_generate
 from afd.cluster.topology import resolve_model_path
 from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
+from afd.engine.graph import GraphSettings, graph_report
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import load_tokenizer
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
@@ -50,13 +52,23 @@ class LLM:
                  ffn_nodes: int | None = None, colocated: bool | None = None, overlap: bool = True,
                  micro_batches: int = 1, attention_tp: int = 1, tp_comm: str = "allreduce",
                  flashcomm2_otp: int | None = None, tp_comm_min_tokens: int | None = None, kvp: int = 1,
-                 speculative_tokens: int = 0):
+                 speculative_tokens: int = 0, graph_mode: str | None = None,
+                 graph_batch_sizes: tuple[int, ...] | None = None, compile_cache_dir: str | None = None):
         """Colocated unless attention_nodes or ffn_nodes is given (or colocated=False): then every
         generate() call runs that many node processes on this machine (afd.cluster.local).
         attention_tp > 1: every attention node is that many processes (afd.model.tp); colocated, that is
         one attention node whose ranks each hold every expert (a local cluster without FFN nodes).
         speculative_tokens: MTP speculative decoding with that many drafts per step (1 or 2; afd.engine.
-        speculative); `spec_decode` then holds the last generate()'s acceptance counters."""
+        speculative); `spec_decode` then holds the last generate()'s acceptance counters.
+        graph_mode, graph_batch_sizes, compile_cache_dir: layout.graph_mode and engine.graph_batch_sizes /
+        compile_cache_dir (afd.engine.graph; None: the defaults). Colocated, each generate() builds its
+        graphs anew (the KV cache is sized per job): a warm compile cache makes that reloads."""
+        if graph_mode not in (None, "eager", "compile"):
+            raise ValueError(f"graph_mode: expected eager or compile, got {graph_mode!r}")
+        self.graph = GraphSettings(graph_mode, tuple(sorted(set(graph_batch_sizes or GRAPH_BATCH_SIZES))),
+                                   compile_cache_dir)
+        self.graph_report: dict | None = None
+        """The last generate()'s graph-mode counters (afd.engine.graph.graph_report; attention node 0's)."""
         if colocated and (attention_nodes or ffn_nodes):
             raise ValueError("colocated runs both halves in this process; it takes no attention_nodes or ffn_nodes")
         check_speculative_tokens(speculative_tokens)
@@ -77,7 +89,8 @@ class LLM:
                   tp_comm_min_tokens=tp_comm_min_tokens, kvp=kvp)
         self.cluster = None if colocated and attention_tp == 1 else LocalClusterSpec(
             model, attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes), dtype,
-            dummy_weights, seed, overlap, micro_batches, block_size, speculative_tokens=speculative_tokens, **tp)
+            dummy_weights, seed, overlap, micro_batches, block_size, speculative_tokens=speculative_tokens,
+            graph_mode=graph_mode, graph_batch_sizes=graph_batch_sizes, compile_cache_dir=compile_cache_dir, **tp)
         if speculative_tokens:
             family_mtp(self.cfg)  # refuses a family without an MTP module here, not in a node process
         if self.cluster:
@@ -123,13 +136,15 @@ class LLM:
                                         logits=logits_out is not None)
             if logits_out is not None:
                 logits_out.extend(reports_logits(self.cluster, reports, len(prompt_token_ids)))
+            self.graph_report = reports[0].get("graph")  # attention node 0's
             if self.speculative_tokens:
                 self.spec_decode = _add_counters([r["spec_decode"] for r in reports])
             return out
         engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompt_token_ids, per, self.dtype,
                                     self.backend.device, self.block_size, self.micro_batches, self.overlap,
-                                    mtp=self.mtp, speculative_tokens=self.speculative_tokens)
+                                    mtp=self.mtp, speculative_tokens=self.speculative_tokens, graph=self.graph)
         out = offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out, progress=progress)
+        self.graph_report = graph_report(engine.runner.attn)
         self.spec_decode = engine.spec.stats.report() if engine.spec else None
         return out
 

@@ -106,6 +106,23 @@ class AttentionMetrics(_Metrics):
 
         self.registry.register(_Collector(collect))
 
+    def watch_graph(self, attn) -> None:
+        """afd_graph_steps_total{mode}: forward passes of a micro-batch in graph mode and eager (a step counts
+        once per micro-batch), read at scrape time from a graph-mode half (afd.engine.graph.GraphHalf; in
+        eager mode there is none and no such metric)."""
+        steps = getattr(attn, "steps", None)
+        if not isinstance(steps, dict) or set(steps) != {"graph", "eager"}:
+            return
+
+        def collect():
+            fam = CounterMetricFamily("afd_graph_steps", "Micro-batch forward passes by mode: graph (compiled, "
+                                      "padded to a batch bucket) or eager.", labels=(*BASE_LABELS, "mode"))
+            for mode in ("graph", "eager"):
+                fam.add_metric(self._values(mode), steps[mode])
+            yield fam
+
+        self.registry.register(_Collector(collect))
+
     def watch_tp(self, tp) -> None:
         """The TP group's counters (afd.model.tp.comm.TPComm), read at scrape time: bytes this rank sent
         per collective (every rank of a node runs the same collectives, so rank 0's count is each

@@ -55,6 +55,7 @@ CHECKS = ("pytest", "colocated", "gemm", "1a1f")
 # The device-guarded tests (a skipif on the device or its SDK). Add new ones here.
 DEVICE_TESTS = (
     "tests/test_cuda.py",
+    "tests/test_graph_cuda.py",
     "tests/test_backend_and_sampling.py::test_cuda_grouped_matmul",
     "tests/test_backend_and_sampling.py::test_npu_backend_fails_clearly_without_torch_npu",
     "tests/test_prefetch.py::test_npu_prefetch_for_real",

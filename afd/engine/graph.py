@@ -1,0 +1,77 @@
+"""Graph mode: the attention half's decode layers as compiled graphs, one per batch-size bucket.
+
+`layout.graph_mode: compile` (or the backend's default) wraps the attention half where a runner is built
+(afd.engine.offline.job_engine, attention_node/setup.py, attention_node/tp_rank.py) in a GraphHalf
+(afd/engine/graph_half.py), which the runner cannot tell from the half itself. Under attention TP (and so
+KVP) the half stays eager: its collectives inside the graphs are future work.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from afd.cluster.config import GRAPH_BATCH_SIZES
+from afd.engine.graph_half import GraphHalf
+
+log = logging.getLogger("afd.graph")
+
+__all__ = ["GraphHalf", "GraphSettings", "graph_report", "resolve_mode", "scratch_blocks", "settings_of", "wrap"]
+
+
+@dataclass(frozen=True)
+class GraphSettings:
+    mode: str | None = None
+    """eager or compile; None: the backend's `graph_mode_default` (chosen by measurement, see there)."""
+    batch_sizes: tuple[int, ...] = GRAPH_BATCH_SIZES
+    cache_dir: str | None = None
+
+
+def settings_of(cfg) -> GraphSettings:
+    """The graph settings of a cluster config (layout.graph_mode, engine.graph_batch_sizes / compile_cache_dir)."""
+    eng = cfg.engine
+    return GraphSettings(cfg.layout.graph_mode, tuple(eng.graph_batch_sizes), eng.compile_cache_dir)
+
+
+def resolve_mode(settings: GraphSettings | None, device: torch.device) -> str:
+    if settings is None:
+        return "eager"
+    if settings.mode is not None:
+        return settings.mode
+    from afd.backend.cpu import CpuBackend
+    from afd.backend.cuda import CudaBackend
+    from afd.backend.npu import NpuBackend
+
+    return {"cpu": CpuBackend, "cuda": CudaBackend, "npu": NpuBackend}[device.type].graph_mode_default
+
+
+def scratch_blocks(settings: GraphSettings | None, tp, device: torch.device) -> int:
+    """KV blocks graph mode takes from a cache (the scratch block): what a cache sized for a job adds."""
+    return int(resolve_mode(settings, device) == "compile" and tp.size == 1)
+
+
+def wrap(attn: nn.Module, kv, settings: GraphSettings | None, tp, backend=None) -> nn.Module:
+    """`attn`, or a GraphHalf over it when the settings ask for graph mode and the layout allows it."""
+    device = kv.data.device
+    if resolve_mode(settings, device) != "compile":
+        return attn
+    if tp.size > 1:  # KVP needs TP ranks: this covers it too
+        log.info("graph mode: attention TP (%d ranks%s) runs eager; its collectives inside graphs are future work",
+                 tp.size, f", kvp {tp.cfg.kvp}" if tp.cfg.kvp > 1 else "")
+        return attn
+    if backend is None:
+        from afd.backend import get_backend
+
+        backend = get_backend(device.type, device.index or 0)
+    return GraphHalf(attn, backend, settings.batch_sizes, settings.cache_dir, kv)
+
+
+def graph_report(attn) -> dict | None:
+    """A half's graph-mode counters as JSON (None: not in graph mode): forward passes by mode, and the
+    compile seconds of each "BUCKETxWIDTH"."""
+    if not isinstance(attn, GraphHalf):
+        return None
+    return {"steps": dict(attn.steps), "compile_seconds": {f"{b}x{w}": t for (b, w), t in attn.compile_seconds.items()}}
