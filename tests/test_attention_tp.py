@@ -91,6 +91,7 @@ def test_below_the_threshold_a_mode_runs_as_allreduce_and_counts_it(ckpt, hf):
     assert sent["reduce_scatter"] > 0 and sent["all_reduce"] > 0  # both paths ran
 
 
+@pytest.mark.slow  # the CLI runs afd.LLM, which the cases above exercise; CI runs test-slow
 def test_generate_cli_with_attention_tp(ckpt, hf, tmp_path):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps(PROMPTS))

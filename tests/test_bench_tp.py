@@ -25,6 +25,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["bench-tp", *argv])
 
 
+@pytest.mark.slow  # a benchmark smoke run; CI runs test-slow
 def test_tiny_run_prints_the_table_and_counted_bytes_equal_the_formula(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "tp.json"

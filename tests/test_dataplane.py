@@ -40,6 +40,7 @@ def test_afd_generation_equals_hf(tiny_checkpoint, reference, A, F, overlap, mic
     assert llm.generate_ids(PROMPTS, NEW_TOKENS) == reference
 
 
+@SLOW  # the longest multi-process case (18 s); CI runs test-slow
 def test_multiprocess_sampling_honours_seed_top_k_and_top_p(tiny_checkpoint, reference):
     """Sampling runs in the attention nodes' engines, with every field of the request."""
     seeded = dict(temperature=1.0, seed=7)

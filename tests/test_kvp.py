@@ -44,6 +44,7 @@ def test_kvp_equals_hf_and_the_path_without_it(ckpt, hf, tp, kvp, colocated, mod
         assert max_rel_err(logits[i], hf_logits) <= 1e-4, f"prompt {i}: logits off HF"
 
 
+@pytest.mark.slow  # two afd serve clusters; CI runs test-slow
 def test_kvp_buys_context(ckpt, tmp_path):
     """Three 16-token blocks per rank (48 tokens): a 60-token prompt is refused on one KV rank and served,
     with HF's tokens, on two."""

@@ -133,7 +133,7 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
 
 
 @pytest.mark.parametrize("layout", [
-    {"attention_tp": 2, "tp_comm": "sp", "tp_comm_min_tokens": 1},
+    pytest.param({"attention_tp": 2, "tp_comm": "sp", "tp_comm_min_tokens": 1}, marks=pytest.mark.slow),
     pytest.param({"attention_tp": 2, "kvp": 2}, marks=pytest.mark.slow),
 ], ids=["tp2-sp", "tp2-kvp2"])
 def test_an_attention_node_on_tp_ranks_re_forms_with_a_replaced_ffn_node(tiny_checkpoint, reference, tmp_path,
