@@ -1,0 +1,237 @@
+"""`afd bench-graph`: decode tokens/s in eager and graph mode (layout.graph_mode), colocated and 1A1F, and
+graph compile time with a cold and a warm compile cache.
+
+Decode: every (topology, batch, mode) runs the same dummy-weights job (prefill, then --steps measured decode
+steps after the steps that compile); the cases are interleaved over --repeats rounds with the order rotating
+each round; a figure is batch / the median measured step, then the median over rounds. Each job builds its
+graphs anew (as every afd.LLM generate() and node start does), out of a compile cache the warm-up filled,
+so the compile steps are a reload; they are skipped. Prompts of --prompt-len keep every block table in one
+power-of-two width over the whole job (one set of graphs per batch). Colocated runs in this process on one
+thread; 1A1F is two node processes of one thread each.
+
+Compile time: two fresh processes compile the graphs of each batch bucket into a new cache directory (cold)
+and then again from it (warm). --vs-hf: the issue's speed target, AFD 1A1F eager and compiled vs HF
+transformers `generate` on 2 threads, batch 16, fp32, on one real checkpoint (afd bench-suite's decode setup).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from afd.bench.common import interleaved, median, synthetic_prompts, write_config
+from afd.bench.step import SCENARIOS
+from afd.cluster.overrides import DefaultsHelpFormatter
+
+MODES = ("eager", "compile")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench-graph", help="decode tokens/s eager vs graph mode; compile time cold vs warm",
+                       formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint dir (config.json is enough: dummy weights)")
+    p.add_argument("--scenario", default="balanced", choices=list(SCENARIOS),
+                   help="built-in model size when --model is not given")
+    p.add_argument("--batch-sizes", default="1,4,16,64", help="decode batches (each its own graph bucket)")
+    p.add_argument("--topologies", default="colocated,1A1F", help="comma-separated subset of: colocated, 1A1F")
+    p.add_argument("--prompt-len", type=int, default=70, help="70 + steps: block tables of 8 blocks of 16 throughout")
+    p.add_argument("--steps", type=int, default=24, help="measured decode steps per run")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-compile-time", action="store_true", help="skip the cold/warm compile-time runs")
+    p.add_argument("--vs-hf", action="store_true", help="also AFD 1A1F eager/compiled vs HF generate, batch 16")
+    p.add_argument("--output", default=None, help="write the results as JSON here")
+    p.set_defaults(func=run)
+
+
+def _skip(model: str) -> int:
+    """Decode steps to leave out: graph mode compiles one graph per step (2 per layer)."""
+    from afd.model.registry import load_config
+
+    return 2 * load_config(model).num_layers + 1
+
+
+def _tok_s(steps: list[dict], batch: int, skip: int, mean: bool = False) -> float:
+    """batch / the median decode step (a median: other work on a shared machine lengthens some steps), or
+    the mean one (against HF generate, which is timed as a whole)."""
+    decode = [s["seconds"] for s in steps[1:] if s["tokens"] == batch][skip:]
+    return batch / (sum(decode) / len(decode) if mean else median(decode))
+
+
+class _Colocated:
+    """Both halves in this process (built once), one thread; a job per run, as afd.LLM's generate()."""
+
+    def __init__(self, model: str):
+        import torch
+
+        from afd.backend import get_backend
+        from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
+        from afd.model.registry import load_config
+
+        self.cfg, self.backend = load_config(model), get_backend("cpu")
+        self.attn = build_attention_half(self.cfg, open_reader(model, True, 0), torch.float32, self.backend.device)
+        self.ffn = build_ffn_half(self.cfg, open_reader(model, True, 0), torch.float32, self.backend.device)
+
+    def steps(self, prompts, new_tokens: int, graph) -> list[dict]:
+        import torch
+
+        from afd.dataplane.exchange import LocalMoE
+        from afd.engine import offline
+        from afd.engine.sampling import SamplingParams
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            per = [new_tokens] * len(prompts)
+            engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompts, per, torch.float32,
+                                        self.backend.device, graph=graph)
+            steps: list[dict] = []
+            offline.generate(engine, prompts, per, SamplingParams(), ignore_eos=True,
+                             on_step=lambda s: steps.append(s.report()))
+            return steps
+        finally:
+            torch.set_num_threads(before)
+
+
+def _afd_steps(model: str, prompts, new_tokens: int, mode: str, cache: str, dummy: bool = True) -> list[dict]:
+    from afd.cluster.local import LocalCluster, LocalClusterSpec
+
+    spec = LocalClusterSpec(model, 1, 1, dummy_weights=dummy, micro_batches=1, graph_mode=mode,
+                            graph_batch_sizes=(len(prompts),), compile_cache_dir=cache)
+    with LocalCluster(spec) as cluster:
+        cluster.start(prompts, new_tokens, ignore_eos=True)
+        _, reports = cluster.wait()
+    return reports[0]["steps"]
+
+
+def section_decode(args, model: str, cache: str) -> dict:
+    from afd.engine.graph import GraphSettings
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    tops = [t.strip() for t in args.topologies.split(",")]
+    with open(os.path.join(model, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    skip = _skip(model)
+    n = skip + args.steps + 1
+    colo = _Colocated(model)  # also the warm-up of the 1A1F runs' compile cache
+    cases = {f"{t} b={b} {m}": (t, b, m) for t in tops for b in batches for m in MODES}
+
+    def one(name: str, r: int) -> float:
+        top, b, mode = cases[name]
+        prompts = synthetic_prompts(b, args.prompt_len, vocab)
+        if top == "colocated":
+            steps = colo.steps(prompts, n, GraphSettings(mode, (b,), cache))
+        else:
+            steps = _afd_steps(model, prompts, n, mode, cache)
+        return _tok_s(steps, b, skip)
+
+    for b in batches:  # warm-up: the compile cache gets every job's graphs (the same shapes: the same job)
+        colo.steps(synthetic_prompts(b, args.prompt_len, vocab), n, GraphSettings("compile", (b,), cache))
+    rounds = interleaved(list(cases), args.repeats, one, lambda m: print(f"  .. {m}", flush=True))
+    return {"skip": skip, "steps": args.steps, "prompt_len": args.prompt_len,
+            "results": {k: median(v) for k, v in rounds.items()}, "rounds": rounds}
+
+
+COMPILE_PROBE = """
+import json, sys
+from afd.bench.graph import _Colocated
+from afd.bench.common import synthetic_prompts
+from afd.engine.graph import GraphSettings
+model, cache, batches, plen = sys.argv[1], sys.argv[2], [int(b) for b in sys.argv[3].split(",")], int(sys.argv[4])
+colo, out = _Colocated(model), {}
+for b in batches:
+    steps = colo.steps(synthetic_prompts(b, plen, colo.cfg.vocab_size), 2 * colo.cfg.num_layers + 2,
+                       GraphSettings("compile", (b,), cache))
+    out[b] = sum(s["seconds"] for s in steps[1:])
+print(json.dumps(out))
+"""
+
+
+def section_compile(args, model: str, tmp: str) -> dict:
+    """Seconds of the decode steps that compile every graph of each bucket, in a fresh process: into an empty
+    cache directory (cold), then again from it (warm)."""
+    cache = os.path.join(tmp, "compile-probe")
+    res = {}
+    for kind in ("cold", "warm"):
+        argv = [sys.executable, "-c", COMPILE_PROBE, model, cache, args.batch_sizes, str(args.prompt_len)]
+        run = subprocess.run(argv, capture_output=True, text=True, check=True)
+        res[kind] = {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
+    return res
+
+
+def section_vs_hf(args, tmp: str, cache: str) -> dict:
+    """AFD 1A1F eager and compiled vs HF generate (2 threads), batch 16, fp32, one real checkpoint."""
+    from afd.bench.suite import _HF, HF_CONFIG
+    from afd.model.demo import write_checkpoint
+
+    path = os.path.join(tmp, "hf-ckpt")
+    write_checkpoint(path, HF_CONFIG, seed=0)
+    B, P = 16, 32
+    skip = _skip(path)
+    n = skip + args.steps + 1
+    prompts = synthetic_prompts(B, P, HF_CONFIG["vocab_size"])
+    hf = _HF(path)
+    hf.generate(prompts, 2, 2)  # warm-up
+    _afd_steps(path, prompts, n, "compile", cache, dummy=False)  # fills the compile cache (the same job's shapes)
+
+    def one(name: str, r: int) -> float:
+        if name == "HF transformers generate":
+            _, t_n = hf.generate(prompts, n, threads=2)
+            _, t_1 = hf.generate(prompts, 1, threads=2)
+            return B * (n - 1) / (t_n - t_1)
+        return _tok_s(_afd_steps(path, prompts, n, name.split()[-1], cache, dummy=False), B, skip, mean=True)
+
+    names = ["HF transformers generate", "afd 1A1F eager", "afd 1A1F compile"]
+    rounds = interleaved(names, args.repeats, one, lambda m: print(f"  .. {m}", flush=True))
+    return {k: median(v) for k, v in rounds.items()} | {"rounds": rounds}
+
+
+def run(args) -> int:
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="afd-bench-graph-") as tmp:
+        model = args.model or write_config(os.path.join(tmp, "model"), SCENARIOS[args.scenario])
+        cache = os.path.join(tmp, "compile-cache")
+        res = {"decode": section_decode(args, model, cache)}
+        if not args.no_compile_time:
+            res["compile"] = section_compile(args, model, tmp)
+        if args.vs_hf:
+            res["vs_hf"] = section_vs_hf(args, tmp, cache)
+    res["load_average"] = (load0, os.getloadavg()[0])
+    _print(args, res, time.perf_counter() - t0)
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"config": {k: v for k, v in vars(args).items() if k != "func"}, **res}, f, indent=2)
+    return 0
+
+
+def _print(args, res: dict, seconds: float) -> None:
+    d = res["decode"]
+    print(f"\n## afd bench-graph ({args.model or args.scenario}, {args.repeats} interleaved rounds, {os.cpu_count()} "
+          f"CPUs, {seconds:.0f}s, 1-min load average {res['load_average'][0]:.1f} at start, "
+          f"{res['load_average'][1]:.1f} at end)\n\nDecode tokens/s (one thread per process; prompt {d['prompt_len']}, "
+          f"{d['steps']} measured decode steps after {d['skip']} compiling ones; median of rounds):\n")
+    print("| topology | batch | eager tok/s | compile tok/s | compile / eager |")
+    print("|---|---|---|---|---|")
+    r = d["results"]
+    for key in [k for k in r if k.endswith(" eager")]:
+        top, b, _ = key.split(" ")
+        e, c = r[key], r[key[: -len("eager")] + "compile"]
+        print(f"| {top} | {b[2:]} | {e:.0f} | {c:.0f} | {c / e:.2f}x |")
+    if "compile" in res:
+        print("\nCompile time of a bucket's graphs (every layer's pre_moe and post_moe, one width), seconds, in a "
+              "fresh process (the first bucket also pays inductor's start-up):\n")
+        print("| batch bucket | cold cache | warm cache |")
+        print("|---|---|---|")
+        for b, cold in res["compile"]["cold"].items():
+            print(f"| {b} | {cold:.1f} | {res['compile']['warm'][b]:.1f} |")
+    if "vs_hf" in res:
+        v, hf = res["vs_hf"], res["vs_hf"]["HF transformers generate"]
+        print("\nThe issue's speed target: batch 16, fp32, AFD 1A1F (1 thread per node) vs HF generate (2 threads), "
+              "decode tokens/s:\n")
+        print("| engine | tok/s | vs HF |")
+        print("|---|---|---|")
+        for k in ("HF transformers generate", "afd 1A1F eager", "afd 1A1F compile"):
+            print(f"| {k} | {v[k]:.0f} | {v[k] / hf:.2f}x |")
