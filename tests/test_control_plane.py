@@ -197,6 +197,7 @@ def test_one_attention_node_leaving_does_not_stop_the_others(tiny_checkpoint, re
         assert status.returncode == 1 and st["state"] == "DEGRADED" and st["lost"] == ["attn1"]
 
 
+@pytest.mark.slow  # CI runs it in make test-slow
 def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_checkpoint, tmp_path):
     path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="drain", cluster={"heartbeat_interval": 0.2})
     with Cluster(path) as c:

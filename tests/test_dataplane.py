@@ -32,7 +32,7 @@ SLOW = pytest.mark.slow  # the same paths as a default case next to it; `make te
     (1, 1, True, 0), (1, 1, False, 1), pytest.param(1, 1, True, 3, marks=SLOW),
     (2, 1, True, 2), pytest.param(2, 1, False, 1, marks=SLOW),
     pytest.param(1, 2, True, 1, marks=SLOW), (1, 2, True, 2),
-    (2, 2, True, 0), pytest.param(2, 2, False, 1, marks=SLOW),
+    pytest.param(2, 2, True, 0, marks=SLOW), pytest.param(2, 2, False, 1, marks=SLOW),
 ])
 def test_afd_generation_equals_hf(tiny_checkpoint, reference, A, F, overlap, micro_batches):
     llm = afd.LLM(tiny_checkpoint, attention_nodes=A, ffn_nodes=F, overlap=overlap,
@@ -52,6 +52,7 @@ def test_multiprocess_sampling_honours_seed_top_k_and_top_p(tiny_checkpoint, ref
     assert nodes.generate_ids(PROMPTS, NEW_TOKENS, temperature=5.0, top_p=1e-4) == reference
 
 
+@SLOW
 def test_generate_cli_multiprocess_prints_same_json(tiny_checkpoint, reference, tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps(PROMPTS))

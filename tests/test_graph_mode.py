@@ -83,6 +83,7 @@ def test_padded_rows_write_only_the_scratch_block(tiny_checkpoint, traced):
     assert (got[:, :, 0, 1:] == 1e4).all() and (got[:, :, 0, 0] != 1e4).all()  # padded rows wrote slot 0 only
 
 
+@pytest.mark.slow  # CI runs it in make test-slow; a default case covers the same path
 def test_micro_batches_and_fallbacks(tiny_checkpoint, hf_ref, traced, caplog):
     llm = afd.LLM(tiny_checkpoint, block_size=4)
     out, eng = _job(llm, PROMPTS5, graph.GraphSettings("compile", (4,)), micro_batches=2)  # 2 + 3 rows, bucket 4
@@ -125,7 +126,8 @@ def test_the_half_passes_every_attribute_through(tiny_checkpoint, traced):
         half.no_such_attribute  # noqa: B018
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", [pytest.param("deepseek_v3", marks=pytest.mark.slow),
+                                    pytest.param("qwen3_moe", marks=pytest.mark.slow)])
 def test_other_families(tmp_path, traced, family):
     """DeepSeek-V3 with a dense first layer (pre_moe's m is None there) and Qwen3-MoE (GQA's K and V cache)."""
     from afd.bench.common import write_config

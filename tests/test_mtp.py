@@ -126,6 +126,7 @@ def test_rejected_drafts_roll_the_kv_cache_back(ckpts):
     assert got == want and small.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow  # CI runs it in make test-slow; a default case covers the same path
 @pytest.mark.multiprocess
 def test_afd_1a1f_speculates_across_the_data_plane(ckpts, refs):
     """At 1A1F DeepSeek-V3's MTP block sends its MoE input to the FFN node (FLAG_MTP steps): HF's greedy

@@ -91,6 +91,7 @@ def test_npu_prefetch_for_real():
     be.synchronize()
 
 
+@pytest.mark.slow  # CI runs it in make test-slow; a default case covers the same path
 @pytest.mark.multiprocess
 def test_generation_unchanged_with_prefetch_on(tiny_checkpoint, tmp_path):
     ref = [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 12)]

@@ -140,6 +140,7 @@ def counted(tmp_path_factory) -> Path:
 ALL = [(ranks, case) for ranks, cases in CASES.items() for case in cases]
 
 
+@pytest.mark.slow  # one 4-process spawn for every case; CI runs test-slow
 @pytest.mark.parametrize("ranks, case", ALL, ids=[case_id(r, c) for r, c in ALL])
 def test_formula_equals_counted_bytes(counted, ranks, case):
     cfg, tp = CONFIGS_CFG[case[0]], tp_config(ranks, case)
