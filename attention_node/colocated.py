@@ -13,7 +13,6 @@ import os
 from afd.cluster.config import EngineSection
 from afd.cluster.overrides import (
     DefaultsHelpFormatter,
-    add_graph_mode_arg,
     add_speculative_arg,
     parse_bytes_arg,
     positive_int,
@@ -41,7 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     add_engine_args(p)
     add_speculative_arg(p)
-    add_graph_mode_arg(p)
     return p
 
 

@@ -78,6 +78,7 @@ def add_serving_overrides(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     g.add_argument("--seed", type=int, default=None, help="seed of unseeded requests' random sampling")
     add_speculative_arg(g)
+    add_graph_mode_arg(g)
 
 
 def add_tp_args(p: argparse.ArgumentParser) -> None:
@@ -108,7 +109,7 @@ def tp_kwargs(args) -> dict:
 
 FOR_EVERY_NODE = ("dtype", "served_model_name", "speculative_tokens")
 """The overrides every node command takes (FFN nodes hold the MTP layer's experts with speculative_tokens)."""
-FOR_ATTENTION = ("host", "max_model_len", "max_num_seqs", "chat_template", "seed")
+FOR_ATTENTION = ("host", "max_model_len", "max_num_seqs", "chat_template", "seed", "graph_mode")
 """The overrides only attention nodes take (the API key goes through the environment instead)."""
 
 

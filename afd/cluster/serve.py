@@ -18,7 +18,6 @@ from afd.cluster.overrides import (
     FOR_ATTENTION,
     FOR_EVERY_NODE,
     DefaultsHelpFormatter,
-    add_graph_mode_arg,
     add_serving_overrides,
     add_tp_args,
     override_argv,
@@ -48,7 +47,6 @@ def add_parser(sub) -> None:
     p.add_argument("--print-config", action="store_true", help="print the cluster YAML, run nothing")
     add_serving_overrides(p)
     add_tp_args(p)
-    add_graph_mode_arg(p)
     p.set_defaults(func=run)
 
 
@@ -132,8 +130,6 @@ def _exec_colocated(args) -> int:
             *override_argv(args, FOR_EVERY_NODE + FOR_ATTENTION)]
     if args.dummy_weights:
         argv.append("--dummy-weights")
-    if args.graph_mode:
-        argv += ["--graph-mode", args.graph_mode]
     if args.print_config:
         print(" ".join(argv[1:]))
         return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from afd.cluster.overrides import add_speculative_arg, positive_int
+from afd.cluster.overrides import add_graph_mode_arg, add_speculative_arg, positive_int
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -31,6 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the random sampling of requests that bring no seed of their own")
+    add_graph_mode_arg(p)
 
 
 def load_cluster_args(args, role: str):
@@ -47,11 +48,13 @@ def load_cluster_args(args, role: str):
     cfg = with_overrides(cfg, model=args.model, dtype=args.dtype, node=args.node,
                          http_port=getattr(args, "port", None), max_model_len=getattr(args, "max_model_len", None),
                          max_num_seqs=getattr(args, "max_num_seqs", None))
+    import dataclasses
+
     timeout = getattr(args, "shutdown_timeout", None)
     if timeout is not None:
-        import dataclasses
-
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, shutdown_timeout=timeout))
+    if getattr(args, "graph_mode", None):
+        cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, graph_mode=args.graph_mode))
     from afd.cluster.config import with_speculative_tokens
 
     return with_speculative_tokens(cfg, getattr(args, "speculative_tokens", None))
