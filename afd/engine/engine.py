@@ -26,11 +26,10 @@ import torch
 
 from afd.backend.base import bind_device
 from afd.dataplane.transport import PeerError
-from afd.engine.logits import History
 from afd.engine.membership import PlaneMembership
 from afd.engine.request import Request, RequestOutput, Status
 from afd.engine.runner import ModelRunner
-from afd.engine.sampling import Sampler, top_logprobs
+from afd.engine.sampling import Sampler, sample_step, top_logprobs
 from afd.engine.scheduler import Scheduler
 from afd.engine.speculative import Speculator, step_seq
 from afd.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
@@ -258,7 +257,8 @@ class Engine:
             req.draft = []
             row, q = row + d + 1, q + n
         now = time.monotonic()
-        for row, req, d, toks in zip(rows, reqs, drafts, self._sample(logits, rows, reqs, drafts)):
+        for row, req, d, toks in zip(rows, reqs, drafts, sample_step(self.sampler, logits, rows, reqs, drafts,
+                                                                     self._fail)):
             if toks is None:
                 continue
             req.num_computed += len(toks) - 1  # the accepted drafts
@@ -276,44 +276,6 @@ class Engine:
                 self._fail(req, e)
         self._refresh_gauges()
         return advanced
-
-    def _sample(self, logits: torch.Tensor, rows: list[int], reqs: list[Request],
-                drafts: list[list[int]]) -> list[list[int] | None]:
-        """The tokens each request emits: one, or with drafts to verify (rows row .. row + d of logits)
-        the accepted ones and one more (Sampler.verify). A request whose sampling raises is failed alone
-        (None)."""
-        out: list[list[int] | None] = [None] * len(reqs)
-        plain = [k for k, d in enumerate(drafts) if not d]
-        if plain:
-            toks = self._sample_one(logits, [rows[k] for k in plain], [reqs[k] for k in plain])
-            for k, tok in zip(plain, toks):
-                out[k] = None if tok is None else [tok]
-        for k, d in enumerate(drafts):
-            if not d:
-                continue
-            req = reqs[k]
-            try:
-                out[k] = self.sampler.verify(logits[rows[k]:rows[k] + len(d) + 1], d, req.params, req.request_id,
-                                             History(req.prompt_ids, req.output_ids))
-            except Exception as e:
-                self._fail(req, e)
-        return out
-
-    def _sample_one(self, logits: torch.Tensor, rows: list[int], reqs: list[Request]) -> list[int | None]:
-        """One token per request; a request whose sampling raises is failed alone (None)."""
-        try:
-            return self.sampler.sample(logits[rows], [r.params for r in reqs], [r.request_id for r in reqs],
-                                       [History(r.prompt_ids, r.output_ids) for r in reqs])
-        except Exception:
-            out: list[int | None] = []
-            for row, req in zip(rows, reqs):
-                try:
-                    out.append(self.sampler.sample(logits[[row]], [req.params], [req.request_id],
-                                                   [History(req.prompt_ids, req.output_ids)])[0])
-                except Exception as e:
-                    self._fail(req, e)
-                    out.append(None)
-            return out
 
     def _fail(self, req: Request, e: Exception) -> None:
         log.exception("request %s failed", req.request_id, exc_info=e)

@@ -175,3 +175,44 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[
     top = torch.topk(lp, k) if k else None
     alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
     return float(lp[token]), alts
+
+
+def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: list, drafts: list[list[int]],
+                fail) -> list[list[int] | None]:
+    """The tokens each of a step's requests emits: one, or with drafts to verify (rows row .. row + d of
+    logits) the accepted ones and one more (Sampler.verify). A request whose sampling raises goes to
+    `fail(req, error)` alone and gets None; the others still get their tokens."""
+    out: list[list[int] | None] = [None] * len(reqs)
+    plain = [k for k, d in enumerate(drafts) if not d]
+    if plain:
+        toks = _sample_each(sampler, logits, [rows[k] for k in plain], [reqs[k] for k in plain], fail)
+        for k, tok in zip(plain, toks):
+            out[k] = None if tok is None else [tok]
+    for k, d in enumerate(drafts):
+        if not d:
+            continue
+        req = reqs[k]
+        try:
+            out[k] = sampler.verify(logits[rows[k]:rows[k] + len(d) + 1], d, req.params, req.request_id,
+                                    History(req.prompt_ids, req.output_ids))
+        except Exception as e:
+            fail(req, e)
+    return out
+
+
+def _sample_each(sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: list, fail) -> list[int | None]:
+    """One token per request, all in one batch; if that raises, one by one, so that only the request whose
+    sampling raises fails (None)."""
+    try:
+        return sampler.sample(logits[rows], [r.params for r in reqs], [r.request_id for r in reqs],
+                              [History(r.prompt_ids, r.output_ids) for r in reqs])
+    except Exception:
+        out: list[int | None] = []
+        for row, req in zip(rows, reqs):
+            try:
+                out.append(sampler.sample(logits[[row]], [req.params], [req.request_id],
+                                          [History(req.prompt_ids, req.output_ids)])[0])
+            except Exception as e:
+                fail(req, e)
+                out.append(None)
+        return out
