@@ -14,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from test_npu_fakes import _npu_backend, ops, torchair  # noqa: F401  (torchair: the fixture)
+from test_npu_fakes import _fresh, _npu_backend, ops, torchair  # noqa: F401  (_fresh, torchair: fixtures)
 
 import afd
 import afd.backend
@@ -25,14 +25,6 @@ from afd.engine.sampling import SamplingParams
 
 N = 7
 PROMPTS = [[5, 6, 7, 8], [1, 40, 41], [60]]  # 3 rows: bucket 4; 4 + N tokens: one block of 16
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    ops.calls.clear()
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _generate(llm, monkeypatch, cache_dir=None):
