@@ -35,6 +35,14 @@ def test_bench_graph_colocated(tmp_path, monkeypatch, capsys):
     assert "| colocated | 3 |" in capsys.readouterr().out
 
 
+def test_bench_graph_ffn_layer(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(CpuBackend, "graph_compiler", "aot_eager")
+    res = _bench(tmp_path, "--no-decode", "--no-compile-time", "--ffn")
+    assert "decode" not in res and set(res["ffn"]["results_ms"]) == {"T=3 eager", "T=3 compile"}
+    assert all(len(v) == 2 and min(v) > 0 for v in res["ffn"]["rounds"].values())
+    assert "| 3 |" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_bench_graph_everything(tmp_path, capsys):
     res = _bench(tmp_path)

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 from hf_reference import hf_greedy
-from test_graph_mode import PROMPTS5, N
+from test_graph_mode import PROMPTS5, N, steps_by_mode
 
 import afd
 
@@ -36,7 +36,7 @@ def test_inductor_colocated_gives_eager_and_hf_tokens(tiny_checkpoint, hf_ref, c
     llm = afd.LLM(tiny_checkpoint, block_size=16, graph_mode="compile", graph_batch_sizes=(4, 8),
                   compile_cache_dir=cache_dir)
     assert llm.generate_ids(PROMPTS5[:n], N, ignore_eos=True) == eager == hf_ref[:n]
-    assert llm.graph_report["steps"] == {"graph": N - 1, "eager": 1}
+    assert llm.graph_report["steps"] == steps_by_mode()
     assert list(llm.graph_report["compile_seconds"]) == [f"{4 if n == 3 else 8}x2"]
 
 
@@ -44,7 +44,20 @@ def test_inductor_at_1a1f_gives_hf_tokens(tiny_checkpoint, hf_ref, cache_dir):
     llm = afd.LLM(tiny_checkpoint, block_size=16, attention_nodes=1, ffn_nodes=1, graph_mode="compile",
                   graph_batch_sizes=(4,), compile_cache_dir=cache_dir)
     assert llm.generate_ids(PROMPTS5[:3], N, ignore_eos=True) == hf_ref[:3]
-    assert llm.graph_report["steps"] == {"graph": N - 1, "eager": 1}
+    assert llm.graph_report["steps"] == steps_by_mode()
+
+
+def test_inductor_at_2a2f_and_under_tp_gives_hf_tokens(tiny_checkpoint, hf_ref, cache_dir):
+    """Every topology: two attention nodes (each its own graphs, out of one cache) over two FFN nodes, and an
+    attention node of TP 2, whose half runs eager in graph mode (its collectives stay outside graphs)."""
+    llm = afd.LLM(tiny_checkpoint, block_size=16, attention_nodes=2, ffn_nodes=2, graph_mode="compile",
+                  graph_batch_sizes=(4,), compile_cache_dir=cache_dir)
+    assert llm.generate_ids(PROMPTS5, N, ignore_eos=True) == hf_ref
+    assert llm.graph_report["steps"] == steps_by_mode()
+    tp = afd.LLM(tiny_checkpoint, block_size=16, attention_nodes=1, ffn_nodes=1, attention_tp=2, graph_mode="compile",
+                 graph_batch_sizes=(4,), compile_cache_dir=cache_dir)
+    assert tp.generate_ids(PROMPTS5[:3], N, ignore_eos=True) == hf_ref[:3]
+    assert tp.graph_report is None  # eager: no graph counters
 
 
 RESTART = textwrap.dedent("""

@@ -12,6 +12,7 @@ thread; 1A1F is two node processes of one thread each.
 Compile time: two fresh processes compile the graphs of each batch bucket into a new cache directory (cold)
 and then again from it (warm). --vs-hf: the issue's speed target, AFD 1A1F eager and compiled vs HF
 transformers `generate` on 2 threads, batch 16, fp32, on one real checkpoint (afd bench-suite's decode setup).
+--ffn: the FFN half's MoE layer eager vs compiled (afd/bench/graph_ffn.py).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-compile-time", action="store_true", help="skip the cold/warm compile-time runs")
     p.add_argument("--vs-hf", action="store_true", help="also AFD 1A1F eager/compiled vs HF generate, batch 16")
+    p.add_argument("--ffn", action="store_true", help="also the FFN half's MoE layer eager vs compiled, at "
+                                                      "--batch-sizes tokens (afd/bench/graph_ffn.py)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode tokens/s runs")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -194,7 +198,11 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="afd-bench-graph-") as tmp:
         model = args.model or write_config(os.path.join(tmp, "model"), SCENARIOS[args.scenario])
         cache = os.path.join(tmp, "compile-cache")
-        res = {"decode": section_decode(args, model, cache)}
+        res = {} if args.no_decode else {"decode": section_decode(args, model, cache)}
+        if args.ffn:
+            from afd.bench.graph_ffn import section_ffn
+
+            res["ffn"] = section_ffn(model, [int(b) for b in args.batch_sizes.split(",")], args.repeats)
         if not args.no_compile_time:
             res["compile"] = section_compile(args, model, tmp)
         if args.vs_hf:
@@ -208,10 +216,20 @@ def run(args) -> int:
 
 
 def _print(args, res: dict, seconds: float) -> None:
-    d = res["decode"]
     print(f"\n## afd bench-graph ({args.model or args.scenario}, {args.repeats} interleaved rounds, {os.cpu_count()} "
           f"CPUs, {seconds:.0f}s, 1-min load average {res['load_average'][0]:.1f} at start, "
-          f"{res['load_average'][1]:.1f} at end)\n\nDecode tokens/s (one thread per process; prompt {d['prompt_len']}, "
+          f"{res['load_average'][1]:.1f} at end)")
+    if "decode" in res:
+        _print_decode(res["decode"])
+    if "ffn" in res:
+        from afd.bench.graph_ffn import print_ffn
+
+        print_ffn(res["ffn"])
+    _print_compile_and_hf(res)
+
+
+def _print_decode(d: dict) -> None:
+    print(f"\nDecode tokens/s (one thread per process; prompt {d['prompt_len']}, "
           f"{d['steps']} measured decode steps after {d['skip']} compiling ones; median of rounds):\n")
     print("| topology | batch | eager tok/s | compile tok/s | compile / eager |")
     print("|---|---|---|---|---|")
@@ -220,6 +238,9 @@ def _print(args, res: dict, seconds: float) -> None:
         top, b, _ = key.split(" ")
         e, c = r[key], r[key[: -len("eager")] + "compile"]
         print(f"| {top} | {b[2:]} | {e:.0f} | {c:.0f} | {c / e:.2f}x |")
+
+
+def _print_compile_and_hf(res: dict) -> None:
     if "compile" in res:
         print("\nCompile time of a bucket's graphs (every layer's pre_moe and post_moe, one width), seconds, in a "
               "fresh process (the first bucket also pays inductor's start-up):\n")

@@ -11,10 +11,13 @@ the allocator for good (never in any block table), so their cache writes collide
 and they attend to nothing but themselves. Their outputs are sliced off: the runner sees B rows and
 exchanges B rows with the FFN side. The exchange stays outside the graphs (between pre_moe and post_moe).
 
-Graphs compile lazily, one per step: the first steps of a new (bucket, width) run their other layers
-eager while the graphs arrive one by one. A step that stalls for every layer's compile would keep the FFN
-nodes waiting past cluster.comm_timeout on a cold cache (one inductor compile takes 5-30 s on a CPU);
-one compile per step keeps each stall to one graph. The (bucket, width) total is logged once its last
+Graphs compile lazily, one per step (whatever its micro-batches: a step starts where the runner embeds
+its micro-batches): the first steps of a new (bucket, width) run their other layers eager while the graphs
+arrive one by one. A step that stalls for every layer's compile would keep the FFN nodes waiting past
+cluster.comm_timeout on a cold cache (one inductor compile takes 5-30 s on a CPU); one compile per step
+keeps each stall to one graph. `steps` (afd_graph_steps_total) counts a micro-batch's forward pass as
+graph when every layer of it ran a compiled graph, else as eager (prefill, mixed, above the largest bucket,
+graphs still compiling or failed). The (bucket, width) total is logged once its last
 graph is in; a warm compile cache (engine.compile_cache_dir) turns compiles into reloads.
 """
 
@@ -45,7 +48,7 @@ class _Step:
     width: int  # block-table columns, a power of two
     rope: tuple  # the rotary tables, [P, ...] each
     meta: tuple  # positions [P], slot mapping [P], block tables [P, width], context lengths [P]
-    compiles: int = 1  # graphs this step may still compile (the rest of its layers wait for later steps)
+    eager_layers: int = 0  # phases of layers that ran eager (graphs compiling, or failed)
 
 
 class GraphHalf(nn.Module):
@@ -61,7 +64,10 @@ class GraphHalf(nn.Module):
         # torchair finds a cached graph by module repr and name alone and runs it without a guard.
         self._tag = hashlib.md5(repr((str(kv.data.dtype), tuple(kv.data.shape))).encode()).hexdigest()[:8]
         self.steps = {"graph": 0, "eager": 0}
-        """Micro-batch forward passes by mode (afd_graph_steps_total; one per step with one micro-batch)."""
+        """Micro-batch forward passes by mode (afd_graph_steps_total; one per step with one micro-batch):
+        graph when every layer ran compiled."""
+        self._compiles_left = 1  # graphs the current step may still compile
+        self._embedding = False  # the last call was embed: the step's micro-batches are being prepared
         self.compile_seconds: dict[tuple[int, int], float] = {}
         """(bucket, width) -> seconds its graphs took to compile (or load) on their first call."""
         self.prefetch_bytes = 8 << 20 if backend.prefetch_by_default else 0
@@ -80,17 +86,23 @@ class GraphHalf(nn.Module):
     # ---- the attention half's interface ---------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
+        if not self._embedding:  # a step's first micro-batch: the runner embeds them all before any layer
+            self._embedding, self._compiles_left = True, 1
         return self.attn.embed(input_ids, meta)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn.logits(x)
 
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor):
+        self._embedding = False
         s = self._step(rope, meta)
         fn = None if s is None else self._fn("pre", i, s)
         if fn is None:
+            if s is not None:
+                s.eager_layers += 1
             return self.attn.pre_moe(i, x, rope, meta, kv)
         h, m = fn(_pad(x, s.bucket), s.rope, *s.meta, kv)  # [P, H] each (m None on a dense layer)
+        s.eager_layers += self._fns[("pre", i, s.bucket, s.width)] is None  # its first call failed: ran eager
         out = h[: s.rows]
         self._remember(out, h, m)
         return out, None if m is None else m[: s.rows]
@@ -99,15 +111,22 @@ class GraphHalf(nn.Module):
         s = self._step(rope, meta)
         live = self._live.pop(id(h), None)
         fn = None if s is None else self._fn("post", i, s)
-        if i == self.attn.cfg.num_layers - 1:
+        last = i == self.attn.cfg.num_layers - 1
+        if last:
             self._steps.pop(id(meta), None)
         if fn is None:
+            if last:  # the micro-batch's pass ends here: count it
+                self.steps["eager"] += 1
             return self.attn.post_moe(i, h, m, rope, meta, kv)
         if live is not None and live[0] is h:
             hp, mp = live[1], live[2]
         else:  # pre_moe ran eager (its graph failed): pad here
             hp, mp = _pad(h, s.bucket), None if m is None else _pad(m, s.bucket)
-        return fn(hp, mp, s.rope, *s.meta, kv)[: s.rows]
+        out = fn(hp, mp, s.rope, *s.meta, kv)[: s.rows]
+        s.eager_layers += self._fns[("post", i, s.bucket, s.width)] is None
+        if last:
+            self.steps["eager" if s.eager_layers else "graph"] += 1
+        return out
 
     # ---- padding ----------------------------------------------------------------------------------------
 
@@ -117,7 +136,6 @@ class GraphHalf(nn.Module):
         if got is not None and got[0] is meta:  # the entry holds meta: its id is not reused meanwhile
             return got[1]
         s = self._pad_step(rope, meta)
-        self.steps["eager" if s is None else "graph"] += 1
         self._steps[id(meta)] = (meta, s)
         while len(self._steps) > _LIVE:
             self._steps.popitem(last=False)
@@ -152,9 +170,9 @@ class GraphHalf(nn.Module):
         key = (phase, layer, s.bucket, s.width)
         fn = self._fns.get(key, False)
         if fn is False:
-            if not s.compiles:
+            if not self._compiles_left:
                 return None  # this step has compiled its graph: this layer runs eager once more
-            s.compiles -= 1
+            self._compiles_left -= 1
             name = f"{phase}_moe_l{layer}_b{s.bucket}_w{s.width}_{self._tag}"
             try:
                 fn = _FirstCall(self, key, self.backend.compile(_method(self, phase, layer, name), self.cache_dir))
