@@ -32,7 +32,7 @@ def load_halves(rt, dtype) -> dict:
 
 
 def tp_group(rt):
-    """This rank's TP group (once the data plane is up), and the attention half cut to its share."""
+    """This rank's TP group (once the data plane is up); build_rank cuts the attention half to its share."""
     cfg = rt.cfg
     if cfg.layout.attention_tp == 1:
         return SINGLE

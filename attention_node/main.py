@@ -83,7 +83,6 @@ def _run_generate(args) -> int:
         return cfg
     from afd.control.client import ControlError
     from afd.dataplane.transport import PeerError
-    from afd.model.tp.comm import TPError
     from attention_node.tp_rank import check_tp_rank
     from attention_node.worker import run_offline
 
@@ -96,13 +95,14 @@ def _run_generate(args) -> int:
     except (ControlError, OSError, ValueError) as e:  # ValueError: model config/checkpoint
         log.error("startup failed: %s", e)
         return 1
-    except (PeerError, TPError) as e:
+    except PeerError as e:  # TPError is one
         log.error("stopping: %s", e)
         return 1
 
 
 def _exit_now(code: int) -> int:
-    """Ends a process whose work is done and whose data plane is closed, skipping interpreter teardown:
+    """Ends a process whose work is done (its data plane closed, or a TP rank's left to rank 0), skipping
+    interpreter teardown:
     there, a destroyed process group's gloo threads can still be joinable, and C++ aborts the process
     ("terminate called without an active exception", exit -6) after a clean run (seen on a TP rank)."""
     logging.shutdown()

@@ -61,8 +61,9 @@ def run_tp_rank(args) -> int:
         log.info("TP rank %d of %s ready", args.tp_rank, args.node)
         box["following"] = True
         _follow(rt, runner, tp, built, dtype)
-    except PeerError as e:  # TPError too
-        log.error("stopping: %s", e)
+    except Exception as e:  # noqa: BLE001 (PeerError and TPError; also a failed re-forming, ControlError, or a
+        # layout the rank cannot cut, ValueError): one line and exit code 1, through main's _exit_now either way
+        log.error("stopping: %s: %s", type(e).__name__, e)
         return 1
     finally:
         box["done"].set()

@@ -152,3 +152,25 @@ def test_other_families(tmp_path, traced, family):
     assert llm.generate_ids(prompts, N, ignore_eos=True) == ref
     steps = llm.graph_report["steps"]  # block tables of 1-3 blocks: three widths, each compiled a step at a time
     assert sum(steps.values()) == N and steps["graph"] >= 1
+
+
+@pytest.mark.parametrize("sync", ["item", "tolist", "aten_op"])
+def test_host_syncs_are_refused_in_every_spelling(sync):
+    """.item() / .tolist() as dynamo hands them over, and aten._local_scalar_dense as an OpOverload target."""
+    from afd.backend.base import refuse_host_syncs
+
+    def fn(x):
+        if sync == "aten_op":
+            return x * torch.ops.aten._local_scalar_dense.default(x.sum())
+        return x * (x.sum().item() if sync == "item" else x.long().sum().tolist())
+
+    gm = torch.fx.symbolic_trace(fn) if sync == "aten_op" else None
+    backend = refuse_host_syncs("eager")
+    if gm is not None:
+        with pytest.raises(RuntimeError, match="_local_scalar_dense"):
+            backend(gm, [torch.ones(2)])
+        return
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="host sync"):
+        torch.compile(fn, backend=backend, fullgraph=True)(torch.ones(2))
+    torch._dynamo.reset()

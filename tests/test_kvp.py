@@ -94,3 +94,14 @@ def test_kvp_must_divide_attention_tp():
 
     with pytest.raises(TPConfigError, match="layout.kvp: 3 KV-parallel ranks must divide layout.attention_tp = 4"):
         TPConfig(4, kvp=3)
+
+
+def test_kvp_without_tp_ranks_is_refused_colocated_too(tiny_checkpoint, capsys):
+    """afd.LLM and afd serve --colocated check the TP flags as the YAML does, rather than dropping them."""
+    from afd.cli import main
+    from afd.model.tp.config import TPConfigError
+
+    with pytest.raises(TPConfigError, match="layout.kvp"):
+        afd.LLM(tiny_checkpoint, kvp=2)
+    assert main(["serve", tiny_checkpoint, "--colocated", "--kvp", "2", "--print-config"]) != 0
+    assert "layout.kvp" in capsys.readouterr().err

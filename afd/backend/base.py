@@ -29,7 +29,7 @@ def refuse_host_syncs(compiler):
     backend or its registered name)."""
     def backend(gm: torch.fx.GraphModule, example_inputs):
         syncs = [str(n.target) for n in gm.graph.nodes
-                 if n.op in ("call_method", "call_function") and str(n.target).split(".")[-1] in HOST_SYNCS]
+                 if n.op in ("call_method", "call_function") and set(str(n.target).split(".")) & set(HOST_SYNCS)]
         if syncs:
             raise RuntimeError(f"a host sync in the graph: {', '.join(syncs)}")
         inner = torch._dynamo.lookup_backend(compiler) if isinstance(compiler, str) else compiler

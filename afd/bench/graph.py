@@ -161,7 +161,7 @@ def section_compile(args, model: str, tmp: str) -> dict:
     res = {}
     for kind in ("cold", "warm"):
         argv = [sys.executable, "-c", COMPILE_PROBE, model, cache, args.batch_sizes, str(args.prompt_len)]
-        run = subprocess.run(argv, capture_output=True, text=True, check=True)
+        run = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=1800)
         res[kind] = {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
     return res
 

@@ -16,6 +16,7 @@ import statistics
 import tempfile
 import time
 
+from afd.bench.common import synthetic_prompts
 from afd.bench.step import SCENARIOS
 from afd.cluster.overrides import DefaultsHelpFormatter
 from afd.model.tp.config import MODES
@@ -136,7 +137,7 @@ def run(args) -> int:
         for tp in tps.values():
             tp.check_model(cfg.num_attention_heads, "--attention-tp")
         B, F = args.batch_size, args.ffn_nodes
-        prompts = [[3 + (i * 7 + j) % 1000 for j in range(args.prompt_len)] for i in range(B)]
+        prompts = synthetic_prompts(B, args.prompt_len, cfg.vocab_size)  # ids inside the model's vocabulary
         rounds: dict[str, list[dict]] = {m: [] for m in rows}
         for r in range(args.repeats):
             for m in rows[r % len(rows):] + rows[: r % len(rows)]:  # rotate the order each round

@@ -134,8 +134,9 @@ class EngineSection:
     block-table width it meets, so fewer buckets start faster and more waste less on padding."""
     compile_cache_dir: str | None = None
     """Where graph mode keeps compiled graphs for the next start: inductor's caches on CPU, torchair's
-    cache_compile files on NPU (CUDA graphs are captured anew each start). Unset: the backend's own default
-    (TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_USER; TORCHAIR_CACHE_HOME or ./.torchair_cache)."""
+    cache_compile files on NPU (CUDA graphs are captured anew each start). Unset on CPU: inductor's own
+    cache (TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_USER); unset on NPU: torchair compiles through
+    torch.compile and keeps nothing for the next start."""
     speculative_tokens: int = 0
     """MTP speculative decoding: draft tokens per step from the checkpoint's MTP module (0 off, 1 or 2);
     every node reads it (FFN nodes then hold the MTP layer's experts too)."""

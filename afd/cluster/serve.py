@@ -7,6 +7,7 @@ from `--port` up) into a private temporary directory and launches it; `--print-c
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import sys
@@ -53,7 +54,7 @@ def add_parser(sub) -> None:
 def _count(text: str) -> int:
     value = int(text)
     if value < 0:
-        raise ValueError(f"must be at least 0, got {value}")
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 
@@ -104,6 +105,10 @@ def run(args) -> int:
 
     check_device(args.device)
     if args.colocated and (args.attention_tp or 1) == 1:
+        from afd.model.tp.config import TPConfig
+
+        # --kvp or --tp-comm without TP ranks: refused here (TPConfigError names the flag's key), not dropped
+        TPConfig(1, args.tp_comm or "allreduce", args.flashcomm2_otp, args.tp_comm_min_tokens, args.kvp or 1)
         return _exec_colocated(args)
     doc = cluster_doc(args)
     if args.print_config:

@@ -29,9 +29,7 @@ import torch
 import torch.distributed as dist
 
 from afd.backend import Backend
-from afd.backend.base import PeerError
-
-__all__ = ["PeerError"]  # defined with the backends, so that the model's TP group can raise it too
+from afd.backend.base import PeerError  # noqa: F401 (re-exported: defined below the model's TP group too)
 
 log = logging.getLogger("afd.dataplane.transport")
 

@@ -93,10 +93,10 @@ class LLM:
             graph_mode=graph_mode, graph_batch_sizes=graph_batch_sizes, compile_cache_dir=compile_cache_dir, **tp)
         if speculative_tokens:
             family_mtp(self.cfg)  # refuses a family without an MTP module here, not in a node process
-        if self.cluster:
-            from afd.model.tp.config import TPConfig
+        from afd.model.tp.config import TPConfig
 
-            tp_cfg = TPConfig(attention_tp, tp_comm, flashcomm2_otp, tp_comm_min_tokens, kvp)
+        tp_cfg = TPConfig(attention_tp, tp_comm, flashcomm2_otp, tp_comm_min_tokens, kvp)  # checked colocated too
+        if self.cluster:
             tp_cfg.check_model(self.cfg.num_attention_heads)
             half = family_module(self.cfg, "attention").AttentionHalf
             if attention_tp > 1 and not getattr(half, "supports_tp", False):

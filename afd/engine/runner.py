@@ -90,7 +90,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[StepSeq], micro_batches: int | None = None) -> torch.Tensor:
-        """Runs the step; returns fp32 logits of each sequence's last new token, [B, V]. micro_batches:
+        """Runs the step; returns fp32 logits [sum of num_logits, V]: each sequence's last new token's, or with
+        drafts to verify its last 1 + d tokens', in sequence order. micro_batches:
         the leader's choice, on the other TP ranks (each rank's tuner would measure its own times)."""
         t0, wait0 = time.perf_counter(), self.moe.timers.total("ffn_wait")
         self.last_micro_batches = micro_batches or self.micro_batches

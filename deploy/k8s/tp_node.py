@@ -60,6 +60,8 @@ def main(argv: list[str]) -> int:
     for r in range(ranks):
         if not stopping:
             procs.append(subprocess.Popen(rank_command(command, r)))
+    if stopping:  # a signal between a Popen and its append missed that rank
+        stop_all()
     while not stopping and all(p.poll() is None for p in procs):
         time.sleep(0.2)
     first = next((r for r, p in enumerate(procs) if p.returncode is not None), None)

@@ -2,9 +2,11 @@
 
 The residual stream of a micro-batch is either replicated (allreduce, or a sharded mode below its
 threshold) or a token shard: rank r holds rows [r*s, (r+1)*s) of the T tokens padded to G*s. Layers see
-only three calls: `gather` (stream -> every token, before a column-parallel layer), `row_parallel` /
-`o_proj` (a partial product -> the stream), and the embedding's `reduce`. The runner sets the plan of the
-micro-batch it is working on (`use`) before each call into the model, since micro-batches interleave.
+only these calls: `gather` (stream -> every token, before a column-parallel layer), `row_parallel` /
+`fc2_o_proj` (a partial product -> the stream), the embedding's `reduce` and the head's `gather_vocab`;
+KVP's `kvp_merge`; and `moe_rows` / `moe_output`, the rows this rank exchanges with the FFN side. The
+runner sets the plan of the micro-batch it is working on (`use`) before each call into the model, since
+micro-batches interleave.
 
 Bytes are counted per rank as the bandwidth-optimal algorithm sends them: AllReduce 2(G-1)/G of the
 tensor, ReduceScatter and AllGather (G-1)/G of the full tensor, all_to_all (D-1)/D of the input

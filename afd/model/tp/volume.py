@@ -250,7 +250,7 @@ def check_config_report(cluster) -> str | None:
     if size <= 1:
         return None
     tp = TPConfig(size, getattr(layout, "tp_comm", "allreduce"), getattr(layout, "flashcomm2_otp", None),
-                  getattr(layout, "tp_comm_min_tokens", None))
+                  getattr(layout, "tp_comm_min_tokens", None), getattr(layout, "kvp", 1))
     path = cluster.model.path
     if path == "demo":
         cfg = config_from_hf(DEMO_CONFIG)
