@@ -167,7 +167,9 @@ def section_compile(args, model: str, tmp: str) -> dict:
 
 
 def section_vs_hf(args, tmp: str, cache: str) -> dict:
-    """AFD 1A1F eager and compiled vs HF generate (2 threads), batch 16, fp32, one real checkpoint."""
+    """AFD 1A1F eager and compiled vs HF generate (2 threads), batch 16, fp32, one real checkpoint; and eager
+    with the weights row-major as loaded (what column_major_linears gives, side by side)."""
+    from afd.backend.cpu import ROW_MAJOR_ENV
     from afd.bench.suite import _HF, HF_CONFIG
     from afd.model.demo import write_checkpoint
 
@@ -186,9 +188,15 @@ def section_vs_hf(args, tmp: str, cache: str) -> dict:
             _, t_n = hf.generate(prompts, n, threads=2)
             _, t_1 = hf.generate(prompts, 1, threads=2)
             return B * (n - 1) / (t_n - t_1)
-        return _tok_s(_afd_steps(path, prompts, n, name.split()[-1], cache, dummy=False), B, skip, mean=True)
+        if name.endswith("row-major weights"):
+            os.environ[ROW_MAJOR_ENV] = "1"  # the node processes inherit it
+        try:
+            mode = name.split()[2].rstrip(",")
+            return _tok_s(_afd_steps(path, prompts, n, mode, cache, dummy=False), B, skip, mean=True)
+        finally:
+            os.environ.pop(ROW_MAJOR_ENV, None)
 
-    names = ["HF transformers generate", "afd 1A1F eager", "afd 1A1F compile"]
+    names = ["HF transformers generate", "afd 1A1F eager", "afd 1A1F compile", "afd 1A1F eager, row-major weights"]
     rounds = interleaved(names, args.repeats, one, lambda m: print(f"  .. {m}", flush=True))
     return {k: median(v) for k, v in rounds.items()} | {"rounds": rounds}
 
@@ -254,5 +262,5 @@ def _print_compile_and_hf(res: dict) -> None:
               "decode tokens/s:\n")
         print("| engine | tok/s | vs HF |")
         print("|---|---|---|")
-        for k in ("HF transformers generate", "afd 1A1F eager", "afd 1A1F compile"):
+        for k in [k for k in v if k != "rounds"]:
             print(f"| {k} | {v[k]:.0f} | {v[k] / hf:.2f}x |")

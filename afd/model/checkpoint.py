@@ -194,6 +194,10 @@ def _build(module: nn.Module, weights, reader: Reader, desc: str, dtype: torch.d
     module = module.eval().requires_grad_(False)
     if hasattr(module, "post_load"):
         module.post_load()
+    if torch.device(device).type == "cpu":
+        from afd.backend.cpu import column_major_linears
+
+        column_major_linears(module)
     return module
 
 

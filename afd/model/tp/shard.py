@@ -100,4 +100,8 @@ def shard_attention_half(model: nn.Module, tp: TPComm) -> nn.Module:
     head, _ = _vocab_rows(model.lm_head.weight, tp)
     model.lm_head = ParallelLMHead(head, cfg.vocab_size, tp)
     model.tp = tp
+    if model.lm_head.weight.device.type == "cpu":  # the cut weights are row-major again
+        from afd.backend.cpu import column_major_linears
+
+        column_major_linears(model)
     return model
