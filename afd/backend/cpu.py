@@ -63,10 +63,11 @@ class CpuBackend(Backend):
 
     graph_mode_default = "eager"
     """Measured with `afd bench-graph` (balanced scenario, one thread per process, on the shared 2-core machine
-    that built this, three short runs at load 1-5): compiled / eager decode tokens/s was 1.13-1.22x at batch 1
-    but 0.85-1.18x at 4 and 0.86-1.27x at 16, colocated and 1A1F alike (at 1A1F the FFN node bounds the step;
-    the padded block-table width adds attention work), while a bucket's graphs take 13-37 s to compile with a
-    cold cache (1.5-5 s warm) for every block-table width they meet. No consistent gain: eager by default."""
+    that built this; docs/benchmarks.md section 7 has the full run): compiled / eager decode tokens/s was
+    0.91-1.15x at batch 1-64, colocated and 1A1F (1.13-1.27x at best and 0.85x at worst in earlier short
+    runs), within the spread of the rounds, while a bucket's graphs take 12-31 s to compile with a cold cache
+    (2-6.5 s warm) for every block-table width they meet. The step is GEMM time, which inductor hands to
+    the same MKL calls. No consistent gain: eager by default."""
 
     graph_compiler = "inductor"
     """The torch.compile backend of compile(); tests swap in aot_eager (the same trace, no C++ compile)."""
