@@ -77,8 +77,9 @@ class Colocated:
         self.attn = build_attention_half(self.cfg, open_reader(model_dir, dummy_weights, seed), torch.float32, dev)
         self.ffn = build_ffn_half(self.cfg, open_reader(model_dir, dummy_weights, seed), torch.float32, dev)
 
-    def generate(self, prompts: list[list[int]], new_tokens: int, threads: int) -> Run:
-        """Greedy, EOS ignored, with torch using `threads` threads (restored afterwards)."""
+    def generate(self, prompts: list[list[int]], new_tokens: int, threads: int, graph=None) -> Run:
+        """Greedy, EOS ignored, with torch using `threads` threads (restored afterwards); graph: graph mode's
+        settings (afd.engine.graph.GraphSettings; None: eager)."""
         import torch
 
         from afd.dataplane.exchange import LocalMoE
@@ -90,7 +91,7 @@ class Colocated:
         try:
             per = [new_tokens] * len(prompts)
             engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompts, per, torch.float32,
-                                        self.backend.device)
+                                        self.backend.device, graph=graph)
             steps: list[dict] = []
             t0 = time.perf_counter()
             out = offline.generate(engine, prompts, per, SamplingParams(), ignore_eos=True,

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from afd.bench.common import interleaved, median, synthetic_prompts, write_config
+from afd.bench.common import Colocated, interleaved, median, synthetic_prompts, write_config
 from afd.bench.step import SCENARIOS
 from afd.cluster.overrides import DefaultsHelpFormatter
 
@@ -65,41 +65,6 @@ def _tok_s(steps: list[dict], batch: int, skip: int, mean: bool = False) -> floa
     return batch / (sum(decode) / len(decode) if mean else median(decode))
 
 
-class _Colocated:
-    """Both halves in this process (built once), one thread; a job per run, as afd.LLM's generate()."""
-
-    def __init__(self, model: str):
-        import torch
-
-        from afd.backend import get_backend
-        from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
-        from afd.model.registry import load_config
-
-        self.cfg, self.backend = load_config(model), get_backend("cpu")
-        self.attn = build_attention_half(self.cfg, open_reader(model, True, 0), torch.float32, self.backend.device)
-        self.ffn = build_ffn_half(self.cfg, open_reader(model, True, 0), torch.float32, self.backend.device)
-
-    def steps(self, prompts, new_tokens: int, graph) -> list[dict]:
-        import torch
-
-        from afd.dataplane.exchange import LocalMoE
-        from afd.engine import offline
-        from afd.engine.sampling import SamplingParams
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            per = [new_tokens] * len(prompts)
-            engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompts, per, torch.float32,
-                                        self.backend.device, graph=graph)
-            steps: list[dict] = []
-            offline.generate(engine, prompts, per, SamplingParams(), ignore_eos=True,
-                             on_step=lambda s: steps.append(s.report()))
-            return steps
-        finally:
-            torch.set_num_threads(before)
-
-
 def _afd_steps(model: str, prompts, new_tokens: int, mode: str, cache: str, dummy: bool = True) -> list[dict]:
     from afd.cluster.local import LocalCluster, LocalClusterSpec
 
@@ -120,20 +85,20 @@ def section_decode(args, model: str, cache: str) -> dict:
         vocab = json.load(f)["vocab_size"]
     skip = _skip(model)
     n = skip + args.steps + 1
-    colo = _Colocated(model)  # also the warm-up of the 1A1F runs' compile cache
+    colo = Colocated(model, dummy_weights=True)  # also the warm-up of the 1A1F runs' compile cache
     cases = {f"{t} b={b} {m}": (t, b, m) for t in tops for b in batches for m in MODES}
 
     def one(name: str, r: int) -> float:
         top, b, mode = cases[name]
         prompts = synthetic_prompts(b, args.prompt_len, vocab)
         if top == "colocated":
-            steps = colo.steps(prompts, n, GraphSettings(mode, (b,), cache))
+            steps = colo.generate(prompts, n, 1, GraphSettings(mode, (b,), cache)).steps
         else:
             steps = _afd_steps(model, prompts, n, mode, cache)
         return _tok_s(steps, b, skip)
 
     for b in batches:  # warm-up: the compile cache gets every job's graphs (the same shapes: the same job)
-        colo.steps(synthetic_prompts(b, args.prompt_len, vocab), n, GraphSettings("compile", (b,), cache))
+        colo.generate(synthetic_prompts(b, args.prompt_len, vocab), n, 1, GraphSettings("compile", (b,), cache))
     rounds = interleaved(list(cases), args.repeats, one, lambda m: print(f"  .. {m}", flush=True))
     return {"skip": skip, "steps": args.steps, "prompt_len": args.prompt_len,
             "results": {k: median(v) for k, v in rounds.items()}, "rounds": rounds}
@@ -141,14 +106,13 @@ def section_decode(args, model: str, cache: str) -> dict:
 
 COMPILE_PROBE = """
 import json, sys
-from afd.bench.graph import _Colocated
-from afd.bench.common import synthetic_prompts
+from afd.bench.common import Colocated, synthetic_prompts
 from afd.engine.graph import GraphSettings
 model, cache, batches, plen = sys.argv[1], sys.argv[2], [int(b) for b in sys.argv[3].split(",")], int(sys.argv[4])
-colo, out = _Colocated(model), {}
+colo, out = Colocated(model, dummy_weights=True), {}
 for b in batches:
-    steps = colo.steps(synthetic_prompts(b, plen, colo.cfg.vocab_size), 2 * colo.cfg.num_layers + 2,
-                       GraphSettings("compile", (b,), cache))
+    steps = colo.generate(synthetic_prompts(b, plen, colo.cfg.vocab_size), 2 * colo.cfg.num_layers + 2, 1,
+                          GraphSettings("compile", (b,), cache)).steps
     out[b] = sum(s["seconds"] for s in steps[1:])
 print(json.dumps(out))
 """
