@@ -9,7 +9,7 @@ New nodes copy the first node of their role in configmap.yaml (device, ports). `
 `--tp-comm MODE`, `--flashcomm2-otp P`) sets those layout keys, and each attention pod's container then
 holds G accelerators and runs the node's G ranks under tp_node.py, shipped in the ConfigMap
 `afd-attention-tp` (README.md, "Attention TP"). The output carries no comments; the files here are the
-documented source. tests/test_k8s_manifests.py validates its output.
+documented source. tests/test_k8s_manifests.py and tests/test_k8s_tp.py validate its output.
 """
 
 from __future__ import annotations
