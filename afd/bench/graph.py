@@ -130,41 +130,6 @@ def section_compile(args, model: str, tmp: str) -> dict:
     return res
 
 
-def section_vs_hf(args, tmp: str, cache: str) -> dict:
-    """AFD 1A1F eager and compiled vs HF generate (2 threads), batch 16, fp32, one real checkpoint; and eager
-    with the weights row-major as loaded (what column_major_linears gives, side by side)."""
-    from afd.backend.cpu import ROW_MAJOR_ENV
-    from afd.bench.suite import _HF, HF_CONFIG
-    from afd.model.demo import write_checkpoint
-
-    path = os.path.join(tmp, "hf-ckpt")
-    write_checkpoint(path, HF_CONFIG, seed=0)
-    B, P = 16, 32
-    skip = _skip(path)
-    n = skip + args.steps + 1
-    prompts = synthetic_prompts(B, P, HF_CONFIG["vocab_size"])
-    hf = _HF(path)
-    hf.generate(prompts, 2, 2)  # warm-up
-    _afd_steps(path, prompts, n, "compile", cache, dummy=False)  # fills the compile cache (the same job's shapes)
-
-    def one(name: str, r: int) -> float:
-        if name == "HF transformers generate":
-            _, t_n = hf.generate(prompts, n, threads=2)
-            _, t_1 = hf.generate(prompts, 1, threads=2)
-            return B * (n - 1) / (t_n - t_1)
-        if name.endswith("row-major weights"):
-            os.environ[ROW_MAJOR_ENV] = "1"  # the node processes inherit it
-        try:
-            mode = name.split()[2].rstrip(",")
-            return _tok_s(_afd_steps(path, prompts, n, mode, cache, dummy=False), B, skip, mean=True)
-        finally:
-            os.environ.pop(ROW_MAJOR_ENV, None)
-
-    names = ["HF transformers generate", "afd 1A1F eager", "afd 1A1F compile", "afd 1A1F eager, row-major weights"]
-    rounds = interleaved(names, args.repeats, one, lambda m: print(f"  .. {m}", flush=True))
-    return {k: median(v) for k, v in rounds.items()} | {"rounds": rounds}
-
-
 def run(args) -> int:
     t0, load0 = time.perf_counter(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="afd-bench-graph-") as tmp:
@@ -178,6 +143,8 @@ def run(args) -> int:
         if not args.no_compile_time:
             res["compile"] = section_compile(args, model, tmp)
         if args.vs_hf:
+            from afd.bench.graph_vs_hf import section_vs_hf
+
             res["vs_hf"] = section_vs_hf(args, tmp, cache)
     res["load_average"] = (load0, os.getloadavg()[0])
     _print(args, res, time.perf_counter() - t0)
@@ -221,10 +188,6 @@ def _print_compile_and_hf(res: dict) -> None:
         for b, cold in res["compile"]["cold"].items():
             print(f"| {b} | {cold:.1f} | {res['compile']['warm'][b]:.1f} |")
     if "vs_hf" in res:
-        v, hf = res["vs_hf"], res["vs_hf"]["HF transformers generate"]
-        print("\nThe issue's speed target: batch 16, fp32, AFD 1A1F (1 thread per node) vs HF generate (2 threads), "
-              "decode tokens/s:\n")
-        print("| engine | tok/s | vs HF |")
-        print("|---|---|---|")
-        for k in [k for k in v if k != "rounds"]:
-            print(f"| {k} | {v[k]:.0f} | {v[k] / hf:.2f}x |")
+        from afd.bench.graph_vs_hf import print_vs_hf
+
+        print_vs_hf(res["vs_hf"])
