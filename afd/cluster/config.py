@@ -264,17 +264,6 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     return cfg
 
 
-def with_speculative_tokens(cfg: ClusterConfig, n: int | None) -> ClusterConfig:
-    """`--speculative-tokens N` over the YAML's engine.speculative_tokens (None: the YAML's), checked."""
-    if n is None:
-        return cfg
-    import dataclasses
-
-    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, speculative_tokens=n))
-    check_speculative(cfg)
-    return cfg
-
-
 def check_speculative(cfg: ClusterConfig) -> None:
     """engine.speculative_tokens against the layout: MTP runs on a single-rank attention node for now (the
     drafts' KV cache layer is not cut across TP ranks), and not with KV-parallel attention, which seed

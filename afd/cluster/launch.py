@@ -16,7 +16,7 @@ import threading
 import time
 import urllib.request
 
-from afd.cluster.config import ClusterConfig, Node, Process, load, with_speculative_tokens
+from afd.cluster.config import ClusterConfig, Node, Process, load
 from afd.cluster.overrides import (
     FOR_ATTENTION,
     FOR_EVERY_NODE,
@@ -56,8 +56,8 @@ def node_args(cfg_path: str, node: Node, args, first_attention: str, tp_rank: in
 
 def run(args) -> int:
     cfg = with_overrides(load(args.config), model=args.model, http_port=args.port, dtype=args.dtype,
-                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
-    cfg = with_speculative_tokens(cfg, args.speculative_tokens)
+                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                         speculative_tokens=args.speculative_tokens, graph_mode=args.graph_mode)
     first = cfg.attention_nodes[0]
     plan = [(p, node_args(args.config, p.node, args, first.name, p.tp_rank)) for p in cfg.processes]
     if args.print_commands:

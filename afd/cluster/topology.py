@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from afd.cluster.config import ClusterConfig, Node
+from afd.cluster.config import ClusterConfig, Node, check_speculative
 
 
 def resolve_model_path(path: str) -> str:
@@ -41,16 +41,25 @@ def served_model_name(model_path: str, override: str | None = None) -> str:
 
 def with_overrides(cfg: ClusterConfig, model: str | None = None, http_port: int | None = None,
                    node: str | None = None, dtype: str | None = None, max_model_len: int | None = None,
-                   max_num_seqs: int | None = None) -> ClusterConfig:
-    """CLI values over the YAML: the model path, dtype, context limit and batch size for all nodes,
-    the HTTP port of `node` (default: the first attention node)."""
+                   max_num_seqs: int | None = None, shutdown_timeout: float | None = None,
+                   speculative_tokens: int | None = None, graph_mode: str | None = None) -> ClusterConfig:
+    """CLI values over the YAML (None: the YAML's): the model path, dtype, context limit, batch size,
+    shutdown grace, MTP draft tokens (checked against the layout) and graph mode for all nodes, the HTTP
+    port of `node` (default: the first attention node)."""
     m = cfg.model
     model_fields = {"path": model, "dtype": dtype, "max_model_len": max_model_len}
     model_fields = {k: v for k, v in model_fields.items() if v is not None}
     if model_fields:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **model_fields))
-    if max_num_seqs is not None:
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, max_num_seqs=max_num_seqs))
+    engine = {"max_num_seqs": max_num_seqs, "shutdown_timeout": shutdown_timeout,
+              "speculative_tokens": speculative_tokens}
+    engine = {k: v for k, v in engine.items() if v is not None}
+    if engine:
+        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **engine))
+    if speculative_tokens is not None:
+        check_speculative(cfg)
+    if graph_mode is not None:
+        cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, graph_mode=graph_mode))
     if http_port is not None:
         target = node or cfg.attention_nodes[0].name
 

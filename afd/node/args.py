@@ -45,19 +45,12 @@ def load_cluster_args(args, role: str):
     node = cfg.node(args.node)
     if node.role != role:
         raise ClusterConfigError(f"{args.config}: node {args.node!r} is an {node.role} node, not {role}")
-    cfg = with_overrides(cfg, model=args.model, dtype=args.dtype, node=args.node,
-                         http_port=getattr(args, "port", None), max_model_len=getattr(args, "max_model_len", None),
-                         max_num_seqs=getattr(args, "max_num_seqs", None))
-    import dataclasses
-
-    timeout = getattr(args, "shutdown_timeout", None)
-    if timeout is not None:
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, shutdown_timeout=timeout))
-    if getattr(args, "graph_mode", None):
-        cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, graph_mode=args.graph_mode))
-    from afd.cluster.config import with_speculative_tokens
-
-    return with_speculative_tokens(cfg, getattr(args, "speculative_tokens", None))
+    return with_overrides(cfg, model=args.model, dtype=args.dtype, node=args.node,
+                          http_port=getattr(args, "port", None), max_model_len=getattr(args, "max_model_len", None),
+                          max_num_seqs=getattr(args, "max_num_seqs", None),
+                          shutdown_timeout=getattr(args, "shutdown_timeout", None),
+                          speculative_tokens=getattr(args, "speculative_tokens", None),
+                          graph_mode=getattr(args, "graph_mode", None))
 
 
 def setup_logging(role: str, name) -> None:
