@@ -35,7 +35,8 @@ def _greedy(url: str, prompt) -> list[int]:
     return body["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("attention,ffn", [(1, 1), (2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("attention,ffn", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
+                                           pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_nodes_started_in_reverse_order_serve_hf_tokens(tiny_checkpoint, reference, tmp_path, attention, ffn):
     path = cluster_yaml(tmp_path, tiny_checkpoint, attention, ffn, name=f"c{attention}a{ffn}f")
     with Cluster(path) as c:

@@ -91,7 +91,7 @@ def _wait_for_log(cluster: LocalCluster, name: str, text: str, timeout: float = 
 @pytest.mark.parametrize("victim,survivor,signum", [
     ("ffn0", "attention0", signal.SIGKILL),
     ("attention0", "ffn0", signal.SIGKILL),
-    ("ffn0", "attention0", signal.SIGTERM),
+    pytest.param("ffn0", "attention0", signal.SIGTERM, marks=pytest.mark.slow),
 ])
 def test_a_dead_peer_fails_fast_with_a_clear_error(tmp_path, victim, survivor, signum):
     with _long_job(tmp_path) as cluster:

@@ -190,7 +190,8 @@ def test_mtp_layers_in_the_checkpoint_are_skipped(ckpts, refs, tmp_path, caplog)
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("A,F,overlap,micro_batches", [
-    (1, 1, True, 1), pytest.param(2, 1, False, 1, marks=pytest.mark.slow), (1, 2, True, 2)])
+    (1, 1, True, 1), pytest.param(2, 1, False, 1, marks=pytest.mark.slow),
+    pytest.param(1, 2, True, 2, marks=pytest.mark.slow)])
 def test_afd_nodes_generate_hfs_tokens(ckpts, refs, A, F, overlap, micro_batches):
     llm = afd.LLM(ckpts[MULTI], attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches,
                   block_size=4)

@@ -90,7 +90,8 @@ def test_unsupported_settings_are_refused_naming_the_key(change, needle):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("A,F,overlap,micro_batches", [
-    (1, 1, True, 1), pytest.param(2, 1, False, 1, marks=pytest.mark.slow), (1, 2, True, 2)])
+    (1, 1, True, 1), pytest.param(2, 1, False, 1, marks=pytest.mark.slow),
+    pytest.param(1, 2, True, 2, marks=pytest.mark.slow)])
 def test_afd_across_processes_equals_hf(ckpts, refs, A, F, overlap, micro_batches):
     """1A2F splits the experts [0, 3) + [3, 6) over two FFN nodes; m=2 ping-pongs two micro-batches."""
     llm = afd.LLM(ckpts[MULTI], attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches,

@@ -103,6 +103,7 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
         assert health(c.url()) == 200 and _greedy(c.url(), PROMPTS[0]) == reference[0]
 
 
+@pytest.mark.slow  # CI runs it in make test-slow; the killed FFN node's case covers re-forming by default
 def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_checkpoint, reference, tmp_path):
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="rejoin-attn", cluster=FAST)
     with Cluster(path) as c:
