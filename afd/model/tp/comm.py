@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from afd.backend.base import PeerError
-from afd.model.tp.config import ShardPlan, TPConfig, fc2_groups, plan
+from afd.model.tp.config import ShardPlan, TPConfig, fc2_batch_ids, fc2_groups, plan
 
 log = logging.getLogger("afd.tp")
 # torch 2.13 renamed the tensor-in/tensor-out collectives; the old names still work before it
@@ -155,8 +155,8 @@ class TPComm:
         ODP group). Returns this rank's token shard [s, H]."""
         p, G, P = self.plan, self.size, self.cfg.otp
         D, s, Fl = G // P, p.shard, x.shape[1]
-        chunks = _pad_rows(x, p.padded).view(P, D, s, Fl)  # chunk k*D + i goes to ODP member i
-        send = chunks.transpose(0, 1).contiguous()  # [D (to member i), P, s, Fl]
+        order = torch.tensor(fc2_batch_ids(G, P), device=x.device).reshape(-1)  # member i's chunks, i = 0..D-1
+        send = _pad_rows(x, p.padded).view(G, s, Fl)[order].view(D, P, s, Fl)  # [D (to member i), P, s, Fl]
         recv = torch.empty_like(send)  # [D (from member i), P, s, Fl]: member i's heads for my chunks
         self._run("all_to_all", self._share(send.numel() * send.element_size(), D),
                   dist.all_to_all_single, recv, send, group=self.odp_group)
