@@ -19,12 +19,14 @@ def column_major_linears(module: nn.Module) -> nn.Module:
     in place: F.linear then hands MKL's sgemm a right-hand side it reads without transposing, which runs
     1.3-2.5x faster on one thread at decode sizes (4-64 rows; neutral at 1: docs/benchmarks.md, afd
     bench-graph --vs-hf). Values, shapes and Parameters are unchanged; a weight another module shares (a
-    tied lm_head) stays as it is, since the embedding gathers its rows."""
+    tied lm_head) stays as it is, since the embedding gathers its rows. Besides nn.Linear, any module whose
+    class sets `linear_weight = True` (the TP layers of afd.model.tp.layers) is laid out too."""
     if os.environ.get(ROW_MAJOR_ENV) == "1":
         return module
     uses = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
     for mod in module.modules():
-        w = getattr(mod, "weight", None) if isinstance(mod, nn.Linear) else None
+        linear = isinstance(mod, nn.Linear) or getattr(type(mod), "linear_weight", False)
+        w = getattr(mod, "weight", None) if linear else None
         if w is not None and w.dim() == 2 and uses[id(w)] == 1 and w.is_contiguous() and w.shape[0] > 1:
             w.data = w.data.t().contiguous().t()
     return module

@@ -21,6 +21,9 @@ class RowParallelLinear(nn.Module):
     """y = x[:, K/G slice] @ W[:, K/G slice]^T summed over the group (down_proj, o_proj), into the stream's
     layout. The bias is added once, after the sum."""
 
+    linear_weight = True
+    """`weight` is read as F.linear's (x @ weight^T): on CPU it is laid out column-major (afd.backend.cpu)."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp: TPComm):
         super().__init__()
         self.weight = _frozen(weight)
@@ -35,6 +38,8 @@ class FC2OProj(nn.Module):
     """o_proj under flashcomm2: holds the columns of this rank's ODP group (F/P of them, the inputs its
     OTP ReduceScatter sums over); a micro-batch below the threshold uses this rank's own F/G of them, as
     the allreduce path does."""
+
+    linear_weight = True  # x @ weight^T, as RowParallelLinear
 
     def __init__(self, block: torch.Tensor, own: slice, bias: torch.Tensor | None, tp: TPComm):
         super().__init__()
@@ -66,6 +71,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(nn.Module):
     """Rows [lo, lo + V/G) of lm_head: each rank scores its vocabulary slice, then the slices are gathered."""
+
+    linear_weight = True  # x @ weight^T, as RowParallelLinear
 
     def __init__(self, weight: torch.Tensor, vocab: int, tp: TPComm):
         super().__init__()
