@@ -25,7 +25,7 @@ import tempfile
 import time
 
 from afd.bench.common import Colocated, interleaved, median, synthetic_prompts, write_config
-from afd.bench.step import SCENARIOS
+from afd.bench.step import SCENARIOS, add_model_args
 from afd.cluster.overrides import DefaultsHelpFormatter
 
 MODES = ("eager", "compile")
@@ -34,9 +34,7 @@ MODES = ("eager", "compile")
 def add_parser(sub) -> None:
     p = sub.add_parser("bench-graph", help="decode tokens/s eager vs graph mode; compile time cold vs warm",
                        formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint dir (config.json is enough: dummy weights)")
-    p.add_argument("--scenario", default="balanced", choices=list(SCENARIOS),
-                   help="built-in model size when --model is not given")
+    add_model_args(p)
     p.add_argument("--batch-sizes", default="1,4,16,64", help="decode batches (each its own graph bucket)")
     p.add_argument("--topologies", default="colocated,1A1F", help="comma-separated subset of: colocated, 1A1F")
     p.add_argument("--prompt-len", type=int, default=70, help="70 + steps: block tables of 8 blocks of 16 throughout")

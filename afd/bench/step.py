@@ -62,12 +62,17 @@ MODES = {
 DEFAULT_MODES = ("colocated", "afd --no-overlap", "afd overlap (m=1)", "afd ping-pong (m=2)", "afd auto m")
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("bench-step", help="decode step time: colocated vs AFD without/with overlap",
-                       formatter_class=DefaultsHelpFormatter)
+def add_model_args(p) -> None:
+    """--model / --scenario: what every dummy-weights bench runs on."""
     p.add_argument("--model", default=None, help="checkpoint dir (config.json is enough: dummy weights)")
     p.add_argument("--scenario", default="balanced", choices=list(SCENARIOS),
                    help="built-in model size when --model is not given")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench-step", help="decode step time: colocated vs AFD without/with overlap",
+                       formatter_class=DefaultsHelpFormatter)
+    add_model_args(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=24, help="decode steps per run")
