@@ -16,8 +16,9 @@ from afd.cluster.overrides import (
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="offline generation from token ids (greedy by default)",
-                       formatter_class=DefaultsHelpFormatter)
+    p = sub.add_parser(
+        "generate", help="offline generation from token ids (greedy by default)", formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("--model", required=True, help="HF checkpoint directory, or `demo`")
     p.add_argument("--prompt-ids", required=True, help="JSON file: a list of token-id lists")
     p.add_argument("--max-tokens", type=int, required=True)
@@ -29,11 +30,21 @@ def _add_generate(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of --dummy-weights")
     p.add_argument("--colocated", action="store_true", help="both halves in this process (the reference)")
     p.add_argument("--attention-nodes", type=int, default=1, help="attention node processes")
-    p.add_argument("--ffn-nodes", type=int, default=1, help="FFN node processes (0: the attention nodes run the "
-                                                            "experts themselves)")
+    p.add_argument(
+        "--ffn-nodes",
+        type=int,
+        default=1,
+        help="FFN node processes (0: the attention nodes run the experts themselves)",
+    )
     p.add_argument("--no-overlap", action="store_true", help="wait for each MoE result at once (baseline)")
-    p.add_argument("--micro-batches", type=int, default=0, choices=range(5), metavar="{0..4}",
-                   help="ping-pong micro-batches; 0 chooses from measured times")
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=0,
+        choices=range(5),
+        metavar="{0..4}",
+        help="ping-pong micro-batches; 0 chooses from measured times",
+    )
     add_tp_args(p)
     add_speculative_arg(p)
     add_graph_mode_arg(p)
@@ -56,14 +67,32 @@ def _cmd_generate(args) -> int:
     if args.graph_mode:
         tp["graph_mode"] = args.graph_mode
     if args.colocated:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
-                  seed=args.seed, micro_batches=max(1, args.micro_batches), overlap=not args.no_overlap, **tp)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            dummy_weights=args.dummy_weights,
+            seed=args.seed,
+            micro_batches=max(1, args.micro_batches),
+            overlap=not args.no_overlap,
+            **tp,
+        )
     else:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
-                  seed=args.seed, attention_nodes=args.attention_nodes, ffn_nodes=args.ffn_nodes,
-                  overlap=not args.no_overlap, micro_batches=args.micro_batches, **tp)
-    out = llm.generate_ids(prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos,
-                           progress=True)
+        llm = LLM(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            dummy_weights=args.dummy_weights,
+            seed=args.seed,
+            attention_nodes=args.attention_nodes,
+            ffn_nodes=args.ffn_nodes,
+            overlap=not args.no_overlap,
+            micro_batches=args.micro_batches,
+            **tp,
+        )
+    out = llm.generate_ids(
+        prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos, progress=True
+    )
     print(json.dumps(out))
     return 0
 
@@ -137,8 +166,10 @@ def _cmd_status(args) -> int:
     if args.json:
         print(json.dumps(MessageToDict(st, always_print_fields_with_no_presence=True)))
     else:
-        print(f"cluster {cfg.cluster.name} ({cfg.topology_name}): {pb.ClusterStatus.State.Name(st.state)}"
-              + (f" — {st.message}" if st.message else ""))
+        print(
+            f"cluster {cfg.cluster.name} ({cfg.topology_name}): {pb.ClusterStatus.State.Name(st.state)}"
+            + (f" — {st.message}" if st.message else "")
+        )
         for key in ("registered", "ready", "missing", "lost", "draining"):
             print(f"  {key:<10} {', '.join(getattr(st, key)) or '-'}")
     return 0 if st.state in (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING) else 1
@@ -148,8 +179,13 @@ def _add_drain(sub) -> None:
     p = sub.add_parser("drain", help="tell attention nodes to take no new requests and finish running ones")
     p.add_argument("config", help="cluster YAML")
     p.add_argument("--node", default=None, help="the attention node to drain (default: all of them)")
-    p.add_argument("--wait", type=float, default=0.0, metavar="S",
-                   help="then wait up to S seconds for its running requests to finish (default: 0, do not wait)")
+    p.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="then wait up to S seconds for its running requests to finish (default: 0, do not wait)",
+    )
     p.set_defaults(func=_cmd_drain)
 
 

@@ -65,9 +65,15 @@ class _Generation:
         for j in range(body.n):
             rid = uuid.uuid4().hex
             self.ids.append(rid)
-            r = rq.Request(rid, prompt_ids, sampling_params(body, j, st.limits), max_tokens,
-                           lambda out, i=index0 + j: loop.call_soon_threadsafe(self.queue.put_nowait, (i, out)),
-                           stop=stop_strings(body), ignore_eos=body.ignore_eos)
+            r = rq.Request(
+                rid,
+                prompt_ids,
+                sampling_params(body, j, st.limits),
+                max_tokens,
+                lambda out, i=index0 + j: loop.call_soon_threadsafe(self.queue.put_nowait, (i, out)),
+                stop=stop_strings(body),
+                ignore_eos=body.ignore_eos,
+            )
             st.engine.add_request(r)
 
     def abort(self) -> None:
@@ -139,10 +145,21 @@ def build_app(st: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": st.model_name, "object": "model", "created": int(time.time()), "owned_by": "afd",
-            "root": st.model_path, "parent": None, "max_model_len": st.limits.max_model_len,
-            "vocab_size": st.limits.vocab_size}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": st.model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "afd",
+                    "root": st.model_path,
+                    "parent": None,
+                    "max_model_len": st.limits.max_model_len,
+                    "vocab_size": st.limits.vocab_size,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -154,8 +171,11 @@ def build_app(st: ServerState) -> FastAPI:
     async def chat(body: ChatCompletionRequest, request: Request):
         _admit(st, body.model)
         if st.tokenizer is None:
-            raise ApiError(400, "This model has no tokenizer.json: chat needs one; send token ids to "
-                                "/v1/completions instead.", "messages")
+            raise ApiError(
+                400,
+                "This model has no tokenizer.json: chat needs one; send token ids to /v1/completions instead.",
+                "messages",
+            )
         tok = st.tokenizer
         msgs = [m.for_template(tok.chat_template or "") for m in body.messages]
         if body.max_completion_tokens is not None:
@@ -192,8 +212,9 @@ def build_app(st: ServerState) -> FastAPI:
         tok = _need_tokenizer(st, body.model)
         bad = [t for t in body.tokens if not 0 <= t < st.limits.vocab_size]
         if bad:
-            raise ApiError(400, f"Token id {bad[0]} is out of vocabulary (vocabulary size "
-                                f"{st.limits.vocab_size}).", "tokens")
+            raise ApiError(
+                400, f"Token id {bad[0]} is out of vocabulary (vocabulary size {st.limits.vocab_size}).", "tokens"
+            )
         return {"prompt": await _tokenize(lambda: tok.decode(body.tokens), "tokens")}
 
     return app
@@ -263,6 +284,7 @@ async def _serve(st: ServerState, body, prompts: list[list[int]], request: Reque
     from attention_node import responses
 
     if body.stream:
-        return StreamingResponse(responses.stream(st, body, gens, _outputs(gens), request, chat),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            responses.stream(st, body, gens, _outputs(gens), request, chat), media_type="text/event-stream"
+        )
     return await responses.full(st, body, gens, _outputs(gens), request, chat)

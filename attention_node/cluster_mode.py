@@ -39,13 +39,20 @@ def run_cluster_node(args) -> int:
     from attention_node.api_server import build_app
 
     node = cfg.node(args.node)
-    config = uvicorn.Config(build_app(st), host=args.host or args.bind_host, port=node.ports.http, log_level="warning",
-                            access_log=False, timeout_graceful_shutdown=1)
+    config = uvicorn.Config(
+        build_app(st),
+        host=args.host or args.bind_host,
+        port=node.ports.http,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=1,
+    )
     server = UvicornServer(config)
     box["server"] = server
     st.engine.start()
-    log.info("API ready at http://%s:%d (cluster %s, %s)", node.host, node.ports.http, cfg.cluster.name,
-             cfg.topology_name)
+    log.info(
+        "API ready at http://%s:%d (cluster %s, %s)", node.host, node.ports.http, cfg.cluster.name, cfg.topology_name
+    )
     server.run()
     return 0
 

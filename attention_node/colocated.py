@@ -24,12 +24,19 @@ log = logging.getLogger("afd.attention")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="afd-attention colocated", formatter_class=DefaultsHelpFormatter,
-                                description="both halves of the model in one process, behind the OpenAI API")
+    p = argparse.ArgumentParser(
+        prog="afd-attention colocated",
+        formatter_class=DefaultsHelpFormatter,
+        description="both halves of the model in one process, behind the OpenAI API",
+    )
     p.add_argument("--model", required=True, help="HF checkpoint directory, or `demo`")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu", "auto"],
-                   help="auto: npu if torch_npu sees one, else cuda if torch sees one, else cpu")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda", "npu", "auto"],
+        help="auto: npu if torch_npu sees one, else cuda if torch sees one, else cpu",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP API listens on")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("AFD_API_KEY"), help="require Bearer KEY on /v1 routes")
@@ -73,15 +80,40 @@ def run(args) -> int:
     name = served_model_name(args.model, args.served_model_name)
     metrics = AttentionMetrics("colocated", name)
     metrics.watch_cluster_state(lambda: 3 if st.draining else 1)  # a cluster of one: READY (1), DRAINING (3)
-    eng = EngineSection(block_size=args.block_size, kv_cache_bytes=args.kv_cache_bytes, speculative_tokens=spec,
-                        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}))
-    engine, tok, max_len = build_engine(attn, LocalMoE(ffn, backend), path, mcfg, dtype, backend.device, eng,
-                                        args.max_model_len, args, metrics, mtp=mtp,
-                                        graph=GraphSettings(args.graph_mode), backend=backend)
-    st = ServerState(engine, tok, name, path, Limits(max_len, mcfg.vocab_size), metrics, ready=lambda: True,
-                     api_key=args.api_key)
-    server = UvicornServer(uvicorn.Config(build_app(st), host=args.host, port=args.port, log_level="warning",
-                                          access_log=False, timeout_graceful_shutdown=1))
+    eng = EngineSection(
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_bytes,
+        speculative_tokens=spec,
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
+    )
+    engine, tok, max_len = build_engine(
+        attn,
+        LocalMoE(ffn, backend),
+        path,
+        mcfg,
+        dtype,
+        backend.device,
+        eng,
+        args.max_model_len,
+        args,
+        metrics,
+        mtp=mtp,
+        graph=GraphSettings(args.graph_mode),
+        backend=backend,
+    )
+    st = ServerState(
+        engine, tok, name, path, Limits(max_len, mcfg.vocab_size), metrics, ready=lambda: True, api_key=args.api_key
+    )
+    server = UvicornServer(
+        uvicorn.Config(
+            build_app(st),
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+        )
+    )
 
     def stop(_) -> None:
         st.draining = True

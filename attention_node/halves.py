@@ -26,8 +26,9 @@ def load_halves(rt, dtype) -> dict:
         built["mtp"] = build_mtp_layer(rt.model_cfg, reader, dtype, rt.backend.device)
     if cfg.colocated:
         built["ffn"] = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, mtp=mtp)
-    log.info("attention half loaded from %s%s", rt.model_path, " with every expert (no FFN nodes)" if cfg.colocated
-             else "")
+    log.info(
+        "attention half loaded from %s%s", rt.model_path, " with every expert (no FFN nodes)" if cfg.colocated else ""
+    )
     return built
 
 

@@ -1,8 +1,8 @@
 """`afd-attention`: one attention node process.
 
-    afd-attention --config cluster.yaml --node attn0 [--model PATH] [--port N] [--api-key KEY]
-    afd-attention generate --config cluster.yaml --node attn0 --prompts-file F --output-file O   (offline)
-    afd-attention colocated --model PATH [--port N] ...   (both halves in this process: `afd serve --colocated`)
+afd-attention --config cluster.yaml --node attn0 [--model PATH] [--port N] [--api-key KEY]
+afd-attention generate --config cluster.yaml --node attn0 --prompts-file F --output-file O   (offline)
+afd-attention colocated --model PATH [--port N] ...   (both halves in this process: `afd serve --colocated`)
 """
 
 from __future__ import annotations
@@ -19,31 +19,49 @@ log = logging.getLogger("afd.attention")
 
 
 def build_server_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="afd-attention", description="Attention node: OpenAI API, scheduler, "
-                                "KV cache and the attention half of every layer. (`afd-attention generate "
-                                "--help`: the offline worker.)")
+    p = argparse.ArgumentParser(
+        prog="afd-attention",
+        description="Attention node: OpenAI API, scheduler, "
+        "KV cache and the attention half of every layer. (`afd-attention generate "
+        "--help`: the offline worker.)",
+    )
     add_cluster_args(p)
-    p.add_argument("--tp-rank", type=int, default=0,
-                   help="this process's TP rank in the node (layout.attention_tp); ranks > 0 follow rank 0, "
-                        "which serves the API")
+    p.add_argument(
+        "--tp-rank",
+        type=int,
+        default=0,
+        help="this process's TP rank in the node (layout.attention_tp); ranks > 0 follow rank 0, which serves the API",
+    )
     p.add_argument("--model", default=None, help="override the YAML's model path")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--host", default=None,
-                   help="address the HTTP API listens on (default: --bind-host); e.g. 0.0.0.0 to serve other hosts")
+    p.add_argument(
+        "--host",
+        default=None,
+        help="address the HTTP API listens on (default: --bind-host); e.g. 0.0.0.0 to serve other hosts",
+    )
     p.add_argument("--port", type=int, default=None, help="override this node's HTTP port")
     p.add_argument("--api-key", default=os.environ.get("AFD_API_KEY"), help="require Bearer KEY on /v1 routes")
     add_engine_args(p)
-    p.add_argument("--shutdown-timeout", type=float, default=None,
-                   help="seconds SIGTERM lets running requests finish (0 aborts them)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads (0: the YAML's, else the host's cores split among its CPU nodes)")
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        help="seconds SIGTERM lets running requests finish (0 aborts them)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads (0: the YAML's, else the host's cores split among its CPU nodes)",
+    )
     return p
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
-    g = argparse.ArgumentParser(prog="afd-attention generate",
-                                description="offline: a node of the cluster YAML that generates for a prompts "
-                                            "file, then leaves")
+    g = argparse.ArgumentParser(
+        prog="afd-attention generate",
+        description="offline: a node of the cluster YAML that generates for a prompts file, then leaves",
+    )
     add_cluster_args(g)
     g.add_argument("--model", default=None, help="override the YAML's model path")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -65,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return colocated.run(colocated.build_parser().parse_args(argv[1:]))
     args = build_server_parser().parse_args(argv)
     if not args.config:
-        print("afd-attention: error: --config FILE --node NAME is required (or the `generate` mode)",
-              file=sys.stderr)
+        print("afd-attention: error: --config FILE --node NAME is required (or the `generate` mode)", file=sys.stderr)
         return 2
     if args.tp_rank:
         from attention_node.tp_rank import run_tp_rank

@@ -12,8 +12,13 @@ from afd.engine.sampling import INT64_MAX, INT64_MIN, SamplingParams
 class ApiError(Exception):
     """Becomes {"error": {"message", "type", "param", "code"}} with HTTP status `code`."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             500: "InternalServerError", 503: "ServiceUnavailableError"}
+    TYPES = {
+        400: "BadRequestError",
+        401: "AuthenticationError",
+        404: "NotFoundError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
 
     def __init__(self, code: int, message: str, param: str | None = None, type_: str | None = None):
         super().__init__(message)
@@ -33,8 +38,15 @@ MAX_N = 128
 """Choices per prompt: each is a sequence in the engine, so n is bounded like the batch."""
 # Fields OpenAI / vLLM clients send that afd does not implement, with the value that means "off":
 # anything else is refused naming the field, never silently ignored.
-UNSUPPORTED = {"suffix": ("",), "prompt_logprobs": (0,), "guided_json": ({},), "response_format": ({"type": "text"},),
-               "tools": ([],), "use_beam_search": (False,), "length_penalty": (1, 1.0)}
+UNSUPPORTED = {
+    "suffix": ("",),
+    "prompt_logprobs": (0,),
+    "guided_json": ({},),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "use_beam_search": (False,),
+    "length_penalty": (1, 1.0),
+}
 
 
 class _Sampling(BaseModel):
@@ -85,8 +97,9 @@ class ChatMessage(BaseModel):
         """The message as chat templates take it: content parts joined into text, and OpenAI's
         `developer` role as `system` when the template does not know it."""
         if self.role not in ROLES:
-            raise ApiError(400, f"Unknown chat role {self.role!r}; expected one of {', '.join(ROLES)}.",
-                           "messages.role")
+            raise ApiError(
+                400, f"Unknown chat role {self.role!r}; expected one of {', '.join(ROLES)}.", "messages.role"
+            )
         msg = self.model_dump(exclude_none=True)
         if self.role == "developer" and "developer" not in template_roles:
             msg["role"] = "system"
@@ -94,8 +107,12 @@ class ChatMessage(BaseModel):
             texts = []
             for part in self.content:
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ApiError(400, f"Content parts of type {part.get('type')!r} are not supported; "
-                                        "send {\"type\": \"text\", \"text\": ...} parts.", "messages.content")
+                    raise ApiError(
+                        400,
+                        f"Content parts of type {part.get('type')!r} are not supported; "
+                        'send {"type": "text", "text": ...} parts.',
+                        "messages.content",
+                    )
                 texts.append(part["text"])
             msg["content"] = "\n".join(texts)
         return msg
@@ -128,9 +145,12 @@ def check_prompt(ids: list[int], limits: Limits, param: str = "prompt") -> None:
             raise ApiError(400, f"Token id {t} is out of vocabulary (vocabulary size {limits.vocab_size}).", param)
     n = len(ids)
     if n >= limits.max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {limits.max_model_len} tokens. However, "
-                            f"your request has {n} input tokens. Please reduce the length of the input messages.",
-                       "input_tokens")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, "
+            f"your request has {n} input tokens. Please reduce the length of the input messages.",
+            "input_tokens",
+        )
 
 
 COMPLETION_MAX_TOKENS = 16
@@ -144,10 +164,13 @@ def resolve_max_tokens(requested: int | None, n_prompt: int, limits: Limits, def
     if requested < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {requested}.", "max_tokens")
     if requested > room:
-        raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's "
-                            f"maximum context length is {limits.max_model_len} tokens and your request has "
-                            f"{n_prompt} input tokens ({requested} > {limits.max_model_len} - {n_prompt}).",
-                       "max_tokens")
+        raise ApiError(
+            400,
+            f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's "
+            f"maximum context length is {limits.max_model_len} tokens and your request has "
+            f"{n_prompt} input tokens ({requested} > {limits.max_model_len} - {n_prompt}).",
+            "max_tokens",
+        )
     return requested
 
 
@@ -168,18 +191,24 @@ def sampling_params(req: _Sampling, choice: int, limits: Limits | None = None) -
     stop_ids = list(req.stop_token_ids or [])
     bad = [t for t in stop_ids if vocab is not None and not 0 <= t < vocab]
     if bad:
-        raise ApiError(400, f"stop_token_ids: token id {bad[0]} is out of vocabulary (vocabulary size {vocab}).",
-                       "stop_token_ids")
+        raise ApiError(
+            400, f"stop_token_ids: token id {bad[0]} is out of vocabulary (vocabulary size {vocab}).", "stop_token_ids"
+        )
     temperature = 1.0 if req.temperature is None else req.temperature
     try:
         return SamplingParams(
-            temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k in (None, -1) else req.top_k,  # -1: vLLM's "off"
             seed=None if req.seed is None else req.seed + choice,
-            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-            logit_bias=bias, min_tokens=req.min_tokens, stop_token_ids=tuple(stop_ids),
-            logprobs=req.num_logprobs())
+            logit_bias=bias,
+            min_tokens=req.min_tokens,
+            stop_token_ids=tuple(stop_ids),
+            logprobs=req.num_logprobs(),
+        )
     except ValueError as e:
         raise ApiError(400, str(e), str(e).split()[0].rstrip(":")) from None
 
@@ -192,8 +221,9 @@ def _token_map(bias: dict[str, float], vocab: int | None) -> dict[int, float]:
             raise ApiError(400, f"logit_bias: {key!r} is not a token id.", "logit_bias")
         tok = int(key)
         if vocab is not None and not 0 <= tok < vocab:
-            raise ApiError(400, f"logit_bias: token id {tok} is out of vocabulary (vocabulary size {vocab}).",
-                           "logit_bias")
+            raise ApiError(
+                400, f"logit_bias: token id {tok} is out of vocabulary (vocabulary size {vocab}).", "logit_bias"
+            )
         out[tok] = value
     return out
 

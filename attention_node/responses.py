@@ -17,14 +17,12 @@ def _sse(obj) -> str:
 
 def _head(st, chat: bool) -> dict:
     kind = ("chatcmpl-", "chat.completion") if chat else ("cmpl-", "text_completion")
-    return {"id": kind[0] + uuid.uuid4().hex, "object": kind[1], "created": int(time.time()),
-            "model": st.model_name}
+    return {"id": kind[0] + uuid.uuid4().hex, "object": kind[1], "created": int(time.time()), "model": st.model_name}
 
 
 def _usage(gens, completion_tokens: int) -> dict:
     prompt = sum(len(g.prompt_ids) for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens}
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
 def _prompt_of(gens, n: int, i: int) -> list[int]:
@@ -45,20 +43,28 @@ def _token_text(st, tok: int) -> str:
 def _logprobs(st, toks: list[int], entries: list, chat: bool, offset: int = 0) -> dict:
     """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists."""
     if chat:
+
         def one(tok, lp):
             text = _token_text(st, tok)
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
 
-        return {"content": [{**one(tok, lp), "top_logprobs": [one(a, alp) for a, alp in alts]}
-                            for tok, (lp, alts) in zip(toks, entries)]}
+        return {
+            "content": [
+                {**one(tok, lp), "top_logprobs": [one(a, alp) for a, alp in alts]}
+                for tok, (lp, alts) in zip(toks, entries)
+            ]
+        }
     tokens = [_token_text(st, t) for t in toks]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in entries],
-            "top_logprobs": [{_token_text(st, a): alp for a, alp in alts} for _, alts in entries],
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp for lp, _ in entries],
+        "top_logprobs": [{_token_text(st, a): alp for a, alp in alts} for _, alts in entries],
+        "text_offset": offsets,
+    }
 
 
 async def _abort_on_disconnect(request, gens) -> None:
@@ -101,8 +107,11 @@ async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
         else:
             c["text"] = _echo(st, body, gens, i) + text
         want = body.num_logprobs() is not None
-        c.update(logprobs=_logprobs(st, ids.get(i, []), lps.get(i, []), chat) if want else None,
-                 finish_reason=ends[i][0], stop_reason=ends[i][1])
+        c.update(
+            logprobs=_logprobs(st, ids.get(i, []), lps.get(i, []), chat) if want else None,
+            finish_reason=ends[i][0],
+            stop_reason=ends[i][1],
+        )
         if body.return_token_ids:
             c["token_ids"] = ids.get(i, [])
             c["prompt_token_ids"] = _prompt_of(gens, n, i)

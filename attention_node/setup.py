@@ -53,20 +53,43 @@ def build_server_state(cfg, args, box: dict):
     metrics.watch_cluster_state(lambda: rt.cluster_state)
     attn, tp, moe = build_rank(rt, built, dtype)
     metrics.watch_tp(tp)
-    engine, tok, max_len = build_engine(attn, moe, rt.model_path, mcfg, dtype, rt.backend.device,
-                                        cfg.engine, cfg.model.max_model_len, args, metrics,
-                                        cfg.layout.micro_batches, cfg.layout.overlap, tp, built.get("mtp"),
-                                        graph=settings_of(cfg), backend=rt.backend)
+    engine, tok, max_len = build_engine(
+        attn,
+        moe,
+        rt.model_path,
+        mcfg,
+        dtype,
+        rt.backend.device,
+        cfg.engine,
+        cfg.model.max_model_len,
+        args,
+        metrics,
+        cfg.layout.micro_batches,
+        cfg.layout.overlap,
+        tp,
+        built.get("mtp"),
+        graph=settings_of(cfg),
+        backend=rt.backend,
+    )
 
     def rejoin(why: str):
         rt.reform(why)
         tp.connect()  # the node's TP ranks re-form with it (attention_node/tp_rank.py) and meet in new groups
         return exchange(rt, built, dtype)
 
-    engine.membership = PlaneMembership(rejoin if cfg.cluster.rejoin_timeout > 0 else None, rt.superseded,
-                                        rt.release_plane)
-    st = ServerState(engine, tok, name, rt.model_path, Limits(max_len, mcfg.vocab_size), metrics,
-                     ready=lambda: rt.cluster_state in _SERVING, api_key=args.api_key)
+    engine.membership = PlaneMembership(
+        rejoin if cfg.cluster.rejoin_timeout > 0 else None, rt.superseded, rt.release_plane
+    )
+    st = ServerState(
+        engine,
+        tok,
+        name,
+        rt.model_path,
+        Limits(max_len, mcfg.vocab_size),
+        metrics,
+        ready=lambda: rt.cluster_state in _SERVING,
+        api_key=args.api_key,
+    )
     box["state"] = st
     return st, rt
 
@@ -79,9 +102,24 @@ def kv_cache_for(mcfg, dtype, device, eng: EngineSection, kvp: int = 1) -> KVCac
     return KVCache(mcfg, kvp * cache.resolve_num_blocks(mcfg, dtype.itemsize), eng.block_size, dtype, device, kvp)
 
 
-def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSection, max_model_len: int | None,
-                 args, metrics: AttentionMetrics, micro_batches: int = 1, overlap: bool = True, tp=SINGLE,
-                 mtp=None, graph: GraphSettings | None = None, backend=None):
+def build_engine(
+    attn,
+    moe,
+    model_path: str,
+    mcfg,
+    dtype,
+    device,
+    eng: EngineSection,
+    max_model_len: int | None,
+    args,
+    metrics: AttentionMetrics,
+    micro_batches: int = 1,
+    overlap: bool = True,
+    tp=SINGLE,
+    mtp=None,
+    graph: GraphSettings | None = None,
+    backend=None,
+):
     """The serving engine over an attention half and its MoE exchange (remote or colocated): KV cache
     sized from the budget, tokenizer with `--chat-template`, `--seed`; with engine.speculative_tokens,
     MTP drafting with the MTP module `mtp` (its KV cache layer taken from the same budget); graph mode
@@ -91,8 +129,13 @@ def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSec
     metrics.watch_graph(attn)
     num_blocks = kv.allocator.num_free  # what requests can have
     max_len = min(max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
-    log.info("KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d", num_blocks, eng.block_size,
-             kv.data.numel() * kv.data.element_size() / 2**20, max_len)
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d",
+        num_blocks,
+        eng.block_size,
+        kv.data.numel() * kv.data.element_size() / 2**20,
+        max_len,
+    )
     runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp, mtp if eng.speculative_tokens else None)
     metrics.watch_kv_ranks(kv.allocator)
     tok = load_tokenizer(model_path)
@@ -103,8 +146,15 @@ def build_engine(attn, moe, model_path: str, mcfg, dtype, device, eng: EngineSec
     if args.seed is not None:  # requests without a seed of their own sample from torch's default generator
         torch.manual_seed(args.seed)
     eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else mcfg.eos_token_ids
-    engine = Engine(runner, Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens), tok, eos, max_len,
-                    metrics, eng.speculative_tokens)
+    engine = Engine(
+        runner,
+        Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens),
+        tok,
+        eos,
+        max_len,
+        metrics,
+        eng.speculative_tokens,
+    )
     return engine, tok, max_len
 
 
@@ -113,6 +163,7 @@ def _without_mtp_layer(eng: EngineSection, mcfg, mtp) -> EngineSection:
     has its share."""
     if not eng.speculative_tokens or mtp is None:
         return eng
-    main, extra = (math.prod(shape) for shape in (mcfg.kv_cache_shape(1, eng.block_size),
-                                                   mtp.kv_cache_shape(1, eng.block_size)))
+    main, extra = (
+        math.prod(shape) for shape in (mcfg.kv_cache_shape(1, eng.block_size), mtp.kv_cache_shape(1, eng.block_size))
+    )
     return dataclasses.replace(eng, kv_cache_bytes=eng.kv_cache_bytes * main // (main + extra))

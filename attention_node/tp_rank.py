@@ -28,8 +28,10 @@ log = logging.getLogger("afd.attention")
 def check_tp_rank(cfg, args) -> str | None:
     tp = cfg.layout.attention_tp
     if not 0 <= args.tp_rank < tp:
-        return (f"{cfg.source}: --tp-rank {args.tp_rank}: node {args.node} has TP ranks 0..{tp - 1} "
-                f"(layout.attention_tp {tp})")
+        return (
+            f"{cfg.source}: --tp-rank {args.tp_rank}: node {args.node} has TP ranks 0..{tp - 1} "
+            f"(layout.attention_tp {tp})"
+        )
     return None
 
 
@@ -46,8 +48,9 @@ def run_tp_rank(args) -> int:
     dtype = parse_dtype(cfg.model.dtype)
     built: dict = {}
     try:
-        rt = bring_up(cfg, args.node, args.bind_host, lambda rt: built.update(load_halves(rt, dtype)),
-                      tp_rank=args.tp_rank)
+        rt = bring_up(
+            cfg, args.node, args.bind_host, lambda rt: built.update(load_halves(rt, dtype)), tp_rank=args.tp_rank
+        )
     except (ControlError, PeerError, OSError, ValueError) as e:
         log.error("startup failed: %s", e)
         return 1

@@ -37,25 +37,53 @@ def run_offline(cfg, args) -> int:
         prompts, max_tokens = spec["prompts"], spec["max_tokens"]
         per = offline.validate_prompts(mcfg, prompts, max_tokens) if prompts else []
         attn, tp, moe = build_rank(rt, built, dtype)
-        engine = offline.job_engine(attn, moe, prompts, per, dtype, rt.backend.device, cfg.engine.block_size,
-                                    cfg.layout.micro_batches, cfg.layout.overlap, tp=tp, mtp=built.get("mtp"),
-                                    speculative_tokens=cfg.engine.speculative_tokens, graph=settings_of(cfg))
+        engine = offline.job_engine(
+            attn,
+            moe,
+            prompts,
+            per,
+            dtype,
+            rt.backend.device,
+            cfg.engine.block_size,
+            cfg.layout.micro_batches,
+            cfg.layout.overlap,
+            tp=tp,
+            mtp=built.get("mtp"),
+            speculative_tokens=cfg.engine.speculative_tokens,
+            graph=settings_of(cfg),
+        )
         if rank > 0:
             follow(engine.runner)
             log.info("TP rank %d done", rank)
             return 0
         steps: list[dict] = []
         logits: list | None = [] if spec.get("logits") else None
-        out = offline.generate(engine, prompts, per, params, spec.get("ignore_eos", False), logits,
-                               on_step=lambda s: steps.append(s.report()), progress=True)
+        out = offline.generate(
+            engine,
+            prompts,
+            per,
+            params,
+            spec.get("ignore_eos", False),
+            logits,
+            on_step=lambda s: steps.append(s.report()),
+            progress=True,
+        )
         engine.runner.leave()
         with open(args.output_file, "w") as f:
-            json.dump({"outputs": out, "steps": steps, "a2f_bytes": getattr(moe, "bytes_sent", 0),
-                       "micro_batches": engine.runner.micro_batches, "tp_bytes": dict(tp.bytes),
-                       "tp_fallbacks": dict(tp.fallbacks),
-                       "spec_decode": engine.spec.stats.report() if engine.spec else None,
-                       "graph": graph_report(engine.runner.attn),
-                       "logits": [[t.tolist() for t in p] for p in logits] if logits is not None else None}, f)
+            json.dump(
+                {
+                    "outputs": out,
+                    "steps": steps,
+                    "a2f_bytes": getattr(moe, "bytes_sent", 0),
+                    "micro_batches": engine.runner.micro_batches,
+                    "tp_bytes": dict(tp.bytes),
+                    "tp_fallbacks": dict(tp.fallbacks),
+                    "spec_decode": engine.spec.stats.report() if engine.spec else None,
+                    "graph": graph_report(engine.runner.attn),
+                    "logits": [[t.tolist() for t in p] for p in logits] if logits is not None else None,
+                },
+                f,
+            )
         log.info("generated %d sequences in %d steps", len(out), len(steps))
         return 0
     finally:

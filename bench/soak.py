@@ -27,12 +27,25 @@ from afd.cluster.local import descendants, free_ports
 
 def _cluster(tmp: str) -> tuple[str, str]:
     c = iter(free_ports(6))
-    doc = {"cluster": {"name": "soak"}, "model": {"path": "demo"},
-           "engine": {"kv_cache_bytes": "64MiB", "max_num_seqs": 64},
-           "nodes": [{"name": "attn0", "role": "attention", "host": "127.0.0.1",
-                      "ports": {"control": next(c), "data": next(c), "http": next(c)}},
-                     {"name": "ffn0", "role": "ffn", "host": "127.0.0.1",
-                      "ports": {"control": next(c), "data": next(c), "metrics": next(c)}}]}
+    doc = {
+        "cluster": {"name": "soak"},
+        "model": {"path": "demo"},
+        "engine": {"kv_cache_bytes": "64MiB", "max_num_seqs": 64},
+        "nodes": [
+            {
+                "name": "attn0",
+                "role": "attention",
+                "host": "127.0.0.1",
+                "ports": {"control": next(c), "data": next(c), "http": next(c)},
+            },
+            {
+                "name": "ffn0",
+                "role": "ffn",
+                "host": "127.0.0.1",
+                "ports": {"control": next(c), "data": next(c), "metrics": next(c)},
+            },
+        ],
+    }
     path = os.path.join(tmp, "soak.yaml")
     Path(path).write_text(yaml.safe_dump(doc))
     return path, f"http://127.0.0.1:{doc['nodes'][0]['ports']['http']}"
@@ -58,17 +71,42 @@ def _gauges(url: str) -> dict[str, float]:
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
     names = ("afd_num_requests_running", "afd_num_requests_waiting", "afd_kv_cache_usage_ratio")
-    return {n: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() for n in names
-            if line.startswith(n + "{")}
+    return {n: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() for n in names if line.startswith(n + "{")}
 
 
 def _round(url: str, args, tmp: str, n: int, seed: int) -> dict:
     out = os.path.join(tmp, f"round{seed}.json")
-    subprocess.run([sys.executable, "-m", "afd.cli", "bench", "--base-url", url, "--num-prompts", str(n),
-                    "--max-concurrency", str(args.concurrency), "--random-input-len", "32",
-                    "--random-output-len", "32", "--vocab-size", "512", "--seed", str(seed), "--save-result",
-                    "--result-dir", tmp, "--result-filename", os.path.basename(out), "--disable-tqdm"],
-                   check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "afd.cli",
+            "bench",
+            "--base-url",
+            url,
+            "--num-prompts",
+            str(n),
+            "--max-concurrency",
+            str(args.concurrency),
+            "--random-input-len",
+            "32",
+            "--random-output-len",
+            "32",
+            "--vocab-size",
+            "512",
+            "--seed",
+            str(seed),
+            "--save-result",
+            "--result-dir",
+            tmp,
+            "--result-filename",
+            os.path.basename(out),
+            "--disable-tqdm",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return json.loads(Path(out).read_text())
 
 
@@ -81,8 +119,12 @@ def main() -> int:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path, url = _cluster(tmp)
-        launcher = subprocess.Popen([sys.executable, "-m", "afd.cli", "launch", path], stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "afd.cli", "launch", path],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             while not (launcher.stdout.readline() or "").startswith("http://"):
                 assert launcher.poll() is None, "the cluster did not start"
@@ -94,9 +136,11 @@ def main() -> int:
                 r = _round(url, args, tmp, args.round_prompts, seed)
                 rounds.append({k: r[k] for k in ("completed", "failed", "duration", "output_throughput")})
                 rounds[-1]["rss"] = {n: _rss(p) for n, p in pids.items()}
-                print(f"round {seed}: {r['completed']} ok, {r['failed']} failed, {r['output_throughput']:.0f} tok/s, "
-                      f"RSS {', '.join(f'{n} {v / 2**20:.0f} MiB' for n, v in rounds[-1]['rss'].items())}",
-                      flush=True)
+                print(
+                    f"round {seed}: {r['completed']} ok, {r['failed']} failed, {r['output_throughput']:.0f} tok/s, "
+                    f"RSS {', '.join(f'{n} {v / 2**20:.0f} MiB' for n, v in rounds[-1]['rss'].items())}",
+                    flush=True,
+                )
                 seed += 1
             time.sleep(2)
             gauges = _gauges(url)
@@ -104,18 +148,21 @@ def main() -> int:
         finally:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(60)
-    result = {"minutes": round((time.monotonic() - t0) / 60, 2), "concurrency": args.concurrency,
-              "requests": sum(r["completed"] + r["failed"] for r in rounds),
-              "failed": sum(r["failed"] for r in rounds),
-              "rss_start_mib": {n: round(v / 2**20, 1) for n, v in start.items()},
-              "rss_end_mib": {n: round(v / 2**20, 1) for n, v in end.items()},
-              "rss_growth": {n: round(end[n] / start[n] - 1, 4) for n in start},
-              "gauges_after": gauges, "rounds": rounds}
+    result = {
+        "minutes": round((time.monotonic() - t0) / 60, 2),
+        "concurrency": args.concurrency,
+        "requests": sum(r["completed"] + r["failed"] for r in rounds),
+        "failed": sum(r["failed"] for r in rounds),
+        "rss_start_mib": {n: round(v / 2**20, 1) for n, v in start.items()},
+        "rss_end_mib": {n: round(v / 2**20, 1) for n, v in end.items()},
+        "rss_growth": {n: round(end[n] / start[n] - 1, 4) for n in start},
+        "gauges_after": gauges,
+        "rounds": rounds,
+    }
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1))
-    ok = result["failed"] == 0 and all(g < 0.05 for g in result["rss_growth"].values()) \
-        and not any(gauges.values())
+    ok = result["failed"] == 0 and all(g < 0.05 for g in result["rss_growth"].values()) and not any(gauges.values())
     return 0 if ok else 1
 
 

@@ -42,10 +42,23 @@ def run_cluster_node(args) -> int:
     def load(rt) -> None:
         a = rt.assignment
         reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
-        built["ffn"] = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, a.expert_lo, a.expert_hi,
-                                      a.serves_zero_experts, mtp=cfg.engine.speculative_tokens > 0)
-        log.info("experts [%d, %d) of %d loaded%s", a.expert_lo, a.expert_hi, rt.model_cfg.n_routed_experts,
-                 ", serving identity experts" if a.serves_zero_experts else "")
+        built["ffn"] = build_ffn_half(
+            rt.model_cfg,
+            reader,
+            dtype,
+            rt.backend.device,
+            a.expert_lo,
+            a.expert_hi,
+            a.serves_zero_experts,
+            mtp=cfg.engine.speculative_tokens > 0,
+        )
+        log.info(
+            "experts [%d, %d) of %d loaded%s",
+            a.expert_lo,
+            a.expert_hi,
+            rt.model_cfg.n_routed_experts,
+            ", serving identity experts" if a.serves_zero_experts else "",
+        )
 
     node = cfg.node(args.node)
     try:
@@ -55,23 +68,32 @@ def run_cluster_node(args) -> int:
         return 1
     a = rt.assignment
     mtp_layers = getattr(built["ffn"], "mtp_layers", ())  # the MTP module's MoE layer: per-layer metrics too
-    metrics = FFNMetrics(node.name, served_model_name(cfg.model.path, args.served_model_name), a.expert_lo, a.expert_hi,
-                         rt.model_cfg.num_layers + len(mtp_layers))
+    metrics = FFNMetrics(
+        node.name,
+        served_model_name(cfg.model.path, args.served_model_name),
+        a.expert_lo,
+        a.expert_hi,
+        rt.model_cfg.num_layers + len(mtp_layers),
+    )
     metrics.watch_cluster_state(lambda: rt.cluster_state)
     metrics.count_zero_experts(built["ffn"].layer(i).experts for i in (*rt.model_cfg.moe_layers, *mtp_layers))
     healthy = {"ok": True}
     http = None
     if node.ports.metrics:
-        http = serve_metrics(args.bind_host, node.ports.metrics, metrics,
-                             lambda: healthy["ok"] and rt.cluster_state in (pb.ClusterStatus.READY,
-                                                                            pb.ClusterStatus.DRAINING,
-                                                                            pb.ClusterStatus.DEGRADED))
+        http = serve_metrics(
+            args.bind_host,
+            node.ports.metrics,
+            metrics,
+            lambda: (
+                healthy["ok"]
+                and rt.cluster_state in (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING, pb.ClusterStatus.DEGRADED)
+            ),
+        )
     pf = cfg.prefetch
     pcfg = PrefetchConfig(pf.enabled, pf.budget_bytes, tuple(pf.weights or WEIGHTS), pf.next_layer)
     hook = PrefetchSchedule(built["ffn"], rt.backend, pcfg) if pcfg.active(rt.backend) else None
     log.info("weight prefetch: %s", f"on, {pcfg.budget_bytes >> 20} MiB per wait" if hook else "off")
-    server = FFNServer(built["ffn"], rt.backend, rt.plane, list(a.peer_ranks), dtype, layer_hook=hook,
-                       metrics=metrics)
+    server = FFNServer(built["ffn"], rt.backend, rt.plane, list(a.peer_ranks), dtype, layer_hook=hook, metrics=metrics)
     log.info("serving %d attention peer(s)", len(a.peer_ranks))
     code = 0
     while True:
@@ -94,12 +116,24 @@ def run_cluster_node(args) -> int:
         healthy["ok"] = True
         log.info("data plane re-formed; serving %d attention peer(s)", len(a.peer_ranks))
     t = server.timers
-    log.info("%d steps, %d tokens; compute %.3fs, idle %.3fs", server.steps, server.tokens, t.total("compute"),
-             t.total("idle"))
+    log.info(
+        "%d steps, %d tokens; compute %.3fs, idle %.3fs",
+        server.steps,
+        server.tokens,
+        t.total("compute"),
+        t.total("idle"),
+    )
     if args.report_file:
         with open(args.report_file, "w") as f:
-            json.dump({"steps": server.steps, "tokens": server.tokens, "compute_seconds": t.total("compute"),
-                       "idle_seconds": t.total("idle")}, f)
+            json.dump(
+                {
+                    "steps": server.steps,
+                    "tokens": server.tokens,
+                    "compute_seconds": t.total("compute"),
+                    "idle_seconds": t.total("idle"),
+                },
+                f,
+            )
     if http is not None:
         http.shutdown()
     rt.close()

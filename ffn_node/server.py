@@ -52,9 +52,17 @@ class ServeEnd(enum.Enum):
 
 
 class FFNServer:
-    def __init__(self, ffn: nn.Module, backend: Backend, plane: DataPlane, attention_ranks: list[int],
-                 dtype: torch.dtype, timers: Timers | None = None, layer_hook=None,
-                 metrics: FFNMetrics | None = None):
+    def __init__(
+        self,
+        ffn: nn.Module,
+        backend: Backend,
+        plane: DataPlane,
+        attention_ranks: list[int],
+        dtype: torch.dtype,
+        timers: Timers | None = None,
+        layer_hook=None,
+        metrics: FFNMetrics | None = None,
+    ):
         self.ffn, self.backend = ffn, backend
         self.hidden = ffn.cfg.hidden_size
         self.timers = timers or Timers()
@@ -115,8 +123,14 @@ class FFNServer:
         if r in self.active:
             self.active.remove(r)
             self.gone[r] = why
-            log.log(level, "attention rank %d dropped from generation %d: %s; serving %d other(s)", r,
-                    self.plane.generation, why, len(self.active))
+            log.log(
+                level,
+                "attention rank %d dropped from generation %d: %s; serving %d other(s)",
+                r,
+                self.plane.generation,
+                why,
+                len(self.active),
+            )
 
     def _fail(self, r: int, e: PeerError) -> None:
         self._drop(r, str(e))
@@ -161,8 +175,7 @@ class FFNServer:
     # ---- the protocol ------------------------------------------------------------------------------
 
     def _recv_headers(self) -> dict[int, StepHeader]:
-        works = [(r, self._post(self.plane.irecv, self._headers[r], r))
-                 for r in list(self.active)]
+        works = [(r, self._post(self.plane.irecv, self._headers[r], r)) for r in list(self.active)]
         received = [r for r, w in works if self._wait(w, r, "step header receive")]
         self._idle()  # between steps: the last step's sends and acks, then the wait for these headers
         headers = {}
@@ -173,12 +186,18 @@ class FFNServer:
                 self._drop(r, f"data plane: {e}")
                 continue
             if h.flags & FLAG_MTP and not getattr(self.ffn, "mtp_layers", ()):
-                self._drop(r, f"data plane: rank {r} sent an MTP step, but this FFN node holds no MTP layer: "
-                              "start every node with the same engine.speculative_tokens")
+                self._drop(
+                    r,
+                    f"data plane: rank {r} sent an MTP step, but this FFN node holds no MTP layer: "
+                    "start every node with the same engine.speculative_tokens",
+                )
                 continue
             if h.step_id != self._next_step[r]:  # a desynchronised peer is an error here, never wrong numbers
-                self._drop(r, f"data plane: rank {r} sent step {h.step_id} where step {self._next_step[r]} was "
-                              "due: the protocol is out of step")
+                self._drop(
+                    r,
+                    f"data plane: rank {r} sent step {h.step_id} where step {self._next_step[r]} was "
+                    "due: the protocol is out of step",
+                )
                 continue
             if not h.flags & (FLAG_IDLE | _GONE):
                 self._next_step[r] += 1
@@ -196,8 +215,9 @@ class FFNServer:
         sends, outputs = [], []  # outputs stay referenced until their sends complete
         for layer in sorted(set().union(*runs.values())):  # each peer's layers stay in its own order
             for i in range(num_mb):
-                parts = [(r, counts[r][i]) for r in headers
-                         if layer in runs[r] and counts[r][i] > 0 and r in self.active]
+                parts = [
+                    (r, counts[r][i]) for r in headers if layer in runs[r] and counts[r][i] > 0 and r in self.active
+                ]
                 if parts:
                     y, works = self._run_micro_batch(layer, i, parts)
                     outputs.append(y)
@@ -211,7 +231,7 @@ class FFNServer:
         x = self.pool.get(i, total, self.hidden)  # [T_all, H]: every peer's tokens, peer by peer
         recvs, off = [], 0
         for r, n in parts:
-            recvs.append((r, off, n, self._post(self.plane.irecv, x[off:off + n], r)))
+            recvs.append((r, off, n, self._post(self.plane.irecv, x[off : off + n], r)))
             off += n
         if self.layer_hook is not None and i == 0 and layer in self.ffn.cfg.moe_layers:  # once per layer
             hinted = self.layer_hook(layer) or 0
@@ -219,7 +239,7 @@ class FFNServer:
                 self.metrics.prefetch_bytes.inc(hinted)
         for r, o, n, w in recvs:
             if not self._wait(w, r, f"layer {layer} MoE input receive"):
-                x[o:o + n].zero_()  # a failed peer's rows: computed and thrown away, never read uninitialised
+                x[o : o + n].zero_()  # a failed peer's rows: computed and thrown away, never read uninitialised
         t1 = self._idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
         with torch.inference_mode():
             y = self.ffn(self.backend, layer, x)
@@ -235,6 +255,6 @@ class FFNServer:
             m.add_expert_tokens(self.ffn.layer(layer).experts.last_counts)
         sends, off = [], 0
         for r, n in parts:
-            sends.append((r, self._post(self.plane.isend, y[off:off + n], r)))
+            sends.append((r, self._post(self.plane.isend, y[off : off + n], r)))
             off += n
         return y, sends

@@ -43,16 +43,35 @@ def cluster_yaml(tmp: Path, model_path: str, attention: int = 1, ffn: int = 1, n
     ports = iter(free_ports(4 * (attention + ffn)))
     nodes = []
     for i in range(attention):
-        nodes.append({"name": f"attn{i}", "role": "attention", "host": "127.0.0.1",
-                      "ports": {"control": next(ports), "data": next(ports), "http": next(ports)}})
+        nodes.append(
+            {
+                "name": f"attn{i}",
+                "role": "attention",
+                "host": "127.0.0.1",
+                "ports": {"control": next(ports), "data": next(ports), "http": next(ports)},
+            }
+        )
     for i in range(ffn):
-        nodes.append({"name": f"ffn{i}", "role": "ffn", "host": "127.0.0.1",
-                      "ports": {"control": next(ports), "data": next(ports), "metrics": next(ports)}})
-    doc = {"cluster": {"name": name, "startup_timeout": 60, "heartbeat_interval": 0.5, "heartbeat_timeout": 5,
-                       "comm_timeout": 30},
-           "model": {"path": model_path, "dtype": "float32"},
-           "engine": {"block_size": 4, "kv_cache_bytes": "16MiB", "shutdown_timeout": 10},
-           "nodes": nodes}
+        nodes.append(
+            {
+                "name": f"ffn{i}",
+                "role": "ffn",
+                "host": "127.0.0.1",
+                "ports": {"control": next(ports), "data": next(ports), "metrics": next(ports)},
+            }
+        )
+    doc = {
+        "cluster": {
+            "name": name,
+            "startup_timeout": 60,
+            "heartbeat_interval": 0.5,
+            "heartbeat_timeout": 5,
+            "comm_timeout": 30,
+        },
+        "model": {"path": model_path, "dtype": "float32"},
+        "engine": {"block_size": 4, "kv_cache_bytes": "16MiB", "shutdown_timeout": 10},
+        "nodes": nodes,
+    }
     for key, extra in sections.items():
         doc.setdefault(key, {}).update(extra)
     path = tmp / f"{name}.yaml"
@@ -76,8 +95,9 @@ class Cluster:
     def url(self, name: str = "attn0") -> str:
         return f"http://127.0.0.1:{self.node(name)['ports']['http']}"
 
-    def start(self, name: str, extra: list[str] | None = None, env: dict | None = None,
-              key: str | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, extra: list[str] | None = None, env: dict | None = None, key: str | None = None
+    ) -> subprocess.Popen:
         """key: the process's name here (a TP rank's `NODE.tpR`), default the node's."""
         role = self.node(name)["role"]
         module = "attention_node.main" if role == "attention" else "ffn_node.main"
@@ -85,9 +105,25 @@ class Cluster:
         log = self.config.parent / f"{self.config.stem}-{key}-{len(self.logs)}.log"
         self.logs[key] = log
         with open(log, "w") as fh:
-            p = subprocess.Popen([sys.executable, "-m", module, "--config", str(self.config), "--node", name,
-                                  "--bind-host", "127.0.0.1", *(extra or [])], stdout=fh, stderr=subprocess.STDOUT,
-                                 env={**self.env, **(env or {})}, cwd=ROOT, start_new_session=True)
+            p = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    module,
+                    "--config",
+                    str(self.config),
+                    "--node",
+                    name,
+                    "--bind-host",
+                    "127.0.0.1",
+                    *(extra or []),
+                ],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env={**self.env, **(env or {})},
+                cwd=ROOT,
+                start_new_session=True,
+            )
         self.procs[key] = p
         return p
 
@@ -147,8 +183,9 @@ def health(url: str) -> int:
 
 def post(url: str, path: str, body, headers: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method="POST",
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url + path, data=data, method="POST", headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())

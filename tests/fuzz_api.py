@@ -34,13 +34,29 @@ def main() -> int:
             code, before = post(c.url(), "/v1/completions", GREEDY)
             assert code == 200, before
             st = Path(sys.executable).with_name("st")
-            run = subprocess.run([str(st), "run", f"{c.url()}/openapi.json", "--checks", CHECKS,
-                                  "--max-time", str(args.max_time), "--request-timeout", "60",
-                                  "--seed", str(args.seed), "--workers", "1"])
+            run = subprocess.run(
+                [
+                    str(st),
+                    "run",
+                    f"{c.url()}/openapi.json",
+                    "--checks",
+                    CHECKS,
+                    "--max-time",
+                    str(args.max_time),
+                    "--request-timeout",
+                    "60",
+                    "--seed",
+                    str(args.seed),
+                    "--workers",
+                    "1",
+                ]
+            )
             code, after = post(c.url(), "/v1/completions", GREEDY)
             same = code == 200 and after["choices"][0]["token_ids"] == before["choices"][0]["token_ids"]
-            print(f"fuzz: schemathesis exit {run.returncode}; after the run the cluster "
-                  f"{'answers as before' if same else f'answers differently: {code} {after}'}")
+            print(
+                f"fuzz: schemathesis exit {run.returncode}; after the run the cluster "
+                f"{'answers as before' if same else f'answers differently: {code} {after}'}"
+            )
             ok = run.returncode == 0 and same
             print(f"fuzz: {int(ok)} passed, {int(not ok)} failed")
             return 0 if ok else 1

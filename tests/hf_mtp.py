@@ -26,19 +26,28 @@ def _mtp_block_keys(tensors: dict, family: str, L: int) -> dict[str, str]:
     """MTP block key -> the decoder key whose shape it takes."""
     if family == "deepseek_v3":
         src = f"model.layers.{L - 1}."
-        return {f"model.layers.{L}." + k[len(src):]: k for k in tensors if k.startswith(src)}
-    like = {"self_attn.0.": "self_attn.", "mlps.0.": "transformer_layer.mlp.", "input_layernorm.0.": "input_layernorm.",
-            "post_attention_layernorm.0.": "post_attention_layernorm."}
-    return {f"model.mtp.layers.0.{dst}{k[len(f'model.layers.0.{src}'):]}": k
-            for k in tensors for src, dst in like.items() if k.startswith(f"model.layers.0.{src}")}
+        return {f"model.layers.{L}." + k[len(src) :]: k for k in tensors if k.startswith(src)}
+    like = {
+        "self_attn.0.": "self_attn.",
+        "mlps.0.": "transformer_layer.mlp.",
+        "input_layernorm.0.": "input_layernorm.",
+        "post_attention_layernorm.0.": "post_attention_layernorm.",
+    }
+    return {
+        f"model.mtp.layers.0.{dst}{k[len(f'model.layers.0.{src}') :]}": k
+        for k in tensors
+        for src, dst in like.items()
+        if k.startswith(f"model.layers.0.{src}")
+    }
 
 
 def _output_projection(key: str) -> bool:
     return key.endswith("o_proj.weight") or key.endswith("down_proj.weight")
 
 
-def add_mtp(src: str, dst: str, family: str, noise: float = 0.1, damp: float = 1.0, seed: int = 0,
-            weight_std: float = 0.2) -> str:
+def add_mtp(
+    src: str, dst: str, family: str, noise: float = 0.1, damp: float = 1.0, seed: int = 0, weight_std: float = 0.2
+) -> str:
     """A copy of checkpoint `src` at `dst` with an MTP module (and the main model damped by `damp`)."""
     if os.path.isfile(os.path.join(dst, "config.json")):
         return dst
@@ -54,9 +63,12 @@ def add_mtp(src: str, dst: str, family: str, noise: float = 0.1, damp: float = 1
             L = json.load(f)["num_hidden_layers"]
         pre, norms = f"model.layers.{L}.", (f"model.layers.{L}.enorm", f"model.layers.{L}.hnorm")
         final = f"{pre}shared_head.norm.weight"
-        copies = {f"{pre}embed_tokens.weight": "model.embed_tokens.weight",  # the hub's copies, which afd skips
-                  f"{pre}shared_head.head.weight": "lm_head.weight" if "lm_head.weight" in tensors
-                  else "model.embed_tokens.weight"}
+        copies = {
+            f"{pre}embed_tokens.weight": "model.embed_tokens.weight",  # the hub's copies, which afd skips
+            f"{pre}shared_head.head.weight": "lm_head.weight"
+            if "lm_head.weight" in tensors
+            else "model.embed_tokens.weight",
+        }
     else:
         L, pre = None, "model.mtp.layers.0."
         norms, final = (f"{pre}enorm.m", f"{pre}hnorm.m"), "model.mtp.norm.weight"
@@ -96,8 +108,9 @@ class MTPReference:
             self.main = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
             L = self.main.config.num_hidden_layers
             # the MTP block is decoder layer L: a model one layer deeper loads it from the same keys
-            deeper = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32, num_hidden_layers=L + 1,
-                                                           experts_implementation="eager")
+            deeper = DeepseekV3ForCausalLM.from_pretrained(
+                path, dtype=torch.float32, num_hidden_layers=L + 1, experts_implementation="eager"
+            )
             self.block = deeper.model.layers[L].eval()
             pre, final = f"model.layers.{L}.", f"model.layers.{L}.shared_head.norm.weight"
             norms = {"enorm": f"{pre}enorm.weight", "hnorm": f"{pre}hnorm.weight"}
@@ -108,11 +121,20 @@ class MTPReference:
 
             self.main = LongcatFlashForCausalLM.from_pretrained(path, dtype=torch.float32)
             cfg, pre = self.main.config, "model.mtp.layers.0."
-            self.block = torch.nn.ModuleDict({"self_attn": LongcatFlashMLA(cfg, 0), "mlp": LongcatFlashMLP(cfg),
-                                              "input_layernorm": Norm(cfg.hidden_size, cfg.rms_norm_eps),
-                                              "post_attention_layernorm": Norm(cfg.hidden_size, cfg.rms_norm_eps)})
-            self.block.load_state_dict({k: tensors[pre + ("transformer_layer." if k.startswith("mlp.") else "") + k]
-                                        for k in self.block.state_dict()})
+            self.block = torch.nn.ModuleDict(
+                {
+                    "self_attn": LongcatFlashMLA(cfg, 0),
+                    "mlp": LongcatFlashMLP(cfg),
+                    "input_layernorm": Norm(cfg.hidden_size, cfg.rms_norm_eps),
+                    "post_attention_layernorm": Norm(cfg.hidden_size, cfg.rms_norm_eps),
+                }
+            )
+            self.block.load_state_dict(
+                {
+                    k: tensors[pre + ("transformer_layer." if k.startswith("mlp.") else "") + k]
+                    for k in self.block.state_dict()
+                }
+            )
             self.block.eval()
             final, norms = "model.mtp.norm.weight", {"enorm": f"{pre}enorm.m.weight", "hnorm": f"{pre}hnorm.m.weight"}
         cfg = self.main.config
@@ -142,8 +164,9 @@ class MTPReference:
             x = self.block(x, attention_mask=mask, position_embeddings=pe, position_ids=pos)
         else:
             b = self.block
-            a, _ = b["self_attn"](hidden_states=b["input_layernorm"](x), attention_mask=mask, position_embeddings=pe,
-                                  position_ids=pos)
+            a, _ = b["self_attn"](
+                hidden_states=b["input_layernorm"](x), attention_mask=mask, position_embeddings=pe, position_ids=pos
+            )
             x = x + a
             x = x + b["mlp"](b["post_attention_layernorm"](x))
         return self.norms["norm"](x)[0]
@@ -152,7 +175,7 @@ class MTPReference:
     def drafts(self, seq: list[int], H: torch.Tensor, a: int, k: int) -> list[int]:
         """The k drafts afd makes once positions 0 .. a are computed (seq[a + 1] sampled): the MTP module
         on (H[t], seq[t + 1]) for t <= a, then chained on its own hidden state."""
-        ids, h, out = list(seq[1:a + 2]), H[:a + 1], []
+        ids, h, out = list(seq[1 : a + 2]), H[: a + 1], []
         for _ in range(k):
             hm = self.mtp(ids, h)
             out.append(int(self.main.lm_head(hm[-1]).argmax()))

@@ -7,24 +7,56 @@ import os
 import torch
 from hf_reference import greedy_with_logits, scale_weights_
 
-BASE = dict(vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, moe_intermediate_size=12, num_experts=6, num_experts_per_tok=2,
-            norm_topk_prob=True, max_position_embeddings=512, rope_parameters={"rope_type": "default",
-                                                                               "rope_theta": 1000.0},
-            eos_token_id=96, bos_token_id=1)
+BASE = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=40,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    moe_intermediate_size=12,
+    num_experts=6,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    eos_token_id=96,
+    bos_token_id=1,
+)
 
 TINY_CONFIGS = {
     # GQA (2 query heads per KV head), every layer sparse, top-k weights renormalised.
     "gqa": dict(seed=0),
     # Odd sizes, plain MHA, a dense layer from mlp_only_layers, raw softmax weights, attention biases.
-    "odd_dense": dict(seed=1, vocab_size=83, hidden_size=36, intermediate_size=22, num_hidden_layers=3,
-                      num_attention_heads=3, num_key_value_heads=3, head_dim=6, moe_intermediate_size=9,
-                      num_experts=7, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
-                      attention_bias=True, eos_token_id=2),
+    "odd_dense": dict(
+        seed=1,
+        vocab_size=83,
+        hidden_size=36,
+        intermediate_size=22,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        num_key_value_heads=3,
+        head_dim=6,
+        moe_intermediate_size=9,
+        num_experts=7,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        mlp_only_layers=[1],
+        attention_bias=True,
+        eos_token_id=2,
+    ),
     # decoder_sparse_step 2: layers 0 and 2 dense, 1 and 3 sparse; one KV head for all 4 query heads;
     # lm_head tied to the embeddings (the checkpoint has no lm_head.weight).
-    "sparse_step": dict(seed=2, num_hidden_layers=4, decoder_sparse_step=2, num_key_value_heads=1,
-                        num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=True),
+    "sparse_step": dict(
+        seed=2,
+        num_hidden_layers=4,
+        decoder_sparse_step=2,
+        num_key_value_heads=1,
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        tie_word_embeddings=True,
+    ),
 }
 
 

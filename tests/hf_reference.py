@@ -6,25 +6,64 @@ import os
 
 import torch
 
-BASE = dict(vocab_size=97, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=48,
-            q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, head_dim=4, v_head_dim=8,
-            moe_topk=3, n_routed_experts=6, zero_expert_num=2, expert_ffn_hidden_size=12,
-            routed_scaling_factor=2.5, max_position_embeddings=512, eos_token_id=96, bos_token_id=1)
+BASE = dict(
+    vocab_size=97,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    ffn_hidden_size=48,
+    q_lora_rank=16,
+    kv_lora_rank=8,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    head_dim=4,
+    v_head_dim=8,
+    moe_topk=3,
+    n_routed_experts=6,
+    zero_expert_num=2,
+    expert_ffn_hidden_size=12,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=512,
+    eos_token_id=96,
+    bos_token_id=1,
+)
 
 TINY_CONFIGS = {
     "zero_experts": dict(seed=0),
     "no_zero_experts": dict(seed=1, zero_expert_num=0, moe_topk=2),
-    "odd_sizes": dict(seed=2, eos_token_id=2, vocab_size=83, hidden_size=36, num_layers=3, num_attention_heads=3,
-                      ffn_hidden_size=22, q_lora_rank=10, kv_lora_rank=6, qk_nope_head_dim=5,
-                      qk_rope_head_dim=6, head_dim=6, v_head_dim=7, moe_topk=5, n_routed_experts=7,
-                      zero_expert_num=3, expert_ffn_hidden_size=9, routed_scaling_factor=6.0),
+    "odd_sizes": dict(
+        seed=2,
+        eos_token_id=2,
+        vocab_size=83,
+        hidden_size=36,
+        num_layers=3,
+        num_attention_heads=3,
+        ffn_hidden_size=22,
+        q_lora_rank=10,
+        kv_lora_rank=6,
+        qk_nope_head_dim=5,
+        qk_rope_head_dim=6,
+        head_dim=6,
+        v_head_dim=7,
+        moe_topk=5,
+        n_routed_experts=7,
+        zero_expert_num=3,
+        expert_ffn_hidden_size=9,
+        routed_scaling_factor=6.0,
+    ),
     # HF builds the classifier's bias but its router never adds it: neither may afd.
     "router_bias": dict(seed=3, router_bias=True),
 }
 
 
-def make_hf_checkpoint(path: str, seed: int = 0, bias_std: float = 0.05, weight_std: float = 0.2,
-                       max_shard_size: str | None = None, **overrides) -> str:
+def make_hf_checkpoint(
+    path: str,
+    seed: int = 0,
+    bias_std: float = 0.05,
+    weight_std: float = 0.2,
+    max_shard_size: str | None = None,
+    **overrides,
+) -> str:
     """A LongcatFlashForCausalLM with random weights (larger than HF's init, so that routing and
     attention are far from uniform) and a non-zero e_score_correction_bias, saved in the hub layout."""
     from transformers import LongcatFlashConfig, LongcatFlashForCausalLM
@@ -47,8 +86,9 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int):
     """Per prompt: (generated ids, per-step fp32 logits), from HF generate with batch size 1."""
     from transformers import LongcatFlashForCausalLM
 
-    return greedy_with_logits(LongcatFlashForCausalLM.from_pretrained(path, dtype=torch.float32), prompts,
-                              max_new_tokens)
+    return greedy_with_logits(
+        LongcatFlashForCausalLM.from_pretrained(path, dtype=torch.float32), prompts, max_new_tokens
+    )
 
 
 def scale_weights_(model, weight_std: float) -> None:
@@ -66,9 +106,14 @@ def greedy_with_logits(model, prompts: list[list[int]], max_new_tokens: int):
     model.eval()
     out = []
     for p in prompts:
-        r = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
-                           output_logits=True, return_dict_in_generate=True)
-        out.append((r.sequences[0, len(p):].tolist(), [x[0].float() for x in r.logits]))
+        r = model.generate(
+            torch.tensor([p]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        out.append((r.sequences[0, len(p) :].tolist(), [x[0].float() for x in r.logits]))
     return out
 
 
@@ -80,6 +125,7 @@ def lazy_refs(hf_greedy, ckpts: dict[str, str], max_new_tokens: int):
         if name not in cache:
             cache[name] = hf_greedy(ckpts[name], PROMPTS, max_new_tokens)
         return cache[name]
+
     return ref
 
 

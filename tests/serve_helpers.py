@@ -40,9 +40,14 @@ class Served:
     def __init__(self, argv: list[str], log: Path, urls: list[str], env: dict | None = None):
         self.log, self.urls = log, urls
         with open(log, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, "-m", "afd.cli", "serve", *argv], stdout=fh,
-                                         stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
-                                         env={**os.environ, **(env or {})})
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "afd.cli", "serve", *argv],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,
+                env={**os.environ, **(env or {})},
+            )
 
     def wait_ready(self, timeout: float = 120) -> None:
         end = time.monotonic() + timeout

@@ -19,8 +19,13 @@ import afd
 from afd.cluster.config import ClusterConfigError, from_dict
 from afd.model.tp.config import TPConfig, TPConfigError, fc2_batch_ids, fc2_groups, plan
 
-PROMPTS = [[1, 5, 9, 13, 22], [7, 7, 7, 40, 2, 3, 11], [3, 60, 14], [90, 4, 4, 8, 15, 16, 23, 42, 5],
-           [12, 30, 31, 2, 2, 9, 70, 71, 72, 73, 74]]
+PROMPTS = [
+    [1, 5, 9, 13, 22],
+    [7, 7, 7, 40, 2, 3, 11],
+    [3, 60, 14],
+    [90, 4, 4, 8, 15, 16, 23, 42, 5],
+    [12, 30, 31, 2, 2, 9, 70, 71, 72, 73, 74],
+]
 MAX_TOKENS = [7, 5, 5, 3, 3]  # decode steps 1-2: 5 sequences, 3-4: 3, 5-6: 1
 
 
@@ -38,14 +43,28 @@ def hf(ckpt):
 _runs: dict = {}
 
 
-def run(ckpt: str, tp: int, mode: str, colocated: bool, otp: int | None = None, min_tokens: int | None = 1,
-        micro_batches: int = 1):
+def run(
+    ckpt: str,
+    tp: int,
+    mode: str,
+    colocated: bool,
+    otp: int | None = None,
+    min_tokens: int | None = 1,
+    micro_batches: int = 1,
+):
     """(tokens, logits) of the job, cached per configuration (the allreduce runs are shared references)."""
     key = (ckpt, tp, mode, colocated, otp, min_tokens, micro_batches)
     if key not in _runs:
-        llm = afd.LLM(ckpt, block_size=4, attention_tp=tp, tp_comm=mode, flashcomm2_otp=otp,
-                      tp_comm_min_tokens=min_tokens, micro_batches=micro_batches,
-                      **({"colocated": True} if colocated else {"attention_nodes": 1, "ffn_nodes": 1}))
+        llm = afd.LLM(
+            ckpt,
+            block_size=4,
+            attention_tp=tp,
+            tp_comm=mode,
+            flashcomm2_otp=otp,
+            tp_comm_min_tokens=min_tokens,
+            micro_batches=micro_batches,
+            **({"colocated": True} if colocated else {"attention_nodes": 1, "ffn_nodes": 1}),
+        )
         logits: list = []
         _runs[key] = (llm.generate_ids(PROMPTS, MAX_TOKENS, logits_out=logits), logits)
     return _runs[key]
@@ -60,19 +79,31 @@ def check(ckpt, hf, tp, mode, colocated, otp=None, micro_batches=1):
         assert max_rel_err(logits[i], hf_logits) <= 1e-4, f"prompt {i}: logits off HF"
 
 
-@pytest.mark.parametrize("mode,colocated,otp,micro_batches", [
-    ("sp", True, None, 1),
-    pytest.param("flashcomm1", False, None, 2, marks=pytest.mark.slow),  # ping-pong: micro-batches' shards in turn
-    ("flashcomm2", False, 1, 1),
-])
+@pytest.mark.parametrize(
+    "mode,colocated,otp,micro_batches",
+    [
+        ("sp", True, None, 1),
+        pytest.param("flashcomm1", False, None, 2, marks=pytest.mark.slow),  # ping-pong: micro-batches' shards in turn
+        ("flashcomm2", False, 1, 1),
+    ],
+)
 def test_tp2_modes_equal_hf_and_the_allreduce_path(ckpt, hf, mode, colocated, otp, micro_batches):
     check(ckpt, hf, 2, mode, colocated, otp, micro_batches)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,mode,otp", [(2, "sp", None), (2, "flashcomm1", None), (2, "flashcomm2", 1),
-                                         (4, "sp", None), (4, "flashcomm1", None), (4, "flashcomm2", 2),
-                                         (4, "flashcomm2", 1)])
+@pytest.mark.parametrize(
+    "tp,mode,otp",
+    [
+        (2, "sp", None),
+        (2, "flashcomm1", None),
+        (2, "flashcomm2", 1),
+        (4, "sp", None),
+        (4, "flashcomm1", None),
+        (4, "flashcomm2", 2),
+        (4, "flashcomm2", 1),
+    ],
+)
 @pytest.mark.parametrize("colocated", [True, False], ids=["colocated", "1A1F"])
 def test_every_mode_at_tp2_and_tp4(ckpt, hf, tp, mode, otp, colocated):
     check(ckpt, hf, tp, mode, colocated, otp)
@@ -82,8 +113,9 @@ def test_below_the_threshold_a_mode_runs_as_allreduce_and_counts_it(ckpt, hf):
     """min_tokens 6: the prefill (35 tokens) is sharded, the decode steps (5, 3, 1 tokens) fall back."""
     from afd.cluster.local import LocalClusterSpec, run_generate
 
-    spec = LocalClusterSpec(ckpt, 1, 1, block_size=4, micro_batches=1, attention_tp=2, tp_comm="sp",
-                            tp_comm_min_tokens=6)
+    spec = LocalClusterSpec(
+        ckpt, 1, 1, block_size=4, micro_batches=1, attention_tp=2, tp_comm="sp", tp_comm_min_tokens=6
+    )
     out, reports = run_generate(spec, PROMPTS, MAX_TOKENS)
     assert out == [ids for ids, _ in hf]
     assert reports[0]["tp_fallbacks"] == {"sp": 6}  # the six decode steps
@@ -95,17 +127,41 @@ def test_below_the_threshold_a_mode_runs_as_allreduce_and_counts_it(ckpt, hf):
 def test_generate_cli_with_attention_tp(ckpt, hf, tmp_path):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps(PROMPTS))
-    proc = subprocess.run([sys.executable, "-m", "afd.cli", "generate", "--model", ckpt, "--prompt-ids", str(prompts),
-                           "--max-tokens", "3", "--attention-tp", "2", "--tp-comm", "flashcomm1",
-                           "--tp-comm-min-tokens", "1"], capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "afd.cli",
+            "generate",
+            "--model",
+            ckpt,
+            "--prompt-ids",
+            str(prompts),
+            "--max-tokens",
+            "3",
+            "--attention-tp",
+            "2",
+            "--tp-comm",
+            "flashcomm1",
+            "--tp-comm-min-tokens",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [ids[:3] for ids, _ in hf]
 
 
-@pytest.mark.parametrize("argv", [
-    ["--attention-tp", "2", "--tp-comm", "flashcomm2", "--flashcomm2-otp", "1"],
-    pytest.param(["--colocated", "--attention-tp", "2", "--tp-comm", "sp"], marks=pytest.mark.slow),
-], ids=["1A1F-flashcomm2", "colocated-sp"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--attention-tp", "2", "--tp-comm", "flashcomm2", "--flashcomm2-otp", "1"],
+        pytest.param(["--colocated", "--attention-tp", "2", "--tp-comm", "sp"], marks=pytest.mark.slow),
+    ],
+    ids=["1A1F-flashcomm2", "colocated-sp"],
+)
 def test_api_serves_hfs_tokens_with_attention_tp(ckpt, hf, tmp_path, argv):
     """`afd serve` with TP ranks: concurrent completions (their steps batch and shard together)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -119,9 +175,16 @@ def test_api_serves_hfs_tokens_with_attention_tp(ckpt, hf, tmp_path, argv):
     try:
         s.wait_ready()
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            results = list(pool.map(lambda a: post(url, "/v1/completions", {
-                "prompt": a[0], "max_tokens": a[1], "temperature": 0, "return_token_ids": True}),
-                zip(PROMPTS, MAX_TOKENS)))
+            results = list(
+                pool.map(
+                    lambda a: post(
+                        url,
+                        "/v1/completions",
+                        {"prompt": a[0], "max_tokens": a[1], "temperature": 0, "return_token_ids": True},
+                    ),
+                    zip(PROMPTS, MAX_TOKENS),
+                )
+            )
         with urllib.request.urlopen(f"{url}/metrics") as r:
             metrics = r.read().decode()
     finally:
@@ -129,7 +192,7 @@ def test_api_serves_hfs_tokens_with_attention_tp(ckpt, hf, tmp_path, argv):
     for (code, body), (ids, _) in zip(results, hf):
         assert code == 200, body
         assert body["choices"][0]["token_ids"] == ids
-    assert 'afd_tp_comm_bytes_total{model_name=' in metrics
+    assert "afd_tp_comm_bytes_total{model_name=" in metrics
 
 
 @pytest.mark.slow
@@ -137,8 +200,9 @@ def test_deepseek_v3_without_q_lora_and_tied_vocab_at_tp2(tmp_path):
     from hf_deepseek import hf_greedy as ds_greedy
     from hf_deepseek import make_deepseek_checkpoint
 
-    path = make_deepseek_checkpoint(str(tmp_path / "ds"), seed=11, q_lora_rank=None, tie_word_embeddings=True,
-                                    vocab_size=83, eos_token_id=82)
+    path = make_deepseek_checkpoint(
+        str(tmp_path / "ds"), seed=11, q_lora_rank=None, tie_word_embeddings=True, vocab_size=83, eos_token_id=82
+    )
     prompts = [[t % 83 for t in p] for p in PROMPTS]  # this vocabulary has 83 ids (not a multiple of 2)
     ref = [ids for ids, _ in ds_greedy(path, prompts, 4)]
     for mode in ("sp", "flashcomm1"):
@@ -150,21 +214,32 @@ def test_deepseek_v3_without_q_lora_and_tied_vocab_at_tp2(tmp_path):
 
 
 def _yaml(layout: dict) -> dict:
-    return {"model": {"path": "demo"}, "layout": layout,
-            "nodes": [{"name": "attn0", "role": "attention", "host": "127.0.0.1",
-                       "ports": {"control": 1, "data": 2, "http": 3}}]}
+    return {
+        "model": {"path": "demo"},
+        "layout": layout,
+        "nodes": [
+            {"name": "attn0", "role": "attention", "host": "127.0.0.1", "ports": {"control": 1, "data": 2, "http": 3}}
+        ],
+    }
 
 
-@pytest.mark.parametrize("layout,error", [
-    ({"attention_tp": 4, "tp_comm": "flashcomm2", "flashcomm2_otp": 4}, "layout.flashcomm2_otp: P = 4 must be "
-                                                                        "smaller than layout.attention_tp = 4"),
-    ({"attention_tp": 4, "tp_comm": "flashcomm2", "flashcomm2_otp": 3}, "layout.flashcomm2_otp: P = 3 does not "
-                                                                        "divide layout.attention_tp = 4"),
-    ({"attention_tp": 2, "tp_comm": "flashcomm2"}, "layout.flashcomm2_otp: tp_comm flashcomm2 needs"),
-    ({"attention_tp": 2, "tp_comm": "ring"}, "layout.tp_comm: expected one of allreduce, sp"),
-    ({"attention_tp": 0}, "layout.attention_tp: expected a positive integer"),
-    ({"attention_tp": 2, "flashcomm2_otp": 1}, "layout.flashcomm2_otp: only tp_comm flashcomm2 uses it"),
-])
+@pytest.mark.parametrize(
+    "layout,error",
+    [
+        (
+            {"attention_tp": 4, "tp_comm": "flashcomm2", "flashcomm2_otp": 4},
+            "layout.flashcomm2_otp: P = 4 must be smaller than layout.attention_tp = 4",
+        ),
+        (
+            {"attention_tp": 4, "tp_comm": "flashcomm2", "flashcomm2_otp": 3},
+            "layout.flashcomm2_otp: P = 3 does not divide layout.attention_tp = 4",
+        ),
+        ({"attention_tp": 2, "tp_comm": "flashcomm2"}, "layout.flashcomm2_otp: tp_comm flashcomm2 needs"),
+        ({"attention_tp": 2, "tp_comm": "ring"}, "layout.tp_comm: expected one of allreduce, sp"),
+        ({"attention_tp": 0}, "layout.attention_tp: expected a positive integer"),
+        ({"attention_tp": 2, "flashcomm2_otp": 1}, "layout.flashcomm2_otp: only tp_comm flashcomm2 uses it"),
+    ],
+)
 def test_impossible_layouts_are_refused(layout, error):
     with pytest.raises(ClusterConfigError, match=error):
         from_dict(_yaml(layout), "c.yaml")
@@ -187,14 +262,18 @@ def test_a_family_without_tp_layers_is_refused(tmp_path):
 def test_tp_ranks_take_their_own_devices_and_ranks():
     doc = _yaml({"attention_tp": 2})
     doc["nodes"][0]["device"] = "cuda:0"
-    doc["nodes"].append({"name": "ffn0", "role": "ffn", "host": "127.0.0.1", "device": "cuda:1",
-                         "ports": {"control": 4, "data": 5}})
+    doc["nodes"].append(
+        {"name": "ffn0", "role": "ffn", "host": "127.0.0.1", "device": "cuda:1", "ports": {"control": 4, "data": 5}}
+    )
     with pytest.raises(ClusterConfigError, match=r"nodes\[1\].device: ffn0 and attn0 TP rank 1 .* both use cuda:1"):
         from_dict(doc, "c.yaml")
     doc["nodes"][1]["device"] = "cuda:2"
     cfg = from_dict(doc, "c.yaml")
     assert [(p.name, p.device, cfg.rank(p.name)) for p in cfg.processes] == [
-        ("attn0", "cuda:0", 0), ("attn0.tp1", "cuda:1", 1), ("ffn0", "cuda:2", 2)]
+        ("attn0", "cuda:0", 0),
+        ("attn0.tp1", "cuda:1", 1),
+        ("ffn0", "cuda:2", 2),
+    ]
 
 
 # ---- the plan and FC2's regrouping ------------------------------------------------------------------

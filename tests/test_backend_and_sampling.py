@@ -22,8 +22,10 @@ def test_cpu_grouped_matmul_matches_per_group_reference():
 
 
 def test_importing_afd_never_imports_device_sdks():
-    code = ("import afd, afd.engine.llm, afd.backend, afd.model.checkpoint, sys; "
-            "assert 'torch_npu' not in sys.modules and 'torchair' not in sys.modules")
+    code = (
+        "import afd, afd.engine.llm, afd.backend, afd.model.checkpoint, sys; "
+        "assert 'torch_npu' not in sys.modules and 'torchair' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
@@ -57,8 +59,7 @@ def test_sampler_greedy_seeded_and_cuts():
     hot = SamplingParams(temperature=5.0, seed=11)
     a = [Sampler().sample(logits[:1], [hot], ["r"])[0] for _ in range(5)]
     assert len(set(a)) == 1  # the same seed gives the same draw
-    draws = {Sampler().sample(logits[:1], [SamplingParams(temperature=5.0, seed=i)], ["r"])[0]
-             for i in range(40)}
+    draws = {Sampler().sample(logits[:1], [SamplingParams(temperature=5.0, seed=i)], ["r"])[0] for i in range(40)}
     assert len(draws) > 1
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)

@@ -12,17 +12,53 @@ from afd.backend.cpu import CpuBackend
 from afd.bench.common import write_config
 from afd.cli import main
 
-TINY = {"model_type": "longcat_flash", "vocab_size": 64, "hidden_size": 32, "num_layers": 1, "num_attention_heads": 2,
-        "num_key_value_heads": 2, "ffn_hidden_size": 48, "q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8,
-        "qk_rope_head_dim": 4, "head_dim": 4, "v_head_dim": 8, "moe_topk": 2, "n_routed_experts": 4,
-        "zero_expert_num": 1, "expert_ffn_hidden_size": 16, "max_position_embeddings": 256, "eos_token_id": 2}
+TINY = {
+    "model_type": "longcat_flash",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "ffn_hidden_size": 48,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 8,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "head_dim": 4,
+    "v_head_dim": 8,
+    "moe_topk": 2,
+    "n_routed_experts": 4,
+    "zero_expert_num": 1,
+    "expert_ffn_hidden_size": 16,
+    "max_position_embeddings": 256,
+    "eos_token_id": 2,
+}
 
 
 def _bench(tmp_path, *extra) -> dict:
     out = tmp_path / "out.json"
     model = write_config(str(tmp_path / "m"), TINY)
-    assert main(["bench-graph", "--model", model, "--batch-sizes", "3", "--prompt-len", "20", "--steps", "3",
-                 "--repeats", "2", "--output", str(out), *extra]) == 0
+    assert (
+        main(
+            [
+                "bench-graph",
+                "--model",
+                model,
+                "--batch-sizes",
+                "3",
+                "--prompt-len",
+                "20",
+                "--steps",
+                "3",
+                "--repeats",
+                "2",
+                "--output",
+                str(out),
+                *extra,
+            ]
+        )
+        == 0
+    )
     return json.loads(out.read_text())
 
 

@@ -22,9 +22,24 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def _tiny_run(tmp_path, capsys, placements: tuple[str, ...]) -> tuple[str, dict]:
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "mtp.json"
-    args = _args(["--config", str(tmp_path / "config.json"), "--batch-sizes", "2", "--prompt-len", "5",
-                  "--decode-tokens", "8", "--repeats", "1", "--placements", ",".join(placements),
-                  "--output", str(out)])
+    args = _args(
+        [
+            "--config",
+            str(tmp_path / "config.json"),
+            "--batch-sizes",
+            "2",
+            "--prompt-len",
+            "5",
+            "--decode-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--placements",
+            ",".join(placements),
+            "--output",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     text = capsys.readouterr().out
     assert "MTP head is built to be accepted often" in text and "MTP acceptance, measured:" in text
@@ -70,14 +85,27 @@ def test_tiny_run_colocated_and_1a1f_give_the_same_tokens_and_counters(tmp_path,
 def test_a_model_without_a_built_mtp_head_and_bad_arguments_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**TINY, "model_type": "qwen3_moe"}))
     with pytest.raises(ValueError, match="LongCat-Flash"):
-        bench_mtp.build_mtp_checkpoint(str(tmp_path / "x"), {"model_type": "qwen3_moe", "vocab_size": 97,
-                                                             "hidden_size": 32, "num_hidden_layers": 1,
-                                                             "num_attention_heads": 4, "num_key_value_heads": 2,
-                                                             "head_dim": 8, "intermediate_size": 48,
-                                                             "moe_intermediate_size": 12, "num_experts": 4,
-                                                             "num_experts_per_tok": 2})
-    for argv, match in ((["--speculative-tokens", "3"], "speculative_tokens"),
-                        (["--placements", "2A1F"], "placement"), (["--batch-sizes", "x"], "batch-sizes")):
+        bench_mtp.build_mtp_checkpoint(
+            str(tmp_path / "x"),
+            {
+                "model_type": "qwen3_moe",
+                "vocab_size": 97,
+                "hidden_size": 32,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 8,
+                "intermediate_size": 48,
+                "moe_intermediate_size": 12,
+                "num_experts": 4,
+                "num_experts_per_tok": 2,
+            },
+        )
+    for argv, match in (
+        (["--speculative-tokens", "3"], "speculative_tokens"),
+        (["--placements", "2A1F"], "placement"),
+        (["--batch-sizes", "x"], "batch-sizes"),
+    ):
         args = _args(["--config", str(tmp_path / "config.json"), *argv])
         with pytest.raises(ValueError, match=match):
             args.func(args)

@@ -32,11 +32,13 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 def _records() -> list[bm.RequestResult]:
     return [
         # 5 tokens, first after 100 ms, then every 50 ms: latency 300 ms, TPOT 50 ms.
-        bm.RequestResult(prompt_len=10, success=True, output_tokens=5, start=0.0, ttft=0.1, latency=0.3,
-                         itl=[0.05, 0.05, 0.05, 0.05]),
+        bm.RequestResult(
+            prompt_len=10, success=True, output_tokens=5, start=0.0, ttft=0.1, latency=0.3, itl=[0.05, 0.05, 0.05, 0.05]
+        ),
         # 3 tokens, first after 200 ms, then 100 ms apart: latency 400 ms, TPOT 100 ms.
-        bm.RequestResult(prompt_len=20, success=True, output_tokens=3, start=1.5, ttft=0.2, latency=0.4,
-                         itl=[0.1, 0.1]),
+        bm.RequestResult(
+            prompt_len=20, success=True, output_tokens=3, start=1.5, ttft=0.2, latency=0.4, itl=[0.1, 0.1]
+        ),
         # A one-token reply has no TPOT.
         bm.RequestResult(prompt_len=30, success=True, output_tokens=1, start=0.0, ttft=0.3, latency=0.3),
         bm.RequestResult(prompt_len=40, error="HTTP 503: busy"),
@@ -64,8 +66,12 @@ def test_percentile_keys_and_stats():
     assert s["std_ttft_ms"] == pytest.approx(111.803, abs=1e-3)  # population std, like numpy's default
     assert s["p50_ttft_ms"] == pytest.approx(250.0)
     assert s["p99.9_ttft_ms"] == pytest.approx(399.7)  # linear interpolation between 300 and 400
-    assert bm.metric_stats([], "itl", [99]) == {"mean_itl_ms": 0.0, "median_itl_ms": 0.0, "std_itl_ms": 0.0,
-                                                "p99_itl_ms": 0.0}
+    assert bm.metric_stats([], "itl", [99]) == {
+        "mean_itl_ms": 0.0,
+        "median_itl_ms": 0.0,
+        "std_itl_ms": 0.0,
+        "p99_itl_ms": 0.0,
+    }
 
 
 def test_summarize_totals_and_keys():
@@ -88,8 +94,22 @@ def test_summarize_totals_and_keys():
 
 
 def test_sampling_is_seeded_and_in_range():
-    args = _parse(["--num-prompts", "50", "--random-input-len", "20", "--random-output-len", "10",
-                   "--random-range-ratio", "0.5", "--vocab-size", "100", "--seed", "3"])
+    args = _parse(
+        [
+            "--num-prompts",
+            "50",
+            "--random-input-len",
+            "20",
+            "--random-output-len",
+            "10",
+            "--random-range-ratio",
+            "0.5",
+            "--vocab-size",
+            "100",
+            "--seed",
+            "3",
+        ]
+    )
     reqs = bench_serve.sample_requests(args)
     assert reqs == bench_serve.sample_requests(args)
     assert all(10 <= len(p) <= 30 and 5 <= o <= 15 for p, o in reqs)
@@ -100,9 +120,18 @@ def test_sampling_is_seeded_and_in_range():
     assert bench_serve.arrival_offsets(3, float("inf"), 0) == [0.0, 0.0, 0.0]
 
 
-@pytest.mark.parametrize("argv", [["--dataset-name", "sharegpt"], ["--random-range-ratio", "1.5"],
-                                  ["--num-prompts", "0"], ["--request-rate", "0"], ["--max-concurrency", "0"],
-                                  ["--percentile-metrics", "ttft,foo"], ["--metric-percentiles", "50,x"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--dataset-name", "sharegpt"],
+        ["--random-range-ratio", "1.5"],
+        ["--num-prompts", "0"],
+        ["--request-rate", "0"],
+        ["--max-concurrency", "0"],
+        ["--percentile-metrics", "ttft,foo"],
+        ["--metric-percentiles", "50,x"],
+    ],
+)
 def test_bad_flags_raise_value_error(argv):
     with pytest.raises(ValueError):
         bench_serve.run(_parse(argv))
@@ -145,10 +174,18 @@ async def _completions(request):
             await send({"error": {"message": "engine died", "type": "InternalServerError", "code": 500}})
             await send("[DONE]")
             return resp
-        await send({"object": "text_completion", "model": body["model"],
-                    "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]})
-    usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"],
-             "total_tokens": len(body["prompt"]) + body["max_tokens"]}
+        await send(
+            {
+                "object": "text_completion",
+                "model": body["model"],
+                "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}],
+            }
+        )
+    usage = {
+        "prompt_tokens": len(body["prompt"]),
+        "completion_tokens": body["max_tokens"],
+        "total_tokens": len(body["prompt"]) + body["max_tokens"],
+    }
     await send({"object": "text_completion", "model": body["model"], "choices": [], "usage": usage})
     await send("[DONE]")
     return resp
@@ -178,10 +215,28 @@ def server():
 
 def test_end_to_end(server, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("AFD_API_KEY", API_KEY)
-    args = _parse(["--base-url", server, "--num-prompts", "20", "--random-input-len", "16",
-                   "--random-output-len", "8", "--random-range-ratio", "0.5", "--max-concurrency", "4",
-                   "--metric-percentiles", "50,99.9", "--save-result", "--result-dir", str(tmp_path),
-                   "--disable-tqdm"])
+    args = _parse(
+        [
+            "--base-url",
+            server,
+            "--num-prompts",
+            "20",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "8",
+            "--random-range-ratio",
+            "0.5",
+            "--max-concurrency",
+            "4",
+            "--metric-percentiles",
+            "50,99.9",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--disable-tqdm",
+        ]
+    )
     assert bench_serve.run(args) == 0
     out = capsys.readouterr().out
     assert "Serving Benchmark Result" in out and "queue full" in out and "engine died" in out
@@ -207,16 +262,44 @@ def test_end_to_end(server, tmp_path, monkeypatch, capsys):
 
 def test_all_failed_exits_1(server, capsys):
     # Wrong key: every request gets a 401.
-    args = _parse(["--base-url", server, "--model", "m", "--num-prompts", "3", "--random-input-len", "4",
-                   "--random-output-len", "2", "--api-key", "wrong", "--disable-tqdm"])
+    args = _parse(
+        [
+            "--base-url",
+            server,
+            "--model",
+            "m",
+            "--num-prompts",
+            "3",
+            "--random-input-len",
+            "4",
+            "--random-output-len",
+            "2",
+            "--api-key",
+            "wrong",
+            "--disable-tqdm",
+        ]
+    )
     assert bench_serve.run(args) == 1
     assert "HTTP 401" in capsys.readouterr().out
 
 
 def test_poisson_rate_runs(server, monkeypatch):
     monkeypatch.setenv("AFD_API_KEY", API_KEY)
-    args = _parse(["--base-url", server, "--num-prompts", "5", "--random-input-len", "4", "--random-output-len",
-                   "2", "--request-rate", "200", "--disable-tqdm"])
+    args = _parse(
+        [
+            "--base-url",
+            server,
+            "--num-prompts",
+            "5",
+            "--random-input-len",
+            "4",
+            "--random-output-len",
+            "2",
+            "--request-rate",
+            "200",
+            "--disable-tqdm",
+        ]
+    )
     assert bench_serve.run(args) == 0
 
 

@@ -53,8 +53,9 @@ def test_naive_loop_is_hf_longcat_flash_experts():
 
     cfg, layer, hf, _ = bench_gemm._moe_layer()
     x, weights, ids = bench_gemm._gemm_inputs(layer, 12, cfg.hidden_size, seed=1)
-    experts = LongcatFlashExperts(LongcatFlashConfig(**{k: v for k, v in bench_suite.HF_CONFIG.items()
-                                                        if k != "architectures"}))
+    experts = LongcatFlashExperts(
+        LongcatFlashConfig(**{k: v for k, v in bench_suite.HF_CONFIG.items() if k != "architectures"})
+    )
     with torch.no_grad():
         experts.gate_up_proj.copy_(hf["gate_up"])
         experts.down_proj.copy_(hf["down"])

@@ -25,8 +25,26 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def test_tiny_run_prints_the_table_and_counted_bytes_equal_the_formula(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     out = tmp_path / "tp.json"
-    args = _args(["--model", str(tmp_path), "--batch-size", "2", "--prompt-len", "5", "--steps", "3",
-                  "--repeats", "1", "--modes", "allreduce,sp", "--ffn-nodes", "0", "--output", str(out)])
+    args = _args(
+        [
+            "--model",
+            str(tmp_path),
+            "--batch-size",
+            "2",
+            "--prompt-len",
+            "5",
+            "--steps",
+            "3",
+            "--repeats",
+            "1",
+            "--modes",
+            "allreduce,sp",
+            "--ffn-nodes",
+            "0",
+            "--output",
+            str(out),
+        ]
+    )
     assert args.func(args) == 0
     text = capsys.readouterr().out
     assert "every mode shards every step" in text and "not NPU" in text

@@ -92,7 +92,7 @@ def hf_bf16(path: str, **kw):
 def hf_teacher_forced(model, seqs: list[list[int]]) -> torch.Tensor:
     """One forward over the whole sequences; fp32 logits at the positions afd_teacher_forced returns."""
     with torch.no_grad():
-        return model(torch.tensor(seqs)).logits[:, PROMPT_LEN - 1:].float()
+        return model(torch.tensor(seqs)).logits[:, PROMPT_LEN - 1 :].float()
 
 
 def parity(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
@@ -105,9 +105,13 @@ def parity(ours: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
     # HF scores it within REL_TOL of HF's best.
     pick = ours.argmax(dim=-1, keepdim=True)
     tied = ref.gather(-1, pick)[..., 0] >= ref.amax(dim=-1) - REL_TOL * scale
-    return {"close": (rel <= REL_TOL).float().mean().item(), "mean_rel": rel.mean().item(),
-            "max_rel": rel.max().item(), "top1": tied.float().mean().item(),
-            "strict_top1": (pick[..., 0] == ref.argmax(dim=-1)).float().mean().item()}
+    return {
+        "close": (rel <= REL_TOL).float().mean().item(),
+        "mean_rel": rel.mean().item(),
+        "max_rel": rel.max().item(),
+        "top1": tied.float().mean().item(),
+        "strict_top1": (pick[..., 0] == ref.argmax(dim=-1)).float().mean().item(),
+    }
 
 
 @pytest.mark.parametrize("family", list(CHECKPOINTS))

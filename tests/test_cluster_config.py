@@ -27,19 +27,23 @@ TOPOLOGY = {"local.yaml": "1A1F", "2a1f.yaml": "2A1F", "1a2f.yaml": "1A2F"}
 
 def afd(*argv: str) -> subprocess.CompletedProcess:
     """`afd ARGV...` as a user runs it (python -m, so that it is this checkout's afd)."""
-    return subprocess.run([sys.executable, "-m", "afd.cli", *argv], capture_output=True, text=True, cwd=ROOT,
-                          timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "afd.cli", *argv], capture_output=True, text=True, cwd=ROOT, timeout=180
+    )
 
 
 def afd_many(argvs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
     """`afd ARGV...` for each key: afd.cli.main called in turn inside one process, each call's exit code
     and output captured (a process per call spent a second each importing torch). An exception that
     main() lets through fails the whole process, so it cannot pass unnoticed."""
-    r = subprocess.run([sys.executable, "-c", _MAIN_MANY, json.dumps(argvs)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _MAIN_MANY, json.dumps(argvs)], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
-    return {k: subprocess.CompletedProcess(argvs[k], code, out, err)
-            for k, (code, out, err) in json.loads(r.stdout.splitlines()[-1]).items()}
+    return {
+        k: subprocess.CompletedProcess(argvs[k], code, out, err)
+        for k, (code, out, err) in json.loads(r.stdout.splitlines()[-1]).items()
+    }
 
 
 _MAIN_MANY = """
@@ -137,12 +141,24 @@ def valid() -> dict:
         "cluster": {"name": "t"},
         "model": {"path": "demo"},
         "nodes": [
-            {"name": "attn0", "role": "attention", "host": "127.0.0.1",
-             "ports": {"control": 50001, "data": 50002, "http": 50003}},
-            {"name": "ffn0", "role": "ffn", "host": "127.0.0.1",
-             "ports": {"control": 50004, "data": 50005, "metrics": 50006}},
-            {"name": "ffn1", "role": "ffn", "host": "127.0.0.1",
-             "ports": {"control": 50007, "data": 50008, "metrics": 50009}},
+            {
+                "name": "attn0",
+                "role": "attention",
+                "host": "127.0.0.1",
+                "ports": {"control": 50001, "data": 50002, "http": 50003},
+            },
+            {
+                "name": "ffn0",
+                "role": "ffn",
+                "host": "127.0.0.1",
+                "ports": {"control": 50004, "data": 50005, "metrics": 50006},
+            },
+            {
+                "name": "ffn1",
+                "role": "ffn",
+                "host": "127.0.0.1",
+                "ports": {"control": 50007, "data": 50008, "metrics": 50009},
+            },
         ],
     }
 
@@ -157,71 +173,157 @@ def layout(**kw) -> Callable[[dict], None]:
 
 def devices(*per_node: str | None, hosts: tuple[str, ...] = ()) -> Callable[[dict], None]:
     """Node i's device per_node[i] (None: left out, so cpu), and its host hosts[i] where given."""
+
     def edit(c: dict) -> None:
         for n, dev in zip(c["nodes"], per_node):
             if dev is not None:
                 n["device"] = dev
         for n, host in zip(c["nodes"], hosts):
             n["host"] = host
+
     return edit
 
 
 # id, the mistake (an edit of valid(), raw file text, or None: no file at all), key path, the problem
 MISTAKES = [
     ("unknown-top-level-key", lambda c: c.update(servers=[]), "servers", "unknown key (known: cluster, model"),
-    ("unknown-nested-key", lambda c: node(0)(c)["ports"].update(htp=8000), "nodes[0].ports.htp",
-     "unknown key (known: control, data, http, metrics)"),
+    (
+        "unknown-nested-key",
+        lambda c: node(0)(c)["ports"].update(htp=8000),
+        "nodes[0].ports.htp",
+        "unknown key (known: control, data, http, metrics)",
+    ),
     ("unknown-section-key", lambda c: c["model"].update(revision="main"), "model.revision", "unknown key"),
-    ("wrong-type-int", lambda c: c.update(engine={"block_size": "16"}), "engine.block_size",
-     "expected int, got str '16'"),
+    (
+        "wrong-type-int",
+        lambda c: c.update(engine={"block_size": "16"}),
+        "engine.block_size",
+        "expected int, got str '16'",
+    ),
     ("wrong-type-bool", layout(overlap="yes"), "layout.overlap", "expected bool, got str 'yes'"),
-    ("wrong-type-port", lambda c: node(1)(c)["ports"].update(control="50004"), "nodes[1].ports.control",
-     "expected int"),
+    (
+        "wrong-type-port",
+        lambda c: node(1)(c)["ports"].update(control="50004"),
+        "nodes[1].ports.control",
+        "expected int",
+    ),
     ("duplicate-node-name", lambda c: node(2)(c).update(name="ffn0"), "nodes[2].name", "duplicate node name 'ffn0'"),
-    ("duplicate-port", lambda c: node(1)(c)["ports"].update(data=50001), "nodes[1].ports.data",
-     "port 50001 on 127.0.0.1 is already used by attn0.ports.control"),
-    ("port-out-of-range", lambda c: node(0)(c)["ports"].update(http=70000), "nodes[0].ports.http",
-     "port 70000 outside 1..65535"),
-    ("bad-role", lambda c: node(0)(c).update(role="router"), "nodes[0].role",
-     "must be one of attention, ffn, got 'router'"),
-    ("bad-device", lambda c: node(1)(c).update(device="tpu:0"), "nodes[1].device",
-     "expected cpu, cuda[:N] or npu[:N], got 'tpu:0'"),
+    (
+        "duplicate-port",
+        lambda c: node(1)(c)["ports"].update(data=50001),
+        "nodes[1].ports.data",
+        "port 50001 on 127.0.0.1 is already used by attn0.ports.control",
+    ),
+    (
+        "port-out-of-range",
+        lambda c: node(0)(c)["ports"].update(http=70000),
+        "nodes[0].ports.http",
+        "port 70000 outside 1..65535",
+    ),
+    (
+        "bad-role",
+        lambda c: node(0)(c).update(role="router"),
+        "nodes[0].role",
+        "must be one of attention, ffn, got 'router'",
+    ),
+    (
+        "bad-device",
+        lambda c: node(1)(c).update(device="tpu:0"),
+        "nodes[1].device",
+        "expected cpu, cuda[:N] or npu[:N], got 'tpu:0'",
+    ),
     ("bad-device-index", lambda c: node(1)(c).update(device="cuda:x"), "nodes[1].device", "got 'cuda:x'"),
-    ("shared-gpu", devices("cuda:0", "cuda:0"), "nodes[1].device",
-     "ffn0 and attn0 (nodes[0].device 'cuda:0') both use cuda:0 on 127.0.0.1: give each node its own device"),
-    ("shared-gpu-other-roles", devices("cuda:0", "cuda:1", "cuda:1"), "nodes[2].device",
-     "ffn1 and ffn0 (nodes[1].device 'cuda:1') both use cuda:1 on 127.0.0.1"),
-    ("shared-npu-no-index-is-0", devices(None, "npu", "npu:0"), "nodes[2].device",
-     "ffn1 and ffn0 (nodes[1].device 'npu') both use npu:0 on 127.0.0.1"),
-    ("attention-without-http", lambda c: node(0)(c)["ports"].pop("http"), "nodes[0].ports.http",
-     "attention nodes need an http port"),
-    ("ffn-with-http", lambda c: node(1)(c)["ports"].update(http=50010), "nodes[1].ports.http",
-     "FFN nodes serve no API"),
+    (
+        "shared-gpu",
+        devices("cuda:0", "cuda:0"),
+        "nodes[1].device",
+        "ffn0 and attn0 (nodes[0].device 'cuda:0') both use cuda:0 on 127.0.0.1: give each node its own device",
+    ),
+    (
+        "shared-gpu-other-roles",
+        devices("cuda:0", "cuda:1", "cuda:1"),
+        "nodes[2].device",
+        "ffn1 and ffn0 (nodes[1].device 'cuda:1') both use cuda:1 on 127.0.0.1",
+    ),
+    (
+        "shared-npu-no-index-is-0",
+        devices(None, "npu", "npu:0"),
+        "nodes[2].device",
+        "ffn1 and ffn0 (nodes[1].device 'npu') both use npu:0 on 127.0.0.1",
+    ),
+    (
+        "attention-without-http",
+        lambda c: node(0)(c)["ports"].pop("http"),
+        "nodes[0].ports.http",
+        "attention nodes need an http port",
+    ),
+    (
+        "ffn-with-http",
+        lambda c: node(1)(c)["ports"].update(http=50010),
+        "nodes[1].ports.http",
+        "FFN nodes serve no API",
+    ),
     ("node-without-host", lambda c: node(1)(c).pop("host"), "nodes[1].host", "required key is missing"),
     ("missing-model-path", lambda c: c["model"].pop("path"), "model.path", "required key is missing"),
     ("missing-nodes", lambda c: c.pop("nodes"), "nodes", "required key is missing"),
     ("bad-dtype", lambda c: c["model"].update(dtype="int8"), "model.dtype", "expected float32, bfloat16 or float16"),
-    ("bad-kv-cache-bytes", lambda c: c.update(engine={"kv_cache_bytes": "lots"}), "engine.kv_cache_bytes",
-     "expected a byte count like 256MiB, got 'lots'"),
-    ("negative-shutdown-timeout", lambda c: c.update(engine={"shutdown_timeout": -1}), "engine.shutdown_timeout",
-     "must be >= 0, got -1"),
-    ("experts-without-ffn-nodes", lambda c: c.update(nodes=c["nodes"][:1], layout={"experts": {"ffn0": [0, 16]}}),
-     "layout.experts", "must name every FFN node exactly"),
+    (
+        "bad-kv-cache-bytes",
+        lambda c: c.update(engine={"kv_cache_bytes": "lots"}),
+        "engine.kv_cache_bytes",
+        "expected a byte count like 256MiB, got 'lots'",
+    ),
+    (
+        "negative-shutdown-timeout",
+        lambda c: c.update(engine={"shutdown_timeout": -1}),
+        "engine.shutdown_timeout",
+        "must be >= 0, got -1",
+    ),
+    (
+        "experts-without-ffn-nodes",
+        lambda c: c.update(nodes=c["nodes"][:1], layout={"experts": {"ffn0": [0, 16]}}),
+        "layout.experts",
+        "must name every FFN node exactly",
+    ),
     ("no-attention-node", lambda c: c.update(nodes=c["nodes"][1:]), "nodes", "needs at least one attention node"),
-    ("experts-gap", layout(experts={"ffn0": [0, 7], "ffn1": [8, 16]}), "layout.experts.ffn1",
-     "[8, 16) leaves a gap before expert 7"),
-    ("experts-overlap", layout(experts={"ffn0": [0, 9], "ffn1": [8, 16]}), "layout.experts.ffn1",
-     "[8, 16) overlaps expert 9"),
-    ("experts-not-from-zero", layout(experts={"ffn0": [1, 8], "ffn1": [8, 16]}), "layout.experts.ffn0",
-     "leaves a gap before expert 0"),
-    ("experts-unknown-node", layout(experts={"ffn0": [0, 8], "ffn9": [8, 16]}), "layout.experts",
-     "must name every FFN node exactly (ffn0, ffn1)"),
-    ("experts-bad-range", layout(experts={"ffn0": [0, 8], "ffn1": [16, 8]}), "layout.experts.ffn1",
-     "expected [lo, hi) with 0 <= lo < hi"),
+    (
+        "experts-gap",
+        layout(experts={"ffn0": [0, 7], "ffn1": [8, 16]}),
+        "layout.experts.ffn1",
+        "[8, 16) leaves a gap before expert 7",
+    ),
+    (
+        "experts-overlap",
+        layout(experts={"ffn0": [0, 9], "ffn1": [8, 16]}),
+        "layout.experts.ffn1",
+        "[8, 16) overlaps expert 9",
+    ),
+    (
+        "experts-not-from-zero",
+        layout(experts={"ffn0": [1, 8], "ffn1": [8, 16]}),
+        "layout.experts.ffn0",
+        "leaves a gap before expert 0",
+    ),
+    (
+        "experts-unknown-node",
+        layout(experts={"ffn0": [0, 8], "ffn9": [8, 16]}),
+        "layout.experts",
+        "must name every FFN node exactly (ffn0, ffn1)",
+    ),
+    (
+        "experts-bad-range",
+        layout(experts={"ffn0": [0, 8], "ffn1": [16, 8]}),
+        "layout.experts.ffn1",
+        "expected [lo, hi) with 0 <= lo < hi",
+    ),
     ("zero-experts-not-ffn", layout(zero_experts="attn0"), "layout.zero_experts", "'attn0' is not an FFN node"),
     ("micro-batches", layout(micro_batches=7), "layout.micro_batches", "must be in 0..4 (0: automatic), got 7"),
-    ("unknown-coordinator", lambda c: c["cluster"].update(coordinator="boss"), "cluster.coordinator",
-     "'boss' is not a node"),
+    (
+        "unknown-coordinator",
+        lambda c: c["cluster"].update(coordinator="boss"),
+        "cluster.coordinator",
+        "'boss' is not a node",
+    ),
     ("invalid-yaml", "model: {path: demo\nnodes: [\n", "", "not valid YAML"),
     ("not-a-mapping", "- just\n- a list\n", "", "the file must be a YAML mapping"),
     ("no-such-file", None, "", "no such file"),
@@ -280,15 +382,25 @@ def test_check_config_rejects_mistake(check_config_runs, mistake_files, case_id,
     assert r.stdout == ""
 
 
-@pytest.mark.parametrize("edit", [
-    devices("cuda:0", "cuda:1", "cuda:2"),
-    devices("cuda", "cuda:1", "npu"),  # a cuda and an npu index are different devices
-    devices("cuda:0", "cuda:0", "cuda:0", hosts=("10.0.0.1", "10.0.0.2", "gpu-host-3")),
-    devices("npu:0", "npu:0", hosts=("afd-attention-0.afd-attention", "afd-ffn-0.afd-ffn")),  # pods
-    devices("cpu", "cpu", "cpu"),  # CPU nodes share a host freely (and so does the base, all cpu)
-    devices(None, "cpu", "cuda:0"),
-], ids=["gpus-of-one-host", "default-index-and-types", "one-gpu-per-host", "one-npu-per-pod", "cpus",
-        "cpu-beside-gpu"])
+@pytest.mark.parametrize(
+    "edit",
+    [
+        devices("cuda:0", "cuda:1", "cuda:2"),
+        devices("cuda", "cuda:1", "npu"),  # a cuda and an npu index are different devices
+        devices("cuda:0", "cuda:0", "cuda:0", hosts=("10.0.0.1", "10.0.0.2", "gpu-host-3")),
+        devices("npu:0", "npu:0", hosts=("afd-attention-0.afd-attention", "afd-ffn-0.afd-ffn")),  # pods
+        devices("cpu", "cpu", "cpu"),  # CPU nodes share a host freely (and so does the base, all cpu)
+        devices(None, "cpu", "cuda:0"),
+    ],
+    ids=[
+        "gpus-of-one-host",
+        "default-index-and-types",
+        "one-gpu-per-host",
+        "one-npu-per-pod",
+        "cpus",
+        "cpu-beside-gpu",
+    ],
+)
 def test_nodes_on_their_own_devices_are_accepted(edit):
     cfg = valid()
     edit(cfg)
@@ -303,8 +415,11 @@ def test_k8s_rendered_at_any_size_keeps_one_device_per_pod():
     render = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render)
     for a, f in ((1, 1), (3, 5)):
-        (cm,) = [d for d in render.render(render.load(), a, f) if d["kind"] == "ConfigMap"
-                 and "cluster.yaml" in d.get("data", {})]
+        (cm,) = [
+            d
+            for d in render.render(render.load(), a, f)
+            if d["kind"] == "ConfigMap" and "cluster.yaml" in d.get("data", {})
+        ]
         cfg = from_dict(yaml.safe_load(cm["data"]["cluster.yaml"]), "rendered")
         assert len({(n.host, n.device) for n in cfg.nodes}) == len(cfg.nodes) == a + f
 
@@ -360,9 +475,27 @@ def test_print_commands_with_overrides():
 def test_print_commands_pass_vllm_flags_to_the_nodes_that_take_them():
     """--dtype and --served-model-name reach every node; the engine's flags only attention nodes; the API
     key never a command line (others can read those in `ps`)."""
-    r = afd("launch", "deploy/2a1f.yaml", "--print-commands", "--dtype", "bfloat16", "--served-model-name", "m",
-            "--max-model-len", "512", "--max-num-seqs", "8", "--seed", "7", "--chat-template", "t.jinja",
-            "--host", "0.0.0.0", "--api-key", "SECRET")
+    r = afd(
+        "launch",
+        "deploy/2a1f.yaml",
+        "--print-commands",
+        "--dtype",
+        "bfloat16",
+        "--served-model-name",
+        "m",
+        "--max-model-len",
+        "512",
+        "--max-num-seqs",
+        "8",
+        "--seed",
+        "7",
+        "--chat-template",
+        "t.jinja",
+        "--host",
+        "0.0.0.0",
+        "--api-key",
+        "SECRET",
+    )
     assert r.returncode == 0, r.stderr
     assert "SECRET" not in r.stdout
     from attention_node.main import build_server_parser
@@ -374,24 +507,43 @@ def test_print_commands_pass_vllm_flags_to_the_nodes_that_take_them():
         args = parsers[prog].parse_args(argv)
         assert (args.dtype, args.served_model_name) == ("bfloat16", "m")
         if prog == "afd-attention":
-            assert (args.max_model_len, args.max_num_seqs, args.seed, args.chat_template, args.host) == \
-                (512, 8, 7, "t.jinja", "0.0.0.0")
+            assert (args.max_model_len, args.max_num_seqs, args.seed, args.chat_template, args.host) == (
+                512,
+                8,
+                7,
+                "t.jinja",
+                "0.0.0.0",
+            )
 
 
-@pytest.mark.parametrize("host,insecure,token,refused", [
-    ("127.0.0.1", False, None, False), ("localhost", False, None, False), ("::1", False, None, False),
-    ("192.0.2.7", False, None, True), ("attn-0.afd.svc", False, None, True),
-    ("192.0.2.7", True, None, False), ("192.0.2.7", False, "s3cret", False),
-])
+@pytest.mark.parametrize(
+    "host,insecure,token,refused",
+    [
+        ("127.0.0.1", False, None, False),
+        ("localhost", False, None, False),
+        ("::1", False, None, False),
+        ("192.0.2.7", False, None, True),
+        ("attn-0.afd.svc", False, None, True),
+        ("192.0.2.7", True, None, False),
+        ("192.0.2.7", False, "s3cret", False),
+    ],
+)
 def test_reachable_host_without_token_is_refused_unless_insecure(monkeypatch, host, insecure, token, refused):
     from afd.node.args import _insecure_start
 
     monkeypatch.delenv("AFD_CLUSTER_TOKEN", raising=False)
     if token:
         monkeypatch.setenv("AFD_CLUSTER_TOKEN", token)
-    cfg = from_dict({"cluster": {"insecure": insecure}, "model": {"path": "demo"}, "nodes": [
-        {"name": "a0", "role": "attention", "host": host, "ports": {"control": 1, "data": 2, "http": 3}},
-        {"name": "f0", "role": "ffn", "host": host, "ports": {"control": 4, "data": 5}}]})
+    cfg = from_dict(
+        {
+            "cluster": {"insecure": insecure},
+            "model": {"path": "demo"},
+            "nodes": [
+                {"name": "a0", "role": "attention", "host": host, "ports": {"control": 1, "data": 2, "http": 3}},
+                {"name": "f0", "role": "ffn", "host": host, "ports": {"control": 4, "data": 5}},
+            ],
+        }
+    )
     err = _insecure_start(cfg, "a0")
     assert (err is not None) == refused
     if refused:
@@ -400,6 +552,17 @@ def test_reachable_host_without_token_is_refused_unless_insecure(monkeypatch, ho
 
 def test_a_cluster_without_ffn_nodes_is_colocated():
     """No FFN nodes: each attention node (every TP rank of it) holds every expert itself."""
-    cfg = from_dict({"model": {"path": "demo"}, "nodes": [
-        {"name": "attn0", "role": "attention", "host": "127.0.0.1", "ports": {"control": 1, "data": 2, "http": 3}}]})
+    cfg = from_dict(
+        {
+            "model": {"path": "demo"},
+            "nodes": [
+                {
+                    "name": "attn0",
+                    "role": "attention",
+                    "host": "127.0.0.1",
+                    "ports": {"control": 1, "data": 2, "http": 3},
+                }
+            ],
+        }
+    )
     assert cfg.colocated and cfg.topology_name == "1A0F"

@@ -29,14 +29,16 @@ def reference(tiny_checkpoint):
 
 
 def _greedy(url: str, prompt) -> list[int]:
-    code, body = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0,
-                                               "return_token_ids": True})
+    code, body = post(
+        url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "return_token_ids": True}
+    )
     assert code == 200, body
     return body["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize("attention,ffn", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),
-                                           pytest.param(1, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "attention,ffn", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow), pytest.param(1, 2, marks=pytest.mark.slow)]
+)
 def test_nodes_started_in_reverse_order_serve_hf_tokens(tiny_checkpoint, reference, tmp_path, attention, ffn):
     path = cluster_yaml(tmp_path, tiny_checkpoint, attention, ffn, name=f"c{attention}a{ffn}f")
     with Cluster(path) as c:
@@ -60,9 +62,24 @@ def test_wrong_token_is_refused_and_the_cluster_keeps_serving(tiny_checkpoint, r
         doc["nodes"][1]["ports"].update(control=control, metrics=metrics)
         other = tmp_path / "intruder.yaml"
         other.write_text(yaml.safe_dump(doc))
-        intruder = subprocess.run([sys.executable, "-m", "ffn_node.main", "--config", str(other), "--node", "ffn0",
-                                   "--bind-host", "127.0.0.1"], capture_output=True, text=True, timeout=60,
-                                  cwd=ROOT, env={**os.environ, "AFD_CLUSTER_TOKEN": "wrong"})
+        intruder = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "ffn_node.main",
+                "--config",
+                str(other),
+                "--node",
+                "ffn0",
+                "--bind-host",
+                "127.0.0.1",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**os.environ, "AFD_CLUSTER_TOKEN": "wrong"},
+        )
         assert intruder.returncode != 0
         assert "cluster token mismatch" in intruder.stdout + intruder.stderr
         assert health(c.url()) == 200
@@ -99,7 +116,7 @@ def _listeners() -> dict[int, set[tuple[str, int]]]:
             if fields[3] != "0A":  # LISTEN
                 continue
             addr, port = fields[1].split(":")
-            raw = b"".join(bytes.fromhex(addr[i:i + 8])[::-1] for i in range(0, len(addr), 8))  # host-order words
+            raw = b"".join(bytes.fromhex(addr[i : i + 8])[::-1] for i in range(0, len(addr), 8))  # host-order words
             ip = ipaddress.ip_address(raw)
             if ip.version == 6 and ip.ipv4_mapped:
                 ip = ip.ipv4_mapped
@@ -115,7 +132,7 @@ def _socket_inodes(pid: int) -> set[int]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(int(target[len("socket:["):-1]))
+            inodes.add(int(target[len("socket:[") : -1]))
     return inodes
 
 
@@ -135,8 +152,14 @@ def _launched_cluster_is_closed(path: Path, url: str, launcher_pid: int) -> None
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert health(url) == 200
     env = {k: v for k, v in os.environ.items() if k != "AFD_CLUSTER_TOKEN"}
-    status = subprocess.run([sys.executable, "-m", "afd.cli", "status", str(path)], cwd=ROOT, capture_output=True,
-                            text=True, timeout=30, env=env)
+    status = subprocess.run(
+        [sys.executable, "-m", "afd.cli", "status", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+    )
     assert status.returncode == 0, status.stdout + status.stderr
     listening = _listeners()
     by_port = {port: addr for socks in listening.values() for addr, port in socks}
@@ -153,8 +176,13 @@ def _launched_cluster_is_closed(path: Path, url: str, launcher_pid: int) -> None
 
 def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_path):
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="launch")
-    launcher = subprocess.Popen([sys.executable, "-m", "afd.cli", "launch", str(path)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "afd.cli", "launch", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         url = None
         end = time.monotonic() + 90
@@ -169,8 +197,11 @@ def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_pat
         assert len(children) >= 3
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(60) == 0
-        alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
-                 "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()]
+        alive = [
+            pid
+            for pid in children
+            if os.path.exists(f"/proc/{pid}") and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+        ]
         assert alive == []
     finally:
         if launcher.poll() is None:  # a failed assertion must not leave the nodes running
@@ -192,8 +223,13 @@ def test_one_attention_node_leaving_does_not_stop_the_others(tiny_checkpoint, re
         assert health(c.url("attn0")) == 200
         assert _greedy(c.url("attn0"), PROMPTS[0]) == reference[0]
         assert "attention rank 1 left" in c.log("ffn0")
-        status = subprocess.run([sys.executable, "-m", "afd.cli", "status", str(path), "--json"], cwd=ROOT,
-                                capture_output=True, text=True, timeout=30)
+        status = subprocess.run(
+            [sys.executable, "-m", "afd.cli", "status", str(path), "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         st = json.loads(status.stdout)
         assert status.returncode == 1 and st["state"] == "DEGRADED" and st["lost"] == ["attn1"]
 
@@ -205,22 +241,36 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_checkpoint
         c.start_all()
         c.wait_ready()
         with ThreadPoolExecutor(1) as pool:
-            running = pool.submit(post, c.url(), "/v1/completions", {
-                "prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0, "ignore_eos": True})
+            running = pool.submit(
+                post,
+                c.url(),
+                "/v1/completions",
+                {"prompt": PROMPTS[0], "max_tokens": 300, "temperature": 0, "ignore_eos": True},
+            )
             end = time.monotonic() + 30
             while "afd_num_requests_running{" not in _metric_lines(c.url(), " 1.0"):
                 assert time.monotonic() < end, "the long request never started"
                 time.sleep(0.05)
-            drain = subprocess.run([sys.executable, "-m", "afd.cli", "drain", str(path), "--node", "attn0",
-                                    "--wait", "120"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+            drain = subprocess.run(
+                [sys.executable, "-m", "afd.cli", "drain", str(path), "--node", "attn0", "--wait", "120"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
             code, body = running.result(timeout=60)
         assert drain.returncode == 0 and "no request running" in drain.stdout, drain.stdout + drain.stderr
         assert code == 200 and body["usage"]["completion_tokens"] == 300
         assert health(c.url()) == 503
         code, err = post(c.url(), "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2})
         assert code == 503 and "draining" in err["error"]["message"]
-        bad = subprocess.run([sys.executable, "-m", "afd.cli", "drain", str(path), "--node", "ffn0"], cwd=ROOT,
-                             capture_output=True, text=True, timeout=30)
+        bad = subprocess.run(
+            [sys.executable, "-m", "afd.cli", "drain", str(path), "--node", "ffn0"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert bad.returncode == 2 and "not an attention node" in bad.stderr
 
 

@@ -51,8 +51,9 @@ def _ref(name: str, instance: str = "i0") -> pb.NodeRef:
 
 
 def _register(name: str, role: str, instance: str) -> pb.RegisterRequest:
-    return pb.RegisterRequest(name=name, role=role, address="127.0.0.1", instance_id=instance,
-                              model_fingerprint="fp", version=__version__)
+    return pb.RegisterRequest(
+        name=name, role=role, address="127.0.0.1", instance_id=instance, model_fingerprint="fp", version=__version__
+    )
 
 
 def _await(c: Coordinator, ref: pb.NodeRef, after: int, seconds: float = 3) -> pb.ClusterStatus:
@@ -71,8 +72,11 @@ def test_a_replacement_opens_a_generation_that_forms_once_everyone_asks(coordina
     reply = c.Register(_register("attn1", "attention", "i1"), _Context())
     assert reply.generation == c.generation == 1 and c.formation != formation
     with ThreadPoolExecutor(3) as pool:  # the survivors move; the replacement comes up
-        done = [pool.submit(_await, c, _ref("attn0"), 0), pool.submit(_await, c, _ref("ffn0"), 0),
-                pool.submit(c.AwaitCluster, _ref("attn1", "i1"), _Context(5))]
+        done = [
+            pool.submit(_await, c, _ref("attn0"), 0),
+            pool.submit(_await, c, _ref("ffn0"), 0),
+            pool.submit(c.AwaitCluster, _ref("attn1", "i1"), _Context(5)),
+        ]
         sts = [f.result() for f in done]
     assert {(st.generation, st.formation) for st in sts} == {(1, c.formation)}
     assert not sts[0].forming and not sts[0].lost

@@ -31,15 +31,18 @@ def write(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-@pytest.mark.parametrize("cpu_max, limit", [
-    ("max 100000", None),         # no limit
-    ("150000 100000", 2),         # 1.5 CPUs: rounded up
-    ("200000 100000", 2),
-    ("50000 100000", 1),          # half a CPU: still one thread
-    ("400000 50000", 8),          # a shorter period
-    ("max", None),
-    ("garbage", None),
-])
+@pytest.mark.parametrize(
+    "cpu_max, limit",
+    [
+        ("max 100000", None),  # no limit
+        ("150000 100000", 2),  # 1.5 CPUs: rounded up
+        ("200000 100000", 2),
+        ("50000 100000", 1),  # half a CPU: still one thread
+        ("400000 50000", 8),  # a shorter period
+        ("max", None),
+        ("garbage", None),
+    ],
+)
 def test_cgroup_v2_cpu_max(tmp_path, cpu_max, limit):
     assert cpus.cgroup_cpu_limit(write(tmp_path, {"cpu.max": cpu_max})) == limit
 
@@ -56,8 +59,9 @@ def test_cgroup_v1_unlimited_is_no_limit(tmp_path):
 
 
 def test_cgroup_v2_wins_over_v1(tmp_path):
-    root = write(tmp_path, {"cpu.max": "100000 100000", "cpu/cpu.cfs_quota_us": "800000",
-                            "cpu/cpu.cfs_period_us": "100000"})
+    root = write(
+        tmp_path, {"cpu.max": "100000 100000", "cpu/cpu.cfs_quota_us": "800000", "cpu/cpu.cfs_period_us": "100000"}
+    )
     assert cpus.cgroup_cpu_limit(root) == 1
 
 
@@ -67,9 +71,9 @@ def test_no_cgroup_files_is_no_limit(tmp_path):
 
 def test_usable_cpus_is_the_smaller_of_quota_and_affinity(tmp_path, affinity):
     root = write(tmp_path, {"cpu.max": "150000 100000"})
-    assert cpus.usable_cpus(root) == 2          # the quota, not the 64 CPUs of the affinity set
+    assert cpus.usable_cpus(root) == 2  # the quota, not the 64 CPUs of the affinity set
     affinity(1)
-    assert cpus.usable_cpus(root) == 1          # a CPU set narrower than the quota
+    assert cpus.usable_cpus(root) == 1  # a CPU set narrower than the quota
     assert cpus.usable_cpus(tmp_path / "none") == 1
 
 

@@ -11,25 +11,28 @@ from afd.backend.cuda import CudaBackend
 BF16 = torch.bfloat16
 
 
-@pytest.mark.parametrize("version,cap,hip,dtype,k,n,fast", [
-    ("2.8.0+cu128", (9, 0), False, BF16, 64, 32, True),  # Hopper: the fused kernel since 2.8
-    ("2.8.0+cu128", (8, 0), False, BF16, 64, 32, False),  # 2.8 raises off sm90
-    ("2.8.0+cu128", (10, 0), False, BF16, 64, 32, False),  # 2.8: major == 9 only
-    ("2.8.0+cu128", (12, 0), False, BF16, 64, 32, False),  # consumer Blackwell
-    ("2.9.0+cu128", (10, 0), False, BF16, 64, 32, True),  # 2.9 on: major 9 or 10
-    ("2.9.0a0+git1234", (10, 0), False, BF16, 64, 32, False),  # a 2.9 pre-release counts as 2.8
-    ("2.13.0+cu130", (8, 0), False, BF16, 64, 32, False),  # Ampere: host-synced fallback, use slices
-    ("2.13.0+cu130", (12, 0), False, BF16, 64, 32, False),
-    ("2.7.1+cu126", (9, 0), False, BF16, 64, 32, False),  # no torch._grouped_mm before 2.8
-    ("2.4.0", (9, 0), False, BF16, 64, 32, False),
-    ("2.13.0+cu130", (9, 0), False, torch.float16, 64, 32, False),  # fused kernel is bf16 only
-    ("2.13.0+cu130", (9, 0), False, torch.float32, 64, 32, False),
-    ("2.13.0+cu130", (9, 0), False, BF16, 60, 32, False),  # K * 2 bytes not a multiple of 16
-    ("2.13.0+cu130", (9, 0), False, BF16, 64, 36, False),  # N likewise
-    ("2.13.0+cu130", (9, 0), False, BF16, 8, 8, True),
-    ("2.13.0+rocm6.4", (9, 4), True, BF16, 64, 32, False),  # ROCm
-    ("2.13.0+cu130", None, False, BF16, 64, 32, False),
-])
+@pytest.mark.parametrize(
+    "version,cap,hip,dtype,k,n,fast",
+    [
+        ("2.8.0+cu128", (9, 0), False, BF16, 64, 32, True),  # Hopper: the fused kernel since 2.8
+        ("2.8.0+cu128", (8, 0), False, BF16, 64, 32, False),  # 2.8 raises off sm90
+        ("2.8.0+cu128", (10, 0), False, BF16, 64, 32, False),  # 2.8: major == 9 only
+        ("2.8.0+cu128", (12, 0), False, BF16, 64, 32, False),  # consumer Blackwell
+        ("2.9.0+cu128", (10, 0), False, BF16, 64, 32, True),  # 2.9 on: major 9 or 10
+        ("2.9.0a0+git1234", (10, 0), False, BF16, 64, 32, False),  # a 2.9 pre-release counts as 2.8
+        ("2.13.0+cu130", (8, 0), False, BF16, 64, 32, False),  # Ampere: host-synced fallback, use slices
+        ("2.13.0+cu130", (12, 0), False, BF16, 64, 32, False),
+        ("2.7.1+cu126", (9, 0), False, BF16, 64, 32, False),  # no torch._grouped_mm before 2.8
+        ("2.4.0", (9, 0), False, BF16, 64, 32, False),
+        ("2.13.0+cu130", (9, 0), False, torch.float16, 64, 32, False),  # fused kernel is bf16 only
+        ("2.13.0+cu130", (9, 0), False, torch.float32, 64, 32, False),
+        ("2.13.0+cu130", (9, 0), False, BF16, 60, 32, False),  # K * 2 bytes not a multiple of 16
+        ("2.13.0+cu130", (9, 0), False, BF16, 64, 36, False),  # N likewise
+        ("2.13.0+cu130", (9, 0), False, BF16, 8, 8, True),
+        ("2.13.0+rocm6.4", (9, 4), True, BF16, 64, 32, False),  # ROCm
+        ("2.13.0+cu130", None, False, BF16, 64, 32, False),
+    ],
+)
 def test_grouped_mm_fast_path_rule(version, cap, hip, dtype, k, n, fast):
     assert CudaBackend.grouped_mm_fast_path(version, cap, hip, dtype, k, n) is fast
 
@@ -37,13 +40,20 @@ def test_grouped_mm_fast_path_rule(version, cap, hip, dtype, k, n, fast):
 def _reference(x, w, sizes):
     out, start = [], 0
     for g, m in enumerate(sizes.tolist()):
-        out.append(x[start:start + m].float() @ w[g].float())
+        out.append(x[start : start + m].float() @ w[g].float())
         start += m
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("version,cap,fused", [("2.8.0+cu128", (8, 0), False), ("2.8.0+cu128", (9, 0), True),
-                                               ("2.10.0+cu128", (10, 0), True), ("2.10.0+cu128", (12, 0), False)])
+@pytest.mark.parametrize(
+    "version,cap,fused",
+    [
+        ("2.8.0+cu128", (8, 0), False),
+        ("2.8.0+cu128", (9, 0), True),
+        ("2.10.0+cu128", (10, 0), True),
+        ("2.10.0+cu128", (12, 0), False),
+    ],
+)
 def test_cuda_grouped_matmul_uses_grouped_mm_only_where_fused(monkeypatch, version, cap, fused):
     # Failed before the gate for ("2.8.0", (8, 0)): bf16 with aligned K and N went to torch._grouped_mm, which
     # torch 2.8 refuses below compute capability 9.0.

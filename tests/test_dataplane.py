@@ -28,15 +28,24 @@ def reference(tiny_checkpoint):
 SLOW = pytest.mark.slow  # the same paths as a default case next to it; `make test-slow` (CI) runs them
 
 
-@pytest.mark.parametrize("A,F,overlap,micro_batches", [
-    (1, 1, True, 0), (1, 1, False, 1), pytest.param(1, 1, True, 3, marks=SLOW),
-    (2, 1, True, 2), pytest.param(2, 1, False, 1, marks=SLOW),
-    pytest.param(1, 2, True, 1, marks=SLOW), (1, 2, True, 2),
-    pytest.param(2, 2, True, 0, marks=SLOW), pytest.param(2, 2, False, 1, marks=SLOW),
-])
+@pytest.mark.parametrize(
+    "A,F,overlap,micro_batches",
+    [
+        (1, 1, True, 0),
+        (1, 1, False, 1),
+        pytest.param(1, 1, True, 3, marks=SLOW),
+        (2, 1, True, 2),
+        pytest.param(2, 1, False, 1, marks=SLOW),
+        pytest.param(1, 2, True, 1, marks=SLOW),
+        (1, 2, True, 2),
+        pytest.param(2, 2, True, 0, marks=SLOW),
+        pytest.param(2, 2, False, 1, marks=SLOW),
+    ],
+)
 def test_afd_generation_equals_hf(tiny_checkpoint, reference, A, F, overlap, micro_batches):
-    llm = afd.LLM(tiny_checkpoint, attention_nodes=A, ffn_nodes=F, overlap=overlap,
-                  micro_batches=micro_batches, block_size=4)
+    llm = afd.LLM(
+        tiny_checkpoint, attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches, block_size=4
+    )
     assert llm.generate_ids(PROMPTS, NEW_TOKENS) == reference
 
 
@@ -56,10 +65,30 @@ def test_multiprocess_sampling_honours_seed_top_k_and_top_p(tiny_checkpoint, ref
 def test_generate_cli_multiprocess_prints_same_json(tiny_checkpoint, reference, tmp_path):
     f = tmp_path / "p.json"
     f.write_text(json.dumps(PROMPTS))
-    out = subprocess.run([sys.executable, "-m", "afd.cli", "generate", "--model", tiny_checkpoint,
-                          "--prompt-ids", str(f), "--max-tokens", str(NEW_TOKENS), "--attention-nodes", "1",
-                          "--ffn-nodes", "2", "--micro-batches", "2"],
-                         capture_output=True, text=True, timeout=180, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "afd.cli",
+            "generate",
+            "--model",
+            tiny_checkpoint,
+            "--prompt-ids",
+            str(f),
+            "--max-tokens",
+            str(NEW_TOKENS),
+            "--attention-nodes",
+            "1",
+            "--ffn-nodes",
+            "2",
+            "--micro-batches",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == reference
 
 
@@ -88,11 +117,14 @@ def _wait_for_log(cluster: LocalCluster, name: str, text: str, timeout: float = 
     raise AssertionError(f"{name} never logged {text!r}; log:\n{log}")
 
 
-@pytest.mark.parametrize("victim,survivor,signum", [
-    ("ffn0", "attention0", signal.SIGKILL),
-    ("attention0", "ffn0", signal.SIGKILL),
-    pytest.param("ffn0", "attention0", signal.SIGTERM, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "victim,survivor,signum",
+    [
+        ("ffn0", "attention0", signal.SIGKILL),
+        ("attention0", "ffn0", signal.SIGKILL),
+        pytest.param("ffn0", "attention0", signal.SIGTERM, marks=pytest.mark.slow),
+    ],
+)
 def test_a_dead_peer_fails_fast_with_a_clear_error(tmp_path, victim, survivor, signum):
     with _long_job(tmp_path) as cluster:
         cluster.process(victim).send_signal(signum)

@@ -36,8 +36,13 @@ def test_colocated_greedy_tokens_and_logits_match_hf(ckpts, refs, name):
     assert_colocated_matches_hf(ckpts[name], refs(name), NEW_TOKENS)
 
 
-@pytest.mark.parametrize("over", [dict(seed=0), dict(n_routed_experts=12, n_group=4, topk_group=2,
-                                                     num_experts_per_tok=5, norm_topk_prob=False, seed=1)])
+@pytest.mark.parametrize(
+    "over",
+    [
+        dict(seed=0),
+        dict(n_routed_experts=12, n_group=4, topk_group=2, num_experts_per_tok=5, norm_topk_prob=False, seed=1),
+    ],
+)
 def test_router_picks_hfs_experts_with_hfs_weights(over):
     """Many tokens through HF's DeepseekV3TopkRouter and afd's, with a correction bias large enough that
     both it and the group mask change which experts win."""
@@ -74,24 +79,41 @@ def test_yarn_rope_and_softmax_scale_are_hfs(ckpts):
     attn = afd.LLM(ckpts["yarn"]).attn
     assert torch.equal(attn.rotary.inv_freq, hf.rotary_emb.inv_freq)
     assert attn.rotary.attention_factor == hf.rotary_emb.attention_scaling != 1.0
-    assert attn.layers[0].self_attn.scale == hf.layers[0].self_attn.scaling != attn.cfg.qk_head_dim ** -0.5
+    assert attn.layers[0].self_attn.scale == hf.layers[0].self_attn.scaling != attn.cfg.qk_head_dim**-0.5
 
 
 def test_hub_style_config_keys_are_read():
     """DeepSeek-V3's published config.json: rope_scaling with `type`, rope_theta beside it, and keys HF
     ignores that afd checks hold the one value HF's model computes."""
-    hub = {**BASE, "model_type": "deepseek_v3", "rope_theta": 50.0, "topk_method": "noaux_tc",
-           "scoring_func": "sigmoid", "moe_layer_freq": 1, "num_nextn_predict_layers": 1,
-           "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8,
-                            "mscale": 1.0, "mscale_all_dim": 1.0}}
+    hub = {
+        **BASE,
+        "model_type": "deepseek_v3",
+        "rope_theta": 50.0,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "moe_layer_freq": 1,
+        "num_nextn_predict_layers": 1,
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 16,
+            "beta_fast": 8,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+    }
     cfg = config_from_hf(hub)
     assert (cfg.rope_type, cfg.rope_theta, cfg.rope_factor, cfg.rope_beta_fast) == ("yarn", 50.0, 4.0, 8)
     assert cfg.moe_layers == (1, 2) and cfg.kv_cache_shape(5, 4) == (3, 5, 4, 8 + 4)
-    for change, needle in [({"topk_method": "greedy"}, "topk_method"), ({"scoring_func": "softmax"}, "scoring_func"),
-                           ({"moe_layer_freq": 2}, "moe_layer_freq"), ({"hidden_act": "gelu"}, "hidden_act"),
-                           ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
-                           ({"num_key_value_heads": 1}, "'num_key_value_heads'"),
-                           ({"quantization_config": {"quant_method": "fp8"}}, "'quantization_config'")]:
+    for change, needle in [
+        ({"topk_method": "greedy"}, "topk_method"),
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
+        ({"num_key_value_heads": 1}, "'num_key_value_heads'"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "'quantization_config'"),
+    ]:
         with pytest.raises(ConfigError, match=needle):
             config_from_hf({**hub, **change})
 
@@ -118,8 +140,11 @@ def test_dense_layers_keep_m_and_moe_layers_send_it(ckpts):
             assert m is None
             x = attn.post_moe(i, h, m, rope, meta, kv[i])
             assert torch.equal(x, h + layer.mlp(want_m))
-    assert cfg.moe_layers == (1, 2) and [type(layer.mlp).__name__ for layer in attn.layers] == \
-        ["DenseMLP", "SharedExperts", "SharedExperts"]
+    assert cfg.moe_layers == (1, 2) and [type(layer.mlp).__name__ for layer in attn.layers] == [
+        "DenseMLP",
+        "SharedExperts",
+        "SharedExperts",
+    ]
 
 
 def test_shared_experts_run_while_the_routed_experts_are_out(ckpts):
@@ -141,6 +166,7 @@ def test_shared_experts_run_while_the_routed_experts_are_out(ckpts):
                 def wait(self):
                     events.append(("wait", layer, micro_batch))
                     return y
+
             return Handle()
 
     def run(moe):
@@ -153,8 +179,12 @@ def test_shared_experts_run_while_the_routed_experts_are_out(ckpts):
         return ModelRunner(llm.attn, moe, kv, torch.device("cpu"), micro_batches=2).execute(seqs)
 
     layer_of = {id(layer.mlp.shared_experts): i for i, layer in enumerate(llm.attn.layers) if i in llm.cfg.moe_layers}
-    hooks = [llm.attn.layers[i].mlp.shared_experts.register_forward_hook(
-        lambda mod, inp, out: events.append(("shared", layer_of[id(mod)]))) for i in llm.cfg.moe_layers]
+    hooks = [
+        llm.attn.layers[i].mlp.shared_experts.register_forward_hook(
+            lambda mod, inp, out: events.append(("shared", layer_of[id(mod)]))
+        )
+        for i in llm.cfg.moe_layers
+    ]
     try:
         logits = run(Recorded(llm.ffn, llm.backend))
     finally:
@@ -178,8 +208,13 @@ def test_mtp_layers_in_the_checkpoint_are_skipped(ckpts, refs, tmp_path, caplog)
     shutil.copytree(ckpts[MULTI], path)
     tensors = load_file(path / "model.safetensors")
     L = BASE["num_hidden_layers"]
-    tensors.update({k.replace("model.layers.2.", f"model.layers.{L}."): torch.full_like(v, float("nan"))
-                    for k, v in tensors.items() if k.startswith("model.layers.2.")})
+    tensors.update(
+        {
+            k.replace("model.layers.2.", f"model.layers.{L}."): torch.full_like(v, float("nan"))
+            for k, v in tensors.items()
+            if k.startswith("model.layers.2.")
+        }
+    )
     tensors[f"model.layers.{L}.eh_proj.weight"] = torch.zeros(BASE["hidden_size"], 2 * BASE["hidden_size"])
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="afd.model"):
@@ -189,12 +224,18 @@ def test_mtp_layers_in_the_checkpoint_are_skipped(ckpts, refs, tmp_path, caplog)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("A,F,overlap,micro_batches", [
-    (1, 1, True, 1), pytest.param(2, 1, False, 1, marks=pytest.mark.slow),
-    pytest.param(1, 2, True, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "A,F,overlap,micro_batches",
+    [
+        (1, 1, True, 1),
+        pytest.param(2, 1, False, 1, marks=pytest.mark.slow),
+        pytest.param(1, 2, True, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_afd_nodes_generate_hfs_tokens(ckpts, refs, A, F, overlap, micro_batches):
-    llm = afd.LLM(ckpts[MULTI], attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches,
-                  block_size=4)
+    llm = afd.LLM(
+        ckpts[MULTI], attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches, block_size=4
+    )
     assert llm.generate_ids(PROMPTS, NEW_TOKENS) == [ids for ids, _ in refs(MULTI)]
 
 
@@ -206,8 +247,16 @@ def test_afd_serve_concurrent_completions_equal_hf(ckpts, refs, tmp_path):
     try:
         s.wait_ready()
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            results = list(pool.map(lambda p: post(url, "/v1/completions", {
-                "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True}), PROMPTS))
+            results = list(
+                pool.map(
+                    lambda p: post(
+                        url,
+                        "/v1/completions",
+                        {"prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True},
+                    ),
+                    PROMPTS,
+                )
+            )
     finally:
         assert s.stop() == 0
     for (code, body), (ids, _) in zip(results, refs(MULTI)):

@@ -46,11 +46,17 @@ def device_here(monkeypatch):
     return make
 
 
-@pytest.mark.parametrize("npu, cuda, expected", [
-    (None, False, "cpu"), (None, True, "cuda"),
-    (False, False, "cpu"), (False, True, "cuda"),
-    (True, False, "npu"), (True, True, "npu"),
-])
+@pytest.mark.parametrize(
+    "npu, cuda, expected",
+    [
+        (None, False, "cpu"),
+        (None, True, "cuda"),
+        (False, False, "cpu"),
+        (False, True, "cuda"),
+        (True, False, "npu"),
+        (True, True, "npu"),
+    ],
+)
 def test_auto_resolves_to_the_best_device_here(device_here, npu, cuda, expected):
     device_here(npu, cuda)
     assert backend.resolve_device("auto") == expected
@@ -88,10 +94,13 @@ def test_check_device_accepts_auto(device_here, npu, cuda):
     backend.check_device("auto")
 
 
-@pytest.mark.parametrize("body, why", [
-    ("raise RuntimeError('libascendcl.so: cannot open shared object file')", "RuntimeError: libascendcl.so"),
-    ("import afd_no_such_dependency_of_torch_npu", "ModuleNotFoundError"),
-])
+@pytest.mark.parametrize(
+    "body, why",
+    [
+        ("raise RuntimeError('libascendcl.so: cannot open shared object file')", "RuntimeError: libascendcl.so"),
+        ("import afd_no_such_dependency_of_torch_npu", "ModuleNotFoundError"),
+    ],
+)
 def test_a_broken_torch_npu_is_skipped_with_a_warning(monkeypatch, tmp_path, caplog, body, why):
     """Installed but not importable (CANN's environment not set, a dependency missing): auto goes on to
     cuda/cpu, and the log says why npu was passed over."""
@@ -111,7 +120,8 @@ def test_torch_npu_is_imported_only_when_auto_is_resolved(tmp_path):
     auto does, picks npu, and check_device and the colocated server's --device accept it."""
     (tmp_path / "torch_npu").mkdir()
     (tmp_path / "torch_npu" / "__init__.py").write_text(
-        "import types\nimport torch\ntorch.npu = types.SimpleNamespace(is_available=lambda: True)\n")
+        "import types\nimport torch\ntorch.npu = types.SimpleNamespace(is_available=lambda: True)\n"
+    )
     code = (
         "import sys\n"
         "import afd, afd.backend, afd.cluster.config, afd.engine.llm, attention_node.colocated\n"

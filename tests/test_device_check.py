@@ -31,8 +31,13 @@ def test_without_an_accelerator_every_device_check_skips_with_the_reason_and_not
     out = ROOT / "docs" / "bench" / "device"
     before = sorted(out.iterdir()) if out.exists() else []
     # pytest on the device tests is left out: it is a pytest run inside this one, and its verdict is theirs
-    r = subprocess.run([sys.executable, str(DEVICE / "check.py"), "--checks", "colocated,gemm,1a1f"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    r = subprocess.run(
+        [sys.executable, str(DEVICE / "check.py"), "--checks", "colocated,gemm,1a1f"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "== environment" in r.stdout and re.search(rf"^ +torch +{re.escape(torch.__version__)}$", r.stdout, re.M)
     why = re.search(r"no accelerator here, so every device check was skipped: (.+)", r.stdout)
@@ -44,13 +49,30 @@ def test_without_an_accelerator_every_device_check_skips_with_the_reason_and_not
 
 
 def test_report_is_a_well_formed_table_and_json(tmp_path):
-    env = {"date": "2025-06-01T10:00:00+00:00", "torch": "2.13.0", "device_type": "cuda", "device_count": 2,
-           "devices": [{"index": i, "name": "NVIDIA H200", "capability": "9.0"} for i in range(2)]}
-    results = [Result("colocated bfloat16 vs CPU fp32", "pass", "top-1 on 99.8% of steps",
-                      {"steps": 512, "top1_strict": 0.977, "logits_err_max": float("nan")}, 12.3),
-               Result("grouped GEMM float32 G=1", "fail", "rel err 0.01 > 0.0001 | a pipe\nand a newline",
-                      {"grouped_ms": float("inf")}, 0.5),
-               Result("1A1F over NCCL via the OpenAI API", "skip", "1 cuda device here: 1A1F needs 2")]
+    env = {
+        "date": "2025-06-01T10:00:00+00:00",
+        "torch": "2.13.0",
+        "device_type": "cuda",
+        "device_count": 2,
+        "devices": [{"index": i, "name": "NVIDIA H200", "capability": "9.0"} for i in range(2)],
+    }
+    results = [
+        Result(
+            "colocated bfloat16 vs CPU fp32",
+            "pass",
+            "top-1 on 99.8% of steps",
+            {"steps": 512, "top1_strict": 0.977, "logits_err_max": float("nan")},
+            12.3,
+        ),
+        Result(
+            "grouped GEMM float32 G=1",
+            "fail",
+            "rel err 0.01 > 0.0001 | a pipe\nand a newline",
+            {"grouped_ms": float("inf")},
+            0.5,
+        ),
+        Result("1A1F over NCCL via the OpenAI API", "skip", "1 cuda device here: 1A1F needs 2"),
+    ]
     md, js = write_report(tmp_path, env, results, ["check.py"], 42.0)
     assert (md.name, js.name) == ("2x-nvidia-h200-2025-06-01.md", "2x-nvidia-h200-2025-06-01.json")
 

@@ -24,8 +24,9 @@ def llm(tiny_checkpoint):
 
 
 def _engine(llm, metrics=None):
-    eng = offline.job_engine(llm.attn, LocalMoE(llm.ffn, llm.backend), PROMPTS, [8] * len(PROMPTS), torch.float32,
-                             llm.backend.device)
+    eng = offline.job_engine(
+        llm.attn, LocalMoE(llm.ffn, llm.backend), PROMPTS, [8] * len(PROMPTS), torch.float32, llm.backend.device
+    )
     eng.metrics = metrics
     return eng
 

@@ -80,6 +80,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_the_fake_device_catches_what_a_device_punishes():
-    out = subprocess.run([sys.executable, "-c", SCRIPT.format(fakes=FAKES)], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(fakes=FAKES)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

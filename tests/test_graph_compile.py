@@ -33,16 +33,24 @@ def hf_ref(tiny_checkpoint):
 @pytest.mark.parametrize("n", [3, 5], ids=["3-into-4", "5-into-8"])
 def test_inductor_colocated_gives_eager_and_hf_tokens(tiny_checkpoint, hf_ref, cache_dir, n):
     eager = afd.LLM(tiny_checkpoint, block_size=16).generate_ids(PROMPTS5[:n], N, ignore_eos=True)
-    llm = afd.LLM(tiny_checkpoint, block_size=16, graph_mode="compile", graph_batch_sizes=(4, 8),
-                  compile_cache_dir=cache_dir)
+    llm = afd.LLM(
+        tiny_checkpoint, block_size=16, graph_mode="compile", graph_batch_sizes=(4, 8), compile_cache_dir=cache_dir
+    )
     assert llm.generate_ids(PROMPTS5[:n], N, ignore_eos=True) == eager == hf_ref[:n]
     assert llm.graph_report["steps"] == steps_by_mode()
     assert list(llm.graph_report["compile_seconds"]) == [f"{4 if n == 3 else 8}x2"]
 
 
 def test_inductor_at_1a1f_gives_hf_tokens(tiny_checkpoint, hf_ref, cache_dir):
-    llm = afd.LLM(tiny_checkpoint, block_size=16, attention_nodes=1, ffn_nodes=1, graph_mode="compile",
-                  graph_batch_sizes=(4,), compile_cache_dir=cache_dir)
+    llm = afd.LLM(
+        tiny_checkpoint,
+        block_size=16,
+        attention_nodes=1,
+        ffn_nodes=1,
+        graph_mode="compile",
+        graph_batch_sizes=(4,),
+        compile_cache_dir=cache_dir,
+    )
     assert llm.generate_ids(PROMPTS5[:3], N, ignore_eos=True) == hf_ref[:3]
     assert llm.graph_report["steps"] == steps_by_mode()
 
@@ -50,12 +58,27 @@ def test_inductor_at_1a1f_gives_hf_tokens(tiny_checkpoint, hf_ref, cache_dir):
 def test_inductor_at_2a2f_and_under_tp_gives_hf_tokens(tiny_checkpoint, hf_ref, cache_dir):
     """Every topology: two attention nodes (each its own graphs, out of one cache) over two FFN nodes, and an
     attention node of TP 2, whose half runs eager in graph mode (its collectives stay outside graphs)."""
-    llm = afd.LLM(tiny_checkpoint, block_size=16, attention_nodes=2, ffn_nodes=2, graph_mode="compile",
-                  graph_batch_sizes=(4,), compile_cache_dir=cache_dir)
+    llm = afd.LLM(
+        tiny_checkpoint,
+        block_size=16,
+        attention_nodes=2,
+        ffn_nodes=2,
+        graph_mode="compile",
+        graph_batch_sizes=(4,),
+        compile_cache_dir=cache_dir,
+    )
     assert llm.generate_ids(PROMPTS5, N, ignore_eos=True) == hf_ref
     assert llm.graph_report["steps"] == steps_by_mode()
-    tp = afd.LLM(tiny_checkpoint, block_size=16, attention_nodes=1, ffn_nodes=1, attention_tp=2, graph_mode="compile",
-                 graph_batch_sizes=(4,), compile_cache_dir=cache_dir)
+    tp = afd.LLM(
+        tiny_checkpoint,
+        block_size=16,
+        attention_nodes=1,
+        ffn_nodes=1,
+        attention_tp=2,
+        graph_mode="compile",
+        graph_batch_sizes=(4,),
+        compile_cache_dir=cache_dir,
+    )
     assert tp.generate_ids(PROMPTS5[:3], N, ignore_eos=True) == hf_ref[:3]
     assert tp.graph_report is None  # eager: no graph counters
 
@@ -75,8 +98,13 @@ RESTART = textwrap.dedent("""
 
 def test_a_restart_reuses_the_compile_cache(tiny_checkpoint, tmp_path):
     def start() -> dict:
-        run = subprocess.run([sys.executable, "-c", RESTART, tiny_checkpoint, str(tmp_path / "cache")],
-                             capture_output=True, text=True, timeout=600, check=True)
+        run = subprocess.run(
+            [sys.executable, "-c", RESTART, tiny_checkpoint, str(tmp_path / "cache")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
         return json.loads(run.stdout.strip().splitlines()[-1])
 
     cold, warm = start(), start()
@@ -98,7 +126,8 @@ def test_the_kv_write_compiles_in_place():
 
     kv = torch.zeros(2, 512, 16, 72)  # a layer: [2 (MLA's two attentions), blocks, block size, C + R]
     with torch.inference_mode():
-        _, code = run_and_get_code(torch.compile(step, dynamic=False, fullgraph=True), kv, torch.tensor([1, 9]),
-                                   torch.ones(2, 72))
+        _, code = run_and_get_code(
+            torch.compile(step, dynamic=False, fullgraph=True), kv, torch.tensor([1, 9]), torch.ones(2, 72)
+        )
     assert torch.equal(kv[0].flatten(0, 1)[[1, 9]], torch.ones(2, 72))
     assert not re.search(rf"<static_cast<int64_t>\({kv.numel() // 2}L\)", "\n".join(code))  # no loop over it

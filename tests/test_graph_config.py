@@ -22,11 +22,13 @@ def test_yaml_keys_and_their_checks():
     assert settings_of(_cfg()) == GraphSettings(None, GRAPH_BATCH_SIZES, None)  # unset: the backend's default
     cfg = _cfg(layout={"graph_mode": "compile"}, engine={"graph_batch_sizes": [8, 2, 2], "compile_cache_dir": "/c"})
     assert settings_of(cfg) == GraphSettings("compile", (2, 8), "/c")
-    for sections, where in (({"layout": {"graph_mode": "jit"}}, "layout.graph_mode"),
-                            ({"engine": {"graph_batch_sizes": [0, 4]}}, "engine.graph_batch_sizes"),
-                            ({"engine": {"graph_batch_sizes": []}}, "engine.graph_batch_sizes"),
-                            ({"engine": {"graph_batch_sizes": 4}}, "engine.graph_batch_sizes"),
-                            ({"engine": {"compile_cache_dir": 3}}, "engine.compile_cache_dir")):
+    for sections, where in (
+        ({"layout": {"graph_mode": "jit"}}, "layout.graph_mode"),
+        ({"engine": {"graph_batch_sizes": [0, 4]}}, "engine.graph_batch_sizes"),
+        ({"engine": {"graph_batch_sizes": []}}, "engine.graph_batch_sizes"),
+        ({"engine": {"graph_batch_sizes": 4}}, "engine.graph_batch_sizes"),
+        ({"engine": {"compile_cache_dir": 3}}, "engine.compile_cache_dir"),
+    ):
         with pytest.raises(ClusterConfigError, match=where):
             _cfg(**sections)
 

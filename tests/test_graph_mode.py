@@ -52,8 +52,17 @@ def steps_by_mode(decode_steps: int = N - 1, layers: int = 2, micro_batches: int
 
 
 def _engine(llm, prompts, settings, micro_batches=1):
-    return offline.job_engine(llm.attn, LocalMoE(llm.ffn, llm.backend), prompts, [N] * len(prompts), llm.dtype,
-                              llm.backend.device, llm.block_size, micro_batches, graph=settings)
+    return offline.job_engine(
+        llm.attn,
+        LocalMoE(llm.ffn, llm.backend),
+        prompts,
+        [N] * len(prompts),
+        llm.dtype,
+        llm.backend.device,
+        llm.block_size,
+        micro_batches,
+        graph=settings,
+    )
 
 
 def _job(llm, prompts, settings, micro_batches=1):
@@ -135,16 +144,20 @@ def test_the_half_passes_every_attribute_through(tiny_checkpoint, traced):
         half.no_such_attribute  # noqa: B018
 
 
-@pytest.mark.parametrize("family", [pytest.param("deepseek_v3", marks=pytest.mark.slow),
-                                    pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family", [pytest.param("deepseek_v3", marks=pytest.mark.slow), pytest.param("qwen3_moe", marks=pytest.mark.slow)]
+)
 def test_other_families(tmp_path, traced, family):
     """DeepSeek-V3 with a dense first layer (pre_moe's m is None there) and Qwen3-MoE (GQA's K and V cache)."""
     from afd.bench.common import write_config
     from afd.bench.step import DEEPSEEK_V3, QWEN3_MOE
 
     small = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32)
-    cfg = {**DEEPSEEK_V3, **small, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16} \
-        if family == "deepseek_v3" else {**QWEN3_MOE, **small, "mlp_only_layers": [0]}
+    cfg = (
+        {**DEEPSEEK_V3, **small, "first_k_dense_replace": 1, "q_lora_rank": 32, "kv_lora_rank": 16}
+        if family == "deepseek_v3"
+        else {**QWEN3_MOE, **small, "mlp_only_layers": [0]}
+    )
     path = write_config(str(tmp_path / family), cfg)
     prompts = [[3, 4, 5], [9, 8], [7, 7, 7, 7]]
     ref = afd.LLM(path, dummy_weights=True, block_size=4).generate_ids(prompts, N, ignore_eos=True)

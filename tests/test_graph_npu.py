@@ -32,13 +32,18 @@ def _generate(llm, monkeypatch, cache_dir=None):
     # graph mode compiled by the NPU backend (on the fake torchair), over CPU tensors
     monkeypatch.setattr(afd.backend, "get_backend", lambda *a: _npu_backend())
     settings = None if cache_dir is None else GraphSettings("compile", (4,), cache_dir)
-    engine = offline.job_engine(llm.attn, LocalMoE(llm.ffn, llm.backend), PROMPTS, [N] * 3, llm.dtype,
-                                llm.backend.device, 16, graph=settings)
+    engine = offline.job_engine(
+        llm.attn, LocalMoE(llm.ffn, llm.backend), PROMPTS, [N] * 3, llm.dtype, llm.backend.device, 16, graph=settings
+    )
     return offline.generate(engine, PROMPTS, [N] * 3, SamplingParams(), ignore_eos=True), engine.runner.attn
 
 
-def test_torchair_graphs_cached_one_per_function_and_reloaded(tiny_checkpoint, torchair, tmp_path,  # noqa: F811
-                                                               monkeypatch):
+def test_torchair_graphs_cached_one_per_function_and_reloaded(
+    tiny_checkpoint,
+    torchair,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
     llm = afd.LLM(tiny_checkpoint, block_size=16)
     ref, _ = _generate(llm, monkeypatch)
     with warnings.catch_warnings():

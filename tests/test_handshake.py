@@ -23,10 +23,13 @@ def _member(rank: int, port: int, token: str, out) -> None:
     plane.close()
 
 
-@pytest.mark.parametrize("tokens,expect", [
-    (("secret", "secret"), {0: "ok", 1: "ok"}),
-    (("secret", "forged"), {0: "rank 1 failed the handshake", 1: "rank 0 failed the handshake"}),
-])
+@pytest.mark.parametrize(
+    "tokens,expect",
+    [
+        (("secret", "secret"), {0: "ok", 1: "ok"}),
+        (("secret", "forged"), {0: "rank 1 failed the handshake", 1: "rank 0 failed the handshake"}),
+    ],
+)
 def test_only_token_holders_pass_the_handshake(tokens, expect):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

@@ -227,7 +227,6 @@ def test_k8s_secret_name_matches_readme(k8s):
             assert env["AFD_CLUSTER_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] in text
 
 
-
 # ---- served metrics, volumes ----------------------------------------------------------------------
 
 
@@ -254,8 +253,14 @@ def test_k8s_pods_serving_metrics_carry_scrape_annotations(k8s, embedded):
 
 def test_k8s_claimed_volumes_exist(k8s):
     claims = {d["metadata"]["name"]: d for d in kind(k8s, "PersistentVolumeClaim")}
-    used = [v["persistentVolumeClaim"]["claimName"] for w in k8s if w["kind"] in WORKLOADS
-            for pod in pod_specs(w) for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    used = [
+        v["persistentVolumeClaim"]["claimName"]
+        for w in k8s
+        if w["kind"] in WORKLOADS
+        for pod in pod_specs(w)
+        for v in pod["volumes"]
+        if "persistentVolumeClaim" in v
+    ]
     assert used, "the checkpoint volume is no longer a PVC: update this test and README.md"
     for name in used:
         assert name in claims, f"PVC {name} is mounted but never created"

@@ -152,8 +152,13 @@ def start_pod(docs: list[dict], tmp_path: Path, pod: str, **env: str) -> tuple[s
     out.mkdir()
     args = kubelet_expand(argv(c), {"NODE_NAME": pod})
     assert args[:2] == ["python3", TP_SCRIPT]
-    env = {**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "STUB_DIR": str(out),
-           "STUB_RANKS": args[2], **env}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}",
+        "STUB_DIR": str(out),
+        "STUB_RANKS": args[2],
+        **env,
+    }
     # its own process group, so that stop() ends the stub ranks too, whatever the script did
     return subprocess.Popen([sys.executable, str(script), *args[2:]], env=env, start_new_session=True), out
 
@@ -222,10 +227,13 @@ def test_k8s_tp_supervisor_outwaits_the_ranks_own_shutdown(shipped):
     assert tp_node.main(["0", "afd-attention"]) == 2
 
 
-@pytest.mark.parametrize("kw, why", [
-    (dict(attention_tp=0), "--attention-tp"),
-    (dict(attention_tp=2, device="npu:1"), "must be index 0"),
-])
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        (dict(attention_tp=0), "--attention-tp"),
+        (dict(attention_tp=2, device="npu:1"), "must be index 0"),
+    ],
+)
 def test_k8s_tp_render_refuses(shipped, kw, why):
     docs = copy.deepcopy(shipped)
     if "device" in kw:
@@ -239,8 +247,23 @@ def test_k8s_tp_render_refuses(shipped, kw, why):
 
 
 def test_k8s_render_cli_takes_the_tp_flags(capsys):
-    assert render.main(["--attention", "1", "--ffn", "1", "--attention-tp", "4", "--tp-comm", "flashcomm2",
-                        "--flashcomm2-otp", "2"]) == 0
+    assert (
+        render.main(
+            [
+                "--attention",
+                "1",
+                "--ffn",
+                "1",
+                "--attention-tp",
+                "4",
+                "--tp-comm",
+                "flashcomm2",
+                "--flashcomm2-otp",
+                "2",
+            ]
+        )
+        == 0
+    )
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     (cm,) = [d for d in kind(docs, "ConfigMap") if "cluster.yaml" in d.get("data", {})]
     cfg = from_dict(yaml.safe_load(cm["data"]["cluster.yaml"]))

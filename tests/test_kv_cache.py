@@ -26,8 +26,9 @@ def test_blocks_needed():
 
 
 def test_slot_mapping_follows_block_table():
-    meta = AttentionMetadata.build(starts=[0, 5], lens=[3, 1], block_tables=[[7], [2, 9]], block_size=4,
-                                   device=torch.device("cpu"))
+    meta = AttentionMetadata.build(
+        starts=[0, 5], lens=[3, 1], block_tables=[[7], [2, 9]], block_size=4, device=torch.device("cpu")
+    )
     assert meta.positions.tolist() == [0, 1, 2, 5]
     assert meta.slot_mapping.tolist() == [28, 29, 30, 9 * 4 + 1]
     assert meta.decode_rows.tolist() == [3] and meta.decode_ctx_lens.tolist() == [6]

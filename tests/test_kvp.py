@@ -22,19 +22,29 @@ ckpt, hf = test_attention_tp.ckpt, test_attention_tp.hf  # the same checkpoint a
 
 
 def generate(ckpt, tp: int, kvp: int, colocated: bool, mode: str = "allreduce"):
-    llm = afd.LLM(ckpt, block_size=4, attention_tp=tp, kvp=kvp, tp_comm=mode, tp_comm_min_tokens=1,
-                  **({"colocated": True} if colocated else {"attention_nodes": 1, "ffn_nodes": 1}))
+    llm = afd.LLM(
+        ckpt,
+        block_size=4,
+        attention_tp=tp,
+        kvp=kvp,
+        tp_comm=mode,
+        tp_comm_min_tokens=1,
+        **({"colocated": True} if colocated else {"attention_nodes": 1, "ffn_nodes": 1}),
+    )
     logits: list = []
     return llm.generate_ids(PROMPTS, MAX_TOKENS, logits_out=logits), logits
 
 
-@pytest.mark.parametrize("tp,kvp,colocated,mode", [
-    (2, 2, True, "allreduce"),
-    pytest.param(4, 4, False, "allreduce", marks=pytest.mark.slow),
-    pytest.param(4, 4, True, "allreduce", marks=pytest.mark.slow),
-    pytest.param(2, 2, False, "sp", marks=pytest.mark.slow),
-    pytest.param(4, 2, False, "flashcomm1", marks=pytest.mark.slow),  # two head groups of two KV ranks
-])
+@pytest.mark.parametrize(
+    "tp,kvp,colocated,mode",
+    [
+        (2, 2, True, "allreduce"),
+        pytest.param(4, 4, False, "allreduce", marks=pytest.mark.slow),
+        pytest.param(4, 4, True, "allreduce", marks=pytest.mark.slow),
+        pytest.param(2, 2, False, "sp", marks=pytest.mark.slow),
+        pytest.param(4, 2, False, "flashcomm1", marks=pytest.mark.slow),  # two head groups of two KV ranks
+    ],
+)
 def test_kvp_equals_hf_and_the_path_without_it(ckpt, hf, tp, kvp, colocated, mode):
     ids, logits = generate(ckpt, tp, kvp, colocated, mode)
     _, plain = generate(ckpt, tp, 1, colocated, mode)
@@ -58,12 +68,26 @@ def test_kvp_buys_context(ckpt, tmp_path):
     for kvp in (1, 2):
         port = free_port_run(1)
         url = f"http://127.0.0.1:{port}"
-        s = Served([ckpt, "--port", str(port), "--kv-cache-bytes", str(3 * block_bytes), "--attention-tp", "2",
-                    "--kvp", str(kvp)], tmp_path / f"kvp{kvp}.log", [url])
+        s = Served(
+            [
+                ckpt,
+                "--port",
+                str(port),
+                "--kv-cache-bytes",
+                str(3 * block_bytes),
+                "--attention-tp",
+                "2",
+                "--kvp",
+                str(kvp),
+            ],
+            tmp_path / f"kvp{kvp}.log",
+            [url],
+        )
         try:
             s.wait_ready()
-            results[kvp] = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0,
-                                                          "return_token_ids": True})
+            results[kvp] = post(
+                url, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+            )
             with urllib.request.urlopen(f"{url}/metrics") as r:
                 metrics = r.read().decode()
             assert ('afd_kv_cache_rank_usage_ratio{kv_rank="1"' in metrics) == (kvp == 2)

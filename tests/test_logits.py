@@ -57,17 +57,28 @@ def test_presence_and_frequency_penalties_follow_openais_formula():
     assert torch.allclose(ours, want)
 
 
-@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=float("nan")),
-                                 dict(repetition_penalty=0.0), dict(logit_bias={3: 101}), dict(min_tokens=-1),
-                                 dict(stop_token_ids=(-1,)), dict(logprobs=21), dict(seed=2**64)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=float("nan")),
+        dict(repetition_penalty=0.0),
+        dict(logit_bias={3: 101}),
+        dict(min_tokens=-1),
+        dict(stop_token_ids=(-1,)),
+        dict(logprobs=21),
+        dict(seed=2**64),
+    ],
+)
 def test_out_of_range_parameters_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
 
 
 def _generate(llm, params: SamplingParams, n: int = 8) -> list[int]:
-    eng = offline.job_engine(llm.attn, LocalMoE(llm.ffn, llm.backend), [PROMPTS[1]], [n], torch.float32,
-                             llm.backend.device)
+    eng = offline.job_engine(
+        llm.attn, LocalMoE(llm.ffn, llm.backend), [PROMPTS[1]], [n], torch.float32, llm.backend.device
+    )
     return offline.generate(eng, [PROMPTS[1]], [n], params)[0]
 
 

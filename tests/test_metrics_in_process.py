@@ -57,11 +57,17 @@ def test_ffn_compute_and_idle_add_up_to_the_serving_loop_wall_time():
     from afd.dataplane.protocol import FLAG_IDLE, FLAG_LEAVE, StepHeader
     from ffn_node.server import FFNServer, ServeEnd
 
-    script = [StepHeader(0, (3, 2)), StepHeader(1, (1, 1)), StepHeader(2, (), FLAG_IDLE), StepHeader(2, (2,)),
-              StepHeader(3, (), FLAG_LEAVE)]
+    script = [
+        StepHeader(0, (3, 2)),
+        StepHeader(1, (1, 1)),
+        StepHeader(2, (), FLAG_IDLE),
+        StepHeader(2, (2,)),
+        StepHeader(3, (), FLAG_LEAVE),
+    ]
     metrics = FFNMetrics("ffn0", "m", 0, 2, num_layers=3)
-    server = FFNServer(_SlowFFN(3, 0.004), get_backend("cpu"), _SlowPlane(script, 0.002), [0], torch.float32,
-                       metrics=metrics)
+    server = FFNServer(
+        _SlowFFN(3, 0.004), get_backend("cpu"), _SlowPlane(script, 0.002), [0], torch.float32, metrics=metrics
+    )
     t0 = time.perf_counter()
     assert server.serve() is ServeEnd.LEFT
     wall = time.perf_counter() - t0
@@ -138,8 +144,15 @@ def _job(llm, moe=None, micro_batches: int = 1):
     from afd.dataplane.exchange import LocalMoE
     from afd.engine import offline
 
-    engine = offline.job_engine(llm.attn, moe or LocalMoE(llm.ffn, llm.backend), PROMPTS, [6] * len(PROMPTS),
-                                torch.float32, llm.backend.device, micro_batches=micro_batches)
+    engine = offline.job_engine(
+        llm.attn,
+        moe or LocalMoE(llm.ffn, llm.backend),
+        PROMPTS,
+        [6] * len(PROMPTS),
+        torch.float32,
+        llm.backend.device,
+        micro_batches=micro_batches,
+    )
     engine.metrics = AttentionMetrics("attn0", "m")
     return engine, PROMPTS
 

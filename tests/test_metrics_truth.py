@@ -45,9 +45,14 @@ def _wait_fraction(tmp_path, overlap: bool) -> tuple[float, int, dict]:
     model = tmp_path / "bench-model"
     model.mkdir(exist_ok=True)
     (model / "config.json").write_text(json.dumps(BENCH_CONFIG))
-    path = cluster_yaml(tmp_path, str(model), name=f"overlap-{overlap}",
-                        model={"dummy_weights": True}, layout={"overlap": overlap, "micro_batches": 1},
-                        engine={"kv_cache_bytes": "64MiB"})
+    path = cluster_yaml(
+        tmp_path,
+        str(model),
+        name=f"overlap-{overlap}",
+        model={"dummy_weights": True},
+        layout={"overlap": overlap, "micro_batches": 1},
+        engine={"kv_cache_bytes": "64MiB"},
+    )
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
@@ -63,7 +68,7 @@ def test_generation_tokens_and_ffn_wait_are_true(tmp_path):
     hidden, generated, m = _wait_fraction(tmp_path, overlap=True)
     assert m["afd_generation_tokens_total"] == generated
     assert m["afd_prompt_tokens_total"] == 12 * 4
-    assert m['afd_request_success_total'] == 12
+    assert m["afd_request_success_total"] == 12
     serial, _, s = _wait_fraction(tmp_path, overlap=False)
     assert hidden < 0.1, f"overlapped: waited {hidden:.0%} of step time"
     # relative, not absolute: on a busy 2-core machine the serial share itself ranged 0.11-0.3

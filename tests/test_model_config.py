@@ -124,15 +124,18 @@ def test_hf_attribute_map_names_are_read():
     assert (cfg.n_routed_experts, cfg.moe_topk) == (9, 4)
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"model_type": "llama"}, "unsupported model_type 'llama'"),
-    ({"head_dim": 5}, "'head_dim' (5) must equal 'qk_rope_head_dim' (4)"),
-    ({"qk_head_dim": 99}, "'qk_head_dim' (99)"),
-    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-    ({"vocab_size": 0}, "'vocab_size' must be positive"),
-    ({"rms_norm_eps": "small"}, "'rms_norm_eps' must be a number"),
-    ({"moe_topk": 99}, "'moe_topk' (99) exceeds"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"model_type": "llama"}, "unsupported model_type 'llama'"),
+        ({"head_dim": 5}, "'head_dim' (5) must equal 'qk_rope_head_dim' (4)"),
+        ({"qk_head_dim": 99}, "'qk_head_dim' (99)"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        ({"vocab_size": 0}, "'vocab_size' must be positive"),
+        ({"rms_norm_eps": "small"}, "'rms_norm_eps' must be a number"),
+        ({"moe_topk": 99}, "'moe_topk' (99) exceeds"),
+    ],
+)
 def test_bad_configs_name_the_key(change, needle):
     with pytest.raises(ConfigError) as e:
         config_from_hf({**_full_longcat(), **change})
@@ -145,9 +148,11 @@ def test_family_config_is_torch_free():
     import subprocess
     import sys
 
-    code = ("import sys; from afd.model.registry import config_from_hf; "
-            "config_from_hf({'model_type': 'longcat_flash'}); config_from_hf({'model_type': 'qwen3_moe'}); "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from afd.model.registry import config_from_hf; "
+        "config_from_hf({'model_type': 'longcat_flash'}); config_from_hf({'model_type': 'qwen3_moe'}); "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert LongcatFlashConfig.model_type in FAMILIES

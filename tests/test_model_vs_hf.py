@@ -29,9 +29,26 @@ def test_generate_cli_colocated_matches_hf(tiny_checkpoint, tmp_path):
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(PROMPTS))
     proc = subprocess.run(
-        [sys.executable, "-m", "afd.cli", "generate", "--model", tiny_checkpoint, "--prompt-ids",
-         str(prompts_file), "--max-tokens", str(NEW_TOKENS), "--dtype", "float32", "--colocated"],
-        capture_output=True, text=True, timeout=120, check=True)
+        [
+            sys.executable,
+            "-m",
+            "afd.cli",
+            "generate",
+            "--model",
+            tiny_checkpoint,
+            "--prompt-ids",
+            str(prompts_file),
+            "--max-tokens",
+            str(NEW_TOKENS),
+            "--dtype",
+            "float32",
+            "--colocated",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW_TOKENS)]
 

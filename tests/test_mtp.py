@@ -29,8 +29,10 @@ FAMILIES = ("longcat_flash", "deepseek_v3")
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("mtp")
-    plain = {"longcat_flash": make_hf_checkpoint(str(root / "lc"), **TINY_CONFIGS["zero_experts"]),
-             "deepseek_v3": make_deepseek_checkpoint(str(root / "ds"), **DEEPSEEK_CONFIGS["grouped"])}
+    plain = {
+        "longcat_flash": make_hf_checkpoint(str(root / "lc"), **TINY_CONFIGS["zero_experts"]),
+        "deepseek_v3": make_deepseek_checkpoint(str(root / "ds"), **DEEPSEEK_CONFIGS["grouped"]),
+    }
     return {f: add_mtp(plain[f], str(root / f"{f}_mtp"), f, noise=0.1, damp=0.1) for f in FAMILIES}
 
 
@@ -44,6 +46,7 @@ def refs(ckpts):
             r = MTPReference(ckpts[family], family)
             cache[family] = r, [ids for ids, _ in greedy_with_logits(r.main, PROMPTS, NEW_TOKENS)]
         return cache[family]
+
     return ref
 
 
@@ -86,7 +89,9 @@ def test_mtp_forward_matches_transformers(ckpts, refs, family):
     ends = [len(PROMPTS[0]) + 3, len(PROMPTS[0]) + 4, len(PROMPTS[0]) + 5, len(seq) - 1]
     start, h_last = 0, None
     for end in ends:  # positions [start, end): tokens seq[start + 1 .. end]
-        h_last, logits = runner.mtp_step([StepSeq(seq[start + 1:end + 1], start, table)], runner.last_hidden[start:end])
+        h_last, logits = runner.mtp_step(
+            [StepSeq(seq[start + 1 : end + 1], start, table)], runner.last_hidden[start:end]
+        )
         assert max_rel_err([logits[0]], [want[end - 1]]) <= 1e-4, end
         start = end
     draft = int(logits[0].argmax())
@@ -103,12 +108,14 @@ def test_rejected_drafts_roll_the_kv_cache_back(ckpts):
     llm = afd.LLM(ckpts["longcat_flash"], block_size=4, speculative_tokens=2)
     moe = LocalMoE(llm.ffn, llm.backend)
     per = [NEW_TOKENS] * len(PROMPTS)
-    engine = offline.job_engine(llm.attn, moe, PROMPTS, per, torch.float32, llm.backend.device, 4, mtp=llm.mtp,
-                                speculative_tokens=2)
+    engine = offline.job_engine(
+        llm.attn, moe, PROMPTS, per, torch.float32, llm.backend.device, 4, mtp=llm.mtp, speculative_tokens=2
+    )
     out: list[list[int]] = [[] for _ in PROMPTS]
     for i, p in enumerate(PROMPTS):
-        engine.add_request(Request(str(i), list(p), SamplingParams(), NEW_TOKENS,
-                                   lambda o, i=i: out[i].extend(o.new_token_ids)))
+        engine.add_request(
+            Request(str(i), list(p), SamplingParams(), NEW_TOKENS, lambda o, i=i: out[i].extend(o.new_token_ids))
+        )
     while engine.has_unfinished():
         engine.step()
         for req in engine.scheduler.running:
@@ -118,8 +125,9 @@ def test_rejected_drafts_roll_the_kv_cache_back(ckpts):
     want = afd.LLM(ckpts["longcat_flash"], block_size=4).generate_ids(PROMPTS, NEW_TOKENS)
     assert out == want
     # a cache that holds the longest request alone: the scheduler preempts, drafts and all
-    small = offline.job_engine(llm.attn, moe, PROMPTS[:1], per[:1], torch.float32, llm.backend.device, 4,
-                               mtp=llm.mtp, speculative_tokens=2)
+    small = offline.job_engine(
+        llm.attn, moe, PROMPTS[:1], per[:1], torch.float32, llm.backend.device, 4, mtp=llm.mtp, speculative_tokens=2
+    )
     small.scheduler.max_num_seqs = len(PROMPTS)
     small.scheduler.max_tokens = 64
     got = offline.generate(small, PROMPTS, per, SamplingParams())
@@ -148,10 +156,13 @@ def test_afd_1a1f_longcat_n1(ckpts, refs):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family,n,extra", [
-    ("deepseek_v3", 2, []),  # `afd serve`'s 1A1F cluster
-    pytest.param("longcat_flash", 1, ["--colocated"], marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "family,n,extra",
+    [
+        ("deepseek_v3", 2, []),  # `afd serve`'s 1A1F cluster
+        pytest.param("longcat_flash", 1, ["--colocated"], marks=pytest.mark.slow),
+    ],
+)
 def test_afd_serve_speculates_and_counts(ckpts, refs, tmp_path, family, n, extra):
     """Concurrent completions through `afd serve --speculative-tokens N` are HF's greedy tokens, and
     /metrics counts drafts and accepted tokens under vLLM's names."""
@@ -164,13 +175,22 @@ def test_afd_serve_speculates_and_counts(ckpts, refs, tmp_path, family, n, extra
     _, hf_ids = refs(family)
     port = free_port_run(1)
     url = f"http://127.0.0.1:{port}"
-    s = Served([ckpts[family], "--port", str(port), "--speculative-tokens", str(n), *extra], tmp_path / "serve.log",
-               [url])
+    s = Served(
+        [ckpts[family], "--port", str(port), "--speculative-tokens", str(n), *extra], tmp_path / "serve.log", [url]
+    )
     try:
         s.wait_ready()
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            results = list(pool.map(lambda p: post(url, "/v1/completions", {
-                "prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True}), PROMPTS))
+            results = list(
+                pool.map(
+                    lambda p: post(
+                        url,
+                        "/v1/completions",
+                        {"prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True},
+                    ),
+                    PROMPTS,
+                )
+            )
         code, body = get(url, "/metrics")
     finally:
         assert s.stop() == 0
@@ -180,8 +200,10 @@ def test_afd_serve_speculates_and_counts(ckpts, refs, tmp_path, family, n, extra
     text = body.decode()
     drafted, accepted = (total(text, f"afd_spec_decode_num_{k}_total") for k in ("draft_tokens", "accepted_tokens"))
     assert total(text, "afd_spec_decode_num_drafts_total") > 0 and 0 < accepted < drafted
-    assert sum(total(text, "afd_spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
-               for i in range(n)) == accepted
+    assert (
+        sum(total(text, "afd_spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(n))
+        == accepted
+    )
 
 
 def test_speculation_is_refused_where_it_cannot_run(ckpts, tiny_checkpoints, tmp_path):

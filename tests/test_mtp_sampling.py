@@ -18,12 +18,15 @@ TOL = 4 * math.sqrt(0.25 / TRIALS)
 P = torch.tensor([0.1, 0.2, 0.3, 0.4])
 
 
-@pytest.mark.parametrize("p,q", [
-    (P, torch.tensor([0.4, 0.3, 0.2, 0.1])),  # drafts from another distribution
-    (P, torch.tensor([1.0, 0.0, 0.0, 0.0])),  # a greedy draft: q one-hot (afd's MTP drafts)
-    (P, P),  # the same distribution: every draft kept
-    (torch.tensor([0.5, 0.5, 0.0, 0.0]), torch.tensor([0.1, 0.1, 0.4, 0.4])),  # a cut target (top-k/top-p)
-])
+@pytest.mark.parametrize(
+    "p,q",
+    [
+        (P, torch.tensor([0.4, 0.3, 0.2, 0.1])),  # drafts from another distribution
+        (P, torch.tensor([1.0, 0.0, 0.0, 0.0])),  # a greedy draft: q one-hot (afd's MTP drafts)
+        (P, P),  # the same distribution: every draft kept
+        (torch.tensor([0.5, 0.5, 0.0, 0.0]), torch.tensor([0.1, 0.1, 0.4, 0.4])),  # a cut target (top-k/top-p)
+    ],
+)
 def test_rejection_rule_keeps_the_target_distribution(p, q):
     gen = torch.Generator().manual_seed(0)
     counts, kept = torch.zeros(len(p)), 0

@@ -50,29 +50,68 @@ def ffn_host():
 def test_attention_and_ffn_on_different_hosts(tiny_checkpoint, tmp_path, ffn_host):
     ns, va, vb = ffn_host
     p = iter(free_ports(6))
-    doc = {"cluster": {"name": "two-hosts", "startup_timeout": 60, "comm_timeout": 30},
-           "model": {"path": tiny_checkpoint},
-           "nodes": [{"name": "attn0", "role": "attention", "host": ATTN_IP,
-                      "ports": {"control": next(p), "data": next(p), "http": next(p)}},
-                     {"name": "ffn0", "role": "ffn", "host": FFN_IP,
-                      "ports": {"control": next(p), "data": next(p), "metrics": next(p)}}]}
+    doc = {
+        "cluster": {"name": "two-hosts", "startup_timeout": 60, "comm_timeout": 30},
+        "model": {"path": tiny_checkpoint},
+        "nodes": [
+            {
+                "name": "attn0",
+                "role": "attention",
+                "host": ATTN_IP,
+                "ports": {"control": next(p), "data": next(p), "http": next(p)},
+            },
+            {
+                "name": "ffn0",
+                "role": "ffn",
+                "host": FFN_IP,
+                "ports": {"control": next(p), "data": next(p), "metrics": next(p)},
+            },
+        ],
+    }
     cfg = tmp_path / "two-hosts.yaml"
     cfg.write_text(yaml.safe_dump(doc))
     # off loopback, a node without a cluster token is refused before it opens any port
     bare = {k: v for k, v in os.environ.items() if k != "AFD_CLUSTER_TOKEN"}
-    r = subprocess.run([sys.executable, "-m", "attention_node.main", "--config", str(cfg), "--node", "attn0"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60, env=bare)
+    r = subprocess.run(
+        [sys.executable, "-m", "attention_node.main", "--config", str(cfg), "--node", "attn0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=bare,
+    )
     assert r.returncode == 2 and "AFD_CLUSTER_TOKEN is not set" in r.stderr, r.stderr
     token = {"AFD_CLUSTER_TOKEN": "two-hosts-secret"}
     logs = {n: open(tmp_path / f"{n}.log", "w") for n in ("attn0", "ffn0")}  # noqa: SIM115
     node = [sys.executable, "-m"]
     procs = [
-        subprocess.Popen(["ip", "netns", "exec", ns, *node, "ffn_node.main", "--config", str(cfg), "--node", "ffn0",
-                          "--bind-host", FFN_IP], cwd=ROOT, stdout=logs["ffn0"], stderr=subprocess.STDOUT,
-                         env={**os.environ, **token, "GLOO_SOCKET_IFNAME": vb}),
-        subprocess.Popen([*node, "attention_node.main", "--config", str(cfg), "--node", "attn0", "--bind-host",
-                          ATTN_IP], cwd=ROOT, stdout=logs["attn0"], stderr=subprocess.STDOUT,
-                         env={**os.environ, **token, "GLOO_SOCKET_IFNAME": va}),
+        subprocess.Popen(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                *node,
+                "ffn_node.main",
+                "--config",
+                str(cfg),
+                "--node",
+                "ffn0",
+                "--bind-host",
+                FFN_IP,
+            ],
+            cwd=ROOT,
+            stdout=logs["ffn0"],
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **token, "GLOO_SOCKET_IFNAME": vb},
+        ),
+        subprocess.Popen(
+            [*node, "attention_node.main", "--config", str(cfg), "--node", "attn0", "--bind-host", ATTN_IP],
+            cwd=ROOT,
+            stdout=logs["attn0"],
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **token, "GLOO_SOCKET_IFNAME": va},
+        ),
     ]
     url = f"http://{ATTN_IP}:{doc['nodes'][0]['ports']['http']}"
     try:
@@ -80,13 +119,15 @@ def test_attention_and_ffn_on_different_hosts(tiny_checkpoint, tmp_path, ffn_hos
 
         end = time.monotonic() + 90
         while health(url) != 200:
-            assert time.monotonic() < end and all(pr.poll() is None for pr in procs), \
-                "\n".join((tmp_path / f"{n}.log").read_text() for n in logs)
+            assert time.monotonic() < end and all(pr.poll() is None for pr in procs), "\n".join(
+                (tmp_path / f"{n}.log").read_text() for n in logs
+            )
             time.sleep(0.2)
         want = [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 8)]
         for prompt, ids in zip(PROMPTS, want):
-            code, body = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0,
-                                                       "return_token_ids": True})
+            code, body = post(
+                url, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+            )
             assert code == 200 and body["choices"][0]["token_ids"] == ids
         assert f"registered ffn0 (ffn) from {FFN_IP}" in (tmp_path / "attn0.log").read_text()
     finally:
@@ -112,16 +153,24 @@ def test_a_job_behind_an_emulated_link_equals_hf(tiny_checkpoint):
     except LinkError as e:
         pytest.skip(str(e))
     try:
-        spec = LocalClusterSpec(tiny_checkpoint, 1, 1, attention_host=link.near_ip, ffn_host=link.far_ip,
-                                ffn_command_prefix=tuple(link.wrap([])), micro_batches=2)
+        spec = LocalClusterSpec(
+            tiny_checkpoint,
+            1,
+            1,
+            attention_host=link.near_ip,
+            ffn_host=link.far_ip,
+            ffn_command_prefix=tuple(link.wrap([])),
+            micro_batches=2,
+        )
         got, _ = run_generate(spec, PROMPTS, 8)
     finally:
         link.__exit__()
     assert got == [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 8)]
 
 
-@pytest.mark.parametrize("text,want", [("25gbit,20us", ("25gbit", "20us")), ("10gbit", ("10gbit", None)),
-                                       (",1ms", (None, "1ms"))])
+@pytest.mark.parametrize(
+    "text,want", [("25gbit,20us", ("25gbit", "20us")), ("10gbit", ("10gbit", None)), (",1ms", (None, "1ms"))]
+)
 def test_link_specs(text, want):
     from afd.cluster.link import LinkSpec
 

@@ -29,8 +29,10 @@ NEW = 12
 
 
 def fake_env(report: Path) -> dict:
-    return {"PYTHONPATH": os.pathsep.join([FAKES, os.environ.get("PYTHONPATH", "")]),
-            "AFD_FAKE_NPU_REPORT": str(report)}
+    return {
+        "PYTHONPATH": os.pathsep.join([FAKES, os.environ.get("PYTHONPATH", "")]),
+        "AFD_FAKE_NPU_REPORT": str(report),
+    }
 
 
 def reports(report: Path) -> list[dict]:
@@ -53,19 +55,29 @@ def _on_devices(path: Path) -> None:
     path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
-@pytest.mark.parametrize("A,F,micro_batches,overlap,tp", [
-    (1, 1, 2, True, {}),
-    pytest.param(2, 1, 1, True, {}, marks=pytest.mark.slow),  # `make test-slow`, which CI runs too
-    pytest.param(1, 2, 2, False, {}, marks=pytest.mark.slow),
-    # attention TP over the fake HCCL's collectives: every device and stream rule, on each mode's path
-    pytest.param(1, 1, 2, True, {"attention_tp": 2, "tp_comm": "flashcomm2", "flashcomm2_otp": 1,
-                                 "tp_comm_min_tokens": 1}, marks=pytest.mark.slow),
-    pytest.param(1, 1, 1, True, {"attention_tp": 2, "tp_comm": "allreduce", "kvp": 2}, marks=pytest.mark.slow),
-], ids=["1A1F", "2A1F", "1A2F", "1A1F-tp2-flashcomm2", "1A1F-tp2-kvp2"])
-def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_path, A, F, micro_batches, overlap,
-                                              tp):
-    path = cluster_yaml(tmp_path, tiny_checkpoint, A, F, name="npu",
-                        layout={"micro_batches": micro_batches, "overlap": overlap, **tp})
+@pytest.mark.parametrize(
+    "A,F,micro_batches,overlap,tp",
+    [
+        (1, 1, 2, True, {}),
+        pytest.param(2, 1, 1, True, {}, marks=pytest.mark.slow),  # `make test-slow`, which CI runs too
+        pytest.param(1, 2, 2, False, {}, marks=pytest.mark.slow),
+        # attention TP over the fake HCCL's collectives: every device and stream rule, on each mode's path
+        pytest.param(
+            1,
+            1,
+            2,
+            True,
+            {"attention_tp": 2, "tp_comm": "flashcomm2", "flashcomm2_otp": 1, "tp_comm_min_tokens": 1},
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(1, 1, 1, True, {"attention_tp": 2, "tp_comm": "allreduce", "kvp": 2}, marks=pytest.mark.slow),
+    ],
+    ids=["1A1F", "2A1F", "1A2F", "1A1F-tp2-flashcomm2", "1A1F-tp2-kvp2"],
+)
+def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_path, A, F, micro_batches, overlap, tp):
+    path = cluster_yaml(
+        tmp_path, tiny_checkpoint, A, F, name="npu", layout={"micro_batches": micro_batches, "overlap": overlap, **tp}
+    )
     _on_devices(path)
     report = tmp_path / "fake-npu"
     with Cluster(path, env=fake_env(report)) as c:
@@ -73,8 +85,16 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
         c.wait_ready(timeout=120)
         jobs = [(a, i) for a in range(A) for i in range(len(PROMPTS))]
         with ThreadPoolExecutor(len(jobs)) as pool:  # at once: decode batches that ping-pong can split
-            answers = list(pool.map(lambda job: post(c.url(f"attn{job[0]}"), "/v1/completions", {
-                "prompt": PROMPTS[job[1]], "max_tokens": NEW, "temperature": 0, "return_token_ids": True}), jobs))
+            answers = list(
+                pool.map(
+                    lambda job: post(
+                        c.url(f"attn{job[0]}"),
+                        "/v1/completions",
+                        {"prompt": PROMPTS[job[1]], "max_tokens": NEW, "temperature": 0, "return_token_ids": True},
+                    ),
+                    jobs,
+                )
+            )
         for (a, i), (code, body) in zip(jobs, answers):
             assert code == 200, body
             assert body["choices"][0]["token_ids"] == reference[i], f"attn{a}, prompt {i}"
@@ -116,8 +136,17 @@ def test_a_silent_peer_ends_in_a_timeout_not_a_hang(tmp_path):
     env = {**os.environ, "AFD_FAKE_HANG_S": "6"}
     env.pop("HCCL_BLOCKING_WAIT", None)
     env.pop("TORCH_HCCL_BLOCKING_WAIT", None)
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, env=env, cwd=Path(__file__).parent.parent) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=Path(__file__).parent.parent,
+        )
+        for r in (0, 1)
+    ]
     t0 = time.monotonic()
     out = procs[0].communicate(timeout=60)[0]
     procs[1].kill()

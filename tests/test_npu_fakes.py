@@ -48,8 +48,9 @@ def _fake_torch_npu() -> types.ModuleType:
 
 
 def _load_torchair():
-    spec = importlib.util.spec_from_file_location("torchair", FAKES / "torchair" / "__init__.py",
-                                                  submodule_search_locations=[str(FAKES / "torchair")])
+    spec = importlib.util.spec_from_file_location(
+        "torchair", FAKES / "torchair" / "__init__.py", submodule_search_locations=[str(FAKES / "torchair")]
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules["torchair"] = mod  # its submodules import relative to it
     try:
@@ -81,7 +82,7 @@ def _per_expert(x, w, sizes) -> torch.Tensor:
     """The reference: one float64 matmul per expert over its row slice."""
     out, start = [], 0
     for g, n in enumerate(sizes.tolist()):
-        out.append(x[start:start + n].double() @ w[g].double())
+        out.append(x[start : start + n].double() @ w[g].double())
         start += n
     return torch.cat(out)
 
@@ -98,6 +99,7 @@ def _gmm(x, w, gl, **kw):
 
 
 # ---- the fake ops against their documents ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group_list_type", [0, 1])
@@ -121,15 +123,22 @@ def test_fake_gmm_list_scenarios():
     # multi-multi-single, and single-multi-single with counts
     (y,) = ops.npu_grouped_matmul(xs, ws, group_type=0, split_item=2)
     assert torch.allclose(y.double(), torch.cat(per), atol=2e-2)
-    (y,) = ops.npu_grouped_matmul([torch.cat(xs)], ws, group_type=0, split_item=3,
-                                  group_list=torch.tensor([4, 2]), group_list_type=1)
+    (y,) = ops.npu_grouped_matmul(
+        [torch.cat(xs)], ws, group_type=0, split_item=3, group_list=torch.tensor([4, 2]), group_list_type=1
+    )
     assert torch.allclose(y.double(), torch.cat(per), atol=2e-2)
 
 
 def _case(**change):
     """A valid single-single-single call (4 experts, 6 rows), then `change` applied."""
-    base = dict(x=torch.randn(6, 8), w=torch.randn(4, 8, 4), group_list=torch.tensor([1, 2, 0, 3]),
-                split_item=2, group_type=0, group_list_type=1)
+    base = dict(
+        x=torch.randn(6, 8),
+        w=torch.randn(4, 8, 4),
+        group_list=torch.tensor([1, 2, 0, 3]),
+        split_item=2,
+        group_type=0,
+        group_list_type=1,
+    )
     return base | change
 
 
@@ -148,8 +157,10 @@ GMM_FAILURES = [
     (dict(group_list=torch.tensor([1, 3, 3, 5]), group_list_type=0), "last value 5 != x rows 6"),
     (dict(group_list=torch.tensor([1, -2, 4, 3])), "non-negative"),
     (dict(group_list_type=2), "needs int8"),
-    (dict(x=torch.randn(6, 8, dtype=torch.float64), w=torch.randn(4, 8, 4, dtype=torch.float64)),
-     "float16, bfloat16 or float32"),
+    (
+        dict(x=torch.randn(6, 8, dtype=torch.float64), w=torch.randn(4, 8, 4, dtype=torch.float64)),
+        "float16, bfloat16 or float32",
+    ),
     (dict(w=torch.randn(4, 8, 4, dtype=torch.float16)), "weight dtype must equal x dtype"),
     (dict(output_dtype=torch.float16), "output_dtype must be None"),
     (dict(act_type=5), "per-token quantization"),
@@ -159,10 +170,14 @@ GMM_FAILURES = [
     (dict(x=torch.randn(8, 6).t()), "must not be transposed"),
     (dict(w=torch.randn(4, 7, 4)), "x K 8 != weight K 7"),
     (dict(group_type=-1), "group_type -1 requires split_item 0 or 1"),
-    (dict(split_item=0, x=torch.randn(6, 8, dtype=torch.float16), w=torch.randn(4, 8, 4, dtype=torch.float16)),
-     "requires split_item 2 or 3"),
-    (dict(x=torch.randn(6, 65536, dtype=torch.float16), w=torch.randn(4, 65536, 1, dtype=torch.float16)),
-     "below InnerLimit"),
+    (
+        dict(split_item=0, x=torch.randn(6, 8, dtype=torch.float16), w=torch.randn(4, 8, 4, dtype=torch.float16)),
+        "requires split_item 2 or 3",
+    ),
+    (
+        dict(x=torch.randn(6, 65536, dtype=torch.float16), w=torch.randn(4, 65536, 1, dtype=torch.float16)),
+        "below InnerLimit",
+    ),
 ]
 
 
@@ -180,16 +195,25 @@ def test_fake_gmm_further_refusals():
     with pytest.raises(RuntimeError, match="float32 is supported only when x, weight and y are single"):
         ops.npu_grouped_matmul([torch.randn(4, 8)] * 2, [torch.randn(8, 4)] * 2, group_type=-1)
     with pytest.raises(RuntimeError, match="bias for torch.bfloat16 x must be torch.float32"):
-        ops.npu_grouped_matmul([torch.randn(4, 8, dtype=torch.bfloat16)], [torch.randn(8, 4, dtype=torch.bfloat16)],
-                               bias=[torch.zeros(4, dtype=torch.bfloat16)], group_type=-1)
+        ops.npu_grouped_matmul(
+            [torch.randn(4, 8, dtype=torch.bfloat16)],
+            [torch.randn(8, 4, dtype=torch.bfloat16)],
+            bias=[torch.zeros(4, dtype=torch.bfloat16)],
+            group_type=-1,
+        )
     with pytest.raises(RuntimeError, match="at most 128"):
         ops.npu_grouped_matmul(x16 * 65, w16 * 65, group_type=-1)
     with pytest.raises(RuntimeError, match="takes no group_list"):
         ops.npu_grouped_matmul(x16, w16, group_type=-1, group_list=torch.tensor([4, 4]))
     # out of this fake's scope, refused rather than computed wrongly
     with pytest.raises(NotImplementedError, match="int8"):
-        ops.npu_grouped_matmul([torch.ones(4, 8, dtype=torch.int8)], [torch.ones(2, 8, 4, dtype=torch.int8)],
-                               group_list=torch.tensor([2, 2]), split_item=2, group_type=0)
+        ops.npu_grouped_matmul(
+            [torch.ones(4, 8, dtype=torch.int8)],
+            [torch.ones(2, 8, 4, dtype=torch.int8)],
+            group_list=torch.tensor([2, 2]),
+            split_item=2,
+            group_type=0,
+        )
     with pytest.raises(NotImplementedError, match="scale"):
         ops.npu_grouped_matmul(x16, w16, group_type=-1, scale=[torch.ones(4, dtype=torch.int64)] * 2)
     with pytest.raises(NotImplementedError, match="List"):
@@ -201,10 +225,12 @@ def test_fake_prefetch_rules():
     assert ops.npu_prefetch(w, None, 4096) is None  # eager: no dependency needed
     ops.npu_prefetch(w, w, 100, 1000)
     assert ops.calls == [("npu_prefetch", 1024, 0), ("npu_prefetch", 24, 1000)]  # max_size clamped, not refused
-    for args, match in (((w, None, 0), "max_size should be greater than zero"),
-                        ((w, None, 8, -1), "offset should not be smaller than zero"),
-                        ((w, None, 8, 1024), "offset out of range"),
-                        ((torch.zeros(0), None, 8), "offset out of range")):
+    for args, match in (
+        ((w, None, 0), "max_size should be greater than zero"),
+        ((w, None, 8, -1), "offset should not be smaller than zero"),
+        ((w, None, 8, 1024), "offset out of range"),
+        ((torch.zeros(0), None, 8), "offset out of range"),
+    ):
         with pytest.raises(RuntimeError, match=match):
             ops.npu_prefetch(*args)
 
@@ -228,8 +254,10 @@ def test_graph_mode_refuses_a_prefetch_without_dependency(torchair):
 
 # ---- NpuBackend on the fakes ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("sizes", [[7], [3, 0, 4], [0, 0, 7, 0], [1, 2, 3, 1]],
-                         ids=["one-expert", "empty-middle", "all-in-one", "four"])
+
+@pytest.mark.parametrize(
+    "sizes", [[7], [3, 0, 4], [0, 0, 7, 0], [1, 2, 3, 1]], ids=["one-expert", "empty-middle", "all-in-one", "four"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_npu_grouped_matmul_on_the_fake_op(sizes, dtype):
     # one-expert failed before the fix: group_list_type=1 with a group list of length 1.
@@ -257,8 +285,12 @@ def test_npu_grouped_matmul_keeps_group_sizes_on_the_device(torchair):
     config = torchair.CompilerConfig()
     for s, xx, ww in ((sizes, x, w), (torch.tensor([5]), x, w[:1])):
         torch._dynamo.reset()
-        fn = torch.compile(lambda a, b, c: be.grouped_matmul(a, b, c), fullgraph=True, dynamic=False,
-                           backend=torchair.get_npu_backend(compiler_config=config))
+        fn = torch.compile(
+            lambda a, b, c: be.grouped_matmul(a, b, c),
+            fullgraph=True,
+            dynamic=False,
+            backend=torchair.get_npu_backend(compiler_config=config),
+        )
         _close(fn(xx, ww, s), _per_expert(xx, ww, s), torch.float32)
 
 
@@ -281,8 +313,10 @@ def test_npu_grouped_matmul_no_rows():
 def test_npu_prefetch_always_names_a_dependency():
     seen = []
     be = _npu_backend()
-    be._torch_npu.npu_prefetch = lambda inp, dep, n, offset=0: (seen.append((inp, dep, n)),
-                                                                ops.npu_prefetch(inp, dep, n, offset))
+    be._torch_npu.npu_prefetch = lambda inp, dep, n, offset=0: (
+        seen.append((inp, dep, n)),
+        ops.npu_prefetch(inp, dep, n, offset),
+    )
     w, dep = torch.zeros(256), torch.ones(1)
     assert be.prefetch(w, 512, dep) == 512 and be.prefetch(w, 1 << 20) == 1024 and be.prefetch(w[:0], 64) == 0
     assert seen[0][1] is dep and seen[1][1] is w  # none given: the weight itself
@@ -305,6 +339,7 @@ def test_npu_prefetch_inside_a_torchair_graph(torchair):
 
 # ---- the fake torchair ---------------------------------------------------------------------------------
 
+
 def test_torchair_needs_torch_npu_imported_first(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
     with pytest.raises(ImportError, match="import torch_npu before torchair"):
@@ -318,10 +353,14 @@ def test_compiler_config_takes_documented_values_only(torchair):
     config.experimental_config.tiling_schedule_optimize = True
     config.debug.graph_dump.type = "pbtxt"
     assert config.mode == "reduce-overhead" and config.experimental_config.frozen_parameter is True
-    for target, name, value in ((config, "mode", "fast"), (config.experimental_config, "frozen_parameter", "yes"),
-                                (config.experimental_config, "static_model_ops_lower_limit", -2),
-                                (config.debug.graph_dump, "type", "json"), (config, "no_such_option", 1),
-                                (config, "debug", None)):
+    for target, name, value in (
+        (config, "mode", "fast"),
+        (config.experimental_config, "frozen_parameter", "yes"),
+        (config.experimental_config, "static_model_ops_lower_limit", -2),
+        (config.debug.graph_dump, "type", "json"),
+        (config, "no_such_option", 1),
+        (config, "debug", None),
+    ):
         with pytest.raises(ValueError):
             setattr(target, name, value)
     with pytest.warns(UserWarning, match="frozen_parameter"):
@@ -396,8 +435,15 @@ RS_FAILURES = [
 
 @pytest.mark.parametrize("change,match", RS_FAILURES, ids=[m for _, m in RS_FAILURES])
 def test_fake_mm_reduce_scatter_base_rules(change, match):
-    c = dict(a=torch.randn(4, 256, dtype=torch.float16), b=torch.randn(256, 8, dtype=torch.float16),
-             world_size=2, comm_mode="aiv") | change
+    c = (
+        dict(
+            a=torch.randn(4, 256, dtype=torch.float16),
+            b=torch.randn(256, 8, dtype=torch.float16),
+            world_size=2,
+            comm_mode="aiv",
+        )
+        | change
+    )
     a, b, ws = c.pop("a"), c.pop("b"), c.pop("world_size")
     with pytest.raises(RuntimeError, match=match):
         ops.npu_mm_reduce_scatter_base(a, b, "hcom", ws, **c)

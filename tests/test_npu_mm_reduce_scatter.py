@@ -74,8 +74,12 @@ FALLBACKS = [
     ("no-columns", *_args(n=0), 2),
     ("x-3d", torch.randn(2, 4, 256, dtype=torch.bfloat16), torch.randn(64, 256, dtype=torch.bfloat16), 2),
     ("k-mismatch", torch.randn(8, 256, dtype=torch.bfloat16), torch.randn(64, 512, dtype=torch.bfloat16), 2),
-    ("weight-strided", torch.randn(8, 256, dtype=torch.bfloat16),
-     torch.randn(64, 512, dtype=torch.bfloat16)[:, ::2], 2),
+    (
+        "weight-strided",
+        torch.randn(8, 256, dtype=torch.bfloat16),
+        torch.randn(64, 512, dtype=torch.bfloat16)[:, ::2],
+        2,
+    ),
 ]
 
 
@@ -186,8 +190,17 @@ def test_fused_op_equals_matmul_and_reduce_scatter_on_two_fake_ranks():
     code = TWO_RANKS.format(fakes=str(FAKES))
     port = str(free_ports(1)[0])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(r), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for r in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=90)[0] for p in procs]
     finally:

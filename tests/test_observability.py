@@ -37,21 +37,45 @@ PROMTOOL_MISSING = "promtool not installed: run .ci/prometheus.sh or apt-get ins
 
 # Every metric the issue names, with the role whose nodes export it.
 ATTENTION_METRICS = (
-    "afd_time_to_first_token_seconds_bucket", "afd_inter_token_latency_seconds_bucket",
-    "afd_e2e_request_latency_seconds_bucket", "afd_request_queue_time_seconds_bucket", "afd_num_requests_running",
-    "afd_num_requests_waiting", "afd_kv_cache_usage_ratio", "afd_prompt_tokens_total", "afd_generation_tokens_total",
-    "afd_request_success_total", "afd_step_seconds_bucket", "afd_ffn_wait_seconds_bucket", "afd_a2f_bytes_total",
-    "afd_cluster_state", "afd_engine_dead", "afd_micro_batches",
+    "afd_time_to_first_token_seconds_bucket",
+    "afd_inter_token_latency_seconds_bucket",
+    "afd_e2e_request_latency_seconds_bucket",
+    "afd_request_queue_time_seconds_bucket",
+    "afd_num_requests_running",
+    "afd_num_requests_waiting",
+    "afd_kv_cache_usage_ratio",
+    "afd_prompt_tokens_total",
+    "afd_generation_tokens_total",
+    "afd_request_success_total",
+    "afd_step_seconds_bucket",
+    "afd_ffn_wait_seconds_bucket",
+    "afd_a2f_bytes_total",
+    "afd_cluster_state",
+    "afd_engine_dead",
+    "afd_micro_batches",
 )
 FFN_METRICS = (
-    "afd_ffn_compute_seconds_bucket", "afd_ffn_idle_seconds_bucket", "afd_ffn_tokens_total",
-    "afd_expert_tokens_total", "afd_prefetch_bytes_total", "afd_cluster_state", "afd_ffn_layer_compute_seconds_total",
-    "afd_ffn_layer_idle_seconds_total", "afd_zero_expert_tokens_total",
+    "afd_ffn_compute_seconds_bucket",
+    "afd_ffn_idle_seconds_bucket",
+    "afd_ffn_tokens_total",
+    "afd_expert_tokens_total",
+    "afd_prefetch_bytes_total",
+    "afd_cluster_state",
+    "afd_ffn_layer_compute_seconds_total",
+    "afd_ffn_layer_idle_seconds_total",
+    "afd_zero_expert_tokens_total",
 )
 # The stat row on top: what each of its panels must query.
-STAT_ROW_METRICS = ("afd_cluster_state", "afd_engine_dead", "afd_ffn_wait_seconds_sum", "afd_step_seconds_sum",
-                    "afd_ffn_compute_seconds_sum", "afd_ffn_idle_seconds_sum", "afd_generation_tokens_total",
-                    "afd_micro_batches")
+STAT_ROW_METRICS = (
+    "afd_cluster_state",
+    "afd_engine_dead",
+    "afd_ffn_wait_seconds_sum",
+    "afd_step_seconds_sum",
+    "afd_ffn_compute_seconds_sum",
+    "afd_ffn_idle_seconds_sum",
+    "afd_generation_tokens_total",
+    "afd_micro_batches",
+)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -78,8 +102,22 @@ def _promtool_check(path: Path) -> None:
     assert r.returncode == 0, f"promtool check config {path}:\n{r.stdout}{r.stderr}"
 
 
-_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left",
-             "group_right", "inf", "nan", "atan2"}
+_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+    "atan2",
+}
 
 
 def promql_metric_names(expr: str) -> set[str]:
@@ -91,7 +129,7 @@ def promql_metric_names(expr: str) -> set[str]:
     s = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", s)
     names = set()
     for m in re.finditer(r"(?<![\w.$])[A-Za-z_:][\w:]*", s):
-        if s[m.end():].lstrip().startswith("(") or m.group().lower() in _KEYWORDS:
+        if s[m.end() :].lstrip().startswith("(") or m.group().lower() in _KEYWORDS:
             continue  # a function or an aggregation
         names.add(m.group())
     return names
@@ -145,7 +183,8 @@ def test_committed_prometheus_yml_is_current(monkeypatch):
     expected = render(_local_cfg(monkeypatch))
     assert COMMITTED.read_text() == expected, (
         "deploy/prometheus.yml is stale: regenerate it with "
-        "`afd prometheus-config deploy/local.yaml --output deploy/prometheus.yml`")
+        "`afd prometheus-config deploy/local.yaml --output deploy/prometheus.yml`"
+    )
 
 
 def test_render_2a1f(tmp_path):
@@ -155,8 +194,9 @@ def test_render_2a1f(tmp_path):
     doc = yaml.safe_load(text)
     assert doc["global"]["scrape_interval"] == "1s"
     want = {
-        "afd-attention": [(f"{n.host}:{n.ports.http}", {"role": "attention", "node": n.name})
-                          for n in cfg.attention_nodes],
+        "afd-attention": [
+            (f"{n.host}:{n.ports.http}", {"role": "attention", "node": n.name}) for n in cfg.attention_nodes
+        ],
         "afd-ffn": [(f"{n.host}:{n.ports.metrics}", {"role": "ffn", "node": n.name}) for n in cfg.ffn_nodes],
     }
     assert _scrape_targets(doc) == want
@@ -170,11 +210,14 @@ def test_promtool_accepts_generated_config(tmp_path):
 
 
 def test_ffn_node_without_metrics_port_is_skipped_with_a_comment():
-    raw = {"model": {"path": "demo"}, "nodes": [
-        {"name": "a", "role": "attention", "host": "10.0.0.1", "ports": {"control": 1, "data": 2, "http": 3}},
-        {"name": "f0", "role": "ffn", "host": "10.0.0.2", "ports": {"control": 1, "data": 2, "metrics": 9}},
-        {"name": "f1", "role": "ffn", "host": "10.0.0.3", "ports": {"control": 1, "data": 2}},
-    ]}
+    raw = {
+        "model": {"path": "demo"},
+        "nodes": [
+            {"name": "a", "role": "attention", "host": "10.0.0.1", "ports": {"control": 1, "data": 2, "http": 3}},
+            {"name": "f0", "role": "ffn", "host": "10.0.0.2", "ports": {"control": 1, "data": 2, "metrics": 9}},
+            {"name": "f1", "role": "ffn", "host": "10.0.0.3", "ports": {"control": 1, "data": 2}},
+        ],
+    }
     text = render(from_dict(raw))
     assert "# f1: skipped, no ports.metrics" in text
     targets = _scrape_targets(yaml.safe_load(text))
@@ -197,8 +240,9 @@ def test_cli_stdout_and_output(monkeypatch, tmp_path, capsys):
     assert args.func(args) == 0
     assert capsys.readouterr().out == COMMITTED.read_text()
     out = tmp_path / "p.yml"
-    args = parser.parse_args(["prometheus-config", "deploy/local.yaml", "--output", str(out),
-                              "--scrape-interval", "15s"])
+    args = parser.parse_args(
+        ["prometheus-config", "deploy/local.yaml", "--output", str(out), "--scrape-interval", "15s"]
+    )
     assert args.func(args) == 0
     assert yaml.safe_load(out.read_text())["global"]["scrape_interval"] == "15s"
 
@@ -233,15 +277,31 @@ def test_dashboard_uses_only_exported_metrics():
         assert not unknown, f"panel {title!r} queries metrics no node exports: {sorted(unknown)}"
         used |= names
     # The panels the issue asks for: each of these is queried somewhere.
-    for name in ("afd_request_success_total", "afd_time_to_first_token_seconds_bucket",
-                 "afd_inter_token_latency_seconds_bucket", "afd_prompt_tokens_total", "afd_generation_tokens_total",
-                 "afd_num_requests_running", "afd_num_requests_waiting", "afd_kv_cache_usage_ratio",
-                 "afd_ffn_wait_seconds_sum", "afd_step_seconds_sum", "afd_ffn_compute_seconds_sum",
-                 "afd_ffn_idle_seconds_sum", "afd_expert_tokens_total", "afd_prefetch_bytes_total",
-                 "afd_a2f_bytes_total", "afd_e2e_request_latency_seconds_bucket",
-                 "afd_request_queue_time_seconds_bucket", "afd_cluster_state", "afd_engine_dead",
-                 "afd_micro_batches", "afd_ffn_layer_compute_seconds_total", "afd_ffn_layer_idle_seconds_total",
-                 "afd_zero_expert_tokens_total"):
+    for name in (
+        "afd_request_success_total",
+        "afd_time_to_first_token_seconds_bucket",
+        "afd_inter_token_latency_seconds_bucket",
+        "afd_prompt_tokens_total",
+        "afd_generation_tokens_total",
+        "afd_num_requests_running",
+        "afd_num_requests_waiting",
+        "afd_kv_cache_usage_ratio",
+        "afd_ffn_wait_seconds_sum",
+        "afd_step_seconds_sum",
+        "afd_ffn_compute_seconds_sum",
+        "afd_ffn_idle_seconds_sum",
+        "afd_expert_tokens_total",
+        "afd_prefetch_bytes_total",
+        "afd_a2f_bytes_total",
+        "afd_e2e_request_latency_seconds_bucket",
+        "afd_request_queue_time_seconds_bucket",
+        "afd_cluster_state",
+        "afd_engine_dead",
+        "afd_micro_batches",
+        "afd_ffn_layer_compute_seconds_total",
+        "afd_ffn_layer_idle_seconds_total",
+        "afd_zero_expert_tokens_total",
+    ):
         assert name in used, f"no dashboard panel queries {name}"
     ids = [p["id"] for p in all_panels(dash)]
     assert len(ids) == len(set(ids))
@@ -278,8 +338,9 @@ def test_the_stat_row_comes_first():
     assert panels[0]["type"] == "row" and panels[0]["gridPos"]["y"] == 0, "the dashboard starts with a row header"
     stats = [p for p in panels if p["type"] == "stat"]
     others = [p for p in panels[1:] if p["type"] != "stat"]
-    assert stats and max(p["gridPos"]["y"] for p in stats) < min(p["gridPos"]["y"] for p in others), \
+    assert stats and max(p["gridPos"]["y"] for p in stats) < min(p["gridPos"]["y"] for p in others), (
         "the stat panels are the first row, above everything else"
+    )
     assert max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in stats) <= 8, "the stat row is above the fold"
     queried = {n for p in stats for e in _exprs(p) for n in promql_metric_names(e)}
     assert set(STAT_ROW_METRICS) <= queried, sorted(set(STAT_ROW_METRICS) - queried)
@@ -303,8 +364,9 @@ def test_units_say_what_the_numbers_are():
             assert unit == "suffix: tok/s", f"{title!r}: a token rate in {unit}"
         if any("histogram_quantile" in e and "_seconds_bucket" in e for e in exprs):
             assert unit == "s", f"{title!r}: a duration in {unit}"
-        if "share" in title.lower() or any(re.search(r"rate\(afd_\w*seconds_(sum|total)\b", e) and
-                                          "_count" not in e for e in exprs):
+        if "share" in title.lower() or any(
+            re.search(r"rate\(afd_\w*seconds_(sum|total)\b", e) and "_count" not in e for e in exprs
+        ):
             assert unit == "percentunit", f"{title!r}: a share in {unit}"
 
 
@@ -341,8 +403,12 @@ def _query(base: str, expr: str) -> list[dict]:
 
 
 def _stream_usage(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     usage = None
     with urllib.request.urlopen(req, timeout=60) as r:
         for line in r.read().decode().splitlines():
@@ -359,7 +425,8 @@ def _complete(url: str, i: int) -> int:
     body = {"prompt": f"Metrics request number {i}:", "max_tokens": 4 + i % 5, "temperature": 0}
     if i % 2:
         return _stream_usage(url, {**body, "stream": True, "stream_options": {"include_usage": True}})[
-            "completion_tokens"]
+            "completion_tokens"
+        ]
     code, resp = post(url, "/v1/completions", body)
     assert code == 200, resp
     return resp["usage"]["completion_tokens"]
@@ -420,10 +487,17 @@ def test_prometheus_scrapes_a_cluster(tmp_path):
     try:
         cluster.start_all()
         with open(prom_log, "w") as fh:
-            prom = subprocess.Popen([prometheus, f"--config.file={prom_yml}",
-                                     f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-                                     f"--web.listen-address=127.0.0.1:{port}"],
-                                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            prom = subprocess.Popen(
+                [
+                    prometheus,
+                    f"--config.file={prom_yml}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         cluster.wait_ready()
         url = cluster.url()
         ffn_url = f"http://127.0.0.1:{cluster.node('ffn0')['ports']['metrics']}"
@@ -439,7 +513,9 @@ def test_prometheus_scrapes_a_cluster(tmp_path):
 
         active = wait_for("every target up", targets_up, 30, prom_log)
         assert {(t["labels"]["job"], t["labels"]["role"], t["labels"]["node"]) for t in active} == {
-            ("afd-attention", "attention", "attn0"), ("afd-ffn", "ffn", "ffn0")}
+            ("afd-attention", "attention", "attn0"),
+            ("afd-ffn", "ffn", "ffn0"),
+        }
         assert {r["metric"]["node"] for r in _query(base, "up == 1")} == {"attn0", "ffn0"}
 
         # Wait for a scrape that saw every request: the counter equals the tokens the API reported.
@@ -454,7 +530,7 @@ def test_prometheus_scrapes_a_cluster(tmp_path):
         for role, names in (("attention", ATTENTION_METRICS), ("ffn", FFN_METRICS)):
             node = cfg.attention_nodes[0].name if role == "attention" else cfg.ffn_nodes[0].name
             for name in names:
-                series = _query(base, f"{name}{{job=\"afd-{role}\"}}")
+                series = _query(base, f'{name}{{job="afd-{role}"}}')
                 assert series, f"{name}: no series scraped from the {role} node"
                 for s in series:
                     labels = s["metric"]
@@ -476,8 +552,7 @@ def test_prometheus_scrapes_a_cluster(tmp_path):
             assert m, f"variable {var['name']}: unexpected query {q!r}"
             values = _api(base, f"/api/v1/label/{m.group(2)}/values", **{"match[]": _fill(m.group(1))})
             assert values, f"variable {var['name']}: {q} has no values"
-        assert set(_api(base, "/api/v1/label/node/values", **{"match[]": '{__name__=~"afd_.+"}'})) == {
-            "attn0", "ffn0"}
+        assert set(_api(base, "/api/v1/label/node/values", **{"match[]": '{__name__=~"afd_.+"}'})) == {"attn0", "ffn0"}
         tokens = _query(base, "sum(afd_ffn_tokens_total)")
         assert float(tokens[0]["value"][1]) > 0
         experts = _query(base, "sum(afd_expert_tokens_total)")

@@ -44,8 +44,13 @@ def test_schedule_hints_this_layer_then_the_next_within_budget(ffn):
     sched = PrefetchSchedule(ffn, be, PrefetchConfig(True, budget_bytes=1 << 30))
     first = sched(0)
     l0, l1 = ffn.layers[0], ffn.layers[1]
-    assert [w for w, _ in be.calls] == [l0.router.classifier.weight, l0.experts.w13, l0.experts.w2,
-                                        l1.router.classifier.weight, l1.experts.w13]
+    assert [w for w, _ in be.calls] == [
+        l0.router.classifier.weight,
+        l0.experts.w13,
+        l0.experts.w2,
+        l1.router.classifier.weight,
+        l1.experts.w13,
+    ]
     assert first == sum(n for _, n in be.calls) and sched.bytes_total == first
     assert sched(0) == first  # every wait hints again: the caches may have lost the lines since
     be.calls.clear()
@@ -95,17 +100,16 @@ def test_npu_prefetch_for_real():
 @pytest.mark.multiprocess
 def test_generation_unchanged_with_prefetch_on(tiny_checkpoint, tmp_path):
     ref = [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 12)]
-    path = cluster_yaml(tmp_path, tiny_checkpoint, name="prefetch",
-                        prefetch={"enabled": True, "budget_bytes": "64KiB"})
+    path = cluster_yaml(tmp_path, tiny_checkpoint, name="prefetch", prefetch={"enabled": True, "budget_bytes": "64KiB"})
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
         for p, want in zip(PROMPTS, ref):
-            code, body = post(c.url(), "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0,
-                                                           "return_token_ids": True})
+            code, body = post(
+                c.url(), "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+            )
             assert code == 200 and body["choices"][0]["token_ids"] == want
         ffn_metrics = get(f"http://127.0.0.1:{c.node('ffn0')['ports']['metrics']}", "/metrics")[1].decode()
     hinted = [ln for ln in ffn_metrics.splitlines() if ln.startswith("afd_prefetch_bytes_total")]
     assert float(hinted[0].split()[-1]) > 0
     assert "weight prefetch: on" in c.log("ffn0")
-

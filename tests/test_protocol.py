@@ -50,6 +50,7 @@ def test_tuner_keeps_one_micro_batch_when_the_exchange_is_hidden():
         t.observe(1.0, 0.01, is_decode=True)
     assert t.micro_batches == 1
 
+
 def test_tuner_tries_the_rules_m_and_keeps_the_faster():
     t = MicroBatchTuner(warmup=2)
     for _ in range(2):

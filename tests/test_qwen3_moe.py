@@ -37,8 +37,10 @@ def test_colocated_greedy_tokens_and_logits_match_hf(ckpts, refs, name):
     assert_colocated_matches_hf(ckpts[name], refs(name), NEW_TOKENS)
 
 
-@pytest.mark.parametrize("over", [dict(mlp_only_layers=[0, 3]), dict(decoder_sparse_step=3),
-                                  dict(decoder_sparse_step=2, mlp_only_layers=[1])])
+@pytest.mark.parametrize(
+    "over",
+    [dict(mlp_only_layers=[0, 3]), dict(decoder_sparse_step=3), dict(decoder_sparse_step=2, mlp_only_layers=[1])],
+)
 def test_moe_layers_are_hfs_sparse_blocks(over):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -71,15 +73,18 @@ def test_router_picks_hfs_experts_with_hfs_weights(norm_topk_prob, dtype):
     assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w)
 
 
-@pytest.mark.parametrize("change,needle", [
-    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-    ({"use_sliding_window": True}, "'use_sliding_window'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "unsupported rope_type 'yarn'"),
-    ({"num_key_value_heads": 3}, "'num_key_value_heads' (3)"),
-    ({"head_dim": 7}, "'head_dim' must be even"),
-    ({"num_experts_per_tok": 9}, "'num_experts_per_tok' (9) exceeds"),
-    ({"mlp_only_layers": "1"}, "'mlp_only_layers'"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        ({"use_sliding_window": True}, "'use_sliding_window'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "unsupported rope_type 'yarn'"),
+        ({"num_key_value_heads": 3}, "'num_key_value_heads' (3)"),
+        ({"head_dim": 7}, "'head_dim' must be even"),
+        ({"num_experts_per_tok": 9}, "'num_experts_per_tok' (9) exceeds"),
+        ({"mlp_only_layers": "1"}, "'mlp_only_layers'"),
+    ],
+)
 def test_unsupported_settings_are_refused_naming_the_key(change, needle):
     from transformers import Qwen3MoeConfig
 
@@ -89,13 +94,19 @@ def test_unsupported_settings_are_refused_naming_the_key(change, needle):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("A,F,overlap,micro_batches", [
-    (1, 1, True, 1), pytest.param(2, 1, False, 1, marks=pytest.mark.slow),
-    pytest.param(1, 2, True, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "A,F,overlap,micro_batches",
+    [
+        (1, 1, True, 1),
+        pytest.param(2, 1, False, 1, marks=pytest.mark.slow),
+        pytest.param(1, 2, True, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_afd_across_processes_equals_hf(ckpts, refs, A, F, overlap, micro_batches):
     """1A2F splits the experts [0, 3) + [3, 6) over two FFN nodes; m=2 ping-pongs two micro-batches."""
-    llm = afd.LLM(ckpts[MULTI], attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches,
-                  block_size=4)
+    llm = afd.LLM(
+        ckpts[MULTI], attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches, block_size=4
+    )
     assert llm.generate_ids(PROMPTS, NEW_TOKENS) == [ids for ids, _ in refs(MULTI)]
 
 
@@ -108,8 +119,11 @@ def test_afd_serve_answers_concurrent_requests_with_hfs_tokens(ckpts, refs, tmp_
         s.wait_ready()
 
         def greedy(prompt: list[int]) -> list[int]:
-            code, body = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                                                       "return_token_ids": True})
+            code, body = post(
+                url,
+                "/v1/completions",
+                {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True},
+            )
             assert code == 200, body
             return body["choices"][0]["token_ids"]
 
@@ -122,8 +136,9 @@ def test_afd_serve_answers_concurrent_requests_with_hfs_tokens(ckpts, refs, tmp_
 
 def test_check_config_names_the_family_and_the_expert_split(ckpts, tmp_path):
     path = cluster_yaml(tmp_path, ckpts["gqa"], attention=1, ffn=2)
-    r = subprocess.run([sys.executable, "-m", "afd.cli", "check-config", str(path)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "afd.cli", "check-config", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stderr
     assert "family: qwen3_moe" in r.stdout.splitlines()
     assert "experts [0, 3)" in r.stdout and "experts [3, 6)" in r.stdout

@@ -34,8 +34,11 @@ def _on(port: int, cmd: str) -> str:
 def demo(tmp_path_factory):
     line = next(c for c in _shell_lines() if c == "afd serve demo")  # the README's first command
     port = free_port_run(1)
-    s = Served([*line.split()[2:], "--port", str(port)], tmp_path_factory.mktemp("readme") / "serve.log",
-               [f"http://127.0.0.1:{port}"])
+    s = Served(
+        [*line.split()[2:], "--port", str(port)],
+        tmp_path_factory.mktemp("readme") / "serve.log",
+        [f"http://127.0.0.1:{port}"],
+    )
     try:
         s.wait_ready()
         yield port
@@ -49,9 +52,19 @@ def test_the_readmes_curl_and_bench_lines_work_against_its_demo(demo):
     bin_dir = str(ROOT / ".venv" / "bin") if (ROOT / ".venv" / "bin" / "afd").exists() else None
     env_path = f"{bin_dir}:" if bin_dir else ""
     for cmd in cmds:
-        r = subprocess.run(["bash", "-c", f'PATH="{env_path}$PATH" {_on(demo, cmd)} --fail-with-body'
-                            if cmd.startswith("curl") else f'PATH="{env_path}$PATH" {_on(demo, cmd)} --disable-tqdm'],
-                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+        r = subprocess.run(
+            [
+                "bash",
+                "-c",
+                f'PATH="{env_path}$PATH" {_on(demo, cmd)} --fail-with-body'
+                if cmd.startswith("curl")
+                else f'PATH="{env_path}$PATH" {_on(demo, cmd)} --disable-tqdm',
+            ],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
         assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
         if cmd.startswith("afd bench"):
             assert "Failed requests:                         0" in r.stdout, r.stdout

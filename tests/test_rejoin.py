@@ -37,15 +37,19 @@ class _Streams:
 
     def _run(self, i: int, url: str, prompt: list[int]) -> None:
         body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "stream": True, "return_token_ids": True}
-        req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         ids, errors, first = [], [], True
         try:
             with urllib.request.urlopen(req, timeout=180) as r:
                 for line in r:
                     if not line.startswith(b"data: {"):
                         continue
-                    ev = json.loads(line[len(b"data: "):])
+                    ev = json.loads(line[len(b"data: ") :])
                     if "error" in ev:
                         errors.append(ev["error"]["message"])
                     for c in ev.get("choices", []):
@@ -71,8 +75,9 @@ class _Streams:
 
 
 def _greedy(url: str, prompt: list[int]) -> list[int]:
-    code, body = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0,
-                                               "return_token_ids": True})
+    code, body = post(
+        url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "return_token_ids": True}
+    )
     assert code == 200, body
     return body["choices"][0]["token_ids"]
 
@@ -133,12 +138,15 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
         assert "moving to the next data-plane generation" in c.log("attn0")
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param({"attention_tp": 2, "tp_comm": "sp", "tp_comm_min_tokens": 1}, marks=pytest.mark.slow),
-    pytest.param({"attention_tp": 2, "kvp": 2}, marks=pytest.mark.slow),
-], ids=["tp2-sp", "tp2-kvp2"])
-def test_an_attention_node_on_tp_ranks_re_forms_with_a_replaced_ffn_node(tiny_checkpoint, reference, tmp_path,
-                                                                         layout):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        pytest.param({"attention_tp": 2, "tp_comm": "sp", "tp_comm_min_tokens": 1}, marks=pytest.mark.slow),
+        pytest.param({"attention_tp": 2, "kvp": 2}, marks=pytest.mark.slow),
+    ],
+    ids=["tp2-sp", "tp2-kvp2"],
+)
+def test_an_attention_node_on_tp_ranks_re_forms_with_a_replaced_ffn_node(tiny_checkpoint, reference, tmp_path, layout):
     """Every TP rank of the node pauses, re-forms with the new generation and re-makes its TP groups;
     rank 0 runs the interrupted step again, and no stream loses a token."""
     path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="rejoin-tp", cluster=FAST, layout=layout)

@@ -10,9 +10,21 @@ from afd.engine.sampling import SamplingParams
 from afd.engine.scheduler import Scheduler
 from afd.model.longcat_flash.config import LongcatFlashConfig
 
-CFG = LongcatFlashConfig(vocab_size=10, hidden_size=4, num_layers=1, num_attention_heads=1, ffn_hidden_size=4,
-                  q_lora_rank=2, kv_lora_rank=2, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=2,
-                  moe_topk=1, n_routed_experts=2, expert_ffn_hidden_size=2)
+CFG = LongcatFlashConfig(
+    vocab_size=10,
+    hidden_size=4,
+    num_layers=1,
+    num_attention_heads=1,
+    ffn_hidden_size=4,
+    q_lora_rank=2,
+    kv_lora_rank=2,
+    qk_nope_head_dim=2,
+    qk_rope_head_dim=2,
+    v_head_dim=2,
+    moe_topk=1,
+    n_routed_experts=2,
+    expert_ffn_hidden_size=2,
+)
 
 
 def _sched(blocks: int, max_seqs: int = 8, budget: int = 16) -> Scheduler:

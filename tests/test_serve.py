@@ -22,9 +22,25 @@ def served(tmp_path_factory):
 
     port = free_port_run(2)
     urls = [f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"]
-    s = Served([ensure_demo_checkpoint(), "--attention-nodes", "2", "--ffn-nodes", "1", "--api-key", "K",
-                "--served-model-name", "m", "--port", str(port), "--seed", "5"],
-               tmp_path_factory.mktemp("serve") / "serve.log", urls)
+    s = Served(
+        [
+            ensure_demo_checkpoint(),
+            "--attention-nodes",
+            "2",
+            "--ffn-nodes",
+            "1",
+            "--api-key",
+            "K",
+            "--served-model-name",
+            "m",
+            "--port",
+            str(port),
+            "--seed",
+            "5",
+        ],
+        tmp_path_factory.mktemp("serve") / "serve.log",
+        urls,
+    )
     try:
         s.wait_ready()
         yield s
@@ -73,14 +89,31 @@ def test_the_official_openai_client(served):
     assert [m.id for m in client.models.list()] == ["m"]
     c = client.completions.create(model="m", prompt="Experts are", max_tokens=6, temperature=0)
     assert c.choices[0].text and c.usage.completion_tokens <= 6
-    chat = client.chat.completions.create(model="m", max_tokens=6, temperature=0, messages=[
-        {"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    chat = client.chat.completions.create(
+        model="m",
+        max_tokens=6,
+        temperature=0,
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+    )
     full = chat.choices[0].message.content
-    stream = client.chat.completions.create(model="m", max_tokens=6, temperature=0, stream=True, messages=[
-        {"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    stream = client.chat.completions.create(
+        model="m",
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        ],
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == full
-    seeded = [client.completions.create(model="m", prompt="Experts are", max_tokens=6, n=2, seed=11,
-                                        temperature=1.0) for _ in range(2)]
+    seeded = [
+        client.completions.create(model="m", prompt="Experts are", max_tokens=6, n=2, seed=11, temperature=1.0)
+        for _ in range(2)
+    ]
     texts = [[ch.text for ch in sorted(r.choices, key=lambda x: x.index)] for r in seeded]
     assert texts[0] == texts[1] and len(texts[0]) == 2
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -89,30 +122,68 @@ def test_the_official_openai_client(served):
         client.completions.create(model="nope", prompt="Experts are", max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=served.urls[0] + "/v1", api_key="wrong", max_retries=0).completions.create(
-            model="m", prompt="x", max_tokens=2)
+            model="m", prompt="x", max_tokens=2
+        )
 
 
 def test_afd_bench_takes_its_prompt_ids_from_the_servers_vocabulary(served):
     """Without --vocab-size (the README's line): ids come from what /v1/models says, so none is refused."""
-    r = subprocess.run([sys.executable, "-m", "afd.cli", "bench", "--base-url", served.urls[0], "--num-prompts", "6",
-                        "--random-input-len", "32", "--random-output-len", "4", "--disable-tqdm", "--api-key", "K"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=180)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "afd.cli",
+            "bench",
+            "--base-url",
+            served.urls[0],
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "32",
+            "--random-output-len",
+            "4",
+            "--disable-tqdm",
+            "--api-key",
+            "K",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=180,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Successful requests:                     6" in r.stdout, r.stdout
 
 
 def _afd(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "afd.cli", *argv], capture_output=True, text=True, cwd=ROOT,
-                          timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "afd.cli", *argv], capture_output=True, text=True, cwd=ROOT, timeout=180
+    )
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["serve", "demo", "--colocated", "--attention-nodes", "2"], "--colocated runs both halves in one process"),
-    (["serve", "/nowhere"], "/nowhere: not a checkpoint directory"),
-    (["serve", "demo", "--max-num-seqs", "0"], "must be at least 1"),
-    (["generate", "--model", "demo", "--prompt-ids", "x.json", "--max-tokens", "2", "--colocated",
-      "--attention-nodes", "2"], "--colocated runs both halves in this process"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["serve", "demo", "--colocated", "--attention-nodes", "2"], "--colocated runs both halves in one process"),
+        (["serve", "/nowhere"], "/nowhere: not a checkpoint directory"),
+        (["serve", "demo", "--max-num-seqs", "0"], "must be at least 1"),
+        (
+            [
+                "generate",
+                "--model",
+                "demo",
+                "--prompt-ids",
+                "x.json",
+                "--max-tokens",
+                "2",
+                "--colocated",
+                "--attention-nodes",
+                "2",
+            ],
+            "--colocated runs both halves in this process",
+        ),
+    ],
+)
 def test_serve_refuses_bad_flags_in_one_line(argv, message):
     r = _afd(*argv)
     assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -125,12 +196,23 @@ def test_an_absent_device_is_one_line_everywhere(tmp_path):
         pytest.skip("a CUDA device is here")
     ids = tmp_path / "p.json"
     ids.write_text("[[1, 2, 3]]")
-    for argv in (["serve", "demo", "--device", "cuda"],
-                 ["generate", "--model", "demo", "--prompt-ids", str(ids), "--max-tokens", "2", "--colocated",
-                  "--device", "cuda"]):
+    for argv in (
+        ["serve", "demo", "--device", "cuda"],
+        [
+            "generate",
+            "--model",
+            "demo",
+            "--prompt-ids",
+            str(ids),
+            "--max-tokens",
+            "2",
+            "--colocated",
+            "--device",
+            "cuda",
+        ],
+    ):
         r = _afd(*argv)
-        assert r.returncode == 2 and "no CUDA device is visible" in r.stderr and "Traceback" not in r.stderr, \
-            r.stderr
+        assert r.returncode == 2 and "no CUDA device is visible" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_generate_takes_model_demo(tmp_path):
@@ -153,13 +235,19 @@ def test_help_shows_every_default(command):
             options.append(line.strip())
         elif options:
             options[-1] += " " + line.strip()
-    for flag, default in re.findall(r"p\.add_argument\(\"(--[a-z-]+)\"[^)]*?default=([0-9.]+|\"[^\"]+\")",
-                                   _sources(command)):
+    for flag, default in re.findall(
+        r"p\.add_argument\(\"(--[a-z-]+)\"[^)]*?default=([0-9.]+|\"[^\"]+\")", _sources(command)
+    ):
         for seg in [o for o in options if o.startswith(flag + " ") or o == flag]:  # (a file may hold more commands)
             assert "(default: " in seg, (flag, default, seg)
 
 
 def _sources(command: str) -> str:
-    files = {"serve": "afd/cluster/serve.py", "launch": "afd/cluster/launch.py", "bench": "afd/bench/serve.py",
-             "generate": "afd/cli.py", "bench-step": "afd/bench/step.py"}
+    files = {
+        "serve": "afd/cluster/serve.py",
+        "launch": "afd/cluster/launch.py",
+        "bench": "afd/bench/serve.py",
+        "generate": "afd/cli.py",
+        "bench-step": "afd/bench/step.py",
+    }
     return (ROOT / files[command]).read_text()

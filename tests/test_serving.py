@@ -19,8 +19,9 @@ NEW = 16
 
 @pytest.fixture(scope="module")
 def cluster(tiny_checkpoint, tmp_path_factory):
-    path = cluster_yaml(tmp_path_factory.mktemp("serving"), tiny_checkpoint, name="serving",
-                        engine={"kv_cache_bytes": "48KiB"})  # 256 tokens: 16 requests at once must preempt
+    path = cluster_yaml(
+        tmp_path_factory.mktemp("serving"), tiny_checkpoint, name="serving", engine={"kv_cache_bytes": "48KiB"}
+    )  # 256 tokens: 16 requests at once must preempt
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
@@ -33,8 +34,9 @@ def reference(tiny_checkpoint):
 
 
 def _complete(url: str, prompt, **kw) -> tuple[int, dict]:
-    return post(url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0,
-                                         "return_token_ids": True, **kw})
+    return post(
+        url, "/v1/completions", {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "return_token_ids": True, **kw}
+    )
 
 
 def test_concurrent_greedy_completions_equal_hf(cluster, reference):
@@ -46,8 +48,11 @@ def test_concurrent_greedy_completions_equal_hf(cluster, reference):
         choice = body["choices"][0]
         assert choice["token_ids"] == reference[PROMPTS.index(p)]
         assert choice["prompt_token_ids"] == p
-        assert body["usage"] == {"prompt_tokens": len(p), "completion_tokens": len(choice["token_ids"]),
-                                 "total_tokens": len(p) + len(choice["token_ids"])}
+        assert body["usage"] == {
+            "prompt_tokens": len(p),
+            "completion_tokens": len(choice["token_ids"]),
+            "total_tokens": len(p) + len(choice["token_ids"]),
+        }
         assert choice["finish_reason"] == ("length" if len(choice["token_ids"]) == NEW else "stop")
     _, metrics = get(cluster.url(), "/metrics")
     preempted = [ln for ln in metrics.decode().splitlines() if ln.startswith("afd_num_preemptions_total")]
@@ -59,7 +64,7 @@ def test_logprobs_are_hfs_and_penalties_apply(cluster, tiny_checkpoint):
     a frequency penalty changes greedy output once tokens repeat."""
     import torch
 
-    (ids, logits), = hf_greedy(tiny_checkpoint, PROMPTS[:1], NEW)
+    ((ids, logits),) = hf_greedy(tiny_checkpoint, PROMPTS[:1], NEW)
     code, body = _complete(cluster.url(), PROMPTS[0], logprobs=3)
     assert code == 200, body
     lp = body["choices"][0]["logprobs"]
@@ -73,16 +78,26 @@ def test_logprobs_are_hfs_and_penalties_apply(cluster, tiny_checkpoint):
 
 
 def _stream(url: str, body: dict, path: str = "/v1/completions") -> list[str]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         assert r.headers["Content-Type"].startswith("text/event-stream")
-        return [ln[len("data: "):] for ln in r.read().decode().split("\n\n") if ln.startswith("data: ")]
+        return [ln[len("data: ") :] for ln in r.read().decode().split("\n\n") if ln.startswith("data: ")]
 
 
 def test_streaming_gives_the_same_tokens(cluster, reference):
-    events = _stream(cluster.url(), {"prompt": PROMPTS[3], "max_tokens": NEW, "temperature": 0, "stream": True,
-                                     "return_token_ids": True, "stream_options": {"include_usage": True}})
+    events = _stream(
+        cluster.url(),
+        {
+            "prompt": PROMPTS[3],
+            "max_tokens": NEW,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert len(chunks) > 3
@@ -94,12 +109,20 @@ def test_streaming_gives_the_same_tokens(cluster, reference):
 
 BAD = [
     ({"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens", "max_tokens must be at least 1, got 0."),
-    ({"prompt": [1, 2], "max_tokens": 1000}, 400, "max_tokens",
-     "'max_tokens' or 'max_completion_tokens' is too large: 1000. This model's maximum context length is {L} "
-     "tokens and your request has 2 input tokens (1000 > {L} - 2)."),
-    ({"prompt": list(range(1, 90)) * 6, "max_tokens": 1}, 400, "input_tokens",
-     "This model's maximum context length is {L} tokens. However, your request has 534 input tokens. "
-     "Please reduce the length of the input messages."),
+    (
+        {"prompt": [1, 2], "max_tokens": 1000},
+        400,
+        "max_tokens",
+        "'max_tokens' or 'max_completion_tokens' is too large: 1000. This model's maximum context length is {L} "
+        "tokens and your request has 2 input tokens (1000 > {L} - 2).",
+    ),
+    (
+        {"prompt": list(range(1, 90)) * 6, "max_tokens": 1},
+        400,
+        "input_tokens",
+        "This model's maximum context length is {L} tokens. However, your request has 534 input tokens. "
+        "Please reduce the length of the input messages.",
+    ),
     ({"prompt": [1, 500]}, 400, "prompt", "Token id 500 is out of vocabulary"),
     ({"max_tokens": 3}, 400, "body.prompt", "Field required"),
     ({"prompt": {"a": 1}}, 400, "body.prompt", "Input should be"),
@@ -145,9 +168,29 @@ def test_models_version_health(cluster, tiny_checkpoint):
 def test_afd_bench_against_the_cluster(cluster, tmp_path):
     from afd.cli import main
 
-    rc = main(["bench", "--base-url", cluster.url(), "--num-prompts", "200", "--random-input-len", "12",
-               "--random-output-len", "6", "--max-concurrency", "32", "--vocab-size", "97", "--save-result",
-               "--result-dir", str(tmp_path), "--result-filename", "bench.json", "--disable-tqdm"])
+    rc = main(
+        [
+            "bench",
+            "--base-url",
+            cluster.url(),
+            "--num-prompts",
+            "200",
+            "--random-input-len",
+            "12",
+            "--random-output-len",
+            "6",
+            "--max-concurrency",
+            "32",
+            "--vocab-size",
+            "97",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "bench.json",
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0
     result = json.loads((tmp_path / "bench.json").read_text())
     assert result["completed"] == 200 and result["failed"] == 0
@@ -185,21 +228,30 @@ def _slow_model(tmp_path) -> str:
 
 
 def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
-    path = cluster_yaml(tmp_path, _slow_model(tmp_path), name="midstream", model={"dummy_weights": True},
-                        engine={"kv_cache_bytes": "64MiB"}, cluster={"rejoin_timeout": 2, "heartbeat_timeout": 2})
+    path = cluster_yaml(
+        tmp_path,
+        _slow_model(tmp_path),
+        name="midstream",
+        model={"dummy_weights": True},
+        engine={"kv_cache_bytes": "64MiB"},
+        cluster={"rejoin_timeout": 2, "heartbeat_timeout": 2},
+    )
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
-        req = urllib.request.Request(c.url() + "/v1/completions", method="POST", headers={
-            "Content-Type": "application/json"}, data=json.dumps({
-                "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}).encode())
+        req = urllib.request.Request(
+            c.url() + "/v1/completions",
+            method="POST",
+            headers={"Content-Type": "application/json"},
+            data=json.dumps({"prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": True, "stream": True}).encode(),
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             assert r.status == 200
             first = r.readline()
             assert first.startswith(b"data: {")
             c.procs["ffn0"].send_signal(signal.SIGKILL)
             rest = r.read().decode()
-    events = [e.strip()[len("data: "):] for e in rest.split("\n\n") if e.strip().startswith("data: ")]
+    events = [e.strip()[len("data: ") :] for e in rest.split("\n\n") if e.strip().startswith("data: ")]
     assert events[-1] == "[DONE]", rest[-500:]
     err = json.loads(events[-2])["error"]
     assert err["code"] == 503 and "peer process is probably gone" in err["message"]
@@ -207,15 +259,26 @@ def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
-    path = cluster_yaml(tmp_path, _slow_model(tmp_path), name="drain", model={"dummy_weights": True},
-                        engine={"shutdown_timeout": 60, "kv_cache_bytes": "64MiB"})
+    path = cluster_yaml(
+        tmp_path,
+        _slow_model(tmp_path),
+        name="drain",
+        model={"dummy_weights": True},
+        engine={"shutdown_timeout": 60, "kv_cache_bytes": "64MiB"},
+    )
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
         result = {}
-        long = threading.Thread(target=lambda: result.update(r=post(
-            c.url(), "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True,
-                                         "temperature": 0})))
+        long = threading.Thread(
+            target=lambda: result.update(
+                r=post(
+                    c.url(),
+                    "/v1/completions",
+                    {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0},
+                )
+            )
+        )
         long.start()
         time.sleep(0.5)
         c.procs["attn0"].send_signal(signal.SIGTERM)
@@ -234,16 +297,19 @@ def test_a_non_streaming_request_stops_when_its_client_leaves(tmp_path):
     """vLLM aborts a request whose client disconnected; so does afd, streaming or not."""
     import socket
 
-    path = cluster_yaml(tmp_path, _slow_model(tmp_path), name="gone", model={"dummy_weights": True},
-                        engine={"kv_cache_bytes": "64MiB"})
+    path = cluster_yaml(
+        tmp_path, _slow_model(tmp_path), name="gone", model={"dummy_weights": True}, engine={"kv_cache_bytes": "64MiB"}
+    )
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
         body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True}).encode()
         host, port = c.url().removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             end = time.monotonic() + 30
             while _running(c.url()) < 1:
                 assert time.monotonic() < end, "the request never started"
@@ -253,8 +319,7 @@ def test_a_non_streaming_request_stops_when_its_client_leaves(tmp_path):
             assert time.monotonic() < end, "the request kept running after its client left"
             time.sleep(0.05)
         _, metrics = get(c.url(), "/metrics")
-        aborted = [ln for ln in metrics.decode().splitlines()
-                   if ln.startswith("afd_generation_tokens_total")]
+        aborted = [ln for ln in metrics.decode().splitlines() if ln.startswith("afd_generation_tokens_total")]
         assert aborted and float(aborted[0].split()[-1]) < 3000
 
 

@@ -26,10 +26,11 @@ AUTH = {"Authorization": "Bearer k3y"}
 
 
 def _sse(url: str, path: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json", **AUTH})
+    req = urllib.request.Request(
+        url + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json", **AUTH}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
-        events = [e[len("data: "):] for e in r.read().decode().split("\n\n") if e.startswith("data: ")]
+        events = [e[len("data: ") :] for e in r.read().decode().split("\n\n") if e.startswith("data: ")]
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -63,8 +64,11 @@ def test_stop_string_truncates_and_is_reported(demo):
 
 
 def test_chat_completion_and_stream(demo):
-    body = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
-            "max_completion_tokens": 8, "temperature": 0}
+    body = {
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}],
+        "max_completion_tokens": 8,
+        "temperature": 0,
+    }
     code, r = post(demo.url(), "/v1/chat/completions", body, AUTH)
     assert code == 200 and r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
     msg = r["choices"][0]["message"]
@@ -76,8 +80,16 @@ def test_chat_completion_and_stream(demo):
 
 
 def test_seeded_sampling_reproduces_and_n_gives_choices(demo):
-    body = {"prompt": "The FFN node", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 50,
-            "seed": 7, "n": 3, "return_token_ids": True}
+    body = {
+        "prompt": "The FFN node",
+        "max_tokens": 12,
+        "temperature": 1.0,
+        "top_p": 0.9,
+        "top_k": 50,
+        "seed": 7,
+        "n": 3,
+        "return_token_ids": True,
+    }
     a = post(demo.url(), "/v1/completions", body, AUTH)[1]
     b = post(demo.url(), "/v1/completions", body, AUTH)[1]
     assert [c["token_ids"] for c in a["choices"]] == [c["token_ids"] for c in b["choices"]]
@@ -110,18 +122,34 @@ HOSTILE = [  # (path, raw JSON body, expected status, expected param)
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"99999": 1}}', 400, "logit_bias"),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "prompt_logprobs": 1}', 400, "prompt_logprobs"),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "logprobs": 2, "echo": true}', 400, "logprobs"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}', 400,
-     "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+        400,
+        "top_logprobs",
+    ),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "best_of": 3}', 400, "best_of"),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "suffix": "!"}', 400, "suffix"),
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "n": 20000}', 400, "n"),
     ("/v1/chat/completions", '{"messages": [{"role": "", "content": "x"}], "max_tokens": 2}', 400, "messages.role"),
-    ("/v1/chat/completions", '{"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}],'
-                             ' "max_tokens": 2}', 400, "messages"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}', 400,
-     "messages"),
-    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}],'
-                             ' "max_tokens": 2}', 400, "messages.content"),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}], "max_tokens": 2}',
+        400,
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+        400,
+        "messages",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": [{"type": "image_url"}]}], "max_tokens": 2}',
+        400,
+        "messages.content",
+    ),
 ]
 
 
@@ -150,8 +178,15 @@ def test_developer_role_and_content_parts_render_like_plain_messages(demo):
         return r["usage"]["prompt_tokens"]
 
     plain = prompt_tokens([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
-    assert prompt_tokens([{"role": "developer", "content": "be brief"},
-                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}]) == plain
+    assert (
+        prompt_tokens(
+            [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+            ]
+        )
+        == plain
+    )
 
 
 def test_oversized_body_is_refused_before_it_is_read(demo):
@@ -176,8 +211,13 @@ def test_oversized_chunked_body_is_refused_once_the_limit_is_passed(demo):
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     chunks = (b'{"prompt": "' + b"a" * (1 << 20),) + (b"a" * (1 << 20),) * 40 + (b'"}',)
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the answer may come before the upload ends
-        conn.request("POST", "/v1/completions", body=iter(chunks), encode_chunked=True,
-                     headers={"Content-Type": "application/json", **AUTH})
+        conn.request(
+            "POST",
+            "/v1/completions",
+            body=iter(chunks),
+            encode_chunked=True,
+            headers={"Content-Type": "application/json", **AUTH},
+        )
     r = conn.getresponse()
     body = json.loads(r.read())
     assert r.status == 413 and body["error"]["param"] == "body" and "larger than" in body["error"]["message"]
@@ -192,9 +232,18 @@ def test_openapi_documents_the_status_codes_served(demo):
 
 
 def test_chat_logprobs_have_openais_shape(demo):
-    code, r = post(demo.url(), "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "logprobs": True,
-        "top_logprobs": 2}, AUTH)
+    code, r = post(
+        demo.url(),
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+        AUTH,
+    )
     assert code == 200, r
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == r["usage"]["completion_tokens"]

@@ -28,8 +28,14 @@ def tok(tok_dir) -> Tokenizer:
 
 def test_demo_tokenizer_layout(tok, tok_dir):
     assert tok.vocab_size == VOCAB
-    assert [tok._tok.id_to_token(i) for i in range(6)] == ["<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>",
-                                                          "<|system|>"]
+    assert [tok._tok.id_to_token(i) for i in range(6)] == [
+        "<unk>",
+        "<s>",
+        "</s>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|system|>",
+    ]
     assert tok.bos_token_id == DEMO_CONFIG["bos_token_id"] and tok.eos_token_ids == (DEMO_CONFIG["eos_token_id"],)
     assert json.loads((tok_dir / "generation_config.json").read_text())["eos_token_id"] == 2
 
@@ -87,8 +93,9 @@ def test_chat_template(tok):
     assert text == "<s><|system|>\nBe brief.\n<|user|>\nWhat is MoE?\n<|assistant|>\n"
     ids = tok.encode(text, add_special_tokens=False)
     assert ids[0] == 1 and ids.count(1) == 1 and {3, 4, 5} <= set(ids)
-    closed = tok.apply_chat_template([*messages, {"role": "assistant", "content": "Experts."}],
-                                     add_generation_prompt=False)
+    closed = tok.apply_chat_template(
+        [*messages, {"role": "assistant", "content": "Experts."}], add_generation_prompt=False
+    )
     assert closed.endswith("<|assistant|>\nExperts.</s>\n")
     with pytest.raises(Exception, match="unknown role"):
         tok.apply_chat_template([{"role": "robot", "content": "beep"}])

@@ -38,30 +38,72 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CONFIGS = {
     # 2 layers of 2 MLA + 2 dense MLPs, every layer MoE; MLA with a q LoRA (flashcomm1/2 gather latents)
-    "longcat": dict(model_type="longcat_flash", vocab_size=97, hidden_size=32, num_layers=2, num_attention_heads=4,
-                    ffn_hidden_size=48, q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                    head_dim=4, v_head_dim=8, moe_topk=3, n_routed_experts=6, zero_expert_num=2,
-                    expert_ffn_hidden_size=12, max_position_embeddings=64),
+    "longcat": dict(
+        model_type="longcat_flash",
+        vocab_size=97,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=48,
+        q_lora_rank=16,
+        kv_lora_rank=8,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        head_dim=4,
+        v_head_dim=8,
+        moe_topk=3,
+        n_routed_experts=6,
+        zero_expert_num=2,
+        expert_ffn_hidden_size=12,
+        max_position_embeddings=64,
+    ),
     # 3 layers, the first dense; q without a LoRA (flashcomm1/2 gather the hidden state before the MLA)
-    "deepseek": dict(model_type="deepseek_v3", vocab_size=83, hidden_size=24, intermediate_size=40,
-                     moe_intermediate_size=12, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-                     n_routed_experts=8,
-                     kv_lora_rank=8, q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=6, qk_nope_head_dim=8,
-                     n_group=2, topk_group=1, num_experts_per_tok=3, first_k_dense_replace=1,
-                     max_position_embeddings=64),
+    "deepseek": dict(
+        model_type="deepseek_v3",
+        vocab_size=83,
+        hidden_size=24,
+        intermediate_size=40,
+        moe_intermediate_size=12,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        kv_lora_rank=8,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        qk_nope_head_dim=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=3,
+        first_k_dense_replace=1,
+        max_position_embeddings=64,
+    ),
 }
 CONFIGS_CFG = {name: config_from_hf(d) for name, d in CONFIGS.items()}
 
 # (family, mode, otp, tp_comm_min_tokens[, kvp]) by TP group (its global ranks)
 CASES = {
-    (0, 1): [("longcat", "allreduce", None, None), ("longcat", "sp", None, None),
-             ("deepseek", "flashcomm1", None, 3), ("deepseek", "flashcomm2", 1, 3),
-             ("longcat", "allreduce", None, None, 2)],
-    (2, 3): [("deepseek", "allreduce", None, None), ("deepseek", "sp", None, None),
-             ("longcat", "flashcomm1", None, 3), ("longcat", "flashcomm2", 1, 3),
-             ("deepseek", "flashcomm1", None, 3, 2)],
-    (0, 1, 2, 3): [("longcat", "flashcomm2", 2, 3), ("deepseek", "flashcomm2", 2, 3), ("longcat", "sp", None, None),
-                   ("deepseek", "sp", None, None, 2)],
+    (0, 1): [
+        ("longcat", "allreduce", None, None),
+        ("longcat", "sp", None, None),
+        ("deepseek", "flashcomm1", None, 3),
+        ("deepseek", "flashcomm2", 1, 3),
+        ("longcat", "allreduce", None, None, 2),
+    ],
+    (2, 3): [
+        ("deepseek", "allreduce", None, None),
+        ("deepseek", "sp", None, None),
+        ("longcat", "flashcomm1", None, 3),
+        ("longcat", "flashcomm2", 1, 3),
+        ("deepseek", "flashcomm1", None, 3, 2),
+    ],
+    (0, 1, 2, 3): [
+        ("longcat", "flashcomm2", 2, 3),
+        ("deepseek", "flashcomm2", 2, 3),
+        ("longcat", "sp", None, None),
+        ("deepseek", "sp", None, None, 2),
+    ],
 }
 PROMPTS = [[3, 5, 7, 11], [13, 17, 19]]  # prefill: T = 7, B = 2
 DECODE = [23, 29]  # decode: T = 2, B = 2
@@ -69,8 +111,12 @@ DECODE = [23, 29]  # decode: T = 2, B = 2
 
 def case_id(ranks: tuple, case: tuple) -> str:
     family, mode, otp, min_tokens, *kvp = case
-    return (f"{family}-tp{len(ranks)}-{mode}" + (f"-P{otp}" if otp else "")
-            + (f"-min{min_tokens}" if min_tokens else "") + (f"-kvp{kvp[0]}" if kvp else ""))
+    return (
+        f"{family}-tp{len(ranks)}-{mode}"
+        + (f"-P{otp}" if otp else "")
+        + (f"-min{min_tokens}" if min_tokens else "")
+        + (f"-kvp{kvp[0]}" if kvp else "")
+    )
 
 
 def tp_config(ranks: tuple, case: tuple) -> TPConfig:
@@ -99,8 +145,10 @@ def _run_case(ranks: tuple, case: tuple, tp_rank: int) -> list[dict]:
     moe = CountingMoE(build_ffn_half(cfg, reader, torch.float32, be.device), be)
     N = tp.cfg.kvp  # with KVP a sequence's first block comes from pool 0: ids 0 and N
     runner = ModelRunner(attn, moe, KVCache(cfg, 2 * N, 8, torch.float32, be.device, N), be.device, 1, True, tp)
-    steps = [[StepSeq(p, 0, [i * N]) for i, p in enumerate(PROMPTS)],
-             [StepSeq([t], len(p), [i * N]) for i, (p, t) in enumerate(zip(PROMPTS, DECODE))]]
+    steps = [
+        [StepSeq(p, 0, [i * N]) for i, p in enumerate(PROMPTS)],
+        [StepSeq([t], len(p), [i * N]) for i, (p, t) in enumerate(zip(PROMPTS, DECODE))],
+    ]
     out = []
     for seqs in steps:
         before, moe.sent = Counter(tp.bytes), 0
@@ -174,8 +222,7 @@ def test_layer_formula_by_hand():
     fc2 = volume(cfg, TPConfig(2, "flashcomm2", 1, 1), 7, 4).moe_layer
     # 2 MLAs: gather latents 8*28*4/2, all_to_all 8*16*4/2, RS over P = 1 rank sends 0;
     # 2 MLPs: gather 8*32*4/2 and RS 8*32*4/2
-    assert fc2 == {"all_reduce": 0, "reduce_scatter": 2 * 512, "all_gather": 2 * 448 + 2 * 512,
-                   "all_to_all": 2 * 256}
+    assert fc2 == {"all_reduce": 0, "reduce_scatter": 2 * 512, "all_gather": 2 * 448 + 2 * 512, "all_to_all": 2 * 256}
 
 
 def test_qwen3_has_no_tp_volume():
@@ -184,10 +231,12 @@ def test_qwen3_has_no_tp_volume():
 
 
 def test_volume_is_torch_free():
-    code = ("import sys; from afd.model.registry import config_from_hf; from afd.model.tp.config import TPConfig; "
-            "from afd.model.tp.volume import volume_table; "
-            "volume_table(config_from_hf({'model_type': 'deepseek_v3'}), TPConfig(8, 'flashcomm2', 2), 'bfloat16'); "
-            "print('torch' in sys.modules)")
+    code = (
+        "import sys; from afd.model.registry import config_from_hf; from afd.model.tp.config import TPConfig; "
+        "from afd.model.tp.volume import volume_table; "
+        "volume_table(config_from_hf({'model_type': 'deepseek_v3'}), TPConfig(8, 'flashcomm2', 2), 'bfloat16'); "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "False"
 
@@ -216,17 +265,39 @@ def _has_tp_layout() -> bool:
 def test_check_config_prints_the_table(tmp_path):
     def cluster(**layout) -> Path:
         path = tmp_path / f"{len(layout)}.yaml"
-        path.write_text(yaml.safe_dump({
-            "cluster": {"name": "t"}, "model": {"path": "demo"}, "layout": layout,
-            "nodes": [{"name": "attn0", "role": "attention", "host": "127.0.0.1",
-                       "ports": {"control": 50001, "data": 50002, "http": 50003}},
-                      {"name": "ffn0", "role": "ffn", "host": "127.0.0.1",
-                       "ports": {"control": 50004, "data": 50005, "metrics": 50006}}]}))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "cluster": {"name": "t"},
+                    "model": {"path": "demo"},
+                    "layout": layout,
+                    "nodes": [
+                        {
+                            "name": "attn0",
+                            "role": "attention",
+                            "host": "127.0.0.1",
+                            "ports": {"control": 50001, "data": 50002, "http": 50003},
+                        },
+                        {
+                            "name": "ffn0",
+                            "role": "ffn",
+                            "host": "127.0.0.1",
+                            "ports": {"control": 50004, "data": 50005, "metrics": 50006},
+                        },
+                    ],
+                }
+            )
+        )
         return path
 
     def check(path: Path) -> str:
-        r = subprocess.run([sys.executable, "-m", "afd.cli", "check-config", str(path)], capture_output=True,
-                           text=True, cwd=ROOT, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "afd.cli", "check-config", str(path)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert r.returncode == 0, r.stderr
         return r.stdout
 

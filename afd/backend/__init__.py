@@ -32,8 +32,9 @@ def _npu_available() -> bool:
         if isinstance(e, ModuleNotFoundError) and e.name == "torch_npu":
             return False  # not installed
         # installed but broken (a missing dependency, CANN's environment not set): say why, then skip it
-        log.warning("device auto: torch_npu is installed but does not import (%s: %s); not using npu",
-                    type(e).__name__, e)
+        log.warning(
+            "device auto: torch_npu is installed but does not import (%s: %s); not using npu", type(e).__name__, e
+        )
         return False
     npu = getattr(torch, "npu", None)
     try:
@@ -68,8 +69,10 @@ def check_device(name: str) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise DeviceUnavailable(f"device cuda: no CUDA device is visible (torch {torch.__version__}: "
-                                    "torch.cuda.is_available() is False)")
+            raise DeviceUnavailable(
+                f"device cuda: no CUDA device is visible (torch {torch.__version__}: "
+                "torch.cuda.is_available() is False)"
+            )
     elif name == "npu":
         import importlib.util
 

@@ -13,10 +13,9 @@ def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torc
     start = 0
     for g, n in enumerate(group_sizes.tolist()):
         if n:
-            torch.mm(x[start:start + n], w[g], out=out[start:start + n])
+            torch.mm(x[start : start + n], w[g], out=out[start : start + n])
             start += n
     return out
-
 
 
 HOST_SYNCS = ("item", "tolist", "_local_scalar_dense")
@@ -27,9 +26,13 @@ def refuse_host_syncs(compiler):
     """A torch.compile backend: the graph dynamo hands over, refused if it reads a value on the host (a sync
     inside the compiled region, and an error under CUDA-graph capture), else compiled by `compiler` (a
     backend or its registered name)."""
+
     def backend(gm: torch.fx.GraphModule, example_inputs):
-        syncs = [str(n.target) for n in gm.graph.nodes
-                 if n.op in ("call_method", "call_function") and set(str(n.target).split(".")) & set(HOST_SYNCS)]
+        syncs = [
+            str(n.target)
+            for n in gm.graph.nodes
+            if n.op in ("call_method", "call_function") and set(str(n.target).split(".")) & set(HOST_SYNCS)
+        ]
         if syncs:
             raise RuntimeError(f"a host sync in the graph: {', '.join(syncs)}")
         inner = torch._dynamo.lookup_backend(compiler) if isinstance(compiler, str) else compiler
@@ -56,6 +59,7 @@ class PeerError(RuntimeError):
 
 class DeviceUnavailable(ValueError):
     """The device asked for is not on this machine (said in one line, not a traceback)."""
+
 
 class Backend(ABC):
     """One device family. Implementations import their SDKs lazily, inside their own module."""

@@ -78,8 +78,9 @@ class CpuBackend(Backend):
         # inductor, static shapes, one graph: a graph break or a host sync fails the compile, and afd.engine.graph
         # runs that graph eager. Its compiled code lands in cache_dir (TORCHINDUCTOR_CACHE_DIR's FX graph and
         # AOTAutograd caches), where the next process finds it.
-        return _Inductor(torch.compile(fn, backend=refuse_host_syncs(self.graph_compiler), dynamic=False,
-                                       fullgraph=True), cache_dir)
+        return _Inductor(
+            torch.compile(fn, backend=refuse_host_syncs(self.graph_compiler), dynamic=False, fullgraph=True), cache_dir
+        )
 
 
 class _Inductor:

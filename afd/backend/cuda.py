@@ -13,8 +13,10 @@ class CudaBackend(Backend):
 
     def __init__(self, index: int = 0):
         if not torch.cuda.is_available():
-            raise DeviceUnavailable(f"device cuda: no CUDA device is visible (torch {torch.__version__}: "
-                                    "torch.cuda.is_available() is False)")
+            raise DeviceUnavailable(
+                f"device cuda: no CUDA device is visible (torch {torch.__version__}: "
+                "torch.cuda.is_available() is False)"
+            )
         self._device = torch.device("cuda", index)
         self.bind_thread()
 
@@ -57,8 +59,9 @@ class CudaBackend(Backend):
     # from torch without the CUDA runtime API. Reasoned, not measured: see docs/benchmarks.md.
 
     @staticmethod
-    def grouped_mm_fast_path(torch_version: str, capability: tuple[int, int] | None, hip: bool,
-                             dtype: torch.dtype, k: int, n: int) -> bool:
+    def grouped_mm_fast_path(
+        torch_version: str, capability: tuple[int, int] | None, hip: bool, dtype: torch.dtype, k: int, n: int
+    ) -> bool:
         """Whether torch._grouped_mm runs its fused kernel (offsets stay on the device) for x [T, k] @ w [G, k, n]
         of `dtype`, contiguous, on a GPU of compute `capability` under `torch_version`. Elsewhere it raises
         (torch 2.8) or takes a fallback that copies the offsets to the host and loops over groups (2.9 on),
@@ -84,10 +87,22 @@ class CudaBackend(Backend):
         return k > 0 and n > 0 and (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
 
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        fast = (hasattr(torch, "_grouped_mm") and x.dtype == w.dtype and x.is_contiguous() and w.is_contiguous()
-                and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0  # GroupedMMUtils.h: 16-byte aligned data
-                and self.grouped_mm_fast_path(torch.__version__, torch.cuda.get_device_capability(x.device),
-                                              bool(torch.version.hip), x.dtype, x.shape[1], w.shape[-1]))
+        fast = (
+            hasattr(torch, "_grouped_mm")
+            and x.dtype == w.dtype
+            and x.is_contiguous()
+            and w.is_contiguous()
+            and x.data_ptr() % 16 == 0
+            and w.data_ptr() % 16 == 0  # GroupedMMUtils.h: 16-byte aligned data
+            and self.grouped_mm_fast_path(
+                torch.__version__,
+                torch.cuda.get_device_capability(x.device),
+                bool(torch.version.hip),
+                x.dtype,
+                x.shape[1],
+                w.shape[-1],
+            )
+        )
         if fast:
             offs = group_sizes.cumsum(0, dtype=torch.int32)  # end row of each group; offsets must be int32
             return torch._grouped_mm(x, w, offs=offs)

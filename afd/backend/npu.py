@@ -90,7 +90,8 @@ class NpuBackend(Backend):
         # split_item=2: one output tensor; group_type=0: groups along M; group_list_type=1: counts, int64,
         # kept on the device (no host read, nothing for a torchair graph to break on).
         (y,) = self._torch_npu.npu_grouped_matmul(
-            [x], [w], group_list=group_sizes.to(torch.int64), split_item=2, group_type=0, group_list_type=1)
+            [x], [w], group_list=group_sizes.to(torch.int64), split_item=2, group_type=0, group_list_type=1
+        )
         return y
 
     def mm_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, world_size: int) -> torch.Tensor | None:
@@ -102,8 +103,16 @@ class NpuBackend(Backend):
         # bias=None: "aiv" takes no bias (the caller adds it); reduce_op "sum" and comm_turn 0 are the only values.
         # Not gated on size: vllm-ascend turned the fusion off for MoE models, whose SP shards from 1 token, after
         # measuring it slower on small shapes (vllm-ascend #3834); its dense models fuse only above 1000 tokens.
-        return op(x.contiguous(), weight.t(), self._hcom_name(group), world_size, reduce_op="sum", bias=None,
-                  comm_turn=0, comm_mode=MMRS_COMM_MODE)
+        return op(
+            x.contiguous(),
+            weight.t(),
+            self._hcom_name(group),
+            world_size,
+            reduce_op="sum",
+            bias=None,
+            comm_turn=0,
+            comm_mode=MMRS_COMM_MODE,
+        )
 
     def _mmrs_op(self):
         """torch_npu.npu_mm_reduce_scatter_base where it takes comm_mode (op-plugin 7.2.0 and later), else None."""
@@ -160,10 +169,12 @@ class NpuBackend(Backend):
 
         config = torchair.CompilerConfig()
         if cache_dir is not None and isinstance(getattr(fn, "__self__", None), torch.nn.Module):
-            return torchair.inference.cache_compile(fn, config=config, dynamic=False, cache_dir=cache_dir,
-                                                    ge_cache=True, fullgraph=True)
-        return torch.compile(fn, backend=torchair.get_npu_backend(compiler_config=config), dynamic=False,
-                             fullgraph=True)
+            return torchair.inference.cache_compile(
+                fn, config=config, dynamic=False, cache_dir=cache_dir, ge_cache=True, fullgraph=True
+            )
+        return torch.compile(
+            fn, backend=torchair.get_npu_backend(compiler_config=config), dynamic=False, fullgraph=True
+        )
 
 
 def _takes_argument(op, name: str) -> bool:

@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
-def interleaved(names: Sequence[str], repeats: int, fn: Callable[[str, int], object],
-                log: Callable[[str], None] | None = None) -> dict[str, list]:
+def interleaved(
+    names: Sequence[str], repeats: int, fn: Callable[[str, int], object], log: Callable[[str], None] | None = None
+) -> dict[str, list]:
     """fn(name, round) for every name in every round, rotating the order each round so that slow
     phases of a noisy machine hit every name alike. Returns name -> its results, round by round."""
     out: dict[str, list] = {n: [] for n in names}
@@ -90,25 +91,48 @@ class Colocated:
         torch.set_num_threads(threads)
         try:
             per = [new_tokens] * len(prompts)
-            engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompts, per, torch.float32,
-                                        self.backend.device, graph=graph)
+            engine = offline.job_engine(
+                self.attn,
+                LocalMoE(self.ffn, self.backend),
+                prompts,
+                per,
+                torch.float32,
+                self.backend.device,
+                graph=graph,
+            )
             steps: list[dict] = []
             t0 = time.perf_counter()
-            out = offline.generate(engine, prompts, per, SamplingParams(), ignore_eos=True,
-                                   on_step=lambda s: steps.append(s.report()))
+            out = offline.generate(
+                engine, prompts, per, SamplingParams(), ignore_eos=True, on_step=lambda s: steps.append(s.report())
+            )
             return Run(out, steps, time.perf_counter() - t0)
         finally:
             torch.set_num_threads(before)
 
 
-def run_afd(model_dir: str, prompts: list[list[int]], new_tokens: int, attention_nodes: int = 1,
-            ffn_nodes: int = 1, overlap: bool = True, micro_batches: int = 1, threads: int = 1,
-            dummy_weights: bool = False) -> Run:
+def run_afd(
+    model_dir: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    attention_nodes: int = 1,
+    ffn_nodes: int = 1,
+    overlap: bool = True,
+    micro_batches: int = 1,
+    threads: int = 1,
+    dummy_weights: bool = False,
+) -> Run:
     """A LocalCluster, greedy with EOS ignored; the steps are attention node 0's, the FFN report FFN 0's."""
     from afd.cluster.local import LocalCluster, LocalClusterSpec
 
-    spec = LocalClusterSpec(model_dir, attention_nodes, ffn_nodes, dummy_weights=dummy_weights, overlap=overlap,
-                            micro_batches=micro_batches, threads=threads)
+    spec = LocalClusterSpec(
+        model_dir,
+        attention_nodes,
+        ffn_nodes,
+        dummy_weights=dummy_weights,
+        overlap=overlap,
+        micro_batches=micro_batches,
+        threads=threads,
+    )
     t0 = time.perf_counter()
     with LocalCluster(spec) as cluster:
         cluster.start(prompts, new_tokens, ignore_eos=True)

@@ -12,6 +12,7 @@ from afd.bench.step import BENCH_CONFIG
 def _log(msg: str) -> None:
     print(f"  .. {msg}", flush=True)
 
+
 def _moe_layer():
     """Layer 0 of BENCH_CONFIG's FFN half (dummy weights, seed 0) and its experts in HF's layout."""
     import torch
@@ -26,8 +27,11 @@ def _moe_layer():
     G, H, I = ex.w13.shape[0], cfg.hidden_size, cfg.expert_ffn_hidden_size
     # HF allocates gate/up rows for the identity experts too (never used).
     zeros = torch.zeros(cfg.num_experts_total - G, 2 * I, H)
-    hf = {"gate_up": torch.cat([ex.w13.transpose(1, 2), zeros]).contiguous(),
-          "down": ex.w2.transpose(1, 2).contiguous(), "n_routed": cfg.n_routed_experts}
+    hf = {
+        "gate_up": torch.cat([ex.w13.transpose(1, 2), zeros]).contiguous(),
+        "down": ex.w2.transpose(1, 2).contiguous(),
+        "n_routed": cfg.n_routed_experts,
+    }
     return cfg, layer, hf, get_backend("cpu")
 
 
@@ -140,7 +144,9 @@ def section_gemm(args) -> dict:
             out[str(T)] = res | {
                 "ms": {k: 1e3 * median(v) for k, v in rounds.items()},
                 "rounds_ms": {k: [1e3 * t for t in v] for k, v in rounds.items()},
-                "routed_slots": routed, "dense_over_routed_work": T * cfg.n_routed_experts / max(1, routed)}
+                "routed_slots": routed,
+                "dense_over_routed_work": T * cfg.n_routed_experts / max(1, routed),
+            }
             _log(f"gemm T={T}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in out[str(T)]["ms"].items()))
     finally:
         torch.set_num_threads(before)
@@ -149,18 +155,24 @@ def section_gemm(args) -> dict:
 
 def _print_gemm(res: dict) -> None:
     c = BENCH_CONFIG
-    print(f"\n### Grouped GEMM experts on CPU (1 thread)\n\nOne MoE layer of BENCH_CONFIG: {c['n_routed_experts']} "
-          f"routed + {c['zero_expert_num']} identity experts, top-{c['moe_topk']}, hidden {c['hidden_size']}, "
-          f"expert intermediate {c['expert_ffn_hidden_size']}, fp32. Median ms per call, interleaved rounds.\n")
-    print("| tokens T | afd grouped GEMM | HF-style per-expert loop | dense (all experts) | loop / grouped "
-          "| dense / grouped | dense work / routed work | grouped == loop | grouped == dense |")
+    print(
+        f"\n### Grouped GEMM experts on CPU (1 thread)\n\nOne MoE layer of BENCH_CONFIG: {c['n_routed_experts']} "
+        f"routed + {c['zero_expert_num']} identity experts, top-{c['moe_topk']}, hidden {c['hidden_size']}, "
+        f"expert intermediate {c['expert_ffn_hidden_size']}, fp32. Median ms per call, interleaved rounds.\n"
+    )
+    print(
+        "| tokens T | afd grouped GEMM | HF-style per-expert loop | dense (all experts) | loop / grouped "
+        "| dense / grouped | dense work / routed work | grouped == loop | grouped == dense |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for T, r in res.items():
         ms = r["ms"]
-        print(f"| {T} | {ms['grouped']:.3f} | {ms['naive']:.3f} | {ms['dense']:.3f} | "
-              f"{ms['naive'] / ms['grouped']:.2f}x | {ms['dense'] / ms['grouped']:.2f}x | "
-              f"{r['dense_over_routed_work']:.1f}x | {_yes(r['grouped_equals_naive'])} "
-              f"(max diff {r['max_abs_diff_naive']:.1e}) | {_yes(r['grouped_equals_dense'])} |")
+        print(
+            f"| {T} | {ms['grouped']:.3f} | {ms['naive']:.3f} | {ms['dense']:.3f} | "
+            f"{ms['naive'] / ms['grouped']:.2f}x | {ms['dense'] / ms['grouped']:.2f}x | "
+            f"{r['dense_over_routed_work']:.1f}x | {_yes(r['grouped_equals_naive'])} "
+            f"(max diff {r['max_abs_diff_naive']:.1e}) | {_yes(r['grouped_equals_dense'])} |"
+        )
 
 
 def _yes(b: bool) -> str:

@@ -32,8 +32,11 @@ MODES = ("eager", "compile")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench-graph", help="decode tokens/s eager vs graph mode; compile time cold vs warm",
-                       formatter_class=DefaultsHelpFormatter)
+    p = sub.add_parser(
+        "bench-graph",
+        help="decode tokens/s eager vs graph mode; compile time cold vs warm",
+        formatter_class=DefaultsHelpFormatter,
+    )
     add_model_args(p)
     p.add_argument("--batch-sizes", default="1,4,16,64", help="decode batches (each its own graph bucket)")
     p.add_argument("--topologies", default="colocated,1A1F", help="comma-separated subset of: colocated, 1A1F")
@@ -42,8 +45,11 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-compile-time", action="store_true", help="skip the cold/warm compile-time runs")
     p.add_argument("--vs-hf", action="store_true", help="also AFD 1A1F eager/compiled vs HF generate, batch 16")
-    p.add_argument("--ffn", action="store_true", help="also the FFN half's MoE layer eager vs compiled, at "
-                                                      "--batch-sizes tokens (afd/bench/graph_ffn.py)")
+    p.add_argument(
+        "--ffn",
+        action="store_true",
+        help="also the FFN half's MoE layer eager vs compiled, at --batch-sizes tokens (afd/bench/graph_ffn.py)",
+    )
     p.add_argument("--no-decode", action="store_true", help="skip the decode tokens/s runs")
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
@@ -66,8 +72,16 @@ def _tok_s(steps: list[dict], batch: int, skip: int, mean: bool = False) -> floa
 def _afd_steps(model: str, prompts, new_tokens: int, mode: str, cache: str, dummy: bool = True) -> list[dict]:
     from afd.cluster.local import LocalCluster, LocalClusterSpec
 
-    spec = LocalClusterSpec(model, 1, 1, dummy_weights=dummy, micro_batches=1, graph_mode=mode,
-                            graph_batch_sizes=(len(prompts),), compile_cache_dir=cache)
+    spec = LocalClusterSpec(
+        model,
+        1,
+        1,
+        dummy_weights=dummy,
+        micro_batches=1,
+        graph_mode=mode,
+        graph_batch_sizes=(len(prompts),),
+        compile_cache_dir=cache,
+    )
     with LocalCluster(spec) as cluster:
         cluster.start(prompts, new_tokens, ignore_eos=True)
         _, reports = cluster.wait()
@@ -98,8 +112,13 @@ def section_decode(args, model: str, cache: str) -> dict:
     for b in batches:  # warm-up: the compile cache gets every job's graphs (the same shapes: the same job)
         colo.generate(synthetic_prompts(b, args.prompt_len, vocab), n, 1, GraphSettings("compile", (b,), cache))
     rounds = interleaved(list(cases), args.repeats, one, lambda m: print(f"  .. {m}", flush=True))
-    return {"skip": skip, "steps": args.steps, "prompt_len": args.prompt_len,
-            "results": {k: median(v) for k, v in rounds.items()}, "rounds": rounds}
+    return {
+        "skip": skip,
+        "steps": args.steps,
+        "prompt_len": args.prompt_len,
+        "results": {k: median(v) for k, v in rounds.items()},
+        "rounds": rounds,
+    }
 
 
 COMPILE_PROBE = """
@@ -153,9 +172,11 @@ def run(args) -> int:
 
 
 def _print(args, res: dict, seconds: float) -> None:
-    print(f"\n## afd bench-graph ({args.model or args.scenario}, {args.repeats} interleaved rounds, {os.cpu_count()} "
-          f"CPUs, {seconds:.0f}s, 1-min load average {res['load_average'][0]:.1f} at start, "
-          f"{res['load_average'][1]:.1f} at end)")
+    print(
+        f"\n## afd bench-graph ({args.model or args.scenario}, {args.repeats} interleaved rounds, {os.cpu_count()} "
+        f"CPUs, {seconds:.0f}s, 1-min load average {res['load_average'][0]:.1f} at start, "
+        f"{res['load_average'][1]:.1f} at end)"
+    )
     if "decode" in res:
         _print_decode(res["decode"])
     if "ffn" in res:
@@ -166,8 +187,10 @@ def _print(args, res: dict, seconds: float) -> None:
 
 
 def _print_decode(d: dict) -> None:
-    print(f"\nDecode tokens/s (one thread per process; prompt {d['prompt_len']}, "
-          f"{d['steps']} measured decode steps after {d['skip']} compiling ones; median of rounds):\n")
+    print(
+        f"\nDecode tokens/s (one thread per process; prompt {d['prompt_len']}, "
+        f"{d['steps']} measured decode steps after {d['skip']} compiling ones; median of rounds):\n"
+    )
     print("| topology | batch | eager tok/s | compile tok/s | compile / eager |")
     print("|---|---|---|---|---|")
     r = d["results"]
@@ -179,8 +202,10 @@ def _print_decode(d: dict) -> None:
 
 def _print_compile_and_hf(res: dict) -> None:
     if "compile" in res:
-        print("\nCompile time of a bucket's graphs (every layer's pre_moe and post_moe, one width), seconds, in a "
-              "fresh process (the first bucket also pays inductor's start-up):\n")
+        print(
+            "\nCompile time of a bucket's graphs (every layer's pre_moe and post_moe, one width), seconds, in a "
+            "fresh process (the first bucket also pays inductor's start-up):\n"
+        )
         print("| batch bucket | cold cache | warm cache |")
         print("|---|---|---|")
         for b, cold in res["compile"]["cold"].items():

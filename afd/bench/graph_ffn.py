@@ -56,8 +56,13 @@ def section_ffn(model: str, tokens: list[int], repeats: int, calls: int = 30) ->
 
         names = [f"T={T} {m}" for T in tokens for m in fns]
         rounds = interleaved(names, repeats, one, lambda m: print(f"  .. {m}", flush=True))
-        return {"layer": layer, "calls": calls, "compile_seconds": compile_s,
-                "results_ms": {k: median(v) for k, v in rounds.items()}, "rounds": rounds}
+        return {
+            "layer": layer,
+            "calls": calls,
+            "compile_seconds": compile_s,
+            "results_ms": {k: median(v) for k, v in rounds.items()},
+            "rounds": rounds,
+        }
     finally:
         torch.set_num_threads(before)
         torch._dynamo.reset()
@@ -73,8 +78,10 @@ def _is_moe(ffn, i: int) -> bool:
 
 def print_ffn(res: dict) -> None:
     r = res["results_ms"]
-    print(f"\nFFN half, one MoE layer (layer {res['layer']}), one thread: ms per call, median of {res['calls']} "
-          "calls, then of rounds (compiled: inductor at static shapes, graph breaks where routing is data):\n")
+    print(
+        f"\nFFN half, one MoE layer (layer {res['layer']}), one thread: ms per call, median of {res['calls']} "
+        "calls, then of rounds (compiled: inductor at static shapes, graph breaks where routing is data):\n"
+    )
     print("| tokens T | eager ms | compiled ms | eager / compiled | first compile s |")
     print("|---|---|---|---|---|")
     for key in [k for k in r if k.endswith(" eager")]:

@@ -56,8 +56,14 @@ def section_vs_hf(args, tmp: str, cache: str) -> dict:
         finally:
             os.environ.pop(ROW_MAJOR_ENV, None)
 
-    names = ["HF transformers generate", "afd 1A1F eager", "afd 1A1F compile", ROW_MAJOR,
-             "afd colocated, 1 thread (A + F)", "FFN half alone, 1 thread (F)"]
+    names = [
+        "HF transformers generate",
+        "afd 1A1F eager",
+        "afd 1A1F compile",
+        ROW_MAJOR,
+        "afd colocated, 1 thread (A + F)",
+        "FFN half alone, 1 thread (F)",
+    ]
     rounds = interleaved(names, args.repeats, one, lambda m: print(f"  .. {m}", flush=True))
     return {k: median(v) for k, v in rounds.items()} | {"rounds": rounds}
 
@@ -89,14 +95,18 @@ def _ffn_step(colo: Colocated):
 
 def print_vs_hf(v: dict) -> None:
     hf = v["HF transformers generate"]
-    print("\nThe issue's speed target: batch 16, fp32, AFD 1A1F (1 thread per node) vs HF generate (2 threads), "
-          "decode tokens/s, and the bounds from the same run:\n")
+    print(
+        "\nThe issue's speed target: batch 16, fp32, AFD 1A1F (1 thread per node) vs HF generate (2 threads), "
+        "decode tokens/s, and the bounds from the same run:\n"
+    )
     print("| case | tok/s | ms / step | vs HF |")
     print("|---|---|---|---|")
     for k in [k for k in v if k != "rounds"]:
         print(f"| {k} | {v[k]:.0f} | {1e3 * B / v[k]:.1f} | {v[k] / hf:.2f}x |")
     both, f = B / v["afd colocated, 1 thread (A + F)"], B / v["FFN half alone, 1 thread (F)"]
     a = both - f
-    print(f"\nA = {1e3 * a:.1f} ms, F = {1e3 * f:.1f} ms: two cores' ideal step (A + F) / 2 = {500 * both:.1f} ms, "
-          f"AFD 1A1F's ideal max(A, F) = {1e3 * max(a, f):.1f} ms. HF runs at {both / 2 / (B / hf):.2f} of its "
-          f"ideal; AFD 1A1F at its ideal would be {(B / max(a, f)) / hf:.2f}x HF.")
+    print(
+        f"\nA = {1e3 * a:.1f} ms, F = {1e3 * f:.1f} ms: two cores' ideal step (A + F) / 2 = {500 * both:.1f} ms, "
+        f"AFD 1A1F's ideal max(A, F) = {1e3 * max(a, f):.1f} ms. HF runs at {both / 2 / (B / hf):.2f} of its "
+        f"ideal; AFD 1A1F at its ideal would be {(B / max(a, f)) / hf:.2f}x HF."
+    )

@@ -93,8 +93,7 @@ def peak_output_throughput(results: list[RequestResult]) -> float:
     return float(np.bincount(np.floor(np.asarray(times)).astype(int)).max())
 
 
-def summarize(results: list[RequestResult], duration: float, metrics: list[str],
-              percentiles: list[float]) -> dict:
+def summarize(results: list[RequestResult], duration: float, metrics: list[str], percentiles: list[float]) -> dict:
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)

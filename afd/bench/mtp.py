@@ -34,22 +34,36 @@ PLACEMENTS = ("colocated", "1A1F")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench-mtp", help="MTP speculative decoding on vs off: decode tok/s, tokens per step",
-                       formatter_class=DefaultsHelpFormatter)
-    p.add_argument("--model", default=None,
-                   help="a checkpoint with an MTP module (default: build one whose drafts are accepted often)")
-    p.add_argument("--config", default=None,
-                   help="config.json of the LongCat-Flash model to build (default: afd.bench.step's BENCH_CONFIG)")
+    p = sub.add_parser(
+        "bench-mtp",
+        help="MTP speculative decoding on vs off: decode tok/s, tokens per step",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a checkpoint with an MTP module (default: build one whose drafts are accepted often)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="config.json of the LongCat-Flash model to build (default: afd.bench.step's BENCH_CONFIG)",
+    )
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes B")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens L")
     p.add_argument("--decode-tokens", type=int, default=128, help="new tokens S per prompt")
     p.add_argument("--speculative-tokens", default="0,1,2", help="comma-separated N (0: MTP off, the baseline)")
-    p.add_argument("--placements", default=",".join(PLACEMENTS), help="comma-separated subset of: "
-                   + ", ".join(PLACEMENTS))
+    p.add_argument(
+        "--placements", default=",".join(PLACEMENTS), help="comma-separated subset of: " + ", ".join(PLACEMENTS)
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--noise", type=float, default=0.03, help="built checkpoint: the MTP module's random share")
-    p.add_argument("--damp", type=float, default=0.02,
-                   help="built checkpoint: scale of the main model's output projections (0: drafts always right)")
+    p.add_argument(
+        "--damp",
+        type=float,
+        default=0.02,
+        help="built checkpoint: scale of the main model's output projections (0: drafts always right)",
+    )
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -66,9 +80,11 @@ def _checkpoint_keys(cfg) -> dict[str, tuple[int, ...]]:
 
     names = family_module(cfg, "weights")
     with torch.device("meta"):
-        parts = [(family_module(cfg, "attention").AttentionHalf(cfg), names.attention_weights),
-                 (family_module(cfg, "ffn").FFNHalf(cfg), names.ffn_weights),
-                 (family_mtp(cfg).build(cfg), names.mtp_weights)]
+        parts = [
+            (family_module(cfg, "attention").AttentionHalf(cfg), names.attention_weights),
+            (family_module(cfg, "ffn").FFNHalf(cfg), names.ffn_weights),
+            (family_mtp(cfg).build(cfg), names.mtp_weights),
+        ]
     return {key: shape for model, weights in parts for w in weights(model) for key, shape in w.sources}
 
 
@@ -76,8 +92,9 @@ def _output_projection(key: str) -> bool:
     return key.endswith("o_proj.weight") or key.endswith("down_proj.weight")
 
 
-def build_mtp_checkpoint(dst: str, config: dict | None = None, noise: float = 0.03, damp: float = 0.02,
-                         seed: int = 0) -> str:
+def build_mtp_checkpoint(
+    dst: str, config: dict | None = None, noise: float = 0.03, damp: float = 0.02, seed: int = 0
+) -> str:
     """A LongCat-Flash checkpoint at `dst` (config.json + model.safetensors, the hub's key names) with random
     weights and an MTP module whose drafts are right most of the time by construction (module docstring).
     Weights are N(0, 1/hidden), so that a layer keeps its input's scale, the embeddings N(0, 1) (the scale
@@ -92,7 +109,7 @@ def build_mtp_checkpoint(dst: str, config: dict | None = None, noise: float = 0.
     if cfg.model_type != "longcat_flash":
         raise ValueError(f"bench-mtp builds LongCat-Flash checkpoints; got model_type {cfg.model_type!r}")
     H = cfg.hidden_size
-    std = H ** -0.5
+    std = H**-0.5
 
     def randn(key: str, shape) -> torch.Tensor:
         g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
@@ -116,8 +133,11 @@ def build_mtp_checkpoint(dst: str, config: dict | None = None, noise: float = 0.
     # the MTP module's final norm: the main model's, nudged (its head is the main model's)
     tensors["model.mtp.norm.weight"] = tensors["model.norm.weight"] + noise * 0.1 * randn("mtp.norm", (H,))
     os.makedirs(dst, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        os.path.join(dst, "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     return dst
@@ -147,12 +167,23 @@ class _Colocated:
         before = torch.get_num_threads()
         torch.set_num_threads(1)  # one core, as each AFD node gets
         try:
-            engine = offline.job_engine(llm.attn, LocalMoE(llm.ffn, llm.backend), prompts, per, llm.dtype,
-                                        llm.backend.device, llm.block_size, llm.micro_batches, llm.overlap,
-                                        mtp=llm.mtp, speculative_tokens=n)
+            engine = offline.job_engine(
+                llm.attn,
+                LocalMoE(llm.ffn, llm.backend),
+                prompts,
+                per,
+                llm.dtype,
+                llm.backend.device,
+                llm.block_size,
+                llm.micro_batches,
+                llm.overlap,
+                mtp=llm.mtp,
+                speculative_tokens=n,
+            )
             steps: list[dict] = []
-            out = offline.generate(engine, prompts, per, SamplingParams(), ignore_eos=True,
-                                   on_step=lambda s: steps.append(s.report()))
+            out = offline.generate(
+                engine, prompts, per, SamplingParams(), ignore_eos=True, on_step=lambda s: steps.append(s.report())
+            )
         finally:
             torch.set_num_threads(before)
         return {"outputs": out, "steps": steps, "spec_decode": engine.spec.stats.report() if engine.spec else None}
@@ -178,16 +209,23 @@ def summarize(job: dict) -> dict:
     draft = sum(s.get("draft_seconds", 0.0) for s in decode)
     tokens = sum(s["generated"] for s in decode)
     spec = job["spec_decode"]
-    drafts, drafted, accepted = (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) \
-        if spec else (0, 0, 0)
-    return {"decode_tok_s": tokens / seconds if seconds else 0.0, "decode_tokens": tokens,
-            "decode_steps": len(decode), "step_ms": 1e3 * seconds / max(1, len(decode)),
-            "draft_share": draft / seconds if seconds else 0.0,
-            "tokens_per_step": 1 + accepted / drafts if drafts else 1.0,
-            "acceptance": accepted / drafted if drafted else None,
-            "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-            "accepted_per_pos": spec["num_accepted_tokens_per_pos"] if spec else [],
-            "prefill_tokens": steps[0]["tokens"] if steps else 0}
+    drafts, drafted, accepted = (
+        (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) if spec else (0, 0, 0)
+    )
+    return {
+        "decode_tok_s": tokens / seconds if seconds else 0.0,
+        "decode_tokens": tokens,
+        "decode_steps": len(decode),
+        "step_ms": 1e3 * seconds / max(1, len(decode)),
+        "draft_share": draft / seconds if seconds else 0.0,
+        "tokens_per_step": 1 + accepted / drafts if drafts else 1.0,
+        "acceptance": accepted / drafted if drafted else None,
+        "num_drafts": drafts,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": accepted,
+        "accepted_per_pos": spec["num_accepted_tokens_per_pos"] if spec else [],
+        "prefill_tokens": steps[0]["tokens"] if steps else 0,
+    }
 
 
 def mode_name(batch: int, placement: str, n: int) -> str:
@@ -225,8 +263,11 @@ def run(args) -> int:
                 with open(args.config) as f:
                     config = json.load(f)
             model = build_mtp_checkpoint(os.path.join(tmp, "ckpt"), config, args.noise, args.damp)
-            print(f"built a LongCat-Flash checkpoint with an MTP module made to be accepted often "
-                  f"(noise {args.noise}, damp {args.damp}; afd.bench.mtp.build_mtp_checkpoint)", flush=True)
+            print(
+                f"built a LongCat-Flash checkpoint with an MTP module made to be accepted often "
+                f"(noise {args.noise}, damp {args.damp}; afd.bench.mtp.build_mtp_checkpoint)",
+                flush=True,
+            )
         from afd.model.registry import load_config
 
         vocab = load_config(model).vocab_size
@@ -236,8 +277,11 @@ def run(args) -> int:
 
         def one(name: str, _round: int) -> dict:
             b, placement, n = modes[name]
-            job = (colocated.run(n, prompts[:b], args.decode_tokens) if placement == "colocated"
-                   else _run_1a1f(model, n, prompts[:b], args.decode_tokens))
+            job = (
+                colocated.run(n, prompts[:b], args.decode_tokens)
+                if placement == "colocated"
+                else _run_1a1f(model, n, prompts[:b], args.decode_tokens)
+            )
             outputs.setdefault(name, []).append(job["outputs"])
             s = summarize(job)
             acc = "" if s["acceptance"] is None else f", acceptance {100 * s['acceptance']:.0f}%"
@@ -261,40 +305,67 @@ def run(args) -> int:
         for x, y in zip(rounds[m], base):
             x["speedup"] = x["decode_tok_s"] / y["decode_tok_s"] if y["decode_tok_s"] else None
         ratios = [x["speedup"] for x in rounds[m] if x["speedup"] is not None]
-        results[m].update(batch=b, placement=p, speculative_tokens=n,
-                          speedup=statistics.median(ratios) if ratios else None)
+        results[m].update(
+            batch=b, placement=p, speculative_tokens=n, speedup=statistics.median(ratios) if ratios else None
+        )
     drafted = [r for r in results.values() if r["num_draft_tokens"]]
-    acceptance = (sum(r["num_accepted_tokens"] for r in drafted) / sum(r["num_draft_tokens"] for r in drafted)
-                  if drafted else None)
+    acceptance = (
+        sum(r["num_accepted_tokens"] for r in drafted) / sum(r["num_draft_tokens"] for r in drafted)
+        if drafted
+        else None
+    )
     _print_table(args, model if not built else None, results, acceptance)
-    print("tokens: identical across every mode and round of each batch size (greedy MTP is lossless): checked"
-          if identical else f"MISMATCH: these modes generated other tokens than MTP off: {mismatched}")
+    print(
+        "tokens: identical across every mode and round of each batch size (greedy MTP is lossless): checked"
+        if identical
+        else f"MISMATCH: these modes generated other tokens than MTP off: {mismatched}"
+    )
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"config": vars(args) | {"func": None}, "checkpoint": "built" if built else args.model,
-                       "acceptance": acceptance, "tokens_identical": identical, "results": results,
-                       "rounds": rounds}, f, indent=2)
+            json.dump(
+                {
+                    "config": vars(args) | {"func": None},
+                    "checkpoint": "built" if built else args.model,
+                    "acceptance": acceptance,
+                    "tokens_identical": identical,
+                    "results": results,
+                    "rounds": rounds,
+                },
+                f,
+                indent=2,
+            )
     return 0 if identical else 1
 
 
 def _print_table(args, model: str | None, results: dict, acceptance: float | None) -> None:
     what = model or f"built LongCat-Flash checkpoint (noise {args.noise}, damp {args.damp})"
-    print(f"\n{what}: prompt {args.prompt_len}, {args.decode_tokens} new tokens per prompt, greedy, EOS ignored, "
-          f"median of {args.repeats} rounds (vs MTP off: of each round's ratio); colocated: 1 process, 1 thread; "
-          f"1A1F: 2 processes, 1 thread each; "
-          f"{os.cpu_count()} CPU cores")
+    print(
+        f"\n{what}: prompt {args.prompt_len}, {args.decode_tokens} new tokens per prompt, greedy, EOS ignored, "
+        f"median of {args.repeats} rounds (vs MTP off: of each round's ratio); colocated: 1 process, 1 thread; "
+        f"1A1F: 2 processes, 1 thread each; "
+        f"{os.cpu_count()} CPU cores"
+    )
     if acceptance is not None:
-        how = ("; the checkpoint's MTP head is built to be accepted often: by construction, not trained"
-               if model is None else "")
-        print(f"MTP acceptance, measured: {100 * acceptance:.1f}% of draft tokens{how}. "
-              "Tokens per step = 1 + accepted / drafts")
-    print("| batch | placement | MTP | decode tok/s | vs MTP off | tokens / step | acceptance | decode steps "
-          "| ms / decode step | drafting share |")
+        how = (
+            "; the checkpoint's MTP head is built to be accepted often: by construction, not trained"
+            if model is None
+            else ""
+        )
+        print(
+            f"MTP acceptance, measured: {100 * acceptance:.1f}% of draft tokens{how}. "
+            "Tokens per step = 1 + accepted / drafts"
+        )
+    print(
+        "| batch | placement | MTP | decode tok/s | vs MTP off | tokens / step | acceptance | decode steps "
+        "| ms / decode step | drafting share |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results.values():
         n = r["speculative_tokens"]
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.1f}%"
         speed = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
-        print(f"| {r['batch']} | {r['placement']} | {'off' if n == 0 else f'N={n}'} | {r['decode_tok_s']:.1f} "
-              f"| {speed} | {r['tokens_per_step']:.2f} | {acc} | {r['decode_steps']} | {r['step_ms']:.2f} "
-              f"| {100 * r['draft_share']:.0f}% |")
+        print(
+            f"| {r['batch']} | {r['placement']} | {'off' if n == 0 else f'N={n}'} | {r['decode_tok_s']:.1f} "
+            f"| {speed} | {r['tokens_per_step']:.2f} | {acc} | {r['decode_steps']} | {r['step_ms']:.2f} "
+            f"| {100 * r['draft_share']:.0f}% |"
+        )

@@ -61,19 +61,27 @@ def run_prefetch_bench(tokens=(8, 32), repeats: int = 5, num_layers: int = 8) ->
                     samples[name][0].extend(c)
                     samples[name][1].extend(h)
             base = statistics.median(samples["off"][0])
-            results[T] = {name: {"compute_ms": 1e3 * statistics.median(c), "prefetch_ms": 1e3 * statistics.median(h),
-                                 "compute_vs_off": statistics.median(c) / base}
-                          for name, (c, h) in samples.items()}
+            results[T] = {
+                name: {
+                    "compute_ms": 1e3 * statistics.median(c),
+                    "prefetch_ms": 1e3 * statistics.median(h),
+                    "compute_vs_off": statistics.median(c) / base,
+                }
+                for name, (c, h) in samples.items()
+            }
     return results
 
 
 def format_prefetch(results: dict) -> str:
-    lines = ["| tokens | variant | layer compute (ms) | prefetch in the gap (ms) | compute vs off |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| tokens | variant | layer compute (ms) | prefetch in the gap (ms) | compute vs off |",
+        "|---|---|---|---|---|",
+    ]
     for T, rows in results.items():
         for name, r in rows.items():
-            lines.append(f"| {T} | {name} | {r['compute_ms']:.2f} | {r['prefetch_ms']:.2f} | "
-                         f"{r['compute_vs_off']:.2f}x |")
+            lines.append(
+                f"| {T} | {name} | {r['compute_ms']:.2f} | {r['prefetch_ms']:.2f} | {r['compute_vs_off']:.2f}x |"
+            )
     return "\n".join(lines)
 
 

@@ -21,19 +21,27 @@ DEFAULT_METRICS = "ttft,tpot,itl,e2el"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="load-test an OpenAI-compatible completions server (like `vllm bench serve`)",
-                       formatter_class=DefaultsHelpFormatter)
+    p = sub.add_parser(
+        "bench",
+        help="load-test an OpenAI-compatible completions server (like `vllm bench serve`)",
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root")
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
     p.add_argument("--dataset-name", default="random", help="only `random` is supported")
     p.add_argument("--random-input-len", type=int, default=1024)
     p.add_argument("--random-output-len", type=int, default=128)
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]")
+    p.add_argument(
+        "--random-range-ratio", type=float, default=0.0, help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]"
+    )
     p.add_argument("--num-prompts", type=int, default=1000)
-    p.add_argument("--request-rate", type=float, default=math.inf,
-                   help="requests per second with Poisson arrivals; inf (default) sends all at once")
+    p.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests per second with Poisson arrivals; inf (default) sends all at once",
+    )
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentile-metrics", default=DEFAULT_METRICS)
@@ -42,15 +50,25 @@ def add_parser(sub) -> None:
     p.add_argument("--result-dir", default=".")
     p.add_argument("--result-filename", default=None)
     p.add_argument("--api-key", default=None, help="bearer token (default: $AFD_API_KEY, else $OPENAI_API_KEY)")
-    p.add_argument("--vocab-size", type=int, default=None,
-                   help="prompt token ids are drawn from [0, vocab-size) (default: the --tokenizer's vocabulary, "
-                        "else the vocab_size the server lists in GET /v1/models)")
-    p.add_argument("--no-ignore-eos", action="store_true",
-                   help="do not send ignore_eos (servers that reject the field, e.g. transformers serve); "
-                        "outputs may then end early at EOS")
-    p.add_argument("--tokenizer", default=None,
-                   help="checkpoint dir with tokenizer.json: send prompts as text decoded from the random ids "
-                        "(for servers that take only text, e.g. transformers serve)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="prompt token ids are drawn from [0, vocab-size) (default: the --tokenizer's vocabulary, "
+        "else the vocab_size the server lists in GET /v1/models)",
+    )
+    p.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (servers that reject the field, e.g. transformers serve); "
+        "outputs may then end early at EOS",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="checkpoint dir with tokenizer.json: send prompts as text decoded from the random ids "
+        "(for servers that take only text, e.g. transformers serve)",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--disable-tqdm", action="store_true")
     p.set_defaults(func=run)
@@ -79,8 +97,9 @@ def _validated(args) -> tuple[list[str], list[float]]:
     try:
         percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
     except ValueError:
-        raise ValueError(f"--metric-percentiles: expected numbers like 50,90,99, got {args.metric_percentiles!r}") \
-            from None
+        raise ValueError(
+            f"--metric-percentiles: expected numbers like 50,90,99, got {args.metric_percentiles!r}"
+        ) from None
     if any(not 0 <= p <= 100 for p in percentiles):
         raise ValueError(f"--metric-percentiles must lie in [0, 100], got {args.metric_percentiles!r}")
     return metrics, percentiles
@@ -226,13 +245,22 @@ async def _bench(args, requests, api_key: str | None):
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=headers) as session:
         model = args.model or await first_model(session, base)
-        print(f"afd bench: {len(requests)} prompts -> {base}{args.endpoint} model={model} "
-              f"rate={args.request_rate} max_concurrency={args.max_concurrency}")
+        print(
+            f"afd bench: {len(requests)} prompts -> {base}{args.endpoint} model={model} "
+            f"rate={args.request_rate} max_concurrency={args.max_concurrency}"
+        )
         bar = tqdm(total=len(requests), disable=args.disable_tqdm)
 
         async def one(prompt: list[int], max_tokens: int):
-            payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                       "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            payload = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             if args.no_ignore_eos:
                 del payload["ignore_eos"]
             if sem is None:

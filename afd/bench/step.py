@@ -18,29 +18,70 @@ from afd.cluster.overrides import DefaultsHelpFormatter
 BENCH_CONFIG = {
     # Sized so that the attention window (dense MLP 0, attention 1, dense MLP 1) and the MoE take
     # comparable time on one CPU core at decode batch sizes.
-    "model_type": "longcat_flash", "vocab_size": 1024, "hidden_size": 512, "num_layers": 2,
-    "num_attention_heads": 8, "num_key_value_heads": 8, "ffn_hidden_size": 2048, "q_lora_rank": 256,
-    "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "head_dim": 16, "v_head_dim": 32,
-    "moe_topk": 4, "n_routed_experts": 16, "zero_expert_num": 4, "expert_ffn_hidden_size": 768,
-    "routed_scaling_factor": 6.0, "max_position_embeddings": 8192, "eos_token_id": 2,
+    "model_type": "longcat_flash",
+    "vocab_size": 1024,
+    "hidden_size": 512,
+    "num_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "ffn_hidden_size": 2048,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "head_dim": 16,
+    "v_head_dim": 32,
+    "moe_topk": 4,
+    "n_routed_experts": 16,
+    "zero_expert_num": 4,
+    "expert_ffn_hidden_size": 768,
+    "routed_scaling_factor": 6.0,
+    "max_position_embeddings": 8192,
+    "eos_token_id": 2,
 }
 
 # The other families at the same scale: hidden 512, 2 layers, 16 routed experts of 768, top-4.
 QWEN3_MOE = {
     # No window at all: post_moe has nothing to do, so only ping-pong can hide the exchange.
-    "model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 512, "num_hidden_layers": 2,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 2048,
-    "moe_intermediate_size": 768, "num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": True,
-    "max_position_embeddings": 8192, "eos_token_id": 2,
+    "model_type": "qwen3_moe",
+    "vocab_size": 1024,
+    "hidden_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 768,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 8192,
+    "eos_token_id": 2,
 }
 DEEPSEEK_V3 = {
     # The window is the shared expert (one of 768), computed while the routed experts are away.
-    "model_type": "deepseek_v3", "vocab_size": 1024, "hidden_size": 512, "num_hidden_layers": 2,
-    "first_k_dense_replace": 0, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": 256,
-    "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16, "v_head_dim": 32,
-    "intermediate_size": 2048, "moe_intermediate_size": 768, "n_routed_experts": 16, "n_shared_experts": 1,
-    "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2, "max_position_embeddings": 8192,
-    "eos_token_id": 2, "bos_token_id": 0,
+    "model_type": "deepseek_v3",
+    "vocab_size": 1024,
+    "hidden_size": 512,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 0,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "q_lora_rank": 256,
+    "kv_lora_rank": 128,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 768,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "max_position_embeddings": 8192,
+    "eos_token_id": 2,
+    "bos_token_id": 0,
 }
 
 SCENARIOS = {
@@ -65,13 +106,17 @@ DEFAULT_MODES = ("colocated", "afd --no-overlap", "afd overlap (m=1)", "afd ping
 def add_model_args(p) -> None:
     """--model / --scenario: what every dummy-weights bench runs on."""
     p.add_argument("--model", default=None, help="checkpoint dir (config.json is enough: dummy weights)")
-    p.add_argument("--scenario", default="balanced", choices=list(SCENARIOS),
-                   help="built-in model size when --model is not given")
+    p.add_argument(
+        "--scenario", default="balanced", choices=list(SCENARIOS), help="built-in model size when --model is not given"
+    )
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench-step", help="decode step time: colocated vs AFD without/with overlap",
-                       formatter_class=DefaultsHelpFormatter)
+    p = sub.add_parser(
+        "bench-step",
+        help="decode step time: colocated vs AFD without/with overlap",
+        formatter_class=DefaultsHelpFormatter,
+    )
     add_model_args(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
@@ -80,9 +125,13 @@ def add_parser(sub) -> None:
     p.add_argument("--attention-nodes", type=int, default=1)
     p.add_argument("--ffn-nodes", type=int, default=1)
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of: " + ", ".join(MODES))
-    p.add_argument("--link", default=None, metavar="RATE[,DELAY]",
-                   help="run the FFN nodes behind an emulated link, e.g. 25gbit,20us (needs root; a delay needs "
-                        "the kernel's netem)")
+    p.add_argument(
+        "--link",
+        default=None,
+        metavar="RATE[,DELAY]",
+        help="run the FFN nodes behind an emulated link, e.g. 25gbit,20us (needs root; a delay needs "
+        "the kernel's netem)",
+    )
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
 
@@ -94,12 +143,14 @@ def _colocated(model: str, prompts, steps: int) -> list[dict]:
     return Colocated(model, dummy_weights=True).generate(prompts, steps + 1, threads=1).steps
 
 
-def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_batches: int,
-         link=None) -> list[dict]:
+def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_batches: int, link=None) -> list[dict]:
     from afd.cluster.local import LocalCluster, LocalClusterSpec
 
-    where = {} if link is None else {"attention_host": link.near_ip, "ffn_host": link.far_ip,
-                                     "ffn_command_prefix": tuple(link.wrap([]))}
+    where = (
+        {}
+        if link is None
+        else {"attention_host": link.near_ip, "ffn_host": link.far_ip, "ffn_command_prefix": tuple(link.wrap([]))}
+    )
     spec = LocalClusterSpec(model, A, F, dummy_weights=True, overlap=overlap, micro_batches=micro_batches, **where)
     with LocalCluster(spec) as cluster:
         cluster.start(prompts, steps + 1, ignore_eos=True)
@@ -113,9 +164,12 @@ def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_b
 def _summarize(steps: list[dict], batch: int) -> dict:
     decode = [s for s in steps[1:] if s["tokens"] == batch][2:]  # skip prefill and warm-up steps
     total = sum(s["seconds"] for s in decode)
-    return {"step_ms": 1e3 * statistics.median(s["seconds"] for s in decode),
-            "wait_fraction": sum(s["ffn_wait"] for s in decode) / total if total else 0.0,
-            "ffn_busy": steps[-1].get("ffn_busy"), "m": steps[-1].get("m")}
+    return {
+        "step_ms": 1e3 * statistics.median(s["seconds"] for s in decode),
+        "wait_fraction": sum(s["ffn_wait"] for s in decode) / total if total else 0.0,
+        "ffn_busy": steps[-1].get("ffn_busy"),
+        "m": steps[-1].get("m"),
+    }
 
 
 def _link(spec):
@@ -152,25 +206,36 @@ def run(args) -> int:
         prompts = [[3 + (i * 7 + j) % 1000 for j in range(args.prompt_len)] for i in range(per_node * A)]
         rounds: dict[str, list[dict]] = {m: [] for m in modes}
         for r in range(args.repeats):
-            for m in modes[r % len(modes):] + modes[: r % len(modes)]:  # rotate the order each round
+            for m in modes[r % len(modes) :] + modes[: r % len(modes)]:  # rotate the order each round
                 t0 = time.perf_counter()
                 if "colocated" in MODES[m]:
                     steps = _colocated(model, prompts[:per_node], args.steps)
                 else:
-                    steps = _afd(model, prompts, args.steps, A, F, MODES[m]["overlap"], MODES[m]["micro_batches"],
-                                 link)
+                    steps = _afd(model, prompts, args.steps, A, F, MODES[m]["overlap"], MODES[m]["micro_batches"], link)
                 rounds[m].append(_summarize(steps, per_node))
-                print(f"round {r + 1}/{args.repeats} {m}: {rounds[m][-1]['step_ms']:.2f} ms/step "
-                      f"({time.perf_counter() - t0:.1f}s)", flush=True)
-    results = {m: {k: statistics.median(x[k] for x in v) if v[0][k] is not None else None
-                   for k in ("step_ms", "wait_fraction", "ffn_busy")} for m, v in rounds.items()}
+                print(
+                    f"round {r + 1}/{args.repeats} {m}: {rounds[m][-1]['step_ms']:.2f} ms/step "
+                    f"({time.perf_counter() - t0:.1f}s)",
+                    flush=True,
+                )
+    results = {
+        m: {
+            k: statistics.median(x[k] for x in v) if v[0][k] is not None else None
+            for k in ("step_ms", "wait_fraction", "ffn_busy")
+        }
+        for m, v in rounds.items()
+    }
     for m, v in rounds.items():  # the micro-batch count of each round (auto: what the tuner chose)
         results[m]["m"] = [x["m"] for x in v]
     base = results.get("afd --no-overlap", {}).get("step_ms")
-    print(f"\n{args.model or args.scenario}: {A}A{F}F, batch {per_node} per attention node, prompt {args.prompt_len}, "
-          f"{args.steps} decode steps, median of {args.repeats} rounds" + (f", link {args.link}" if args.link else ""))
-    print("| mode | decode step (ms) | attention waiting on FFN | FFN busy (compute / run) | vs --no-overlap "
-          "| m per round |")
+    print(
+        f"\n{args.model or args.scenario}: {A}A{F}F, batch {per_node} per attention node, prompt {args.prompt_len}, "
+        f"{args.steps} decode steps, median of {args.repeats} rounds" + (f", link {args.link}" if args.link else "")
+    )
+    print(
+        "| mode | decode step (ms) | attention waiting on FFN | FFN busy (compute / run) | vs --no-overlap "
+        "| m per round |"
+    )
     print("|---|---|---|---|---|---|")
     for m, r in results.items():
         speed = f"{base / r['step_ms']:.2f}x" if base else "-"

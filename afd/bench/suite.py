@@ -25,17 +25,26 @@ SECTIONS = ("gemm", "prefetch", "decode", "scaling")
 AFD_MODE = dict(overlap=True, micro_batches=1)
 """AFD runs use overlap with one micro-batch (`afd bench-step` measures the other modes)."""
 HF_CONFIG = {
-    **BENCH_CONFIG, "architectures": ["LongcatFlashForCausalLM"], "max_position_embeddings": 512,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "hidden_act": "silu",
-    "rms_norm_eps": 1e-5, "attention_bias": False, "tie_word_embeddings": False, "bos_token_id": 1,
+    **BENCH_CONFIG,
+    "architectures": ["LongcatFlashForCausalLM"],
+    "max_position_embeddings": 512,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-5,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
     "dtype": "float32",
 }
 """BENCH_CONFIG as a complete HF config.json (HF's defaults for the missing keys differ from afd's)."""
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench-suite", help="grouped GEMM, decode throughput vs HF transformers, AFD scaling",
-                       formatter_class=DefaultsHelpFormatter)
+    p = sub.add_parser(
+        "bench-suite",
+        help="grouped GEMM, decode throughput vs HF transformers, AFD scaling",
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per comparison")
     p.add_argument("--quick", action="store_true", help="fewer steps and sizes (a smoke test)")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))
@@ -73,9 +82,10 @@ class _HF:
         try:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                seq = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                          do_sample=False)
-            return seq[:, ids.shape[1]:].tolist(), time.perf_counter() - t0
+                seq = self.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
+                )
+            return seq[:, ids.shape[1] :].tolist(), time.perf_counter() - t0
         finally:
             torch.set_num_threads(before)
 
@@ -91,9 +101,12 @@ def _decode_setup(tmp: str, quick: bool):
 
 def _afd_decode_round(run) -> dict:
     d = run.decode_steps()
-    return {"tok_s": run.decode_tokens_per_s(), "step_ms": 1e3 * sum(s["seconds"] for s in d) / len(d),
-            "prefill_ms": 1e3 * run.steps[0]["seconds"],
-            "timed_fraction": sum(s["seconds"] for s in run.steps) / run.wall_seconds if run.wall_seconds else None}
+    return {
+        "tok_s": run.decode_tokens_per_s(),
+        "step_ms": 1e3 * sum(s["seconds"] for s in d) / len(d),
+        "prefill_ms": 1e3 * run.steps[0]["seconds"],
+        "timed_fraction": sum(s["seconds"] for s in run.steps) / run.wall_seconds if run.wall_seconds else None,
+    }
 
 
 def section_decode(args, tmp: str) -> dict:
@@ -115,21 +128,33 @@ def section_decode(args, tmp: str) -> dict:
             toks, t_n = hf.generate(prompts, N, threads=2)
             _, t_1 = hf.generate(prompts, 1, threads=2)
             outputs.setdefault(name, toks)
-            return {"tok_s": B * (N - 1) / (t_n - t_1), "step_ms": 1e3 * (t_n - t_1) / (N - 1),
-                    "prefill_ms": 1e3 * t_1, "timed_fraction": None}
-        run = run_afd(path, prompts, N, **AFD_MODE) if name.startswith("afd 1A1F") else \
-            colo.generate(prompts, N, threads=DECODE_VARIANTS[name])
+            return {
+                "tok_s": B * (N - 1) / (t_n - t_1),
+                "step_ms": 1e3 * (t_n - t_1) / (N - 1),
+                "prefill_ms": 1e3 * t_1,
+                "timed_fraction": None,
+            }
+        run = (
+            run_afd(path, prompts, N, **AFD_MODE)
+            if name.startswith("afd 1A1F")
+            else colo.generate(prompts, N, threads=DECODE_VARIANTS[name])
+        )
         outputs.setdefault(name, run.outputs)
         return _afd_decode_round(run)
 
     rounds = interleaved(list(DECODE_VARIANTS), args.repeats, one, _log)
-    res = {k: {m: median(x[m] for x in v) if v[0][m] is not None else None for m in v[0]}
-           for k, v in rounds.items()}
+    res = {k: {m: median(x[m] for x in v) if v[0][m] is not None else None for m in v[0]} for k, v in rounds.items()}
     hf_out, colo_out = outputs["HF transformers generate"], outputs["afd colocated"]
-    return {"batch": B, "prompt_len": len(prompts[0]), "new_tokens": N, "results": res, "rounds": rounds,
-            "same_tokens_colocated_vs_hf": [a == b for a, b in zip(colo_out, hf_out)],
-            "first_divergence_vs_hf": [_diverge(a, b) for a, b in zip(colo_out, hf_out)],
-            "same_tokens_afd_vs_colocated": [a == b for a, b in zip(outputs["afd 1A1F"], colo_out)]}
+    return {
+        "batch": B,
+        "prompt_len": len(prompts[0]),
+        "new_tokens": N,
+        "results": res,
+        "rounds": rounds,
+        "same_tokens_colocated_vs_hf": [a == b for a, b in zip(colo_out, hf_out)],
+        "first_divergence_vs_hf": [_diverge(a, b) for a, b in zip(colo_out, hf_out)],
+        "same_tokens_afd_vs_colocated": [a == b for a, b in zip(outputs["afd 1A1F"], colo_out)],
+    }
 
 
 DECODE_VARIANTS = {"afd 1A1F": 1, "afd colocated": 2, "afd colocated (1 thread)": 1, "HF transformers generate": 2}
@@ -144,28 +169,40 @@ def _print_decode(res: dict) -> None:
     if "skipped" in res:
         return
     r, hf = res["results"], res["results"]["HF transformers generate"]["tok_s"]
-    print(f"\n### Decode throughput vs HF transformers\n\nSame checkpoint (BENCH_CONFIG, fp32, written by "
-          f"afd.model.demo.write_checkpoint), batch {res['batch']}, prompt {res['prompt_len']}, "
-          f"{res['new_tokens']} new tokens, greedy. Decode tokens/s excludes prefill: afd sums its per-step "
-          f"timings over the {res['new_tokens'] - 1} decode steps; HF is generate(max_new_tokens="
-          f"{res['new_tokens']}) minus generate(max_new_tokens=1), which is also its prefill column. "
-          "Median of interleaved rounds.\n")
+    print(
+        f"\n### Decode throughput vs HF transformers\n\nSame checkpoint (BENCH_CONFIG, fp32, written by "
+        f"afd.model.demo.write_checkpoint), batch {res['batch']}, prompt {res['prompt_len']}, "
+        f"{res['new_tokens']} new tokens, greedy. Decode tokens/s excludes prefill: afd sums its per-step "
+        f"timings over the {res['new_tokens'] - 1} decode steps; HF is generate(max_new_tokens="
+        f"{res['new_tokens']}) minus generate(max_new_tokens=1), which is also its prefill column. "
+        "Median of interleaved rounds.\n"
+    )
     print("| engine | processes x torch threads | decode tokens/s | mean decode step (ms) | prefill (ms) | vs HF |")
     print("|---|---|---|---|---|---|")
-    procs = {"afd 1A1F": "2 x 1 (overlap, m=1)", "afd colocated": "1 x 2", "afd colocated (1 thread)": "1 x 1",
-             "HF transformers generate": "1 x 2"}
+    procs = {
+        "afd 1A1F": "2 x 1 (overlap, m=1)",
+        "afd colocated": "1 x 2",
+        "afd colocated (1 thread)": "1 x 1",
+        "HF transformers generate": "1 x 2",
+    }
     for k, v in r.items():
-        print(f"| {k} | {procs[k]} | {v['tok_s']:.0f} | {v['step_ms']:.2f} | {v['prefill_ms']:.1f} | "
-              f"{v['tok_s'] / hf:.2f}x |")
+        print(
+            f"| {k} | {procs[k]} | {v['tok_s']:.0f} | {v['step_ms']:.2f} | {v['prefill_ms']:.1f} | "
+            f"{v['tok_s'] / hf:.2f}x |"
+        )
     same, div = res["same_tokens_colocated_vs_hf"], res["first_divergence_vs_hf"]
     first = "identical" if same[0] else f"diverge at token {div[0]}"
-    print(f"\nGreedy tokens, afd colocated vs HF (fp32): {sum(same)}/{len(same)} prompts identical over "
-          f"{res['new_tokens']} tokens (prompt 0: {first}). AFD 1A1F vs colocated: "
-          f"{sum(res['same_tokens_afd_vs_colocated'])}/{len(same)} identical.")
+    print(
+        f"\nGreedy tokens, afd colocated vs HF (fp32): {sum(same)}/{len(same)} prompts identical over "
+        f"{res['new_tokens']} tokens (prompt 0: {first}). AFD 1A1F vs colocated: "
+        f"{sum(res['same_tokens_afd_vs_colocated'])}/{len(same)} identical."
+    )
     timed = r["afd colocated"]["timed_fraction"]
     if timed:
-        print(f"(afd's per-step timings cover the forward passes only: {100 * timed:.1f}% of the colocated "
-              "generate() wall time; the rest is sampling and bookkeeping, prefill included.)")
+        print(
+            f"(afd's per-step timings cover the forward passes only: {100 * timed:.1f}% of the colocated "
+            "generate() wall time; the rest is sampling and bookkeeping, prefill included.)"
+        )
 
 
 # --- (3) scaling ---------------------------------------------------------------------------------------
@@ -179,13 +216,17 @@ def _scaling_cases(quick: bool) -> dict[str, tuple[int, int]]:
 
 
 def _scaling_round(model: str, A: int, B: int, P: int, N: int) -> dict:
-    run = run_afd(model, synthetic_prompts(A * B, P, BENCH_CONFIG["vocab_size"]), N, A, 1, dummy_weights=True,
-                  **AFD_MODE)
+    run = run_afd(
+        model, synthetic_prompts(A * B, P, BENCH_CONFIG["vocab_size"]), N, A, 1, dummy_weights=True, **AFD_MODE
+    )
     ffn, L = run.ffn, BENCH_CONFIG["num_layers"]
     s = _summarize([dict(x, ffn_busy=None) for x in run.steps], B)
-    return {"step_ms": s["step_ms"], "wait_fraction": s["wait_fraction"],
-            "ffn_tokens_per_step": (ffn["tokens"] / L - A * B * P) / max(1, ffn["steps"] - 1),
-            "ffn_busy": ffn["compute_seconds"] / max(1e-9, ffn["compute_seconds"] + ffn["idle_seconds"])}
+    return {
+        "step_ms": s["step_ms"],
+        "wait_fraction": s["wait_fraction"],
+        "ffn_tokens_per_step": (ffn["tokens"] / L - A * B * P) / max(1, ffn["steps"] - 1),
+        "ffn_busy": ffn["compute_seconds"] / max(1e-9, ffn["compute_seconds"] + ffn["idle_seconds"]),
+    }
 
 
 def section_scaling(args, tmp: str) -> dict:
@@ -193,29 +234,39 @@ def section_scaling(args, tmp: str) -> dict:
     P, N = (16, 6) if args.quick else (32, 24)
     cases = _scaling_cases(args.quick)
     rounds = interleaved(list(cases), args.repeats, lambda n, r: _scaling_round(model, *cases[n], P, N), _log)
-    res = {k: {m: median(x[m] for x in v) for m in v[0]} | {"attention_nodes": cases[k][0], "batch": cases[k][1]}
-           for k, v in rounds.items()}
+    res = {
+        k: {m: median(x[m] for x in v) for m in v[0]} | {"attention_nodes": cases[k][0], "batch": cases[k][1]}
+        for k, v in rounds.items()
+    }
     return {"prompt_len": P, "new_tokens": N, "cpus": os.cpu_count(), "results": res, "rounds": rounds}
 
 
 def _print_scaling(res: dict) -> None:
-    print(f"\n### AFD scaling (dummy BENCH_CONFIG weights, overlap m=1, 1 thread per node)\n\nPrompt "
-          f"{res['prompt_len']}, {res['new_tokens']} new tokens; decode step = median over steps (warm-up "
-          "skipped), then over interleaved rounds. FFN tokens per step = MoE tokens the FFN node got per "
-          "decode step and layer.\n")
-    print("| topology | batch per attention node | decode step (ms) | tokens/s per attention node | "
-          "tokens/s total | FFN tokens per step | FFN busy | attention waiting on FFN |")
+    print(
+        f"\n### AFD scaling (dummy BENCH_CONFIG weights, overlap m=1, 1 thread per node)\n\nPrompt "
+        f"{res['prompt_len']}, {res['new_tokens']} new tokens; decode step = median over steps (warm-up "
+        "skipped), then over interleaved rounds. FFN tokens per step = MoE tokens the FFN node got per "
+        "decode step and layer.\n"
+    )
+    print(
+        "| topology | batch per attention node | decode step (ms) | tokens/s per attention node | "
+        "tokens/s total | FFN tokens per step | FFN busy | attention waiting on FFN |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for v in res["results"].values():
         A, B = v["attention_nodes"], v["batch"]
         per = 1e3 * B / v["step_ms"]
-        print(f"| {A}A1F | {B} | {v['step_ms']:.2f} | {per:.0f} | {A * per:.0f} | {v['ffn_tokens_per_step']:.0f} | "
-              f"{100 * v['ffn_busy']:.0f}% | {100 * v['wait_fraction']:.1f}% |")
+        print(
+            f"| {A}A1F | {B} | {v['step_ms']:.2f} | {per:.0f} | {A * per:.0f} | {v['ffn_tokens_per_step']:.0f} | "
+            f"{100 * v['ffn_busy']:.0f}% | {100 * v['wait_fraction']:.1f}% |"
+        )
     procs = max(v["attention_nodes"] for v in res["results"].values()) + 1
     if procs > (res["cpus"] or 1):
-        print(f"\nNote: {procs} node processes on {res['cpus']} CPU cores oversubscribe the machine in the "
-              "2A1F rows: its step times include waiting for a core, so they understate what 2A1F does on "
-              "dedicated hardware.")
+        print(
+            f"\nNote: {procs} node processes on {res['cpus']} CPU cores oversubscribe the machine in the "
+            "2A1F rows: its step times include waiting for a core, so they understate what 2A1F does on "
+            "dedicated hardware."
+        )
 
 
 def section_prefetch(args, tmp: str) -> dict:
@@ -223,8 +274,12 @@ def section_prefetch(args, tmp: str) -> dict:
     return run_prefetch_bench(tokens, repeats=2 if args.quick else 2 * args.repeats, num_layers=4 if args.quick else 8)
 
 
-RUNNERS = {"gemm": lambda args, tmp: section_gemm(args), "prefetch": section_prefetch, "decode": section_decode,
-           "scaling": section_scaling}
+RUNNERS = {
+    "gemm": lambda args, tmp: section_gemm(args),
+    "prefetch": section_prefetch,
+    "decode": section_decode,
+    "scaling": section_scaling,
+}
 
 
 # --- driver --------------------------------------------------------------------------------------------
@@ -242,17 +297,30 @@ def run(args) -> int:
             print(f"[{s}] running ...", flush=True)
             results[s] = RUNNERS[s](args, tmp)
     load = (load0, os.getloadavg()[0])
-    print(f"\n## afd bench-suite ({'quick, ' if args.quick else ''}{args.repeats} interleaved rounds, "
-          f"{os.cpu_count()} CPUs, {time.perf_counter() - t0:.0f}s, 1-min load average {load[0]:.1f} at "
-          f"start, {load[1]:.1f} at end)")
-    printers = {"gemm": _print_gemm, "decode": _print_decode, "scaling": _print_scaling,
-                "prefetch": lambda r: print("\n### FFN weight prefetch on CPU (1 thread, 8 layers)\n\n" +
-                                            format_prefetch(r))}
+    print(
+        f"\n## afd bench-suite ({'quick, ' if args.quick else ''}{args.repeats} interleaved rounds, "
+        f"{os.cpu_count()} CPUs, {time.perf_counter() - t0:.0f}s, 1-min load average {load[0]:.1f} at "
+        f"start, {load[1]:.1f} at end)"
+    )
+    printers = {
+        "gemm": _print_gemm,
+        "decode": _print_decode,
+        "scaling": _print_scaling,
+        "prefetch": lambda r: print("\n### FFN weight prefetch on CPU (1 thread, 8 layers)\n\n" + format_prefetch(r)),
+    }
     for s in sections:
         printers[s](results[s])
     if args.output:
         with open(args.output, "w") as f:
-            json.dump({"config": {k: v for k, v in vars(args).items() if k != "func"}, "cpus": os.cpu_count(),
-                       "load_average": load, **results}, f, indent=2)
+            json.dump(
+                {
+                    "config": {k: v for k, v in vars(args).items() if k != "func"},
+                    "cpus": os.cpu_count(),
+                    "load_average": load,
+                    **results,
+                },
+                f,
+                indent=2,
+            )
     ok = all(r["grouped_equals_naive"] for r in results.get("gemm", {}).values())
     return 0 if ok else 1

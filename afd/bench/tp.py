@@ -26,17 +26,26 @@ DTYPE_BYTES = 4  # the local cluster's float32
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench-tp", help="attention TP: step times and TP bytes per tp_comm mode",
-                       formatter_class=DefaultsHelpFormatter)
+    p = sub.add_parser(
+        "bench-tp", help="attention TP: step times and TP bytes per tp_comm mode", formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("--model", default=None, help="checkpoint dir (config.json is enough: dummy weights)")
-    p.add_argument("--scenario", default="balanced", choices=[s for s in SCENARIOS if s != "qwen3-moe"],
-                   help="built-in model size when --model is not given (MLA families: TP cuts their heads)")
+    p.add_argument(
+        "--scenario",
+        default="balanced",
+        choices=[s for s in SCENARIOS if s != "qwen3-moe"],
+        help="built-in model size when --model is not given (MLA families: TP cuts their heads)",
+    )
     p.add_argument("--attention-tp", type=int, default=2, help="TP ranks G of the attention node")
     p.add_argument("--ffn-nodes", type=int, default=1, help="0: a colocated cluster (the ranks hold every expert)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
     p.add_argument("--flashcomm2-otp", type=int, default=None, help="flashcomm2's P (default G / 2)")
-    p.add_argument("--tp-comm-min-tokens", type=int, default=1,
-                   help="micro-batches below this run as allreduce (1: every mode shards every step)")
+    p.add_argument(
+        "--tp-comm-min-tokens",
+        type=int,
+        default=1,
+        help="micro-batches below this run as allreduce (1: every mode shards every step)",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=24, help="decode steps per run")
@@ -59,9 +68,15 @@ def _job(model: str, prompts, steps: int, F: int, tp) -> dict:
     from afd.cluster.local import LocalCluster, LocalClusterSpec
 
     # one micro-batch per step, so that a step's TP bytes are one step_bytes
-    spec = LocalClusterSpec(model, 1, F, dummy_weights=True, micro_batches=1, attention_tp=tp.size,
-                            **({} if tp.size == 1 else dict(tp_comm=tp.mode, flashcomm2_otp=tp.otp,
-                                                             tp_comm_min_tokens=tp.min_tokens)))
+    spec = LocalClusterSpec(
+        model,
+        1,
+        F,
+        dummy_weights=True,
+        micro_batches=1,
+        attention_tp=tp.size,
+        **({} if tp.size == 1 else dict(tp_comm=tp.mode, flashcomm2_otp=tp.otp, tp_comm_min_tokens=tp.min_tokens)),
+    )
     with LocalCluster(spec) as cluster:
         cluster.start(prompts, steps + 1, ignore_eos=True)
         _, reports = cluster.wait()
@@ -79,8 +94,13 @@ def _formula(cfg, tp, steps: list[dict], batch: int, F: int) -> dict:
         return len(cfg.moe_layers) * volume(cfg, tp, tokens, DTYPE_BYTES).to_ffn[0] * F
 
     prefill, decode = steps[0]["tokens"], batch
-    return {"tp_prefill": tp_bytes(prefill), "tp_decode": tp_bytes(decode), "a2f_decode": a2f(decode),
-            "tp_job": sum(tp_bytes(s["tokens"]) for s in steps), "a2f_job": sum(a2f(s["tokens"]) for s in steps)}
+    return {
+        "tp_prefill": tp_bytes(prefill),
+        "tp_decode": tp_bytes(decode),
+        "a2f_decode": a2f(decode),
+        "tp_job": sum(tp_bytes(s["tokens"]) for s in steps),
+        "a2f_job": sum(a2f(s["tokens"]) for s in steps),
+    }
 
 
 def _summarize(report: dict, cfg, tp, batch: int, F: int) -> dict:
@@ -89,10 +109,15 @@ def _summarize(report: dict, cfg, tp, batch: int, F: int) -> dict:
     decode = decode[2:] or decode  # skip warm-up steps
     bytes_ = _formula(cfg, tp, steps, batch, F)
     counted_tp, counted_a2f = sum(report.get("tp_bytes", {}).values()), report.get("a2f_bytes", 0)
-    return {"prefill_ms": 1e3 * steps[0]["seconds"], "decode_ms": 1e3 * statistics.median(s["seconds"] for s in decode),
-            **bytes_, "tp_job_counted": counted_tp, "a2f_job_counted": counted_a2f,
-            "bytes_match": counted_tp == bytes_["tp_job"] and counted_a2f == bytes_["a2f_job"],
-            "tp_fallbacks": report.get("tp_fallbacks", {})}
+    return {
+        "prefill_ms": 1e3 * steps[0]["seconds"],
+        "decode_ms": 1e3 * statistics.median(s["seconds"] for s in decode),
+        **bytes_,
+        "tp_job_counted": counted_tp,
+        "a2f_job_counted": counted_a2f,
+        "bytes_match": counted_tp == bytes_["tp_job"] and counted_a2f == bytes_["a2f_job"],
+        "tp_fallbacks": report.get("tp_fallbacks", {}),
+    }
 
 
 def _kib(n: int) -> str:
@@ -103,19 +128,25 @@ def _print_table(args, results: dict, label: str) -> None:
     G, F = args.attention_tp, args.ffn_nodes
     where = " (colocated: the ranks hold every expert)" if F == 0 else ""
     shards = " (every mode shards every step)" if args.tp_comm_min_tokens <= 1 else ""
-    print(f"\n{label}: attention_tp {G}, {F} FFN node(s){where}, batch {args.batch_size}, prompt {args.prompt_len}, "
-          f"{args.steps} decode steps, median of {args.repeats} rounds; tp_comm_min_tokens "
-          f"{args.tp_comm_min_tokens}{shards}")
+    print(
+        f"\n{label}: attention_tp {G}, {F} FFN node(s){where}, batch {args.batch_size}, prompt {args.prompt_len}, "
+        f"{args.steps} decode steps, median of {args.repeats} rounds; tp_comm_min_tokens "
+        f"{args.tp_comm_min_tokens}{shards}"
+    )
     print(f"CPU figures: gloo collectives, {G} + {F} processes sharing {os.cpu_count()} cores; not NPU (HCCL) figures")
-    print("| mode | prefill step (ms) | decode step (ms) | decode vs tp 1 | TP KiB / rank / prefill step "
-          "| TP KiB / rank / decode step | TP bytes of the job: counted / formula | A2F KiB / rank / decode step |")
+    print(
+        "| mode | prefill step (ms) | decode step (ms) | decode vs tp 1 | TP KiB / rank / prefill step "
+        "| TP KiB / rank / decode step | TP bytes of the job: counted / formula | A2F KiB / rank / decode step |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     base = results.get(BASELINE, {}).get("decode_ms")
     for m, r in results.items():
         speed = f"{base / r['decode_ms']:.2f}x" if base else "-"
         check = f"{r['tp_job_counted']} / {r['tp_job']}" + ("" if r["bytes_match"] else " MISMATCH")
-        print(f"| {m} | {r['prefill_ms']:.2f} | {r['decode_ms']:.2f} | {speed} | {_kib(r['tp_prefill'])} "
-              f"| {_kib(r['tp_decode'])} | {check} | {_kib(r['a2f_decode'])} |")
+        print(
+            f"| {m} | {r['prefill_ms']:.2f} | {r['decode_ms']:.2f} | {speed} | {_kib(r['tp_prefill'])} "
+            f"| {_kib(r['tp_decode'])} | {check} | {_kib(r['a2f_decode'])} |"
+        )
 
 
 def run(args) -> int:
@@ -140,20 +171,32 @@ def run(args) -> int:
         prompts = synthetic_prompts(B, args.prompt_len, cfg.vocab_size)  # ids inside the model's vocabulary
         rounds: dict[str, list[dict]] = {m: [] for m in rows}
         for r in range(args.repeats):
-            for m in rows[r % len(rows):] + rows[: r % len(rows)]:  # rotate the order each round
+            for m in rows[r % len(rows) :] + rows[: r % len(rows)]:  # rotate the order each round
                 t0 = time.perf_counter()
                 rounds[m].append(_summarize(_job(model, prompts, args.steps, F, tps[m]), cfg, tps[m], B, F))
                 x = rounds[m][-1]
-                print(f"round {r + 1}/{args.repeats} {m}: prefill {x['prefill_ms']:.2f} ms, decode "
-                      f"{x['decode_ms']:.2f} ms/step ({time.perf_counter() - t0:.1f}s)", flush=True)
-    results = {m: {**v[-1], **{k: statistics.median(x[k] for x in v) for k in ("prefill_ms", "decode_ms")},
-                   "bytes_match": all(x["bytes_match"] for x in v)} for m, v in rounds.items()}
+                print(
+                    f"round {r + 1}/{args.repeats} {m}: prefill {x['prefill_ms']:.2f} ms, decode "
+                    f"{x['decode_ms']:.2f} ms/step ({time.perf_counter() - t0:.1f}s)",
+                    flush=True,
+                )
+    results = {
+        m: {
+            **v[-1],
+            **{k: statistics.median(x[k] for x in v) for k in ("prefill_ms", "decode_ms")},
+            "bytes_match": all(x["bytes_match"] for x in v),
+        }
+        for m, v in rounds.items()
+    }
     for m in modes:
         results[m]["otp"] = tps[m].otp
     _print_table(args, results, args.model or args.scenario)
     ok = all(r["bytes_match"] for r in results.values())
-    print("TP and A2F bytes: counted == formula in every run" if ok else "MISMATCH: counted TP/A2F bytes differ "
-          "from afd.model.tp.volume's formula (see the JSON)")
+    print(
+        "TP and A2F bytes: counted == formula in every run"
+        if ok
+        else "MISMATCH: counted TP/A2F bytes differ from afd.model.tp.volume's formula (see the JSON)"
+    )
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"config": vars(args) | {"func": None}, "results": results, "rounds": rounds}, f, indent=2)

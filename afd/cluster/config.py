@@ -117,10 +117,14 @@ def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
         where = (kw["host"], dtype, int(idx or 0) + r)
         who = kw["name"] if r == 0 else f"{kw['name']} TP rank {r}"
         if where in ctx.seen_devices:
-            _fail(ctx.src, f"{path}.device", f"{who} and {ctx.seen_devices[where]} both use {dtype}:{where[2]} "
-                                             f"on {kw['host']}: give each node its own device (NCCL and HCCL take "
-                                             "one process per device; TP rank r of an attention node takes the "
-                                             "node's device index + r)")
+            _fail(
+                ctx.src,
+                f"{path}.device",
+                f"{who} and {ctx.seen_devices[where]} both use {dtype}:{where[2]} "
+                f"on {kw['host']}: give each node its own device (NCCL and HCCL take "
+                "one process per device; TP rank r of an attention node takes the "
+                "node's device index + r)",
+            )
         ctx.seen_devices[where] = f"{who} (nodes[{i}].device {dev!r})"
     if ".tp" in kw["name"]:
         _fail(ctx.src, f"{path}.name", f"{kw['name']!r}: `.tp` is reserved for the names of TP ranks (NODE.tpR)")
@@ -132,8 +136,11 @@ def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
             _fail(ctx.src, f"{path}.ports.{name}", f"port {port} outside 1..65535")
         where = (kw["host"], port)
         if where in ctx.seen_ports:
-            _fail(ctx.src, f"{path}.ports.{name}", f"port {port} on {kw['host']} is already used by "
-                                                   f"{ctx.seen_ports[where]}")
+            _fail(
+                ctx.src,
+                f"{path}.ports.{name}",
+                f"port {port} on {kw['host']} is already used by {ctx.seen_ports[where]}",
+            )
         ctx.seen_ports[where] = f"{kw['name']}.ports.{name}"
     if kw["role"] == "attention" and pk.get("http") is None:
         _fail(ctx.src, f"{path}.ports.http", "attention nodes need an http port")
@@ -157,8 +164,11 @@ def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
     if layout.experts is None:
         return
     if set(layout.experts) != set(ffn):
-        _fail(src, "layout.experts", f"must name every FFN node exactly ({', '.join(ffn)}); got "
-                                     f"{', '.join(map(str, layout.experts))}")
+        _fail(
+            src,
+            "layout.experts",
+            f"must name every FFN node exactly ({', '.join(ffn)}); got {', '.join(map(str, layout.experts))}",
+        )
     spans = []
     for name, span in layout.experts.items():
         ok = isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)
@@ -180,11 +190,13 @@ def check_expert_layout(cfg: ClusterConfig, n_routed: int) -> None:
     if cfg.layout.experts:
         end = max(hi for _, hi in cfg.layout.experts.values())
         if end != n_routed:
-            raise ClusterConfigError(f"{cfg.source}: layout.experts: ranges cover [0, {end}) but the model has "
-                                     f"{n_routed} routed experts")
+            raise ClusterConfigError(
+                f"{cfg.source}: layout.experts: ranges cover [0, {end}) but the model has {n_routed} routed experts"
+            )
     elif len(cfg.ffn_nodes) > n_routed:
-        raise ClusterConfigError(f"{cfg.source}: nodes: {len(cfg.ffn_nodes)} FFN nodes for {n_routed} routed "
-                                 "experts: some would hold none")
+        raise ClusterConfigError(
+            f"{cfg.source}: nodes: {len(cfg.ffn_nodes)} FFN nodes for {n_routed} routed experts: some would hold none"
+        )
 
 
 def check_tp_layout(cfg: ClusterConfig, num_heads: int) -> None:
@@ -272,11 +284,19 @@ def check_speculative(cfg: ClusterConfig) -> None:
     if type(n) is not int or not 0 <= n <= 2:
         _fail(cfg.source, "engine.speculative_tokens", f"must be 0 (off), 1 or 2, got {n!r}")
     if n and getattr(lay, "kvp", 1) > 1:
-        _fail(cfg.source, "engine.speculative_tokens", f"MTP speculative decoding does not run with KV-parallel "
-                                                       f"attention (layout.kvp {lay.kvp}): use one or the other")
+        _fail(
+            cfg.source,
+            "engine.speculative_tokens",
+            f"MTP speculative decoding does not run with KV-parallel "
+            f"attention (layout.kvp {lay.kvp}): use one or the other",
+        )
     if n and lay.attention_tp > 1:
-        _fail(cfg.source, "engine.speculative_tokens", f"MTP speculative decoding with layout.attention_tp "
-                                                       f"{lay.attention_tp} is not supported yet: use attention_tp 1")
+        _fail(
+            cfg.source,
+            "engine.speculative_tokens",
+            f"MTP speculative decoding with layout.attention_tp "
+            f"{lay.attention_tp} is not supported yet: use attention_tp 1",
+        )
 
 
 def load(path: str) -> ClusterConfig:

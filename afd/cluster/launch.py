@@ -31,8 +31,9 @@ COMMANDS = {"attention": "afd-attention", "ffn": "afd-ffn"}
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("launch", help="start every node of a cluster YAML on this host",
-                       formatter_class=DefaultsHelpFormatter)
+    p = sub.add_parser(
+        "launch", help="start every node of a cluster YAML on this host", formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("config", help="cluster YAML")
     p.add_argument("--model", default=None, help="override the YAML's model path")
     p.add_argument("--port", type=int, default=None, help="override the first attention node's HTTP port")
@@ -55,9 +56,16 @@ def node_args(cfg_path: str, node: Node, args, first_attention: str, tp_rank: in
 
 
 def run(args) -> int:
-    cfg = with_overrides(load(args.config), model=args.model, http_port=args.port, dtype=args.dtype,
-                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                         speculative_tokens=args.speculative_tokens, graph_mode=args.graph_mode)
+    cfg = with_overrides(
+        load(args.config),
+        model=args.model,
+        http_port=args.port,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        speculative_tokens=args.speculative_tokens,
+        graph_mode=args.graph_mode,
+    )
     first = cfg.attention_nodes[0]
     plan = [(p, node_args(args.config, p.node, args, first.name, p.tp_rank)) for p in cfg.processes]
     if args.print_commands:
@@ -87,8 +95,7 @@ def check_startable(cfg: ClusterConfig, source: str) -> None:
         check_device(device)
     busy = _ports_in_use(cfg)
     if busy:
-        raise ValueError(f"{source}: port(s) already in use on this host: {', '.join(busy)} "
-                         "(another cluster running?)")
+        raise ValueError(f"{source}: port(s) already in use on this host: {', '.join(busy)} (another cluster running?)")
     if cfg.model.path == "demo":  # made once here, not by every node at the same time
         from afd.model.demo import ensure_demo_checkpoint
 
@@ -122,8 +129,15 @@ class _Launcher:
 
     def _run(self, curl_example: bool, env: dict) -> int:
         for proc, args in reversed(self.plan):  # any order works; FFN nodes first shows it
-            p = subprocess.Popen([sys.executable, "-m", MODULES[proc.node.role], *args], stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, start_new_session=True, text=True, bufsize=1, env=env)
+            p = subprocess.Popen(
+                [sys.executable, "-m", MODULES[proc.node.role], *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                text=True,
+                bufsize=1,
+                env=env,
+            )
             self.procs.append((proc, p))
             threading.Thread(target=self._pump, args=(proc.name, p), daemon=True).start()
         urls = [f"http://{n.host}:{n.ports.http}" for n in self.cfg.attention_nodes]
@@ -140,14 +154,18 @@ class _Launcher:
             if not ready:
                 ready = all(_healthy(u) for u in urls)
                 if ready:
-                    self._say(f"cluster {self.cfg.cluster.name} ({self.cfg.topology_name}) ready; "
-                              f"API at {', '.join(urls)}")
+                    self._say(
+                        f"cluster {self.cfg.cluster.name} ({self.cfg.topology_name}) ready; API at {', '.join(urls)}"
+                    )
                     for u in urls:  # one line each, for scripts
                         print(u, flush=True)
                     if curl_example:
-                        self._say("try: curl " + shlex.quote(f"{urls[0]}/v1/completions") +
-                                  " -H 'Content-Type: application/json' -d '{\"prompt\": \"Experts are\", "
-                                  "\"max_tokens\": 16, \"temperature\": 0}'")
+                        self._say(
+                            "try: curl "
+                            + shlex.quote(f"{urls[0]}/v1/completions")
+                            + ' -H \'Content-Type: application/json\' -d \'{"prompt": "Experts are", '
+                            '"max_tokens": 16, "temperature": 0}\''
+                        )
                 elif time.monotonic() > deadline:
                     self._say(f"cluster not ready at {', '.join(urls)} within the startup timeout; stopping")
                     code = 1

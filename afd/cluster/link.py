@@ -102,8 +102,10 @@ class EmulatedLink:
             _run("tc", "qdisc", "del", "dev", self._near, "root")
             return ["netem", *(["rate", s.rate] if s.rate else []), *(["delay", s.delay] if s.delay else [])]
         if s.delay:
-            raise LinkError(f"this kernel has no netem qdisc (sch_netem), so a delay ({s.delay}) cannot be "
-                            f"emulated here; give a rate only (tbf shapes that): {probe.stderr.strip()}")
+            raise LinkError(
+                f"this kernel has no netem qdisc (sch_netem), so a delay ({s.delay}) cannot be "
+                f"emulated here; give a rate only (tbf shapes that): {probe.stderr.strip()}"
+            )
         # tbf needs a bucket of at least one timer tick's worth of bytes (HZ may be 100)
         burst = max(64 << 10, int(s.bytes_per_second() / 100))
         return ["tbf", "rate", s.rate, "burst", str(burst), "latency", "50ms"]

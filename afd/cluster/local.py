@@ -89,8 +89,9 @@ class LocalClusterSpec:
 
     def __post_init__(self):
         if self.attention_nodes < 1 or self.ffn_nodes < 0:
-            raise ValueError("need at least one attention node (and 0 or more FFN nodes: 0 runs the experts on the "
-                             "attention nodes)")
+            raise ValueError(
+                "need at least one attention node (and 0 or more FFN nodes: 0 runs the experts on the attention nodes)"
+            )
         from afd.model.tp.config import TPConfig
 
         TPConfig(self.attention_tp, self.tp_comm, self.flashcomm2_otp, self.tp_comm_min_tokens, self.kvp)  # validates
@@ -102,18 +103,44 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
     """The cluster YAML (as a dict) of a local job: every node on 127.0.0.1, free ports."""
     A, F = spec.attention_nodes, spec.ffn_nodes
     ports = iter(free_ports(3 * (A + F)))
-    nodes = [{"name": f"attn{a}", "role": "attention", "host": spec.attention_host, "threads": spec.threads,
-              "ports": {"control": next(ports), "data": next(ports), "http": next(ports)}} for a in range(A)]
-    nodes += [{"name": f"ffn{f}", "role": "ffn", "host": spec.ffn_host, "threads": spec.threads,
-               "ports": {"control": next(ports), "data": next(ports)}} for f in range(F)]
+    nodes = [
+        {
+            "name": f"attn{a}",
+            "role": "attention",
+            "host": spec.attention_host,
+            "threads": spec.threads,
+            "ports": {"control": next(ports), "data": next(ports), "http": next(ports)},
+        }
+        for a in range(A)
+    ]
+    nodes += [
+        {
+            "name": f"ffn{f}",
+            "role": "ffn",
+            "host": spec.ffn_host,
+            "threads": spec.threads,
+            "ports": {"control": next(ports), "data": next(ports)},
+        }
+        for f in range(F)
+    ]
     # an offline job is not re-formed around a failed node: it fails, naming it
-    return {"cluster": {"name": "local-job", "comm_timeout": spec.comm_timeout, "startup_timeout": 120,
-                        "rejoin_timeout": 0},
-            "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights,
-                      "seed": spec.seed},
-            "layout": {"overlap": spec.overlap, "micro_batches": spec.micro_batches, **_tp_layout(spec),
-                       **({"graph_mode": spec.graph_mode} if spec.graph_mode else {})},
-            "engine": {"block_size": spec.block_size, **_speculative(spec), **_graph_engine(spec)}, "nodes": nodes}
+    return {
+        "cluster": {
+            "name": "local-job",
+            "comm_timeout": spec.comm_timeout,
+            "startup_timeout": 120,
+            "rejoin_timeout": 0,
+        },
+        "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights, "seed": spec.seed},
+        "layout": {
+            "overlap": spec.overlap,
+            "micro_batches": spec.micro_batches,
+            **_tp_layout(spec),
+            **({"graph_mode": spec.graph_mode} if spec.graph_mode else {}),
+        },
+        "engine": {"block_size": spec.block_size, **_speculative(spec), **_graph_engine(spec)},
+        "nodes": nodes,
+    }
 
 
 def _graph_engine(spec: LocalClusterSpec) -> dict:
@@ -154,8 +181,9 @@ class LocalCluster:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, prompts: list[list[int]], max_tokens, params=None, ignore_eos: bool = False,
-              logits: bool = False) -> None:
+    def start(
+        self, prompts: list[list[int]], max_tokens, params=None, ignore_eos: bool = False, logits: bool = False
+    ) -> None:
         """params: the SamplingParams of every prompt (greedy by default). logits: each attention node's
         report carries every prompt's per-step logits (`reports_logits`)."""
         import dataclasses
@@ -173,8 +201,16 @@ class LocalCluster:
             env[TOKEN_ENV] = secrets.token_hex(16)
         node = ["--config", config, "--bind-host", spec.ffn_host, "--node"]
         for f in range(spec.ffn_nodes):
-            cmd = [*spec.ffn_command_prefix, sys.executable, "-m", "ffn_node.main", *node, f"ffn{f}",
-                   "--report-file", os.path.join(self.dir, f"ffn{f}.json")]
+            cmd = [
+                *spec.ffn_command_prefix,
+                sys.executable,
+                "-m",
+                "ffn_node.main",
+                *node,
+                f"ffn{f}",
+                "--report-file",
+                os.path.join(self.dir, f"ffn{f}.json"),
+            ]
             self.procs.append(_spawn(f"ffn{f}", cmd, self.dir, env))
         node = ["--config", config, "--bind-host", spec.attention_host, "--node"]
         for a in range(spec.attention_nodes):
@@ -182,15 +218,42 @@ class LocalCluster:
             self._shares.append(mine)
             pfile = os.path.join(self.dir, f"prompts{a}.json")
             with open(pfile, "w") as fh:
-                json.dump({"prompts": [prompts[i] for i in mine], "max_tokens": [per[i] for i in mine],
-                           "sampling": dataclasses.asdict(params) if params is not None else {},
-                           "ignore_eos": ignore_eos, "logits": logits}, fh)
-            cmd = [sys.executable, "-m", "attention_node.main", "generate", *node, f"attn{a}",
-                   "--prompts-file", pfile, "--output-file", os.path.join(self.dir, f"out{a}.json")]
+                json.dump(
+                    {
+                        "prompts": [prompts[i] for i in mine],
+                        "max_tokens": [per[i] for i in mine],
+                        "sampling": dataclasses.asdict(params) if params is not None else {},
+                        "ignore_eos": ignore_eos,
+                        "logits": logits,
+                    },
+                    fh,
+                )
+            cmd = [
+                sys.executable,
+                "-m",
+                "attention_node.main",
+                "generate",
+                *node,
+                f"attn{a}",
+                "--prompts-file",
+                pfile,
+                "--output-file",
+                os.path.join(self.dir, f"out{a}.json"),
+            ]
             self.procs.append(_spawn(f"attention{a}", cmd, self.dir, env))
             for r in range(1, spec.attention_tp):  # the node's other TP ranks, on the same prompts
-                cmd = [sys.executable, "-m", "attention_node.main", "generate", *node, f"attn{a}",
-                       "--prompts-file", pfile, "--tp-rank", str(r)]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "attention_node.main",
+                    "generate",
+                    *node,
+                    f"attn{a}",
+                    "--prompts-file",
+                    pfile,
+                    "--tp-rank",
+                    str(r),
+                ]
                 self.procs.append(_spawn(f"attention{a}.tp{r}", cmd, self.dir, env))
 
     def process(self, name: str) -> subprocess.Popen:
@@ -219,9 +282,15 @@ class LocalCluster:
         self._tmp.cleanup()
 
 
-def run_generate(spec: LocalClusterSpec, prompts: list[list[int]], max_tokens, params=None,
-                 ignore_eos: bool = False, timeout_s: float = 600.0,
-                 logits: bool = False) -> tuple[list[list[int]], list[dict]]:
+def run_generate(
+    spec: LocalClusterSpec,
+    prompts: list[list[int]],
+    max_tokens,
+    params=None,
+    ignore_eos: bool = False,
+    timeout_s: float = 600.0,
+    logits: bool = False,
+) -> tuple[list[list[int]], list[dict]]:
     with LocalCluster(spec) as cluster:
         cluster.start(prompts, max_tokens, params, ignore_eos, logits)
         return cluster.wait(timeout_s)

@@ -52,27 +52,40 @@ def speculative_count(text: str) -> int:
 
 
 def add_speculative_arg(p) -> None:
-    p.add_argument("--speculative-tokens", type=speculative_count, default=None, metavar="N",
-                   help="MTP speculative decoding: N = 1 or 2 draft tokens per step from the checkpoint's "
-                        "multi-token-prediction module (the YAML's engine.speculative_tokens; default: off)")
+    p.add_argument(
+        "--speculative-tokens",
+        type=speculative_count,
+        default=None,
+        metavar="N",
+        help="MTP speculative decoding: N = 1 or 2 draft tokens per step from the checkpoint's "
+        "multi-token-prediction module (the YAML's engine.speculative_tokens; default: off)",
+    )
 
 
 def add_graph_mode_arg(p) -> None:
-    p.add_argument("--graph-mode", default=None, choices=["eager", "compile"],
-                   help="decode steps' attention layers as compiled graphs per batch bucket (layout.graph_mode; "
-                        "default: the device backend's, chosen by measurement)")
+    p.add_argument(
+        "--graph-mode",
+        default=None,
+        choices=["eager", "compile"],
+        help="decode steps' attention layers as compiled graphs per batch bucket (layout.graph_mode; "
+        "default: the device backend's, chosen by measurement)",
+    )
 
 
 def add_serving_overrides(p: argparse.ArgumentParser) -> None:
     """The flags `vllm serve` users know, with vLLM's names and meanings (`afd launch` and `afd serve`)."""
     g = p.add_argument_group("serving (override the YAML)")
-    g.add_argument("--host", default=None, help="address the attention nodes' HTTP APIs listen on "
-                                                "(default: each node's YAML host)")
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes "
-                                                   "(or AFD_API_KEY)")
+    g.add_argument(
+        "--host", default=None, help="address the attention nodes' HTTP APIs listen on (default: each node's YAML host)"
+    )
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes (or AFD_API_KEY)")
     g.add_argument("--served-model-name", default=None, help="the model's name in the API and metrics")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="weights and activations (default: the YAML's; float32 for `afd serve`)")
+    g.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="weights and activations (default: the YAML's; float32 for `afd serve`)",
+    )
     g.add_argument("--max-model-len", type=positive_int, default=None, help="context limit of a request")
     g.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per step")
     g.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
@@ -85,18 +98,38 @@ def add_tp_args(p: argparse.ArgumentParser) -> None:
     """Attention-side tensor parallelism (the YAML's layout.attention_tp / tp_comm / flashcomm2_otp /
     tp_comm_min_tokens; afd.model.tp)."""
     g = p.add_argument_group("attention tensor parallelism (override the YAML's layout)")
-    g.add_argument("--attention-tp", type=positive_int, default=None,
-                   help="processes (ranks) per attention node, one device each (default: 1)")
-    g.add_argument("--tp-comm", default=None, choices=["allreduce", "sp", "flashcomm1", "flashcomm2"],
-                   help="how TP ranks combine row-parallel results (default: allreduce)")
-    g.add_argument("--flashcomm2-otp", type=positive_int, default=None,
-                   help="flashcomm2: the o_proj TP group size P (attention-tp > P, divisible by P)")
-    g.add_argument("--tp-comm-min-tokens", type=int, default=None,
-                   help="micro-batches with fewer tokens run as allreduce (default: the seed's threshold: sp 1, "
-                        "flashcomm1/2 1001)")
-    g.add_argument("--kvp", type=positive_int, default=None,
-                   help="KV-parallel ranks (dividing --attention-tp): the KV cache split by block across them, so "
-                        "the context a node holds grows that many times (default: 1)")
+    g.add_argument(
+        "--attention-tp",
+        type=positive_int,
+        default=None,
+        help="processes (ranks) per attention node, one device each (default: 1)",
+    )
+    g.add_argument(
+        "--tp-comm",
+        default=None,
+        choices=["allreduce", "sp", "flashcomm1", "flashcomm2"],
+        help="how TP ranks combine row-parallel results (default: allreduce)",
+    )
+    g.add_argument(
+        "--flashcomm2-otp",
+        type=positive_int,
+        default=None,
+        help="flashcomm2: the o_proj TP group size P (attention-tp > P, divisible by P)",
+    )
+    g.add_argument(
+        "--tp-comm-min-tokens",
+        type=int,
+        default=None,
+        help="micro-batches with fewer tokens run as allreduce (default: the seed's threshold: sp 1, "
+        "flashcomm1/2 1001)",
+    )
+    g.add_argument(
+        "--kvp",
+        type=positive_int,
+        default=None,
+        help="KV-parallel ranks (dividing --attention-tp): the KV cache split by block across them, so "
+        "the context a node holds grows that many times (default: 1)",
+    )
 
 
 TP_KEYS = ("attention_tp", "tp_comm", "flashcomm2_otp", "tp_comm_min_tokens", "kvp")

@@ -208,8 +208,9 @@ class ClusterConfig:
     def processes(self) -> list[Process]:
         """In data-plane rank order: every attention node's TP ranks, then the FFN nodes, in file order."""
         tp = self.layout.attention_tp
-        return ([Process(process_name(n.name, r), n, r) for n in self.attention_nodes for r in range(tp)]
-                + [Process(n.name, n) for n in self.ffn_nodes])
+        return [Process(process_name(n.name, r), n, r) for n in self.attention_nodes for r in range(tp)] + [
+            Process(n.name, n) for n in self.ffn_nodes
+        ]
 
     @property
     def process_names(self) -> list[str]:
@@ -219,8 +220,9 @@ class ClusterConfig:
         for p in self.processes:
             if p.name == name:
                 return p
-        raise ClusterConfigError(f"{self.source}: no node or TP rank named {name!r} (processes: "
-                                 f"{', '.join(self.process_names)})")
+        raise ClusterConfigError(
+            f"{self.source}: no node or TP rank named {name!r} (processes: {', '.join(self.process_names)})"
+        )
 
     def rank(self, name: str) -> int:
         """Data-plane rank of a process (a node's name: its TP rank 0)."""

@@ -29,21 +29,37 @@ from afd.cluster.overrides import (
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model on a local cluster (as `vllm serve MODEL`)",
-                       formatter_class=DefaultsHelpFormatter)
+    p = sub.add_parser(
+        "serve", help="serve a model on a local cluster (as `vllm serve MODEL`)", formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("model", help="HF checkpoint directory, or `demo` (the built-in demo checkpoint)")
-    p.add_argument("--attention-nodes", type=positive_int, default=None, help="attention node processes "
-                   "(default: 1)")
-    p.add_argument("--ffn-nodes", type=_count, default=None,
-                   help="FFN node processes (default: 1; 0: the attention nodes run the experts themselves)")
-    p.add_argument("--colocated", action="store_true", help="both halves in one process: no data plane (with "
-                   "--attention-tp N: N processes, each with every expert)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port of the first attention node; the "
-                                                           "others take the next ones")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"],
-                   help="device of every node (cuda/npu: node i takes device index i of its role)")
-    p.add_argument("--kv-cache-bytes", type=parse_bytes_arg, default=256 << 20,
-                   help="KV cache budget per attention node, e.g. 1GiB")
+    p.add_argument("--attention-nodes", type=positive_int, default=None, help="attention node processes (default: 1)")
+    p.add_argument(
+        "--ffn-nodes",
+        type=_count,
+        default=None,
+        help="FFN node processes (default: 1; 0: the attention nodes run the experts themselves)",
+    )
+    p.add_argument(
+        "--colocated",
+        action="store_true",
+        help="both halves in one process: no data plane (with --attention-tp N: N processes, each with every expert)",
+    )
+    p.add_argument(
+        "--port", type=int, default=8000, help="HTTP port of the first attention node; the others take the next ones"
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda", "npu"],
+        help="device of every node (cuda/npu: node i takes device index i of its role)",
+    )
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=parse_bytes_arg,
+        default=256 << 20,
+        help="KV cache budget per attention node, e.g. 1GiB",
+    )
     p.add_argument("--dummy-weights", action="store_true", help="seeded random weights; config.json only")
     p.add_argument("--print-config", action="store_true", help="print the cluster YAML, run nothing")
     add_serving_overrides(p)
@@ -69,12 +85,25 @@ def cluster_doc(args) -> dict:
     internal = iter(free_ports(2 * (A + F) + F))
     nodes = []
     for i in range(A):  # attention node i's TP ranks take devices i*G .. i*G + G - 1
-        nodes.append({"name": f"attn{i}", "role": "attention", "host": "127.0.0.1",
-                      "device": _device(args.device, i * G),
-                      "ports": {"control": next(internal), "data": next(internal), "http": args.port + i}})
+        nodes.append(
+            {
+                "name": f"attn{i}",
+                "role": "attention",
+                "host": "127.0.0.1",
+                "device": _device(args.device, i * G),
+                "ports": {"control": next(internal), "data": next(internal), "http": args.port + i},
+            }
+        )
     for i in range(F):
-        nodes.append({"name": f"ffn{i}", "role": "ffn", "host": "127.0.0.1", "device": _device(args.device, A * G + i),
-                      "ports": {"control": next(internal), "data": next(internal), "metrics": next(internal)}})
+        nodes.append(
+            {
+                "name": f"ffn{i}",
+                "role": "ffn",
+                "host": "127.0.0.1",
+                "device": _device(args.device, A * G + i),
+                "ports": {"control": next(internal), "data": next(internal), "metrics": next(internal)},
+            }
+        )
     model = {"path": args.model, "dtype": args.dtype or "float32", "dummy_weights": args.dummy_weights}
     if args.max_model_len:
         model["max_model_len"] = args.max_model_len
@@ -97,8 +126,7 @@ def _device(kind: str, index: int) -> str:
 
 def run(args) -> int:
     if args.colocated and (args.attention_nodes or args.ffn_nodes is not None):
-        raise ValueError("--colocated runs both halves in one process; it takes no --attention-nodes or "
-                         "--ffn-nodes")
+        raise ValueError("--colocated runs both halves in one process; it takes no --attention-nodes or --ffn-nodes")
     if args.model != "demo" and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise ValueError(f"{args.model}: not a checkpoint directory (no config.json), and not `demo`")
     from afd.backend import check_device
@@ -130,9 +158,21 @@ def run(args) -> int:
 
 def _exec_colocated(args) -> int:
     """Replaces this process with the colocated server: one process, as the flag promises."""
-    argv = [sys.executable, "-m", "attention_node.main", "colocated", "--model", args.model,
-            "--device", args.device, "--port", str(args.port), "--kv-cache-bytes", str(args.kv_cache_bytes),
-            *override_argv(args, FOR_EVERY_NODE + FOR_ATTENTION)]
+    argv = [
+        sys.executable,
+        "-m",
+        "attention_node.main",
+        "colocated",
+        "--model",
+        args.model,
+        "--device",
+        args.device,
+        "--port",
+        str(args.port),
+        "--kv-cache-bytes",
+        str(args.kv_cache_bytes),
+        *override_argv(args, FOR_EVERY_NODE + FOR_ATTENTION),
+    ]
     if args.dummy_weights:
         argv.append("--dummy-weights")
     if args.print_config:

@@ -19,7 +19,8 @@ def token_file(cluster_name: str, coordinator_port: int) -> str:
     """Where `afd launch` keeps the token it made for a cluster on this host (mode 0600), so that
     `afd status` from the same user finds it."""
     base = os.environ.get("XDG_RUNTIME_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "afd")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "afd"
+    )
     return os.path.join(base, "afd-tokens", f"{cluster_name}-{coordinator_port}")
 
 

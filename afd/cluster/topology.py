@@ -39,10 +39,18 @@ def served_model_name(model_path: str, override: str | None = None) -> str:
     return "demo-longcat-flash" if model_path == "demo" else model_path
 
 
-def with_overrides(cfg: ClusterConfig, model: str | None = None, http_port: int | None = None,
-                   node: str | None = None, dtype: str | None = None, max_model_len: int | None = None,
-                   max_num_seqs: int | None = None, shutdown_timeout: float | None = None,
-                   speculative_tokens: int | None = None, graph_mode: str | None = None) -> ClusterConfig:
+def with_overrides(
+    cfg: ClusterConfig,
+    model: str | None = None,
+    http_port: int | None = None,
+    node: str | None = None,
+    dtype: str | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    shutdown_timeout: float | None = None,
+    speculative_tokens: int | None = None,
+    graph_mode: str | None = None,
+) -> ClusterConfig:
     """CLI values over the YAML (None: the YAML's): the model path, dtype, context limit, batch size,
     shutdown grace, MTP draft tokens (checked against the layout) and graph mode for all nodes, the HTTP
     port of `node` (default: the first attention node)."""
@@ -51,8 +59,11 @@ def with_overrides(cfg: ClusterConfig, model: str | None = None, http_port: int 
     model_fields = {k: v for k, v in model_fields.items() if v is not None}
     if model_fields:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **model_fields))
-    engine = {"max_num_seqs": max_num_seqs, "shutdown_timeout": shutdown_timeout,
-              "speculative_tokens": speculative_tokens}
+    engine = {
+        "max_num_seqs": max_num_seqs,
+        "shutdown_timeout": shutdown_timeout,
+        "speculative_tokens": speculative_tokens,
+    }
     engine = {k: v for k, v in engine.items() if v is not None}
     if engine:
         cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **engine))
@@ -87,11 +98,12 @@ def _model_type(path: str) -> str | None:
 
 def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
     coord = cfg.coordinator
-    lines = [f"cluster {cfg.cluster.name}: {cfg.topology_name}, model {cfg.model.path} ({cfg.model.dtype})",
-             f"coordinator: {coord.name} at {coord.host}:{coord.ports.control}; data-plane rendezvous "
-             f"{cfg.attention_nodes[0].host}:{cfg.attention_nodes[0].ports.data} (rank 0)",
-             f"overlap: {'on' if cfg.layout.overlap else 'off'}, micro-batches: "
-             f"{cfg.layout.micro_batches or 'auto'}"]
+    lines = [
+        f"cluster {cfg.cluster.name}: {cfg.topology_name}, model {cfg.model.path} ({cfg.model.dtype})",
+        f"coordinator: {coord.name} at {coord.host}:{coord.ports.control}; data-plane rendezvous "
+        f"{cfg.attention_nodes[0].host}:{cfg.attention_nodes[0].ports.data} (rank 0)",
+        f"overlap: {'on' if cfg.layout.overlap else 'off'}, micro-batches: {cfg.layout.micro_batches or 'auto'}",
+    ]
     family = _model_type(cfg.model.path)
     if family:
         lines.insert(1, f"family: {family}")
@@ -100,8 +112,10 @@ def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
     for p in cfg.processes:
         n = p.node
         if p.tp_rank:  # listens on nothing of its own
-            lines.append(f"  rank {cfg.rank(p.name)}: {p.name:<10} {n.role:<9} {p.device:<6} {n.host} TP rank "
-                         f"{p.tp_rank} of {n.name}")
+            lines.append(
+                f"  rank {cfg.rank(p.name)}: {p.name:<10} {n.role:<9} {p.device:<6} {n.host} TP rank "
+                f"{p.tp_rank} of {n.name}"
+            )
             continue
         line = f"  rank {cfg.rank(n.name)}: {n.name:<10} {n.role:<9} {p.device:<6} {n.host} control {n.ports.control}"
         if n.role == "attention":

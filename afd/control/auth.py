@@ -22,8 +22,10 @@ class TokenInterceptor(grpc.ServerInterceptor):
         self._token = token.encode()
 
         def deny(request, context):
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          f"cluster token mismatch: the caller's {TOKEN_ENV} does not match this cluster's")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"cluster token mismatch: the caller's {TOKEN_ENV} does not match this cluster's",
+            )
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -52,8 +54,9 @@ def server_credentials(tls: dict | None):
     if not tls:
         return None
     ca = _read(tls["ca"]) if tls.get("ca") else None
-    return grpc.ssl_server_credentials([(_read(tls["key"]), _read(tls["cert"]))], root_certificates=ca,
-                                       require_client_auth=ca is not None)
+    return grpc.ssl_server_credentials(
+        [(_read(tls["key"]), _read(tls["cert"]))], root_certificates=ca, require_client_auth=ca is not None
+    )
 
 
 def channel(address: str, tls: dict | None) -> grpc.Channel:
@@ -62,5 +65,6 @@ def channel(address: str, tls: dict | None) -> grpc.Channel:
     creds = grpc.ssl_channel_credentials(
         root_certificates=_read(tls["ca"]) if tls.get("ca") else None,
         private_key=_read(tls["key"]) if tls.get("key") else None,
-        certificate_chain=_read(tls["cert"]) if tls.get("cert") else None)
+        certificate_chain=_read(tls["cert"]) if tls.get("cert") else None,
+    )
     return grpc.secure_channel(address, creds)

@@ -48,21 +48,29 @@ class ControlClient:
 
     def register(self, fingerprint: str) -> pb.RegisterReply:
         n = self.node
-        req = pb.RegisterRequest(name=self.process, role=n.role, address=f"{n.host}:{n.ports.control}",
-                                 model_fingerprint=fingerprint, version=__version__, instance_id=self.instance_id)
+        req = pb.RegisterRequest(
+            name=self.process,
+            role=n.role,
+            address=f"{n.host}:{n.ports.control}",
+            model_fingerprint=fingerprint,
+            version=__version__,
+            instance_id=self.instance_id,
+        )
         deadline = time.monotonic() + self.cfg.cluster.startup_timeout
         # A replacement for a node that just died is taken once the dead instance misses its heartbeats.
         replaced_by = time.monotonic() + self.cfg.cluster.heartbeat_timeout + 5
         while True:
             try:
-                return self._call(self.stub.Register, req, timeout=5,
-                                  retry=(*_RETRYABLE, grpc.StatusCode.ALREADY_EXISTS))
+                return self._call(
+                    self.stub.Register, req, timeout=5, retry=(*_RETRYABLE, grpc.StatusCode.ALREADY_EXISTS)
+                )
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.ALREADY_EXISTS and time.monotonic() > replaced_by:
                     raise ControlError(f"coordinator at {self.address} refused {self.process}: {e.details()}") from None
                 if time.monotonic() > deadline:
-                    raise ControlError(f"coordinator at {self.address} not reachable within "
-                                       f"{self.cfg.cluster.startup_timeout:.0f}s") from None
+                    raise ControlError(
+                        f"coordinator at {self.address} not reachable within {self.cfg.cluster.startup_timeout:.0f}s"
+                    ) from None
                 time.sleep(0.3)
 
     def await_cluster(self) -> pb.ClusterStatus:
@@ -92,9 +100,11 @@ class ControlClient:
         while True:
             left = deadline - time.monotonic()
             try:
-                st = self._call(self.stub.AwaitFormation,
-                                pb.FormationRequest(ref=self.ref, after=after, timeout_seconds=max(0.0, min(left, 10))),
-                                timeout=max(1.0, min(left, 10) + 5))
+                st = self._call(
+                    self.stub.AwaitFormation,
+                    pb.FormationRequest(ref=self.ref, after=after, timeout_seconds=max(0.0, min(left, 10))),
+                    timeout=max(1.0, min(left, 10) + 5),
+                )
             except grpc.RpcError as e:
                 st = None
                 if time.monotonic() > deadline:

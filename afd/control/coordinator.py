@@ -66,14 +66,22 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         if state == State.READY and lost:
             state = State.DEGRADED
         return pb.ClusterStatus(
-            state=state, missing=[n for n in self.cfg.process_names if n not in self.members],
-            registered=sorted(self.members), ready=sorted(m.name for m in self.members.values() if m.ready),
-            lost=lost, message=self.message, draining=sorted(self.draining), generation=self.generation,
-            formation=self.formation if formation else "", forming=self._forming())
+            state=state,
+            missing=[n for n in self.cfg.process_names if n not in self.members],
+            registered=sorted(self.members),
+            ready=sorted(m.name for m in self.members.values() if m.ready),
+            lost=lost,
+            message=self.message,
+            draining=sorted(self.draining),
+            generation=self.generation,
+            formation=self.formation if formation else "",
+            forming=self._forming(),
+        )
 
     def _forming(self) -> list[str]:
-        return [n for n in self.cfg.process_names
-                if n not in self.members or self.members[n].awaiting != self.generation]
+        return [
+            n for n in self.cfg.process_names if n not in self.members or self.members[n].awaiting != self.generation
+        ]
 
     def _awaiting(self, ref: pb.NodeRef, context) -> None:
         m = self._member(ref, context)  # also: waiting counts as alive
@@ -90,8 +98,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def _member(self, ref: pb.NodeRef, context) -> _Member:
         m = self.members.get(ref.name)
         if m is None or m.instance_id != ref.instance_id:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {ref.name!r} is not registered "
-                                                               "(or was replaced by another instance)")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {ref.name!r} is not registered (or was replaced by another instance)",
+            )
         m.last_seen = time.monotonic()
         return m
 
@@ -112,32 +122,47 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def Register(self, req: pb.RegisterRequest, context) -> pb.RegisterReply:
         with self._cv:
             if req.name not in self.cfg.process_names:
-                context.abort(grpc.StatusCode.NOT_FOUND, f"unknown node {req.name!r}: the cluster YAML names "
-                                                         f"{', '.join(self.cfg.process_names)}")
+                context.abort(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"unknown node {req.name!r}: the cluster YAML names {', '.join(self.cfg.process_names)}",
+                )
             proc = self.cfg.process(req.name)
             node = proc.node
             if req.role != node.role:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"node {req.name!r} registered as {req.role!r} but the YAML says {node.role!r}")
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"node {req.name!r} registered as {req.role!r} but the YAML says {node.role!r}",
+                )
             old = self.members.get(req.name)
             replacing = old is not None and old.instance_id != req.instance_id
             if replacing and req.name not in self._lost():
-                context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                              f"duplicate node name {req.name!r}: already registered from {old.address} "
-                              "(a replacement is taken once that instance misses its heartbeats)")
+                context.abort(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"duplicate node name {req.name!r}: already registered from {old.address} "
+                    "(a replacement is taken once that instance misses its heartbeats)",
+                )
             if req.model_fingerprint != self.fingerprint:
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                              f"node {req.name!r} has model fingerprint {req.model_fingerprint[:12]} but the "
-                              f"cluster serves {self.fingerprint[:12]}: a different model, dtype or weights")
+                context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"node {req.name!r} has model fingerprint {req.model_fingerprint[:12]} but the "
+                    f"cluster serves {self.fingerprint[:12]}: a different model, dtype or weights",
+                )
             if req.version != __version__:
                 log.warning("node %s runs afd %s, the coordinator %s", req.name, req.version, __version__)
             if replacing:  # the old instance is gone: every node re-forms the data plane with the new one
                 self.draining.discard(req.name)
                 self._next_generation(f"{req.name} replaced by a new instance from {req.address}")
-            self.members[req.name] = _Member(req.name, req.role, req.address, req.instance_id,
-                                             req.model_fingerprint, time.monotonic())
-            log.info("registered %s (%s) from %s [%d/%d]", req.name, req.role, req.address, len(self.members),
-                     len(self.cfg.processes))
+            self.members[req.name] = _Member(
+                req.name, req.role, req.address, req.instance_id, req.model_fingerprint, time.monotonic()
+            )
+            log.info(
+                "registered %s (%s) from %s [%d/%d]",
+                req.name,
+                req.role,
+                req.address,
+                len(self.members),
+                len(self.cfg.processes),
+            )
             self._cv.notify_all()
             reply = self._assignment(proc)
             reply.generation = self.generation
@@ -149,9 +174,14 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         cfg, node = self.cfg, proc.node
         peers = [p.name for p in cfg.processes if p.node.role != node.role]
         rank0 = cfg.attention_nodes[0]  # torch.distributed's store lives in rank 0's process
-        reply = pb.RegisterReply(rank=cfg.rank(proc.name), world_size=len(cfg.processes),
-                                 master_addr=rank0.host, master_port=rank0.ports.data,
-                                 peer_ranks=[cfg.rank(p) for p in peers], cluster_name=cfg.cluster.name)
+        reply = pb.RegisterReply(
+            rank=cfg.rank(proc.name),
+            world_size=len(cfg.processes),
+            master_addr=rank0.host,
+            master_port=rank0.ports.data,
+            peer_ranks=[cfg.rank(p) for p in peers],
+            cluster_name=cfg.cluster.name,
+        )
         if node.role == "ffn":
             shard = cfg.expert_shard(node.name, self.n_routed)
             reply.expert_lo, reply.expert_hi = shard.lo, shard.hi
@@ -162,13 +192,19 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         deadline = self._started + self.cfg.cluster.startup_timeout
         with self._cv:
             self._awaiting(ref, context)
-            self._wait(lambda: len(self.members) == len(self.cfg.processes) or self.state != State.STARTING,
-                       deadline, context, on_wake=lambda: self._awaiting(ref, context))
+            self._wait(
+                lambda: len(self.members) == len(self.cfg.processes) or self.state != State.STARTING,
+                deadline,
+                context,
+                on_wake=lambda: self._awaiting(ref, context),
+            )
             missing = [n for n in self.cfg.process_names if n not in self.members]
             if missing and time.monotonic() >= deadline and self.state == State.STARTING:
                 self.state = State.FAILED
-                self.message = (f"startup timeout ({self.cfg.cluster.startup_timeout:.0f}s): nodes never "
-                                f"registered: {', '.join(missing)}")
+                self.message = (
+                    f"startup timeout ({self.cfg.cluster.startup_timeout:.0f}s): nodes never "
+                    f"registered: {', '.join(missing)}"
+                )
                 log.error("%s", self.message)
                 self._cv.notify_all()
             return self._status(formation=True)
@@ -186,16 +222,21 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if req.after == self.generation and self.state != State.SHUTDOWN:
                 self._next_generation(f"{req.ref.name} lost its data plane")
             self._awaiting(req.ref, context)
-            formed = lambda: self.state == State.SHUTDOWN or (
-                self.generation > req.after and not self._forming() and not self._lost())
+            formed = lambda: (
+                self.state == State.SHUTDOWN
+                or (self.generation > req.after and not self._forming() and not self._lost())
+            )
             self._wait(formed, deadline, context, on_wake=lambda: self._awaiting(req.ref, context))
             return self._status(formation=True)
 
     def ReportReady(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         with self._cv:
             self._member(ref, context).ready = True
-            if self.state == State.STARTING and all(m.ready for m in self.members.values()) \
-                    and len(self.members) == len(self.cfg.processes):
+            if (
+                self.state == State.STARTING
+                and all(m.ready for m in self.members.values())
+                and len(self.members) == len(self.cfg.processes)
+            ):
                 self.state = State.READY
                 log.info("cluster %s ready: %s", self.cfg.cluster.name, self.cfg.topology_name)
             self._cv.notify_all()
@@ -211,8 +252,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         it in their next heartbeat); one node (`req.node`) or every attention node."""
         attention = [n.name for n in self.cfg.attention_nodes]
         if req.node and req.node not in attention:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{req.node!r} is not an attention node of this cluster ({', '.join(attention)})")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{req.node!r} is not an attention node of this cluster ({', '.join(attention)})",
+            )
         with self._cv:
             if req.node:
                 self.draining.add(req.node)

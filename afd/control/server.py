@@ -17,9 +17,11 @@ class ControlServer:
     def __init__(self, host: str, port: int, tls: dict | None = None, coordinator=None, workers: int = 16):
         token = cluster_token()
         # so_reuseport off: a second node on the same port must fail, not share it silently
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                                  interceptors=[TokenInterceptor(token)] if token else [],
-                                  options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers),
+            interceptors=[TokenInterceptor(token)] if token else [],
+            options=[("grpc.so_reuseport", 0)],
+        )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if coordinator is not None:

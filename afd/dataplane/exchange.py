@@ -109,8 +109,15 @@ class _RemoteHandle:
 class RemoteMoE:
     """The MoE half on FFN nodes, over the data plane (the message order of afd.dataplane.protocol)."""
 
-    def __init__(self, plane: DataPlane, ffn_ranks: list[int], hidden: int, dtype: torch.dtype,
-                 device: torch.device, timers: Timers | None = None):
+    def __init__(
+        self,
+        plane: DataPlane,
+        ffn_ranks: list[int],
+        hidden: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        timers: Timers | None = None,
+    ):
         self.plane, self.ffn_ranks, self.hidden = plane, ffn_ranks, hidden
         self.timers = timers or Timers()
         self.pool = BufferPool(device, dtype)

@@ -77,7 +77,7 @@ class StepHeader:
         t.zero_()
         t[0], t[1], t[2], t[3] = MAGIC, self.step_id, self.flags, len(self.tokens)
         if self.tokens:
-            t[4:4 + len(self.tokens)] = torch.tensor(self.tokens, dtype=torch.int64)
+            t[4 : 4 + len(self.tokens)] = torch.tensor(self.tokens, dtype=torch.int64)
         return t
 
     @classmethod
@@ -86,6 +86,6 @@ class StepHeader:
         if v[0] != MAGIC:
             raise ProtocolError(f"rank {sender}: expected a step header, got magic {v[0]:#x}")
         m = v[3]
-        if not 0 <= m <= MAX_MICRO_BATCHES or any(n < 0 for n in v[4:4 + m]):
+        if not 0 <= m <= MAX_MICRO_BATCHES or any(n < 0 for n in v[4 : 4 + m]):
             raise ProtocolError(f"rank {sender}: malformed step header {v}")
-        return cls(step_id=v[1], tokens=tuple(v[4:4 + m]), flags=v[2])
+        return cls(step_id=v[1], tokens=tuple(v[4 : 4 + m]), flags=v[2])

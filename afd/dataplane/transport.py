@@ -65,8 +65,14 @@ def rendezvous_store(rank: int, master_addr: str, master_port: int, timeout_s: f
         sock.close()
         raise PeerError(f"data plane: cannot listen on {master_addr}:{master_port} for the rendezvous ({e})") from None
     sock.listen(512)
-    store = dist.TCPStore(master_addr, master_port, is_master=True, wait_for_workers=False, timeout=timeout,
-                          master_listen_fd=sock.fileno())
+    store = dist.TCPStore(
+        master_addr,
+        master_port,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timeout,
+        master_listen_fd=sock.fileno(),
+    )
     return store, sock
 
 
@@ -109,8 +115,10 @@ def apply_comm_env(backend: Backend) -> None:
     for key, want in backend.comm_env().items():
         have = os.environ.get(key)
         if have is not None and have != want:
-            raise ValueError(f"environment: {key}={have}, but the {backend.dist_backend} data plane needs "
-                             f"{key}={want} so that a dead peer ends in a timeout instead of a hang; unset it")
+            raise ValueError(
+                f"environment: {key}={have}, but the {backend.dist_backend} data plane needs "
+                f"{key}={want} so that a dead peer ends in a timeout instead of a hang; unset it"
+            )
         os.environ[key] = want
 
 
@@ -118,8 +126,17 @@ class DataPlane:
     """One generation of the data plane. A node that is replaced makes every node form the next
     generation: same ranks, its own key prefix in the same store."""
 
-    def __init__(self, backend: Backend, rank: int, world_size: int, store, generation: int = 0,
-                 timeout_s: float = 60.0, formation: str = "", bind_host: str | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        rank: int,
+        world_size: int,
+        store,
+        generation: int = 0,
+        timeout_s: float = 60.0,
+        formation: str = "",
+        bind_host: str | None = None,
+    ):
         """formation: the secret part of this generation's store prefix, handed out over the (token-
         authenticated) control plane, so a process that only reaches the store cannot join it."""
         self.backend, self.rank, self.world_size, self.generation = backend, rank, world_size, generation
@@ -128,12 +145,23 @@ class DataPlane:
         apply_comm_env(backend)
         if backend.dist_backend == "gloo":
             _bind_gloo(bind_host)
-        dist.init_process_group(backend.dist_backend, store=dist.PrefixStore(f"afd/g{generation}/{formation}", store),
-                                rank=rank, world_size=world_size, timeout=self.timeout)
+        dist.init_process_group(
+            backend.dist_backend,
+            store=dist.PrefixStore(f"afd/g{generation}/{formation}", store),
+            rank=rank,
+            world_size=world_size,
+            timeout=self.timeout,
+        )
         self._upward = dist.group.WORLD
         self._downward = dist.new_group(list(range(world_size)), timeout=self.timeout, backend=backend.dist_backend)
-        log.info("data plane up: rank %d of %d over %s, generation %d, in %.2fs", rank, world_size,
-                 backend.dist_backend, generation, time.monotonic() - t0)
+        log.info(
+            "data plane up: rank %d of %d over %s, generation %d, in %.2fs",
+            rank,
+            world_size,
+            backend.dist_backend,
+            generation,
+            time.monotonic() - t0,
+        )
 
     def handshake(self, peers: list[int], token: str | None, formation: str) -> None:
         """Each pair of peers proves to the other that it holds the cluster token: a process that took
@@ -151,15 +179,21 @@ class DataPlane:
             for op, t in ops if self.rank < p else ops[::-1]:
                 self.wait(op(t, p), p, "handshake")
             if not hmac.compare_digest(bytes(theirs.cpu().tolist()), bytes(digest(p, self.rank).cpu().tolist())):
-                raise PeerError(f"data plane: rank {p} failed the handshake: it does not hold this cluster's "
-                                "token (AFD_CLUSTER_TOKEN)", p)
+                raise PeerError(
+                    f"data plane: rank {p} failed the handshake: it does not hold this cluster's "
+                    "token (AFD_CLUSTER_TOKEN)",
+                    p,
+                )
 
     def _issue(self, op, tensor: torch.Tensor, peer: int, upward: bool):
         try:
             return op(tensor, peer, group=self._upward if upward else self._downward)
         except RuntimeError as e:  # gloo refuses to post on a pair whose peer is already gone
-            raise PeerError(f"data plane: {op.__name__} to rank {peer} failed ({_first_line(e)}); "
-                            f"the peer process is probably gone", peer) from None
+            raise PeerError(
+                f"data plane: {op.__name__} to rank {peer} failed ({_first_line(e)}); "
+                f"the peer process is probably gone",
+                peer,
+            ) from None
 
     def isend(self, tensor: torch.Tensor, peer: int):
         return self._issue(dist.isend, tensor, peer, upward=peer > self.rank)
@@ -171,11 +205,14 @@ class DataPlane:
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
-            raise PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)}); "
-                            f"the peer process is probably gone", peer) from None
+            raise PeerError(
+                f"data plane: {what} with rank {peer} failed ({_first_line(e)}); the peer process is probably gone",
+                peer,
+            ) from None
         if ok is False:
-            raise PeerError(f"data plane: {what} with rank {peer} timed out after "
-                            f"{self.timeout.total_seconds():.0f}s", peer)
+            raise PeerError(
+                f"data plane: {what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s", peer
+            )
 
     def close(self) -> None:
         if dist.is_initialized():

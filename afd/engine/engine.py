@@ -61,14 +61,26 @@ class StepStats:
 
     def report(self) -> dict:
         """The per-step record offline jobs write (afd.bench reads it)."""
-        return {"tokens": self.num_tokens, "seconds": self.seconds, "ffn_wait": self.ffn_wait,
-                "generated": self.generated, "draft_seconds": self.draft_seconds}
+        return {
+            "tokens": self.num_tokens,
+            "seconds": self.seconds,
+            "ffn_wait": self.ffn_wait,
+            "generated": self.generated,
+            "draft_seconds": self.draft_seconds,
+        }
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Tokenizer | None,
-                 eos_ids: tuple[int, ...], max_model_len: int, metrics: AttentionMetrics | None = None,
-                 speculative_tokens: int = 0):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer | None,
+        eos_ids: tuple[int, ...],
+        max_model_len: int,
+        metrics: AttentionMetrics | None = None,
+        speculative_tokens: int = 0,
+    ):
         """speculative_tokens: MTP drafts per step (0: off; the runner then needs the MTP module)."""
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.eos_ids, self.max_model_len, self.metrics = eos_ids, max_model_len, metrics
@@ -230,9 +242,13 @@ class Engine:
         t0 = time.perf_counter()
         logits = self.runner.execute(seqs)
         decoding = [bool(req.output_ids) and req.num_tokens - req.num_computed == 1 for req, _ in batch]
-        stats = StepStats(sum(n for _, n in batch), time.perf_counter() - t0, moe.timers.total("ffn_wait") - wait0,
-                          getattr(moe, "bytes_sent", 0) - sent0,
-                          "decode" if all(decoding) else "prefill" if not any(decoding) else "mixed")
+        stats = StepStats(
+            sum(n for _, n in batch),
+            time.perf_counter() - t0,
+            moe.timers.total("ffn_wait") - wait0,
+            getattr(moe, "bytes_sent", 0) - sent0,
+            "decode" if all(decoding) else "prefill" if not any(decoding) else "mixed",
+        )
         if self.metrics:
             m = self.metrics
             m.step(stats.phase).observe(stats.seconds)
@@ -257,8 +273,9 @@ class Engine:
             req.draft = []
             row, q = row + d + 1, q + n
         now = time.monotonic()
-        for row, req, d, toks in zip(rows, reqs, drafts, sample_step(self.sampler, logits, rows, reqs, drafts,
-                                                                     self._fail)):
+        for row, req, d, toks in zip(
+            rows, reqs, drafts, sample_step(self.sampler, logits, rows, reqs, drafts, self._fail)
+        ):
             if toks is None:
                 continue
             req.num_computed += len(toks) - 1  # the accepted drafts
@@ -323,11 +340,20 @@ class Engine:
                 full = full + req.detok.flush()
             held = 0 if reason else max((len(s) - 1 for s in req.stop), default=0)
             end = max(req.text_sent, len(full) - held)
-            text, req.text_sent = full[req.text_sent:end], end
+            text, req.text_sent = full[req.text_sent : end], end
         self._emit(req, [tok], text, reason, stop_reason, logprobs=None if logprob is None else [logprob])
 
-    def _emit(self, req: Request, toks: list[int], text: str, finish_reason: str | None = None,
-              stop_reason=None, error: str | None = None, error_code: int = 503, logprobs=None) -> None:
+    def _emit(
+        self,
+        req: Request,
+        toks: list[int],
+        text: str,
+        finish_reason: str | None = None,
+        stop_reason=None,
+        error: str | None = None,
+        error_code: int = 503,
+        logprobs=None,
+    ) -> None:
         finished = finish_reason is not None
         if finished:
             self._requests.pop(req.request_id, None)
@@ -336,5 +362,18 @@ class Engine:
             if self.metrics and error is None:
                 self.metrics.success(finish_reason).inc()
                 self.metrics.e2e.observe(time.monotonic() - req.arrival)
-        req.on_output(RequestOutput(req.request_id, toks, text, finished, finish_reason, stop_reason,
-                                    len(req.prompt_ids), len(req.output_ids), error, error_code, logprobs))
+        req.on_output(
+            RequestOutput(
+                req.request_id,
+                toks,
+                text,
+                finished,
+                finish_reason,
+                stop_reason,
+                len(req.prompt_ids),
+                len(req.output_ids),
+                error,
+                error_code,
+                logprobs,
+            )
+        )

@@ -59,8 +59,11 @@ def wrap(attn: nn.Module, kv, settings: GraphSettings | None, tp, backend=None) 
     if resolve_mode(settings, device) != "compile":
         return attn
     if tp.size > 1:  # KVP needs TP ranks: this covers it too
-        log.info("graph mode: attention TP (%d ranks%s) runs eager; its collectives inside graphs are future work",
-                 tp.size, f", kvp {tp.cfg.kvp}" if tp.cfg.kvp > 1 else "")
+        log.info(
+            "graph mode: attention TP (%d ranks%s) runs eager; its collectives inside graphs are future work",
+            tp.size,
+            f", kvp {tp.cfg.kvp}" if tp.cfg.kvp > 1 else "",
+        )
         return attn
     if backend is None:
         from afd.backend import get_backend

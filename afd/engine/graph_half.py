@@ -74,8 +74,12 @@ class GraphHalf(nn.Module):
         self._fns: dict[tuple, object] = {}
         self._steps: OrderedDict = OrderedDict()  # id(meta) -> (meta, _Step | None)
         self._live: OrderedDict = OrderedDict()  # id(h returned by pre_moe) -> (that h, padded h, padded m)
-        log.info("graph mode on %s: batch buckets %s, compiled lazily per bucket and block-table width, cache %s",
-                 backend.name, self.buckets, cache_dir or "the backend's default")
+        log.info(
+            "graph mode on %s: batch buckets %s, compiled lazily per bucket and block-table width, cache %s",
+            backend.name,
+            self.buckets,
+            cache_dir or "the backend's default",
+        )
 
     def __getattr__(self, name: str):
         try:
@@ -191,8 +195,13 @@ class GraphHalf(nn.Module):
         self._fns[key] = self._fns[key].fn
         total = self.compile_seconds[(bucket, width)] = self.compile_seconds.get((bucket, width), 0.0) + seconds
         if phase == "post" and layer == self.attn.cfg.num_layers - 1:
-            log.info("graph mode: batch bucket %d, block-table width %d: %d layers compiled in %.1fs", bucket,
-                     width, self.attn.cfg.num_layers, total)
+            log.info(
+                "graph mode: batch bucket %d, block-table width %d: %d layers compiled in %.1fs",
+                bucket,
+                width,
+                self.attn.cfg.num_layers,
+                total,
+            )
 
     def _trace(self, phase: str, layer: int, *args):
         """What each graph computes: pre_moe or post_moe of one layer over padded, static-shape inputs."""
@@ -243,11 +252,13 @@ def _method(half: GraphHalf, phase: str, layer: int, name: str):
     """half._trace(phase, layer, ...) as a bound method with a code object of its own, named `name`:
     compilers cache per code object (dynamo's guards, torchair's cache_compile files), so each graph
     gets one, called with one input signature only."""
+
     def step(self, *args):
         return self._trace(phase, layer, *args)
 
-    code = step.__code__.replace(co_name=name, **({"co_qualname": name} if hasattr(step.__code__, "co_qualname")
-                                                  else {}))
+    code = step.__code__.replace(
+        co_name=name, **({"co_qualname": name} if hasattr(step.__code__, "co_qualname") else {})
+    )
     return types.MethodType(types.FunctionType(code, step.__globals__, name, None, step.__closure__), half)
 
 

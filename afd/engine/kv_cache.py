@@ -63,8 +63,9 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 class KVCache:
     """[num_cache_layers, ...]: the family's layout, with a block and a slot dimension inside."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, kvp: int = 1):
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, kvp: int = 1
+    ):
         """num_blocks: of the whole node; with kvp N each rank's tensor holds num_blocks / N of them."""
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks, kvp)

@@ -47,13 +47,29 @@ class LLM:
     config.json is read and the weights are seeded random.
     """
 
-    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", dummy_weights: bool = False,
-                 seed: int = 0, block_size: int = 16, attention_nodes: int | None = None,
-                 ffn_nodes: int | None = None, colocated: bool | None = None, overlap: bool = True,
-                 micro_batches: int = 1, attention_tp: int = 1, tp_comm: str = "allreduce",
-                 flashcomm2_otp: int | None = None, tp_comm_min_tokens: int | None = None, kvp: int = 1,
-                 speculative_tokens: int = 0, graph_mode: str | None = None,
-                 graph_batch_sizes: tuple[int, ...] | None = None, compile_cache_dir: str | None = None):
+    def __init__(
+        self,
+        model: str,
+        dtype: str = "float32",
+        device: str = "cpu",
+        dummy_weights: bool = False,
+        seed: int = 0,
+        block_size: int = 16,
+        attention_nodes: int | None = None,
+        ffn_nodes: int | None = None,
+        colocated: bool | None = None,
+        overlap: bool = True,
+        micro_batches: int = 1,
+        attention_tp: int = 1,
+        tp_comm: str = "allreduce",
+        flashcomm2_otp: int | None = None,
+        tp_comm_min_tokens: int | None = None,
+        kvp: int = 1,
+        speculative_tokens: int = 0,
+        graph_mode: str | None = None,
+        graph_batch_sizes: tuple[int, ...] | None = None,
+        compile_cache_dir: str | None = None,
+    ):
         """Colocated unless attention_nodes or ffn_nodes is given (or colocated=False): then every
         generate() call runs that many node processes on this machine (afd.cluster.local).
         attention_tp > 1: every attention node is that many processes (afd.model.tp); colocated, that is
@@ -65,16 +81,19 @@ class LLM:
         graphs anew (the KV cache is sized per job): a warm compile cache makes that reloads."""
         if graph_mode not in (None, "eager", "compile"):
             raise ValueError(f"graph_mode: expected eager or compile, got {graph_mode!r}")
-        self.graph = GraphSettings(graph_mode, tuple(sorted(set(graph_batch_sizes or GRAPH_BATCH_SIZES))),
-                                   compile_cache_dir)
+        self.graph = GraphSettings(
+            graph_mode, tuple(sorted(set(graph_batch_sizes or GRAPH_BATCH_SIZES))), compile_cache_dir
+        )
         self.graph_report: dict | None = None
         """The last generate()'s graph-mode counters (afd.engine.graph.graph_report; attention node 0's)."""
         if colocated and (attention_nodes or ffn_nodes):
             raise ValueError("colocated runs both halves in this process; it takes no attention_nodes or ffn_nodes")
         check_speculative_tokens(speculative_tokens)
         if speculative_tokens and (attention_tp > 1 or kvp > 1):
-            raise ValueError("speculative_tokens: MTP speculative decoding runs with attention_tp 1 and no KV-parallel "
-                             "attention (kvp 1) for now")
+            raise ValueError(
+                "speculative_tokens: MTP speculative decoding runs with attention_tp 1 and no KV-parallel "
+                "attention (kvp 1) for now"
+            )
         self.speculative_tokens = speculative_tokens
         self.spec_decode: dict | None = None
         model = resolve_model_path(model)
@@ -85,12 +104,33 @@ class LLM:
         self.overlap, self.micro_batches = overlap, micro_batches
         if colocated is None:
             colocated = attention_nodes is None and ffn_nodes is None
-        tp = dict(attention_tp=attention_tp, tp_comm=tp_comm, flashcomm2_otp=flashcomm2_otp,
-                  tp_comm_min_tokens=tp_comm_min_tokens, kvp=kvp)
-        self.cluster = None if colocated and attention_tp == 1 else LocalClusterSpec(
-            model, attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes), dtype,
-            dummy_weights, seed, overlap, micro_batches, block_size, speculative_tokens=speculative_tokens,
-            graph_mode=graph_mode, graph_batch_sizes=graph_batch_sizes, compile_cache_dir=compile_cache_dir, **tp)
+        tp = dict(
+            attention_tp=attention_tp,
+            tp_comm=tp_comm,
+            flashcomm2_otp=flashcomm2_otp,
+            tp_comm_min_tokens=tp_comm_min_tokens,
+            kvp=kvp,
+        )
+        self.cluster = (
+            None
+            if colocated and attention_tp == 1
+            else LocalClusterSpec(
+                model,
+                attention_nodes or 1,
+                0 if colocated else (1 if ffn_nodes is None else ffn_nodes),
+                dtype,
+                dummy_weights,
+                seed,
+                overlap,
+                micro_batches,
+                block_size,
+                speculative_tokens=speculative_tokens,
+                graph_mode=graph_mode,
+                graph_batch_sizes=graph_batch_sizes,
+                compile_cache_dir=compile_cache_dir,
+                **tp,
+            )
+        )
         if speculative_tokens:
             family_mtp(self.cfg)  # refuses a family without an MTP module here, not in a node process
         from afd.model.tp.config import TPConfig
@@ -100,8 +140,10 @@ class LLM:
             tp_cfg.check_model(self.cfg.num_attention_heads)
             half = family_module(self.cfg, "attention").AttentionHalf
             if attention_tp > 1 and not getattr(half, "supports_tp", False):
-                raise ValueError(f"attention_tp: {self.cfg.model_type}'s attention half has no TP layers yet "
-                                 "(MLA families do: longcat_flash, deepseek_v3)")
+                raise ValueError(
+                    f"attention_tp: {self.cfg.model_type}'s attention half has no TP layers yet "
+                    "(MLA families do: longcat_flash, deepseek_v3)"
+                )
             if device != "cpu":
                 raise ValueError("multi-process afd.LLM runs on the CPU; launch nodes for devices (afd launch)")
             return
@@ -112,37 +154,68 @@ class LLM:
         self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev, mtp=speculative_tokens > 0)
         self.mtp = build_mtp_layer(self.cfg, reader, self.dtype, dev) if speculative_tokens else None
 
-    def generate(self, prompts: str | list[str] | list[int] | list[list[int]], max_tokens: int | list[int] = 16,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 ignore_eos: bool = False, use_tqdm: bool = True) -> list[GenerateOutput]:
+    def generate(
+        self,
+        prompts: str | list[str] | list[int] | list[list[int]],
+        max_tokens: int | list[int] = 16,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        use_tqdm: bool = True,
+    ) -> list[GenerateOutput]:
         """Text or token ids in (one prompt or a list); per prompt, the generated text and ids out."""
         texts, ids = self._prompt_ids(prompts)
         out = self.generate_ids(ids, max_tokens, temperature, top_p, top_k, seed, ignore_eos, progress=use_tqdm)
-        eos = set(self.tokenizer.eos_token_ids if self.tokenizer and self.tokenizer.eos_token_ids
-                  else self.cfg.eos_token_ids)
-        return [GenerateOutput(t, p, [CompletionOutput(0, self._decode(g), g, _finish(g, eos, ignore_eos))])
-                for t, p, g in zip(texts, ids, out)]
+        eos = set(
+            self.tokenizer.eos_token_ids if self.tokenizer and self.tokenizer.eos_token_ids else self.cfg.eos_token_ids
+        )
+        return [
+            GenerateOutput(t, p, [CompletionOutput(0, self._decode(g), g, _finish(g, eos, ignore_eos))])
+            for t, p, g in zip(texts, ids, out)
+        ]
 
-    def generate_ids(self, prompt_token_ids: list[list[int]], max_tokens: int | list[int],
-                     temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                     ignore_eos: bool = False, logits_out: list | None = None,
-                     progress: bool = False) -> list[list[int]]:
+    def generate_ids(
+        self,
+        prompt_token_ids: list[list[int]],
+        max_tokens: int | list[int],
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        logits_out: list | None = None,
+        progress: bool = False,
+    ) -> list[list[int]]:
         """Generated token ids per prompt. `logits_out`, if given, receives each step's fp32 logits.
         A `seed` seeds every prompt's sampling alike, wherever the prompt runs."""
         per = offline.validate_prompts(self.cfg, prompt_token_ids, max_tokens)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if self.cluster:
-            out, reports = run_generate(self.cluster, prompt_token_ids, per, params, ignore_eos,
-                                        logits=logits_out is not None)
+            out, reports = run_generate(
+                self.cluster, prompt_token_ids, per, params, ignore_eos, logits=logits_out is not None
+            )
             if logits_out is not None:
                 logits_out.extend(reports_logits(self.cluster, reports, len(prompt_token_ids)))
             self.graph_report = reports[0].get("graph")  # attention node 0's
             if self.speculative_tokens:
                 self.spec_decode = _add_counters([r["spec_decode"] for r in reports])
             return out
-        engine = offline.job_engine(self.attn, LocalMoE(self.ffn, self.backend), prompt_token_ids, per, self.dtype,
-                                    self.backend.device, self.block_size, self.micro_batches, self.overlap,
-                                    mtp=self.mtp, speculative_tokens=self.speculative_tokens, graph=self.graph)
+        engine = offline.job_engine(
+            self.attn,
+            LocalMoE(self.ffn, self.backend),
+            prompt_token_ids,
+            per,
+            self.dtype,
+            self.backend.device,
+            self.block_size,
+            self.micro_batches,
+            self.overlap,
+            mtp=self.mtp,
+            speculative_tokens=self.speculative_tokens,
+            graph=self.graph,
+        )
         out = offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out, progress=progress)
         self.graph_report = graph_report(engine.runner.attn)
         self.spec_decode = engine.spec.stats.report() if engine.spec else None

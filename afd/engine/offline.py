@@ -43,15 +43,29 @@ def validate_prompts(cfg: ModelConfig, prompts, max_tokens) -> list[int]:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"max_tokens must be at least 1, got {n}.")
         if len(p) + n > cfg.max_position_embeddings:
-            raise ValueError(f"prompt {i}: {len(p)} tokens + max_tokens {n} exceed the model's maximum "
-                             f"context length of {cfg.max_position_embeddings} tokens")
+            raise ValueError(
+                f"prompt {i}: {len(p)} tokens + max_tokens {n} exceed the model's maximum "
+                f"context length of {cfg.max_position_embeddings} tokens"
+            )
     return per
 
 
-def job_engine(attn, moe: MoEExchange, prompts: list[list[int]], max_tokens: list[int], dtype: torch.dtype,
-               device: torch.device, block_size: int = 16, micro_batches: int = 1, overlap: bool = True,
-               eos_ids: tuple[int, ...] | None = None, tp: TPComm = SINGLE, mtp=None,
-               speculative_tokens: int = 0, graph: GraphSettings | None = None) -> Engine:
+def job_engine(
+    attn,
+    moe: MoEExchange,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int = 16,
+    micro_batches: int = 1,
+    overlap: bool = True,
+    eos_ids: tuple[int, ...] | None = None,
+    tp: TPComm = SINGLE,
+    mtp=None,
+    speculative_tokens: int = 0,
+    graph: GraphSettings | None = None,
+) -> Engine:
     """An engine whose KV cache and batch limits hold exactly this job (the same on every TP rank, which
     all size it from the same prompts). mtp, speculative_tokens: MTP speculative decoding (drafts stay
     within each prompt's max_tokens, so the cache holds them too). graph: graph mode (afd.engine.graph)."""
@@ -63,13 +77,26 @@ def job_engine(attn, moe: MoEExchange, prompts: list[list[int]], max_tokens: lis
     runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp, mtp if speculative_tokens else None)
     budget = max(1, sum(len(p) for p in prompts), len(prompts) * (1 + speculative_tokens))  # a decode step's drafts
     scheduler = Scheduler(kv, max(1, len(prompts)), budget)
-    return Engine(runner, scheduler, None, cfg.eos_token_ids if eos_ids is None else eos_ids,
-                  cfg.max_position_embeddings, speculative_tokens=speculative_tokens)
+    return Engine(
+        runner,
+        scheduler,
+        None,
+        cfg.eos_token_ids if eos_ids is None else eos_ids,
+        cfg.max_position_embeddings,
+        speculative_tokens=speculative_tokens,
+    )
 
 
-def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], params: SamplingParams,
-             ignore_eos: bool = False, logits_out: list | None = None,
-             on_step: Callable[[StepStats], None] | None = None, progress: bool = False) -> list[list[int]]:
+def generate(
+    engine: Engine,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    params: SamplingParams,
+    ignore_eos: bool = False,
+    logits_out: list | None = None,
+    on_step: Callable[[StepStats], None] | None = None,
+    progress: bool = False,
+) -> list[list[int]]:
     """Generated ids per prompt (an EOS token, when hit, is the last one kept). `logits_out`, if
     given, receives each prompt's list of per-step fp32 logits. `progress`: a bar on a terminal,
     periodic lines in a log, counting prompts done."""
@@ -81,11 +108,15 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], pa
             outputs[i].extend(out.new_token_ids)
             if out.error:
                 errors.append(f"prompt {i}: {out.error}")
+
         return on_output
 
-    reqs = [Request(str(i), list(p), params, n, collect(i), ignore_eos=ignore_eos,
-                    logits=[] if logits_out is not None else None)
-            for i, (p, n) in enumerate(zip(prompts, max_tokens))]
+    reqs = [
+        Request(
+            str(i), list(p), params, n, collect(i), ignore_eos=ignore_eos, logits=[] if logits_out is not None else None
+        )
+        for i, (p, n) in enumerate(zip(prompts, max_tokens))
+    ]
     for req in reqs:
         engine.add_request(req)
     bind_device(engine.runner.device)  # steps run in the caller's thread, maybe not the one that made the backend
@@ -93,8 +124,9 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: list[int], pa
         while engine.has_unfinished():
             stats = engine.step()
             if stats is None:
-                raise RuntimeError("the engine could schedule none of the unfinished requests "
-                                   "(the KV cache is too small for them)")
+                raise RuntimeError(
+                    "the engine could schedule none of the unfinished requests (the KV cache is too small for them)"
+                )
             if on_step is not None:
                 on_step(stats)
             finished = len(reqs) - engine.num_unfinished()

@@ -65,8 +65,17 @@ class _MicroBatch:
 
 
 class ModelRunner:
-    def __init__(self, attn: nn.Module, moe: MoEExchange, kv: KVCache, device: torch.device,
-                 micro_batches: int = 1, overlap: bool = True, tp: TPComm = SINGLE, mtp: nn.Module | None = None):
+    def __init__(
+        self,
+        attn: nn.Module,
+        moe: MoEExchange,
+        kv: KVCache,
+        device: torch.device,
+        micro_batches: int = 1,
+        overlap: bool = True,
+        tp: TPComm = SINGLE,
+        mtp: nn.Module | None = None,
+    ):
         """micro_batches: 1..4, or 0 to choose from measured times (afd.dataplane.overlap). tp: the
         attention node's TP group (attn cut to this rank's share by afd.model.tp.shard). mtp: the
         checkpoint's MTP module (afd.model.mtp), for speculative decoding (`draft`)."""
@@ -77,8 +86,13 @@ class ModelRunner:
         self.last_micro_batches = 0
         """What the last step ran with (afd_micro_batches): the tuner may choose anew right after it."""
         self.mtp = mtp
-        self.mtp_kv = None if mtp is None else torch.zeros(
-            mtp.kv_cache_shape(kv.allocator.num_blocks, kv.block_size), dtype=kv.data.dtype, device=device)
+        self.mtp_kv = (
+            None
+            if mtp is None
+            else torch.zeros(
+                mtp.kv_cache_shape(kv.allocator.num_blocks, kv.block_size), dtype=kv.data.dtype, device=device
+            )
+        )
         """The MTP block's own KV cache layer, addressed by the main model's block tables."""
         self.last_hidden: torch.Tensor | None = None
         """With an MTP module: every token's final hidden state [T, H] of the last step (what the head
@@ -97,8 +111,9 @@ class ModelRunner:
         self.last_micro_batches = micro_batches or self.micro_batches
         if self.tp.size > 1 and self.tp.is_leader:
             self.tp.send_step(("step", seqs, self.last_micro_batches))
-        mbs = [self._prepare(i, rows, seqs)
-               for i, rows in enumerate(split_micro_batches(seqs, self.last_micro_batches))]
+        mbs = [
+            self._prepare(i, rows, seqs) for i, rows in enumerate(split_micro_batches(seqs, self.last_micro_batches))
+        ]
         self.moe.begin_step([self._moe_rows(mb) for mb in mbs])
         L = self.attn.cfg.num_layers
         live = [mb for mb in mbs if mb.rows]  # an empty micro-batch sends nothing
@@ -118,8 +133,9 @@ class ModelRunner:
         for mb in live:
             self.tp.use(mb.plan)
             x = self.tp.gather(mb.x)
-            src = [s.q_start + s.q_len - k for r, s in zip(mb.rows, mb.meta.seqs)
-                   for k in range(seqs[r].num_logits, 0, -1)]  # each sequence's last num_logits rows
+            src = [
+                s.q_start + s.q_len - k for r, s in zip(mb.rows, mb.meta.seqs) for k in range(seqs[r].num_logits, 0, -1)
+            ]  # each sequence's last num_logits rows
             dst = [first[r] + j for r in mb.rows for j in range(seqs[r].num_logits)]
             logits[dst] = self.attn.logits(x[torch.tensor(src, device=self.device)])
             if self.mtp is not None:
@@ -133,8 +149,13 @@ class ModelRunner:
 
     def _prepare(self, index: int, rows: list[int], seqs: list[StepSeq]) -> _MicroBatch:
         part = [seqs[r] for r in rows]
-        meta = AttentionMetadata.build([s.start for s in part], [len(s.token_ids) for s in part],
-                                       [s.block_table for s in part], self.kv.block_size, self.device)
+        meta = AttentionMetadata.build(
+            [s.start for s in part],
+            [len(s.token_ids) for s in part],
+            [s.block_table for s in part],
+            self.kv.block_size,
+            self.device,
+        )
         ids = torch.tensor([t for s in part for t in s.token_ids], dtype=torch.long, device=self.device)
         plan = self.tp.plan_for(meta.num_tokens)
         self.tp.use(plan)
@@ -178,8 +199,13 @@ class ModelRunner:
         own hidden state [B, H] (the next draft's input) and fp32 logits [B, V] of the token after next.
         Its MoE crosses as one FLAG_MTP step of one micro-batch (none for a dense MTP block)."""
         mtp = self.mtp
-        meta = AttentionMetadata.build([s.start for s in seqs], [len(s.token_ids) for s in seqs],
-                                       [s.block_table for s in seqs], self.kv.block_size, self.device)
+        meta = AttentionMetadata.build(
+            [s.start for s in seqs],
+            [len(s.token_ids) for s in seqs],
+            [s.block_table for s in seqs],
+            self.kv.block_size,
+            self.device,
+        )
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
         e, rope = self.attn.embed(ids, meta)  # the main model's embedding and rotary tables
         x = mtp.fuse(e, hidden)  # [T, H]

@@ -72,8 +72,13 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 class Sampler:
@@ -86,8 +91,13 @@ class Sampler:
     def forget(self, request_id: object) -> None:
         self._generators.pop(request_id, None)
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list,
-               histories: list[History] | None = None) -> list[int]:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        request_ids: list,
+        histories: list[History] | None = None,
+    ) -> list[int]:
         """logits [B, V] fp32 -> one token id per row. `histories` (prompt and output ids per row) are
         needed when a request asks for penalties or min_tokens."""
         rows = [b for b, p in enumerate(params) if p.processes_logits]
@@ -177,8 +187,9 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[
     return float(lp[token]), alts
 
 
-def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: list, drafts: list[list[int]],
-                fail) -> list[list[int] | None]:
+def sample_step(
+    sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: list, drafts: list[list[int]], fail
+) -> list[list[int] | None]:
     """The tokens each of a step's requests emits: one, or with drafts to verify (rows row .. row + d of
     logits) the accepted ones and one more (Sampler.verify). A request whose sampling raises goes to
     `fail(req, error)` alone and gets None; the others still get their tokens."""
@@ -193,8 +204,13 @@ def sample_step(sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: l
             continue
         req = reqs[k]
         try:
-            out[k] = sampler.verify(logits[rows[k]:rows[k] + len(d) + 1], d, req.params, req.request_id,
-                                    History(req.prompt_ids, req.output_ids))
+            out[k] = sampler.verify(
+                logits[rows[k] : rows[k] + len(d) + 1],
+                d,
+                req.params,
+                req.request_id,
+                History(req.prompt_ids, req.output_ids),
+            )
         except Exception as e:
             fail(req, e)
     return out
@@ -204,14 +220,21 @@ def _sample_each(sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: 
     """One token per request, all in one batch; if that raises, one by one, so that only the request whose
     sampling raises fails (None)."""
     try:
-        return sampler.sample(logits[rows], [r.params for r in reqs], [r.request_id for r in reqs],
-                              [History(r.prompt_ids, r.output_ids) for r in reqs])
+        return sampler.sample(
+            logits[rows],
+            [r.params for r in reqs],
+            [r.request_id for r in reqs],
+            [History(r.prompt_ids, r.output_ids) for r in reqs],
+        )
     except Exception:
         out: list[int | None] = []
         for row, req in zip(rows, reqs):
             try:
-                out.append(sampler.sample(logits[[row]], [req.params], [req.request_id],
-                                          [History(req.prompt_ids, req.output_ids)])[0])
+                out.append(
+                    sampler.sample(
+                        logits[[row]], [req.params], [req.request_id], [History(req.prompt_ids, req.output_ids)]
+                    )[0]
+                )
             except Exception as e:
                 fail(req, e)
                 out.append(None)

@@ -49,9 +49,12 @@ class SpecDecodeStats:
             self.num_accepted_tokens_per_pos[pos] += 1
 
     def report(self) -> dict:
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos)}
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
+        }
 
 
 def step_seq(req: Request, n: int) -> StepSeq:
@@ -59,7 +62,7 @@ def step_seq(req: Request, n: int) -> StepSeq:
     as fit in n), with logits for its last token and each draft."""
     drafts = max(0, req.num_computed + n - req.num_tokens)
     ids = req.all_ids + req.draft[:drafts]
-    return StepSeq(ids[req.num_computed:req.num_computed + n], req.num_computed, req.block_table, drafts + 1)
+    return StepSeq(ids[req.num_computed : req.num_computed + n], req.num_computed, req.block_table, drafts + 1)
 
 
 class Speculator:
@@ -83,7 +86,7 @@ class Speculator:
             self.runner.kv.allocator.free(req.block_table[keep:])
             del req.block_table[keep:]
             reqs.append(req)
-            seqs.append(StepSeq(req.all_ids[before + 1:after + 1], before, req.block_table))
+            seqs.append(StepSeq(req.all_ids[before + 1 : after + 1], before, req.block_table))
             rows.extend(range(q, q + after - before))
             left = min(req.max_tokens - len(req.output_ids), max_model_len - req.num_tokens) - 1
             want.append(min(self.n, left) if after == req.num_tokens - 1 else 0)
@@ -99,8 +102,9 @@ class Speculator:
             if not go:
                 return
             live = [live[i] for i in go]
-            chained = [StepSeq([reqs[k].draft[-1]], reqs[k].num_computed + depth - 1, reqs[k].block_table)
-                       for k in live]
+            chained = [
+                StepSeq([reqs[k].draft[-1]], reqs[k].num_computed + depth - 1, reqs[k].block_table) for k in live
+            ]
             h, logits = self.runner.mtp_step(chained, h[go])
             for k, tok in zip(live, logits.argmax(dim=-1).tolist()):
                 reqs[k].draft.append(tok)

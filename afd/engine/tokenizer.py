@@ -108,13 +108,19 @@ class Tokenizer:
         """The prompt text for a conversation. Like HF, the template writes its own special tokens (BOS
         included), so encode the result with add_special_tokens=False. Extra kwargs reach the template."""
         if self.chat_template is None:
-            raise ValueError("this model has no chat template; send a plain prompt (completions) instead, "
-                             "or add a chat_template to its tokenizer_config.json")
+            raise ValueError(
+                "this model has no chat template; send a plain prompt (completions) instead, "
+                "or add a chat_template to its tokenizer_config.json"
+            )
         if self._compiled_template is None:
             self._compiled_template = _compile_template(self.chat_template)
-        return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                              **kwargs)
+        return self._compiled_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
 
 
 def _compile_template(source: str):
@@ -152,7 +158,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._ids = list(prompt_ids[-self.CONTEXT_TOKENS:])
+        self._ids = list(prompt_ids[-self.CONTEXT_TOKENS :])
         self._prefix = 0  # window start
         self._read = len(self._ids)  # tokens before this have been emitted
         if self._decode(self._prefix, self._read).endswith(REPLACEMENT_CHAR):
@@ -174,7 +180,7 @@ class IncrementalDetokenizer:
         after = self._decode(self._prefix)
         if len(after) <= len(before) or after.endswith(REPLACEMENT_CHAR):
             return ""
-        delta = after[len(before):]
+        delta = after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
         self._text += delta
         return delta
@@ -183,7 +189,7 @@ class IncrementalDetokenizer:
         """Whatever push held back (e.g. an incomplete character at the end), as decode gives it."""
         before = self._decode(self._prefix, self._read)
         after = self._decode(self._prefix)
-        delta = after[len(before):] if len(after) > len(before) else ""
+        delta = after[len(before) :] if len(after) > len(before) else ""
         self._prefix = self._read = len(self._ids)
         self._text += delta
         return delta

@@ -37,8 +37,9 @@ class AttentionMetadata:
         return int(self.positions.shape[0])
 
     @classmethod
-    def build(cls, starts: list[int], lens: list[int], block_tables: list[list[int]], block_size: int,
-              device: torch.device) -> AttentionMetadata:
+    def build(
+        cls, starts: list[int], lens: list[int], block_tables: list[list[int]], block_size: int, device: torch.device
+    ) -> AttentionMetadata:
         """starts[i]: tokens of sequence i already cached; lens[i]: its new tokens this step."""
         positions, slots, seqs = [], [], []
         q = 0

@@ -73,15 +73,19 @@ class SafetensorsReader:
         h = self._open(self._safe_open, os.path.join(self.path, self._where[key]))
         t = h.get_tensor(key)
         if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{self.path}: tensor '{key}' has shape {tuple(t.shape)}, "
-                                  f"config.json implies {tuple(shape)}")
+            raise CheckpointError(
+                f"{self.path}: tensor '{key}' has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
+            )
         self.keys_read.append(key)
         return t
 
     @property
     def total_bytes(self) -> int:
-        return sum(os.path.getsize(os.path.join(self.path, f)) for f in set(self._where.values())
-                   if os.path.isfile(os.path.join(self.path, f)))
+        return sum(
+            os.path.getsize(os.path.join(self.path, f))
+            for f in set(self._where.values())
+            if os.path.isfile(os.path.join(self.path, f))
+        )
 
 
 class DummyReader:
@@ -151,8 +155,7 @@ def per_expert_weights(experts: nn.Module, prefix: str, hidden: int, inter: int)
 
 
 def _load(weights: list[Weight], reader: Reader, desc: str) -> None:
-    with Progress(len(weights), desc, "tensors", enabled=reader.total_bytes >= _PROGRESS_MIN_BYTES,
-                  every_s=5.0) as bar:
+    with Progress(len(weights), desc, "tensors", enabled=reader.total_bytes >= _PROGRESS_MIN_BYTES, every_s=5.0) as bar:
         for w in weights:
             srcs = [reader.get(key, shape) for key, shape in w.sources]
             src = w.combine(*srcs) if w.combine is not None else srcs[0]
@@ -178,16 +181,20 @@ def _cast(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Every floating tensor to `dtype` on `device`, but the kept ones to fp32 from the values as loaded:
     HF reads those from the checkpoint at full precision, so they must not pass through `dtype`."""
     keep = kept_in_fp32(module, dtype)
-    kept = {name: t.detach().clone() for name, t in [*module.named_parameters(), *module.named_buffers()]
-            if keep and name.endswith(keep)}
+    kept = {
+        name: t.detach().clone()
+        for name, t in [*module.named_parameters(), *module.named_buffers()]
+        if keep and name.endswith(keep)
+    }
     module.to(device=device, dtype=dtype)
     tensors = dict([*module.named_parameters(), *module.named_buffers()])
     for name, t in kept.items():
         tensors[name].data = t.to(device)
 
 
-def _build(module: nn.Module, weights, reader: Reader, desc: str, dtype: torch.dtype,
-           device: torch.device) -> nn.Module:
+def _build(
+    module: nn.Module, weights, reader: Reader, desc: str, dtype: torch.dtype, device: torch.device
+) -> nn.Module:
     module = module.to_empty(device="cpu")  # fp32: every checkpoint dtype loads into it exactly
     _load(list(weights(module)), reader, desc)
     _cast(module, dtype, device)
@@ -205,12 +212,21 @@ def build_attention_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, d
     """cfg's family's attention half, with its weights from `reader` (and no other tensor read)."""
     with torch.device("meta"):
         model = family_module(cfg, "attention").AttentionHalf(cfg)
-    return _build(model, family_module(cfg, "weights").attention_weights, reader, "loading attention weights",
-                  dtype, device)
+    return _build(
+        model, family_module(cfg, "weights").attention_weights, reader, "loading attention weights", dtype, device
+    )
 
 
-def build_ffn_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device,
-                   lo: int = 0, hi: int | None = None, serves_zero: bool = True, mtp: bool = False) -> nn.Module:
+def build_ffn_half(
+    cfg: ModelConfig,
+    reader: Reader,
+    dtype: torch.dtype,
+    device: torch.device,
+    lo: int = 0,
+    hi: int | None = None,
+    serves_zero: bool = True,
+    mtp: bool = False,
+) -> nn.Module:
     """cfg's family's FFN half holding routed experts [lo, hi) (all by default); with `mtp`, also the
     MTP module's MoE layer when it has one (afd.model.mtp)."""
     from afd.model.mtp import mtp_moe_layers

@@ -60,14 +60,19 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     if vocab_size < MIN_TOKENIZER_VOCAB:
-        raise ValueError(f"a byte-level tokenizer needs a vocab_size of at least {MIN_TOKENIZER_VOCAB}, "
-                         f"got {vocab_size}")
+        raise ValueError(
+            f"a byte-level tokenizer needs a vocab_size of at least {MIN_TOKENIZER_VOCAB}, got {vocab_size}"
+        )
     tok = Tokenizer(models.BPE())
     # No prefix space: decode(encode(text)) must give back exactly `text`.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(DEMO_TEXT.split("\n\n"), trainer)
     # A larger vocab than the text has merges for is filled with reserved specials, so the ids still
     # cover the model's whole embedding table.
@@ -75,14 +80,24 @@ def write_tokenizer(path: str, vocab_size: int) -> None:
     tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
     assert tok.get_vocab_size() == vocab_size, (tok.get_vocab_size(), vocab_size)
     # The post-processor adds BOS so that HF's fast tokenizer, which reads only tokenizer.json, agrees.
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
-                                                       special_tokens=[("<s>", 1)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
     tok.save(os.path.join(path, "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
-              "model_max_length": DEMO_CONFIG["max_position_embeddings"], "chat_template": DEMO_CHAT_TEMPLATE}
-    for name, content in (("tokenizer_config.json", config),
-                          ("generation_config.json", {"bos_token_id": 1, "eos_token_id": 2})):
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": DEMO_CONFIG["max_position_embeddings"],
+        "chat_template": DEMO_CHAT_TEMPLATE,
+    }
+    for name, content in (
+        ("tokenizer_config.json", config),
+        ("generation_config.json", {"bos_token_id": 1, "eos_token_id": 2}),
+    ):
         with open(os.path.join(path, name), "w") as f:
             json.dump(content, f, indent=2, ensure_ascii=False)
 
@@ -93,7 +108,8 @@ DEMO_STAMP = ".afd-demo-v2"
 
 def default_cache_dir() -> str:
     base = os.environ.get("AFD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "afd")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "afd"
+    )
     return os.path.join(base, "demo-longcat-flash")
 
 
@@ -102,8 +118,10 @@ def checkpoint_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     reader = DummyReader(seed)
     weights = family_module(cfg, "weights")
     with torch.device("meta"):
-        halves = [(family_module(cfg, "attention").AttentionHalf(cfg), weights.attention_weights),
-                  (family_module(cfg, "ffn").FFNHalf(cfg), weights.ffn_weights)]
+        halves = [
+            (family_module(cfg, "attention").AttentionHalf(cfg), weights.attention_weights),
+            (family_module(cfg, "ffn").FFNHalf(cfg), weights.ffn_weights),
+        ]
     out = {key: reader.get(key, shape) for half, name_map in halves for w in name_map(half) for key, shape in w.sources}
     extra = getattr(weights, "extra_checkpoint_keys", None)
     for key, shape in extra(cfg) if extra else ():

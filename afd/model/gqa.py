@@ -19,8 +19,15 @@ from afd.model.layers import RMSNorm, apply_rotary_halves
 
 
 class GQAttention(nn.Module):
-    def __init__(self, hidden: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool = False,
-                 qk_norm_eps: float | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ):
         """qk_norm_eps: RMSNorm each q and k head with this eps (None: no q/k norm)."""
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = n_heads, n_kv_heads, head_dim
@@ -32,10 +39,11 @@ class GQAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps)
         self.qk_norm = qk_norm_eps is not None
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor
+    ) -> torch.Tensor:
         """x [T, H]; cache [2, num_blocks, block_size, KVH, D] for this layer. Returns [T, H]."""
         T, D = x.shape[0], self.head_dim
         q = self.q_proj(x).view(T, self.n_heads, D)

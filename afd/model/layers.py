@@ -74,8 +74,17 @@ class YarnRotary(Rotary):
     `factor`-stretched (interpolated) inverse frequency, ramped between the dims that turn beta_fast and
     beta_slow times over the original context; cos and sin are scaled by `attention_factor`."""
 
-    def __init__(self, dim: int, theta: float, factor: float, original_max_position_embeddings: int,
-                 beta_fast: float = 32, beta_slow: float = 1, attention_factor: float = 1.0, truncate: bool = True):
+    def __init__(
+        self,
+        dim: int,
+        theta: float,
+        factor: float,
+        original_max_position_embeddings: int,
+        beta_fast: float = 32,
+        beta_slow: float = 1,
+        attention_factor: float = 1.0,
+        truncate: bool = True,
+    ):
         def correction_dim(rotations: float) -> float:
             return dim * math.log(original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 

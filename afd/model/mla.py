@@ -30,8 +30,13 @@ _LATENT_NORM_EPS = 1e-6
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, lora_scales: bool = True, softmax_scale: float | None = None,
-                 rope_interleave: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        lora_scales: bool = True,
+        softmax_scale: float | None = None,
+        rope_interleave: bool = True,
+    ):
         super().__init__()
         self.n_heads = cfg.num_attention_heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -48,7 +53,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=bias)
-        self.scale = cfg.qk_head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        self.scale = cfg.qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
         # x * 1.0 is exact: without lora_scales the products below change nothing.
         self.q_lora_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5 if lora_scales else 1.0
         self.kv_lora_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if lora_scales else 1.0
@@ -79,10 +84,11 @@ class MLAttention(nn.Module):
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.kv_lora)
-        return w[:, : self.nope], w[:, self.nope:]  # [NH, nope, C], [NH, v, C]
+        return w[:, : self.nope], w[:, self.nope :]  # [NH, nope, C], [NH, v, C]
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor
+    ) -> torch.Tensor:
         """x [T, H] (a token shard [s, H] under a sharded TP mode); cache [num_blocks, block_size, C + R]
         for this layer. Returns o_proj's output in x's layout."""
         q, kva = self._project(x)

@@ -68,8 +68,10 @@ def family_mtp(cfg: ModelConfig):
     try:
         fam = import_module(f"{package}.mtp")
     except ModuleNotFoundError:
-        raise ConfigError(f"--speculative-tokens: {cfg.model_type} has no multi-token-prediction module "
-                          "(MTP drafts come from the checkpoint's MTP layer: longcat_flash, deepseek_v3)") from None
+        raise ConfigError(
+            f"--speculative-tokens: {cfg.model_type} has no multi-token-prediction module "
+            "(MTP drafts come from the checkpoint's MTP layer: longcat_flash, deepseek_v3)"
+        ) from None
     fam.check(cfg)
     return fam
 

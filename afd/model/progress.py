@@ -32,8 +32,16 @@ class Progress:
 
     def _line(self) -> None:
         dt = max(1e-9, time.monotonic() - self._t0)
-        log.info("%s: %d/%d %s (%.0f%%, %.1f %s/s)", self.desc, self.done, self.total, self.unit,
-                 100 * self.done / self.total, self.done / dt, self.unit)
+        log.info(
+            "%s: %d/%d %s (%.0f%%, %.1f %s/s)",
+            self.desc,
+            self.done,
+            self.total,
+            self.unit,
+            100 * self.done / self.total,
+            self.done / dt,
+            self.unit,
+        )
 
     def close(self) -> None:
         if self._bar is not None:

@@ -30,8 +30,7 @@ FAMILIES = {
 
 def _family(model_type) -> tuple[str, str]:
     if model_type not in FAMILIES:
-        raise ConfigError(f"config.json: unsupported model_type {model_type!r}; afd supports "
-                          f"{', '.join(FAMILIES)}")
+        raise ConfigError(f"config.json: unsupported model_type {model_type!r}; afd supports {', '.join(FAMILIES)}")
     return FAMILIES[model_type]
 
 

@@ -15,22 +15,31 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--config", default=None, help="cluster YAML")
     g.add_argument("--node", default=None, help="this node's name in the cluster YAML")
-    g.add_argument("--bind-host", default=None,
-                   help="address the node's servers listen on (default: the node's host in the YAML; "
-                        "0.0.0.0 in a container whose YAML host is a service name)")
+    g.add_argument(
+        "--bind-host",
+        default=None,
+        help="address the node's servers listen on (default: the node's host in the YAML; "
+        "0.0.0.0 in a container whose YAML host is a service name)",
+    )
     g.add_argument("--served-model-name", default=None, help="model name in the API and metrics")
     add_speculative_arg(g)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """The attention node's overrides that vLLM users know by these names."""
-    p.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="context limit of a request (default: the YAML's, else the model's)")
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="context limit of a request (default: the YAML's, else the model's)",
+    )
     p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per step (default: the YAML's)")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
-    p.add_argument("--seed", type=int, default=None,
-                   help="seed of the random sampling of requests that bring no seed of their own")
+    p.add_argument(
+        "--chat-template", default=None, help="a Jinja chat template, or a file holding one (default: the tokenizer's)"
+    )
+    p.add_argument(
+        "--seed", type=int, default=None, help="seed of the random sampling of requests that bring no seed of their own"
+    )
     add_graph_mode_arg(p)
 
 
@@ -45,12 +54,18 @@ def load_cluster_args(args, role: str):
     node = cfg.node(args.node)
     if node.role != role:
         raise ClusterConfigError(f"{args.config}: node {args.node!r} is an {node.role} node, not {role}")
-    return with_overrides(cfg, model=args.model, dtype=args.dtype, node=args.node,
-                          http_port=getattr(args, "port", None), max_model_len=getattr(args, "max_model_len", None),
-                          max_num_seqs=getattr(args, "max_num_seqs", None),
-                          shutdown_timeout=getattr(args, "shutdown_timeout", None),
-                          speculative_tokens=getattr(args, "speculative_tokens", None),
-                          graph_mode=getattr(args, "graph_mode", None))
+    return with_overrides(
+        cfg,
+        model=args.model,
+        dtype=args.dtype,
+        node=args.node,
+        http_port=getattr(args, "port", None),
+        max_model_len=getattr(args, "max_model_len", None),
+        max_num_seqs=getattr(args, "max_num_seqs", None),
+        shutdown_timeout=getattr(args, "shutdown_timeout", None),
+        speculative_tokens=getattr(args, "speculative_tokens", None),
+        graph_mode=getattr(args, "graph_mode", None),
+    )
 
 
 def setup_logging(role: str, name) -> None:
@@ -108,6 +123,8 @@ def _insecure_start(cfg, name: str) -> str | None:
     node = cfg.node(name)
     if _is_loopback(node.host) or cluster_token() or cfg.cluster.insecure:
         return None
-    return (f"{cfg.source}: node {name} is on {node.host}, which other hosts can reach, and {TOKEN_ENV} is not "
-            f"set: anyone reaching its control port could shut the cluster down. Set {TOKEN_ENV} to the same "
-            "secret on every node, or `cluster.insecure: true` in the YAML to run without one.")
+    return (
+        f"{cfg.source}: node {name} is on {node.host}, which other hosts can reach, and {TOKEN_ENV} is not "
+        f"set: anyone reaching its control port could shut the cluster down. Set {TOKEN_ENV} to the same "
+        "secret on every node, or `cluster.insecure: true` in the YAML to run without one."
+    )

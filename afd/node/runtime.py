@@ -49,10 +49,19 @@ class NodeRuntime:
     def join_data_plane(self, st: pb.ClusterStatus) -> DataPlane:
         a = self.assignment
         if self.store is None:
-            self.store, self._store_socket = rendezvous_store(a.rank, a.master_addr, a.master_port,
-                                                              self.cfg.cluster.comm_timeout)
-        self.plane = DataPlane(self.backend, a.rank, a.world_size, self.store, st.generation,
-                               self.cfg.cluster.comm_timeout, st.formation, self.bind_host)
+            self.store, self._store_socket = rendezvous_store(
+                a.rank, a.master_addr, a.master_port, self.cfg.cluster.comm_timeout
+            )
+        self.plane = DataPlane(
+            self.backend,
+            a.rank,
+            a.world_size,
+            self.store,
+            st.generation,
+            self.cfg.cluster.comm_timeout,
+            st.formation,
+            self.bind_host,
+        )
         try:
             self.plane.handshake(list(a.peer_ranks), cluster_token(), st.formation)
         except BaseException:
@@ -68,8 +77,12 @@ class NodeRuntime:
         if self.plane is not None:
             self.plane.close()  # peers blocked on this node see the failure at once, not after comm_timeout
             self.plane = None
-        log.warning("data plane generation %d failed (%s); waiting up to %.0fs for the node to be replaced",
-                    failed, why, self.cfg.cluster.rejoin_timeout)
+        log.warning(
+            "data plane generation %d failed (%s); waiting up to %.0fs for the node to be replaced",
+            failed,
+            why,
+            self.cfg.cluster.rejoin_timeout,
+        )
         return self.join_data_plane(self.client.await_formation(failed, self.cfg.cluster.rejoin_timeout))
 
     def superseded(self) -> bool:
@@ -91,8 +104,14 @@ class NodeRuntime:
             self.server.stop()
 
 
-def bring_up(cfg: ClusterConfig, name: str, bind_host: str, load_model: Callable[[NodeRuntime], None],
-             on_status: Callable[[pb.ClusterStatus | None], None] | None = None, tp_rank: int = 0) -> NodeRuntime:
+def bring_up(
+    cfg: ClusterConfig,
+    name: str,
+    bind_host: str,
+    load_model: Callable[[NodeRuntime], None],
+    on_status: Callable[[pb.ClusterStatus | None], None] | None = None,
+    tp_rank: int = 0,
+) -> NodeRuntime:
     """Raises ControlError (refused, timed out) or PeerError (data plane) with a message for the user.
     tp_rank > 0: one more rank of attention node `name`; it registers as `name.tpR`, on the node's device
     index + R, and serves no control port (the node's rank 0 does)."""
@@ -105,12 +124,22 @@ def bring_up(cfg: ClusterConfig, name: str, bind_host: str, load_model: Callable
     server = None
     if tp_rank == 0:
         coordinator = Coordinator(cfg, fp, mcfg.n_routed_experts) if cfg.coordinator.name == name else None
-        server = ControlServer(bind_host, node.ports.control, cfg.cluster.tls, coordinator,
-                               workers=8 + 2 * len(cfg.processes))
+        server = ControlServer(
+            bind_host, node.ports.control, cfg.cluster.tls, coordinator, workers=8 + 2 * len(cfg.processes)
+        )
     device = proc.device
     backend = get_backend(device.split(":")[0], int(device.split(":")[1]) if ":" in device else 0)
-    rt = NodeRuntime(cfg, node, path, mcfg, backend, server, ControlClient(cfg, name, proc.name),
-                     bind_host=bind_host, tp_rank=tp_rank)
+    rt = NodeRuntime(
+        cfg,
+        node,
+        path,
+        mcfg,
+        backend,
+        server,
+        ControlClient(cfg, name, proc.name),
+        bind_host=bind_host,
+        tp_rank=tp_rank,
+    )
     try:
         rt.assignment = rt.client.register(fp)
         a = rt.assignment

@@ -14,17 +14,101 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from afd.backend.base import bind_device
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
-FINE_BUCKETS = (1e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2,
-                0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+FINE_BUCKETS = (
+    1e-6,
+    5e-6,
+    1e-5,
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    10.0,
+)
 BASE_LABELS = ("role", "node", "model_name")
-CLUSTER_STATE_DOC = ("Cluster state as this node last heard it (ClusterStatus.State): 0 STARTING, 1 READY, "
-                     "2 DEGRADED, 3 DRAINING, 4 SHUTDOWN, 5 FAILED.")
+CLUSTER_STATE_DOC = (
+    "Cluster state as this node last heard it (ClusterStatus.State): 0 STARTING, 1 READY, "
+    "2 DEGRADED, 3 DRAINING, 4 SHUTDOWN, 5 FAILED."
+)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -46,6 +130,7 @@ class _Metrics:
     def watch_cluster_state(self, state) -> None:
         """afd_cluster_state: `state()` (ClusterStatus.State as this node last heard it from the
         coordinator), read at scrape time so that the gauge is never staler than the node's own view."""
+
         def collect():
             fam = GaugeMetricFamily("afd_cluster_state", CLUSTER_STATE_DOC, labels=BASE_LABELS)
             fam.add_metric(self._values(), state())
@@ -62,12 +147,13 @@ class AttentionMetrics(_Metrics):
         super().__init__("attention", node, model_name)
         h, g, c = Histogram, Gauge, Counter
         self.ttft = self._make(h, "afd_time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS)
-        self.itl = self._make(h, "afd_inter_token_latency_seconds", "Time between output tokens.",
-                              buckets=ITL_BUCKETS)
-        self.e2e = self._make(h, "afd_e2e_request_latency_seconds", "End-to-end request latency.",
-                              buckets=REQUEST_BUCKETS)
-        self.queue = self._make(h, "afd_request_queue_time_seconds", "Time from arrival to first schedule.",
-                                buckets=REQUEST_BUCKETS)
+        self.itl = self._make(h, "afd_inter_token_latency_seconds", "Time between output tokens.", buckets=ITL_BUCKETS)
+        self.e2e = self._make(
+            h, "afd_e2e_request_latency_seconds", "End-to-end request latency.", buckets=REQUEST_BUCKETS
+        )
+        self.queue = self._make(
+            h, "afd_request_queue_time_seconds", "Time from arrival to first schedule.", buckets=REQUEST_BUCKETS
+        )
         self.running = self._make(g, "afd_num_requests_running", "Requests in the running batch.")
         self.waiting = self._make(g, "afd_num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = self._make(g, "afd_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).")
@@ -76,12 +162,16 @@ class AttentionMetrics(_Metrics):
         self._success = self._make(c, "afd_request_success", "Finished requests by reason.", ("finished_reason",))
         self.preemptions = self._make(c, "afd_num_preemptions", "Requests preempted for lack of KV blocks.")
         self._step = self._make(h, "afd_step_seconds", "Forward step time.", ("phase",), buckets=FINE_BUCKETS)
-        self.ffn_wait = self._make(h, "afd_ffn_wait_seconds",
-                                   "Per step, time blocked waiting for FFN results (exchange not hidden).",
-                                   buckets=FINE_BUCKETS)
+        self.ffn_wait = self._make(
+            h,
+            "afd_ffn_wait_seconds",
+            "Per step, time blocked waiting for FFN results (exchange not hidden).",
+            buckets=FINE_BUCKETS,
+        )
         self.a2f_bytes = self._make(c, "afd_a2f_bytes", "Bytes of hidden states sent to FFN nodes.")
-        self.micro_batches = self._make(g, "afd_micro_batches",
-                                        "Micro-batches the last step ran with (fixed, or MicroBatchTuner's choice).")
+        self.micro_batches = self._make(
+            g, "afd_micro_batches", "Micro-batches the last step ran with (fixed, or MicroBatchTuner's choice)."
+        )
         self.engine_dead = self._make(g, "afd_engine_dead", "1 once the engine stopped for good (/health is 503).")
         for reason in ("stop", "length", "abort"):  # exported at 0 before the first request, so
             self.labels(self._success, finished_reason=reason)  # dashboards show 0, not "no data"
@@ -98,8 +188,11 @@ class AttentionMetrics(_Metrics):
             return
 
         def collect():
-            fam = GaugeMetricFamily("afd_kv_cache_rank_usage_ratio", "Fraction of each KV-parallel rank's KV "
-                                    "blocks in use (0..1).", labels=(*BASE_LABELS, "kv_rank"))
+            fam = GaugeMetricFamily(
+                "afd_kv_cache_rank_usage_ratio",
+                "Fraction of each KV-parallel rank's KV blocks in use (0..1).",
+                labels=(*BASE_LABELS, "kv_rank"),
+            )
             for k, used in enumerate(allocator.pool_usage()):
                 fam.add_metric(self._values(str(k)), used)
             yield fam
@@ -115,8 +208,11 @@ class AttentionMetrics(_Metrics):
             return
 
         def collect():
-            fam = CounterMetricFamily("afd_graph_steps", "Micro-batch forward passes by mode: graph (compiled, "
-                                      "padded to a batch bucket) or eager.", labels=(*BASE_LABELS, "mode"))
+            fam = CounterMetricFamily(
+                "afd_graph_steps",
+                "Micro-batch forward passes by mode: graph (compiled, padded to a batch bucket) or eager.",
+                labels=(*BASE_LABELS, "mode"),
+            )
             for mode in ("graph", "eager"):
                 fam.add_metric(self._values(mode), steps[mode])
             yield fam
@@ -131,12 +227,18 @@ class AttentionMetrics(_Metrics):
             return
 
         def collect():
-            sent = CounterMetricFamily("afd_tp_comm_bytes", "Bytes this TP rank sent in its TP group, by "
-                                       "collective.", labels=(*BASE_LABELS, "op"))
+            sent = CounterMetricFamily(
+                "afd_tp_comm_bytes",
+                "Bytes this TP rank sent in its TP group, by collective.",
+                labels=(*BASE_LABELS, "op"),
+            )
             for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all"):
                 sent.add_metric(self._values(op), tp.bytes[op])
-            fell = CounterMetricFamily("afd_tp_comm_fallbacks", "Micro-batches a sharded tp_comm mode ran as "
-                                       "allreduce (fewer tokens than its threshold).", labels=(*BASE_LABELS, "mode"))
+            fell = CounterMetricFamily(
+                "afd_tp_comm_fallbacks",
+                "Micro-batches a sharded tp_comm mode ran as allreduce (fewer tokens than its threshold).",
+                labels=(*BASE_LABELS, "mode"),
+            )
             fell.add_metric(self._values(tp.cfg.mode), tp.fallbacks[tp.cfg.mode])
             yield sent
             yield fell
@@ -149,16 +251,21 @@ class AttentionMetrics(_Metrics):
         rate(afd_spec_decode_num_accepted_tokens_total) / rate(afd_spec_decode_num_draft_tokens_total);
         tokens per step of a drafting request: 1 + rate(..._num_accepted_tokens_total) /
         rate(afd_spec_decode_num_drafts_total)."""
+
         def collect():
             for name, doc, value in (
-                    ("afd_spec_decode_num_drafts", "Number of spec decoding drafts.", stats.num_drafts),
-                    ("afd_spec_decode_num_draft_tokens", "Number of draft tokens.", stats.num_draft_tokens),
-                    ("afd_spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.num_accepted_tokens)):
+                ("afd_spec_decode_num_drafts", "Number of spec decoding drafts.", stats.num_drafts),
+                ("afd_spec_decode_num_draft_tokens", "Number of draft tokens.", stats.num_draft_tokens),
+                ("afd_spec_decode_num_accepted_tokens", "Number of accepted tokens.", stats.num_accepted_tokens),
+            ):
                 fam = CounterMetricFamily(name, doc, labels=BASE_LABELS)
                 fam.add_metric(self._values(), value)
                 yield fam
-            fam = CounterMetricFamily("afd_spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
-                                      "position.", labels=(*BASE_LABELS, "position"))
+            fam = CounterMetricFamily(
+                "afd_spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=(*BASE_LABELS, "position"),
+            )
             for pos, value in enumerate(stats.num_accepted_tokens_per_pos):
                 fam.add_metric(self._values(str(pos)), value)
             yield fam
@@ -172,12 +279,19 @@ class AttentionMetrics(_Metrics):
 class FFNMetrics(_Metrics):
     def __init__(self, node: str, model_name: str, expert_lo: int, expert_hi: int, num_layers: int):
         super().__init__("ffn", node, model_name)
-        self.compute = self._make(Histogram, "afd_ffn_compute_seconds",
-                                  "Router + experts time per layer and micro-batch.", buckets=FINE_BUCKETS)
-        self.idle = self._make(Histogram, "afd_ffn_idle_seconds",
-                               "Serving-loop time outside compute, per gap: before a layer's compute (waiting "
-                               "for its inputs) and between steps; compute + idle = the loop's wall time.",
-                               buckets=FINE_BUCKETS)
+        self.compute = self._make(
+            Histogram,
+            "afd_ffn_compute_seconds",
+            "Router + experts time per layer and micro-batch.",
+            buckets=FINE_BUCKETS,
+        )
+        self.idle = self._make(
+            Histogram,
+            "afd_ffn_idle_seconds",
+            "Serving-loop time outside compute, per gap: before a layer's compute (waiting "
+            "for its inputs) and between steps; compute + idle = the loop's wall time.",
+            buckets=FINE_BUCKETS,
+        )
         self.tokens = self._make(Counter, "afd_ffn_tokens", "Tokens through this node's MoE layers.")
         self.prefetch_bytes = self._make(Counter, "afd_prefetch_bytes", "Expert weight bytes prefetched.")
         self.expert_counts = torch.zeros(expert_hi - expert_lo, dtype=torch.int64)
@@ -211,20 +325,29 @@ class FFNMetrics(_Metrics):
         self.zero_tokens = self.zero_tokens + (ids >= module.n_routed).sum()
 
     def _collect(self):
-        experts = CounterMetricFamily("afd_expert_tokens", "Token-expert assignments per routed expert.",
-                                      labels=(*BASE_LABELS, "expert"))
+        experts = CounterMetricFamily(
+            "afd_expert_tokens", "Token-expert assignments per routed expert.", labels=(*BASE_LABELS, "expert")
+        )
         bind_device(self.expert_counts.device)  # the scrape thread reads a device tensor: bind first
         for i, n in enumerate(self.expert_counts.tolist()):
             experts.add_metric(self._values(str(self._lo + i)), n)
         yield experts
-        zero = CounterMetricFamily("afd_zero_expert_tokens", "Token assignments to zero-computation (identity) "
-                                   "experts; 0 on FFN nodes that do not apply them.", labels=BASE_LABELS)
+        zero = CounterMetricFamily(
+            "afd_zero_expert_tokens",
+            "Token assignments to zero-computation (identity) experts; 0 on FFN nodes that do not apply them.",
+            labels=BASE_LABELS,
+        )
         zero.add_metric(self._values(), int(self.zero_tokens))
         yield zero
         for name, values, doc in (
-                ("afd_ffn_layer_compute_seconds", self.layer_compute, "Router + experts time per layer."),
-                ("afd_ffn_layer_idle_seconds", self.layer_idle, "Time before each layer's compute (waiting for "
-                 "its inputs) per layer; the rest of afd_ffn_idle_seconds is spent between steps.")):
+            ("afd_ffn_layer_compute_seconds", self.layer_compute, "Router + experts time per layer."),
+            (
+                "afd_ffn_layer_idle_seconds",
+                self.layer_idle,
+                "Time before each layer's compute (waiting for "
+                "its inputs) per layer; the rest of afd_ffn_idle_seconds is spent between steps.",
+            ),
+        ):
             fam = CounterMetricFamily(name, doc, labels=(*BASE_LABELS, "layer"))
             for layer, v in enumerate(values):
                 fam.add_metric(self._values(str(layer)), v)

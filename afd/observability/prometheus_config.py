@@ -73,8 +73,11 @@ def render(cfg: ClusterConfig, scrape_interval: str = "5s") -> str:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("prometheus-config", help="print a Prometheus scrape config for a cluster YAML",
-                       formatter_class=DefaultsHelpFormatter)
+    p = sub.add_parser(
+        "prometheus-config",
+        help="print a Prometheus scrape config for a cluster YAML",
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("config", metavar="FILE", help="cluster YAML")
     p.add_argument("--output", "-o", default=None, help="write it to this file instead of stdout")
     p.add_argument("--scrape-interval", default="5s", help="Prometheus duration (default 5s)")

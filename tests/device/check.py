@@ -119,8 +119,10 @@ def _cuda_usable() -> tuple[bool, str]:
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         return False, f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
     if not torch.cuda.is_available():
-        return False, (f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA "
-                       f"{torch.version.cuda}): no GPU visible, or no driver")
+        return False, (
+            f"torch.cuda.is_available() is False (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda}): no GPU visible, or no driver"
+        )
     return True, ""
 
 
@@ -165,16 +167,29 @@ def _cuda_env() -> dict:
     devices = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        devices.append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
-                        "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count})
+        devices.append(
+            {
+                "index": i,
+                "name": p.name,
+                "capability": f"{p.major}.{p.minor}",
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "multiprocessors": p.multi_processor_count,
+            }
+        )
     nccl = _try(torch.cuda.nccl.version)
     smi = _command_output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    return {"devices": devices, "cuda_runtime": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
-            "driver": smi.splitlines()[0] if smi else None, "cudnn": _try(torch.backends.cudnn.version),
-            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
-            # natively: since torch 2.2 the bare call also says True where bf16 is only emulated
-            "bf16_supported": _try(lambda: torch.cuda.is_bf16_supported(including_emulation=False),
-                                   _try(torch.cuda.is_bf16_supported))}
+    return {
+        "devices": devices,
+        "cuda_runtime": torch.version.cuda,
+        "hip": getattr(torch.version, "hip", None),
+        "driver": smi.splitlines()[0] if smi else None,
+        "cudnn": _try(torch.backends.cudnn.version),
+        "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl,
+        # natively: since torch 2.2 the bare call also says True where bf16 is only emulated
+        "bf16_supported": _try(
+            lambda: torch.cuda.is_bf16_supported(including_emulation=False), _try(torch.cuda.is_bf16_supported)
+        ),
+    }
 
 
 def _npu_env() -> dict:
@@ -186,23 +201,40 @@ def _npu_env() -> dict:
     devices = []
     for i in range(torch.npu.device_count()):
         mem = _try(lambda i=i: torch.npu.get_device_properties(i).total_memory)
-        devices.append({"index": i, "name": _try(lambda i=i: torch.npu.get_device_name(i)),
-                        "memory_gib": round(mem / 2**30, 1) if mem else None})
+        devices.append(
+            {
+                "index": i,
+                "name": _try(lambda i=i: torch.npu.get_device_name(i)),
+                "memory_gib": round(mem / 2**30, 1) if mem else None,
+            }
+        )
     bf16 = getattr(torch.npu, "is_bf16_supported", None)
-    return {"devices": devices, "torch_npu": getattr(torch_npu, "__version__", None),
-            "cann": cann("CANN") or getattr(torch.version, "cann", None), "driver": cann("DRIVER"),
-            "bf16_supported": _try(bf16) if bf16 else None}
+    return {
+        "devices": devices,
+        "torch_npu": getattr(torch_npu, "__version__", None),
+        "cann": cann("CANN") or getattr(torch.version, "cann", None),
+        "driver": cann("DRIVER"),
+        "bf16_supported": _try(bf16) if bf16 else None,
+    }
 
 
 def environment(target: Target | None, why: str) -> dict:
     import afd
 
-    env = {"date": dt.datetime.now().astimezone().isoformat(timespec="seconds"), "host": platform.node(),
-           "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-           "torch_cuda_build": torch.version.cuda, "afd": afd.__version__,
-           "afd_commit": _command_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
-           "float32_matmul_precision": torch.get_float32_matmul_precision(), "cpu_threads": torch.get_num_threads(),
-           "device_type": target.kind if target else "none", "device_count": target.count if target else 0}
+    env = {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda_build": torch.version.cuda,
+        "afd": afd.__version__,
+        "afd_commit": _command_output(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cpu_threads": torch.get_num_threads(),
+        "device_type": target.kind if target else "none",
+        "device_count": target.count if target else 0,
+    }
     if target is None:
         env["no_accelerator"] = why
     elif target.kind == "cuda":
@@ -273,8 +305,17 @@ def check_pytest() -> Result:
     name = "device tests (pytest)"
     with tempfile.TemporaryDirectory(prefix="afd-device-pytest-") as tmp:
         xml = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}",
-               *DEVICE_TESTS]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml}",
+            *DEVICE_TESTS,
+        ]
         say("$ python " + " ".join(cmd[1:]))
         rc = subprocess.run(cmd, cwd=ROOT, timeout=PYTEST_TIMEOUT).returncode
         if not xml.exists():
@@ -297,8 +338,10 @@ def build_checkpoints(root: Path) -> dict[str, dict[str, str]]:
     """dtype -> {label: checkpoint dir}: the tests' TINY_CONFIGS as the tests build them (fp32, and the
     1A1F check), and again with smaller weights for bf16 (see BF16_WEIGHT_STD)."""
     fp32 = {n: make_hf_checkpoint(str(root / n), **kw) for n, kw in TINY_CONFIGS.items()}
-    bf16 = {f"{n}@std{BF16_WEIGHT_STD}": make_hf_checkpoint(str(root / f"{n}-bf16"), weight_std=BF16_WEIGHT_STD, **kw)
-            for n, kw in TINY_CONFIGS.items()}
+    bf16 = {
+        f"{n}@std{BF16_WEIGHT_STD}": make_hf_checkpoint(str(root / f"{n}-bf16"), weight_std=BF16_WEIGHT_STD, **kw)
+        for n, kw in TINY_CONFIGS.items()
+    }
     return {"float32": fp32, "bfloat16": bf16}
 
 
@@ -309,7 +352,8 @@ def cpu_reference(path: str, steps: int) -> tuple[list[list[int]], list[list[tor
 
     logits: list = []
     ids = afd.LLM(path, dtype="float32", block_size=BLOCK_SIZE).generate_ids(
-        PROMPTS, steps, ignore_eos=True, logits_out=logits)
+        PROMPTS, steps, ignore_eos=True, logits_out=logits
+    )
     return ids, [[x.float().cpu() for x in per] for per in logits]
 
 
@@ -333,8 +377,12 @@ def teacher_forced(llm, prompts: list[list[int]], ref_ids: list[list[int]], max_
             break
         rounds += 1
         got: list = []
-        out = llm.generate_ids([prompts[i] + ref_ids[i][:len(tokens[i])] for i in todo],
-                               [steps - len(tokens[i]) for i in todo], ignore_eos=True, logits_out=got)
+        out = llm.generate_ids(
+            [prompts[i] + ref_ids[i][: len(tokens[i])] for i in todo],
+            [steps - len(tokens[i]) for i in todo],
+            ignore_eos=True,
+            logits_out=got,
+        )
         for i, gen, lg in zip(todo, out, got):
             done = len(tokens[i])
             n = min(len(gen), _agreeing_prefix(gen, ref_ids[i][done:]) + 1)  # through the first disagreement
@@ -351,8 +399,9 @@ class StepCompare:
     rel_err: float  # max |device - ref| / max |ref| over the vocabulary
 
 
-def compare_step(where: str, token: int, logits: torch.Tensor, ref_token: int, ref_logits: torch.Tensor,
-                 tie: float = TIE) -> StepCompare:
+def compare_step(
+    where: str, token: int, logits: torch.Tensor, ref_token: int, ref_logits: torch.Tensor, tie: float = TIE
+) -> StepCompare:
     scale = ref_logits.abs().max().clamp_min(1e-30)
     gap = ((ref_logits[ref_token] - ref_logits[token]) / scale).item()
     err = ((logits - ref_logits).abs().max() / scale).item()
@@ -374,8 +423,14 @@ def judge_colocated(name: str, dtype: str, steps: list[StepCompare], restarts: i
     strict = sum(s.strict for s in steps) / len(steps)
     tied = sum(s.up_to_tie for s in steps) / len(steps)
     misses = [s.where for s in steps if not s.strict]
-    figures = {"steps": len(steps), "top1_strict": round(strict, 4), "top1_up_to_ties": round(tied, 4),
-               "restarts": restarts, **{f"logits_err_{k}": v for k, v in stats.items()}, "worst_at": worst.where}
+    figures = {
+        "steps": len(steps),
+        "top1_strict": round(strict, 4),
+        "top1_up_to_ties": round(tied, 4),
+        "restarts": restarts,
+        **{f"logits_err_{k}": v for k, v in stats.items()},
+        "worst_at": worst.where,
+    }
     problems = []
     if cut_short:
         problems.append(f"cut short after {MAX_ROUNDS} rounds of disagreement: {', '.join(cut_short)}")
@@ -409,8 +464,10 @@ def check_colocated(target: Target, dtype: str, ckpts: dict[str, str], steps: in
         for i, (toks, lgs) in enumerate(zip(tokens, logits)):
             if len(toks) < steps:
                 cut_short.append(f"{label} prompt {i}")
-            compared += [compare_step(f"{label} prompt {i} step {k}", t, lg, ref_ids[i][k], ref_logits[i][k])
-                         for k, (t, lg) in enumerate(zip(toks, lgs))]
+            compared += [
+                compare_step(f"{label} prompt {i} step {k}", t, lg, ref_ids[i][k], ref_logits[i][k])
+                for k, (t, lg) in enumerate(zip(toks, lgs))
+            ]
     return judge_colocated(name, dtype, compared, restarts, cut_short)
 
 
@@ -430,12 +487,20 @@ def gemm_cases(quick: bool) -> list[tuple[str, list[int], int, int]]:
     """(label, group sizes, K, N). The MoE shapes are Qwen3-30B-A3B's experts (hidden 2048, expert 768):
     [gate|up] is K=2048 -> N=1536, down K=768 -> N=2048, 4096 token-slots over 32 experts."""
     if quick:
-        return [("G=1", [64], 128, 256), ("empty groups", [0, 30, 0, 0, 51, 17, 19, 0], 128, 256),
-                ("MoE", moe_group_sizes(8, 256, 2), 256, 192), ("unaligned", [5, 0, 9, 2], 36, 18)]
+        return [
+            ("G=1", [64], 128, 256),
+            ("empty groups", [0, 30, 0, 0, 51, 17, 19, 0], 128, 256),
+            ("MoE", moe_group_sizes(8, 256, 2), 256, 192),
+            ("unaligned", [5, 0, 9, 2], 36, 18),
+        ]
     moe = moe_group_sizes(32, 4096, 4)
-    return [("G=1", [512], 1024, 2048), ("empty groups", [0, 300, 0, 0, 512, 17, 195, 0], 1024, 2048),
-            ("MoE gate_up", moe, 2048, 1536), ("MoE down", moe, 768, 2048),
-            ("unaligned", [5, 0, 9, 2], 36, 18)]  # K, N not multiples of 8: CUDA's fallback path
+    return [
+        ("G=1", [512], 1024, 2048),
+        ("empty groups", [0, 300, 0, 0, 512, 17, 195, 0], 1024, 2048),
+        ("MoE gate_up", moe, 2048, 1536),
+        ("MoE down", moe, 768, 2048),
+        ("unaligned", [5, 0, 9, 2], 36, 18),
+    ]  # K, N not multiples of 8: CUDA's fallback path
 
 
 def loop_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -444,7 +509,7 @@ def loop_matmul(x: torch.Tensor, w: torch.Tensor, sizes: list[int]) -> torch.Ten
     start = 0
     for g, n in enumerate(sizes):
         if n:
-            torch.mm(x[start:start + n], w[g], out=out[start:start + n])
+            torch.mm(x[start : start + n], w[g], out=out[start : start + n])
             start += n
     return out
 
@@ -481,15 +546,28 @@ def gemm_case(backend, dtype: str, label: str, sizes: list[int], K: int, N: int,
         ref = loop_matmul(x, w, sizes)
         backend.synchronize()
         err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30)).item()
-        ms = time_interleaved({"grouped": lambda: backend.grouped_matmul(x, w, group_sizes),
-                               "loop": lambda: loop_matmul(x, w, sizes)},
-                              backend.synchronize, repeats=5 if quick else 15, calls=3 if quick else 10)
-    figures = {"G": len(sizes), "T": sum(sizes), "K": K, "N": N, "empty_groups": sizes.count(0),
-               "rel_err": err, "tol": GEMM_TOL[dtype], "grouped_ms": ms["grouped"], "loop_ms": ms["loop"],
-               "speedup": round(ms["loop"] / ms["grouped"], 2) if ms["grouped"] else None}
+        ms = time_interleaved(
+            {"grouped": lambda: backend.grouped_matmul(x, w, group_sizes), "loop": lambda: loop_matmul(x, w, sizes)},
+            backend.synchronize,
+            repeats=5 if quick else 15,
+            calls=3 if quick else 10,
+        )
+    figures = {
+        "G": len(sizes),
+        "T": sum(sizes),
+        "K": K,
+        "N": N,
+        "empty_groups": sizes.count(0),
+        "rel_err": err,
+        "tol": GEMM_TOL[dtype],
+        "grouped_ms": ms["grouped"],
+        "loop_ms": ms["loop"],
+        "speedup": round(ms["loop"] / ms["grouped"], 2) if ms["grouped"] else None,
+    }
     if tuple(got.shape) != tuple(ref.shape) or got.dtype != ref.dtype:
-        return Result(name, "fail", f"output {tuple(got.shape)} {got.dtype}, expected {tuple(ref.shape)} {ref.dtype}",
-                      figures)
+        return Result(
+            name, "fail", f"output {tuple(got.shape)} {got.dtype}, expected {tuple(ref.shape)} {ref.dtype}", figures
+        )
     if not err <= GEMM_TOL[dtype]:  # `not <=`: a NaN error fails too
         return Result(name, "fail", f"rel err {err:.3g} > {GEMM_TOL[dtype]}", figures)
     return Result(name, "pass", f"within {GEMM_TOL[dtype]}; {figures['speedup']}x the loop", figures)
@@ -506,8 +584,12 @@ def check_gemm(target: Target, quick: bool) -> list[Result]:
             out.append(Result(f"grouped GEMM {dtype}", "skip", why))
             continue
         for label, sizes, K, N in gemm_cases(quick):
-            out.append(guarded(lambda: gemm_case(backend, dtype, label, sizes, K, N, quick),  # noqa: B023
-                               f"grouped GEMM {dtype} {label}"))
+            out.append(
+                guarded(
+                    lambda: gemm_case(backend, dtype, label, sizes, K, N, quick),  # noqa: B023
+                    f"grouped GEMM {dtype} {label}",
+                )
+            )
             announce(out[-1])
     return out
 
@@ -522,8 +604,13 @@ class Launched:
     def __init__(self, config: Path, log: Path):
         self.log = log
         with open(log, "w") as fh:
-            self.proc = subprocess.Popen([sys.executable, "-m", "afd.cli", "launch", str(config)], cwd=ROOT,
-                                         stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "afd.cli", "launch", str(config)],
+                cwd=ROOT,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def wait_ready(self, url: str, timeout: float) -> None:
         from cluster_helpers import health
@@ -562,8 +649,9 @@ def _cluster_config(tmp: Path, ckpt: str, target: Target) -> tuple[Path, str]:
     from cluster_helpers import cluster_yaml
 
     # generous timeouts: a device node creates its context, loads, and forms NCCL/HCCL before it answers
-    path = cluster_yaml(tmp, ckpt, name="device-1a1f",
-                        cluster={"startup_timeout": 180, "heartbeat_timeout": 30, "comm_timeout": 120})
+    path = cluster_yaml(
+        tmp, ckpt, name="device-1a1f", cluster={"startup_timeout": 180, "heartbeat_timeout": 30, "comm_timeout": 120}
+    )
     doc = yaml.safe_load(path.read_text())
     for node in doc["nodes"]:  # attention on device 0, FFN on device 1 (Node.device_type / device_index)
         node["device"] = "cpu" if target.kind == "cpu" else f"{target.kind}:{0 if node['role'] == 'attention' else 1}"
@@ -575,8 +663,12 @@ def _cluster_config(tmp: Path, ckpt: str, target: Target) -> tuple[Path, str]:
 def _complete(url: str, prompt: list[int]) -> list[int]:
     from cluster_helpers import post
 
-    status, body = post(url, "/v1/completions", {"prompt": prompt, "max_tokens": API_TOKENS, "temperature": 0,
-                                                  "ignore_eos": True, "return_token_ids": True}, timeout=120)
+    status, body = post(
+        url,
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": API_TOKENS, "temperature": 0, "ignore_eos": True, "return_token_ids": True},
+        timeout=120,
+    )
     if status != 200:
         raise RuntimeError(f"HTTP {status}: {body}")
     return body["choices"][0]["token_ids"]
@@ -585,8 +677,12 @@ def _complete(url: str, prompt: list[int]) -> list[int]:
 def check_1a1f(target: Target, ckpt: str, steps: int) -> Result:
     name = f"1A1F over {target.dist.upper()} via the OpenAI API"
     if target.kind != "cpu" and target.count < 2:
-        return Result(name, "skip", f"{target.count} {target.kind} device here: 1A1F needs 2 (attention on "
-                                    f"{target.kind}:0, FFN on {target.kind}:1)")
+        return Result(
+            name,
+            "skip",
+            f"{target.count} {target.kind} device here: 1A1F needs 2 (attention on "
+            f"{target.kind}:0, FFN on {target.kind}:1)",
+        )
     ok, why = dtype_supported(target, "float32")
     if not ok:
         return Result(name, "skip", f"compared in fp32, which this device refuses: {why}")
@@ -606,13 +702,21 @@ def check_1a1f(target: Target, ckpt: str, steps: int) -> Result:
             return Result(name, "fail", f"{type(e).__name__}: {e}")
         finally:
             cluster.stop()
-    figures = {"requests": len(PROMPTS), "tokens_each": API_TOKENS, "ready_s": round(t1 - t0, 1),
-               "requests_s": round(t2 - t1, 2)}
+    figures = {
+        "requests": len(PROMPTS),
+        "tokens_each": API_TOKENS,
+        "ready_s": round(t1 - t0, 1),
+        "requests_s": round(t2 - t1, 2),
+    }
     wrong = [i for i, (a, b) in enumerate(zip(got, ref)) if a != b]
     if wrong:
         i = wrong[0]
-        return Result(name, "fail", f"{len(wrong)} of {len(PROMPTS)} requests differ from CPU fp32 (prompt {i}: "
-                                    f"{got[i]} vs {ref[i]})", figures)
+        return Result(
+            name,
+            "fail",
+            f"{len(wrong)} of {len(PROMPTS)} requests differ from CPU fp32 (prompt {i}: {got[i]} vs {ref[i]})",
+            figures,
+        )
     return Result(name, "pass", f"{len(PROMPTS)} concurrent greedy requests equal CPU fp32 tokens", figures)
 
 
@@ -638,8 +742,11 @@ def announce(result: Result) -> Result:
 
 
 # What the table lists when there is no accelerator: one skipped row per device check.
-SKIPPED_WITHOUT_DEVICE = {"colocated": ["colocated float32 vs CPU fp32", "colocated bfloat16 vs CPU fp32"],
-                          "gemm": ["grouped GEMM vs the per-expert loop"], "1a1f": ["1A1F over NCCL / HCCL"]}
+SKIPPED_WITHOUT_DEVICE = {
+    "colocated": ["colocated float32 vs CPU fp32", "colocated bfloat16 vs CPU fp32"],
+    "gemm": ["grouped GEMM vs the per-expert loop"],
+    "1a1f": ["1A1F over NCCL / HCCL"],
+}
 
 
 def run_device_checks(args, target: Target) -> list[Result]:
@@ -675,22 +782,37 @@ def run_checks(args, target: Target | None, why: str) -> list[Result]:
         say("== device tests (pytest)")
         results.append(announce(guarded(check_pytest, "device tests (pytest)")))
     if target is None:
-        return results + [announce(Result(n, "skip", f"no accelerator: {why}"))
-                          for c in CHECKS if c in args.checks for n in SKIPPED_WITHOUT_DEVICE.get(c, [])]
+        return results + [
+            announce(Result(n, "skip", f"no accelerator: {why}"))
+            for c in CHECKS
+            if c in args.checks
+            for n in SKIPPED_WITHOUT_DEVICE.get(c, [])
+        ]
     return results + run_device_checks(args, target)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto", choices=("auto", "cuda", "npu", "cpu"),
-                   help="auto: an NPU if torch_npu sees one, else a CUDA GPU, else none (every device check "
-                        "skips); cpu: run every check on the CPU, a dry run of this script")
-    p.add_argument("--checks", default=",".join(CHECKS),
-                   type=lambda s: [c.strip() for c in s.split(",") if c.strip()],
-                   help=f"comma-separated subset of {','.join(CHECKS)}")
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cuda", "npu", "cpu"),
+        help="auto: an NPU if torch_npu sees one, else a CUDA GPU, else none (every device check "
+        "skips); cpu: run every check on the CPU, a dry run of this script",
+    )
+    p.add_argument(
+        "--checks",
+        default=",".join(CHECKS),
+        type=lambda s: [c.strip() for c in s.split(",") if c.strip()],
+        help=f"comma-separated subset of {','.join(CHECKS)}",
+    )
     p.add_argument("--quick", action="store_true", help="fewer steps, small GEMMs: a smoke run")
-    p.add_argument("--write", action=argparse.BooleanOptionalAction, default=None,
-                   help="write the .md/.json report (default: only when an accelerator ran the checks)")
+    p.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write the .md/.json report (default: only when an accelerator ran the checks)",
+    )
     p.add_argument("--out", type=Path, default=OUT_DIR, help="where the report goes")
     args = p.parse_args(argv)
     unknown = [c for c in args.checks if c not in CHECKS]
@@ -722,8 +844,11 @@ def main(argv: list[str] | None = None) -> int:
         for path in write_report(args.out, env, results, sys.argv, seconds):
             say(f"wrote {path}")
     else:
-        say("nothing written (" + ("--no-write" if accelerator_ran else
-                                   "no accelerator ran the checks; --write records this run anyway") + ")")
+        say(
+            "nothing written ("
+            + ("--no-write" if accelerator_ran else "no accelerator ran the checks; --write records this run anyway")
+            + ")"
+        )
     if target is None:
         say(f"no accelerator here, so every device check was skipped: {why}")
     return 1 if counts["fail"] else 0

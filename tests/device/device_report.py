@@ -63,9 +63,16 @@ def device_label(env: dict) -> str:
 
 def markdown_report(env: dict, results: list[Result]) -> str:
     counts = summary(results)
-    lines = [f"# afd device check: {device_label(env)}, {env.get('date', '')[:10]}", "",
-             f"{counts['pass']} pass, {counts['fail']} fail, {counts['skip']} skip.", "", markdown_table(results), "",
-             "## Environment", ""]
+    lines = [
+        f"# afd device check: {device_label(env)}, {env.get('date', '')[:10]}",
+        "",
+        f"{counts['pass']} pass, {counts['fail']} fail, {counts['skip']} skip.",
+        "",
+        markdown_table(results),
+        "",
+        "## Environment",
+        "",
+    ]
     for k, v in env.items():
         if k == "devices":
             lines += [f"- device: {', '.join(f'{a}={b}' for a, b in d.items())}" for d in v]
@@ -75,8 +82,16 @@ def markdown_report(env: dict, results: list[Result]) -> str:
 
 
 def json_report(env: dict, results: list[Result], argv: list[str], seconds: float) -> dict:
-    return _clean({"schema": SCHEMA, "argv": argv, "seconds": round(seconds, 1),
-                   "environment": env, "summary": summary(results), "checks": [asdict(r) for r in results]})
+    return _clean(
+        {
+            "schema": SCHEMA,
+            "argv": argv,
+            "seconds": round(seconds, 1),
+            "environment": env,
+            "summary": summary(results),
+            "checks": [asdict(r) for r in results],
+        }
+    )
 
 
 def write_report(out_dir: Path, env: dict, results: list[Result], argv: list[str], seconds: float) -> list[Path]:

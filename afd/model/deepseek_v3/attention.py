@@ -38,8 +38,9 @@ class AttentionLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, lora_scales=False, softmax_scale=cfg.softmax_scale,
-                                     rope_interleave=cfg.rope_interleave)
+        self.self_attn = MLAttention(
+            cfg, lora_scales=False, softmax_scale=cfg.softmax_scale, rope_interleave=cfg.rope_interleave
+        )
         self.is_moe = i >= cfg.first_k_dense_replace
         self.mlp = SharedExperts(cfg) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
 
@@ -47,9 +48,16 @@ class AttentionLayer(nn.Module):
 def rotary(cfg: DeepseekV3Config) -> Rotary:
     if cfg.rope_type == "default":
         return Rotary(cfg.qk_rope_head_dim, cfg.rope_theta)
-    return YarnRotary(cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_factor, cfg.rope_original_max_position_embeddings,
-                      cfg.rope_beta_fast or 32, cfg.rope_beta_slow or 1, cfg.rope_attention_scale,
-                      cfg.rope_truncate is not False)
+    return YarnRotary(
+        cfg.qk_rope_head_dim,
+        cfg.rope_theta,
+        cfg.rope_factor,
+        cfg.rope_original_max_position_embeddings,
+        cfg.rope_beta_fast or 32,
+        cfg.rope_beta_slow or 1,
+        cfg.rope_attention_scale,
+        cfg.rope_truncate is not False,
+    )
 
 
 class AttentionHalf(nn.Module):

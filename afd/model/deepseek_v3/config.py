@@ -11,8 +11,16 @@ from afd.model.config import ConfigError, check_types, eos_ids, from_hf_dict, ro
 
 # HF's attribute_map: config.json may use these names for the fields on the right.
 ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
-ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "attention_factor", "truncate")
+ROPE_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+)
 """YaRN's keys of rope_parameters, kept as the fields rope_<key> (None where config.json has none)."""
 # Keys HF's DeepseekV3 ignores but DeepSeek's own code honours: afd runs only the values HF's model means.
 HUB_ONLY = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
@@ -67,25 +75,44 @@ class DeepseekV3Config:
     rope_truncate: bool | None = None
 
     def __post_init__(self):
-        check_types(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "num_experts_per_tok",
-                           "n_routed_experts", "moe_intermediate_size", "intermediate_size", "n_group",
-                           "topk_group", "max_position_embeddings"))
+        check_types(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "kv_lora_rank",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "num_experts_per_tok",
+                "n_routed_experts",
+                "moe_intermediate_size",
+                "intermediate_size",
+                "n_group",
+                "topk_group",
+                "max_position_embeddings",
+            ),
+        )
         if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int) or self.q_lora_rank <= 0):
-            raise ConfigError(f"config.json: 'q_lora_rank' must be a positive integer or null, "
-                              f"got {self.q_lora_rank!r}")
+            raise ConfigError(
+                f"config.json: 'q_lora_rank' must be a positive integer or null, got {self.q_lora_rank!r}"
+            )
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"config.json: 'qk_rope_head_dim' must be even, got {self.qk_rope_head_dim}")
         E, G = self.n_routed_experts, self.n_group
         if E % G or E // G < 2:  # each group is scored by its top-2 experts
-            raise ConfigError(f"config.json: 'n_routed_experts' ({E}) must split into 'n_group' ({G}) groups of "
-                              f"at least 2 experts")
+            raise ConfigError(
+                f"config.json: 'n_routed_experts' ({E}) must split into 'n_group' ({G}) groups of at least 2 experts"
+            )
         if self.topk_group > G:
             raise ConfigError(f"config.json: 'topk_group' ({self.topk_group}) exceeds 'n_group' ({G})")
         if self.num_experts_per_tok > self.topk_group * (E // G):
-            raise ConfigError(f"config.json: 'num_experts_per_tok' ({self.num_experts_per_tok}) exceeds the "
-                              f"{self.topk_group * (E // G)} experts of 'topk_group' ({self.topk_group}) of "
-                              f"'n_group' ({G}) groups")
+            raise ConfigError(
+                f"config.json: 'num_experts_per_tok' ({self.num_experts_per_tok}) exceeds the "
+                f"{self.topk_group * (E // G)} experts of 'topk_group' ({self.topk_group}) of "
+                f"'n_group' ({G}) groups"
+            )
 
     @property
     def num_layers(self) -> int:
@@ -145,28 +172,37 @@ class DeepseekV3Config:
             if d.get(key) not in (None, want):
                 raise ConfigError(f"config.json: unsupported {key} {d[key]!r}; afd supports {want!r}")
         if d.get("quantization_config"):  # the hub's FP8 weights need their block scales applied
-            raise ConfigError("config.json: unsupported 'quantization_config'; afd loads unquantized weights "
-                              "(dequantize the checkpoint to bf16 first)")
+            raise ConfigError(
+                "config.json: unsupported 'quantization_config'; afd loads unquantized weights "
+                "(dequantize the checkpoint to bf16 first)"
+            )
         nkv, heads = d.get("num_key_value_heads", 128), d.get("num_attention_heads", cls.num_attention_heads)
         if nkv is not None and nkv != heads:  # HF's default is 128 whatever the heads
-            raise ConfigError(f"config.json: MLA needs 'num_key_value_heads' ({nkv}) == 'num_attention_heads' "
-                              f"({heads})")
-        derived = {"rope_theta": rope_theta(d, cls.rope_theta), "rope_type": rope_type(d),
-                   "eos_token_ids": eos_ids(d.get("eos_token_id", 1)),
-                   "bos_token_id": d.get("bos_token_id", cls.bos_token_id),
-                   "q_lora_rank": d.get("q_lora_rank", cls.q_lora_rank)}  # null is meaningful here
+            raise ConfigError(
+                f"config.json: MLA needs 'num_key_value_heads' ({nkv}) == 'num_attention_heads' ({heads})"
+            )
+        derived = {
+            "rope_theta": rope_theta(d, cls.rope_theta),
+            "rope_type": rope_type(d),
+            "eos_token_ids": eos_ids(d.get("eos_token_id", 1)),
+            "bos_token_id": d.get("bos_token_id", cls.bos_token_id),
+            "q_lora_rank": d.get("q_lora_rank", cls.q_lora_rank),
+        }  # null is meaningful here
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if derived["rope_type"] not in ("default", "yarn"):
-            raise ConfigError(f"config.json: unsupported rope_type {derived['rope_type']!r}; afd supports "
-                              f"'default' and 'yarn'")
+            raise ConfigError(
+                f"config.json: unsupported rope_type {derived['rope_type']!r}; afd supports 'default' and 'yarn'"
+            )
         if rope.get("partial_rotary_factor", 1.0) != 1.0:
             raise ConfigError("config.json: unsupported rope_parameters 'partial_rotary_factor'; afd supports 1.0")
         if derived["rope_type"] == "yarn":
             derived.update({f"rope_{k}": rope[k] for k in ROPE_KEYS if rope.get(k) is not None})
             if "rope_factor" not in derived:
                 raise ConfigError("config.json: yarn rope_parameters need 'factor'")
-            derived.setdefault("rope_original_max_position_embeddings",  # as HF's standardize_rope_params
-                               d.get("max_position_embeddings", cls.max_position_embeddings))
+            derived.setdefault(
+                "rope_original_max_position_embeddings",  # as HF's standardize_rope_params
+                d.get("max_position_embeddings", cls.max_position_embeddings),
+            )
         return from_hf_dict(cls, d, ALIASES, **derived)
 
 

@@ -49,8 +49,9 @@ class FFNLayer(nn.Module):
         super().__init__()
         self.router = Router(cfg)
         # DeepSeek has no identity experts: nothing for a holder to serve beyond its routed ones.
-        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, lo, hi,
-                               serves_zero=False)
+        self.experts = Experts(
+            cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, lo, hi, serves_zero=False
+        )
 
 
 class FFNHalf(nn.Module):
@@ -61,8 +62,9 @@ class FFNHalf(nn.Module):
     """HF's `_keep_in_fp32_modules_strict` (`gate.weight`, `e_score_correction_bias`): in a bf16 or fp16
     model the whole router stays fp32 at the checkpoint's precision, bias included (afd.model.checkpoint)."""
 
-    def __init__(self, cfg: DeepseekV3Config, lo: int = 0, hi: int | None = None, serves_zero: bool = True,
-                 mtp: bool = False):
+    def __init__(
+        self, cfg: DeepseekV3Config, lo: int = 0, hi: int | None = None, serves_zero: bool = True, mtp: bool = False
+    ):
         super().__init__()
         hi = cfg.n_routed_experts if hi is None else hi
         if not 0 <= lo <= hi <= cfg.n_routed_experts:
@@ -83,4 +85,3 @@ class FFNHalf(nn.Module):
         layer = self.layer(i)
         weights, ids = layer.router(m)
         return layer.experts(backend, m, weights, ids)
-

@@ -41,8 +41,10 @@ class MTPBlock(AttentionLayer):
 
 def check(cfg: DeepseekV3Config) -> None:
     if cfg.num_nextn_predict_layers < 1:
-        raise ConfigError("--speculative-tokens: config.json says num_nextn_predict_layers "
-                          f"{cfg.num_nextn_predict_layers}: the checkpoint has no MTP module")
+        raise ConfigError(
+            "--speculative-tokens: config.json says num_nextn_predict_layers "
+            f"{cfg.num_nextn_predict_layers}: the checkpoint has no MTP module"
+        )
 
 
 def moe_layers(cfg: DeepseekV3Config) -> tuple[int, ...]:

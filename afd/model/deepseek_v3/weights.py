@@ -28,9 +28,12 @@ def attention_weights(model: AttentionHalf) -> Iterator[Weight]:
     cfg = model.cfg
     if cfg.num_nextn_predict_layers:
         L = cfg.num_hidden_layers
-        log.info("the decoder does not read the checkpoint's multi-token-prediction layers (model.layers.%d..%d.*, "
-                 "if present); --speculative-tokens loads the first as the draft model", L,
-                 L + cfg.num_nextn_predict_layers - 1)
+        log.info(
+            "the decoder does not read the checkpoint's multi-token-prediction layers (model.layers.%d..%d.*, "
+            "if present); --speculative-tokens loads the first as the draft model",
+            L,
+            L + cfg.num_nextn_predict_layers - 1,
+        )
     yield from hub_named_weights(model)
 
 

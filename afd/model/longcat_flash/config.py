@@ -9,8 +9,12 @@ from typing import ClassVar
 from afd.model.config import ConfigError, check_types, eos_ids, from_hf_dict, rope_theta, rope_type
 
 # HF's attribute_map: config.json may use these names for the fields on the right.
-ALIASES = {"num_local_experts": "n_routed_experts", "num_experts_per_tok": "moe_topk",
-           "intermediate_size": "ffn_hidden_size", "moe_intermediate_size": "expert_ffn_hidden_size"}
+ALIASES = {
+    "num_local_experts": "n_routed_experts",
+    "num_experts_per_tok": "moe_topk",
+    "intermediate_size": "ffn_hidden_size",
+    "moe_intermediate_size": "expert_ffn_hidden_size",
+}
 HF_HEAD_DIM = 64
 """LongcatFlashConfig.head_dim's default: HF sizes the rotary table by head_dim, not qk_rope_head_dim."""
 
@@ -48,15 +52,31 @@ class LongcatFlashConfig:
     bos_token_id: int | None = 1
 
     def __post_init__(self):
-        check_types(self, ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "kv_lora_rank",
-                           "q_lora_rank", "qk_rope_head_dim", "v_head_dim", "moe_topk", "n_routed_experts",
-                           "expert_ffn_hidden_size", "ffn_hidden_size", "max_position_embeddings"))
+        check_types(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "num_layers",
+                "num_attention_heads",
+                "kv_lora_rank",
+                "q_lora_rank",
+                "qk_rope_head_dim",
+                "v_head_dim",
+                "moe_topk",
+                "n_routed_experts",
+                "expert_ffn_hidden_size",
+                "ffn_hidden_size",
+                "max_position_embeddings",
+            ),
+        )
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"config.json: 'qk_rope_head_dim' must be even, got {self.qk_rope_head_dim}")
         if self.moe_topk > self.num_experts_total:
             raise ConfigError(
                 f"config.json: 'moe_topk' ({self.moe_topk}) exceeds n_routed_experts + zero_expert_num "
-                f"({self.num_experts_total})")
+                f"({self.num_experts_total})"
+            )
 
     @property
     def num_experts_total(self) -> int:
@@ -94,21 +114,28 @@ class LongcatFlashConfig:
             head_dim = HF_HEAD_DIM
         if head_dim != rope_dim:
             # HF sizes the rotary table by head_dim; the two must agree for the model to be well formed.
-            raise ConfigError(f"config.json: 'head_dim' ({head_dim}{' by default' if 'head_dim' not in d else ''})"
-                              f" must equal 'qk_rope_head_dim' ({rope_dim})")
+            raise ConfigError(
+                f"config.json: 'head_dim' ({head_dim}{' by default' if 'head_dim' not in d else ''})"
+                f" must equal 'qk_rope_head_dim' ({rope_dim})"
+            )
         qk = d.get("qk_head_dim")
         nope = d.get("qk_nope_head_dim", cls.qk_nope_head_dim)
         if qk is not None and qk != nope + rope_dim:
-            raise ConfigError(f"config.json: 'qk_head_dim' ({qk}) must equal 'qk_nope_head_dim' + 'qk_rope_head_dim' "
-                              f"({nope + rope_dim})")
+            raise ConfigError(
+                f"config.json: 'qk_head_dim' ({qk}) must equal 'qk_nope_head_dim' + 'qk_rope_head_dim' "
+                f"({nope + rope_dim})"
+            )
         nkv = d.get("num_key_value_heads")
         heads = d.get("num_attention_heads", cls.num_attention_heads)
         if nkv is not None and nkv != heads:
-            raise ConfigError(f"config.json: MLA needs 'num_key_value_heads' ({nkv}) == "
-                              f"'num_attention_heads' ({heads})")
-        derived = {"rope_theta": rope_theta(d, cls.rope_theta),
-                   "eos_token_ids": eos_ids(d.get("eos_token_id", 2)),
-                   "bos_token_id": d.get("bos_token_id", cls.bos_token_id)}
+            raise ConfigError(
+                f"config.json: MLA needs 'num_key_value_heads' ({nkv}) == 'num_attention_heads' ({heads})"
+            )
+        derived = {
+            "rope_theta": rope_theta(d, cls.rope_theta),
+            "eos_token_ids": eos_ids(d.get("eos_token_id", 2)),
+            "bos_token_id": d.get("bos_token_id", cls.bos_token_id),
+        }
         if "zero_expert_num" in d and d["zero_expert_num"] is None:
             derived["zero_expert_num"] = 0  # HF: `config.zero_expert_num or 0`
         return from_hf_dict(cls, d, ALIASES, **derived)

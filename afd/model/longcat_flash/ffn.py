@@ -36,8 +36,7 @@ class FFNLayer(nn.Module):
     def __init__(self, cfg: LongcatFlashConfig, lo: int, hi: int, serves_zero: bool):
         super().__init__()
         self.router = Router(cfg)
-        self.experts = Experts(cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.n_routed_experts, lo, hi,
-                               serves_zero)
+        self.experts = Experts(cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.n_routed_experts, lo, hi, serves_zero)
 
 
 class FFNHalf(nn.Module):

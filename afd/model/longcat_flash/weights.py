@@ -21,8 +21,12 @@ def attention_weights(model: AttentionHalf) -> Iterator[Weight]:
 
 
 MTP = "model.mtp.layers.0"
-_MTP_NAMES = {"enorm.weight": f"{MTP}.enorm.m.weight", "hnorm.weight": f"{MTP}.hnorm.m.weight",
-              "eh_proj.weight": f"{MTP}.eh_proj.weight", "norm.weight": "model.mtp.norm.weight"}
+_MTP_NAMES = {
+    "enorm.weight": f"{MTP}.enorm.m.weight",
+    "hnorm.weight": f"{MTP}.hnorm.m.weight",
+    "eh_proj.weight": f"{MTP}.eh_proj.weight",
+    "norm.weight": "model.mtp.norm.weight",
+}
 
 
 def mtp_weights(model) -> Iterator[Weight]:

@@ -27,8 +27,14 @@ class AttentionLayer(nn.Module):
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
-        self.self_attn = GQAttention(cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                     cfg.head_dim, cfg.attention_bias, qk_norm_eps=eps)
+        self.self_attn = GQAttention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            cfg.attention_bias,
+            qk_norm_eps=eps,
+        )
         self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size) if dense else None
 
 

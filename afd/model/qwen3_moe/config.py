@@ -41,17 +41,34 @@ class Qwen3MoeConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self):
-        check_types(self, ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "num_key_value_heads", "head_dim", "decoder_sparse_step", "moe_intermediate_size",
-                           "num_experts_per_tok", "num_experts", "max_position_embeddings"))
+        check_types(
+            self,
+            (
+                "vocab_size",
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "decoder_sparse_step",
+                "moe_intermediate_size",
+                "num_experts_per_tok",
+                "num_experts",
+                "max_position_embeddings",
+            ),
+        )
         if self.head_dim % 2:
             raise ConfigError(f"config.json: 'head_dim' must be even (rotary pairs), got {self.head_dim}")
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ConfigError(f"config.json: 'num_attention_heads' ({self.num_attention_heads}) must be a multiple "
-                              f"of 'num_key_value_heads' ({self.num_key_value_heads})")
+            raise ConfigError(
+                f"config.json: 'num_attention_heads' ({self.num_attention_heads}) must be a multiple "
+                f"of 'num_key_value_heads' ({self.num_key_value_heads})"
+            )
         if self.num_experts_per_tok > self.num_experts:
-            raise ConfigError(f"config.json: 'num_experts_per_tok' ({self.num_experts_per_tok}) exceeds "
-                              f"'num_experts' ({self.num_experts})")
+            raise ConfigError(
+                f"config.json: 'num_experts_per_tok' ({self.num_experts_per_tok}) exceeds "
+                f"'num_experts' ({self.num_experts})"
+            )
         if len(self.moe_layers) < self.num_layers and self.intermediate_size <= 0:
             raise ConfigError("config.json: 'intermediate_size' must be positive: some layers are dense")
 
@@ -66,8 +83,11 @@ class Qwen3MoeConfig:
     @property
     def moe_layers(self) -> tuple[int, ...]:
         """HF's Qwen3MoeDecoderLayer rule; the other layers hold a dense MLP."""
-        return tuple(i for i in range(self.num_layers)
-                     if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0)
+        return tuple(
+            i
+            for i in range(self.num_layers)
+            if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """K and V heads (after q/k norm and RoPE for K): [L, 2, blocks, block_size, KVH, D]."""
@@ -87,7 +107,11 @@ class Qwen3MoeConfig:
         mlp_only = d.get("mlp_only_layers") or []
         if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
             raise ConfigError(f"config.json: 'mlp_only_layers' must be a list of layer indices, got {mlp_only!r}")
-        derived = {"rope_theta": rope_theta(d, cls.rope_theta), "head_dim": head_dim,
-                   "mlp_only_layers": tuple(mlp_only), "eos_token_ids": eos_ids(d.get("eos_token_id")),
-                   "bos_token_id": d.get("bos_token_id")}
+        derived = {
+            "rope_theta": rope_theta(d, cls.rope_theta),
+            "head_dim": head_dim,
+            "mlp_only_layers": tuple(mlp_only),
+            "eos_token_ids": eos_ids(d.get("eos_token_id")),
+            "bos_token_id": d.get("bos_token_id"),
+        }
         return from_hf_dict(cls, d, ALIASES, **derived)

@@ -35,8 +35,7 @@ class FFNLayer(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig, lo: int, hi: int):
         super().__init__()
         self.router = Router(cfg)
-        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, lo, hi,
-                               serves_zero=False)
+        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, lo, hi, serves_zero=False)
 
 
 class FFNHalf(nn.Module):

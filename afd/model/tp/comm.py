@@ -42,8 +42,9 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 class TPComm:
-    def __init__(self, cfg: TPConfig, rank: int = 0, ranks: list[int] | None = None, backend=None,
-                 timeout_s: float = 60.0):
+    def __init__(
+        self, cfg: TPConfig, rank: int = 0, ranks: list[int] | None = None, backend=None, timeout_s: float = 60.0
+    ):
         """ranks: the group's global ranks in TP-rank order (ranks[0] leads: it schedules and samples).
         Groups are made by their members only, so other processes of the world need not take part."""
         self.cfg, self.rank, self.size = cfg, rank, cfg.size
@@ -66,8 +67,9 @@ class TPComm:
         timeout = timedelta(seconds=self.timeout_s)
 
         def group(members: list[int], **kw):
-            return dist.new_group([self.ranks[i] for i in members], timeout=timeout, use_local_synchronization=True,
-                                  **kw)
+            return dist.new_group(
+                [self.ranks[i] for i in members], timeout=timeout, use_local_synchronization=True, **kw
+            )
 
         self.group = group(list(range(self.size)))
         self.cpu_group = group(list(range(self.size)), backend="gloo")  # schedules, as pickled objects
@@ -89,8 +91,13 @@ class TPComm:
         p = plan(self.cfg, tokens)
         if self.size > 1 and self.cfg.mode != "allreduce" and not p.sharded and tokens:
             if not self.fallbacks:
-                log.info("tp_comm %s: a micro-batch of %d tokens runs as allreduce (below the threshold of %d; "
-                         "afd_tp_comm_fallbacks_total counts each)", self.cfg.mode, tokens, self.cfg.threshold)
+                log.info(
+                    "tp_comm %s: a micro-batch of %d tokens runs as allreduce (below the threshold of %d; "
+                    "afd_tp_comm_fallbacks_total counts each)",
+                    self.cfg.mode,
+                    tokens,
+                    self.cfg.threshold,
+                )
             log.debug("tp_comm %s -> allreduce for %d tokens", self.cfg.mode, tokens)
             self.fallbacks[self.cfg.mode] += 1
         return p
@@ -105,8 +112,10 @@ class TPComm:
             fn(*args, **kw)
         except RuntimeError as e:
             line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TPError(f"tensor parallel: {op} in the TP group (ranks {self.ranks}) failed ({line}); a rank "
-                          "of this attention node is probably gone") from None
+            raise TPError(
+                f"tensor parallel: {op} in the TP group (ranks {self.ranks}) failed ({line}); a rank "
+                "of this attention node is probably gone"
+            ) from None
         self.bytes[op] += nbytes
 
     def _share(self, n: int, parts: int) -> int:
@@ -119,8 +128,14 @@ class TPComm:
     def _gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's [shard, ...] rows -> the micro-batch's [T, ...] (padding dropped)."""
         out = x.new_empty(self.plan.padded, *x.shape[1:])
-        self._run("all_gather", self._share(out.numel() * out.element_size(), self.size),
-                  _all_gather, out, x.contiguous(), group=self.group)
+        self._run(
+            "all_gather",
+            self._share(out.numel() * out.element_size(), self.size),
+            _all_gather,
+            out,
+            x.contiguous(),
+            group=self.group,
+        )
         return out[: self.plan.tokens]
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
@@ -129,13 +144,24 @@ class TPComm:
         if self.size == 1:
             return y
         if not p.sharded:
-            self._run("all_reduce", 2 * self._share(y.numel() * y.element_size(), self.size),
-                      dist.all_reduce, y, group=self.group)
+            self._run(
+                "all_reduce",
+                2 * self._share(y.numel() * y.element_size(), self.size),
+                dist.all_reduce,
+                y,
+                group=self.group,
+            )
             return y
         y = _pad_rows(y, p.padded).contiguous()
         out = y.new_empty(p.shard, *y.shape[1:])
-        self._run("reduce_scatter", self._share(y.numel() * y.element_size(), self.size),
-                  _reduce_scatter, out, y, group=self.group)
+        self._run(
+            "reduce_scatter",
+            self._share(y.numel() * y.element_size(), self.size),
+            _reduce_scatter,
+            out,
+            y,
+            group=self.group,
+        )
         return out
 
     def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -158,13 +184,25 @@ class TPComm:
         order = torch.tensor(fc2_batch_ids(G, P), device=x.device).reshape(-1)  # member i's chunks, i = 0..D-1
         send = _pad_rows(x, p.padded).view(G, s, Fl)[order].view(D, P, s, Fl)  # [D (to member i), P, s, Fl]
         recv = torch.empty_like(send)  # [D (from member i), P, s, Fl]: member i's heads for my chunks
-        self._run("all_to_all", self._share(send.numel() * send.element_size(), D),
-                  dist.all_to_all_single, recv, send, group=self.odp_group)
+        self._run(
+            "all_to_all",
+            self._share(send.numel() * send.element_size(), D),
+            dist.all_to_all_single,
+            recv,
+            send,
+            group=self.odp_group,
+        )
         inp = recv.permute(1, 2, 0, 3).reshape(P * s, D * Fl)  # my chunks, the ODP group's heads side by side
         partial = (inp @ block.t()).contiguous()  # [P*s, H]
         out = partial.new_empty(s, partial.shape[1])
-        self._run("reduce_scatter", self._share(partial.numel() * partial.element_size(), P),
-                  _reduce_scatter, out, partial, group=self.otp_group)
+        self._run(
+            "reduce_scatter",
+            self._share(partial.numel() * partial.element_size(), P),
+            _reduce_scatter,
+            out,
+            partial,
+            group=self.otp_group,
+        )
         return out if bias is None else out + bias
 
     def kvp_merge(self, o: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -177,8 +215,14 @@ class TPComm:
         send_l = lse.view(T, N, hg // N).transpose(0, 1).contiguous()
         recv_o, recv_l = torch.empty_like(send_o), torch.empty_like(send_l)
         for send, recv in ((send_o, recv_o), (send_l, recv_l)):
-            self._run("all_to_all", self._share(send.numel() * send.element_size(), N),
-                      dist.all_to_all_single, recv, send, group=self.kvp_group)
+            self._run(
+                "all_to_all",
+                self._share(send.numel() * send.element_size(), N),
+                dist.all_to_all_single,
+                recv,
+                send,
+                group=self.kvp_group,
+            )
         return merge(recv_o, recv_l)
 
     # ---- the MoE boundary --------------------------------------------------------------------------
@@ -203,8 +247,14 @@ class TPComm:
             return logits
         B, Vl = logits.shape
         out = logits.new_empty(self.size * B, Vl)
-        self._run("all_gather", self._share(out.numel() * out.element_size(), self.size),
-                  _all_gather, out, logits.contiguous(), group=self.group)
+        self._run(
+            "all_gather",
+            self._share(out.numel() * out.element_size(), self.size),
+            _all_gather,
+            out,
+            logits.contiguous(),
+            group=self.group,
+        )
         return out.view(self.size, B, Vl).transpose(0, 1).reshape(B, self.size * Vl)
 
     # ---- the leader's schedule ---------------------------------------------------------------------

@@ -53,21 +53,26 @@ class TPConfig:
         if self.mode == "flashcomm2":
             P = self.otp
             if type(P) is not int or P < 1:
-                raise TPConfigError(f"layout.flashcomm2_otp: tp_comm flashcomm2 needs the o_proj TP size P "
-                                    f"(a positive integer), got {P!r}")
+                raise TPConfigError(
+                    f"layout.flashcomm2_otp: tp_comm flashcomm2 needs the o_proj TP size P "
+                    f"(a positive integer), got {P!r}"
+                )
             if self.size <= P:
-                raise TPConfigError(f"layout.flashcomm2_otp: P = {P} must be smaller than layout.attention_tp "
-                                    f"= {self.size} (the seed requires tp > P)")
+                raise TPConfigError(
+                    f"layout.flashcomm2_otp: P = {P} must be smaller than layout.attention_tp "
+                    f"= {self.size} (the seed requires tp > P)"
+                )
             if self.size % P:
-                raise TPConfigError(f"layout.flashcomm2_otp: P = {P} does not divide layout.attention_tp = "
-                                    f"{self.size}")
+                raise TPConfigError(f"layout.flashcomm2_otp: P = {P} does not divide layout.attention_tp = {self.size}")
         elif self.otp is not None:
             raise TPConfigError(f"layout.flashcomm2_otp: only tp_comm flashcomm2 uses it (tp_comm is {self.mode})")
         if type(self.kvp) is not int or self.kvp < 1:
             raise TPConfigError(f"layout.kvp: expected a positive integer, got {self.kvp!r}")
         if self.size % self.kvp:
-            raise TPConfigError(f"layout.kvp: {self.kvp} KV-parallel ranks must divide layout.attention_tp = "
-                                f"{self.size} (KVP runs on the ranks of one attention node)")
+            raise TPConfigError(
+                f"layout.kvp: {self.kvp} KV-parallel ranks must divide layout.attention_tp = "
+                f"{self.size} (KVP runs on the ranks of one attention node)"
+            )
         if self.min_tokens is not None and (type(self.min_tokens) is not int or self.min_tokens < 0):
             raise TPConfigError(f"layout.tp_comm_min_tokens: expected an integer >= 0, got {self.min_tokens!r}")
 
@@ -83,8 +88,10 @@ class TPConfig:
     def check_model(self, num_heads: int, source: str = "layout.attention_tp") -> None:
         """The model against the layout: whole heads per rank."""
         if num_heads % self.size:
-            raise TPConfigError(f"{source}: {self.size} ranks do not divide the model's {num_heads} attention "
-                                "heads (each rank holds whole heads)")
+            raise TPConfigError(
+                f"{source}: {self.size} ranks do not divide the model's {num_heads} attention "
+                "heads (each rank holds whole heads)"
+            )
 
 
 @dataclass(frozen=True)
@@ -115,8 +122,13 @@ class ShardPlan:
 
 def plan(cfg: TPConfig, tokens: int) -> ShardPlan:
     sharded = cfg.size > 1 and cfg.mode in SHARDED_MODES and tokens >= cfg.threshold
-    return ShardPlan(tokens, cfg.size, sharded, latents=sharded and cfg.mode in ("flashcomm1", "flashcomm2"),
-                     fc2=sharded and cfg.mode == "flashcomm2")
+    return ShardPlan(
+        tokens,
+        cfg.size,
+        sharded,
+        latents=sharded and cfg.mode in ("flashcomm1", "flashcomm2"),
+        fc2=sharded and cfg.mode == "flashcomm2",
+    )
 
 
 def fc2_batch_ids(size: int, otp: int) -> list[list[int]]:
@@ -132,5 +144,7 @@ def fc2_groups(size: int, otp: int) -> tuple[list[list[int]], list[list[int]]]:
     fc2_batch_ids[j] with the features of ODP group g (heads g*D*n .. (g+1)*D*n), and the OTP group's
     ReduceScatter leaves it chunk j + D*g = its own rank: the same token shard as sp."""
     odp = size // otp
-    return ([[g * odp + i for i in range(odp)] for g in range(otp)],
-            [[j + odp * g for g in range(otp)] for j in range(odp)])
+    return (
+        [[g * odp + i for i in range(odp)] for g in range(otp)],
+        [[j + odp * g for g in range(otp)] for j in range(odp)],
+    )

@@ -29,7 +29,7 @@ def _rows(lin: nn.Linear, w: torch.Tensor) -> None:
 
 def _heads(w: torch.Tensor, n_heads: int, lo: int, n: int) -> torch.Tensor:
     """Rows of heads [lo, lo + n) of a per-head-major weight [NH * d, K]."""
-    return w.view(n_heads, -1, w.shape[-1])[lo:lo + n].reshape(-1, w.shape[-1])
+    return w.view(n_heads, -1, w.shape[-1])[lo : lo + n].reshape(-1, w.shape[-1])
 
 
 def shard_mla(attn: MLAttention, tp: TPComm) -> None:
@@ -48,10 +48,10 @@ def shard_mla(attn: MLAttention, tp: TPComm) -> None:
     if tp.cfg.mode == "flashcomm2":
         D = G // tp.cfg.otp
         g, j = divmod(r, D)
-        block = w[:, g * D * cols:(g + 1) * D * cols]
+        block = w[:, g * D * cols : (g + 1) * D * cols]
         attn.o_proj = FC2OProj(block, slice(j * cols, (j + 1) * cols), b, tp)
     else:
-        attn.o_proj = RowParallelLinear(w[:, r * cols:(r + 1) * cols], b, tp)
+        attn.o_proj = RowParallelLinear(w[:, r * cols : (r + 1) * cols], b, tp)
     attn.n_heads, attn.tp = hg, tp
     if N > 1:
         attn.kvp = (N, r % N)
@@ -60,8 +60,7 @@ def shard_mla(attn: MLAttention, tp: TPComm) -> None:
 def shard_mlp(mlp: DenseMLP, tp: TPComm, where: str) -> None:
     inter = mlp.gate_proj.weight.shape[0]
     if inter % tp.size:
-        raise TPConfigError(f"layout.attention_tp: {tp.size} ranks do not divide {where}'s intermediate size "
-                            f"{inter}")
+        raise TPConfigError(f"layout.attention_tp: {tp.size} ranks do not divide {where}'s intermediate size {inter}")
     k = inter // tp.size
     rows = slice(tp.rank * k, (tp.rank + 1) * k)
     _rows(mlp.gate_proj, mlp.gate_proj.weight[rows])
@@ -77,7 +76,7 @@ def _vocab_rows(w: torch.Tensor, tp: TPComm) -> tuple[torch.Tensor, int]:
     lo = tp.rank * per
     part = w.new_zeros(per, w.shape[1])
     have = max(0, min(V, lo + per) - lo)
-    part[:have] = w[lo:lo + have]
+    part[:have] = w[lo : lo + have]
     return part, lo
 
 
@@ -87,8 +86,10 @@ def shard_attention_half(model: nn.Module, tp: TPComm) -> nn.Module:
         return model  # (KVP needs ranks: TPConfig refuses kvp > attention_tp)
     cfg = model.cfg
     if not getattr(model, "supports_tp", False):
-        raise TPConfigError(f"layout.attention_tp: {cfg.model_type}'s attention half has no TP layers yet "
-                            "(MLA families do: longcat_flash, deepseek_v3)")
+        raise TPConfigError(
+            f"layout.attention_tp: {cfg.model_type}'s attention half has no TP layers yet "
+            "(MLA families do: longcat_flash, deepseek_v3)"
+        )
     tp.cfg.check_model(cfg.num_attention_heads)
     for name, mod in model.named_modules():
         if isinstance(mod, MLAttention):

@@ -69,9 +69,11 @@ def share(n: int, parts: int) -> int:
 def family_layers(cfg) -> tuple[int, int]:
     """(MLAs, dense MLPs) per decoder layer; raises for a family without attention TP."""
     if cfg.model_type not in FAMILY_LAYERS:
-        raise TPConfigError(f"layout.attention_tp: {cfg.model_type} has no attention TP (its attention half has "
-                            f"no TP layers; MLA families do: {', '.join(FAMILY_LAYERS)}), so no TP "
-                            "communication to compute")
+        raise TPConfigError(
+            f"layout.attention_tp: {cfg.model_type} has no attention TP (its attention half has "
+            f"no TP layers; MLA families do: {', '.join(FAMILY_LAYERS)}), so no TP "
+            "communication to compute"
+        )
     return FAMILY_LAYERS[cfg.model_type]
 
 
@@ -158,11 +160,16 @@ def volume(cfg, tp: TPConfig, tokens: int, dtype_bytes: int, seqs: int = 1) -> V
     if not p.sharded:  # each rank's slice of the MoE output [s, H] -> [Tp, H] on every rank
         moe["all_gather"] += share(p.padded * H * b, G)
     vocab_slice = -(-cfg.vocab_size // G)
-    step = (_row_parallel(p, H, b) + _gather(p, H, b)
-            + Counter(all_gather=share(G * seqs * vocab_slice * b, G)))
+    step = _row_parallel(p, H, b) + _gather(p, H, b) + Counter(all_gather=share(G * seqs * vocab_slice * b, G))
     rows = tuple(hi - lo for lo, hi in (p.span(r) for r in range(G)))
-    return Volume(tokens, tp.mode if p.sharded else "allreduce", _full(moe), _full(dense), _full(step),
-                  tuple(n * H * b for n in rows))
+    return Volume(
+        tokens,
+        tp.mode if p.sharded else "allreduce",
+        _full(moe),
+        _full(dense),
+        _full(step),
+        tuple(n * H * b for n in rows),
+    )
 
 
 def step_bytes(cfg, tp: TPConfig, tokens: int, dtype_bytes: int, seqs: int = 1) -> dict[str, int]:
@@ -204,8 +211,10 @@ def volume_table(cfg, tp: TPConfig, dtype: str = "float32", tokens: tuple[int, .
     """Bytes one rank sends in its TP group per MoE layer, per mode (rows) and micro-batch size (columns),
     the configured mode marked: what `afd check-config` prints for a layout with attention_tp > 1."""
     b = DTYPE_BYTES[dtype]
-    head = [f"TP communication per attention rank and MoE layer ({cfg.model_type}, attention_tp {tp.size}, {dtype})",
-            "  bytes one rank sends in its TP group, as afd_tp_comm_bytes_total counts them (afd.model.tp.volume)"]
+    head = [
+        f"TP communication per attention rank and MoE layer ({cfg.model_type}, attention_tp {tp.size}, {dtype})",
+        "  bytes one rank sends in its TP group, as afd_tp_comm_bytes_total counts them (afd.model.tp.volume)",
+    ]
     width = 12
     cols = "".join(f"{'T=' + str(t):>{width}}" for t in tokens)
     lines = [f"    {'mode':<20}{cols}"]
@@ -221,19 +230,21 @@ def volume_table(cfg, tp: TPConfig, dtype: str = "float32", tokens: tuple[int, .
     lines.append(f"    {'+ per step':<20}" + "".join(f"{_human(n):>{width}}" for n in step))
     ffn = [volume(cfg, tp, t, b).to_ffn[0] for t in tokens]
     lines.append(f"    {'to each FFN node':<20}" + "".join(f"{_human(n):>{width}}" for n in ffn))
-    notes = ["  >  the configured mode (layout.tp_comm); * below the mode's token threshold: runs, and counts, as "
-             "allreduce",
-             "  allreduce includes each MoE layer's all_gather of the MoE output",
-             f"  + per step: once per micro-batch in the configured mode ({tp.mode}), not per layer: the "
-             "embedding's reduce and",
-             "    the logits of T sequences (a decode step)",
-             "  to each FFN node: the MoE input rank 0 sends per MoE layer, in every mode (its token shard, or its "
-             "slice of a",
-             "    replicated micro-batch); the output comes back the same size"]
+    notes = [
+        "  >  the configured mode (layout.tp_comm); * below the mode's token threshold: runs, and counts, as allreduce",
+        "  allreduce includes each MoE layer's all_gather of the MoE output",
+        f"  + per step: once per micro-batch in the configured mode ({tp.mode}), not per layer: the "
+        "embedding's reduce and",
+        "    the logits of T sequences (a decode step)",
+        "  to each FFN node: the MoE input rank 0 sends per MoE layer, in every mode (its token shard, or its "
+        "slice of a",
+        "    replicated micro-batch); the output comes back the same size",
+    ]
     n_dense = cfg.num_layers - len(cfg.moe_layers)
     if n_dense:
-        notes.append(f"  the {n_dense} dense layer(s) send nothing to the FFN side and, in allreduce, gather no "
-                     "MoE output")
+        notes.append(
+            f"  the {n_dense} dense layer(s) send nothing to the FFN side and, in allreduce, gather no MoE output"
+        )
     return "\n".join(head + lines + notes)
 
 
@@ -249,8 +260,13 @@ def check_config_report(cluster) -> str | None:
     size = getattr(layout, "attention_tp", 1)
     if size <= 1:
         return None
-    tp = TPConfig(size, getattr(layout, "tp_comm", "allreduce"), getattr(layout, "flashcomm2_otp", None),
-                  getattr(layout, "tp_comm_min_tokens", None), getattr(layout, "kvp", 1))
+    tp = TPConfig(
+        size,
+        getattr(layout, "tp_comm", "allreduce"),
+        getattr(layout, "flashcomm2_otp", None),
+        getattr(layout, "tp_comm_min_tokens", None),
+        getattr(layout, "kvp", 1),
+    )
     path = cluster.model.path
     if path == "demo":
         cfg = config_from_hf(DEMO_CONFIG)

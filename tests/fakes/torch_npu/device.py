@@ -51,6 +51,7 @@ def _index(device) -> int:
 
 # ---- streams, events, clocks ----------------------------------------------------------------------
 
+
 class Stream:
     """An in-order queue of device work, modelled by its vector clock (what is ordered before its next op)."""
 
@@ -144,15 +145,19 @@ def _current_streams() -> dict[int, Stream]:
 
 def _note_implicit(what: str) -> None:
     if not getattr(_local, "bound", False) and threading.current_thread() is not threading.main_thread():
-        STATS["unbound"].append(f"{what} in thread {threading.current_thread().name!r}, which never called "
-                                "torch.npu.set_device: it acts on device 0")
+        STATS["unbound"].append(
+            f"{what} in thread {threading.current_thread().name!r}, which never called "
+            "torch.npu.set_device: it acts on device 0"
+        )
 
 
 def _note_unbound(what: str) -> None:
     thread = threading.current_thread().name
     if not any(thread in u for u in STATS["unbound"][-8:]):  # one line per thread and stretch, not per op
-        STATS["unbound"].append(f"{what} from thread {thread!r}, whose current device is "
-                                f"npu:{current_device()}: the thread never bound its node's device")
+        STATS["unbound"].append(
+            f"{what} from thread {thread!r}, whose current device is "
+            f"npu:{current_device()}: the thread never bound its node's device"
+        )
 
 
 def _host_waits(stream: Stream) -> None:
@@ -164,6 +169,7 @@ def _host_waits(stream: Stream) -> None:
 
 
 # ---- the torch.npu module ---------------------------------------------------------------------------
+
 
 def is_available() -> bool:
     return True
@@ -252,14 +258,21 @@ def get_device_name(device=None) -> str:
 
 # ---- the device's tensors ---------------------------------------------------------------------------
 
+
 class NpuTensor(torch.Tensor):
     """A tensor on npu:N whose data is the CPU tensor `_payload` (same sizes, strides and storage offset)."""
 
     @staticmethod
     def __new__(cls, payload: torch.Tensor, index: int):
         t = torch.Tensor._make_wrapper_subclass(
-            cls, payload.size(), strides=payload.stride(), storage_offset=payload.storage_offset(),
-            dtype=payload.dtype, device=torch.device("npu", index), requires_grad=payload.requires_grad)
+            cls,
+            payload.size(),
+            strides=payload.stride(),
+            storage_offset=payload.storage_offset(),
+            dtype=payload.dtype,
+            device=torch.device("npu", index),
+            requires_grad=payload.requires_grad,
+        )
         t._payload = payload
         return t
 
@@ -280,8 +293,12 @@ class NpuTensor(torch.Tensor):
 
 
 _NO_CHECK = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
-_TO_HOST = {torch.ops.aten._to_copy.default, torch.ops.aten._local_scalar_dense.default,
-            torch.ops.aten.is_nonzero.default, torch.ops.aten.equal.default}
+_TO_HOST = {
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.equal.default,
+}
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -310,11 +327,15 @@ def _check(stream: Stream, t: NpuTensor, write: bool, what: str) -> None:
         if ahi <= lo or hi <= alo or s_id == stream.id or stream.ordered_after(s_id, seq):
             continue
         if awrite:
-            _hazard(f"{what} on {stream.label} {'overwrites' if write else 'reads'} memory written by {awhat} "
-                    f"(stream {s_id}, op {seq}) with no event or stream wait ordering it after that write")
+            _hazard(
+                f"{what} on {stream.label} {'overwrites' if write else 'reads'} memory written by {awhat} "
+                f"(stream {s_id}, op {seq}) with no event or stream wait ordering it after that write"
+            )
         if write:
-            _hazard(f"{what} on {stream.label} overwrites memory that {awhat} (stream {s_id}, op {seq}) "
-                    "may still be reading: nothing orders the write after that read")
+            _hazard(
+                f"{what} on {stream.label} overwrites memory that {awhat} (stream {s_id}, op {seq}) "
+                "may still be reading: nothing orders the write after that read"
+            )
 
 
 def _hazard(message: str) -> None:
@@ -368,12 +389,16 @@ def _run(func, args, kwargs):
     npu = [x for x in flat if isinstance(x, NpuTensor)]
     devices = {x.device.index for x in npu}
     if len(devices) > 1:
-        raise RuntimeError(f"{func}: Expected all tensors to be on the same device, but found at least two "
-                           f"devices, npu:{min(devices)} and npu:{max(devices)}!")
+        raise RuntimeError(
+            f"{func}: Expected all tensors to be on the same device, but found at least two "
+            f"devices, npu:{min(devices)} and npu:{max(devices)}!"
+        )
     host = [x for x in flat if not isinstance(x, NpuTensor) and x.dim() > 0]
     if host and func not in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
-        raise RuntimeError(f"{func}: Expected all tensors to be on the same device, but found at least two "
-                           f"devices, npu:{min(devices)} and cpu!")
+        raise RuntimeError(
+            f"{func}: Expected all tensors to be on the same device, but found at least two "
+            f"devices, npu:{min(devices)} and cpu!"
+        )
     index = devices.pop()
 
     def unwrap(x):
@@ -383,9 +408,12 @@ def _run(func, args, kwargs):
             return torch.device("cpu")
         return x
 
-    to_host = (func in _TO_HOST and not (func is torch.ops.aten._to_copy.default
-                                         and torch.device(kwargs.get("device") or "npu").type == "npu")
-               or func is torch.ops.aten.copy_.default and not isinstance(args[0], NpuTensor))
+    to_host = (
+        func in _TO_HOST
+        and not (func is torch.ops.aten._to_copy.default and torch.device(kwargs.get("device") or "npu").type == "npu")
+        or func is torch.ops.aten.copy_.default
+        and not isinstance(args[0], NpuTensor)
+    )
     out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
     if func in _NO_CHECK or func.is_view:  # views touch metadata only, never the data
         return tree_map(lambda x: _wrap(x, index, npu), out)
@@ -394,11 +422,19 @@ def _run(func, args, kwargs):
     stream = current_stream(index)
     written = _written_args(func, args, kwargs)
     result = out if to_host else tree_map(lambda x: _wrap(x, index, npu), out)
-    fresh = [x for x in tree_flatten(result)[0] if isinstance(x, NpuTensor)
-             and not any(x is a for a in npu) and not any(x is w for w in written)]
+    fresh = [
+        x
+        for x in tree_flatten(result)[0]
+        if isinstance(x, NpuTensor) and not any(x is a for a in npu) and not any(x is w for w in written)
+    ]
     STATS["ops"] += 1
-    access(stream, [x for x in npu if not any(x is w for w in written)], written, str(func.__name__),
-           fresh=[x for x in fresh if not _aliases_input(x, npu)])
+    access(
+        stream,
+        [x for x in npu if not any(x is w for w in written)],
+        written,
+        str(func.__name__),
+        fresh=[x for x in fresh if not _aliases_input(x, npu)],
+    )
     if to_host:
         STATS["host_reads"] += 1
         _host_waits(stream)
@@ -428,6 +464,7 @@ def _factory(op):
         t = NpuTensor(op(*args, **kwargs), _index(device))
         access(current_stream(t.device.index), [], [], op.__name__, fresh=[t])
         return t
+
     return impl
 
 
@@ -438,8 +475,7 @@ def _copy_from(src, dst, non_blocking=False):
     d.copy_(s)
     dev = dst if isinstance(dst, NpuTensor) else src
     stream = current_stream(dev.device.index)
-    access(stream, [src] if isinstance(src, NpuTensor) else [], [dst] if isinstance(dst, NpuTensor) else [],
-           "copy_")
+    access(stream, [src] if isinstance(src, NpuTensor) else [], [dst] if isinstance(dst, NpuTensor) else [], "copy_")
     if not isinstance(dst, NpuTensor):
         STATS["host_reads"] += 1
         _host_waits(stream)

@@ -38,8 +38,18 @@ import torch.distributed as dist
 from . import device as npu
 from . import ops
 
-HCCL_DTYPES = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.float32,
-               torch.float64, torch.bool, torch.bfloat16}
+HCCL_DTYPES = {
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bool,
+    torch.bfloat16,
+}
 HANG_S = float(os.environ.get("AFD_FAKE_HANG_S", "20"))
 """How long the fake lets a wait that a real HCCL would never end run before it says so."""
 STATS = {"sends": 0, "recvs": 0, "send_behind_recv": 0}
@@ -51,8 +61,10 @@ class HangError(RuntimeError):
 
 
 def _blocking_wait() -> bool:
-    return any(os.environ.get(k, "0").lower() in ("1", "true", "yes", "y")
-               for k in ("TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT"))
+    return any(
+        os.environ.get(k, "0").lower() in ("1", "true", "yes", "y")
+        for k in ("TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT")
+    )
 
 
 class _Work(dist.Work):
@@ -71,11 +83,15 @@ class _Work(dist.Work):
             self._payload.wait(limit)
         except RuntimeError as e:
             if not blocking:
-                raise HangError(f"fake hccl: {self.kind} with rank {self.peer} never completed; a real HCCL "
-                                "wait() ignores its timeout unless HCCL_BLOCKING_WAIT=1 (or "
-                                "TORCH_HCCL_BLOCKING_WAIT=1), so this process would hang here") from None
-            raise RuntimeError(f"[Rank {self.pg.rank()}] Work {self.kind} timed out in blocking wait "
-                               f"(TORCH_HCCL_BLOCKING_WAIT=1 or HCCL_BLOCKING_WAIT=1): {e}") from None
+                raise HangError(
+                    f"fake hccl: {self.kind} with rank {self.peer} never completed; a real HCCL "
+                    "wait() ignores its timeout unless HCCL_BLOCKING_WAIT=1 (or "
+                    "TORCH_HCCL_BLOCKING_WAIT=1), so this process would hang here"
+                ) from None
+            raise RuntimeError(
+                f"[Rank {self.pg.rank()}] Work {self.kind} timed out in blocking wait "
+                f"(TORCH_HCCL_BLOCKING_WAIT=1 or HCCL_BLOCKING_WAIT=1): {e}"
+            ) from None
         self._done = True
         self.pg._finished(self)
         with npu._lock:
@@ -145,8 +161,9 @@ class FakeHcclGroup(dist.ProcessGroup):
             with self._mu:  # a receive nobody has waited for yet may still be running on this stream
                 if kind == "send" and any(w.kind == "recv" for w in self._pending.get(key, [])):
                     STATS["send_behind_recv"] += 1
-            seq = npu.access(stream, [t] if kind == "send" else [], [t] if kind == "recv" else [],
-                             f"hccl {kind} with rank {peer}")
+            seq = npu.access(
+                stream, [t] if kind == "send" else [], [t] if kind == "recv" else [], f"hccl {kind} with rank {peer}"
+            )
         work = _Work(self, inner_op(), stream, seq, kind, peer)
         with self._mu:
             self._pending.setdefault(key, []).append(work)
@@ -175,8 +192,10 @@ class FakeHcclGroup(dist.ProcessGroup):
     def _collective(self, kind: str, reads: list, writes: list, inner_op) -> _Work:
         t = writes[0]
         if any(x.device != t.device for x in reads + writes):
-            raise RuntimeError(f"fake hccl {kind}: tensors on {sorted({str(x.device) for x in reads + writes})}; "
-                               "a collective's tensors must be on one device")
+            raise RuntimeError(
+                f"fake hccl {kind}: tensors on {sorted({str(x.device) for x in reads + writes})}; "
+                "a collective's tensors must be on one device"
+            )
         stream = self._stream(t, -1)  # one stream per device for the group's collectives
         with npu._lock:
             stream.merge(npu.current_stream(t.device.index).clock)
@@ -195,15 +214,20 @@ class FakeHcclGroup(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output, input, opts=None):
         o, i = self._check([output], "reduce_scatter"), self._check([input], "reduce_scatter")
-        return self._collective("reduce_scatter", [i], [o],
-                                lambda: self._gloo._reduce_scatter_base(o._payload, i._payload))
+        return self._collective(
+            "reduce_scatter", [i], [o], lambda: self._gloo._reduce_scatter_base(o._payload, i._payload)
+        )
 
     _reduce_scatter_base = reduce_scatter_single
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         o, i = self._check([output], "all_to_all"), self._check([input], "all_to_all")
-        return self._collective("all_to_all", [i], [o], lambda: self._gloo.alltoall_base(
-            o._payload, i._payload, output_split_sizes, input_split_sizes))
+        return self._collective(
+            "all_to_all",
+            [i],
+            [o],
+            lambda: self._gloo.alltoall_base(o._payload, i._payload, output_split_sizes, input_split_sizes),
+        )
 
     alltoall_base = all_to_all_single
 

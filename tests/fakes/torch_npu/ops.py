@@ -32,13 +32,15 @@ _SCHEMAS = {
         "Tensor[]? per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, "
         "Tensor[]? activation_quant_scale=None, Tensor[]? activation_quant_offset=None, int? split_item=0, "
         "int? group_type=None, int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
-        "ScalarType? output_dtype=None) -> Tensor[]"),
+        "ScalarType? output_dtype=None) -> Tensor[]"
+    ),
     "npu_prefetch": "npu_prefetch(Tensor self, Tensor? dependency, int max_size, int offset=0) -> ()",
     # op-plugin 26.0.0 (the same from 7.2.0 on): comm_mode and the quantization arguments; 7.1.0's below.
     "npu_mm_reduce_scatter_base": (
         "npu_mm_reduce_scatter_base(Tensor self, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', "
         "Tensor? bias=None, Tensor? x1_scale=None, Tensor? x2_scale=None, int comm_turn=0, "
-        "ScalarType? output_dtype=None, str? comm_mode=None) -> Tensor"),
+        "ScalarType? output_dtype=None, str? comm_mode=None) -> Tensor"
+    ),
 }
 
 # One list per process, kept on the op namespace: this file may be loaded under two module names, and the
@@ -82,9 +84,26 @@ def _inner_dim(t: torch.Tensor) -> int:
     return t.shape[-2] if _transposed(t) else t.shape[-1]
 
 
-def _gmm_static_checks(x, weight, bias, scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
-                       group_list, activation_input, activation_quant_scale, activation_quant_offset,
-                       split_item, group_type, group_list_type, act_type, tuning_config, output_dtype) -> str:
+def _gmm_static_checks(
+    x,
+    weight,
+    bias,
+    scale,
+    offset,
+    antiquant_scale,
+    antiquant_offset,
+    per_token_scale,
+    group_list,
+    activation_input,
+    activation_quant_scale,
+    activation_quant_offset,
+    split_item,
+    group_type,
+    group_list_type,
+    act_type,
+    tuning_config,
+    output_dtype,
+) -> str:
     """Every documented rule that shapes, dtypes and arguments decide; returns the scenario's name."""
     # source code, 7.1.0: TORCH_CHECK(group_type.has_value(), ...) before anything else.
     if group_type is None:
@@ -96,28 +115,36 @@ def _gmm_static_checks(x, weight, bias, scale, offset, antiquant_scale, antiquan
     if not x or not weight:
         _fail("Invalid inputs: neither x nor weight could be empty.")  # source code, check_dims
     if len(x) > _GMM_MAX_LIST or len(weight) > _GMM_MAX_LIST:
-        _fail(f"npu_grouped_matmul: x and weight hold at most {_GMM_MAX_LIST} tensors each, got {len(x)} and "
-              f"{len(weight)}")
+        _fail(
+            f"npu_grouped_matmul: x and weight hold at most {_GMM_MAX_LIST} tensors each, got {len(x)} and "
+            f"{len(weight)}"
+        )
     # doc: split_item 0/1 -> one output per weight; 2/3 -> a single output tensor. source code: check_dims.
     if split_item not in (0, 1, 2, 3):
         _fail(f"Invalid value of split_item [{split_item}], which should only be one of 0/1/2/3.")
     # Quantized and fake-quantized paths (int8/int4, scales) are out of this fake's scope.
-    for name, v in (("scale", scale), ("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset),
-                    ("per_token_scale", per_token_scale)):
+    for name, v in (
+        ("scale", scale),
+        ("antiquant_scale", antiquant_scale),
+        ("antiquant_offset", antiquant_offset),
+        ("per_token_scale", per_token_scale),
+    ):
         if v:
             raise NotImplementedError(f"fake npu_grouped_matmul: {name} (quantization) is not modelled")
     # doc: offset, activation_input, activation_quant_scale, activation_quant_offset: only None is supported.
-    for name, v in (("offset", offset), ("activation_input", activation_input),
-                    ("activation_quant_scale", activation_quant_scale),
-                    ("activation_quant_offset", activation_quant_offset)):
+    for name, v in (
+        ("offset", offset),
+        ("activation_input", activation_input),
+        ("activation_quant_scale", activation_quant_scale),
+        ("activation_quant_offset", activation_quant_offset),
+    ):
         if v:
             _fail(f"npu_grouped_matmul: {name} only supports None")
     dtype = x[0].dtype
     if dtype in (torch.int8, torch.int32) or any(w.dtype in (torch.int8, torch.int32) for w in weight):
         raise NotImplementedError("fake npu_grouped_matmul: int8/int4 (quantized) inputs are not modelled")
     if dtype not in _GMM_FLOATS or any(t.dtype != dtype for t in x):
-        _fail(f"npu_grouped_matmul: x must be float16, bfloat16 or float32 (all alike), got "
-              f"{[t.dtype for t in x]}")
+        _fail(f"npu_grouped_matmul: x must be float16, bfloat16 or float32 (all alike), got {[t.dtype for t in x]}")
     if any(w.dtype != dtype for w in weight):  # doc, table 2: non-quantized weight dtype == x dtype
         _fail(f"npu_grouped_matmul: weight dtype must equal x dtype {dtype}, got {[w.dtype for w in weight]}")
     single_out = split_item in (2, 3)
@@ -126,8 +153,7 @@ def _gmm_static_checks(x, weight, bias, scale, offset, antiquant_scale, antiquan
         _fail("npu_grouped_matmul: float32 is supported only when x, weight and y are single tensors")
     # doc, table 2: output_dtype None or x's dtype on the non-quantized rows.
     if output_dtype is not None and output_dtype != dtype:
-        _fail(f"npu_grouped_matmul: output_dtype must be None or {dtype} for non-quantized inputs, got "
-              f"{output_dtype}")
+        _fail(f"npu_grouped_matmul: output_dtype must be None or {dtype} for non-quantized inputs, got {output_dtype}")
     # doc: act_type 0 none, 1 RELU, 2 GELU_TANH, 3 unsupported, 4 FAST_GELU, 5 SILU; activation is computed only
     # in per-token quantization, which is not this (non-quantized) path.
     if act_type not in (0, 1, 2, 4, 5):
@@ -149,8 +175,9 @@ def _gmm_static_checks(x, weight, bias, scale, offset, antiquant_scale, antiquan
             _fail(f"npu_grouped_matmul: x[{i}] last dim {t.shape[-1]} must be below InnerLimit {_GMM_INNER_LIMIT}")
     for i, w in enumerate(weight):
         if _inner_dim(w) >= _GMM_INNER_LIMIT:
-            _fail(f"npu_grouped_matmul: weight[{i}] inner dim {_inner_dim(w)} must be below InnerLimit "
-                  f"{_GMM_INNER_LIMIT}")
+            _fail(
+                f"npu_grouped_matmul: weight[{i}] inner dim {_inner_dim(w)} must be below InnerLimit {_GMM_INNER_LIMIT}"
+            )
     if len({_transposed(w) for w in weight}) > 1:  # doc: weight transposition must be the same for all
         _fail("npu_grouped_matmul: all weight tensors must be transposed alike")
     if group_list is not None:
@@ -171,8 +198,10 @@ def _gmm_static_checks(x, weight, bias, scale, offset, antiquant_scale, antiquan
         if group_list is not None:
             _fail("npu_grouped_matmul: group_type -1 takes no group_list")
         if len(x) != len(weight):  # source code, check_dims
-            _fail("When split_item = 0 or 1 and input group_list is None, the num of x tensors must equal the "
-                  f"num of weight tensors.Actual lengths: x [{len(x)}], weight [{len(weight)}].")
+            _fail(
+                "When split_item = 0 or 1 and input group_list is None, the num of x tensors must equal the "
+                f"num of weight tensors.Actual lengths: x [{len(x)}], weight [{len(weight)}]."
+            )
         if any(w.dim() != 2 for w in weight):
             _fail("npu_grouped_matmul: group_type -1 needs 2-D weight tensors")
         if len({t.dim() for t in x}) != 1 or not 2 <= x[0].dim() <= 6:
@@ -195,8 +224,7 @@ def _gmm_static_checks(x, weight, bias, scale, offset, antiquant_scale, antiquan
         if group_list is None:
             _fail("npu_grouped_matmul: single-single-single needs a group_list")
         if group_list.shape[0] != w.shape[0]:
-            _fail(f"npu_grouped_matmul: group_list length {group_list.shape[0]} != number of weights "
-                  f"{w.shape[0]}")
+            _fail(f"npu_grouped_matmul: group_list length {group_list.shape[0]} != number of weights {w.shape[0]}")
         if w.shape[0] > _GMM_MAX_GROUPS:
             _fail(f"npu_grouped_matmul: at most {_GMM_MAX_GROUPS} groups, got {w.shape[0]}")
         if x[0].shape[1] != w.shape[1]:
@@ -220,8 +248,9 @@ def _gmm_static_checks(x, weight, bias, scale, offset, antiquant_scale, antiquan
         return "single-multi-single"
     # doc, multi-multi-single: one x per weight; group_list optional.
     if len(x) != len(weight):
-        _fail(f"npu_grouped_matmul: multi-multi-single needs as many x as weight tensors, got {len(x)} and "
-              f"{len(weight)}")
+        _fail(
+            f"npu_grouped_matmul: multi-multi-single needs as many x as weight tensors, got {len(x)} and {len(weight)}"
+        )
     for i, (t, w) in enumerate(zip(x, weight)):
         if t.shape[1] != w.shape[0]:
             _fail(f"npu_grouped_matmul: x[{i}] K {t.shape[1]} != weight[{i}] K {w.shape[0]}")
@@ -267,14 +296,47 @@ def _mm(a: torch.Tensor, b: torch.Tensor, bias, out_dtype: torch.dtype) -> torch
     return y.to(out_dtype)
 
 
-def _gmm_kernel(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
-                per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
-                activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
-                tuning_config=None, output_dtype=None):
-    scenario = _gmm_static_checks(x, weight, bias, scale, offset, antiquant_scale, antiquant_offset,
-                                  per_token_scale, group_list, activation_input, activation_quant_scale,
-                                  activation_quant_offset, split_item, group_type, group_list_type, act_type,
-                                  tuning_config, output_dtype)
+def _gmm_kernel(
+    x,
+    weight,
+    *,
+    bias=None,
+    scale=None,
+    offset=None,
+    antiquant_scale=None,
+    antiquant_offset=None,
+    per_token_scale=None,
+    group_list=None,
+    activation_input=None,
+    activation_quant_scale=None,
+    activation_quant_offset=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    tuning_config=None,
+    output_dtype=None,
+):
+    scenario = _gmm_static_checks(
+        x,
+        weight,
+        bias,
+        scale,
+        offset,
+        antiquant_scale,
+        antiquant_offset,
+        per_token_scale,
+        group_list,
+        activation_input,
+        activation_quant_scale,
+        activation_quant_offset,
+        split_item,
+        group_type,
+        group_list_type,
+        act_type,
+        tuning_config,
+        output_dtype,
+    )
     out_dtype = output_dtype or x[0].dtype
     bias = list(bias) if bias else [None] * (weight[0].shape[0] if weight[0].dim() == 3 else len(weight))
     if scenario == "multi-multi-multi":
@@ -294,14 +356,47 @@ def _gmm_kernel(x, weight, *, bias=None, scale=None, offset=None, antiquant_scal
     return [torch.cat(parts)]
 
 
-def _gmm_meta(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
-              per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
-              activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
-              tuning_config=None, output_dtype=None):
-    scenario = _gmm_static_checks(x, weight, bias, scale, offset, antiquant_scale, antiquant_offset,
-                                  per_token_scale, group_list, activation_input, activation_quant_scale,
-                                  activation_quant_offset, split_item, group_type, group_list_type, act_type,
-                                  tuning_config, output_dtype)
+def _gmm_meta(
+    x,
+    weight,
+    *,
+    bias=None,
+    scale=None,
+    offset=None,
+    antiquant_scale=None,
+    antiquant_offset=None,
+    per_token_scale=None,
+    group_list=None,
+    activation_input=None,
+    activation_quant_scale=None,
+    activation_quant_offset=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    tuning_config=None,
+    output_dtype=None,
+):
+    scenario = _gmm_static_checks(
+        x,
+        weight,
+        bias,
+        scale,
+        offset,
+        antiquant_scale,
+        antiquant_offset,
+        per_token_scale,
+        group_list,
+        activation_input,
+        activation_quant_scale,
+        activation_quant_offset,
+        split_item,
+        group_type,
+        group_list_type,
+        act_type,
+        tuning_config,
+        output_dtype,
+    )
     out_dtype = output_dtype or x[0].dtype
     if scenario == "multi-multi-multi":
         return [t.new_empty((*t.shape[:-1], w.shape[-1]), dtype=out_dtype) for t, w in zip(x, weight)]
@@ -309,20 +404,51 @@ def _gmm_meta(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=
     return [x[0].new_empty((rows, weight[0].shape[-1]), dtype=out_dtype)]
 
 
-def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None,
-                       antiquant_offset=None, per_token_scale=None, group_list=None, activation_input=None,
-                       activation_quant_scale=None, activation_quant_offset=None, split_item=0, group_type=None,
-                       group_list_type=0, act_type=0, output_dtype=None, tuning_config=None):
+def npu_grouped_matmul(
+    x,
+    weight,
+    *,
+    bias=None,
+    scale=None,
+    offset=None,
+    antiquant_scale=None,
+    antiquant_offset=None,
+    per_token_scale=None,
+    group_list=None,
+    activation_input=None,
+    activation_quant_scale=None,
+    activation_quant_offset=None,
+    split_item=0,
+    group_type=None,
+    group_list_type=0,
+    act_type=0,
+    output_dtype=None,
+    tuning_config=None,
+):
     """torch_npu.npu_grouped_matmul (doc prototype of op-plugin 7.1.0, same in 26.0.0): y_i = x_i @ weight_i."""
     if isinstance(group_list, (list, tuple)):
         # The int[] overload (npu_grouped_matmul.List) has its own rules; afd passes a device tensor.
         raise NotImplementedError("fake npu_grouped_matmul: a List[int] group_list is not modelled")
     return torch.ops.fake_npu.npu_grouped_matmul(
-        list(x), list(weight), bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
-        antiquant_offset=antiquant_offset, per_token_scale=per_token_scale, group_list=group_list,
-        activation_input=activation_input, activation_quant_scale=activation_quant_scale,
-        activation_quant_offset=activation_quant_offset, split_item=split_item, group_type=group_type,
-        group_list_type=group_list_type, act_type=act_type, tuning_config=tuning_config, output_dtype=output_dtype)
+        list(x),
+        list(weight),
+        bias=bias,
+        scale=scale,
+        offset=offset,
+        antiquant_scale=antiquant_scale,
+        antiquant_offset=antiquant_offset,
+        per_token_scale=per_token_scale,
+        group_list=group_list,
+        activation_input=activation_input,
+        activation_quant_scale=activation_quant_scale,
+        activation_quant_offset=activation_quant_offset,
+        split_item=split_item,
+        group_type=group_type,
+        group_list_type=group_list_type,
+        act_type=act_type,
+        tuning_config=tuning_config,
+        output_dtype=output_dtype,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -337,8 +463,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
 #   _ge_concrete_graph/ge_converter/custom/npu_prefetch.py, torchair 7.1.0
 # ---------------------------------------------------------------------------------------------------------
 
-GRAPH_MODE_NO_DEPENDENCY = ("torch.ops.npu.npu_prefetch.default ge converter is not implement when dependency "
-                            "is None.")
+GRAPH_MODE_NO_DEPENDENCY = "torch.ops.npu.npu_prefetch.default ge converter is not implement when dependency is None."
 """The real refusal's wording (torchair 7.1.0 converter, raised while the graph is compiled)."""
 
 
@@ -393,7 +518,8 @@ def npu_prefetch(input, dependency, max_size, offset=0):
 
 MM_REDUCE_SCATTER_SCHEMA_7_1_0 = (
     "npu_mm_reduce_scatter_base(Tensor self, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', "
-    "Tensor? bias=None, int comm_turn=0) -> Tensor")
+    "Tensor? bias=None, int comm_turn=0) -> Tensor"
+)
 """op-plugin 7.1.0's schema (op_plugin_functions.yaml @7.1.0): no comm_mode. Tests build a 7.1.0 op from it."""
 
 # The communicators get_hccl_comm_name named (hccl.py), kept on the op namespace like `calls`.
@@ -405,8 +531,10 @@ _RS_WORLD_SIZES = (2, 4, 8, 16, 32)
 _RS_AIV_WORLD_SIZES = (2, 4, 8)  # aclnnMatmulReduceScatterV2 doc, A2/A3: "支持2、4、8卡"
 _RS_K_RANGE = (256, 65535)  # doc: k in [256, 65535)
 _RS_COMM_MODES = ("ai_cpu", "aiv")  # doc 7.2.0+: two modes; None means "ai_cpu" (source code: value_or)
-RS_TRAINING_ONLY = ("npu_mm_reduce_scatter_base: comm_mode 'ai_cpu' (the default) is documented for training only "
-                    "(\"该接口仅在训练场景下使用\"); inference needs comm_mode='aiv'")
+RS_TRAINING_ONLY = (
+    "npu_mm_reduce_scatter_base: comm_mode 'ai_cpu' (the default) is documented for training only "
+    "(\"该接口仅在训练场景下使用\"); inference needs comm_mode='aiv'"
+)
 """The refusal of a call without comm_mode='aiv'. The real op does not check what it is used for; this fake
 stands for afd, an inference server, so it holds afd to the documented use."""
 
@@ -432,8 +560,10 @@ def _rs_checks(self, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_t
         _fail(f"Both inputs of mm are required to be 2D, but the actual inputs are {self.dim()}D and {x2.dim()}D.")
     k = self.shape[1]
     if x2.shape[0] != k:  # source code: k of x1 == k of x2 (x2 is (k, n); nn.Linear's (n, k) weight needs .t())
-        _fail(f"The K-axis in the two inputs of Matmul must be equal, but in reality, the K-axis of x1 is {k} and "
-              f"the K-axis of x2 is {x2.shape[0]}.")
+        _fail(
+            f"The K-axis in the two inputs of Matmul must be equal, but in reality, the K-axis of x1 is {k} and "
+            f"the K-axis of x2 is {x2.shape[0]}."
+        )
     if self.shape[0] % world_size:  # source code
         _fail("The M-axis in input of Matmul should be be divisible by world_size.")
     mode = "ai_cpu" if comm_mode is None else comm_mode
@@ -464,8 +594,20 @@ def _rs_checks(self, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_t
         _fail(f"npu_mm_reduce_scatter_base: comm_turn supports only 0, got {comm_turn}")
 
 
-def _rs_kernel(self, x2, hcom, world_size, *, reduce_op="sum", bias=None, x1_scale=None, x2_scale=None,
-               comm_turn=0, output_dtype=None, comm_mode=None):
+def _rs_kernel(
+    self,
+    x2,
+    hcom,
+    world_size,
+    *,
+    reduce_op="sum",
+    bias=None,
+    x1_scale=None,
+    x2_scale=None,
+    comm_turn=0,
+    output_dtype=None,
+    comm_mode=None,
+):
     _rs_checks(self, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode)
     group = _HCOMS.get(hcom)
     if group is None:  # doc: hcom is the name get_hccl_comm_name returned
@@ -477,11 +619,23 @@ def _rs_kernel(self, x2, hcom, world_size, *, reduce_op="sum", bias=None, x1_sca
     rows = self.shape[0] // world_size
     rank = group.rank()
     calls.append(("npu_mm_reduce_scatter_base", hcom, world_size))
-    return full[rank * rows:(rank + 1) * rows].to(self.dtype).contiguous()
+    return full[rank * rows : (rank + 1) * rows].to(self.dtype).contiguous()
 
 
-def _rs_meta(self, x2, hcom, world_size, *, reduce_op="sum", bias=None, x1_scale=None, x2_scale=None,
-             comm_turn=0, output_dtype=None, comm_mode=None):
+def _rs_meta(
+    self,
+    x2,
+    hcom,
+    world_size,
+    *,
+    reduce_op="sum",
+    bias=None,
+    x1_scale=None,
+    x2_scale=None,
+    comm_turn=0,
+    output_dtype=None,
+    comm_mode=None,
+):
     _rs_checks(self, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode)
     return self.new_empty((self.shape[0] // world_size, x2.shape[1]))
 
@@ -502,9 +656,11 @@ def _registered() -> bool:
 
 if not _registered():
     _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
-    for _name, _kernel, _meta in (("npu_grouped_matmul", _gmm_kernel, _gmm_meta),
-                                  ("npu_prefetch", _prefetch_kernel, _prefetch_meta),
-                                  ("npu_mm_reduce_scatter_base", _rs_kernel, _rs_meta)):
+    for _name, _kernel, _meta in (
+        ("npu_grouped_matmul", _gmm_kernel, _gmm_meta),
+        ("npu_prefetch", _prefetch_kernel, _prefetch_meta),
+        ("npu_mm_reduce_scatter_base", _rs_kernel, _rs_meta),
+    ):
         _LIB.define(_SCHEMAS[_name])
         _LIB.impl(_name, _kernel, "CompositeExplicitAutograd")
         _LIB.impl(_name, _meta, "Meta")

@@ -31,8 +31,7 @@ __all__ = ["CompilerConfig", "get_npu_backend", "get_compiler", "inference"]
 # torchair's converter for npu_prefetch refuses a missing dependency while the graph is built.
 # source: npu_prefetch GE converter, https://github.com/Ascend/torchair/blob/7.1.0/python/torchair/
 #   _ge_concrete_graph/ge_converter/custom/npu_prefetch.py, torchair 7.1.0
-_PREFETCH_NO_DEPENDENCY = ("torch.ops.npu.npu_prefetch.default ge converter is not implement when dependency "
-                           "is None.")
+_PREFETCH_NO_DEPENDENCY = "torch.ops.npu.npu_prefetch.default ge converter is not implement when dependency is None."
 
 
 def _op_name(target) -> str | None:
@@ -64,12 +63,15 @@ def _check_config_support(config: CompilerConfig) -> None:
     leaves = config.leaves()
     bad = [f"config.{k}:{leaves[k]}" for k, vals in REDUCE_OVERHEAD_UNSUPPORTED.items() if leaves[k] in vals]
     if bad:
-        warnings.warn("The following torchair config or properties may not take effect or report error in "
-                      f"reduce-overhead mode: {', '.join(bad)}", UserWarning, stacklevel=3)
+        warnings.warn(
+            "The following torchair config or properties may not take effect or report error in "
+            f"reduce-overhead mode: {', '.join(bad)}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
-def _npu_backend(gm: torch.fx.GraphModule, example_inputs, *, compiler_config: CompilerConfig,
-                 decompositions: dict):
+def _npu_backend(gm: torch.fx.GraphModule, example_inputs, *, compiler_config: CompilerConfig, decompositions: dict):
     _convert_checks(gm)
     return gm.forward  # "compiled": the captured graph, run eagerly with the fake ops
 

@@ -32,8 +32,11 @@ def _cache_bin(func, config, dynamic: bool, cache_dir, global_rank, tp_rank, pp_
     module = func.__self__
     key = str(module) + json.dumps(config.leaves(), sort_keys=True, default=str)
     dist = []
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size() > 1:
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
         rank = torch.distributed.get_rank() if global_rank is None else global_rank
         dist.append(f"world{torch.distributed.get_world_size()}global_rank{rank}")
     if tp_rank is not None:
@@ -81,12 +84,18 @@ class _LazyCompiled:
         if self._compiled is None:
             self._first_call(sig)
         if self.loaded and sig != self._cached_inputs:
-            raise RuntimeError(f"torchair cache_compile: {self.cache_bin} holds a graph compiled for other inputs "
-                               f"({self._cached_inputs} != {sig}); torchair would run it unguarded")
+            raise RuntimeError(
+                f"torchair cache_compile: {self.cache_bin} holds a graph compiled for other inputs "
+                f"({self._cached_inputs} != {sig}); torchair would run it unguarded"
+            )
         out = self._compiled(*args, **kwargs)
         if self.graphs > 1 and self.cache_bin is not None:
-            warnings.warn(f"Skip cache as {self.func.__qualname__} recompiled, set torch._logging.set_logs("
-                          "recompiles=True) for details", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"Skip cache as {self.func.__qualname__} recompiled, set torch._logging.set_logs("
+                "recompiles=True) for details",
+                UserWarning,
+                stacklevel=2,
+            )
             shutil.rmtree(os.path.dirname(self.cache_bin), ignore_errors=True)
             self.cache_bin = None
         return out
@@ -101,8 +110,9 @@ class _LazyCompiled:
         else:
             os.makedirs(os.path.dirname(self.cache_bin), exist_ok=True)
             with open(self.cache_bin, "w") as f:
-                json.dump({"func": self.func.__qualname__, "config": self.config.leaves(), "inputs": sig}, f,
-                          default=str)
+                json.dump(
+                    {"func": self.func.__qualname__, "config": self.config.leaves(), "inputs": sig}, f, default=str
+                )
         backend = get_npu_backend(compiler_config=self.config)
 
         def counting(gm, example_inputs):
@@ -112,9 +122,19 @@ class _LazyCompiled:
         self._compiled = torch.compile(self.func, backend=counting, dynamic=self.dynamic, fullgraph=True)
 
 
-def cache_compile(func, *, config=None, backend=None, dynamic: bool = True, cache_dir: str | None = None,
-                  global_rank: int | None = None, tp_rank: int | None = None, pp_rank: int | None = None,
-                  ge_cache: bool = False, **kwargs):
+def cache_compile(
+    func,
+    *,
+    config=None,
+    backend=None,
+    dynamic: bool = True,
+    cache_dir: str | None = None,
+    global_rank: int | None = None,
+    tp_rank: int | None = None,
+    pp_rank: int | None = None,
+    ge_cache: bool = False,
+    **kwargs,
+):
     """torchair.inference.cache_compile (7.1.0 prototype; note dynamic defaults to True)."""
     from . import _config_or_default
 
@@ -138,6 +158,10 @@ def cache_compile(func, *, config=None, backend=None, dynamic: bool = True, cach
         raise ValueError("cache_compile does not support experimental_config.enable_ref_data=True")
     # torchair 7.1.0 warns that cache_compile may not take effect in reduce-overhead mode.
     if config.mode == "reduce-overhead":
-        warnings.warn("The following torchair config or properties may not take effect or report error in "
-                      "reduce-overhead mode: cache_compile", UserWarning, stacklevel=2)
+        warnings.warn(
+            "The following torchair config or properties may not take effect or report error in "
+            "reduce-overhead mode: cache_compile",
+            UserWarning,
+            stacklevel=2,
+        )
     return _LazyCompiled(func, config, dynamic, (cache_dir, global_rank, tp_rank, pp_rank, ge_cache))
