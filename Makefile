@@ -18,9 +18,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-test: setup
+test: setup lint
 	@command -v prometheus >/dev/null || echo "note: prometheus is not installed; its end-to-end test will skip (install: bash .ci/prometheus.sh, or apt-get install prometheus)"
-	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # schemathesis against /openapi.json of a demo cluster for FUZZ_SECONDS: no 5xx, nothing off-schema, and
@@ -31,7 +30,7 @@ fuzz: setup
 	$(BIN)/python tests/fuzz_api.py --max-time $(FUZZ_SECONDS)
 
 test-slow: setup
-	$(BIN)/python -m pytest -q -m slow $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m slow --timeout 900 $(PYTEST_ARGS)
 
 # On a CUDA GPU or an Ascend NPU (torch_npu in the venv): afd on the device against the CPU reference, at most
 # 8 minutes on one device (tests/device/check.py says what it checks); the table is printed and written to
@@ -44,8 +43,10 @@ test-device: setup
 run: setup
 	$(BIN)/afd launch deploy/local.yaml --curl-example
 
+# ruff's lint and format checks (`make format` applies the formatting).
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 format: setup
 	$(BIN)/ruff format .
