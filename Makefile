@@ -7,7 +7,7 @@ STAMP := $(VENV)/.afd-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-device fuzz run lint format clean proto
+.PHONY: setup test test-slow test-device fuzz run lint typecheck format clean proto
 
 setup: $(STAMP)
 
@@ -47,6 +47,10 @@ run: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+# mypy over the packages pyproject's [tool.mypy] names (afd/engine, afd/dataplane, afd/model).
+typecheck: setup
+	$(BIN)/mypy
 
 format: setup
 	$(BIN)/ruff format .
