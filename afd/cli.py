@@ -6,90 +6,39 @@ import argparse
 import json
 import sys
 
-from afd.cluster.overrides import (
-    DefaultsHelpFormatter,
-    add_graph_mode_arg,
-    add_speculative_arg,
-    add_tp_args,
-    tp_kwargs,
-)
+from afd.cluster.flags import DefaultsHelpFormatter, add_config_flags, add_flags, overrides_of
 
 
 def _add_generate(sub) -> None:
     p = sub.add_parser(
         "generate", help="offline generation from token ids (greedy by default)", formatter_class=DefaultsHelpFormatter
     )
-    p.add_argument("--model", required=True, help="HF checkpoint directory, or `demo`")
     p.add_argument("--prompt-ids", required=True, help="JSON file: a list of token-id lists")
     p.add_argument("--max-tokens", type=int, required=True)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "npu"])
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--dummy-weights", action="store_true", help="seeded random weights; config.json only")
-    p.add_argument("--seed", type=int, default=0, help="seed of --dummy-weights")
-    p.add_argument("--colocated", action="store_true", help="both halves in this process (the reference)")
-    p.add_argument("--attention-nodes", type=int, default=1, help="attention node processes")
-    p.add_argument(
-        "--ffn-nodes",
-        type=int,
-        default=1,
-        help="FFN node processes (0: the attention nodes run the experts themselves)",
-    )
-    p.add_argument("--no-overlap", action="store_true", help="wait for each MoE result at once (baseline)")
-    p.add_argument(
-        "--micro-batches",
-        type=int,
-        default=0,
-        choices=range(5),
-        metavar="{0..4}",
-        help="ping-pong micro-batches; 0 chooses from measured times",
-    )
-    add_tp_args(p)
-    add_speculative_arg(p)
-    add_graph_mode_arg(p)
+    add_flags(p, "device", "colocated", "attention_nodes", "ffn_nodes")
+    add_config_flags(p)
     p.set_defaults(func=_cmd_generate)
 
 
 def _cmd_generate(args) -> int:
     from afd.engine.llm import LLM
 
-    if args.colocated and (args.attention_nodes != 1 or args.ffn_nodes != 1):
+    if not args.model:
+        raise UserError("--model is required (an HF checkpoint directory, or `demo`)")
+    if args.colocated and (args.attention_nodes is not None or args.ffn_nodes is not None):
         raise UserError("--colocated runs both halves in this process; it takes no --attention-nodes or --ffn-nodes")
     try:
         with open(args.prompt_ids) as f:
             prompts = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--prompt-ids {args.prompt_ids}: {e}") from None
-    tp = tp_kwargs(args)
-    if args.speculative_tokens:
-        tp["speculative_tokens"] = args.speculative_tokens
-    if args.graph_mode:
-        tp["graph_mode"] = args.graph_mode
-    if args.colocated:
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            dummy_weights=args.dummy_weights,
-            seed=args.seed,
-            micro_batches=max(1, args.micro_batches),
-            overlap=not args.no_overlap,
-            **tp,
-        )
-    else:
-        llm = LLM(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            dummy_weights=args.dummy_weights,
-            seed=args.seed,
-            attention_nodes=args.attention_nodes,
-            ffn_nodes=args.ffn_nodes,
-            overlap=not args.no_overlap,
-            micro_batches=args.micro_batches,
-            **tp,
-        )
+    options = {k: v for values in overrides_of(args).values() for k, v in values.items() if k != "path"}
+    if not args.colocated:  # node processes: the micro-batch count is measured unless given (colocated: 1)
+        A, F = args.attention_nodes or 1, 1 if args.ffn_nodes is None else args.ffn_nodes
+        options = {"micro_batches": 0, **options, "attention_nodes": A, "ffn_nodes": F}
+    llm = LLM(args.model, device=args.device, **options)
     out = llm.generate_ids(
         prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos, progress=True
     )
@@ -178,7 +127,7 @@ def _cmd_status(args) -> int:
 def _add_drain(sub) -> None:
     p = sub.add_parser("drain", help="tell attention nodes to take no new requests and finish running ones")
     p.add_argument("config", help="cluster YAML")
-    p.add_argument("--node", default=None, help="the attention node to drain (default: all of them)")
+    add_flags(p, "node", help="the attention node to drain (default: all of them)")
     p.add_argument(
         "--wait",
         type=float,

@@ -12,7 +12,8 @@ import logging
 import os
 import sys
 
-from afd.node.args import add_cluster_args, add_engine_args, start_cluster_node
+from afd.cluster.flags import DefaultsHelpFormatter, add_flags
+from afd.node.args import add_cluster_args, start_cluster_node
 from afd.node.signals import exit_on_signal
 
 log = logging.getLogger("afd.attention")
@@ -21,54 +22,26 @@ log = logging.getLogger("afd.attention")
 def build_server_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="afd-attention",
+        formatter_class=DefaultsHelpFormatter,
         description="Attention node: OpenAI API, scheduler, "
         "KV cache and the attention half of every layer. (`afd-attention generate "
         "--help`: the offline worker.)",
     )
     add_cluster_args(p)
-    p.add_argument(
-        "--tp-rank",
-        type=int,
-        default=0,
-        help="this process's TP rank in the node (layout.attention_tp); ranks > 0 follow rank 0, which serves the API",
-    )
-    p.add_argument("--model", default=None, help="override the YAML's model path")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--host",
-        default=None,
-        help="address the HTTP API listens on (default: --bind-host); e.g. 0.0.0.0 to serve other hosts",
-    )
-    p.add_argument("--port", type=int, default=None, help="override this node's HTTP port")
-    p.add_argument("--api-key", default=os.environ.get("AFD_API_KEY"), help="require Bearer KEY on /v1 routes")
-    add_engine_args(p)
-    p.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=None,
-        help="seconds SIGTERM lets running requests finish (0 aborts them)",
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch intra-op threads (0: the YAML's, else the host's cores split among its CPU nodes)",
-    )
+    add_flags(p, "tp_rank", "host", "port", "api_key")
     return p
 
 
 def build_generate_parser() -> argparse.ArgumentParser:
     g = argparse.ArgumentParser(
         prog="afd-attention generate",
+        formatter_class=DefaultsHelpFormatter,
         description="offline: a node of the cluster YAML that generates for a prompts file, then leaves",
     )
     add_cluster_args(g)
-    g.add_argument("--model", default=None, help="override the YAML's model path")
-    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: as for serving)")
+    add_flags(g, "tp_rank")
     g.add_argument("--prompts-file", required=True, help='JSON {"prompts": [[ids]], "max_tokens": n, ...}')
     g.add_argument("--output-file", default=None, help="where rank 0 writes the outputs (required there)")
-    g.add_argument("--tp-rank", type=int, default=0, help="this process's TP rank in the node (layout.attention_tp)")
     return g
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from afd.cluster.flags import DefaultsHelpFormatter
 from afd.node.args import add_cluster_args
 from afd.node.signals import exit_on_signal
 
@@ -12,17 +13,10 @@ from afd.node.signals import exit_on_signal
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="afd-ffn",
+        formatter_class=DefaultsHelpFormatter,
         description="FFN node: serves the MoE half of every layer for the attention nodes of its cluster",
     )
     add_cluster_args(p)
-    p.add_argument("--model", default=None, help="override the YAML's model path")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=0,
-        help="torch intra-op threads (0: the YAML's, else the host's cores split among its CPU nodes)",
-    )
     p.add_argument("--report-file", default=None, help="at exit, write steps, tokens and compute/idle seconds")
     return p
 

@@ -456,7 +456,7 @@ def test_print_commands_with_overrides():
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines == [
-        "afd-attention --config deploy/2a1f.yaml --node attn0 --model '/ckpt/my model' --port 8123  # on 127.0.0.1",
+        "afd-attention --config deploy/2a1f.yaml --node attn0 --port 8123 --model '/ckpt/my model'  # on 127.0.0.1",
         "afd-attention --config deploy/2a1f.yaml --node attn1 --model '/ckpt/my model'  # on 127.0.0.1",
         "afd-ffn --config deploy/2a1f.yaml --node ffn0 --model '/ckpt/my model'  # on 127.0.0.1",
     ]

@@ -79,3 +79,24 @@ def test_device_sdks_only_in_the_backend():
             if f.is_relative_to(ROOT / "afd" / "backend"):
                 continue
             assert not any(m.split(".")[0] in SDKS for m in _imports(f)), f"{f} imports a device SDK"
+
+
+def test_every_flag_is_defined_in_one_place():
+    """A flag afd.cluster.flags defines (the config's, generated from afd.cluster.schema, and the shared
+    node flags) is defined nowhere else: no other module of the serving commands calls add_argument with its
+    name. afd/bench is left out: its flags are benchmark parameters that share a name, not a meaning
+    (`afd bench --model` is `vllm bench serve`'s model name to send; `bench-mtp --speculative-tokens 0,1,2`
+    a sweep)."""
+    from afd.cluster.flags import FLAGS, config_flags
+
+    owned = {f.name for f in config_flags().values()} | {f.name for f in FLAGS.values()}
+    found = []
+    for package in ("afd", "attention_node", "ffn_node"):
+        for f in _files(package):
+            if f == ROOT / "afd" / "cluster" / "flags.py" or f.is_relative_to(ROOT / "afd" / "bench"):
+                continue
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
+                    names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+                    found += [f"{f.relative_to(ROOT)}: {n}" for n in names if n in owned]
+    assert not found, "flags defined outside afd/cluster/flags.py: " + ", ".join(found)

@@ -26,7 +26,7 @@ import time
 
 from afd.bench.common import Colocated, interleaved, median, synthetic_prompts, write_config
 from afd.bench.step import SCENARIOS, add_model_args
-from afd.cluster.overrides import DefaultsHelpFormatter
+from afd.cluster.flags import DefaultsHelpFormatter
 
 MODES = ("eager", "compile")
 

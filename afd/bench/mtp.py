@@ -28,7 +28,7 @@ import zlib
 
 from afd.bench.common import interleaved, synthetic_prompts
 from afd.bench.step import BENCH_CONFIG
-from afd.cluster.overrides import DefaultsHelpFormatter
+from afd.cluster.flags import DefaultsHelpFormatter
 
 PLACEMENTS = ("colocated", "1A1F")
 

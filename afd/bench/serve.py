@@ -13,7 +13,7 @@ import os
 import time
 from datetime import datetime
 
-from afd.cluster.overrides import DefaultsHelpFormatter
+from afd.cluster.flags import DefaultsHelpFormatter
 
 # aiohttp, numpy and tqdm are imported where used: `afd --help` and the other subcommands should not pay for them.
 

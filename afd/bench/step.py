@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 
-from afd.cluster.overrides import DefaultsHelpFormatter
+from afd.cluster.flags import DefaultsHelpFormatter
 
 BENCH_CONFIG = {
     # Sized so that the attention window (dense MLP 0, attention 1, dense MLP 1) and the MoE take

@@ -19,7 +19,7 @@ from afd.bench.common import Colocated, interleaved, median, run_afd, synthetic_
 from afd.bench.gemm import _print_gemm, section_gemm
 from afd.bench.prefetch import format_prefetch, run_prefetch_bench
 from afd.bench.step import BENCH_CONFIG, _summarize
-from afd.cluster.overrides import DefaultsHelpFormatter
+from afd.cluster.flags import DefaultsHelpFormatter
 
 SECTIONS = ("gemm", "prefetch", "decode", "scaling")
 AFD_MODE = dict(overlap=True, micro_batches=1)

@@ -18,7 +18,7 @@ import time
 
 from afd.bench.common import synthetic_prompts
 from afd.bench.step import SCENARIOS
-from afd.cluster.overrides import DefaultsHelpFormatter
+from afd.cluster.flags import DefaultsHelpFormatter
 from afd.model.tp.config import MODES
 
 BASELINE = "tp 1"

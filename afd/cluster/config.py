@@ -8,11 +8,13 @@ here). Every mistake raises ClusterConfigError naming the key path (`nodes[1].po
 from __future__ import annotations
 
 import os
+import typing
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import yaml
 
+from afd.cluster.fieldspec import byte_count
 from afd.cluster.schema import (  # noqa: F401 (re-exported: the names afd imports from here)
     DEVICES,
     GRAPH_BATCH_SIZES,
@@ -39,21 +41,30 @@ def _fail(src: str, path: str, msg: str):
     raise ClusterConfigError(f"{src}: {path}: {msg}" if path else f"{src}: {msg}")
 
 
-def _check_type(src: str, path: str, value: Any, typ: str) -> Any:
-    ok = {
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "bool": lambda v: isinstance(v, bool),
-        "str": lambda v: isinstance(v, str) and v != "",
-        "dict": lambda v: isinstance(v, dict),
-        "list": lambda v: isinstance(v, list),
-    }
-    base = typ.replace(" | None", "")
-    if value is None and "None" in typ:
-        return value
-    if base in ok and not ok[base](value):
-        _fail(src, path, f"expected {base}, got {type(value).__name__} {value!r}")
-    return float(value) if base == "float" else value
+_TYPE_NAMES = {int: "int", float: "float", bool: "bool", str: "str", dict: "dict", list: "list", tuple: "list"}
+_TYPE_CHECKS = {
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    bool: lambda v: isinstance(v, bool),
+    str: lambda v: isinstance(v, str) and v != "",
+    dict: lambda v: isinstance(v, dict),
+    list: lambda v: isinstance(v, list),
+    tuple: lambda v: isinstance(v, (list, tuple)),
+}
+
+
+def _check_type(src: str, path: str, value: Any, typ: Any) -> Any:
+    """`value` against a field's resolved annotation (`int`, `float | None`, ...): the value, floats as float."""
+    args = typing.get_args(typ)
+    if args and type(None) in args:  # X | None
+        if value is None:
+            return None
+        typ = next(a for a in args if a is not type(None))
+    base = typing.get_origin(typ) or typ
+    check = _TYPE_CHECKS.get(base)
+    if check is not None and not check(value):
+        _fail(src, path, f"expected {_TYPE_NAMES[base]}, got {type(value).__name__} {value!r}")
+    return float(value) if base is float else value
 
 
 def _section(cls, src: str, path: str, raw: Any, required: tuple[str, ...] = ()):
@@ -61,26 +72,23 @@ def _section(cls, src: str, path: str, raw: Any, required: tuple[str, ...] = ())
         raw = {}
     if not isinstance(raw, dict):
         _fail(src, path, f"expected a mapping, got {type(raw).__name__}")
-    known = {f.name: f for f in fields(cls)}
+    known = [f.name for f in fields(cls)]
+    hints = typing.get_type_hints(cls)
     for key in raw:
         if key not in known:
             _fail(src, f"{path}.{key}" if path else str(key), f"unknown key (known: {', '.join(known)})")
     for key in required:
         if key not in raw:
             _fail(src, f"{path}.{key}", "required key is missing")
-    kw = {k: _check_type(src, f"{path}.{k}", v, str(known[k].type)) for k, v in raw.items()}
+    kw = {k: _check_type(src, f"{path}.{k}", v, hints[k]) for k, v in raw.items()}
     return kw
 
 
 def parse_bytes(src: str, path: str, v: Any) -> int:
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-        return v
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
-    if isinstance(v, str):
-        for unit, mult in units.items():
-            if v.endswith(unit) and v[: -len(unit)].strip().replace(".", "", 1).isdigit():
-                return int(float(v[: -len(unit)]) * mult)
-    _fail(src, path, f"expected a byte count like 256MiB, got {v!r}")
+    value = byte_count(v) if not isinstance(v, str) or not v.isdigit() else None
+    if value is None:
+        _fail(src, path, f"expected a byte count like 256MiB, got {v!r}")
+    return value
 
 
 def _positive(src: str, path: str, v, allow_zero: bool = False) -> None:
@@ -271,9 +279,18 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     if cluster.coordinator is not None and cluster.coordinator not in names:
         _fail(src, "cluster.coordinator", f"{cluster.coordinator!r} is not a node ({', '.join(sorted(names))})")
     _check_layout(src, layout, nodes)
-    cfg = ClusterConfig(cluster, model, layout, engine, tuple(nodes), prefetch, src)
+    cfg = ClusterConfig(cluster, model, layout, engine, tuple(nodes), prefetch, src, _given(raw))
     check_speculative(cfg)
     return cfg
+
+
+def _given(raw: dict) -> frozenset[str]:
+    """The key paths a loaded YAML spelled out (ClusterConfig.given)."""
+    out = {f"{s}.{k}" for s in ("cluster", "model", "layout", "engine", "prefetch") for k in (raw.get(s) or {})}
+    out |= {s for s in ("cluster", "model", "layout", "engine", "prefetch") if s in raw}
+    for i, node in enumerate(raw["nodes"]):
+        out |= {f"nodes.{i}.{k}" for k in node} | {f"nodes.{i}.ports.{k}" for k in node.get("ports") or {}}
+    return frozenset(out)
 
 
 def check_speculative(cfg: ClusterConfig) -> None:

@@ -17,14 +17,16 @@ import time
 import urllib.request
 
 from afd.cluster.config import ClusterConfig, Node, Process, load
-from afd.cluster.overrides import (
-    FOR_ATTENTION,
-    FOR_EVERY_NODE,
+from afd.cluster.flags import (
     DefaultsHelpFormatter,
-    add_serving_overrides,
-    override_argv,
+    add_config_flags,
+    add_flags,
+    api_key,
+    config_argv,
+    overrides_of,
+    with_overrides,
 )
-from afd.cluster.topology import with_overrides
+from afd.cluster.topology import with_http_port
 
 MODULES = {"attention": "attention_node.main", "ffn": "ffn_node.main"}
 COMMANDS = {"attention": "afd-attention", "ffn": "afd-ffn"}
@@ -35,37 +37,27 @@ def add_parser(sub) -> None:
         "launch", help="start every node of a cluster YAML on this host", formatter_class=DefaultsHelpFormatter
     )
     p.add_argument("config", help="cluster YAML")
-    p.add_argument("--model", default=None, help="override the YAML's model path")
-    p.add_argument("--port", type=int, default=None, help="override the first attention node's HTTP port")
-    add_serving_overrides(p)
+    add_flags(p, "port", "host", "api_key")
     p.add_argument("--print-commands", action="store_true", help="print the per-node commands, run nothing")
     p.add_argument("--curl-example", action="store_true", help="print a curl example once ready")
+    add_config_flags(p)
     p.set_defaults(func=run)
 
 
 def node_args(cfg_path: str, node: Node, args, first_attention: str, tp_rank: int = 0) -> list[str]:
     """A node's command line (with `--tp-rank R` for an attention node's TP rank R > 0): its place in the
-    YAML plus the overrides that concern its role. The API key travels in the environment
-    (AFD_API_KEY), never on a command line others can read in `ps`."""
+    YAML plus the config flags given here. The API key travels in the environment (AFD_API_KEY), never on
+    a command line others can read in `ps`."""
     out = ["--config", cfg_path, "--node", node.name] + (["--tp-rank", str(tp_rank)] if tp_rank else [])
-    if args.model:
-        out += ["--model", args.model]
     if args.port is not None and node.name == first_attention:
         out += ["--port", str(args.port)]
-    return out + override_argv(args, FOR_EVERY_NODE + (FOR_ATTENTION if node.role == "attention" else ()))
+    if args.host is not None and node.role == "attention":
+        out += ["--host", args.host]
+    return out + config_argv(args)
 
 
 def run(args) -> int:
-    cfg = with_overrides(
-        load(args.config),
-        model=args.model,
-        http_port=args.port,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        speculative_tokens=args.speculative_tokens,
-        graph_mode=args.graph_mode,
-    )
+    cfg = with_http_port(with_overrides(load(args.config), overrides_of(args)), args.port)
     first = cfg.attention_nodes[0]
     plan = [(p, node_args(args.config, p.node, args, first.name, p.tp_rank)) for p in cfg.processes]
     if args.print_commands:
@@ -75,8 +67,9 @@ def run(args) -> int:
         return 0
     check_startable(cfg, args.config)
     env = dict(os.environ)
-    if args.api_key:
-        env["AFD_API_KEY"] = args.api_key
+    key = api_key(args)
+    if key:
+        env["AFD_API_KEY"] = key
     return _Launcher(cfg, plan, env).run(args.curl_example)
 
 

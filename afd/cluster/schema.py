@@ -1,18 +1,24 @@
 """The cluster YAML's shape: small frozen dataclasses, one per section, each field documented.
 
-afd.cluster.config loads and checks a YAML into them (and re-exports them: import from there).
+This is afd's one configuration. afd.cluster.config loads and checks a YAML into it and writes it back
+(`to_dict`); a field declared with `opt(default, "--flag")` is also that command-line option in every
+command that takes it, its docstring the option's help (afd.cluster.flags generates them), and a keyword
+of `afd.LLM(model, **overrides)`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
+from afd.cluster.fieldspec import micro_batches_arg, opt, positive_int, size_arg, speculative_count
 from afd.cluster.placement import ExpertShard, partition_experts
+from afd.model.tp.config import MODES as TP_MODES
 from afd.model.tp.config import TPConfig
 
 ROLES = ("attention", "ffn")
 DEVICES = ("cpu", "cuda", "npu")
 GRAPH_MODES = ("eager", "compile")
+DTYPES = ("float32", "bfloat16", "float16")
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -78,39 +84,49 @@ def process_name(node: str, tp_rank: int) -> str:
 
 @dataclass(frozen=True)
 class ModelSection:
-    path: str
-    """Checkpoint directory; `demo` is the built-in demo checkpoint (made on first use)."""
-    dtype: str = "float32"
-    dummy_weights: bool = False
-    seed: int = 0
-    max_model_len: int | None = None
-    """Context limit for requests; default: the model's max_position_embeddings."""
+    path: str = opt(None, "--model")
+    """Checkpoint directory (an HF checkpoint of a supported family), or `demo`: the built-in demo checkpoint,
+    made on first use."""
+    dtype: str = opt("float32", "--dtype", choices=DTYPES)
+    """Weights and activations."""
+    dummy_weights: bool = opt(False, "--dummy-weights")
+    """Seeded random weights: only the checkpoint's config.json is read."""
+    seed: int = opt(0, "--weights-seed")
+    """Seed of the dummy weights (every node draws the same tensors from it)."""
+    max_model_len: int | None = opt(None, "--max-model-len", parse=positive_int)
+    """Context limit of a request; default: the model's max_position_embeddings (or what the KV cache holds)."""
+    served_model_name: str | None = opt(None, "--served-model-name")
+    """The model's name in the API and in metrics labels; default: the model path as given."""
+    chat_template: str | None = opt(None, "--chat-template")
+    """A Jinja chat template, or a file holding one; default: the tokenizer's."""
 
 
 @dataclass(frozen=True)
 class Layout:
-    overlap: bool = True
-    micro_batches: int = 0
+    overlap: bool = opt(True, "--overlap")
+    """Hide each MoE exchange behind the attention side's work; off (`--no-overlap`) waits for each result at
+    once (the baseline)."""
+    micro_batches: int = opt(0, "--micro-batches", parse=micro_batches_arg, metavar="{0..4}")
     """Ping-pong micro-batches (1-4); 0 chooses from measured times."""
     experts: dict | None = None
     """FFN node name -> [lo, hi) routed experts; default: an even split in node order."""
     zero_experts: str | None = None
     """FFN node that applies the identity experts; default: the first FFN node."""
-    attention_tp: int = 1
+    attention_tp: int = opt(1, "--attention-tp", parse=positive_int)
     """Ranks of every attention node: TP rank r of a node is its own process (`--tp-rank r`) on device
     index (the node's) + r, and exchanges its own rows with the FFN nodes (afd.model.tp)."""
-    tp_comm: str = "allreduce"
+    tp_comm: str = opt("allreduce", "--tp-comm", choices=TP_MODES)
     """How the TP ranks combine row-parallel results: allreduce, sp, flashcomm1 or flashcomm2."""
-    flashcomm2_otp: int | None = None
+    flashcomm2_otp: int | None = opt(None, "--flashcomm2-otp", parse=positive_int)
     """flashcomm2's o_proj TP group size P (attention_tp > P, attention_tp % P == 0)."""
-    tp_comm_min_tokens: int | None = None
+    tp_comm_min_tokens: int | None = opt(None, "--tp-comm-min-tokens")
     """Micro-batches with fewer tokens run as allreduce (counted in afd_tp_comm_fallbacks_total); default:
-    the seed's threshold of the mode (sp 1, flashcomm1/2 1001)."""
+    the threshold of the mode (sp 1, flashcomm1/2 1001, as vllm-ascend's)."""
 
-    kvp: int = 1
+    kvp: int = opt(1, "--kvp", parse=positive_int)
     """KV-parallel ranks (divides attention_tp): each holds 1/kvp of every sequence's KV cache, round-robin by
     block, so max_model_len grows kvp-fold (afd/model/kvp.py)."""
-    graph_mode: str | None = None
+    graph_mode: str | None = opt(None, "--graph-mode", choices=GRAPH_MODES)
     """eager or compile: decode micro-batches padded to engine.graph_batch_sizes run each layer's attention
     side as a compiled graph (afd/engine/graph.py; eager under attention_tp > 1). Unset: the device backend's
     default, chosen by measurement (`graph_mode_default` in afd/backend/; `afd bench-graph`)."""
@@ -122,24 +138,30 @@ class Layout:
 
 @dataclass(frozen=True)
 class EngineSection:
-    block_size: int = 16
-    kv_cache_bytes: int = 256 << 20
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    shutdown_timeout: float = 30.0
+    block_size: int = opt(16, "--block-size", parse=positive_int)
+    """Tokens per KV-cache block."""
+    kv_cache_bytes: int = opt(256 << 20, "--kv-cache-bytes", parse=size_arg)
+    """KV-cache budget of each attention rank (the YAML takes 268435456, 256MiB, 1GiB)."""
+    max_num_seqs: int = opt(64, "--max-num-seqs", parse=positive_int)
+    """Sequences per step."""
+    max_num_batched_tokens: int = opt(512, "--max-num-batched-tokens", parse=positive_int)
+    """Tokens per step (prefill chunks and decode tokens together)."""
+    shutdown_timeout: float = opt(30.0, "--shutdown-timeout")
     """Seconds SIGTERM lets running requests finish (0 aborts them)."""
     graph_batch_sizes: tuple = GRAPH_BATCH_SIZES
     """Graph mode's batch buckets (a YAML list): a decode micro-batch of B sequences runs padded to the
     smallest bucket >= B, a larger one eager. Each bucket costs a compile (or CUDA graph memory) per
     block-table width it meets, so fewer buckets start faster and more waste less on padding."""
-    compile_cache_dir: str | None = None
+    compile_cache_dir: str | None = opt(None, "--compile-cache-dir")
     """Where graph mode keeps compiled graphs for the next start: inductor's caches on CPU, torchair's
     cache_compile files on NPU (CUDA graphs are captured anew each start). Unset on CPU: inductor's own
     cache (TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_USER); unset on NPU: torchair compiles through
     torch.compile and keeps nothing for the next start."""
-    speculative_tokens: int = 0
+    speculative_tokens: int = opt(0, "--speculative-tokens", parse=speculative_count, metavar="N")
     """MTP speculative decoding: draft tokens per step from the checkpoint's MTP module (0 off, 1 or 2);
     every node reads it (FFN nodes then hold the MTP layer's experts too)."""
+    sampling_seed: int | None = opt(None, "--seed")
+    """Seed of the random sampling of requests that bring no seed of their own (vLLM's --seed)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +203,9 @@ class ClusterConfig:
     nodes: tuple[Node, ...]
     prefetch: PrefetchSection = PrefetchSection()
     source: str = "<dict>"
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    """The key paths the YAML spelled out (`engine.block_size`, `nodes.0.device`): `to_dict` writes them back
+    even when they hold the default, so a file round-trips unchanged."""
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -249,8 +274,51 @@ class ClusterConfig:
         shard = partition_experts(n_routed, len(ffn))[ffn.index(name)]
         return ExpertShard(shard.lo, shard.hi, name == zero)
 
+    def to_dict(self) -> dict:
+        """The cluster YAML of this config (what `from_dict` reads back into an equal config): every value that
+        differs from its default, plus the required ones."""
+        doc: dict = {}
+        for key in ("cluster", "model", "layout", "engine", "prefetch"):
+            section = _changed(getattr(self, key), key, self.given | {"model.path"})
+            if section or key in self.given:
+                doc[key] = section
+        keep = {f"nodes.{i}.{k}" for i in range(len(self.nodes)) for k in ("name", "role", "host", "ports")}
+        doc["nodes"] = [_changed(n, f"nodes.{i}", self.given | keep) for i, n in enumerate(self.nodes)]
+        return doc
+
+    def to_yaml(self) -> str:
+        import yaml
+
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
     @property
     def topology_name(self) -> str:
         lay = self.layout
         tp = f" (attention tp {lay.attention_tp}, {lay.tp_comm})" if lay.attention_tp > 1 else ""
         return f"{len(self.attention_nodes)}A{len(self.ffn_nodes)}F{tp}"
+
+
+def _changed(obj, path: str, keep: frozenset[str] | set[str]) -> dict:
+    """A section's fields at `path` that differ from their defaults or whose path is in `keep`, as YAML values."""
+    out = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if f"{path}.{f.name}" in keep or value != f.default:
+            if isinstance(value, Ports):
+                value = {k: v for k, v in _changed(value, f"{path}.ports", keep).items() if v is not None}
+            elif f.name.endswith("_bytes"):
+                value = _size_text(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, dict):
+                value = {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
+            out[f.name] = value
+    return out
+
+
+def _size_text(n: int) -> int | str:
+    """A byte count as the YAML writes it: in the largest binary unit that divides it, else plain."""
+    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n % mult == 0:
+            return f"{n // mult}{unit}"
+    return n

@@ -1,10 +1,10 @@
-"""The cluster as the nodes see it: overrides from the command line, model path, a printable summary."""
+"""The cluster as the nodes see it: a node's HTTP port from the command line, model path, a printable summary."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from afd.cluster.config import ClusterConfig, Node, check_speculative
+from afd.cluster.config import ClusterConfig, Node
 
 
 def resolve_model_path(path: str) -> str:
@@ -32,55 +32,25 @@ def cpu_threads(cfg: ClusterConfig, name: str) -> int:
 
 
 def served_model_name(model_path: str, override: str | None = None) -> str:
-    """The model's name in the API and in every node's metrics labels: `--served-model-name`, else the
-    model path as given (the demo's own name for `demo`)."""
+    """The model's name in the API and in every node's metrics labels: `model.served_model_name`
+    (`--served-model-name`), else the model path as given (the demo's own name for `demo`)."""
     if override:
         return override
     return "demo-longcat-flash" if model_path == "demo" else model_path
 
 
-def with_overrides(
-    cfg: ClusterConfig,
-    model: str | None = None,
-    http_port: int | None = None,
-    node: str | None = None,
-    dtype: str | None = None,
-    max_model_len: int | None = None,
-    max_num_seqs: int | None = None,
-    shutdown_timeout: float | None = None,
-    speculative_tokens: int | None = None,
-    graph_mode: str | None = None,
-) -> ClusterConfig:
-    """CLI values over the YAML (None: the YAML's): the model path, dtype, context limit, batch size,
-    shutdown grace, MTP draft tokens (checked against the layout) and graph mode for all nodes, the HTTP
-    port of `node` (default: the first attention node)."""
-    m = cfg.model
-    model_fields = {"path": model, "dtype": dtype, "max_model_len": max_model_len}
-    model_fields = {k: v for k, v in model_fields.items() if v is not None}
-    if model_fields:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **model_fields))
-    engine = {
-        "max_num_seqs": max_num_seqs,
-        "shutdown_timeout": shutdown_timeout,
-        "speculative_tokens": speculative_tokens,
-    }
-    engine = {k: v for k, v in engine.items() if v is not None}
-    if engine:
-        cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **engine))
-    if speculative_tokens is not None:
-        check_speculative(cfg)
-    if graph_mode is not None:
-        cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, graph_mode=graph_mode))
-    if http_port is not None:
-        target = node or cfg.attention_nodes[0].name
+def with_http_port(cfg: ClusterConfig, http_port: int | None, node: str | None = None) -> ClusterConfig:
+    """`cfg` with node `node`'s HTTP port (default: the first attention node's) set to `http_port`."""
+    if http_port is None:
+        return cfg
+    target = node or cfg.attention_nodes[0].name
 
-        def patch(n: Node) -> Node:
-            if n.name != target:
-                return n
-            return dataclasses.replace(n, ports=dataclasses.replace(n.ports, http=http_port))
+    def patch(n: Node) -> Node:
+        if n.name != target:
+            return n
+        return dataclasses.replace(n, ports=dataclasses.replace(n.ports, http=http_port))
 
-        cfg = dataclasses.replace(cfg, nodes=tuple(patch(n) for n in cfg.nodes))
-    return cfg
+    return dataclasses.replace(cfg, nodes=tuple(patch(n) for n in cfg.nodes))
 
 
 def _model_type(path: str) -> str | None:

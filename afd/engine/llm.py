@@ -4,10 +4,13 @@ across AFD node processes on this machine."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from afd.backend import get_backend
-from afd.cluster.config import GRAPH_BATCH_SIZES
+from afd.cluster.config import ClusterConfig
+from afd.cluster.flags import flat_overrides
 from afd.cluster.local import LocalClusterSpec, reports_logits, run_generate
+from afd.cluster.local_config import local_config
 from afd.cluster.topology import resolve_model_path
 from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
@@ -16,7 +19,7 @@ from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import load_tokenizer
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
 from afd.model.config import parse_dtype
-from afd.model.mtp import check_speculative_tokens, family_mtp
+from afd.model.mtp import family_mtp
 from afd.model.registry import family_module, load_config
 
 
@@ -43,103 +46,52 @@ class GenerateOutput:
 class LLM:
     """Offline generation.
 
-    model: an HF checkpoint directory of a supported family, or `demo`. With `dummy_weights`, only its
+    model: an HF checkpoint directory of a supported family, or `demo`. With `dummy_weights=True`, only its
     config.json is read and the weights are seeded random.
     """
 
-    def __init__(
-        self,
-        model: str,
-        dtype: str = "float32",
-        device: str = "cpu",
-        dummy_weights: bool = False,
-        seed: int = 0,
-        block_size: int = 16,
-        attention_nodes: int | None = None,
-        ffn_nodes: int | None = None,
-        colocated: bool | None = None,
-        overlap: bool = True,
-        micro_batches: int = 1,
-        attention_tp: int = 1,
-        tp_comm: str = "allreduce",
-        flashcomm2_otp: int | None = None,
-        tp_comm_min_tokens: int | None = None,
-        kvp: int = 1,
-        speculative_tokens: int = 0,
-        graph_mode: str | None = None,
-        graph_batch_sizes: tuple[int, ...] | None = None,
-        compile_cache_dir: str | None = None,
-    ):
-        """Colocated unless attention_nodes or ffn_nodes is given (or colocated=False): then every
-        generate() call runs that many node processes on this machine (afd.cluster.local).
-        attention_tp > 1: every attention node is that many processes (afd.model.tp); colocated, that is
-        one attention node whose ranks each hold every expert (a local cluster without FFN nodes).
-        speculative_tokens: MTP speculative decoding with that many drafts per step (1 or 2; afd.engine.
-        speculative); `spec_decode` then holds the last generate()'s acceptance counters.
-        graph_mode, graph_batch_sizes, compile_cache_dir: layout.graph_mode and engine.graph_batch_sizes /
-        compile_cache_dir (afd.engine.graph; None: the defaults). Colocated, each generate() builds its
-        graphs anew (the KV cache is sized per job): a warm compile cache makes that reloads."""
-        if graph_mode not in (None, "eager", "compile"):
-            raise ValueError(f"graph_mode: expected eager or compile, got {graph_mode!r}")
-        self.graph = GraphSettings(
-            graph_mode, tuple(sorted(set(graph_batch_sizes or GRAPH_BATCH_SIZES))), compile_cache_dir
-        )
-        self.graph_report: dict | None = None
-        """The last generate()'s graph-mode counters (afd.engine.graph.graph_report; attention node 0's)."""
+    def __init__(self, model: str, **options: Any):
+        """`options`: where it runs, and any field of the configuration by name (afd.cluster.schema; e.g.
+        dtype, dummy_weights, seed, block_size, overlap, micro_batches, attention_tp, tp_comm, kvp,
+        speculative_tokens, graph_mode, graph_batch_sizes, compile_cache_dir), checked as the cluster YAML is.
+
+        Where it runs: `device` (cpu; colocated only), and colocated (both halves in this process) unless
+        `attention_nodes` or `ffn_nodes` is given (or `colocated=False`): then generate() runs that many node
+        processes on this machine (afd.cluster.local). With attention_tp > 1 every attention node is that
+        many processes (afd.model.tp); colocated, that is one attention node whose ranks each hold every
+        expert (a cluster without FFN nodes). Offline, micro_batches defaults to 1.
+        speculative_tokens: `spec_decode` then holds the last generate()'s acceptance counters. Colocated,
+        each generate() builds its graphs anew (the KV cache is sized per job): a warm compile cache makes
+        that reloads."""
+        device = options.pop("device", "cpu")
+        attention_nodes, ffn_nodes = options.pop("attention_nodes", None), options.pop("ffn_nodes", None)
+        colocated = options.pop("colocated", None)
         if colocated and (attention_nodes or ffn_nodes):
             raise ValueError("colocated runs both halves in this process; it takes no attention_nodes or ffn_nodes")
-        check_speculative_tokens(speculative_tokens)
-        if speculative_tokens and (attention_tp > 1 or kvp > 1):
-            raise ValueError(
-                "speculative_tokens: MTP speculative decoding runs with attention_tp 1 and no KV-parallel "
-                "attention (kvp 1) for now"
-            )
-        self.speculative_tokens = speculative_tokens
-        self.spec_decode: dict | None = None
-        model = resolve_model_path(model)
-        self.cfg = load_config(model)
-        self.tokenizer = load_tokenizer(model)
-        self.dtype = parse_dtype(dtype)
-        self.block_size = block_size
-        self.overlap, self.micro_batches = overlap, micro_batches
         if colocated is None:
             colocated = attention_nodes is None and ffn_nodes is None
-        tp = dict(
-            attention_tp=attention_tp,
-            tp_comm=tp_comm,
-            flashcomm2_otp=flashcomm2_otp,
-            tp_comm_min_tokens=tp_comm_min_tokens,
-            kvp=kvp,
-        )
-        self.cluster = (
-            None
-            if colocated and attention_tp == 1
-            else LocalClusterSpec(
-                model,
-                attention_nodes or 1,
-                0 if colocated else (1 if ffn_nodes is None else ffn_nodes),
-                dtype,
-                dummy_weights,
-                seed,
-                overlap,
-                micro_batches,
-                block_size,
-                speculative_tokens=speculative_tokens,
-                graph_mode=graph_mode,
-                graph_batch_sizes=graph_batch_sizes,
-                compile_cache_dir=compile_cache_dir,
-                **tp,
-            )
-        )
-        if speculative_tokens:
+        A, F = attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes)
+        sections = flat_overrides({"micro_batches": 1, **options, "path": resolve_model_path(model)})
+        self.config = local_config(A, F, sections, name="local-job", threads=1)
+        """The job's configuration (a cluster YAML's: afd.cluster.schema)."""
+        model, lay, eng = self.config.model.path, self.config.layout, self.config.engine
+        self.graph = GraphSettings(lay.graph_mode, eng.graph_batch_sizes, eng.compile_cache_dir)
+        self.graph_report: dict | None = None
+        """The last generate()'s graph-mode counters (afd.engine.graph.graph_report; attention node 0's)."""
+        self.speculative_tokens = eng.speculative_tokens
+        self.spec_decode: dict | None = None
+        self.cfg = load_config(model)
+        self.tokenizer = load_tokenizer(model)
+        self.dtype = parse_dtype(self.config.model.dtype)
+        self.block_size = eng.block_size
+        self.overlap, self.micro_batches = lay.overlap, lay.micro_batches
+        self.cluster = None if colocated and lay.attention_tp == 1 else _cluster_spec(self.config)
+        if self.speculative_tokens:
             family_mtp(self.cfg)  # refuses a family without an MTP module here, not in a node process
-        from afd.model.tp.config import TPConfig
-
-        tp_cfg = TPConfig(attention_tp, tp_comm, flashcomm2_otp, tp_comm_min_tokens, kvp)  # checked colocated too
         if self.cluster:
-            tp_cfg.check_model(self.cfg.num_attention_heads)
+            lay.tp.check_model(self.cfg.num_attention_heads)
             half = family_module(self.cfg, "attention").AttentionHalf
-            if attention_tp > 1 and not getattr(half, "supports_tp", False):
+            if lay.attention_tp > 1 and not getattr(half, "supports_tp", False):
                 raise ValueError(
                     f"attention_tp: {self.cfg.model_type}'s attention half has no TP layers yet "
                     "(MLA families do: longcat_flash, deepseek_v3)"
@@ -148,11 +100,11 @@ class LLM:
                 raise ValueError("multi-process afd.LLM runs on the CPU; launch nodes for devices (afd launch)")
             return
         self.backend = get_backend(device)
-        reader = open_reader(model, dummy=dummy_weights, seed=seed)
+        reader = open_reader(model, dummy=self.config.model.dummy_weights, seed=self.config.model.seed)
         dev = self.backend.device
         self.attn = build_attention_half(self.cfg, reader, self.dtype, dev)
-        self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev, mtp=speculative_tokens > 0)
-        self.mtp = build_mtp_layer(self.cfg, reader, self.dtype, dev) if speculative_tokens else None
+        self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev, mtp=self.speculative_tokens > 0)
+        self.mtp = build_mtp_layer(self.cfg, reader, self.dtype, dev) if self.speculative_tokens else None
 
     def generate(
         self,
@@ -240,6 +192,31 @@ class LLM:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+
+def _cluster_spec(cfg: ClusterConfig) -> LocalClusterSpec:
+    """The local cluster of a job's configuration."""
+    m, lay, eng = cfg.model, cfg.layout, cfg.engine
+    return LocalClusterSpec(
+        m.path,
+        len(cfg.attention_nodes),
+        len(cfg.ffn_nodes),
+        m.dtype,
+        m.dummy_weights,
+        m.seed,
+        lay.overlap,
+        lay.micro_batches,
+        eng.block_size,
+        speculative_tokens=eng.speculative_tokens,
+        graph_mode=lay.graph_mode,
+        graph_batch_sizes=eng.graph_batch_sizes,
+        compile_cache_dir=eng.compile_cache_dir,
+        attention_tp=lay.attention_tp,
+        tp_comm=lay.tp_comm,
+        flashcomm2_otp=lay.flashcomm2_otp,
+        tp_comm_min_tokens=lay.tp_comm_min_tokens,
+        kvp=lay.kvp,
+    )
 
 
 def _add_counters(reports: list[dict]) -> dict:

@@ -8,45 +8,21 @@ from __future__ import annotations
 import argparse
 import logging
 
-from afd.cluster.overrides import add_graph_mode_arg, add_speculative_arg, positive_int
+from afd.cluster.flags import add_config_flags, add_flags, api_key
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    """A node command's flags: its place in the cluster YAML, and every config flag over the YAML."""
     g = p.add_argument_group("cluster")
-    g.add_argument("--config", default=None, help="cluster YAML")
-    g.add_argument("--node", default=None, help="this node's name in the cluster YAML")
-    g.add_argument(
-        "--bind-host",
-        default=None,
-        help="address the node's servers listen on (default: the node's host in the YAML; "
-        "0.0.0.0 in a container whose YAML host is a service name)",
-    )
-    g.add_argument("--served-model-name", default=None, help="model name in the API and metrics")
-    add_speculative_arg(g)
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """The attention node's overrides that vLLM users know by these names."""
-    p.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        default=None,
-        help="context limit of a request (default: the YAML's, else the model's)",
-    )
-    p.add_argument("--max-num-seqs", type=positive_int, default=None, help="sequences per step (default: the YAML's)")
-    p.add_argument(
-        "--chat-template", default=None, help="a Jinja chat template, or a file holding one (default: the tokenizer's)"
-    )
-    p.add_argument(
-        "--seed", type=int, default=None, help="seed of the random sampling of requests that bring no seed of their own"
-    )
-    add_graph_mode_arg(p)
+    add_flags(g, "config", "node", "bind_host", "threads")
+    add_config_flags(p)
 
 
 def load_cluster_args(args, role: str):
     """The cluster YAML with this command's overrides; checks that --node names a node of `role`."""
     from afd.cluster.config import ClusterConfigError, load
-    from afd.cluster.topology import with_overrides
+    from afd.cluster.flags import overrides_of, with_overrides
+    from afd.cluster.topology import with_http_port
 
     if not args.node:
         raise ClusterConfigError(f"{args.config}: --node is required with --config")
@@ -54,18 +30,9 @@ def load_cluster_args(args, role: str):
     node = cfg.node(args.node)
     if node.role != role:
         raise ClusterConfigError(f"{args.config}: node {args.node!r} is an {node.role} node, not {role}")
-    return with_overrides(
-        cfg,
-        model=args.model,
-        dtype=args.dtype,
-        node=args.node,
-        http_port=getattr(args, "port", None),
-        max_model_len=getattr(args, "max_model_len", None),
-        max_num_seqs=getattr(args, "max_num_seqs", None),
-        shutdown_timeout=getattr(args, "shutdown_timeout", None),
-        speculative_tokens=getattr(args, "speculative_tokens", None),
-        graph_mode=getattr(args, "graph_mode", None),
-    )
+    if hasattr(args, "api_key"):
+        args.api_key = api_key(args)
+    return with_http_port(with_overrides(cfg, overrides_of(args)), getattr(args, "port", None), args.node)
 
 
 def setup_logging(role: str, name) -> None:

@@ -14,7 +14,7 @@ import sys
 import yaml
 
 from afd.cluster.config import ClusterConfig, Node
-from afd.cluster.overrides import DefaultsHelpFormatter
+from afd.cluster.flags import DefaultsHelpFormatter
 
 JOBS = (("attention", "afd-attention"), ("ffn", "afd-ffn"))
 _DURATION = re.compile(r"^((\d+)(ms|s|m|h|d|w|y))+$")

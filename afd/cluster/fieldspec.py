@@ -1,0 +1,113 @@
+"""What a config field says about itself: its command-line option and its documentation, declared once
+beside the field in afd.cluster.schema, from which afd.cluster.flags generates every command's flags."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+from argparse import ArgumentTypeError
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FlagSpec:
+    """A config field's command-line option."""
+
+    name: str
+    """The option as typed, e.g. `--max-num-seqs`."""
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] | None = None
+    """Turns the option's text into the field's value (and refuses bad text); default: the field's type."""
+    metavar: str | None = None
+
+
+def opt(
+    default: Any,
+    flag: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    metavar: str | None = None,
+) -> Any:
+    """A config field with its default and, with `flag`, the command-line option that sets it."""
+    meta = {"flag": FlagSpec(flag, choices, parse, metavar)} if flag else {}
+    return field(default=default, metadata=meta)
+
+
+def flag_of(f) -> FlagSpec | None:
+    """The command-line option a dataclass field declared (None: the YAML alone sets it)."""
+    return f.metadata.get("flag")
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring: the string literal that follows it in the class body, on one line."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+# ---- option parsers (argparse `type=`): the command line's checks of what the YAML's loader checks ----
+
+_UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+
+
+def byte_count(v: Any) -> int | None:
+    """A size as the YAML writes it (268435456, 256MiB, 1GiB) in bytes; None when it is not one."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v if v > 0 else None
+    if isinstance(v, str):
+        if v.isdigit():
+            return int(v) or None
+        for unit, mult in _UNITS.items():
+            num = v[: -len(unit)].strip()
+            if v.endswith(unit) and num.replace(".", "", 1).isdigit():
+                return int(float(num) * mult) or None
+    return None
+
+
+def size_arg(text: str) -> int:
+    value = byte_count(text)
+    if value is None:
+        raise ArgumentTypeError(f"expected a byte count like 256MiB, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def count_arg(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def micro_batches_arg(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 4:
+        raise ArgumentTypeError(f"must be in 0..4 (0: automatic), got {value}")
+    return value
+
+
+def speculative_count(text: str) -> int:
+    value = int(text)
+    if value not in (0, 1, 2):
+        raise ArgumentTypeError(f"must be 0 (off), 1 or 2, got {value}")
+    return value
