@@ -7,7 +7,7 @@ STAMP := $(VENV)/.afd-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test test-slow test-device fuzz run lint typecheck format clean proto
+.PHONY: setup test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ FUZZ_SECONDS ?= 150
 fuzz: setup
 	$(BIN)/python -m pip install --quiet "schemathesis>=4.30"
 	$(BIN)/python tests/fuzz_api.py --max-time $(FUZZ_SECONDS)
+
+# The numerics tests again with the CPU kernels held to AVX2 (ATen's dispatch, MKL and oneDNN): the kernels a
+# CPU other than this one may take, so that a tolerance or a bit-equality that holds only on this CPU fails here.
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+test-avx2: setup
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -m "numerics and not slow" $(PYTEST_ARGS)
 
 test-slow: setup
 	$(BIN)/python -m pytest -q -m slow --timeout 900 $(PYTEST_ARGS)

@@ -95,7 +95,10 @@ def test_padded_rows_write_only_the_scratch_block(tiny_checkpoint, traced):
     kv.data[:, :, 0] = 1e4  # a marker: a real row reading the scratch block would change its tokens
     assert offline.generate(eng, PROMPTS5[:3], [N] * 3, SamplingParams(), ignore_eos=True) == eager_out
     got, want = kv.data, eager.runner.kv.data  # [layers, 2, blocks, block_size, C + R]
-    torch.testing.assert_close(got[:, :, 1:], want, rtol=1e-5, atol=1e-6)  # the sequences' blocks: as eager
+    # the sequences' blocks: as eager, up to rounding. The graph runs 4 rows where eager runs 3, and MKL picks
+    # its sgemm kernel by shape (and by CPU), so fp32 sums of O(1) latents may differ in their last bits after
+    # a few layers: 3e-6 was seen on an AVX-512 EPYC.
+    torch.testing.assert_close(got[:, :, 1:], want, rtol=1e-5, atol=1e-5)
     assert (got[:, :, 0, 1:] == 1e4).all() and (got[:, :, 0, 0] != 1e4).all()  # padded rows wrote slot 0 only
 
 
