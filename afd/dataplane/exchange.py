@@ -88,7 +88,7 @@ class LocalMoE:
 
 
 class _RemoteHandle:
-    def __init__(self, owner: RemoteMoE, works: list, recv_bufs: list[torch.Tensor], keep: torch.Tensor):
+    def __init__(self, owner: RemoteMoE, works: list, recv_bufs: list[torch.Tensor], keep: torch.Tensor | None):
         self.owner, self.works, self.recv_bufs, self.keep = owner, works, recv_bufs, keep
 
     def wait(self) -> torch.Tensor:
