@@ -71,7 +71,7 @@ def _cmd_check_config(args) -> int:
     print(describe(cfg, n_routed))
     if n_routed is None:
         print(f"(model {cfg.model.path} not readable here: default expert ranges resolve at startup)")
-    if getattr(cfg.layout, "attention_tp", 1) > 1:  # bytes per TP rank and layer, by formula (issue 14)
+    if getattr(cfg.layout, "attention_tp", 1) > 1:  # bytes per TP rank and layer, by formula
         from afd.model.tp.volume import check_config_report
 
         print(check_config_report(cfg))

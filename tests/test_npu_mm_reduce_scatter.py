@@ -65,7 +65,7 @@ FALLBACKS = [
     # (x, weight, world_size): each breaks one documented limit, everything else fits
     ("fp32", *_args(dtype=torch.float32), 2),
     ("weight-dtype", *_args(wdtype=torch.float16), 2),
-    ("world-size-16", *_args(m=16), 16),  # A3 takes 16, the "aiv" kernel and the seed's mmrs_fusion do not
+    ("world-size-16", *_args(m=16), 16),  # A3 takes 16, the "aiv" kernel and vllm-ascend's mmrs_fusion do not
     ("world-size-3", *_args(m=6), 3),
     ("k-below-256", *_args(k=128), 2),
     ("k-65535", *_args(m=2, k=65535, n=2), 2),

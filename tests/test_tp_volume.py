@@ -1,4 +1,4 @@
-"""Attention-TP communication volume (issue 14 item 6): the formula of afd.model.tp.volume equals what
+"""Attention-TP communication volume: the formula of afd.model.tp.volume equals what
 TPComm counts on every rank, in every mode, and `afd check-config` prints it.
 
 The counted side is one spawn of 4 gloo processes: two TP groups of 2 ranks run the G = 2 cases side by
@@ -249,7 +249,8 @@ def test_table_marks_the_configured_mode_and_fallbacks():
     rows = {line[4:24].strip(): line for line in text.splitlines()[2:]}
     assert rows["flashcomm1"].startswith("  > ")
     assert rows["sp"].startswith("    ")
-    # flashcomm1 falls back below 16 tokens only; flashcomm2 keeps the seed's 1001
+    # flashcomm1 falls back below 16 tokens only; flashcomm2 keeps vllm-ascend's 1001
+    # (docs/design/tp-communication.md#thresholds)
     assert rows["flashcomm1"].count("*") == 1
     assert "flashcomm2 (P=1)" in rows and rows["flashcomm2 (P=1)"].count("*") == 3
     assert "T=4096" in text and "to each FFN node" in rows and "+ per step" in rows

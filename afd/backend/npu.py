@@ -39,7 +39,8 @@ MMRS_DTYPES = (torch.float16, torch.bfloat16)
 """input and x2, one dtype (doc, all versions; int8 only in the quantized scenario afd does not use)."""
 MMRS_WORLD_SIZES = (2, 4, 8)
 """Atlas A2 takes 2/4/8 ranks, A3 also 16/32 (doc); the "aiv" kernel only 2/4/8 (aclnnMatmulReduceScatterV2
-doc), which is also vllm-ascend's mmrs_fusion default, tp <= 8 (seed 000, 3.4)."""
+doc), which is also vllm-ascend's mmrs_fusion default, tp <= 8
+(docs/design/tp-communication.md#thresholds)."""
 MMRS_K_RANGE = (256, 65535)
 """k in [256, 65535) (doc, all versions)."""
 MMRS_COMM_MODE = "aiv"
@@ -51,8 +52,8 @@ on A2/A3 too (vllm_ascend/device/device_op.py, BaseDeviceAdaptor.npu_mm_reduce_s
 class NpuBackend(Backend):
     name = "npu"
     dist_backend = "hccl"
-    # On by default: the seed's Atlas A3 measurements (LongCat-Flash AFD) show the FFN-side GMM weight
-    # prefetch paying off; this suite cannot run there (docs/benchmarks.md).
+    # On by default: the LongCat-Flash recipe on Atlas A3 prefetches the FFN side's GMM weights in the
+    # communication gaps (docs/design/longcat-on-ascend.md#ffn-prefetch); this suite cannot run there.
     prefetch_by_default = True
 
     def __init__(self, index: int = 0):
@@ -151,17 +152,18 @@ class NpuBackend(Backend):
         return n
 
     graph_mode_default = "eager"
-    """Not measured: afd's torchair graphs have run on the fake torchair only. Seed 001 finds LongCat-Flash's decode
-    faster as a static torchair graph on Atlas A3 ("使用静态图可以获得更好的推理性能"), so `compile` is expected to
-    win; it becomes the default once an Ascend run holds it."""
+    """Not measured: afd's torchair graphs have run on the fake torchair only. The LongCat-Flash recipe on
+    Atlas A3 finds decode faster as a static torchair graph (docs/design/longcat-on-ascend.md#graph-mode), so
+    `compile` is expected to win; it becomes the default once an Ascend run holds it."""
 
     def compile(self, fn, cache_dir: str | None = None):
-        # torchair's GE graph (CompilerConfig's default mode, max-autotune), static shapes, as seed 001 compiles its
-        # decode step: with a cache_dir, through torchair.inference.cache_compile (dynamic=False, ge_cache=True, the
-        # seed's arguments), which saves the compiled graph for the next start. cache_compile takes only a bound
-        # method of an nn.Module and keeps one graph per method's code object: a second graph (a recompile) is
-        # not cached, and a cached graph is loaded and run without dynamo's guards. afd.engine.graph therefore
-        # makes one method per graph, always called with one input signature.
+        # torchair's GE graph (CompilerConfig's default mode, max-autotune), static shapes, as the LongCat-Flash
+        # recipe compiles its decode step (docs/design/longcat-on-ascend.md#compile-cache): with a cache_dir,
+        # through torchair.inference.cache_compile (dynamic=False, ge_cache=True, the recipe's arguments), which
+        # saves the compiled graph for the next start. cache_compile takes only a bound method of an nn.Module and
+        # keeps one graph per method's code object: a second graph (a recompile) is not cached, and a cached graph
+        # is loaded and run without dynamo's guards. afd.engine.graph therefore makes one method per graph, always
+        # called with one input signature.
         # source: torchair/inference/_cache_compiler.py (cache_compile, ModelCacheSaver.save_compiled_fn,
         #   CompiledModel.rebase), https://github.com/Ascend/torchair, read at 0208753d; cache_compile doc,
         #   https://www.hiascend.com/document/detail/zh/Pytorch/710/modthirdparty/torchairuseguide/torchair_00081.html

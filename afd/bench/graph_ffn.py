@@ -1,5 +1,5 @@
-"""`afd bench-graph --ffn`: does compiling the FFN half's layer pay on CPU? (issue 15 asks for it "wherever
-that measures faster").
+"""`afd bench-graph --ffn`: does compiling the FFN half's layer pay on CPU? (graph mode compiles
+it wherever that measures faster).
 
 One MoE layer of the FFN half (router, then the experts this node holds), on one thread, T tokens: eager
 vs `torch.compile` with inductor at static shapes. The layer cannot be one graph: which experts a token

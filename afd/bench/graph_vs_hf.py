@@ -1,4 +1,4 @@
-"""`afd bench-graph --vs-hf`: issue 15's speed target, AFD 1A1F vs HF transformers `generate`, and the bounds
+"""`afd bench-graph --vs-hf`: graph mode's speed target, AFD 1A1F vs HF transformers `generate`, and the bounds
 both sides have on the cores they get, measured in the same run.
 
 Batch 16, prompts of 32, fp32, one real checkpoint (afd bench-suite's decode setup: BENCH_CONFIG, random

@@ -1,4 +1,4 @@
-"""`afd bench-mtp`: MTP speculative decoding on vs off (issue 16): decode tok/s, tokens per step and the
+"""`afd bench-mtp`: MTP speculative decoding on vs off: decode tok/s, tokens per step and the
 acceptance rate with speculative_tokens 0, 1 and 2, colocated and at 1A1F, side by side in one run.
 
 Every mode runs the same job (B prompts of L tokens, S new tokens each, greedy, EOS ignored) on the same

@@ -1,4 +1,4 @@
-"""`afd bench-tp`: attention-side TP (issue 14), every tp_comm mode side by side on the same job.
+"""`afd bench-tp`: attention-side TP, every tp_comm mode side by side on the same job.
 
 Each mode runs a prefill of --batch-size prompts then --steps decode steps on a dummy-weights model at
 --attention-tp G, next to a tp 1 baseline; modes are interleaved over --repeats rounds with the order

@@ -1,4 +1,4 @@
-"""FFN-side weight prefetch in the communication gaps (seed 001, "FFN 权重预取").
+"""FFN-side weight prefetch in the communication gaps (docs/design/longcat-on-ascend.md#ffn-prefetch).
 
 While an FFN node waits for layer l's hidden states it hints the weights that layer will read first,
 then the next layer's router and first GEMM, until a byte budget is spent. The schedule sits beside
