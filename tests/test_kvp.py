@@ -123,9 +123,9 @@ def test_kvp_must_divide_attention_tp():
 def test_kvp_without_tp_ranks_is_refused_colocated_too(tiny_checkpoint, capsys):
     """afd.LLM and afd serve --colocated check the TP flags as the YAML does, rather than dropping them."""
     from afd.cli import main
-    from afd.model.tp.config import TPConfigError
+    from afd.cluster.config import ClusterConfigError
 
-    with pytest.raises(TPConfigError, match="layout.kvp"):
+    with pytest.raises(ClusterConfigError, match="layout.kvp"):
         afd.LLM(tiny_checkpoint, kvp=2)
     assert main(["serve", tiny_checkpoint, "--colocated", "--kvp", "2", "--print-config"]) != 0
     assert "layout.kvp" in capsys.readouterr().err
