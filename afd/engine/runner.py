@@ -131,15 +131,15 @@ class ModelRunner:
         logits = torch.empty(first[-1], self.attn.cfg.vocab_size, device=self.device)
         hidden = []
         for mb in live:
-            self.tp.use(mb.plan)
-            x = self.tp.gather(mb.x)
             src = [
                 s.q_start + s.q_len - k for r, s in zip(mb.rows, mb.meta.seqs) for k in range(seqs[r].num_logits, 0, -1)
             ]  # each sequence's last num_logits rows
             dst = [first[r] + j for r in mb.rows for j in range(seqs[r].num_logits)]
-            logits[dst] = self.attn.logits(x[torch.tensor(src, device=self.device)])
-            if self.mtp is not None:
-                hidden.append(self.attn.norm(x))
+            with self.tp.plan(mb.plan):
+                x = self.tp.gather(mb.x)
+                logits[dst] = self.attn.logits(x[torch.tensor(src, device=self.device)])
+                if self.mtp is not None:
+                    hidden.append(self.attn.norm(x))
         self.last_hidden = torch.cat(hidden) if hidden else None
         if self.tuner:
             waited = self.moe.timers.total("ffn_wait") - wait0
@@ -158,24 +158,24 @@ class ModelRunner:
         )
         ids = torch.tensor([t for s in part for t in s.token_ids], dtype=torch.long, device=self.device)
         plan = self.tp.plan_for(meta.num_tokens)
-        self.tp.use(plan)
-        x, rope = self.attn.embed(ids, meta)
+        with self.tp.plan(plan):
+            x, rope = self.attn.embed(ids, meta)
         return _MicroBatch(index, rows, meta, rope, x, plan)
 
     def _moe_rows(self, mb: _MicroBatch) -> int:
         """How many of the micro-batch's tokens this rank exchanges with the MoE."""
         if not mb.rows:
             return 0
-        self.tp.use(mb.plan)
-        lo, hi = self.tp.moe_rows()
+        with self.tp.plan(mb.plan):
+            lo, hi = self.tp.moe_rows()
         return hi - lo
 
     def _start(self, layer: int, mb: _MicroBatch) -> None:
-        self.tp.use(mb.plan)
-        mb.h, mb.m = self.attn.pre_moe(layer, mb.x, mb.rope, mb.meta, self.kv.layer(layer))
+        with self.tp.plan(mb.plan):
+            mb.h, mb.m = self.attn.pre_moe(layer, mb.x, mb.rope, mb.meta, self.kv.layer(layer))
+            lo, hi = self.tp.moe_rows()
         if mb.m is None:  # a dense layer: nothing crosses (the FFN nodes skip it too: cfg.moe_layers)
             return
-        lo, hi = self.tp.moe_rows()
         if hi == lo:  # under TP, a rank with no rows of this micro-batch sends nothing (its header said 0)
             mb.pending = Ready(mb.m[:0])
             return
@@ -184,9 +184,9 @@ class ModelRunner:
             mb.pending = Ready(mb.pending.wait())
 
     def _finish(self, layer: int, mb: _MicroBatch) -> None:
-        self.tp.use(mb.plan)
-        h = self.attn.post_moe(layer, mb.h, mb.m, mb.rope, mb.meta, self.kv.layer(layer))
-        mb.x = h if mb.pending is None else h + self.tp.moe_output(mb.pending.wait())
+        with self.tp.plan(mb.plan):
+            h = self.attn.post_moe(layer, mb.h, mb.m, mb.rope, mb.meta, self.kv.layer(layer))
+            mb.x = h if mb.pending is None else h + self.tp.moe_output(mb.pending.wait())
         mb.h = mb.m = mb.pending = None
 
     # ---- the MTP module's forward (speculative decoding) --------------------------------------------
