@@ -20,6 +20,7 @@ from torch import nn
 
 from afd.dataplane.exchange import MoEExchange, Ready
 from afd.dataplane.overlap import MicroBatchTuner
+from afd.engine.graph_half import GraphHalf
 from afd.engine.kv_cache import KVCache
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.tp.comm import SINGLE, TPComm
@@ -80,6 +81,8 @@ class ModelRunner:
         attention node's TP group (attn cut to this rank's share by afd.model.tp.shard). mtp: the
         checkpoint's MTP module (afd.model.mtp), for speculative decoding (`draft`)."""
         self.attn, self.moe, self.kv, self.device, self.tp = attn, moe, kv, device, tp
+        self.graph = attn if isinstance(attn, GraphHalf) else None
+        """Graph mode (afd.engine.graph): told where each step begins."""
         self.overlap = overlap
         self.tuner = MicroBatchTuner() if micro_batches == 0 and overlap else None
         self._fixed_micro_batches = max(1, micro_batches)
@@ -114,6 +117,8 @@ class ModelRunner:
         mbs = [
             self._prepare(i, rows, seqs) for i, rows in enumerate(split_micro_batches(seqs, self.last_micro_batches))
         ]
+        if self.graph is not None:
+            self.graph.begin_step([mb.meta for mb in mbs], [mb.rope for mb in mbs])
         self.moe.begin_step([self._moe_rows(mb) for mb in mbs])
         L = self.attn.cfg.num_layers
         live = [mb for mb in mbs if mb.rows]  # an empty micro-batch sends nothing
