@@ -82,7 +82,7 @@ def _follow(rt, runner: ModelRunner, tp, built: dict, dtype) -> None:
     while True:
         try:
             msg = follow(runner)
-            if not msg[2]:  # a plain leave: the node is done
+            if not msg.reform:  # a plain leave: the node is done
                 return
             why = "rank 0 moves to the next data-plane generation"
         except PeerError as e:

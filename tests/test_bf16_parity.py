@@ -78,9 +78,9 @@ def afd_teacher_forced(path: str, seqs: list[list[int]]) -> torch.Tensor:
     tables: list[list[int]] = [[] for _ in seqs]
     for t in tables:
         kv.grow(t, SEQ_LEN)
-    steps = [runner.execute([StepSeq(s[:PROMPT_LEN], 0, t) for s, t in zip(seqs, tables)])]
+    steps = [runner.execute([StepSeq(s[:PROMPT_LEN], 0, t) for s, t in zip(seqs, tables)]).logits]
     for i in range(PROMPT_LEN, SEQ_LEN):
-        steps.append(runner.execute([StepSeq([s[i]], i, t) for s, t in zip(seqs, tables)]))
+        steps.append(runner.execute([StepSeq([s[i]], i, t) for s, t in zip(seqs, tables)]).logits)
     return torch.stack(steps, dim=1)
 
 
@@ -195,7 +195,7 @@ def test_mla_prefill_is_hfs_eager_bf16_bit_for_bit(tiny_checkpoints):
     for t, n in zip(tables, lens):
         kv.grow(t, n)
     runner = ModelRunner(llm.attn, LocalMoE(llm.ffn, llm.backend), kv, llm.backend.device)
-    ours = runner.execute([StepSeq(seq[:n], 0, t) for n, t in zip(lens, tables)])
+    ours = runner.execute([StepSeq(seq[:n], 0, t) for n, t in zip(lens, tables)]).logits
     hf = hf_bf16(path, attn_implementation="eager")
     with torch.no_grad():
         ref = hf(torch.tensor([seq])).logits[0].float()

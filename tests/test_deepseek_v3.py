@@ -176,7 +176,7 @@ def test_shared_experts_run_while_the_routed_experts_are_out(ckpts):
             table: list[int] = []
             kv.grow(table, len(p))
             seqs.append(StepSeq(p, 0, table))
-        return ModelRunner(llm.attn, moe, kv, torch.device("cpu"), micro_batches=2).execute(seqs)
+        return ModelRunner(llm.attn, moe, kv, torch.device("cpu"), micro_batches=2).execute(seqs).logits
 
     layer_of = {id(layer.mlp.shared_experts): i for i, layer in enumerate(llm.attn.layers) if i in llm.cfg.moe_layers}
     hooks = [

@@ -100,3 +100,42 @@ def test_every_flag_is_defined_in_one_place():
                     names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
                     found += [f"{f.relative_to(ROOT)}: {n}" for n in names if n in owned]
     assert not found, "flags defined outside afd/cluster/flags.py: " + ", ".join(found)
+
+
+def test_the_engine_parts_hand_each_other_records_not_tuples():
+    """The step's parts (scheduler, runner, speculator, sampler, output processor) return records
+    (afd/engine/messages.py), not tuples: no public method is annotated to return a tuple or returns a
+    tuple display; and what crosses threads (the engine's inbox) or processes (the TP leader's
+    broadcast) is never a tuple or dict display either."""
+    parts = {
+        "scheduler.py": "Scheduler",
+        "runner.py": "ModelRunner",
+        "speculative.py": "Speculator",
+        "sampling.py": "Sampler",
+        "output_processor.py": "OutputProcessor",
+    }
+
+    def tuple_annotation(node: ast.expr | None) -> bool:
+        if node is None:
+            return False
+        text = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else ast.unparse(node)
+        return any(t.strip().split("[")[0] in ("tuple", "Tuple", "typing.Tuple") for t in text.split("|"))
+
+    engine = ROOT / "afd" / "engine"
+    for name, cls_name in parts.items():
+        tree = ast.parse((engine / name).read_text())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+        for fn in cls.body:
+            if not isinstance(fn, ast.FunctionDef) or fn.name.startswith("_"):
+                continue
+            where = f"afd/engine/{name}: {cls_name}.{fn.name}"
+            assert not tuple_annotation(fn.returns), f"{where} returns a tuple: return a record instead"
+            for ret in ast.walk(fn):
+                assert not (isinstance(ret, ast.Return) and isinstance(ret.value, ast.Tuple)), where
+    for name in ("engine.py", "runner.py"):
+        for call in ast.walk(ast.parse((engine / name).read_text())):
+            sends = isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+            if sends and call.func.attr in ("put", "put_nowait", "send_step"):
+                assert not any(isinstance(a, (ast.Tuple, ast.Dict)) for a in call.args), (
+                    f"afd/engine/{name}:{call.lineno}: a message as a tuple or dict"
+                )

@@ -84,19 +84,19 @@ def test_mtp_forward_matches_transformers(ckpts, refs, family):
     runner = ModelRunner(llm.attn, LocalMoE(llm.ffn, llm.backend), kv, torch.device("cpu"), mtp=llm.mtp)
     table: list[int] = []
     kv.grow(table, len(seq))
-    runner.execute([StepSeq(seq, 0, table)])
-    torch.testing.assert_close(runner.last_hidden, H, rtol=1e-4, atol=1e-4)
+    hidden = runner.execute([StepSeq(seq, 0, table)]).hidden
+    assert hidden is not None
+    torch.testing.assert_close(hidden, H, rtol=1e-4, atol=1e-4)
     ends = [len(PROMPTS[0]) + 3, len(PROMPTS[0]) + 4, len(PROMPTS[0]) + 5, len(seq) - 1]
     start, h_last = 0, None
     for end in ends:  # positions [start, end): tokens seq[start + 1 .. end]
-        h_last, logits = runner.mtp_step(
-            [StepSeq(seq[start + 1 : end + 1], start, table)], runner.last_hidden[start:end]
-        )
+        out = runner.mtp_step([StepSeq(seq[start + 1 : end + 1], start, table)], hidden[start:end])
+        h_last, logits = out.hidden, out.logits
         assert max_rel_err([logits[0]], [want[end - 1]]) <= 1e-4, end
         start = end
     draft = int(logits[0].argmax())
     chained_want = ref.main.lm_head(ref.mtp(seq[1:] + [draft], torch.cat([H[:-1], ref.mtp(seq[1:], H[:-1])[-1:]]))[-1])
-    _, chained = runner.mtp_step([StepSeq([draft], len(seq) - 1, table)], h_last)
+    chained = runner.mtp_step([StepSeq([draft], len(seq) - 1, table)], h_last).logits
     assert max_rel_err([chained[0]], [chained_want.detach()]) <= 1e-4
 
 

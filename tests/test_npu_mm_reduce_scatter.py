@@ -156,9 +156,9 @@ TWO_RANKS = textwrap.dedent("""
 
         # through TPComm: 7 tokens padded to 8, this rank's 4 rows, the bias added after the fused op
         comm = TPComm(TPConfig(size=2, mode="sp"), rank=rank, ranks=[0, 1], backend=be)
-        comm.use(plan(comm.cfg, 7))
         bias = torch.randn(64, generator=torch.Generator().manual_seed(1)).to(dtype)
-        out = comm.row_parallel(xs[rank][:7].to(be.device), ws[rank].to(be.device), bias.to(be.device))
+        with comm.plan(plan(comm.cfg, 7)):
+            out = comm.row_parallel(xs[rank][:7].to(be.device), ws[rank].to(be.device), bias.to(be.device))
         padded = [F.pad(x[:7], (0, 0, 0, 1)) for x in xs]
         close(out, block(sum(x.double() @ w.double().T for x, w in zip(padded, ws)), 4) + bias.double(), TOL[dtype])
         assert comm.bytes["reduce_scatter"] == 8 * 64 * 2 // 2, comm.bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from afd.engine.kv_cache import KVCache
+from afd.engine.messages import StepPlan
 from afd.engine.request import Request, Status
 from afd.engine.sampling import SamplingParams
 from afd.engine.scheduler import Scheduler
@@ -36,12 +37,16 @@ def _req(rid: str, n_prompt: int) -> Request:
     return Request(rid, list(range(n_prompt)), SamplingParams(), 100, lambda out: None)
 
 
-def _run(s: Scheduler, batch) -> None:
-    """What the engine's update does: the scheduled tokens are now cached; a finished chunk samples."""
-    for req, n in batch:
-        req.num_computed += n
-        if req.num_computed == req.num_tokens:
-            req.output_ids.append(1)
+def _run(s: Scheduler, plan: StepPlan) -> None:
+    """What the engine's step does after the forward pass: a finished chunk samples a token."""
+    sampled = [[1] if e.samples else None for e in plan]
+    s.update(plan, sampled)
+    for e, toks in zip(plan, sampled):
+        e.request.output_ids += toks or []
+
+
+def _ids(plan: StepPlan) -> list[tuple[str, int]]:
+    return [(e.request.request_id, e.num_tokens) for e in plan]
 
 
 def test_long_prompt_is_prefilled_in_chunks_next_to_decodes():
@@ -50,17 +55,17 @@ def test_long_prompt_is_prefilled_in_chunks_next_to_decodes():
     s.add(a)
     s.add(b)
     first = s.schedule()
-    assert [(r.request_id, n) for r, n in first] == [("a", 3), ("b", 5)]
+    assert _ids(first) == [("a", 3), ("b", 5)]
     _run(s, first)
     second = s.schedule()
-    assert [(r.request_id, n) for r, n in second] == [("a", 1), ("b", 7)]  # decode + next chunk
+    assert _ids(second) == [("a", 1), ("b", 7)]  # decode + next chunk
 
 
 def test_max_num_seqs_and_budget():
     s = _sched(blocks=32, max_seqs=2, budget=100)
     for i in range(3):
         s.add(_req(str(i), 2))
-    assert [r.request_id for r, _ in s.schedule()] == ["0", "1"]
+    assert [rid for rid, _ in _ids(s.schedule())] == ["0", "1"]
     assert [r.request_id for r in s.waiting] == ["2"]
 
 
@@ -73,7 +78,7 @@ def test_preemption_frees_blocks_and_requeues_for_recompute():
     assert s.kv.allocator.num_free == 0
     batch = s.schedule()  # b's 9th token needs a 3rd block; b is the newest, so b itself is preempted
     assert s.num_preemptions == 1
-    assert [r.request_id for r, _ in batch] == ["a"]
+    assert _ids(batch) == [("a", 1)]
     assert b.status is Status.WAITING and b.num_computed == 0 and not b.block_table
     assert s.waiting[0] is b and b.output_ids == [1]  # keeps what it generated; recomputes prompt + output
 
@@ -86,3 +91,31 @@ def test_finish_returns_blocks():
     assert s.kv.allocator.num_free == 5
     s.finish(a)
     assert s.kv.allocator.num_free == 8 and not s.has_work()
+
+
+def test_the_plan_says_which_drafts_run_and_update_rolls_rejected_ones_back():
+    """A request with drafts gets them in the plan as far as the budget allows, decided once; after the
+    step only accepted drafts count as cached, and blocks that held only rejected ones are freed."""
+    s = _sched(blocks=8, budget=3)
+    a = _req("a", 3)
+    s.add(a)
+    _run(s, s.schedule())  # prefill: 3 cached, a token sampled (4 tokens, the last not cached)
+    a.draft = [7, 8, 9]
+    plan = s.schedule()  # budget 3: the last token and two of the three drafts
+    (e,) = plan.seqs
+    assert (e.start, e.num_tokens, e.drafts, e.samples, e.num_logits) == (3, 3, (7, 8), True, 3)
+    assert e.step_seq().token_ids == [1, 7, 8] and len(a.block_table) == 2  # positions 3..5: blocks 0 and 1
+    s.update(plan, [[7, 5]])  # the first draft accepted, the second rejected, 5 the target's own
+    assert a.num_computed == 5 and a.draft == [] and len(a.block_table) == 2
+    a.output_ids += [7, 5]
+    s.add(b := _req("b", 1))
+    plan = s.schedule()
+    assert _ids(plan) == [("a", 1), ("b", 1)]
+    _run(s, plan)
+    assert a.num_computed == 6 and len(a.block_table) == 2
+    a.draft = [4, 4]
+    plan = s.schedule()  # a: its last token and both drafts, positions 6..8: a third block; no budget for b
+    assert _ids(plan) == [("a", 3)] and plan.seqs[0].drafts == (4, 4) and len(a.block_table) == 3
+    s.update(plan, [[1]])  # both rejected: the third block held only drafts
+    assert a.num_computed == 7 and len(a.block_table) == 2 and b.num_computed == 1
+    assert s.kv.allocator.num_free == 8 - 2 - 1

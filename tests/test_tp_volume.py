@@ -26,6 +26,7 @@ import yaml
 from afd.backend import get_backend
 from afd.dataplane.exchange import LocalMoE
 from afd.engine.kv_cache import KVCache
+from afd.engine.messages import RunStep
 from afd.engine.runner import ModelRunner, StepSeq
 from afd.model.checkpoint import DummyReader, build_attention_half, build_ffn_half
 from afd.model.registry import config_from_hf
@@ -156,7 +157,8 @@ def _run_case(ranks: tuple, case: tuple, tp_rank: int) -> list[dict]:
             runner.execute(seqs)
         else:
             msg = tp.recv_step()
-            runner.execute(msg[1], micro_batches=msg[2])
+            assert isinstance(msg, RunStep)
+            runner.execute(msg.seqs, micro_batches=msg.micro_batches)
         out.append({**{k: tp.bytes[k] - before[k] for k in COLLECTIVES}, "ffn": moe.sent})
     return out
 

@@ -12,10 +12,11 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
+from afd.backend.base import Backend
 from afd.cluster.config import GRAPH_BATCH_SIZES
 from afd.engine.graph_half import GraphHalf
+from afd.engine.half import AttentionHalf
 
 log = logging.getLogger("afd.graph")
 
@@ -45,7 +46,8 @@ def resolve_mode(settings: GraphSettings | None, device: torch.device) -> str:
     from afd.backend.cuda import CudaBackend
     from afd.backend.npu import NpuBackend
 
-    return {"cpu": CpuBackend, "cuda": CudaBackend, "npu": NpuBackend}[device.type].graph_mode_default
+    backends: dict[str, type[Backend]] = {"cpu": CpuBackend, "cuda": CudaBackend, "npu": NpuBackend}
+    return backends[device.type].graph_mode_default
 
 
 def scratch_blocks(settings: GraphSettings | None, tp, device: torch.device) -> int:
@@ -53,10 +55,10 @@ def scratch_blocks(settings: GraphSettings | None, tp, device: torch.device) -> 
     return int(resolve_mode(settings, device) == "compile" and tp.size == 1)
 
 
-def wrap(attn: nn.Module, kv, settings: GraphSettings | None, tp, backend=None) -> nn.Module:
+def wrap(attn: AttentionHalf, kv, settings: GraphSettings | None, tp, backend=None) -> AttentionHalf:
     """`attn`, or a GraphHalf over it when the settings ask for graph mode and the layout allows it."""
     device = kv.data.device
-    if resolve_mode(settings, device) != "compile":
+    if settings is None or resolve_mode(settings, device) != "compile":
         return attn
     if tp.size > 1:  # KVP needs TP ranks: this covers it too
         log.info(

@@ -11,8 +11,8 @@ the allocator for good (never in any block table), so their cache writes collide
 and they attend to nothing but themselves. Their outputs are sliced off: the runner sees B rows and
 exchanges B rows with the FFN side. The exchange stays outside the graphs (between pre_moe and post_moe).
 
-Graphs compile lazily, one per step (whatever its micro-batches: a step starts where the runner embeds
-its micro-batches): the first steps of a new (bucket, width) run their other layers eager while the graphs
+Graphs compile lazily, one per step (whatever its micro-batches: the runner calls `begin_step` with
+them before the first layer): the first steps of a new (bucket, width) run their other layers eager while the graphs
 arrive one by one. A step that stalls for every layer's compile would keep the FFN nodes waiting past
 cluster.comm_timeout on a cold cache (one inductor compile takes 5-30 s on a CPU); one compile per step
 keeps each stall to one graph. `steps` (afd_graph_steps_total) counts a micro-batch's forward pass as
@@ -25,18 +25,19 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
 import time
 import types
-from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from afd.engine.half import AttentionHalf
 from afd.model.attention_metadata import AttentionMetadata
 
 log = logging.getLogger("afd.graph")
-_LIVE = 8  # more than the micro-batches a step keeps in flight (at most 4)
 
 
 @dataclass
@@ -49,10 +50,21 @@ class _Step:
     rope: tuple  # the rotary tables, [P, ...] each
     meta: tuple  # positions [P], slot mapping [P], block tables [P, width], context lengths [P]
     eager_layers: int = 0  # phases of layers that ran eager (graphs compiling, or failed)
+    out: torch.Tensor | None = None  # what pre_moe last returned: the real rows of...
+    h: torch.Tensor | None = None  # ...its padded h
+    m: torch.Tensor | None = None  # and padded m, which post_moe takes back without padding again
+
+
+@dataclass
+class _MicroBatch:
+    meta: AttentionMetadata  # the runner's, passed to every layer of the micro-batch
+    step: _Step | None  # None: it runs eager
 
 
 class GraphHalf(nn.Module):
-    def __init__(self, attn: nn.Module, backend, buckets, cache_dir: str | None, kv):
+    attn: AttentionHalf
+
+    def __init__(self, attn: AttentionHalf, backend, buckets, cache_dir: str | None, kv):
         """buckets: the batch sizes that get graphs; kv: the KV cache, which gives up one block as scratch."""
         super().__init__()
         self.attn = attn
@@ -67,13 +79,11 @@ class GraphHalf(nn.Module):
         """Micro-batch forward passes by mode (afd_graph_steps_total; one per step with one micro-batch):
         graph when every layer ran compiled."""
         self._compiles_left = 1  # graphs the current step may still compile
-        self._embedding = False  # the last call was embed: the step's micro-batches are being prepared
+        self._micro_batches: list[_MicroBatch] = []  # the current step's (begin_step)
         self.compile_seconds: dict[tuple[int, int], float] = {}
         """(bucket, width) -> seconds its graphs took to compile (or load) on their first call."""
         self.prefetch_bytes = 8 << 20 if backend.prefetch_by_default else 0
-        self._fns: dict[tuple, object] = {}
-        self._steps: OrderedDict = OrderedDict()  # id(meta) -> (meta, _Step | None)
-        self._live: OrderedDict = OrderedDict()  # id(h returned by pre_moe) -> (that h, padded h, padded m)
+        self._fns: dict[tuple, Any] = {}  # (phase, layer, bucket, width) -> graph, _FirstCall, or None: eager
         log.info(
             "graph mode on %s: batch buckets %s, compiled lazily per bucket and block-table width, cache %s",
             backend.name,
@@ -87,45 +97,46 @@ class GraphHalf(nn.Module):
         except AttributeError:
             return getattr(self._modules["attn"], name)
 
+    def begin_step(self, metas: list[AttentionMetadata], ropes: list[Any]) -> None:
+        """A step begins with these micro-batches (their metadata and rotary tables, as the runner passes
+        them to every layer): each is padded to its bucket once, and the step may compile one graph."""
+        self._compiles_left = 1
+        self._micro_batches = [_MicroBatch(meta, self._pad_step(rope, meta)) for meta, rope in zip(metas, ropes)]
+
     # ---- the attention half's interface ---------------------------------------------------------------
 
-    def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
-        if not self._embedding:  # a step's first micro-batch: the runner embeds them all before any layer
-            self._embedding, self._compiles_left = True, 1
+    def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, Any]:
         return self.attn.embed(input_ids, meta)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn.logits(x)
 
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor):
-        self._embedding = False
-        s = self._step(rope, meta)
+        s = self._step(meta)
         fn = None if s is None else self._fn("pre", i, s)
-        if fn is None:
+        if s is None or fn is None:
             if s is not None:
                 s.eager_layers += 1
+                s.out = None
             return self.attn.pre_moe(i, x, rope, meta, kv)
         h, m = fn(_pad(x, s.bucket), s.rope, *s.meta, kv)  # [P, H] each (m None on a dense layer)
         s.eager_layers += self._fns[("pre", i, s.bucket, s.width)] is None  # its first call failed: ran eager
-        out = h[: s.rows]
-        self._remember(out, h, m)
-        return out, None if m is None else m[: s.rows]
+        s.out, s.h, s.m = h[: s.rows], h, m
+        return s.out, None if m is None else m[: s.rows]
 
     def post_moe(self, i: int, h, m, rope, meta, kv: torch.Tensor):
-        s = self._step(rope, meta)
-        live = self._live.pop(id(h), None)
+        s = self._step(meta)
         fn = None if s is None else self._fn("post", i, s)
         last = i == self.attn.cfg.num_layers - 1
-        if last:
-            self._steps.pop(id(meta), None)
-        if fn is None:
+        if s is None or fn is None:
             if last:  # the micro-batch's pass ends here: count it
                 self.steps["eager"] += 1
             return self.attn.post_moe(i, h, m, rope, meta, kv)
-        if live is not None and live[0] is h:
-            hp, mp = live[1], live[2]
+        if s.out is not None and s.out is h:
+            hp, mp = s.h, s.m
         else:  # pre_moe ran eager (its graph failed): pad here
             hp, mp = _pad(h, s.bucket), None if m is None else _pad(m, s.bucket)
+        s.out = s.h = s.m = None
         out = fn(hp, mp, s.rope, *s.meta, kv)[: s.rows]
         s.eager_layers += self._fns[("post", i, s.bucket, s.width)] is None
         if last:
@@ -134,16 +145,10 @@ class GraphHalf(nn.Module):
 
     # ---- padding ----------------------------------------------------------------------------------------
 
-    def _step(self, rope, meta: AttentionMetadata) -> _Step | None:
-        """The padded step of this micro-batch (built on its first layer), or None: it runs eager."""
-        got = self._steps.get(id(meta))
-        if got is not None and got[0] is meta:  # the entry holds meta: its id is not reused meanwhile
-            return got[1]
-        s = self._pad_step(rope, meta)
-        self._steps[id(meta)] = (meta, s)
-        while len(self._steps) > _LIVE:
-            self._steps.popitem(last=False)
-        return s
+    def _step(self, meta: AttentionMetadata) -> _Step | None:
+        """The padded step of this micro-batch, or None: it runs eager (as does one that begin_step did
+        not announce)."""
+        return next((mb.step for mb in self._micro_batches if mb.meta is meta), None)
 
     def _pad_step(self, rope, meta: AttentionMetadata) -> _Step | None:
         B = meta.num_tokens
@@ -160,12 +165,6 @@ class GraphHalf(nn.Module):
         ctx = _pad(meta.decode_ctx_lens, P, 1)
         table = torch.tensor(tables, dtype=torch.long, device=meta.positions.device)
         return _Step(B, P, W, tuple(_pad(t, P) for t in rope), (positions, slots, table, ctx))
-
-    def _remember(self, out: torch.Tensor, h: torch.Tensor, m: torch.Tensor | None) -> None:
-        """pre_moe's padded outputs, for post_moe to take back without padding again."""
-        self._live[id(out)] = (out, h, m)
-        while len(self._live) > _LIVE:
-            self._live.popitem(last=False)
 
     # ---- the compiled graphs -----------------------------------------------------------------------------
 
@@ -256,9 +255,9 @@ def _method(half: GraphHalf, phase: str, layer: int, name: str):
     def step(self, *args):
         return self._trace(phase, layer, *args)
 
-    code = step.__code__.replace(
-        co_name=name, **({"co_qualname": name} if hasattr(step.__code__, "co_qualname") else {})
-    )
+    code = step.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):  # compilers read the qualified name too
+        code = code.replace(co_qualname=name)
     return types.MethodType(types.FunctionType(code, step.__globals__, name, None, step.__closure__), half)
 
 

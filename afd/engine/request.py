@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from afd.engine.sampling import SamplingParams
+from afd.engine.tokenizer import IncrementalDetokenizer
 
 
 class Status(Enum):
@@ -57,8 +58,8 @@ class Request:
     first_scheduled: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
-    detok: object = None
-    """IncrementalDetokenizer when the model has a tokenizer."""
+    detok: IncrementalDetokenizer | None = None
+    """Set when the model has a tokenizer."""
     text_sent: int = 0
     """Characters of the detokenized output already handed out (held back while a stop string may form)."""
     logits: list | None = None

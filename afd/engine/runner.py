@@ -14,28 +14,21 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
-from afd.dataplane.exchange import MoEExchange, Ready
+from afd.dataplane.exchange import MoEExchange, MoEHandle, Ready
 from afd.dataplane.overlap import MicroBatchTuner
+from afd.engine.graph_half import GraphHalf
+from afd.engine.half import AttentionHalf, MTPModule
 from afd.engine.kv_cache import KVCache
+from afd.engine.messages import DraftOutput, IdleStep, LeaveStep, RunnerOutput, RunStep, StepSeq
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.model.tp.config import ShardPlan
 
-
-@dataclass
-class StepSeq:
-    """One sequence's share of a step: new tokens appended after `start` cached ones."""
-
-    token_ids: list[int]
-    start: int
-    block_table: list[int]
-    num_logits: int = 1
-    """Logits rows the step returns for it: of its last token, or of its last 1 + d when it verifies d
-    draft tokens (speculative decoding)."""
+__all__ = ["ModelRunner", "StepSeq", "follow", "split_micro_batches"]
 
 
 def split_micro_batches(seqs: list[StepSeq], m: int) -> list[list[int]]:
@@ -56,35 +49,37 @@ class _MicroBatch:
     index: int
     rows: list[int]  # indices into the step's sequence list
     meta: AttentionMetadata
-    rope: tuple
+    rope: Any
     x: torch.Tensor
     plan: ShardPlan
     h: torch.Tensor | None = None
     m: torch.Tensor | None = None
-    pending: object = None
+    pending: MoEHandle | None = None
 
 
 class ModelRunner:
     def __init__(
         self,
-        attn: nn.Module,
-        moe: MoEExchange,
+        attn: AttentionHalf,
+        moe: MoEExchange | None,
         kv: KVCache,
         device: torch.device,
         micro_batches: int = 1,
         overlap: bool = True,
         tp: TPComm = SINGLE,
-        mtp: nn.Module | None = None,
+        mtp: MTPModule | None = None,
     ):
         """micro_batches: 1..4, or 0 to choose from measured times (afd.dataplane.overlap). tp: the
         attention node's TP group (attn cut to this rank's share by afd.model.tp.shard). mtp: the
-        checkpoint's MTP module (afd.model.mtp), for speculative decoding (`draft`)."""
-        self.attn, self.moe, self.kv, self.device, self.tp = attn, moe, kv, device, tp
+        checkpoint's MTP module (afd.model.mtp), for speculative decoding (`mtp_step`)."""
+        self.attn, self.kv, self.device, self.tp = attn, kv, device, tp
+        self.moe: MoEExchange | None = moe
+        """None while the data plane re-forms (the engine drops the exchange over a failed generation)."""
+        self.graph = attn if isinstance(attn, GraphHalf) else None
+        """Graph mode (afd.engine.graph): told where each step begins."""
         self.overlap = overlap
         self.tuner = MicroBatchTuner() if micro_batches == 0 and overlap else None
         self._fixed_micro_batches = max(1, micro_batches)
-        self.last_micro_batches = 0
-        """What the last step ran with (afd_micro_batches): the tuner may choose anew right after it."""
         self.mtp = mtp
         self.mtp_kv = (
             None
@@ -94,27 +89,29 @@ class ModelRunner:
             )
         )
         """The MTP block's own KV cache layer, addressed by the main model's block tables."""
-        self.last_hidden: torch.Tensor | None = None
-        """With an MTP module: every token's final hidden state [T, H] of the last step (what the head
-        reads), in the step's token order: the drafts' input."""
 
     @property
     def micro_batches(self) -> int:
         return self.tuner.micro_batches if self.tuner else self._fixed_micro_batches
 
+    def exchange(self) -> MoEExchange:
+        if self.moe is None:
+            raise RuntimeError("the runner has no MoE exchange (the data plane is re-forming)")
+        return self.moe
+
     @torch.inference_mode()
-    def execute(self, seqs: list[StepSeq], micro_batches: int | None = None) -> torch.Tensor:
-        """Runs the step; returns fp32 logits [sum of num_logits, V]: each sequence's last new token's, or with
-        drafts to verify its last 1 + d tokens', in sequence order. micro_batches:
-        the leader's choice, on the other TP ranks (each rank's tuner would measure its own times)."""
-        t0, wait0 = time.perf_counter(), self.moe.timers.total("ffn_wait")
-        self.last_micro_batches = micro_batches or self.micro_batches
+    def execute(self, seqs: list[StepSeq], micro_batches: int | None = None) -> RunnerOutput:
+        """Runs the step. micro_batches: the leader's choice, on the other TP ranks (each rank's tuner
+        would measure its own times)."""
+        moe = self.exchange()
+        t0, wait0 = time.perf_counter(), moe.timers.total("ffn_wait")
+        n = micro_batches or self.micro_batches
         if self.tp.size > 1 and self.tp.is_leader:
-            self.tp.send_step(("step", seqs, self.last_micro_batches))
-        mbs = [
-            self._prepare(i, rows, seqs) for i, rows in enumerate(split_micro_batches(seqs, self.last_micro_batches))
-        ]
-        self.moe.begin_step([self._moe_rows(mb) for mb in mbs])
+            self.tp.send_step(RunStep(seqs, n))
+        mbs = [self._prepare(i, rows, seqs) for i, rows in enumerate(split_micro_batches(seqs, n))]
+        if self.graph is not None:
+            self.graph.begin_step([mb.meta for mb in mbs], [mb.rope for mb in mbs])
+        moe.begin_step([self._moe_rows(mb) for mb in mbs])
         L = self.attn.cfg.num_layers
         live = [mb for mb in mbs if mb.rows]  # an empty micro-batch sends nothing
         for layer in range(L):
@@ -124,28 +121,27 @@ class ModelRunner:
                 self._start(layer, mb)
         for mb in live:
             self._finish(L - 1, mb)
-        self.moe.end_step()
+        moe.end_step()
         first = [0]
         for s in seqs:
             first.append(first[-1] + s.num_logits)
         logits = torch.empty(first[-1], self.attn.cfg.vocab_size, device=self.device)
         hidden = []
         for mb in live:
-            self.tp.use(mb.plan)
-            x = self.tp.gather(mb.x)
             src = [
                 s.q_start + s.q_len - k for r, s in zip(mb.rows, mb.meta.seqs) for k in range(seqs[r].num_logits, 0, -1)
             ]  # each sequence's last num_logits rows
             dst = [first[r] + j for r in mb.rows for j in range(seqs[r].num_logits)]
-            logits[dst] = self.attn.logits(x[torch.tensor(src, device=self.device)])
-            if self.mtp is not None:
-                hidden.append(self.attn.norm(x))
-        self.last_hidden = torch.cat(hidden) if hidden else None
+            with self.tp.plan(mb.plan):
+                x = self.tp.gather(mb.x)
+                logits[dst] = self.attn.logits(x[torch.tensor(src, device=self.device)])
+                if self.mtp is not None:
+                    hidden.append(self.attn.norm(x))
         if self.tuner:
-            waited = self.moe.timers.total("ffn_wait") - wait0
+            waited = moe.timers.total("ffn_wait") - wait0
             decode = all(len(s.token_ids) == s.num_logits for s in seqs)  # decode, drafts included
             self.tuner.observe(time.perf_counter() - t0, waited, decode, len(seqs))
-        return logits
+        return RunnerOutput(logits, torch.cat(hidden) if hidden else None, n)
 
     def _prepare(self, index: int, rows: list[int], seqs: list[StepSeq]) -> _MicroBatch:
         part = [seqs[r] for r in rows]
@@ -158,47 +154,49 @@ class ModelRunner:
         )
         ids = torch.tensor([t for s in part for t in s.token_ids], dtype=torch.long, device=self.device)
         plan = self.tp.plan_for(meta.num_tokens)
-        self.tp.use(plan)
-        x, rope = self.attn.embed(ids, meta)
+        with self.tp.plan(plan):
+            x, rope = self.attn.embed(ids, meta)
         return _MicroBatch(index, rows, meta, rope, x, plan)
 
     def _moe_rows(self, mb: _MicroBatch) -> int:
         """How many of the micro-batch's tokens this rank exchanges with the MoE."""
         if not mb.rows:
             return 0
-        self.tp.use(mb.plan)
-        lo, hi = self.tp.moe_rows()
+        with self.tp.plan(mb.plan):
+            lo, hi = self.tp.moe_rows()
         return hi - lo
 
     def _start(self, layer: int, mb: _MicroBatch) -> None:
-        self.tp.use(mb.plan)
-        mb.h, mb.m = self.attn.pre_moe(layer, mb.x, mb.rope, mb.meta, self.kv.layer(layer))
+        with self.tp.plan(mb.plan):
+            mb.h, mb.m = self.attn.pre_moe(layer, mb.x, mb.rope, mb.meta, self.kv.layer(layer))
+            lo, hi = self.tp.moe_rows()
         if mb.m is None:  # a dense layer: nothing crosses (the FFN nodes skip it too: cfg.moe_layers)
             return
-        lo, hi = self.tp.moe_rows()
         if hi == lo:  # under TP, a rank with no rows of this micro-batch sends nothing (its header said 0)
             mb.pending = Ready(mb.m[:0])
             return
-        mb.pending = self.moe.submit(layer, mb.index, mb.m[lo:hi])
+        mb.pending = self.exchange().submit(layer, mb.index, mb.m[lo:hi])
         if not self.overlap:
             mb.pending = Ready(mb.pending.wait())
 
     def _finish(self, layer: int, mb: _MicroBatch) -> None:
-        self.tp.use(mb.plan)
-        h = self.attn.post_moe(layer, mb.h, mb.m, mb.rope, mb.meta, self.kv.layer(layer))
-        mb.x = h if mb.pending is None else h + self.tp.moe_output(mb.pending.wait())
+        assert mb.h is not None  # _start ran first
+        with self.tp.plan(mb.plan):
+            h = self.attn.post_moe(layer, mb.h, mb.m, mb.rope, mb.meta, self.kv.layer(layer))
+            mb.x = h if mb.pending is None else h + self.tp.moe_output(mb.pending.wait())
         mb.h = mb.m = mb.pending = None
 
     # ---- the MTP module's forward (speculative decoding) --------------------------------------------
 
     @torch.inference_mode()
-    def mtp_step(self, seqs: list[StepSeq], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mtp_step(self, seqs: list[StepSeq], hidden: torch.Tensor) -> DraftOutput:
         """The MTP module over sequences whose `token_ids` are the tokens at start + 1 ... (each one
         position after the hidden state it pairs with) and `hidden` [T, H] those hidden states, in order.
-        Writes its KV cache layer at positions start ...; returns, at each sequence's last position, its
-        own hidden state [B, H] (the next draft's input) and fp32 logits [B, V] of the token after next.
-        Its MoE crosses as one FLAG_MTP step of one micro-batch (none for a dense MTP block)."""
-        mtp = self.mtp
+        Writes its KV cache layer at positions start ...; returns its output at each sequence's last
+        position. Its MoE crosses as one FLAG_MTP step of one micro-batch (none for a dense MTP block)."""
+        mtp, kv = self.mtp, self.mtp_kv
+        if mtp is None or kv is None:
+            raise RuntimeError("mtp_step needs the runner built with the checkpoint's MTP module")
         meta = AttentionMetadata.build(
             [s.start for s in seqs],
             [len(s.token_ids) for s in seqs],
@@ -209,42 +207,50 @@ class ModelRunner:
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
         e, rope = self.attn.embed(ids, meta)  # the main model's embedding and rotary tables
         x = mtp.fuse(e, hidden)  # [T, H]
-        h, m = mtp.block.pre_moe(x, rope, meta, self.mtp_kv)
+        h, m = mtp.block.pre_moe(x, rope, meta, kv)
         pending = None
         if m is not None:
-            self.moe.begin_step([meta.num_tokens], mtp=True)
-            pending = self.moe.submit(mtp.moe_layer, 0, m)
-        h = mtp.block.post_moe(h, m, rope, meta, self.mtp_kv)
+            moe = self.exchange()
+            moe.begin_step([meta.num_tokens], mtp=True)
+            pending = moe.submit(_layer_id(mtp.moe_layer), 0, m)
+        h = mtp.block.post_moe(h, m, rope, meta, kv)
         if pending is not None:
             h = h + pending.wait()
-            self.moe.end_step()
+            self.exchange().end_step()
         last = torch.tensor([s.q_start + s.q_len - 1 for s in meta.seqs], device=self.device)
         out = mtp.norm(h[last])  # [B, H]
-        return out, self.attn.lm_head(out).float()
+        return DraftOutput(out, self.attn.lm_head(out).float())
 
     # ---- steps without tokens, mirrored on the other TP ranks ---------------------------------------
 
     def idle(self) -> int:
         """An empty step (afd.dataplane.exchange.MoEExchange.idle)."""
         if self.tp.size > 1 and self.tp.is_leader:
-            self.tp.send_step(("idle",))
-        return self.moe.idle()
+            self.tp.send_step(IdleStep())
+        return self.exchange().idle()
 
     def leave(self, shutdown: bool = False, reform: bool = False) -> None:
         if self.tp.size > 1 and self.tp.is_leader:
-            self.tp.send_step(("leave", shutdown, reform))
-        self.moe.leave(shutdown=shutdown, reform=reform)
+            self.tp.send_step(LeaveStep(shutdown, reform))
+        self.exchange().leave(shutdown=shutdown, reform=reform)
 
 
-def follow(runner: ModelRunner) -> tuple:
-    """A TP rank other than the leader: runs what the leader sends, until it leaves. Returns the leave
-    message ("leave", shutdown, reform)."""
+def _layer_id(moe_layer: int | None) -> int:
+    if moe_layer is None:  # the MTP module says its block is dense, yet the block returned an MoE input
+        raise RuntimeError("the MTP block returned an MoE input but the module has no MoE layer id")
+    return moe_layer
+
+
+def follow(runner: ModelRunner) -> LeaveStep:
+    """A TP rank other than the leader: runs what the leader sends, until it leaves. Returns the leave."""
     while True:
         msg = runner.tp.recv_step()
-        if msg[0] == "step":
-            runner.execute(msg[1], micro_batches=msg[2])
-        elif msg[0] == "idle":
-            runner.moe.idle()
-        else:
-            runner.moe.leave(shutdown=msg[1], reform=msg[2])
+        if isinstance(msg, RunStep):
+            runner.execute(msg.seqs, micro_batches=msg.micro_batches)
+        elif isinstance(msg, IdleStep):
+            runner.exchange().idle()
+        elif isinstance(msg, LeaveStep):
+            runner.exchange().leave(shutdown=msg.shutdown, reform=msg.reform)
             return msg
+        else:
+            raise TypeError(f"TP rank {runner.tp.rank}: unexpected message from the leader: {msg!r}")

@@ -4,11 +4,17 @@ with top-k / top-p, each request with its own optional seed."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from afd.engine.logits import History, process
+
+if TYPE_CHECKING:
+    from afd.engine.messages import StepPlan
+    from afd.engine.request import Request
 
 # vLLM bounds seeds to torch.long; a generator refuses what does not fit 64 bits.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -102,6 +108,8 @@ class Sampler:
         needed when a request asks for penalties or min_tokens."""
         rows = [b for b, p in enumerate(params) if p.processes_logits]
         if rows:
+            if histories is None:
+                raise ValueError("penalties and min_tokens need each row's history")
             logits = logits.clone()
             for b in rows:
                 logits[b] = process(logits[b], params[b], histories[b], self.eos_ids)
@@ -187,26 +195,29 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[
     return float(lp[token]), alts
 
 
-def sample_step(
-    sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: list, drafts: list[list[int]], fail
-) -> list[list[int] | None]:
-    """The tokens each of a step's requests emits: one, or with drafts to verify (rows row .. row + d of
-    logits) the accepted ones and one more (Sampler.verify). A request whose sampling raises goes to
-    `fail(req, error)` alone and gets None; the others still get their tokens."""
-    out: list[list[int] | None] = [None] * len(reqs)
-    plain = [k for k, d in enumerate(drafts) if not d]
+Fail = Callable[["Request", Exception], None]
+
+
+def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor, fail: Fail) -> list[list[int] | None]:
+    """Per entry of the plan, the tokens its request emits: one, or with drafts to verify (its logits
+    rows row .. row + d) the accepted ones and one more (Sampler.verify); None for a prefill chunk that
+    samples nothing. A request whose sampling raises goes to `fail(req, error)` alone and gets None; the
+    others still get their tokens."""
+    rows = plan.logit_rows()
+    out: list[list[int] | None] = [None] * len(plan)
+    plain = [k for k, s in enumerate(plan.seqs) if s.samples and not s.drafts]
     if plain:
-        toks = _sample_each(sampler, logits, [rows[k] for k in plain], [reqs[k] for k in plain], fail)
+        toks = _sample_each(sampler, logits, [rows[k] for k in plain], [plan.seqs[k].request for k in plain], fail)
         for k, tok in zip(plain, toks):
             out[k] = None if tok is None else [tok]
-    for k, d in enumerate(drafts):
-        if not d:
+    for k, s in enumerate(plan.seqs):
+        if not s.drafts:
             continue
-        req = reqs[k]
+        req = s.request
         try:
             out[k] = sampler.verify(
-                logits[rows[k] : rows[k] + len(d) + 1],
-                d,
+                logits[rows[k] : rows[k] + len(s.drafts) + 1],
+                list(s.drafts),
                 req.params,
                 req.request_id,
                 History(req.prompt_ids, req.output_ids),
@@ -216,15 +227,19 @@ def sample_step(
     return out
 
 
-def _sample_each(sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: list, fail) -> list[int | None]:
+def _sample_each(
+    sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: list[Request], fail: Fail
+) -> list[int | None]:
     """One token per request, all in one batch; if that raises, one by one, so that only the request whose
     sampling raises fails (None)."""
     try:
-        return sampler.sample(
-            logits[rows],
-            [r.params for r in reqs],
-            [r.request_id for r in reqs],
-            [History(r.prompt_ids, r.output_ids) for r in reqs],
+        return list(  # list[int] as list[int | None]
+            sampler.sample(
+                logits[rows],
+                [r.params for r in reqs],
+                [r.request_id for r in reqs],
+                [History(r.prompt_ids, r.output_ids) for r in reqs],
+            )
         )
     except Exception:
         out: list[int | None] = []

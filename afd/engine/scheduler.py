@@ -5,13 +5,20 @@ token each, or the next chunk of a prompt being prefilled in chunks), then admit
 the token budget, the sequence cap and free KV blocks allow. When a running request cannot get a KV
 block, the most recently admitted one is preempted: its blocks are freed and it goes back to the front
 of the queue, to be recomputed (prompt + what it generated) when there is room.
+
+The plan (afd.engine.messages.StepPlan) says per request how many tokens run and which drafts among
+them the step verifies (speculative decoding): decided here, once. After the step `update` moves each
+request's cached tokens past what the step kept and gives back the KV blocks that held only rejected
+drafts; the MTP module asks `reserve` for the room its chained drafts write.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
-from afd.engine.kv_cache import KVCache
+from afd.engine.kv_cache import KVCache, OutOfBlocks, blocks_needed
+from afd.engine.messages import ScheduledSeq, StepPlan
 from afd.engine.request import Request, Status
 
 
@@ -39,9 +46,9 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def schedule(self) -> list[tuple[Request, int]]:
+    def schedule(self) -> StepPlan:
         budget = self.max_tokens
-        out: list[tuple[Request, int]] = []
+        out: list[ScheduledSeq] = []
         for req in list(self.running):
             if budget == 0:
                 break
@@ -54,7 +61,7 @@ class Scheduler:
                 self._preempt(req)
                 continue
             self.kv.grow(req.block_table, req.num_computed + n)
-            out.append((req, n))
+            out.append(_scheduled(req, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -65,9 +72,32 @@ class Scheduler:
             self.kv.grow(req.block_table, req.num_computed + n)
             req.status = Status.RUNNING
             self.running.append(req)
-            out.append((req, n))
+            out.append(_scheduled(req, n))
             budget -= n
-        return out
+        return StepPlan(tuple(out))
+
+    def update(self, plan: StepPlan, sampled: Sequence[list[int] | None]) -> None:
+        """After the step: `sampled` holds per plan entry the tokens it emits (its accepted drafts, then
+        one more), or None. A request's computed tokens count as cached, a draft's only once accepted;
+        KV blocks past the cached tokens (they held only rejected drafts) go back to the allocator."""
+        for s, toks in zip(plan, sampled):
+            req = s.request
+            req.num_computed = s.start + s.num_tokens - len(s.drafts)
+            if toks:
+                req.num_computed += len(toks) - 1
+            req.draft = []
+            if req.status is Status.RUNNING:
+                keep = blocks_needed(req.num_computed, self.kv.block_size)
+                self.kv.allocator.free(req.block_table[keep:])
+                del req.block_table[keep:]
+
+    def reserve(self, req: Request, num_tokens: int) -> bool:
+        """Room in the request's block table for num_tokens (False: no free blocks; nothing changes)."""
+        try:
+            self.kv.grow(req.block_table, num_tokens)
+            return True
+        except OutOfBlocks:
+            return False
 
     def finish(self, req: Request) -> None:
         if req in self.running:
@@ -76,3 +106,11 @@ class Scheduler:
             self.waiting.remove(req)
         self.kv.allocator.free(req.block_table)
         req.block_table, req.status = [], Status.FINISHED
+
+
+def _scheduled(req: Request, n: int) -> ScheduledSeq:
+    """req runs n tokens: its uncached ones, then as many of its drafts as fit."""
+    drafts = max(0, req.num_computed + n - req.num_tokens)
+    return ScheduledSeq(
+        req, req.num_computed, n, tuple(req.draft[:drafts]), req.num_computed + n - drafts == req.num_tokens
+    )

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jinja2 import Template
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -65,7 +69,7 @@ class Tokenizer:
         post_adds_bos = self.bos_token_id is not None and self._tok.encode("").ids[:1] == [self.bos_token_id]
         self._prepend_bos = bool(tc.get("add_bos_token")) and self.bos_token_id is not None and not post_adds_bos
         self.chat_template = self._find_chat_template(model_dir, tc)
-        self._compiled_template = None
+        self._compiled_template: Template | None = None
 
     @staticmethod
     def _find_chat_template(model_dir: str, tc: dict) -> str | None:
@@ -86,7 +90,7 @@ class Tokenizer:
         """Token ids of `text`. Special-token text in it (e.g. chat markers) becomes those tokens.
         With add_special_tokens, BOS is added by the post-processor or, failing that, by add_bos_token."""
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self._prepend_bos:
+        if add_special_tokens and self._prepend_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
@@ -123,7 +127,7 @@ class Tokenizer:
         )
 
 
-def _compile_template(source: str):
+def _compile_template(source: str) -> Template:
     from jinja2.exceptions import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 

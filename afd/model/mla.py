@@ -70,7 +70,7 @@ class MLAttention(nn.Module):
         every token. flashcomm1 runs the replicated down-projections on this rank's token shard and
         gathers their (narrower) output instead of the hidden state."""
         tp = self.tp
-        if tp.plan.latents and self.q_proj is None:
+        if tp.active.latents and self.q_proj is None:
             q_lora = self.q_a_proj.out_features
             lat = tp.gather(torch.cat([self.q_a_proj(x), self.kv_a_proj_with_mqa(x)], dim=-1))
             qa, kva = lat.split([q_lora, lat.shape[-1] - q_lora], dim=-1)

@@ -4,9 +4,9 @@ The residual stream of a micro-batch is either replicated (allreduce, or a shard
 threshold) or a token shard: rank r holds rows [r*s, (r+1)*s) of the T tokens padded to G*s. Layers see
 only these calls: `gather` (stream -> every token, before a column-parallel layer), `row_parallel` /
 `fc2_o_proj` (a partial product -> the stream), the embedding's `reduce` and the head's `gather_vocab`;
-KVP's `kvp_merge`; and `moe_rows` / `moe_output`, the rows this rank exchanges with the FFN side. The
-runner sets the plan of the micro-batch it is working on (`use`) before each call into the model, since
-micro-batches interleave.
+KVP's `kvp_merge`; and `moe_rows` / `moe_output`, the rows this rank exchanges with the FFN side. They
+follow `active`, the plan of the micro-batch being worked on: the runner scopes each call into the model
+with `with tp.plan(p):`, since micro-batches interleave.
 
 Bytes are counted per rank as the bandwidth-optimal algorithm sends them: AllReduce 2(G-1)/G of the
 tensor, ReduceScatter and AllGather (G-1)/G of the full tensor, all_to_all (D-1)/D of the input
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -50,7 +52,8 @@ class TPComm:
         self.cfg, self.rank, self.size = cfg, rank, cfg.size
         self.ranks = ranks or [0]
         self.backend = backend
-        self.plan = plan(cfg, 0)
+        self.active = plan(cfg, 0)
+        """The plan the collectives follow (set by `plan`)."""
         self.bytes: Counter = Counter()
         """Bytes this rank sent, by collective (afd_tp_comm_bytes_total)."""
         self.fallbacks: Counter = Counter()
@@ -102,8 +105,14 @@ class TPComm:
             self.fallbacks[self.cfg.mode] += 1
         return p
 
-    def use(self, p: ShardPlan) -> None:
-        self.plan = p
+    @contextmanager
+    def plan(self, p: ShardPlan) -> Iterator[None]:
+        """The collectives inside follow `p`; the previous plan is back on exit."""
+        prev, self.active = self.active, p
+        try:
+            yield
+        finally:
+            self.active = prev
 
     # ---- collectives -------------------------------------------------------------------------------
 
@@ -123,11 +132,11 @@ class TPComm:
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The stream (or anything per token of it) -> all T tokens' rows."""
-        return self._gather_rows(x) if self.plan.sharded else x
+        return self._gather_rows(x) if self.active.sharded else x
 
     def _gather_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's [shard, ...] rows -> the micro-batch's [T, ...] (padding dropped)."""
-        out = x.new_empty(self.plan.padded, *x.shape[1:])
+        out = x.new_empty(self.active.padded, *x.shape[1:])
         self._run(
             "all_gather",
             self._share(out.numel() * out.element_size(), self.size),
@@ -136,11 +145,11 @@ class TPComm:
             x.contiguous(),
             group=self.group,
         )
-        return out[: self.plan.tokens]
+        return out[: self.active.tokens]
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         """A partial sum over all T tokens -> the stream: AllReduce, or ReduceScatter onto the shard."""
-        p = self.plan
+        p = self.active
         if self.size == 1:
             return y
         if not p.sharded:
@@ -166,7 +175,7 @@ class TPComm:
 
     def row_parallel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [T, K/G] @ weight[H, K/G]^T summed over the group, into the stream's layout."""
-        p = self.plan
+        p = self.active
         if self.size > 1 and p.sharded and self.backend is not None:
             xp = _pad_rows(x, p.padded)
             fused = self.backend.mm_reduce_scatter(xp, weight, self.group, self.size)
@@ -179,7 +188,7 @@ class TPComm:
     def fc2_o_proj(self, x: torch.Tensor, block: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """FlashComm2's o_proj. x [T, F/G] (this rank's heads), block [H, F/P] (the columns of this rank's
         ODP group). Returns this rank's token shard [s, H]."""
-        p, G, P = self.plan, self.size, self.cfg.otp
+        p, G, P = self.active, self.size, self.cfg.otp
         D, s, Fl = G // P, p.shard, x.shape[1]
         order = torch.tensor(fc2_batch_ids(G, P), device=x.device).reshape(-1)  # member i's chunks, i = 0..D-1
         send = _pad_rows(x, p.padded).view(G, s, Fl)[order].view(D, P, s, Fl)  # [D (to member i), P, s, Fl]
@@ -230,12 +239,12 @@ class TPComm:
     def moe_rows(self) -> tuple[int, int]:
         """The rows of the stream this rank exchanges with the MoE: its real shard rows when sharded
         ([0, n) of its shard), else its slice [lo, hi) of the replicated tokens."""
-        lo, hi = self.plan.span(self.rank)
-        return (0, hi - lo) if self.plan.sharded else (lo, hi)
+        lo, hi = self.active.span(self.rank)
+        return (0, hi - lo) if self.active.sharded else (lo, hi)
 
     def moe_output(self, y: torch.Tensor) -> torch.Tensor:
         """This rank's MoE output rows -> the stream: padded to the shard, or gathered from every rank."""
-        p = self.plan
+        p = self.active
         if self.size == 1:
             return y
         y = _pad_rows(y, p.shard)
@@ -259,12 +268,12 @@ class TPComm:
 
     # ---- the leader's schedule ---------------------------------------------------------------------
 
-    def send_step(self, msg: tuple) -> None:
+    def send_step(self, msg: object) -> None:
         """The leader tells the other ranks what to run next (they run it in lockstep)."""
         self._run("schedule", 0, dist.broadcast_object_list, [msg], src=self.ranks[0], group=self.cpu_group)
 
-    def recv_step(self) -> tuple:
-        box = [None]
+    def recv_step(self) -> object:
+        box: list[object] = [None]
         self._run("schedule", 0, dist.broadcast_object_list, box, src=self.ranks[0], group=self.cpu_group)
         return box[0]
 

@@ -48,7 +48,7 @@ class FC2OProj(nn.Module):
         self.own, self.tp = own, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.plan.fc2:
+        if self.tp.active.fc2:
             return self.tp.fc2_o_proj(x, self.weight, self.bias)
         return self.tp.row_parallel(x, self.weight[:, self.own], self.bias)
 

@@ -1,0 +1,54 @@
+"""What the runner calls on a model half, as types: the family contract of afd.model.registry (the
+attention half) and afd.model.mtp (the MTP module), as far as the engine reads them."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from afd.model.attention_metadata import AttentionMetadata
+from afd.model.config import ModelConfig
+
+
+class AttentionHalf(Protocol):
+    cfg: ModelConfig
+
+    def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, Any]: ...
+
+    def pre_moe(
+        self, i: int, x: torch.Tensor, rope: Any, meta: AttentionMetadata, kv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def post_moe(
+        self, i: int, h: torch.Tensor, m: torch.Tensor | None, rope: Any, meta: AttentionMetadata, kv: torch.Tensor
+    ) -> torch.Tensor: ...
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class MTPBlock(Protocol):
+    """A family's decoder block as the MTP module holds it: pre_moe / post_moe over its own KV layer."""
+
+    def pre_moe(
+        self, x: torch.Tensor, rope: Any, meta: AttentionMetadata, kv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def post_moe(
+        self, h: torch.Tensor, m: torch.Tensor | None, rope: Any, meta: AttentionMetadata, kv: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class MTPModule(Protocol):
+    block: MTPBlock
+    moe_layer: int | None
+
+    def fuse(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor: ...
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]: ...
