@@ -17,7 +17,7 @@ from afd.engine.tokenizer import load_tokenizer
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
 from afd.model.config import parse_dtype
 from afd.model.mtp import check_speculative_tokens, family_mtp
-from afd.model.registry import family_module, load_config
+from afd.model.registry import family, load_config
 
 
 @dataclass
@@ -138,8 +138,7 @@ class LLM:
         tp_cfg = TPConfig(attention_tp, tp_comm, flashcomm2_otp, tp_comm_min_tokens, kvp)  # checked colocated too
         if self.cluster:
             tp_cfg.check_model(self.cfg.num_attention_heads)
-            half = family_module(self.cfg, "attention").AttentionHalf
-            if attention_tp > 1 and not getattr(half, "supports_tp", False):
+            if attention_tp > 1 and not family(self.cfg.model_type).attention_half.supports_tp:
                 raise ValueError(
                     f"attention_tp: {self.cfg.model_type}'s attention half has no TP layers yet "
                     "(MLA families do: longcat_flash, deepseek_v3)"

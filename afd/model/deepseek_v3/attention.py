@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from afd.model import halves
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.deepseek_v3.config import DeepseekV3Config
 from afd.model.layers import DenseMLP, RMSNorm, Rotary, YarnRotary
@@ -60,15 +61,14 @@ def rotary(cfg: DeepseekV3Config) -> Rotary:
     )
 
 
-class AttentionHalf(nn.Module):
+class AttentionHalf(halves.AttentionHalf):
     """Parameter names follow the HF checkpoint (without its `model.` prefix)."""
 
-    supports_tp = True
-    """afd.model.tp.shard can cut it across the ranks of a TP group (its layers are MLA and dense MLPs)."""
+    cfg: DeepseekV3Config
+    supports_tp = True  # its layers are MLA and dense MLPs
 
     def __init__(self, cfg: DeepseekV3Config):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([AttentionLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

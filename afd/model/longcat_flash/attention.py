@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from afd.model import halves
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.layers import DenseMLP, RMSNorm, Rotary
 from afd.model.longcat_flash.config import LongcatFlashConfig
@@ -28,15 +29,14 @@ class AttentionLayer(nn.Module):
         self.mlps = nn.ModuleList([DenseMLP(cfg.hidden_size, cfg.ffn_hidden_size) for _ in range(2)])
 
 
-class AttentionHalf(nn.Module):
+class AttentionHalf(halves.AttentionHalf):
     """Parameter names follow the HF checkpoint (without its `model.` prefix)."""
 
-    supports_tp = True
-    """afd.model.tp.shard can cut it across the ranks of a TP group (its layers are MLA and dense MLPs)."""
+    cfg: LongcatFlashConfig
+    supports_tp = True  # its layers are MLA and dense MLPs
 
     def __init__(self, cfg: LongcatFlashConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([AttentionLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -65,8 +65,7 @@ class AttentionHalf(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
     def prefetch_weights(self, i: int, phase: str) -> list[torch.Tensor]:
-        """What graph mode (afd.engine.graph) prefetches at the end of layer i's `phase` graph: the weights
-        the next graph reads first. After pre_moe: dense MLP 0's gate and up (post_moe's first GEMMs),
+        """After pre_moe: dense MLP 0's gate and up (post_moe's first GEMMs),
         loading while m is away at the FFN nodes; after post_moe: layer i + 1's latent down-projections."""
         if phase == "pre":
             mlp = self.layers[i].mlps[0]

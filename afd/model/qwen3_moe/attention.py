@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from afd.model import halves
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.gqa import GQAttention
 from afd.model.layers import DenseMLP, RMSNorm, Rotary
@@ -38,12 +39,13 @@ class AttentionLayer(nn.Module):
         self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size) if dense else None
 
 
-class AttentionHalf(nn.Module):
-    """Parameter names follow the HF checkpoint (without its `model.` prefix)."""
+class AttentionHalf(halves.AttentionHalf):
+    """Parameter names follow the HF checkpoint (without its `model.` prefix). No TP layers yet (GQA)."""
+
+    cfg: Qwen3MoeConfig
 
     def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         moe = set(cfg.moe_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([AttentionLayer(cfg, i not in moe) for i in range(cfg.num_layers)])

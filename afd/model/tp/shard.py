@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from afd.model.halves import AttentionHalf
 from afd.model.layers import DenseMLP
 from afd.model.mla import MLAttention
 from afd.model.tp.comm import TPComm
@@ -80,12 +81,12 @@ def _vocab_rows(w: torch.Tensor, tp: TPComm) -> tuple[torch.Tensor, int]:
     return part, lo
 
 
-def shard_attention_half(model: nn.Module, tp: TPComm) -> nn.Module:
+def shard_attention_half(model: AttentionHalf, tp: TPComm) -> AttentionHalf:
     """In place; returns the model. Raises TPConfigError when the model cannot be cut G ways."""
     if tp.size == 1:
         return model  # (KVP needs ranks: TPConfig refuses kvp > attention_tp)
     cfg = model.cfg
-    if not getattr(model, "supports_tp", False):
+    if not model.supports_tp:
         raise TPConfigError(
             f"layout.attention_tp: {cfg.model_type}'s attention half has no TP layers yet "
             "(MLA families do: longcat_flash, deepseek_v3)"
