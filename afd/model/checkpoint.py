@@ -13,12 +13,12 @@ import os
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from torch import nn
 
 from afd.model.config import ModelConfig
+from afd.model.experts import Experts
 from afd.model.halves import AttentionHalf, FFNHalf, LoadedModule
 from afd.model.progress import Progress
 from afd.model.registry import family
@@ -51,7 +51,7 @@ class SafetensorsReader:
             if not files:
                 raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
             weight_map = None
-        self._handles = {}
+        self._handles: dict[str, Any] = {}
         self._where: dict[str, str] = {}
         for name in files:
             fp = os.path.join(path, name)
@@ -134,7 +134,7 @@ class Weight:
     combine: Callable[..., torch.Tensor] | None = None
 
 
-def hub_named_weights(model: nn.Module) -> Iterator[Weight]:
+def hub_named_weights(model: AttentionHalf) -> Iterator[Weight]:
     """Each parameter of a half from the hub key of the same name under `model.` (the layout every
     family's attention half keeps); lm_head from the embeddings when the config ties them."""
     tied = model.cfg.tie_word_embeddings
@@ -150,7 +150,7 @@ def _gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate, up], dim=0).t()
 
 
-def per_expert_weights(experts: nn.Module, prefix: str, hidden: int, inter: int) -> Iterator[Weight]:
+def per_expert_weights(experts: Experts, prefix: str, hidden: int, inter: int) -> Iterator[Weight]:
     """Stacked experts [lo, hi) (afd.model.experts.Experts) from the hub's per-expert keys
     `{prefix}.{e}.{gate,up,down}_proj.weight`: w13[g] = [gate; up]^T, w2[g] = down^T of expert lo + g."""
     H, I = hidden, inter
@@ -243,7 +243,7 @@ def build_ffn_half(
     kw = {"mtp": True} if mtp and mtp_moe_layers(cfg) else {}
     fam = family(cfg.model_type)
     with torch.device("meta"):
-        model = fam.ffn_half(cfg, lo, hi, serves_zero, **kw)  # type: ignore[call-arg]  # `mtp`: MTP families only
+        model = fam.ffn_half(cfg, lo, hi, serves_zero, **kw)  # `mtp`: MTP families only
     return _build(model, fam.name_map.ffn_weights, reader, "loading expert weights", dtype, device)
 
 

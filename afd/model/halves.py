@@ -23,6 +23,7 @@ from torch import nn
 
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.config import ModelConfig
+from afd.model.tp.comm import SINGLE, TPComm
 
 if TYPE_CHECKING:
     from afd.backend import Backend
@@ -58,6 +59,9 @@ class AttentionHalf(LoadedModule):
     """afd.model.tp.shard can cut this half across the ranks of a TP group (its layers are the kinds
     shard knows: MLA and dense MLPs). Read by afd.model.tp.shard and afd.engine.llm (which refuses
     attention_tp > 1 early for a half without it)."""
+
+    tp: TPComm = SINGLE
+    """The TP group this half is cut for (afd.model.tp.shard sets it); SINGLE when it is whole."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

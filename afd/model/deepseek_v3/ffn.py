@@ -10,6 +10,8 @@ Shapes: T tokens, H hidden, E routed experts, G groups, K top-k.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,6 +23,8 @@ from afd.model.experts import Experts
 
 
 class Router(nn.Module):
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, cfg: DeepseekV3Config):
         super().__init__()
         E = cfg.n_routed_experts
@@ -75,7 +79,7 @@ class FFNHalf(halves.FFNHalf):
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
-        return self.layers[self._index[i]]
+        return cast(FFNLayer, self.layers[self._index[i]])  # nn.ModuleList's items are typed Module
 
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
         """Routed experts of decoder layer i on m [T, H] (this node's experts only)."""

@@ -9,6 +9,7 @@ Shapes: T tokens, H hidden, E router outputs, K top-k.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,8 @@ from afd.model.longcat_flash.config import LongcatFlashConfig
 
 
 class Router(nn.Module):
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, cfg: LongcatFlashConfig):
         super().__init__()
         E = cfg.num_experts_total
@@ -55,11 +58,11 @@ class FFNHalf(halves.FFNHalf):
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
-        return self.layers[i]
+        return cast(FFNLayer, self.layers[i])  # nn.ModuleList's items are typed Module
 
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
         """MoE of decoder layer i on m [T, H] (this node's experts only)."""
-        layer = self.layers[i]
+        layer = self.layer(i)
         weights, ids = layer.router(m)
         return layer.experts(backend, m, weights, ids)
 

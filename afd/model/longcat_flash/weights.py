@@ -44,8 +44,9 @@ def mtp_weights(model) -> Iterator[Weight]:
 def ffn_weights(model: FFNHalf) -> Iterator[Weight]:
     cfg = model.cfg
     H, E = cfg.hidden_size, cfg.num_experts_total
-    for i, layer in enumerate(model.layers):
+    for i in range(cfg.num_layers):
         pre = f"model.layers.{i}.mlp"
+        layer = model.layer(i)
         router = layer.router
         yield Weight(router.classifier.weight, ((f"{pre}.router.classifier.weight", (E, H)),))
         yield Weight(router.e_score_correction_bias, ((f"{pre}.router.e_score_correction_bias", (E,)),))

@@ -12,6 +12,8 @@ nothing: pre_moe returns m = None and post_moe adds the layer's MLP, x = h + mlp
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -53,6 +55,9 @@ class AttentionHalf(halves.AttentionHalf):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
 
+    def _layer(self, i: int) -> AttentionLayer:
+        return cast(AttentionLayer, self.layers[i])  # nn.ModuleList's items are typed Module
+
     def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
         """Token embeddings [T, H] and the rotary tables every layer of this step shares."""
         x = self.embed_tokens(input_ids)
@@ -60,7 +65,7 @@ class AttentionHalf(halves.AttentionHalf):
 
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i up to the MoE input. kv [2, num_blocks, block_size, KVH, D]. Returns (h, m), m None if dense."""
-        layer = self.layers[i]
+        layer = self._layer(i)
         h = x + layer.self_attn(layer.input_layernorm(x), *rope, meta, kv)
         if layer.mlp is not None:
             return h, None
@@ -68,7 +73,7 @@ class AttentionHalf(halves.AttentionHalf):
 
     def post_moe(self, i: int, h, m, rope, meta, kv: torch.Tensor) -> torch.Tensor:
         """A sparse layer has no work left before its MoE output; a dense one runs its MLP here."""
-        layer = self.layers[i]
+        layer = self._layer(i)
         if layer.mlp is None:
             return h
         return h + layer.mlp(layer.post_attention_layernorm(h))

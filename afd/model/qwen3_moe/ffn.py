@@ -7,6 +7,8 @@ Shapes: T tokens, H hidden, E experts, K top-k.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,7 +57,7 @@ class FFNHalf(halves.FFNHalf):
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
-        return self.layers[self.index[i]]
+        return cast(FFNLayer, self.layers[self.index[i]])  # nn.ModuleList's items are typed Module
 
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
         """MoE of decoder layer i on m [T, H] (this node's experts only)."""
