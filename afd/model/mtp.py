@@ -17,7 +17,8 @@ the checkpoint's copies of them (DeepSeek-V3's model.layers.61.embed_tokens / sh
 LongCat-Flash's model.mtp.embed_tokens) are not read, as SGLang's loaders skip them.
 
 A family provides its block in `afd.model.<family>.mtp` (`build(cfg) -> MTPLayer`, `moe_layers(cfg)`)
-and the checkpoint name map in its weights.py (`mtp_weights`). The block has the decoder layer's split:
+and the checkpoint name map in its weights.py (`mtp_weights`); its registry record names the module
+(`Family.mtp`). The block (an afd.model.halves.MTPBlock) has the decoder layer's split:
 `pre_moe(x, rope, meta, kv) -> (h, m)` with m the MoE input (None for a dense block) and
 `post_moe(h, m, rope, meta, kv) -> h`; the MoE output is added by the caller through the same exchange as
 the main model's layers (afd.engine.runner, FLAG_MTP steps on the data plane).
