@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
-test: setup lint
+test: setup lint typecheck
 	@command -v prometheus >/dev/null || echo "note: prometheus is not installed; its end-to-end test will skip (install: bash .ci/prometheus.sh, or apt-get install prometheus)"
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
@@ -54,7 +54,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# mypy over the packages pyproject's [tool.mypy] names (afd/engine, afd/dataplane, afd/model).
+# mypy over the packages pyproject's [tool.mypy] names (afd/engine, afd/dataplane, afd/model); make test runs it.
 typecheck: setup
 	$(BIN)/mypy
 

@@ -67,7 +67,7 @@ def run_cluster_node(args) -> int:
         log.error("startup failed: %s", e)
         return 1
     a = rt.assignment
-    mtp_layers = getattr(built["ffn"], "mtp_layers", ())  # the MTP module's MoE layer: per-layer metrics too
+    mtp_layers = built["ffn"].mtp_layers  # the MTP module's MoE layer: per-layer metrics too
     metrics = FFNMetrics(
         node.name,
         served_model_name(cfg.model.path, args.served_model_name),

@@ -185,7 +185,7 @@ class FFNServer:
             except ProtocolError as e:
                 self._drop(r, f"data plane: {e}")
                 continue
-            if h.flags & FLAG_MTP and not getattr(self.ffn, "mtp_layers", ()):
+            if h.flags & FLAG_MTP and not self.ffn.mtp_layers:
                 self._drop(
                     r,
                     f"data plane: rank {r} sent an MTP step, but this FFN node holds no MTP layer: "

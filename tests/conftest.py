@@ -1,4 +1,5 @@
-"""Fixtures: tiny random LongCat-Flash checkpoints made with HF transformers, the reference."""
+"""Fixtures: every family's tiny random checkpoints made with HF transformers, and HF's greedy output on
+them (the reference), each made once per session on first use."""
 
 from __future__ import annotations
 
@@ -10,7 +11,40 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from hf_reference import TINY_CONFIGS, make_hf_checkpoint  # noqa: E402
+from hf_families import BF16_WEIGHT_STD, FAMILIES  # noqa: E402
+from hf_reference import PROMPTS, TINY_CONFIGS  # noqa: E402
+
+REF_TOKENS = 32
+"""Tokens HF generates per prompt for the reference (greedy: a shorter run is its prefix)."""
+
+
+class FamilyCheckpoints:
+    """family -> config name -> a checkpoint directory and HF's greedy (ids, logits) on PROMPTS."""
+
+    def __init__(self, root):
+        self.root = root
+        self._paths: dict[tuple[str, str], str] = {}
+        self._refs: dict[tuple[str, str], list] = {}
+
+    def path(self, family: str, name: str) -> str:
+        """Checkpoint `name` of FAMILIES[family].configs, or "bf16" for the bf16 parity one."""
+        key = (family, name)
+        if key not in self._paths:
+            fam = FAMILIES[family]
+            kw = dict(fam.bf16, weight_std=BF16_WEIGHT_STD) if name == "bf16" else fam.configs[name]
+            self._paths[key] = fam.make(str(self.root / f"{family}-{name}"), **kw)
+        return self._paths[key]
+
+    def ref(self, family: str, name: str) -> list:
+        """HF's greedy (ids, per-step fp32 logits) per prompt of PROMPTS, REF_TOKENS tokens."""
+        key = (family, name)
+        if key not in self._refs:
+            self._refs[key] = FAMILIES[family].greedy(self.path(family, name), PROMPTS, REF_TOKENS)
+        return self._refs[key]
+
+    def ref_ids(self, family: str, name: str, n: int = REF_TOKENS) -> list[list[int]]:
+        return [ids[:n] for ids, _ in self.ref(family, name)]
+
 
 NUMERICS_MODULES = {
     "test_bf16_parity",
@@ -41,15 +75,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
-    """name -> checkpoint directory, one per TINY_CONFIGS entry."""
-    root = tmp_path_factory.mktemp("ckpt")
-    return {name: make_hf_checkpoint(str(root / name), **kw) for name, kw in TINY_CONFIGS.items()}
+def families(tmp_path_factory) -> FamilyCheckpoints:
+    return FamilyCheckpoints(tmp_path_factory.mktemp("families"))
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tiny_checkpoints) -> str:
-    return tiny_checkpoints["zero_experts"]
+def tiny_checkpoints(families) -> dict[str, str]:
+    """LongCat-Flash: name -> checkpoint directory, one per TINY_CONFIGS entry."""
+    return {name: families.path("longcat_flash", name) for name in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(families) -> str:
+    return families.path("longcat_flash", "zero_experts")
 
 
 @pytest.fixture(autouse=True)

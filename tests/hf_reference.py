@@ -117,31 +117,6 @@ def greedy_with_logits(model, prompts: list[list[int]], max_new_tokens: int):
     return out
 
 
-def lazy_refs(hf_greedy, ckpts: dict[str, str], max_new_tokens: int):
-    """name -> HF's greedy (ids, logits) on PROMPTS for checkpoint `name`, computed on first use."""
-    cache: dict = {}
-
-    def ref(name: str):
-        if name not in cache:
-            cache[name] = hf_greedy(ckpts[name], PROMPTS, max_new_tokens)
-        return cache[name]
-
-    return ref
-
-
-def assert_colocated_matches_hf(path: str, ref, max_new_tokens: int) -> None:
-    """afd.LLM in this process against HF's reference: the same greedy tokens over every step (no early
-    EOS) and logits within 1e-4 relative error."""
-    import afd
-
-    logits: list = []
-    ours = afd.LLM(path, dtype="float32", block_size=4).generate_ids(PROMPTS, max_new_tokens, logits_out=logits)
-    for i, (ref_ids, ref_logits) in enumerate(ref):
-        assert len(ref_ids) == max_new_tokens  # no early EOS: every step is compared
-        assert ours[i] == ref_ids, f"prompt {i}"
-        assert max_rel_err(logits[i], ref_logits) <= 1e-4
-
-
 def max_rel_err(ours: list[torch.Tensor], ref: list[torch.Tensor]) -> float:
     return max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, ref))
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, health, post
-from hf_reference import PROMPTS, hf_greedy
+from hf_reference import PROMPTS
 
 from afd.cluster.local import descendants
 
@@ -24,8 +24,8 @@ NEW = 12
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
-    return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW)]
+def reference(families):
+    return families.ref_ids("longcat_flash", "zero_experts", NEW)  # tiny_checkpoint's
 
 
 def _greedy(url: str, prompt) -> list[int]:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hf_reference import PROMPTS, hf_greedy
+from hf_reference import PROMPTS
 
 import afd
 from afd.cluster.local import LocalCluster, LocalClusterSpec
@@ -21,8 +21,8 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
-    return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW_TOKENS)]
+def reference(families):
+    return families.ref_ids("longcat_flash", "zero_experts", NEW_TOKENS)  # tiny_checkpoint's
 
 
 SLOW = pytest.mark.slow  # the same paths as a default case next to it; `make test-slow` (CI) runs them

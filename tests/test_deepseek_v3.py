@@ -1,39 +1,21 @@
-"""DeepSeek-V3 through every afd path, against HF transformers on the same tiny checkpoints."""
+"""What only DeepSeek-V3 does, against HF transformers: grouped sigmoid routing, YaRN, dense-first
+layers, shared experts in the overlap window, MTP layers the decoder skips. The paths every family
+shares (colocated, across processes, `afd serve`, config defaults, bf16) are tests/test_families.py."""
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from cluster_helpers import post
-from hf_deepseek import BASE, DEEPSEEK_CONFIGS, hf_greedy, make_deepseek_checkpoint
-from hf_reference import PROMPTS, assert_colocated_matches_hf, lazy_refs
-from serve_helpers import Served, free_port_run
+from hf_deepseek import BASE
+from hf_reference import PROMPTS
 
 import afd
 from afd.model.config import ConfigError
 from afd.model.registry import config_from_hf
 
-NEW_TOKENS = 32
-MULTI = "grouped"  # the config the multi-process paths run: dense-first, grouped routing
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("deepseek")
-    return {name: make_deepseek_checkpoint(str(root / name), **kw) for name, kw in DEEPSEEK_CONFIGS.items()}
-
-
-@pytest.fixture(scope="module")
-def refs(ckpts):
-    return lazy_refs(hf_greedy, ckpts, NEW_TOKENS)
-
-
-@pytest.mark.parametrize("name", list(DEEPSEEK_CONFIGS))
-def test_colocated_greedy_tokens_and_logits_match_hf(ckpts, refs, name):
-    assert_colocated_matches_hf(ckpts[name], refs(name), NEW_TOKENS)
+MULTI = "grouped"  # one dense layer first, then MoE layers with grouped routing
 
 
 @pytest.mark.parametrize(
@@ -72,11 +54,12 @@ def test_router_picks_hfs_experts_with_hfs_weights(over):
     assert (plain != ids.sort(dim=-1)[0]).any(dim=-1).float().mean() > 0.3  # bias and groups matter
 
 
-def test_yarn_rope_and_softmax_scale_are_hfs(ckpts):
+def test_yarn_rope_and_softmax_scale_are_hfs(families):
     from transformers import DeepseekV3ForCausalLM
 
-    hf = DeepseekV3ForCausalLM.from_pretrained(ckpts["yarn"], dtype=torch.float32).model
-    attn = afd.LLM(ckpts["yarn"]).attn
+    path = families.path("deepseek_v3", "yarn")
+    hf = DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).model
+    attn = afd.LLM(path).attn
     assert torch.equal(attn.rotary.inv_freq, hf.rotary_emb.inv_freq)
     assert attn.rotary.attention_factor == hf.rotary_emb.attention_scaling != 1.0
     assert attn.layers[0].self_attn.scale == hf.layers[0].self_attn.scaling != attn.cfg.qk_head_dim**-0.5
@@ -118,12 +101,12 @@ def test_hub_style_config_keys_are_read():
             config_from_hf({**hub, **change})
 
 
-def test_dense_layers_keep_m_and_moe_layers_send_it(ckpts):
+def test_dense_layers_keep_m_and_moe_layers_send_it(families):
     """pre_moe hands m to the exchange only on MoE layers; post_moe adds the shared experts (MoE) or the
     whole dense MLP, so that x = post_moe + routed(m) is HF's decoder layer."""
     from afd.model.attention_metadata import AttentionMetadata
 
-    llm = afd.LLM(ckpts[MULTI])
+    llm = afd.LLM(families.path("deepseek_v3", MULTI))
     attn, cfg = llm.attn, llm.cfg
     meta = AttentionMetadata.build([0], [5], [[0, 1]], 4, torch.device("cpu"))
     x, rope = attn.embed(torch.tensor([3, 1, 4, 1, 5]), meta)
@@ -147,14 +130,14 @@ def test_dense_layers_keep_m_and_moe_layers_send_it(ckpts):
     ]
 
 
-def test_shared_experts_run_while_the_routed_experts_are_out(ckpts):
+def test_shared_experts_run_while_the_routed_experts_are_out(families):
     """With the exchange recorded: each MoE layer's shared experts run after its m was submitted and
     before its routed output is awaited, for every micro-batch; the logits equal the synchronous run."""
     from afd.dataplane.exchange import LocalMoE
     from afd.engine.kv_cache import KVCache
     from afd.engine.runner import ModelRunner, StepSeq
 
-    llm = afd.LLM(ckpts[MULTI])
+    llm = afd.LLM(families.path("deepseek_v3", MULTI))
     events: list[tuple] = []
 
     class Recorded(LocalMoE):
@@ -199,13 +182,13 @@ def test_shared_experts_run_while_the_routed_experts_are_out(ckpts):
             assert any(at["submit"] < k < at["wait"] for k in shared), events
 
 
-def test_mtp_layers_in_the_checkpoint_are_skipped(ckpts, refs, tmp_path, caplog):
+def test_mtp_layers_in_the_checkpoint_are_skipped(families, tmp_path, caplog):
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     path = tmp_path / "with_mtp"
-    shutil.copytree(ckpts[MULTI], path)
+    shutil.copytree(families.path("deepseek_v3", MULTI), path)
     tensors = load_file(path / "model.safetensors")
     L = BASE["num_hidden_layers"]
     tensors.update(
@@ -220,45 +203,4 @@ def test_mtp_layers_in_the_checkpoint_are_skipped(ckpts, refs, tmp_path, caplog)
     with caplog.at_level(logging.INFO, logger="afd.model"):
         llm = afd.LLM(str(path))
     assert len([r for r in caplog.records if "multi-token-prediction" in r.message]) == 1
-    assert llm.generate_ids(PROMPTS, 8) == [ids[:8] for ids, _ in refs(MULTI)]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "A,F,overlap,micro_batches",
-    [
-        (1, 1, True, 1),
-        pytest.param(2, 1, False, 1, marks=pytest.mark.slow),
-        pytest.param(1, 2, True, 2, marks=pytest.mark.slow),
-    ],
-)
-def test_afd_nodes_generate_hfs_tokens(ckpts, refs, A, F, overlap, micro_batches):
-    llm = afd.LLM(
-        ckpts[MULTI], attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches, block_size=4
-    )
-    assert llm.generate_ids(PROMPTS, NEW_TOKENS) == [ids for ids, _ in refs(MULTI)]
-
-
-@pytest.mark.multiprocess
-def test_afd_serve_concurrent_completions_equal_hf(ckpts, refs, tmp_path):
-    port = free_port_run(1)
-    url = f"http://127.0.0.1:{port}"
-    s = Served([ckpts[MULTI], "--port", str(port)], tmp_path / "serve.log", [url])
-    try:
-        s.wait_ready()
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            results = list(
-                pool.map(
-                    lambda p: post(
-                        url,
-                        "/v1/completions",
-                        {"prompt": p, "max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True},
-                    ),
-                    PROMPTS,
-                )
-            )
-    finally:
-        assert s.stop() == 0
-    for (code, body), (ids, _) in zip(results, refs(MULTI)):
-        assert code == 200, body
-        assert body["choices"][0]["token_ids"] == ids
+    assert llm.generate_ids(PROMPTS, 8) == families.ref_ids("deepseek_v3", MULTI, 8)

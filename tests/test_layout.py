@@ -139,3 +139,58 @@ def test_the_engine_parts_hand_each_other_records_not_tuples():
                 assert not any(isinstance(a, (ast.Tuple, ast.Dict)) for a in call.args), (
                     f"afd/engine/{name}:{call.lineno}: a message as a tuple or dict"
                 )
+
+
+def _contract_hooks() -> set[str]:
+    """Every member the family contract (afd/model/halves.py) declares on its base classes."""
+    tree = ast.parse((ROOT / "afd" / "model" / "halves.py").read_text())
+    hooks: set[str] = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for node in cls.body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                hooks.add(node.name)
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                hooks.add(node.target.id)
+    return hooks
+
+
+def hook_probes(source: str, hooks: set[str]) -> list[str]:
+    """getattr / hasattr calls in `source` that ask for a contract hook by name."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in hooks
+        ):
+            out.append(f"line {node.lineno}: {node.func.id}(..., {node.args[1].value!r})")
+    return out
+
+
+def test_no_family_hook_is_probed_with_getattr_or_hasattr():
+    """A family half declares every hook in afd/model/halves.py, with its default there: code calls the
+    hook, it never asks whether the half has it."""
+    hooks = _contract_hooks()
+    assert {"supports_tp", "prefetch_weights", "mtp_layers", "keep_in_fp32", "post_load"} <= hooks
+    assert hook_probes("ok = getattr(half, 'supports_tp', False)", hooks)  # the check sees a probe
+    for package in ("afd", "attention_node", "ffn_node"):
+        for f in _files(package):
+            assert not hook_probes(f.read_text(), hooks), (
+                f"{f} probes a family hook: {hook_probes(f.read_text(), hooks)}"
+            )
+
+
+def test_every_registered_family_keeps_the_contract():
+    from afd.model import halves
+    from afd.model.registry import FAMILIES
+
+    for fam in FAMILIES.values():
+        assert issubclass(fam.attention_half, halves.AttentionHalf), fam
+        assert issubclass(fam.ffn_half, halves.FFNHalf), fam
+        assert not fam.attention_half.__abstractmethods__ and not fam.ffn_half.__abstractmethods__, fam
+        if fam.mtp_module is not None:
+            block = fam.mtp_module.MTPBlock
+            assert issubclass(block, halves.MTPBlock) and not block.__abstractmethods__, fam

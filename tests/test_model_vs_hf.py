@@ -1,4 +1,5 @@
-"""The colocated model (both halves in one process) against HF transformers on the same checkpoint."""
+"""The colocated entry points beyond afd.LLM against HF transformers (LongCat-Flash's tiny checkpoint).
+Every family's colocated greedy tokens and logits against HF are tests/test_families.py."""
 
 from __future__ import annotations
 
@@ -7,25 +8,14 @@ import subprocess
 import sys
 
 import pytest
-from hf_reference import PROMPTS, TINY_CONFIGS, hf_greedy, max_rel_err
+from hf_reference import PROMPTS
 
 import afd
 
 NEW_TOKENS = 32
 
 
-@pytest.mark.parametrize("name", list(TINY_CONFIGS))
-def test_greedy_tokens_and_logits_match_hf(tiny_checkpoints, name):
-    path = tiny_checkpoints[name]
-    ref = hf_greedy(path, PROMPTS, NEW_TOKENS)
-    logits: list = []
-    ours = afd.LLM(path, dtype="float32", block_size=4).generate_ids(PROMPTS, NEW_TOKENS, logits_out=logits)
-    for i, (ref_ids, ref_logits) in enumerate(ref):
-        assert ours[i] == ref_ids, f"prompt {i}"
-        assert max_rel_err(logits[i], ref_logits) <= 1e-4
-
-
-def test_generate_cli_colocated_matches_hf(tiny_checkpoint, tmp_path):
+def test_generate_cli_colocated_matches_hf(families, tiny_checkpoint, tmp_path):
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(PROMPTS))
     proc = subprocess.run(
@@ -50,7 +40,7 @@ def test_generate_cli_colocated_matches_hf(tiny_checkpoint, tmp_path):
         check=True,
     )
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW_TOKENS)]
+    assert got == families.ref_ids("longcat_flash", "zero_experts", NEW_TOKENS)
 
 
 @pytest.mark.parametrize("micro_batches", [2, 3])

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_deepseek import DEEPSEEK_CONFIGS, make_deepseek_checkpoint
 from hf_mtp import MTPReference, add_mtp, expected
-from hf_reference import PROMPTS, TINY_CONFIGS, greedy_with_logits, make_hf_checkpoint, max_rel_err
+from hf_reference import PROMPTS, greedy_with_logits, max_rel_err
 
 import afd
 from afd.dataplane.exchange import LocalMoE
@@ -27,11 +26,11 @@ FAMILIES = ("longcat_flash", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, str]:
+def ckpts(families, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("mtp")
     plain = {
-        "longcat_flash": make_hf_checkpoint(str(root / "lc"), **TINY_CONFIGS["zero_experts"]),
-        "deepseek_v3": make_deepseek_checkpoint(str(root / "ds"), **DEEPSEEK_CONFIGS["grouped"]),
+        "longcat_flash": families.path("longcat_flash", "zero_experts"),
+        "deepseek_v3": families.path("deepseek_v3", "grouped"),
     }
     return {f: add_mtp(plain[f], str(root / f"{f}_mtp"), f, noise=0.1, damp=0.1) for f in FAMILIES}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cluster_helpers import Cluster, cluster_yaml, post
-from hf_reference import PROMPTS, hf_greedy
+from hf_reference import PROMPTS
 
 pytestmark = pytest.mark.multiprocess
 FAKES = str(Path(__file__).parent / "fakes")
@@ -40,8 +40,8 @@ def reports(report: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
-    return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW)]
+def reference(families):
+    return families.ref_ids("longcat_flash", "zero_experts", NEW)  # tiny_checkpoint's
 
 
 def _on_devices(path: Path) -> None:

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 from cluster_helpers import Cluster, cluster_yaml, get, post
-from hf_reference import PROMPTS, hf_greedy
+from hf_reference import PROMPTS
 
 from afd.backend import Backend, get_backend
 from afd.backend.npu import NpuBackend
@@ -98,8 +98,8 @@ def test_npu_prefetch_for_real():
 
 @pytest.mark.slow  # CI runs it in make test-slow; a default case covers the same path
 @pytest.mark.multiprocess
-def test_generation_unchanged_with_prefetch_on(tiny_checkpoint, tmp_path):
-    ref = [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 12)]
+def test_generation_unchanged_with_prefetch_on(families, tiny_checkpoint, tmp_path):
+    ref = families.ref_ids("longcat_flash", "zero_experts", 12)  # tiny_checkpoint's
     path = cluster_yaml(tmp_path, tiny_checkpoint, name="prefetch", prefetch={"enabled": True, "budget_bytes": "64KiB"})
     with Cluster(path) as c:
         c.start_all()

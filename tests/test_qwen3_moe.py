@@ -1,40 +1,19 @@
-"""Qwen3-MoE through every afd path, against HF transformers on the same tiny checkpoints."""
+"""What only Qwen3-MoE does, against HF transformers: sparse and dense (mlp_only_layers,
+decoder_sparse_step) layers, its router, the settings it refuses. The paths every family shares
+(colocated, across processes, `afd serve`, config defaults, bf16) are tests/test_families.py."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from cluster_helpers import cluster_yaml, post
-from hf_qwen3 import BASE, TINY_CONFIGS, hf_greedy, make_qwen3_checkpoint
-from hf_reference import PROMPTS, assert_colocated_matches_hf, lazy_refs
-from serve_helpers import Served, free_port_run
+from cluster_helpers import cluster_yaml
+from hf_qwen3 import BASE
 
-import afd
 from afd.model.config import ConfigError
 from afd.model.registry import config_from_hf
-
-NEW_TOKENS = 32
-MULTI = "sparse_step"  # the config the multi-process paths run: dense and sparse layers, GQA, tied lm_head
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("qwen3")
-    return {name: make_qwen3_checkpoint(str(root / name), **kw) for name, kw in TINY_CONFIGS.items()}
-
-
-@pytest.fixture(scope="module")
-def refs(ckpts):
-    return lazy_refs(hf_greedy, ckpts, NEW_TOKENS)
-
-
-@pytest.mark.parametrize("name", list(TINY_CONFIGS))
-def test_colocated_greedy_tokens_and_logits_match_hf(ckpts, refs, name):
-    assert_colocated_matches_hf(ckpts[name], refs(name), NEW_TOKENS)
 
 
 @pytest.mark.parametrize(
@@ -93,49 +72,8 @@ def test_unsupported_settings_are_refused_naming_the_key(change, needle):
     assert needle in str(e.value)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "A,F,overlap,micro_batches",
-    [
-        (1, 1, True, 1),
-        pytest.param(2, 1, False, 1, marks=pytest.mark.slow),
-        pytest.param(1, 2, True, 2, marks=pytest.mark.slow),
-    ],
-)
-def test_afd_across_processes_equals_hf(ckpts, refs, A, F, overlap, micro_batches):
-    """1A2F splits the experts [0, 3) + [3, 6) over two FFN nodes; m=2 ping-pongs two micro-batches."""
-    llm = afd.LLM(
-        ckpts[MULTI], attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches, block_size=4
-    )
-    assert llm.generate_ids(PROMPTS, NEW_TOKENS) == [ids for ids, _ in refs(MULTI)]
-
-
-@pytest.mark.multiprocess
-def test_afd_serve_answers_concurrent_requests_with_hfs_tokens(ckpts, refs, tmp_path):
-    port = free_port_run(1)
-    url = f"http://127.0.0.1:{port}"
-    s = Served([ckpts[MULTI], "--port", str(port)], tmp_path / "serve.log", [url])
-    try:
-        s.wait_ready()
-
-        def greedy(prompt: list[int]) -> list[int]:
-            code, body = post(
-                url,
-                "/v1/completions",
-                {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True},
-            )
-            assert code == 200, body
-            return body["choices"][0]["token_ids"]
-
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            got = list(pool.map(greedy, PROMPTS))
-    finally:
-        assert s.stop() == 0
-    assert got == [ids for ids, _ in refs(MULTI)]
-
-
-def test_check_config_names_the_family_and_the_expert_split(ckpts, tmp_path):
-    path = cluster_yaml(tmp_path, ckpts["gqa"], attention=1, ffn=2)
+def test_check_config_names_the_family_and_the_expert_split(families, tmp_path):
+    path = cluster_yaml(tmp_path, families.path("qwen3_moe", "gqa"), attention=1, ffn=2)
     r = subprocess.run(
         [sys.executable, "-m", "afd.cli", "check-config", str(path)], capture_output=True, text=True, timeout=60
     )

@@ -29,8 +29,8 @@ def cluster(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_checkpoint):
-    return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW)]
+def reference(families):
+    return families.ref_ids("longcat_flash", "zero_experts", NEW)  # tiny_checkpoint's
 
 
 def _complete(url: str, prompt, **kw) -> tuple[int, dict]:

@@ -76,13 +76,14 @@ def _checkpoint_keys(cfg) -> dict[str, tuple[int, ...]]:
     import torch
 
     from afd.model.mtp import family_mtp
-    from afd.model.registry import family_module
+    from afd.model.registry import family
 
-    names = family_module(cfg, "weights")
+    fam = family(cfg.model_type)
+    names = fam.name_map
     with torch.device("meta"):
         parts = [
-            (family_module(cfg, "attention").AttentionHalf(cfg), names.attention_weights),
-            (family_module(cfg, "ffn").FFNHalf(cfg), names.ffn_weights),
+            (fam.attention_half(cfg), names.attention_weights),
+            (fam.ffn_half(cfg), names.ffn_weights),
             (family_mtp(cfg).build(cfg), names.mtp_weights),
         ]
     return {key: shape for model, weights in parts for w in weights(model) for key, shape in w.sources}

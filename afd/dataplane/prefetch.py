@@ -9,11 +9,12 @@ the serving loop (FFNServer calls it as its layer hook); what a hint does is the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import nn
 
 from afd.backend import Backend
+from afd.model.halves import FFNHalf
 
 WEIGHTS = ("router", "gate_up", "down")
 
@@ -40,14 +41,14 @@ class PrefetchConfig:
         return backend.prefetch_by_default if self.enabled is None else self.enabled
 
 
-def _tensors(ffn: nn.Module, layer: int, names) -> list[torch.Tensor]:
-    lay = ffn.layer(layer)
+def _tensors(ffn: FFNHalf, layer: int, names) -> list[torch.Tensor]:
+    lay: Any = ffn.layer(layer)  # the family's MoE layer: router.classifier and experts (FFNHalf.layer)
     by_name = {"router": lay.router.classifier.weight, "gate_up": lay.experts.w13, "down": lay.experts.w2}
     return [by_name[n] for n in names]
 
 
 class PrefetchSchedule:
-    def __init__(self, ffn: nn.Module, backend: Backend, cfg: PrefetchConfig):
+    def __init__(self, ffn: FFNHalf, backend: Backend, cfg: PrefetchConfig):
         self.backend, self.cfg = backend, cfg
         moe = ffn.cfg.moe_layers
         self.plan: dict[int, list[torch.Tensor]] = {}

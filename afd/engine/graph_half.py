@@ -221,9 +221,8 @@ class GraphHalf(nn.Module):
     def _prefetch(self, layer: int, phase: str, after: torch.Tensor) -> None:
         """Inside the graph, after `after` is computed: a hint that the weights the next graph reads first
         are needed soon (npu_prefetch; what they are, the half says in `prefetch_weights`)."""
-        targets = getattr(self.attn, "prefetch_weights", None)
-        if self.prefetch_bytes and targets is not None:
-            for w in targets(layer, phase):
+        if self.prefetch_bytes:
+            for w in self.attn.prefetch_weights(layer, phase):
                 self.backend.prefetch(w, self.prefetch_bytes, after)
 
 

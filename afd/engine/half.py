@@ -1,5 +1,6 @@
-"""What the runner calls on a model half, as types: the family contract of afd.model.registry (the
-attention half) and afd.model.mtp (the MTP module), as far as the engine reads them."""
+"""What the runner calls on a model half, as structural types: families implement the contract's base
+classes (afd.model.halves), and graph mode's GraphHalf, a wrapper rather than a subclass, stands in for an
+attention half through these Protocols."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class AttentionHalf(Protocol):
     def norm(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def prefetch_weights(self, i: int, phase: str) -> list[torch.Tensor]: ...
 
 
 class MTPBlock(Protocol):

@@ -20,7 +20,7 @@ from afd.engine.tokenizer import load_tokenizer
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
 from afd.model.config import parse_dtype
 from afd.model.mtp import family_mtp
-from afd.model.registry import family_module, load_config
+from afd.model.registry import family, load_config
 
 
 @dataclass
@@ -90,8 +90,7 @@ class LLM:
             family_mtp(self.cfg)  # refuses a family without an MTP module here, not in a node process
         if self.cluster:
             lay.tp.check_model(self.cfg.num_attention_heads)
-            half = family_module(self.cfg, "attention").AttentionHalf
-            if lay.attention_tp > 1 and not getattr(half, "supports_tp", False):
+            if lay.attention_tp > 1 and not family(self.cfg.model_type).attention_half.supports_tp:
                 raise ValueError(
                     f"attention_tp: {self.cfg.model_type}'s attention half has no TP layers yet "
                     "(MLA families do: longcat_flash, deepseek_v3)"
@@ -178,7 +177,8 @@ class LLM:
             prompts = [prompts]
         if not isinstance(prompts, list) or not prompts:
             raise ValueError("prompts: a string, a list of token ids, or a non-empty list of either")
-        texts, ids = [], []
+        texts: list[str | None] = []
+        ids: list[list[int]] = []
         for p in prompts:
             if isinstance(p, str):
                 if self.tokenizer is None:

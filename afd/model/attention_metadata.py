@@ -52,15 +52,18 @@ class AttentionMetadata:
         decode = [s for s in seqs if s.q_len == 1]
         max_blocks = max((len(s.block_table) for s in decode), default=0)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode]
-        as_long = dict(dtype=torch.long, device=device)
+
+        def as_long(values: list) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=device)
+
         return cls(
-            positions=torch.tensor(positions, **as_long),
-            slot_mapping=torch.tensor(slots, **as_long),
+            positions=as_long(positions),
+            slot_mapping=as_long(slots),
             seqs=seqs,
             block_size=block_size,
-            decode_rows=torch.tensor([s.q_start for s in decode], **as_long),
-            decode_block_tables=torch.tensor(tables, **as_long).view(len(decode), max_blocks),
-            decode_ctx_lens=torch.tensor([s.ctx_len for s in decode], **as_long),
+            decode_rows=as_long([s.q_start for s in decode]),
+            decode_block_tables=as_long(tables).view(len(decode), max_blocks),
+            decode_ctx_lens=as_long([s.ctx_len for s in decode]),
             prefill_seqs=[s for s in seqs if s.q_len > 1],
         )
 

@@ -13,15 +13,21 @@ import os
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
-from torch import nn
 
 from afd.model.config import ModelConfig
+from afd.model.experts import Experts
+from afd.model.halves import AttentionHalf, FFNHalf, LoadedModule
 from afd.model.progress import Progress
-from afd.model.registry import family_module
+from afd.model.registry import family
+
+if TYPE_CHECKING:
+    from afd.model.mtp import MTPLayer
 
 _PROGRESS_MIN_BYTES = 512 << 20
+M = TypeVar("M", bound=LoadedModule)
 
 
 class CheckpointError(ValueError):
@@ -45,7 +51,7 @@ class SafetensorsReader:
             if not files:
                 raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
             weight_map = None
-        self._handles = {}
+        self._handles: dict[str, Any] = {}
         self._where: dict[str, str] = {}
         for name in files:
             fp = os.path.join(path, name)
@@ -128,7 +134,7 @@ class Weight:
     combine: Callable[..., torch.Tensor] | None = None
 
 
-def hub_named_weights(model: nn.Module) -> Iterator[Weight]:
+def hub_named_weights(model: AttentionHalf) -> Iterator[Weight]:
     """Each parameter of a half from the hub key of the same name under `model.` (the layout every
     family's attention half keeps); lm_head from the embeddings when the config ties them."""
     tied = model.cfg.tie_word_embeddings
@@ -144,7 +150,7 @@ def _gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate, up], dim=0).t()
 
 
-def per_expert_weights(experts: nn.Module, prefix: str, hidden: int, inter: int) -> Iterator[Weight]:
+def per_expert_weights(experts: Experts, prefix: str, hidden: int, inter: int) -> Iterator[Weight]:
     """Stacked experts [lo, hi) (afd.model.experts.Experts) from the hub's per-expert keys
     `{prefix}.{e}.{gate,up,down}_proj.weight`: w13[g] = [gate; up]^T, w2[g] = down^T of expert lo + g."""
     H, I = hidden, inter
@@ -164,20 +170,20 @@ def _load(weights: list[Weight], reader: Reader, desc: str) -> None:
             bar.update()
 
 
-def kept_in_fp32(module: nn.Module, dtype: torch.dtype) -> tuple[str, ...]:
+def kept_in_fp32(module: LoadedModule, dtype: torch.dtype) -> tuple[str, ...]:
     """Name suffixes of the tensors of a half that stay fp32 when it serves `dtype`: transformers' rule
     (`PreTrainedModel._get_dtype_plan`), whose `_keep_in_fp32_modules` apply to fp16 only (a bf16 model
     holds them in bf16) and `_keep_in_fp32_modules_strict` to fp16 and bf16. A family states its lists
     as `keep_in_fp32` / `keep_in_fp32_strict` on the half, under afd's parameter names."""
     keep: tuple[str, ...] = ()
     if dtype in (torch.float16, torch.bfloat16):
-        keep += tuple(getattr(module, "keep_in_fp32_strict", ()))
+        keep += module.keep_in_fp32_strict
     if dtype == torch.float16:
-        keep += tuple(getattr(module, "keep_in_fp32", ()))
+        keep += module.keep_in_fp32
     return keep
 
 
-def _cast(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+def _cast(module: LoadedModule, dtype: torch.dtype, device: torch.device) -> None:
     """Every floating tensor to `dtype` on `device`, but the kept ones to fp32 from the values as loaded:
     HF reads those from the checkpoint at full precision, so they must not pass through `dtype`."""
     keep = kept_in_fp32(module, dtype)
@@ -193,14 +199,18 @@ def _cast(module: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
 
 
 def _build(
-    module: nn.Module, weights, reader: Reader, desc: str, dtype: torch.dtype, device: torch.device
-) -> nn.Module:
+    module: M,
+    weights: Callable[[M], Iterator[Weight]],
+    reader: Reader,
+    desc: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> M:
     module = module.to_empty(device="cpu")  # fp32: every checkpoint dtype loads into it exactly
     _load(list(weights(module)), reader, desc)
     _cast(module, dtype, device)
     module = module.eval().requires_grad_(False)
-    if hasattr(module, "post_load"):
-        module.post_load()
+    module.post_load()
     if torch.device(device).type == "cpu":
         from afd.backend.cpu import column_major_linears
 
@@ -208,13 +218,12 @@ def _build(
     return module
 
 
-def build_attention_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_attention_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> AttentionHalf:
     """cfg's family's attention half, with its weights from `reader` (and no other tensor read)."""
+    fam = family(cfg.model_type)
     with torch.device("meta"):
-        model = family_module(cfg, "attention").AttentionHalf(cfg)
-    return _build(
-        model, family_module(cfg, "weights").attention_weights, reader, "loading attention weights", dtype, device
-    )
+        model = fam.attention_half(cfg)
+    return _build(model, fam.name_map.attention_weights, reader, "loading attention weights", dtype, device)
 
 
 def build_ffn_half(
@@ -226,23 +235,24 @@ def build_ffn_half(
     hi: int | None = None,
     serves_zero: bool = True,
     mtp: bool = False,
-) -> nn.Module:
+) -> FFNHalf:
     """cfg's family's FFN half holding routed experts [lo, hi) (all by default); with `mtp`, also the
     MTP module's MoE layer when it has one (afd.model.mtp)."""
     from afd.model.mtp import mtp_moe_layers
 
     kw = {"mtp": True} if mtp and mtp_moe_layers(cfg) else {}
+    fam = family(cfg.model_type)
     with torch.device("meta"):
-        model = family_module(cfg, "ffn").FFNHalf(cfg, lo, hi, serves_zero, **kw)
-    return _build(model, family_module(cfg, "weights").ffn_weights, reader, "loading expert weights", dtype, device)
+        model = fam.ffn_half(cfg, lo, hi, serves_zero, **kw)  # `mtp`: MTP families only
+    return _build(model, fam.name_map.ffn_weights, reader, "loading expert weights", dtype, device)
 
 
-def build_mtp_layer(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_mtp_layer(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> MTPLayer:
     """cfg's family's MTP module (afd.model.mtp.MTPLayer) on the attention side: everything of it but the
     routed experts, which the FFN half holds (build_ffn_half with `mtp`)."""
     from afd.model.mtp import family_mtp
 
-    fam = family_mtp(cfg)
+    mtp = family_mtp(cfg)
     with torch.device("meta"):
-        model = fam.build(cfg)
-    return _build(model, family_module(cfg, "weights").mtp_weights, reader, "loading MTP weights", dtype, device)
+        model = mtp.build(cfg)
+    return _build(model, family(cfg.model_type).name_map.mtp_weights, reader, "loading MTP weights", dtype, device)

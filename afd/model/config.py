@@ -30,21 +30,40 @@ def parse_dtype(name: str):
 
 
 class ModelConfig(Protocol):
-    """The family-independent part of a model config."""
+    """The family-independent part of a model config. Read-only (properties), so that the families'
+    frozen dataclasses satisfy it."""
 
     model_type: ClassVar[str]
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    """Decoder layers (the KV cache and the attention half hold all of them)."""
-    moe_layers: tuple[int, ...]
-    """The layers whose MoE crosses to the FFN nodes, ascending (one exchange per such layer and
-    micro-batch); the others are dense and run on the attention side alone."""
-    n_routed_experts: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
+
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers (the KV cache and the attention half hold all of them)."""
+        ...
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The layers whose MoE crosses to the FFN nodes, ascending (one exchange per such layer and
+        micro-batch); the others are dense and run on the attention side alone."""
+        ...
+
+    @property
+    def n_routed_experts(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def rms_norm_eps(self) -> float: ...
+    @property
+    def max_position_embeddings(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]: ...
+    @property
+    def bos_token_id(self) -> int | None: ...
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The paged KV cache: [num_cache_layers, ...] with block and slot dimensions inside."""

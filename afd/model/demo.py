@@ -14,7 +14,7 @@ import torch
 from afd.model.checkpoint import DummyReader
 from afd.model.config import ModelConfig
 from afd.model.demo_config import DEMO_CONFIG  # noqa: F401 (re-exported)
-from afd.model.registry import config_from_hf, family_module
+from afd.model.registry import config_from_hf, family
 
 # Written by hand for the demo tokenizer's merges: a byte-level BPE needs some text to learn from,
 # and an embedded one keeps the build offline and the ids identical on every machine.
@@ -116,15 +116,12 @@ def default_cache_dir() -> str:
 def checkpoint_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor of a hub-layout checkpoint for `cfg`, from the same generator as dummy weights."""
     reader = DummyReader(seed)
-    weights = family_module(cfg, "weights")
+    fam = family(cfg.model_type)
     with torch.device("meta"):
-        halves = [
-            (family_module(cfg, "attention").AttentionHalf(cfg), weights.attention_weights),
-            (family_module(cfg, "ffn").FFNHalf(cfg), weights.ffn_weights),
-        ]
+        attn, ffn = fam.attention_half(cfg), fam.ffn_half(cfg)
+    halves = [(attn, fam.name_map.attention_weights), (ffn, fam.name_map.ffn_weights)]
     out = {key: reader.get(key, shape) for half, name_map in halves for w in name_map(half) for key, shape in w.sources}
-    extra = getattr(weights, "extra_checkpoint_keys", None)
-    for key, shape in extra(cfg) if extra else ():
+    for key, shape in ffn.extra_checkpoint_keys():
         out[key] = torch.zeros(shape)
     return out
 

@@ -58,8 +58,8 @@ class GQAttention(nn.Module):
         q = q.view(T, self.n_kv, -1, D)  # [T, KVH, G, D]
         out = torch.empty_like(q)
         if meta.decode_rows.numel():
-            rows = meta.decode_rows
-            out[rows] = self._decode(q[rows], meta, cache)
+            dec = meta.decode_rows
+            out[dec] = self._decode(q[dec], meta, cache)
         for s in meta.prefill_seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
             out[rows] = self._prefill(q[rows], s.ctx_len, s.block_table, cache)

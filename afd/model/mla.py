@@ -16,6 +16,8 @@ out in halves rather than interleaved pairs (`rope_interleave`).
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import nn
 
@@ -29,10 +31,29 @@ from afd.model.tp.comm import SINGLE
 _LATENT_NORM_EPS = 1e-6
 
 
+class MLAConfig(ModelConfig, Protocol):
+    """What MLA reads of a family's config (LongCat-Flash's and DeepSeek-V3's have it)."""
+
+    @property
+    def qk_nope_head_dim(self) -> int: ...
+    @property
+    def qk_rope_head_dim(self) -> int: ...
+    @property
+    def qk_head_dim(self) -> int: ...
+    @property
+    def v_head_dim(self) -> int: ...
+    @property
+    def q_lora_rank(self) -> int | None: ...
+    @property
+    def kv_lora_rank(self) -> int: ...
+    @property
+    def attention_bias(self) -> bool: ...
+
+
 class MLAttention(nn.Module):
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: MLAConfig,
         lora_scales: bool = True,
         softmax_scale: float | None = None,
         rope_interleave: bool = True,
@@ -42,20 +63,22 @@ class MLAttention(nn.Module):
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora = cfg.kv_lora_rank
         bias = cfg.attention_bias
-        if cfg.q_lora_rank is None:  # a plain projection, as HF builds it (without attention_bias)
+        q_lora = cfg.q_lora_rank
+        self.q_proj: nn.Linear | None
+        if q_lora is None:  # a plain projection, as HF builds it (without attention_bias)
             self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * cfg.qk_head_dim, bias=False)
         else:
             self.q_proj = None
-            self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * cfg.qk_head_dim, bias=False)
+            self.q_a_proj = nn.Linear(cfg.hidden_size, q_lora, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora, _LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(q_lora, self.n_heads * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=bias)
         self.scale = cfg.qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
         # x * 1.0 is exact: without lora_scales the products below change nothing.
-        self.q_lora_scale = (cfg.hidden_size / cfg.q_lora_rank) ** 0.5 if lora_scales else 1.0
+        self.q_lora_scale = (cfg.hidden_size / q_lora) ** 0.5 if lora_scales and q_lora else 1.0
         self.kv_lora_scale = (cfg.hidden_size / cfg.kv_lora_rank) ** 0.5 if lora_scales else 1.0
         self.rotate = apply_rotary if rope_interleave else apply_rotary_halves
         self.tp = SINGLE
@@ -105,8 +128,8 @@ class MLAttention(nn.Module):
 
         out = q.new_empty(T, self.n_heads, self.v_dim)
         if meta.decode_rows.numel():
-            rows = meta.decode_rows
-            out[rows] = self._decode_absorbed(q_nope[rows], q_rot[rows], meta, cache)
+            dec = meta.decode_rows
+            out[dec] = self._decode_absorbed(q_nope[dec], q_rot[dec], meta, cache)
         for s in meta.prefill_seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
             out[rows] = self._prefill_expanded(q_nope[rows], q_rot[rows], s.ctx_len, s.block_table, cache)
@@ -147,6 +170,7 @@ class MLAttention(nn.Module):
     def _kvp_attend(self, q_nope, q_rot, latents, meta: AttentionMetadata, cache) -> torch.Tensor:
         """KV-parallel attention: store this rank's share of the new latents, attend over this rank's blocks
         with the head group's heads, merge with the other KV ranks. Returns [T, n_own_heads * v]."""
+        assert self.kvp is not None  # forward calls this only under KVP
         N, k = self.kvp
         view = kvp.local_view(meta, N, k)
         cache.view(-1, cache.shape[-1])[view.write_slots] = latents[view.write_rows]
@@ -155,14 +179,14 @@ class MLAttention(nn.Module):
         lse = torch.full((T, self.n_heads), float("-inf"), device=o.device)
         w_uk, w_uv = self._w_uk_uv()
         if meta.decode_rows.numel():
-            rows = meta.decode_rows
-            q_full = torch.cat([torch.einsum("bhn,hnc->bhc", q_nope[rows], w_uk), q_rot[rows]], dim=-1)
+            dec = meta.decode_rows
+            q_full = torch.cat([torch.einsum("bhn,hnc->bhc", q_nope[dec], w_uk), q_rot[dec]], dim=-1)
             B, nb = view.decode_tables.shape
             kv = cache[view.decode_tables].view(B, nb * bs, cache.shape[-1])  # [B, L/N, C + R]; L/N may be 0
             score = torch.einsum("bhd,bld->bhl", q_full, kv) * self.scale
             score.masked_fill_(view.decode_pos[:, None, :] >= meta.decode_ctx_lens[:, None, None], float("-inf"))
-            o_lat, lse[rows] = kvp.partial(score, kv[..., : self.kv_lora])
-            o[rows] = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+            o_lat, lse[dec] = kvp.partial(score, kv[..., : self.kv_lora])
+            o[dec] = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
         for s, (blocks, pos) in zip(meta.prefill_seqs, view.prefill):
             rows = slice(s.q_start, s.q_start + s.q_len)
             kv = cache[blocks].view(-1, cache.shape[-1])  # [L/N, C + R], this rank's keys of the sequence

@@ -17,7 +17,8 @@ the checkpoint's copies of them (DeepSeek-V3's model.layers.61.embed_tokens / sh
 LongCat-Flash's model.mtp.embed_tokens) are not read, as SGLang's loaders skip them.
 
 A family provides its block in `afd.model.<family>.mtp` (`build(cfg) -> MTPLayer`, `moe_layers(cfg)`)
-and the checkpoint name map in its weights.py (`mtp_weights`). The block has the decoder layer's split:
+and the checkpoint name map in its weights.py (`mtp_weights`); its registry record names the module
+(`Family.mtp`). The block (an afd.model.halves.MTPBlock) has the decoder layer's split:
 `pre_moe(x, rope, meta, kv) -> (h, m)` with m the MoE input (None for a dense block) and
 `post_moe(h, m, rope, meta, kv) -> h`; the MoE output is added by the caller through the same exchange as
 the main model's layers (afd.engine.runner, FLAG_MTP steps on the data plane).
@@ -25,23 +26,22 @@ the main model's layers (afd.engine.runner, FLAG_MTP steps on the data plane).
 
 from __future__ import annotations
 
-from importlib import import_module
-
 import torch
 from torch import nn
 
 from afd.model.config import ConfigError, ModelConfig
+from afd.model.halves import LoadedModule, MTPBlock
 from afd.model.layers import RMSNorm
-from afd.model.registry import FAMILIES
+from afd.model.registry import family
 
 MAX_SPECULATIVE_TOKENS = 2
 """--speculative-tokens N: 1 or 2 (seed 001's MTP1 and MTP2)."""
 
 
-class MTPLayer(nn.Module):
+class MTPLayer(LoadedModule):
     """enorm, hnorm and eh_proj around a family's block, and the norm before the shared head."""
 
-    def __init__(self, cfg: ModelConfig, block: nn.Module, moe_layer: int | None):
+    def __init__(self, cfg: ModelConfig, block: MTPBlock, moe_layer: int | None):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.enorm = RMSNorm(H, eps)
@@ -64,14 +64,12 @@ class MTPLayer(nn.Module):
 
 def family_mtp(cfg: ModelConfig):
     """cfg's family's MTP module (afd.model.<family>.mtp), or ConfigError when the family has none."""
-    package = FAMILIES[cfg.model_type][0]
-    try:
-        fam = import_module(f"{package}.mtp")
-    except ModuleNotFoundError:
+    fam = family(cfg.model_type).mtp_module
+    if fam is None:
         raise ConfigError(
             f"--speculative-tokens: {cfg.model_type} has no multi-token-prediction module "
             "(MTP drafts come from the checkpoint's MTP layer: longcat_flash, deepseek_v3)"
-        ) from None
+        )
     fam.check(cfg)
     return fam
 

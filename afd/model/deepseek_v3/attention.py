@@ -13,9 +13,12 @@ whole MLP and pre_moe returns m = None.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
+from afd.model import halves
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.deepseek_v3.config import DeepseekV3Config
 from afd.model.layers import DenseMLP, RMSNorm, Rotary, YarnRotary
@@ -51,8 +54,8 @@ def rotary(cfg: DeepseekV3Config) -> Rotary:
     return YarnRotary(
         cfg.qk_rope_head_dim,
         cfg.rope_theta,
-        cfg.rope_factor,
-        cfg.rope_original_max_position_embeddings,
+        cfg.yarn_factor,
+        cfg.yarn_original_max_position_embeddings,
         cfg.rope_beta_fast or 32,
         cfg.rope_beta_slow or 1,
         cfg.rope_attention_scale,
@@ -60,20 +63,22 @@ def rotary(cfg: DeepseekV3Config) -> Rotary:
     )
 
 
-class AttentionHalf(nn.Module):
+class AttentionHalf(halves.AttentionHalf):
     """Parameter names follow the HF checkpoint (without its `model.` prefix)."""
 
-    supports_tp = True
-    """afd.model.tp.shard can cut it across the ranks of a TP group (its layers are MLA and dense MLPs)."""
+    cfg: DeepseekV3Config
+    supports_tp = True  # its layers are MLA and dense MLPs
 
     def __init__(self, cfg: DeepseekV3Config):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([AttentionLayer(cfg, i) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = rotary(cfg)
+
+    def _layer(self, i: int) -> AttentionLayer:
+        return cast(AttentionLayer, self.layers[i])  # nn.ModuleList's items are typed Module
 
     def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
         """Token embeddings [T, H] and the rotary tables every layer of this step shares."""
@@ -82,14 +87,14 @@ class AttentionHalf(nn.Module):
 
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i up to the MoE input. kv [num_blocks, block_size, C + R]. Returns (h, m), m None if dense."""
-        layer = self.layers[i]
+        layer = self._layer(i)
         h = x + layer.self_attn(layer.input_layernorm(x), *rope, meta, kv)
         return h, (layer.post_attention_layernorm(h) if layer.is_moe else None)
 
     def post_moe(self, i: int, h, m, rope, meta, kv: torch.Tensor) -> torch.Tensor:
         """Layer i's work that does not need the routed experts: the shared experts (the window the
         exchange hides behind), or a dense layer's whole MLP."""
-        layer = self.layers[i]
+        layer = self._layer(i)
         if m is None:  # dense: no m left the layer; it is made from h here (the half keeps no state)
             m = layer.post_attention_layernorm(h)
         return h + layer.mlp(m)

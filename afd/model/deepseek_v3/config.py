@@ -145,13 +145,27 @@ class DeepseekV3Config:
         return (self.num_hidden_layers, num_blocks, block_size, self.latent_dim)
 
     @property
+    def yarn_factor(self) -> float:
+        """rope_factor under YaRN (from_hf_dict refuses yarn without it)."""
+        if self.rope_factor is None:
+            raise ConfigError("config.json: yarn rope_parameters need 'factor'")
+        return self.rope_factor
+
+    @property
+    def yarn_original_max_position_embeddings(self) -> int:
+        """Under YaRN (from_hf_dict fills it from max_position_embeddings, as HF does)."""
+        if self.rope_original_max_position_embeddings is None:
+            raise ConfigError("config.json: yarn rope_parameters need 'original_max_position_embeddings'")
+        return self.rope_original_max_position_embeddings
+
+    @property
     def rope_attention_scale(self) -> float:
         """YaRN's factor on cos and sin (so on q_rot . k_rot, squared)."""
         if self.rope_type == "default":
             return 1.0
         if self.rope_attention_factor is not None:
             return self.rope_attention_factor
-        f = self.rope_factor
+        f = self.yarn_factor
         if self.rope_mscale and self.rope_mscale_all_dim:
             return float(_mscale(f, self.rope_mscale) / _mscale(f, self.rope_mscale_all_dim))
         return _mscale(f)
@@ -162,7 +176,7 @@ class DeepseekV3Config:
         score (nope dims too) by mscale(factor, mscale_all_dim)^2."""
         scale = self.qk_head_dim ** (-0.5)
         if self.rope_type != "default" and self.rope_mscale_all_dim:
-            m = _mscale(self.rope_factor, self.rope_mscale_all_dim)
+            m = _mscale(self.yarn_factor, self.rope_mscale_all_dim)
             scale = scale * m * m
         return scale
 

@@ -10,16 +10,21 @@ Shapes: T tokens, H hidden, E routed experts, G groups, K top-k.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from afd.backend import Backend
+from afd.model import halves
 from afd.model.deepseek_v3.config import DeepseekV3Config
 from afd.model.experts import Experts
 
 
 class Router(nn.Module):
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, cfg: DeepseekV3Config):
         super().__init__()
         E = cfg.n_routed_experts
@@ -54,31 +59,27 @@ class FFNLayer(nn.Module):
         )
 
 
-class FFNHalf(nn.Module):
+class FFNHalf(halves.FFNHalf):
     """The MoE layers of the model (cfg.moe_layers), holding routed experts [lo, hi) (all by default).
     With `mtp`, also the MTP module's MoE layer (afd.model.deepseek_v3.mtp), as layer num_hidden_layers."""
 
+    cfg: DeepseekV3Config
+    # HF's `_keep_in_fp32_modules_strict` (`gate.weight`, `e_score_correction_bias`): the whole router
     keep_in_fp32_strict = ("router.classifier.weight", "router.e_score_correction_bias")
-    """HF's `_keep_in_fp32_modules_strict` (`gate.weight`, `e_score_correction_bias`): in a bf16 or fp16
-    model the whole router stays fp32 at the checkpoint's precision, bias included (afd.model.checkpoint)."""
 
     def __init__(
         self, cfg: DeepseekV3Config, lo: int = 0, hi: int | None = None, serves_zero: bool = True, mtp: bool = False
     ):
-        super().__init__()
-        hi = cfg.n_routed_experts if hi is None else hi
-        if not 0 <= lo <= hi <= cfg.n_routed_experts:
-            raise ValueError(f"expert range [{lo}, {hi}) outside [0, {cfg.n_routed_experts})")
-        self.cfg, self.expert_range, self.serves_zero = cfg, (lo, hi), serves_zero
+        super().__init__(cfg, lo, hi, serves_zero)
+        lo, hi = self.expert_range
         self.mtp_layers = cfg.mtp_moe_layers if mtp else ()
-        """MoE layers past the decoder's that FLAG_MTP steps run (afd.dataplane.protocol)."""
         served = cfg.moe_layers + self.mtp_layers
         self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi) for _ in served])
         self._index = {layer: k for k, layer in enumerate(served)}
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
-        return self.layers[self._index[i]]
+        return cast(FFNLayer, self.layers[self._index[i]])  # nn.ModuleList's items are typed Module
 
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
         """Routed experts of decoder layer i on m [T, H] (this node's experts only)."""

@@ -17,10 +17,11 @@ import torch
 from afd.model.config import ConfigError
 from afd.model.deepseek_v3.attention import AttentionLayer
 from afd.model.deepseek_v3.config import DeepseekV3Config
+from afd.model.halves import MTPBlock as Block
 from afd.model.mtp import MTPLayer
 
 
-class MTPBlock(AttentionLayer):
+class MTPBlock(AttentionLayer, Block):
     def __init__(self, cfg: DeepseekV3Config):
         super().__init__(cfg, cfg.num_hidden_layers)
         self.cfg = cfg

@@ -9,9 +9,12 @@ Each layer is cut where its MoE input leaves and its MoE output returns:
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
+from afd.model import halves
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.layers import DenseMLP, RMSNorm, Rotary
 from afd.model.longcat_flash.config import LongcatFlashConfig
@@ -28,20 +31,22 @@ class AttentionLayer(nn.Module):
         self.mlps = nn.ModuleList([DenseMLP(cfg.hidden_size, cfg.ffn_hidden_size) for _ in range(2)])
 
 
-class AttentionHalf(nn.Module):
+class AttentionHalf(halves.AttentionHalf):
     """Parameter names follow the HF checkpoint (without its `model.` prefix)."""
 
-    supports_tp = True
-    """afd.model.tp.shard can cut it across the ranks of a TP group (its layers are MLA and dense MLPs)."""
+    cfg: LongcatFlashConfig
+    supports_tp = True  # its layers are MLA and dense MLPs
 
     def __init__(self, cfg: LongcatFlashConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([AttentionLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.qk_rope_head_dim, cfg.rope_theta)
+
+    def _layer(self, i: int) -> AttentionLayer:
+        return cast(AttentionLayer, self.layers[i])  # nn.ModuleList's items are typed Module
 
     def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
         """Token embeddings [T, H] and the rotary tables every layer of this step shares."""
@@ -50,13 +55,13 @@ class AttentionHalf(nn.Module):
 
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i up to the MoE input. kv [2, num_blocks, block_size, C + R]. Returns (h, m)."""
-        layer = self.layers[i]
+        layer = self._layer(i)
         h = x + layer.self_attn[0](layer.input_layernorm[0](x), *rope, meta, kv[0])
         return h, layer.post_attention_layernorm[0](h)
 
     def post_moe(self, i: int, h, m, rope, meta, kv: torch.Tensor) -> torch.Tensor:
         """Layer i's work that does not need the MoE output: the window the exchange hides behind."""
-        layer = self.layers[i]
+        layer = self._layer(i)
         h = h + layer.mlps[0](m)
         h = h + layer.self_attn[1](layer.input_layernorm[1](h), *rope, meta, kv[1])
         return h + layer.mlps[1](layer.post_attention_layernorm[1](h))
@@ -65,14 +70,13 @@ class AttentionHalf(nn.Module):
         return self.lm_head(self.norm(x)).float()
 
     def prefetch_weights(self, i: int, phase: str) -> list[torch.Tensor]:
-        """What graph mode (afd.engine.graph) prefetches at the end of layer i's `phase` graph: the weights
-        the next graph reads first. After pre_moe: dense MLP 0's gate and up (post_moe's first GEMMs),
+        """After pre_moe: dense MLP 0's gate and up (post_moe's first GEMMs),
         loading while m is away at the FFN nodes; after post_moe: layer i + 1's latent down-projections."""
         if phase == "pre":
-            mlp = self.layers[i].mlps[0]
+            mlp = cast(DenseMLP, self._layer(i).mlps[0])
             return [mlp.gate_proj.weight, mlp.up_proj.weight]
         if i + 1 == len(self.layers):
             return []
-        attn = self.layers[i + 1].self_attn[0]
+        attn = cast(MLAttention, self._layer(i + 1).self_attn[0])
         q = attn.q_proj if attn.q_proj is not None else attn.q_a_proj
         return [q.weight, attn.kv_a_proj_with_mqa.weight]

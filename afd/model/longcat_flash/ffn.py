@@ -8,16 +8,22 @@ Shapes: T tokens, H hidden, E router outputs, K top-k.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from afd.backend import Backend
+from afd.model import halves
 from afd.model.experts import Experts
 from afd.model.longcat_flash.config import LongcatFlashConfig
 
 
 class Router(nn.Module):
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, cfg: LongcatFlashConfig):
         super().__init__()
         E = cfg.num_experts_total
@@ -39,29 +45,36 @@ class FFNLayer(nn.Module):
         self.experts = Experts(cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.n_routed_experts, lo, hi, serves_zero)
 
 
-class FFNHalf(nn.Module):
+class FFNHalf(halves.FFNHalf):
     """All MoE layers of the model, holding routed experts [lo, hi) (all of them by default)."""
 
-    keep_in_fp32 = ("router.classifier.weight",)
-    """HF's `_keep_in_fp32_modules` (`classifier.weight`): unrounded in an fp16 model, bf16 in a bf16 one."""
+    cfg: LongcatFlashConfig
+    keep_in_fp32 = ("router.classifier.weight",)  # HF's `_keep_in_fp32_modules` (`classifier.weight`)
 
     def __init__(self, cfg: LongcatFlashConfig, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
-        super().__init__()
-        hi = cfg.n_routed_experts if hi is None else hi
-        if not 0 <= lo <= hi <= cfg.n_routed_experts:
-            raise ValueError(f"expert range [{lo}, {hi}) outside [0, {cfg.n_routed_experts})")
-        self.cfg, self.expert_range, self.serves_zero = cfg, (lo, hi), serves_zero
+        super().__init__(cfg, lo, hi, serves_zero)
+        lo, hi = self.expert_range
         self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi, serves_zero) for _ in range(cfg.num_layers)])
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
-        return self.layers[i]
+        return cast(FFNLayer, self.layers[i])  # nn.ModuleList's items are typed Module
 
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
         """MoE of decoder layer i on m [T, H] (this node's experts only)."""
-        layer = self.layers[i]
+        layer = self.layer(i)
         weights, ids = layer.router(m)
         return layer.experts(backend, m, weights, ids)
+
+    def extra_checkpoint_keys(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        # transformers' LongcatFlashExperts allocates gate/up rows for the identity experts too and
+        # refuses a checkpoint without them; afd never reads them.
+        cfg = self.cfg
+        H, I = cfg.hidden_size, cfg.expert_ffn_hidden_size
+        for i in range(cfg.num_layers):
+            for e in range(cfg.n_routed_experts, cfg.num_experts_total):
+                for name in ("gate_proj", "up_proj"):
+                    yield f"model.layers.{i}.mlp.experts.{e}.{name}.weight", (I, H)
 
     def post_load(self) -> None:
         # HF holds the classifier and the correction bias in the model dtype (LongCat's fp32 list is

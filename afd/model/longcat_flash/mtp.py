@@ -13,15 +13,15 @@ its MLA is the main model's kind (the same LoRA scales), and its MLP is the dens
 from __future__ import annotations
 
 import torch
-from torch import nn
 
+from afd.model.halves import MTPBlock as Block
 from afd.model.layers import DenseMLP, RMSNorm
 from afd.model.longcat_flash.config import LongcatFlashConfig
 from afd.model.mla import MLAttention
 from afd.model.mtp import MTPLayer
 
 
-class MTPBlock(nn.Module):
+class MTPBlock(Block):
     def __init__(self, cfg: LongcatFlashConfig):
         super().__init__()
         self.cfg = cfg

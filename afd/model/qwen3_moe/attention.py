@@ -12,9 +12,12 @@ nothing: pre_moe returns m = None and post_moe adds the layer's MLP, x = h + mlp
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
+from afd.model import halves
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.gqa import GQAttention
 from afd.model.layers import DenseMLP, RMSNorm, Rotary
@@ -38,18 +41,22 @@ class AttentionLayer(nn.Module):
         self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size) if dense else None
 
 
-class AttentionHalf(nn.Module):
-    """Parameter names follow the HF checkpoint (without its `model.` prefix)."""
+class AttentionHalf(halves.AttentionHalf):
+    """Parameter names follow the HF checkpoint (without its `model.` prefix). No TP layers yet (GQA)."""
+
+    cfg: Qwen3MoeConfig
 
     def __init__(self, cfg: Qwen3MoeConfig):
-        super().__init__()
-        self.cfg = cfg
+        super().__init__(cfg)
         moe = set(cfg.moe_layers)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([AttentionLayer(cfg, i not in moe) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+    def _layer(self, i: int) -> AttentionLayer:
+        return cast(AttentionLayer, self.layers[i])  # nn.ModuleList's items are typed Module
 
     def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
         """Token embeddings [T, H] and the rotary tables every layer of this step shares."""
@@ -58,7 +65,7 @@ class AttentionHalf(nn.Module):
 
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i up to the MoE input. kv [2, num_blocks, block_size, KVH, D]. Returns (h, m), m None if dense."""
-        layer = self.layers[i]
+        layer = self._layer(i)
         h = x + layer.self_attn(layer.input_layernorm(x), *rope, meta, kv)
         if layer.mlp is not None:
             return h, None
@@ -66,7 +73,7 @@ class AttentionHalf(nn.Module):
 
     def post_moe(self, i: int, h, m, rope, meta, kv: torch.Tensor) -> torch.Tensor:
         """A sparse layer has no work left before its MoE output; a dense one runs its MLP here."""
-        layer = self.layers[i]
+        layer = self._layer(i)
         if layer.mlp is None:
             return h
         return h + layer.mlp(layer.post_attention_layernorm(h))

@@ -7,11 +7,14 @@ Shapes: T tokens, H hidden, E experts, K top-k.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from afd.backend import Backend
+from afd.model import halves
 from afd.model.experts import Experts
 from afd.model.qwen3_moe.config import Qwen3MoeConfig
 
@@ -38,24 +41,23 @@ class FFNLayer(nn.Module):
         self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, lo, hi, serves_zero=False)
 
 
-class FFNHalf(nn.Module):
+class FFNHalf(halves.FFNHalf):
     """The sparse layers (cfg.moe_layers) of the model, holding experts [lo, hi) (all of them by default).
 
     `serves_zero` is accepted for the family contract; Qwen3-MoE has no identity experts to serve."""
 
+    cfg: Qwen3MoeConfig
+
     def __init__(self, cfg: Qwen3MoeConfig, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
-        super().__init__()
-        hi = cfg.num_experts if hi is None else hi
-        if not 0 <= lo <= hi <= cfg.num_experts:
-            raise ValueError(f"expert range [{lo}, {hi}) outside [0, {cfg.num_experts})")
-        self.cfg, self.expert_range, self.serves_zero = cfg, (lo, hi), False
+        super().__init__(cfg, lo, hi, serves_zero=False)
+        lo, hi = self.expert_range
         self.index = {layer: k for k, layer in enumerate(cfg.moe_layers)}
         """Decoder layer -> its position in `layers`: dense layers hold nothing here."""
         self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi) for _ in cfg.moe_layers])
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
-        return self.layers[self.index[i]]
+        return cast(FFNLayer, self.layers[self.index[i]])  # nn.ModuleList's items are typed Module
 
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
         """MoE of decoder layer i on m [T, H] (this node's experts only)."""

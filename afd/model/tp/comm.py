@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,7 +81,7 @@ class TPComm:
             first = rank - rank % cfg.kvp
             self.kvp_group = group(list(range(first, first + cfg.kvp)))
         if cfg.mode == "flashcomm2":
-            odp, otp = fc2_groups(self.size, cfg.otp)
+            odp, otp = fc2_groups(self.size, cfg.fc2_otp)
             self.odp_group = group(next(g for g in odp if rank in g))
             self.otp_group = group(next(g for g in otp if rank in g))
 
@@ -188,7 +189,7 @@ class TPComm:
     def fc2_o_proj(self, x: torch.Tensor, block: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """FlashComm2's o_proj. x [T, F/G] (this rank's heads), block [H, F/P] (the columns of this rank's
         ODP group). Returns this rank's token shard [s, H]."""
-        p, G, P = self.active, self.size, self.cfg.otp
+        p, G, P = self.active, self.size, self.cfg.fc2_otp
         D, s, Fl = G // P, p.shard, x.shape[1]
         order = torch.tensor(fc2_batch_ids(G, P), device=x.device).reshape(-1)  # member i's chunks, i = 0..D-1
         send = _pad_rows(x, p.padded).view(G, s, Fl)[order].view(D, P, s, Fl)  # [D (to member i), P, s, Fl]
@@ -273,7 +274,7 @@ class TPComm:
         self._run("schedule", 0, dist.broadcast_object_list, [msg], src=self.ranks[0], group=self.cpu_group)
 
     def recv_step(self) -> object:
-        box: list[object] = [None]
+        box: list[Any] = [None]
         self._run("schedule", 0, dist.broadcast_object_list, box, src=self.ranks[0], group=self.cpu_group)
         return box[0]
 

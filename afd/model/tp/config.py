@@ -81,9 +81,16 @@ class TPConfig:
         return SEED_MIN_TOKENS[self.mode] if self.min_tokens is None else self.min_tokens
 
     @property
+    def fc2_otp(self) -> int:
+        """flashcomm2's o_proj TP size P (set whenever the mode is flashcomm2: checked above)."""
+        if self.otp is None:
+            raise TPConfigError("layout.flashcomm2_otp: only tp_comm flashcomm2 has an o_proj TP group")
+        return self.otp
+
+    @property
     def odp(self) -> int:
         """FC2's ODP group size G / P (1 outside flashcomm2)."""
-        return self.size // self.otp if self.mode == "flashcomm2" else 1
+        return self.size // self.fc2_otp if self.mode == "flashcomm2" else 1
 
     def check_model(self, num_heads: int, source: str = "layout.attention_tp") -> None:
         """The model against the layout: whole heads per rank."""

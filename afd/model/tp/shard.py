@@ -15,11 +15,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from afd.model.halves import AttentionHalf
 from afd.model.layers import DenseMLP
 from afd.model.mla import MLAttention
 from afd.model.tp.comm import TPComm
 from afd.model.tp.config import TPConfigError
 from afd.model.tp.layers import FC2OProj, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+
+# (1) A TP layer takes nn.Linear's place: the same call on a slice of its weight (the attribute keeps
+# nn.Linear's type for the unsharded model).
 
 
 def _rows(lin: nn.Linear, w: torch.Tensor) -> None:
@@ -46,12 +50,12 @@ def shard_mla(attn: MLAttention, tp: TPComm) -> None:
     w, b = attn.o_proj.weight, attn.o_proj.bias  # [H, NH * v]
     cols = n * attn.v_dim
     if tp.cfg.mode == "flashcomm2":
-        D = G // tp.cfg.otp
+        D = G // tp.cfg.fc2_otp
         g, j = divmod(r, D)
         block = w[:, g * D * cols : (g + 1) * D * cols]
-        attn.o_proj = FC2OProj(block, slice(j * cols, (j + 1) * cols), b, tp)
+        attn.o_proj = FC2OProj(block, slice(j * cols, (j + 1) * cols), b, tp)  # type: ignore[assignment]  # (1)
     else:
-        attn.o_proj = RowParallelLinear(w[:, r * cols : (r + 1) * cols], b, tp)
+        attn.o_proj = RowParallelLinear(w[:, r * cols : (r + 1) * cols], b, tp)  # type: ignore[assignment]  # (1)
     attn.n_heads, attn.tp = hg, tp
     if N > 1:
         attn.kvp = (N, r % N)
@@ -65,7 +69,7 @@ def shard_mlp(mlp: DenseMLP, tp: TPComm, where: str) -> None:
     rows = slice(tp.rank * k, (tp.rank + 1) * k)
     _rows(mlp.gate_proj, mlp.gate_proj.weight[rows])
     _rows(mlp.up_proj, mlp.up_proj.weight[rows])
-    mlp.down_proj = RowParallelLinear(mlp.down_proj.weight[:, rows], None, tp)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj.weight[:, rows], None, tp)  # type: ignore[assignment]  # (1)
     mlp.tp = tp
 
 
@@ -80,12 +84,12 @@ def _vocab_rows(w: torch.Tensor, tp: TPComm) -> tuple[torch.Tensor, int]:
     return part, lo
 
 
-def shard_attention_half(model: nn.Module, tp: TPComm) -> nn.Module:
+def shard_attention_half(model: AttentionHalf, tp: TPComm) -> AttentionHalf:
     """In place; returns the model. Raises TPConfigError when the model cannot be cut G ways."""
     if tp.size == 1:
         return model  # (KVP needs ranks: TPConfig refuses kvp > attention_tp)
     cfg = model.cfg
-    if not getattr(model, "supports_tp", False):
+    if not model.supports_tp:
         raise TPConfigError(
             f"layout.attention_tp: {cfg.model_type}'s attention half has no TP layers yet "
             "(MLA families do: longcat_flash, deepseek_v3)"
@@ -96,9 +100,9 @@ def shard_attention_half(model: nn.Module, tp: TPComm) -> nn.Module:
             shard_mla(mod, tp)
         elif isinstance(mod, DenseMLP):
             shard_mlp(mod, tp, name)
-    emb, lo = _vocab_rows(model.embed_tokens.weight, tp)
+    emb, lo = _vocab_rows(model.get_parameter("embed_tokens.weight"), tp)
     model.embed_tokens = VocabParallelEmbedding(emb, lo, tp)
-    head, _ = _vocab_rows(model.lm_head.weight, tp)
+    head, _ = _vocab_rows(model.get_parameter("lm_head.weight"), tp)
     model.lm_head = ParallelLMHead(head, cfg.vocab_size, tp)
     model.tp = tp
     if model.lm_head.weight.device.type == "cpu":  # the cut weights are row-major again

@@ -106,7 +106,7 @@ def mla_bytes(cfg, tp: TPConfig, p: ShardPlan, b: int) -> Counter:
         c["all_to_all"] += share(p.tokens * heads * cfg.v_head_dim * b, tp.kvp) + share(p.tokens * heads * 4, tp.kvp)
     if not p.fc2:
         return c + _row_parallel(p, H, b)
-    P, D = tp.otp, tp.odp
+    P, D = tp.fc2_otp, tp.odp
     heads_width = cfg.num_attention_heads // tp.size * cfg.v_head_dim  # this rank's o_proj input columns
     c["all_to_all"] += share(p.padded * heads_width * b, D)  # [D, P, s, heads_width] out of the ODP group
     c["reduce_scatter"] += share(P * p.shard * H * b, P)  # [P*s, H] partial over the OTP group
@@ -151,7 +151,7 @@ def volume(cfg, tp: TPConfig, tokens: int, dtype_bytes: int, seqs: int = 1) -> V
     if G == 1:
         zero = _full(Counter())
         return Volume(tokens, tp.mode, zero, zero, zero, (tokens * H * b,))
-    dense = Counter()
+    dense: Counter[str] = Counter()
     for _ in range(n_mla):
         dense += mla_bytes(cfg, tp, p, b)
     for _ in range(n_mlp):
