@@ -52,9 +52,9 @@ def afd_teacher_forced(path: str, seqs: list[list[int]]) -> torch.Tensor:
     tables: list[list[int]] = [[] for _ in seqs]
     for t in tables:
         kv.grow(t, SEQ_LEN)
-    steps = [runner.execute([StepSeq(s[:PROMPT_LEN], 0, t) for s, t in zip(seqs, tables)])]
+    steps = [runner.execute([StepSeq(s[:PROMPT_LEN], 0, t) for s, t in zip(seqs, tables)]).logits]
     for i in range(PROMPT_LEN, SEQ_LEN):
-        steps.append(runner.execute([StepSeq([s[i]], i, t) for s, t in zip(seqs, tables)]))
+        steps.append(runner.execute([StepSeq([s[i]], i, t) for s, t in zip(seqs, tables)]).logits)
     return torch.stack(steps, dim=1)
 
 

@@ -50,7 +50,7 @@ def test_mla_prefill_is_hfs_eager_bf16_bit_for_bit(tiny_checkpoints, monkeypatch
     for t, n in zip(tables, lens):
         kv.grow(t, n)
     runner = ModelRunner(llm.attn, LocalMoE(llm.ffn, llm.backend), kv, llm.backend.device)
-    ours = runner.execute([StepSeq(seq[:n], 0, t) for n, t in zip(lens, tables)])
+    ours = runner.execute([StepSeq(seq[:n], 0, t) for n, t in zip(lens, tables)]).logits
     hf = hf_bf16(path, attn_implementation="eager")
     with torch.no_grad():
         ref = hf(torch.tensor([seq])).logits[0].float()
