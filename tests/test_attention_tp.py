@@ -287,6 +287,6 @@ def test_shard_plan_pads_and_spans():
 
 
 def test_fc2_groups_follow_the_seed():
-    assert fc2_batch_ids(4, 2) == [[0, 2], [1, 3]]  # seed 000, section 4.4
+    assert fc2_batch_ids(4, 2) == [[0, 2], [1, 3]]  # vllm-ascend's example (docs/design/tp-communication.md#groups)
     assert fc2_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert fc2_groups(8, 2) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])

@@ -1,4 +1,4 @@
-"""MTP speculative decoding (issue 16): lossless greedy, the acceptance transformers' layers predict, the
+"""MTP speculative decoding: lossless greedy, the acceptance transformers' layers predict, the
 MTP forward against them, the rejection rule's distribution, and the paths that refuse it.
 
 Each family's checkpoint carries an MTP module written by tests/hf_mtp.py whose drafts are right a

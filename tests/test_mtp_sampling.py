@@ -1,4 +1,4 @@
-"""Speculative sampling keeps the target distribution (issue 16): the rejection rule on a tiny vocabulary,
+"""Speculative sampling keeps the target distribution: the rejection rule on a tiny vocabulary,
 Sampler.verify's tokens over two drafts, greedy verification, and seeded requests' reproducibility."""
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""KV-parallel attention (seed 001's KVP): N ranks of an attention node each hold every N-th KV block.
+"""KV-parallel attention (docs/design/longcat-on-ascend.md#kvp): N ranks of an attention node each hold
+every N-th KV block.
 
 Block g of the node's cache lives on KV rank g % N as local block g // N, and the i-th block of every
 sequence comes from pool i % N (afd.engine.kv_cache.BlockAllocator), so each rank holds about 1/N of
@@ -12,7 +13,7 @@ its own heads, and merge them:
 
 which is exactly softmax attention over the union of the blocks. Decode (absorbed) and prefill (expanded)
 both work this way, so a chunked prefill whose cached prefix is spread over the ranks needs nothing else
-(seed 001 prefills with heads split instead; this is the same sum, one path shorter).
+(the LongCat-Flash recipe prefills with heads split instead; this is the same sum, one path shorter).
 """
 
 from __future__ import annotations

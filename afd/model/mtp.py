@@ -35,7 +35,7 @@ from afd.model.layers import RMSNorm
 from afd.model.registry import family
 
 MAX_SPECULATIVE_TOKENS = 2
-"""--speculative-tokens N: 1 or 2 (seed 001's MTP1 and MTP2)."""
+"""--speculative-tokens N: 1 or 2 (MTP1 and MTP2 of docs/design/longcat-on-ascend.md#mtp)."""
 
 
 class MTPLayer(LoadedModule):

@@ -2,7 +2,8 @@
 
 Torch-free, so that `afd check-config` can validate and explain a layout without loading anything.
 
-The modes (seed 000, vllm-ascend's SP / FlashComm1 / FlashComm2), per row-parallel layer of G ranks:
+The modes (vllm-ascend's SP / FlashComm1 / FlashComm2, docs/design/tp-communication.md), per row-parallel
+layer of G ranks:
 
     allreduce    y = AllReduce(partial)                         the residual stream is replicated
     sp           y = ReduceScatter(pad(partial)); norm and residual add on the token shard; AllGather
@@ -10,7 +11,8 @@ The modes (seed 000, vllm-ascend's SP / FlashComm1 / FlashComm2), per row-parall
     flashcomm1   sp, but MLA's replicated down-projections (q_a_proj, kv_a_proj_with_mqa) run on the shard
                  and the ranks gather the latents, not the hidden state
     flashcomm2   flashcomm1, with o_proj regrouped: all_to_all inside the ODP group (G / P ranks), then
-                 matmul + ReduceScatter inside the OTP group (P ranks). The seed recommends FC2 with FC1,
+                 matmul + ReduceScatter inside the OTP group (P ranks). vllm-ascend recommends FC2 with FC1
+                 (docs/design/tp-communication.md#limits),
                  and afd builds it that way, so its residual stream is a token shard too.
 """
 
@@ -21,8 +23,9 @@ from dataclasses import dataclass
 MODES = ("allreduce", "sp", "flashcomm1", "flashcomm2")
 SHARDED_MODES = ("sp", "flashcomm1", "flashcomm2")
 
-SEED_MIN_TOKENS = {"allreduce": 0, "sp": 1, "flashcomm1": 1001, "flashcomm2": 1001}
-"""Below this many tokens in a micro-batch a mode runs as allreduce (seed 000: SP's pass applies from
+DEFAULT_MIN_TOKENS = {"allreduce": 0, "sp": 1, "flashcomm1": 1001, "flashcomm2": 1001}
+"""Below this many tokens in a micro-batch a mode runs as allreduce (vllm-ascend's thresholds,
+docs/design/tp-communication.md#thresholds: SP's pass applies from
 SP_MIN_TOKEN_NUM, 1 for MoE models; FlashComm1 only when num_tokens > 1000; FlashComm2 names no threshold
 of its own and is built on FlashComm1 here, so it takes FC1's)."""
 
@@ -40,10 +43,10 @@ class TPConfig:
     otp: int | None = None
     """`layout.flashcomm2_otp`: the o_proj TP group size P of flashcomm2 (G > P, G % P == 0)."""
     min_tokens: int | None = None
-    """`layout.tp_comm_min_tokens`: micro-batches with fewer tokens run as allreduce (None: the seed's)."""
+    """`layout.tp_comm_min_tokens`: micro-batches with fewer tokens run as allreduce (None: DEFAULT_MIN_TOKENS)."""
     kvp: int = 1
-    """`layout.kvp`: KV-parallel ranks N (seed 001's KVP): the KV cache is split by block over N consecutive
-    ranks, which attend over their share with its log-sum-exp and merge (afd/model/kvp.py)."""
+    """`layout.kvp`: KV-parallel ranks N (docs/design/longcat-on-ascend.md#kvp): the KV cache is split by
+    block over N consecutive ranks, which attend over their share with its log-sum-exp and merge (afd/model/kvp.py)."""
 
     def __post_init__(self):
         if type(self.size) is not int or self.size < 1:
@@ -60,7 +63,7 @@ class TPConfig:
             if self.size <= P:
                 raise TPConfigError(
                     f"layout.flashcomm2_otp: P = {P} must be smaller than layout.attention_tp "
-                    f"= {self.size} (the seed requires tp > P)"
+                    f"= {self.size} (FlashComm2 requires tp > P)"
                 )
             if self.size % P:
                 raise TPConfigError(f"layout.flashcomm2_otp: P = {P} does not divide layout.attention_tp = {self.size}")
@@ -78,7 +81,7 @@ class TPConfig:
 
     @property
     def threshold(self) -> int:
-        return SEED_MIN_TOKENS[self.mode] if self.min_tokens is None else self.min_tokens
+        return DEFAULT_MIN_TOKENS[self.mode] if self.min_tokens is None else self.min_tokens
 
     @property
     def fc2_otp(self) -> int:
@@ -139,7 +142,8 @@ def plan(cfg: TPConfig, tokens: int) -> ShardPlan:
 
 
 def fc2_batch_ids(size: int, otp: int) -> list[list[int]]:
-    """Seed 000's get_flashcomm2_reorgnized_batch_ids: for each member j of an ODP group, the token chunks
+    """vllm-ascend's get_flashcomm2_reorgnized_batch_ids (docs/design/tp-communication.md#groups): for each
+    member j of an ODP group, the token chunks
     it receives, [j, j + D, j + 2D, ...] (D = size / otp). tp 4, P 2: [[0, 2], [1, 3]]."""
     odp = size // otp
     return [[j + odp * k for k in range(otp)] for j in range(odp)]

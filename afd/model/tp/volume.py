@@ -197,7 +197,7 @@ def _table_otp(size: int) -> int:
 
 def mode_configs(tp: TPConfig) -> list[TPConfig]:
     """A TPConfig per mode at the layout's size: the layout's own for its mode (thresholds included),
-    the seed's thresholds for the others."""
+    vllm-ascend's thresholds (DEFAULT_MIN_TOKENS) for the others."""
     out = []
     for mode in MODES:
         if mode == tp.mode:
