@@ -34,10 +34,10 @@ _SERVING = (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING, pb.ClusterStatus.
 
 def build_server_state(cfg, args, box: dict):
     dtype = parse_dtype(cfg.model.dtype)
-    built = {}
+    built: list = []
 
     def load(rt) -> None:
-        built.update(load_halves(rt, dtype))
+        built.append(load_halves(rt, dtype))
 
     def on_status(status) -> None:  # Drain: no new requests, running ones finish
         st = box.get("state")
@@ -51,7 +51,7 @@ def build_server_state(cfg, args, box: dict):
     name = served_model_name(cfg.model.path, args.served_model_name)
     metrics = AttentionMetrics(args.node, name)
     metrics.watch_cluster_state(lambda: rt.cluster_state)
-    attn, tp, moe = build_rank(rt, built, dtype)
+    attn, tp, moe = build_rank(rt, built[0], dtype)
     metrics.watch_tp(tp)
     engine, tok, max_len = build_engine(
         attn,
@@ -67,7 +67,7 @@ def build_server_state(cfg, args, box: dict):
         cfg.layout.micro_batches,
         cfg.layout.overlap,
         tp,
-        built.get("mtp"),
+        built[0].mtp,
         graph=settings_of(cfg),
         backend=rt.backend,
     )
@@ -75,7 +75,7 @@ def build_server_state(cfg, args, box: dict):
     def rejoin(why: str):
         rt.reform(why)
         tp.connect()  # the node's TP ranks re-form with it (attention_node/tp_rank.py) and meet in new groups
-        return exchange(rt, built, dtype)
+        return exchange(rt, built[0], dtype)
 
     engine.membership = PlaneMembership(
         rejoin if cfg.cluster.rejoin_timeout > 0 else None, rt.superseded, rt.release_plane

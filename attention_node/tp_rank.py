@@ -46,24 +46,24 @@ def run_tp_rank(args) -> int:
     box: dict = {"done": threading.Event()}
     set_stop_handler(lambda _: _stop(box, cfg.engine.shutdown_timeout + 10))
     dtype = parse_dtype(cfg.model.dtype)
-    built: dict = {}
+    built: list = []
     try:
         rt = bring_up(
-            cfg, args.node, args.bind_host, lambda rt: built.update(load_halves(rt, dtype)), tp_rank=args.tp_rank
+            cfg, args.node, args.bind_host, lambda rt: built.append(load_halves(rt, dtype)), tp_rank=args.tp_rank
         )
     except (ControlError, PeerError, OSError, ValueError) as e:
         log.error("startup failed: %s", e)
         return 1
     box["runtime"] = rt
     try:
-        attn, tp, moe = build_rank(rt, built, dtype)
+        attn, tp, moe = build_rank(rt, built[0], dtype)
         kv = kv_cache_for(rt.model_cfg, dtype, rt.backend.device, cfg.engine, tp.cfg.kvp)
         attn = wrap(attn, kv, settings_of(cfg), tp, rt.backend)  # under TP: eager, said once (afd.engine.graph)
         runner = ModelRunner(attn, moe, kv, rt.backend.device, cfg.layout.micro_batches, cfg.layout.overlap, tp)
         rt.backend.bind_thread()
         log.info("TP rank %d of %s ready", args.tp_rank, args.node)
         box["following"] = True
-        _follow(rt, runner, tp, built, dtype)
+        _follow(rt, runner, tp, built[0], dtype)
     except Exception as e:  # noqa: BLE001 (PeerError and TPError; also a failed re-forming, ControlError, or a
         # layout the rank cannot cut, ValueError): one line and exit code 1, through main's _exit_now either way
         log.error("stopping: %s: %s", type(e).__name__, e)
@@ -74,7 +74,7 @@ def run_tp_rank(args) -> int:
     return 0
 
 
-def _follow(rt, runner: ModelRunner, tp, built: dict, dtype) -> None:
+def _follow(rt, runner: ModelRunner, tp, built, dtype) -> None:
     """Follows rank 0 until it leaves for good. When the data plane fails (a peer died) or rank 0 moves
     to the next generation, this rank re-forms with it, as rank 0's engine does, and follows on: rank 0
     runs the interrupted step again."""

@@ -101,7 +101,7 @@ def _long_job(tmp_path) -> LocalCluster:
     (d / "config.json").write_text(json.dumps({**DEMO_CONFIG, "num_layers": 2}))
     cluster = LocalCluster(LocalClusterSpec(str(d), dummy_weights=True, comm_timeout=120))
     cluster.start([[1, 2, 3, 4]] * 4, 3000, ignore_eos=True)
-    _wait_for_log(cluster, "attention0", "data plane up")
+    _wait_for_log(cluster, "attn0", "data plane up")
     time.sleep(1.0)
     return cluster
 
@@ -120,9 +120,9 @@ def _wait_for_log(cluster: LocalCluster, name: str, text: str, timeout: float = 
 @pytest.mark.parametrize(
     "victim,survivor,signum",
     [
-        ("ffn0", "attention0", signal.SIGKILL),
-        ("attention0", "ffn0", signal.SIGKILL),
-        pytest.param("ffn0", "attention0", signal.SIGTERM, marks=pytest.mark.slow),
+        ("ffn0", "attn0", signal.SIGKILL),
+        ("attn0", "ffn0", signal.SIGKILL),
+        pytest.param("ffn0", "attn0", signal.SIGTERM, marks=pytest.mark.slow),
     ],
 )
 def test_a_dead_peer_fails_fast_with_a_clear_error(tmp_path, victim, survivor, signum):
