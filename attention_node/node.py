@@ -36,7 +36,11 @@ class AttentionNode:
         self.runtime = bring_up(
             self.cfg, self.args.node, self.args.bind_host, self._load, self._on_status, tp_rank=self.tp_rank
         )
-        self.attn, self.tp, self.moe = build_rank(self.runtime, self.halves, self.dtype)
+        try:
+            self.attn, self.tp, self.moe = build_rank(self.runtime, self.halves, self.dtype)
+        except BaseException:  # e.g. a layout this rank cannot cut: the control server goes with it
+            self.runtime.close(plane=False)
+            raise
 
     def _load(self, rt: NodeRuntime) -> None:
         self.halves = load_halves(rt, self.dtype)

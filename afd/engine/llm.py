@@ -227,6 +227,7 @@ class LLM:
 
     def _nodes(self) -> LocalCluster:
         if self._local is None or not self._local.running:
+            assert self.cluster is not None  # a multi-process LLM
             local = LocalCluster(self.cluster)
             # at the latest when the LLM is collected or the interpreter exits: no process outlives it
             weakref.finalize(self, local.stop)
