@@ -111,7 +111,8 @@ def test_every_mode_at_tp2_and_tp4(ckpt, hf, tp, mode, otp, colocated):
 
 def test_below_the_threshold_a_mode_runs_as_allreduce_and_counts_it(ckpt, hf):
     """min_tokens 6: the prefill (35 tokens) is sharded, the decode steps (5, 3, 1 tokens) fall back."""
-    from afd.cluster.local import LocalClusterSpec, run_generate
+    from afd.cluster.local import run_generate
+    from afd.cluster.local_spec import LocalClusterSpec
 
     spec = LocalClusterSpec(
         ckpt, 1, 1, block_size=4, micro_batches=1, attention_tp=2, tp_comm="sp", tp_comm_min_tokens=6

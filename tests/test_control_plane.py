@@ -17,8 +17,7 @@ import yaml
 from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, health, post
 from hf_reference import PROMPTS, hf_greedy
 
-from afd.cluster.local import descendants
-from afd.cluster.processes import Command, NodeProcesses
+from afd.cluster.processes import Command, NodeProcesses, descendants
 
 pytestmark = pytest.mark.multiprocess
 NEW = 12

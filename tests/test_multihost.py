@@ -108,7 +108,8 @@ def test_a_job_behind_an_emulated_link_equals_hf(tiny_checkpoint):
     """The FFN node behind a shaped veth (afd bench-step --link): the exchange really crosses it, and
     gloo listens on each node's own address (torch passes no options to gloo: GLOO_SOCKET_IFNAME)."""
     from afd.cluster.link import EmulatedLink, LinkError, LinkSpec
-    from afd.cluster.local import LocalClusterSpec, run_generate
+    from afd.cluster.local import run_generate
+    from afd.cluster.local_spec import LocalClusterSpec
 
     try:
         link = EmulatedLink(LinkSpec.parse("1gbit")).__enter__()

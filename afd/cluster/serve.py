@@ -76,7 +76,7 @@ def _count(text: str) -> int:
 
 def cluster_doc(args) -> dict:
     """The cluster YAML of `afd serve`'s flags."""
-    from afd.cluster.local import free_ports
+    from afd.cluster.processes import free_ports
 
     A = args.attention_nodes or 1
     F = 0 if args.colocated else (1 if args.ffn_nodes is None else args.ffn_nodes)

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from afd.backend import get_backend
 from afd.cluster.config import GRAPH_BATCH_SIZES
-from afd.cluster.local import LocalCluster, LocalClusterSpec, reports_logits
+from afd.cluster.local import LocalCluster
+from afd.cluster.local_spec import LocalClusterSpec, reports_logits
 from afd.cluster.topology import resolve_model_path
 from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
