@@ -46,8 +46,11 @@ class Served:
         )
 
     def wait_ready(self, timeout: float = 120) -> None:
+        def ready() -> bool:
+            return all(health(u) == 200 for u in self.urls)
+
         try:
-            self.processes.wait_until(lambda: all(health(u) == 200 for u in self.urls), timeout, "afd serve ready")
+            self.processes.wait_until(ready, timeout, "afd serve to be ready")
         except ClusterError as e:
             raise AssertionError(f"{e}\n{self.log.read_text()}") from None
 

@@ -94,7 +94,7 @@ def test_attention_and_ffn_on_different_hosts(tiny_checkpoint, tmp_path, ffn_hos
     )
     url = f"http://{ATTN_IP}:{doc['nodes'][0]['ports']['http']}"
     with procs:
-        procs.wait_until(lambda: health(url) == 200, 90, "the two-host cluster ready", every=0.2)
+        procs.wait_until(lambda: health(url) == 200, 90, "the two-host cluster to be ready", every=0.2)
         want = [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 8)]
         for prompt, ids in zip(PROMPTS, want):
             code, body = post(

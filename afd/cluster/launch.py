@@ -20,7 +20,7 @@ from afd.cluster.overrides import (
     add_serving_overrides,
     override_argv,
 )
-from afd.cluster.processes import MODULES, ClusterError, Command, NodeProcesses, healthy, ports_in_use
+from afd.cluster.processes import MODULES, ClusterError, Command, NodeExited, NodeProcesses, healthy, ports_in_use
 from afd.cluster.topology import with_overrides
 
 COMMANDS = {"attention": "afd-attention", "ffn": "afd-ffn"}
@@ -135,15 +135,18 @@ class _Launcher:
             ready = procs.wait_until(
                 lambda: all(healthy(u) for u in urls),
                 self.cfg.cluster.startup_timeout + 60,
-                f"cluster ready at {', '.join(urls)}",
+                f"the cluster to be ready at {', '.join(urls)}",
                 stopping=lambda: self.stopping,
                 every=0.2,
             )
             if ready:
                 self._ready(procs, urls, curl_example)
                 procs.wait_until(lambda: False, None, "the cluster", stopping=lambda: self.stopping, every=0.2)
+        except NodeExited as e:  # its log is on the terminal already
+            procs.say(f"node {e.name} exited with code {e.code}; stopping the cluster")
+            code = 1
         except ClusterError as e:
-            procs.say(f"{e}\nstopping the cluster")
+            procs.say(f"{e}; stopping")
             code = 1
         grace = self.cfg.engine.shutdown_timeout + 10  # attention nodes drain first
         procs.stop({"attention": grace, "tp": 10.0, "ffn": 10.0})

@@ -33,6 +33,14 @@ class ClusterError(RuntimeError):
     """A process of a cluster failed, or the cluster missed a deadline."""
 
 
+class NodeExited(ClusterError):
+    """A process exited (that should not have); the message ends with its log tail."""
+
+    def __init__(self, name: str, code: int, tail: str):
+        super().__init__(f"node {name} exited with code {code}; its log ends:\n{tail}")
+        self.name, self.code = name, code
+
+
 @dataclass(frozen=True)
 class Command:
     name: str
@@ -144,7 +152,7 @@ class NodeProcesses:
         for name, p in self.procs.items():
             rc = p.popen.poll()
             if rc is not None and not (exited_ok and rc == 0):
-                raise ClusterError(f"node {name} exited with code {rc}; its log ends:\n{self.tail(name)}")
+                raise NodeExited(name, rc, self.tail(name))
 
     def wait_until(
         self,
@@ -164,7 +172,7 @@ class NodeProcesses:
             if ready():
                 return True
             if deadline is not None and time.monotonic() > deadline:
-                raise ClusterError(f"{what}: not done within {timeout:.0f}s")
+                raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
             time.sleep(every)
         return False
 
