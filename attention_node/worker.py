@@ -15,6 +15,7 @@ and run its steps, idle steps and the final leave as rank 0 sends them.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -42,6 +43,7 @@ class OfflineNode(AttentionNode):
         self.done = threading.Event()
         """Set once the node has left the data plane (or failed)."""
         self.serving = False
+        self._launcher = os.getppid()
 
     def serve(self) -> int:
         self.serving = True
@@ -75,6 +77,9 @@ class OfflineNode(AttentionNode):
         while not self.stopping.is_set():
             job = self.jobs.take(n)
             if job == STOP:
+                break
+            if job is None and os.getppid() != self._launcher:  # it died without stopping us
+                log.warning("the process that started this node is gone; leaving")
                 break
             if job is None:  # between jobs: the FFN nodes still hear from this node every step
                 busy = self._idle()

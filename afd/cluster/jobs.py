@@ -53,12 +53,14 @@ class JobMailbox:
     # ---- the node's side --------------------------------------------------------------------------
 
     def take(self, n: int) -> dict | str | None:
-        """Job n, STOP, or None while there is neither yet."""
+        """Job n, STOP, or None while there is neither yet. A mailbox that is gone is a STOP: the
+        launcher removed it with its temporary directory."""
         try:
             with open(self._file("job", n)) as fh:
                 return json.load(fh)
         except FileNotFoundError:
-            return STOP if os.path.exists(os.path.join(self.path, STOP)) else None
+            gone = not os.path.isdir(self.path) or os.path.exists(os.path.join(self.path, STOP))
+            return STOP if gone else None
 
     def put_result(self, n: int, result: dict) -> None:
         _write(self._file("result", n), result)
