@@ -126,7 +126,9 @@ class Cluster:
     def wait_ready(self, timeout: float = 90.0) -> None:
         urls = [self.url(n["name"]) for n in self.doc["nodes"] if n["role"] == "attention"]
         try:
-            self.processes.wait_until(lambda: all(health(u) == 200 for u in urls), timeout, "cluster ready", every=0.2)
+            self.processes.wait_until(
+                lambda: all(health(u) == 200 for u in urls), timeout, "the cluster to be ready", every=0.2
+            )
         except ClusterError as e:
             logs = "\n".join(f"--- {n}\n{self.log(n)}" for n in self.processes.procs)
             raise AssertionError(f"{e}\n{logs}") from None
@@ -186,3 +188,30 @@ def wait_for(what: str, fn, timeout: float, log: Path | None = None):
         time.sleep(0.25)
     extra = f"\n--- prometheus log\n{log.read_text()[-4000:]}" if log else ""
     raise AssertionError(f"timed out waiting for {what}; last: {last}{extra}")
+
+
+class LLMPool:
+    """afd.LLMs by their arguments, built once and shared by the tests that run the same configuration:
+    a multi-process LLM keeps its node processes across generate() calls, so each configuration starts
+    its cluster once. At most `max_live` clusters run at a time (the least recently used one is closed,
+    and started again by its next generate()); `close` stops them all."""
+
+    def __init__(self, max_live: int = 2):
+        self.max_live = max_live
+        self._llms: dict = {}
+
+    def get(self, model: str, **kwargs):
+        import afd
+
+        key = (model, tuple(sorted(kwargs.items())))
+        llm = self._llms.pop(key, None) or afd.LLM(model, **kwargs)
+        self._llms[key] = llm  # the most recently used last
+        live = [other for other in self._llms.values() if other is not llm and other._local is not None]
+        for other in live[: max(0, len(live) - (self.max_live - 1))]:  # room for this one's cluster
+            other.close()
+        return llm
+
+    def close(self) -> None:
+        for llm in self._llms.values():
+            llm.close()
+        self._llms.clear()

@@ -14,7 +14,8 @@ import pytest
 from hf_reference import PROMPTS, hf_greedy
 
 import afd
-from afd.cluster.local import LocalCluster, LocalClusterSpec
+from afd.cluster.local import LocalCluster
+from afd.cluster.local_spec import LocalClusterSpec
 
 pytestmark = pytest.mark.multiprocess
 NEW_TOKENS = 32
@@ -42,20 +43,22 @@ SLOW = pytest.mark.slow  # the same paths as a default case next to it; `make te
         pytest.param(2, 2, False, 1, marks=SLOW),
     ],
 )
-def test_afd_generation_equals_hf(tiny_checkpoint, reference, A, F, overlap, micro_batches):
-    llm = afd.LLM(
+def test_afd_generation_equals_hf(llm_pool, tiny_checkpoint, reference, A, F, overlap, micro_batches):
+    llm = llm_pool.get(
         tiny_checkpoint, attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches, block_size=4
     )
     assert llm.generate_ids(PROMPTS, NEW_TOKENS) == reference
+    assert llm.generate_ids(PROMPTS[:1], 4) == [reference[0][:4]]  # a second job on the same nodes
 
 
 @SLOW  # the longest multi-process case (18 s); CI runs test-slow
-def test_multiprocess_sampling_honours_seed_top_k_and_top_p(tiny_checkpoint, reference):
-    """Sampling runs in the attention nodes' engines, with every field of the request."""
+def test_multiprocess_sampling_honours_seed_top_k_and_top_p(llm_pool, tiny_checkpoint, reference):
+    """Sampling runs in the attention nodes' engines, with every field of the request. (The 2A2F
+    nodes of the last case above: three jobs on them.)"""
     seeded = dict(temperature=1.0, seed=7)
     local = afd.LLM(tiny_checkpoint).generate_ids(PROMPTS, 12, **seeded)
     assert local != [ids[:12] for ids in reference]  # really sampled
-    nodes = afd.LLM(tiny_checkpoint, attention_nodes=2, ffn_nodes=1)
+    nodes = llm_pool.get(tiny_checkpoint, attention_nodes=2, ffn_nodes=2, overlap=False, micro_batches=1, block_size=4)
     assert nodes.generate_ids(PROMPTS, 12, **seeded) == local  # the seed, wherever each prompt ran
     assert nodes.generate_ids(PROMPTS, NEW_TOKENS, temperature=1.0, top_k=1) == reference
     assert nodes.generate_ids(PROMPTS, NEW_TOKENS, temperature=5.0, top_p=1e-4) == reference
@@ -90,6 +93,34 @@ def test_generate_cli_multiprocess_prints_same_json(tiny_checkpoint, reference, 
         check=True,
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == reference
+
+
+_KEEPS_ITS_NODES = """
+import json, os, sys
+import afd
+
+def pids(llm):
+    return sorted(p.popen.pid for p in llm._local.processes.procs.values())
+
+with afd.LLM(sys.argv[1], attention_nodes=1, ffn_nodes=1, block_size=4) as llm:
+    first = llm.generate_ids([[1, 2, 3]], 3)
+    served = pids(llm)
+    assert llm.generate_ids([[1, 2, 3]], 3) == first and pids(llm) == served, "a new cluster for the second job"
+gone = [p for p in served if not os.path.exists(f"/proc/{p}")]
+assert gone == served, f"still running after the with block: {set(served) - set(gone)}"
+left = afd.LLM(sys.argv[1], attention_nodes=1, ffn_nodes=0, block_size=4)  # one process is enough here
+left.generate_ids([[1, 2, 3]], 3)
+print(json.dumps(pids(left)))  # never closed: stopped at interpreter exit
+"""
+
+
+def test_an_llm_keeps_its_nodes_across_jobs_and_leaves_none_behind(tiny_checkpoint):
+    out = subprocess.run(
+        [sys.executable, "-c", _KEEPS_ITS_NODES, tiny_checkpoint], capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    left = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [p for p in left if os.path.exists(f"/proc/{p}")] == []
 
 
 def _long_job(tmp_path) -> LocalCluster:
