@@ -109,14 +109,16 @@ class LocalCluster:
     def results(self, timeout_s: float = 600.0) -> tuple[list[list[int]], list[dict]]:
         """The submitted job's generated ids per prompt, and each attention node's report (steps, timings).
         A node that fails, or a job over `timeout_s`, stops the cluster and raises ClusterError."""
+        if self._pending is None:
+            raise RuntimeError("no job submitted")
         n, num_prompts = self._pending
-        reports: list[dict | None] = [None] * len(self.mailboxes)
+        got: list[dict | None] = [None] * len(self.mailboxes)
 
         def collected() -> bool:
             for a, box in enumerate(self.mailboxes):
-                if reports[a] is None:
-                    reports[a] = box.result(n)
-            return all(r is not None for r in reports)
+                if got[a] is None:
+                    got[a] = box.result(n)
+            return all(r is not None for r in got)
 
         try:
             self.processes.wait_until(collected, timeout_s, f"local cluster job {n}")
@@ -124,6 +126,7 @@ class LocalCluster:
             self.stop()
             raise
         self._pending = None
+        reports = [r for r in got if r is not None]
         outputs: list[list[int]] = [[] for _ in range(num_prompts)]
         for a, rep in enumerate(reports):
             for i, out in zip(range(a, num_prompts, len(reports)), rep["outputs"]):

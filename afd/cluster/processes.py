@@ -78,7 +78,7 @@ class NodeProcesses:
 
     def __init__(self, log_dir: str | None = None, env: dict | None = None, echo: bool = False, cwd=None):
         self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="afd-logs-")
-        self.log_dir = log_dir or self._tmp.name
+        self.log_dir: str = self._tmp.name if self._tmp is not None else str(log_dir)
         self.env, self.echo, self.cwd = env, echo, cwd
         self.procs: dict[str, _Proc] = {}
         self._lock = threading.Lock()
@@ -107,7 +107,8 @@ class NodeProcesses:
                 start_new_session=True,  # a terminal's Ctrl-C reaches the launcher only; it stops them in order
                 env=full_env,
                 cwd=self.cwd,
-                **({"text": True, "bufsize": 1} if self.echo else {}),
+                text=self.echo,
+                bufsize=1 if self.echo else -1,  # echoed: line by line
             )
         self.procs[command.name] = _Proc(command, p, log)
         if self.echo:
@@ -122,6 +123,7 @@ class NodeProcesses:
             self.start(c)
 
     def _pump(self, name: str, p: subprocess.Popen, log: str) -> None:
+        assert p.stdout is not None  # a pipe when echoing
         with open(log, "a") as fh:
             for line in p.stdout:
                 fh.write(line)
