@@ -105,7 +105,8 @@ def _run_generate(args) -> int:
 
     one_job = not os.path.isdir(args.prompts_file)  # else a local cluster's mailbox (afd.cluster.jobs)
     need_output = one_job and not args.tp_rank and not args.output_file
-    err = check_tp_rank(cfg, args) or ("--output-file is required" if need_output else None)
+    missing = None if os.path.exists(args.prompts_file) else f"--prompts-file {args.prompts_file}: no such file"
+    err = check_tp_rank(cfg, args) or missing or ("--output-file is required" if need_output else None)
     if err:
         print(f"afd-attention generate: error: {err}", file=sys.stderr)
         return 2
