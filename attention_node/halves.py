@@ -5,6 +5,9 @@ without FFN nodes)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+
+from torch import nn
 
 from afd.dataplane.exchange import LocalMoE, RemoteMoE
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
@@ -14,18 +17,30 @@ from afd.model.tp.shard import shard_attention_half
 log = logging.getLogger("afd.attention")
 
 
-def load_halves(rt, dtype) -> dict:
+@dataclass
+class Halves:
+    """What an attention rank loads from the checkpoint before the data plane forms."""
+
+    attn: nn.Module
+    """The whole attention half (cut to the rank's share by build_rank)."""
+    mtp: nn.Module | None = None
+    """The MTP module, with engine.speculative_tokens."""
+    ffn: nn.Module | None = None
+    """Every expert, in a cluster without FFN nodes."""
+
+
+def load_halves(rt, dtype) -> Halves:
     """Called by bring_up before the data plane forms: the whole attention half (cut once the TP group
     exists), the MTP module with engine.speculative_tokens and, in a cluster without FFN nodes, every
     expert (the MTP layer's too)."""
     cfg = rt.cfg
     reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
-    built = {"attn": build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device)}
+    built = Halves(build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device))
     mtp = cfg.engine.speculative_tokens > 0
     if mtp:
-        built["mtp"] = build_mtp_layer(rt.model_cfg, reader, dtype, rt.backend.device)
+        built.mtp = build_mtp_layer(rt.model_cfg, reader, dtype, rt.backend.device)
     if cfg.colocated:
-        built["ffn"] = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, mtp=mtp)
+        built.ffn = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, mtp=mtp)
     log.info(
         "attention half loaded from %s%s", rt.model_path, " with every expert (no FFN nodes)" if cfg.colocated else ""
     )
@@ -42,15 +57,15 @@ def tp_group(rt):
     return tp
 
 
-def build_rank(rt, built: dict, dtype):
+def build_rank(rt, built: Halves, dtype):
     """(attention half cut to this rank, TP group, MoE exchange) after bring_up."""
     tp = tp_group(rt)
-    attn = shard_attention_half(built["attn"], tp)
+    attn = shard_attention_half(built.attn, tp)
     return attn, tp, exchange(rt, built, dtype)
 
 
-def exchange(rt, built: dict, dtype):
+def exchange(rt, built: Halves, dtype):
     """How this rank reaches the MoE on the current data plane: the FFN nodes, or its own experts."""
     if rt.cfg.colocated:
-        return LocalMoE(built["ffn"], rt.backend)
+        return LocalMoE(built.ffn, rt.backend)
     return RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), rt.model_cfg.hidden_size, dtype, rt.backend.device)

@@ -1,7 +1,8 @@
 """`afd-attention`: one attention node process.
 
 afd-attention --config cluster.yaml --node attn0 [--model PATH] [--port N] [--api-key KEY]
-afd-attention generate --config cluster.yaml --node attn0 --prompts-file F --output-file O   (offline)
+afd-attention generate --config cluster.yaml --node attn0 --prompts-file F --output-file O   (offline;
+    F may be a job mailbox directory instead: afd.cluster.jobs)
 afd-attention colocated --model PATH [--port N] ...   (both halves in this process: `afd serve --colocated`)
 """
 
@@ -71,23 +72,18 @@ def _run_generate(args) -> int:
     cfg = start_cluster_node(args, "attention")
     if isinstance(cfg, int):
         return cfg
-    from afd.control.client import ControlError
-    from afd.dataplane.transport import PeerError
+    from afd.node.process import run_node
     from attention_node.tp_rank import check_tp_rank
-    from attention_node.worker import run_offline
+    from attention_node.worker import OfflineNode
 
-    err = check_tp_rank(cfg, args) or (None if args.tp_rank or args.output_file else "--output-file is required")
+    one_job = not os.path.isdir(args.prompts_file)  # else a local cluster's mailbox (afd.cluster.jobs)
+    need_output = one_job and not args.tp_rank and not args.output_file
+    missing = None if os.path.exists(args.prompts_file) else f"--prompts-file {args.prompts_file}: no such file"
+    err = check_tp_rank(cfg, args) or missing or ("--output-file is required" if need_output else None)
     if err:
         print(f"afd-attention generate: error: {err}", file=sys.stderr)
         return 2
-    try:
-        return run_offline(cfg, args)
-    except (ControlError, OSError, ValueError) as e:  # ValueError: model config/checkpoint
-        log.error("startup failed: %s", e)
-        return 1
-    except PeerError as e:  # TPError is one
-        log.error("stopping: %s", e)
-        return 1
+    return run_node(OfflineNode(cfg, args, args.tp_rank), log)
 
 
 def _exit_now(code: int) -> int:

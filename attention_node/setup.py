@@ -1,10 +1,11 @@
-"""Builds an attention node's serving state: model half, KV cache sized from the budget, engine."""
+"""Builds a serving attention node's state over its loaded rank: metrics, KV cache sized from the budget, engine."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,13 +19,13 @@ from afd.engine.membership import PlaneMembership
 from afd.engine.runner import ModelRunner
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import load_tokenizer
-from afd.model.config import parse_dtype
 from afd.model.tp.comm import SINGLE
-from afd.node.runtime import bring_up
 from afd.observability.metrics import AttentionMetrics
 from attention_node.api_server import ServerState
-from attention_node.halves import build_rank, exchange, load_halves
 from attention_node.openai_protocol import Limits
+
+if TYPE_CHECKING:
+    from attention_node.node import AttentionNode
 
 log = logging.getLogger("afd.attention")
 # DEGRADED (some node missed heartbeats) still serves: a lost FFN peer shows up in this node's own data
@@ -32,33 +33,21 @@ log = logging.getLogger("afd.attention")
 _SERVING = (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING, pb.ClusterStatus.DEGRADED)
 
 
-def build_server_state(cfg, args, box: dict):
-    dtype = parse_dtype(cfg.model.dtype)
-    built = {}
-
-    def load(rt) -> None:
-        built.update(load_halves(rt, dtype))
-
-    def on_status(status) -> None:  # Drain: no new requests, running ones finish
-        st = box.get("state")
-        if status is not None and st is not None and args.node in status.draining and not st.draining:
-            log.info("draining: new requests get 503, %d running finish", st.engine.num_unfinished())
-            st.draining = True
-
-    rt = bring_up(cfg, args.node, args.bind_host, load, on_status=on_status)
-    box["runtime"] = rt
+def serving_state(node: AttentionNode) -> ServerState:
+    """What rank 0 of a serving node serves the API from, once the node is up: metrics, the engine
+    (re-forming through the node when a peer fails, with cluster.rejoin_timeout > 0) and limits."""
+    cfg, args, rt = node.cfg, node.args, node.runtime
     mcfg = rt.model_cfg
     name = served_model_name(cfg.model.path, args.served_model_name)
     metrics = AttentionMetrics(args.node, name)
     metrics.watch_cluster_state(lambda: rt.cluster_state)
-    attn, tp, moe = build_rank(rt, built, dtype)
-    metrics.watch_tp(tp)
+    metrics.watch_tp(node.tp)
     engine, tok, max_len = build_engine(
-        attn,
-        moe,
+        node.attn,
+        node.moe,
         rt.model_path,
         mcfg,
-        dtype,
+        node.dtype,
         rt.backend.device,
         cfg.engine,
         cfg.model.max_model_len,
@@ -66,21 +55,15 @@ def build_server_state(cfg, args, box: dict):
         metrics,
         cfg.layout.micro_batches,
         cfg.layout.overlap,
-        tp,
-        built.get("mtp"),
+        node.tp,
+        node.halves.mtp,
         graph=settings_of(cfg),
         backend=rt.backend,
     )
-
-    def rejoin(why: str):
-        rt.reform(why)
-        tp.connect()  # the node's TP ranks re-form with it (attention_node/tp_rank.py) and meet in new groups
-        return exchange(rt, built, dtype)
-
     engine.membership = PlaneMembership(
-        rejoin if cfg.cluster.rejoin_timeout > 0 else None, rt.superseded, rt.release_plane
+        node.reform if cfg.cluster.rejoin_timeout > 0 else None, rt.superseded, rt.release_plane
     )
-    st = ServerState(
+    return ServerState(
         engine,
         tok,
         name,
@@ -90,8 +73,6 @@ def build_server_state(cfg, args, box: dict):
         ready=lambda: rt.cluster_state in _SERVING,
         api_key=args.api_key,
     )
-    box["state"] = st
-    return st, rt
 
 
 def kv_cache_for(mcfg, dtype, device, eng: EngineSection, kvp: int = 1) -> KVCache:

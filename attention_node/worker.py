@@ -1,90 +1,181 @@
-"""The attention node's offline mode: generate for a file of prompts, then leave.
+"""The attention node's offline mode: jobs of prompts, one after another, then leave.
 
-It comes up like any node of a cluster YAML (control plane, ranks, data plane) and runs the engine
-step by step on its prompts (afd.engine.offline) instead of serving HTTP. `afd generate
---attention-nodes A --ffn-nodes F`, `afd.LLM(..., attention_nodes=A)` and `afd bench-step` run it
-through afd.cluster.local.
+It comes up like any node of a cluster YAML (control plane, ranks, data plane) and, instead of serving
+HTTP, runs each job on an engine of its own (afd.engine.offline: its KV cache sized for the job) over
+the same data plane and control plane, which stay up between jobs. Jobs come from a mailbox
+(afd.cluster.jobs): `afd generate --attention-nodes A --ffn-nodes F`, `afd.LLM(..., attention_nodes=A)`
+and `afd bench-step` hand them over through afd.cluster.local.
+
+Between jobs rank 0 sends the FFN nodes idle steps, as the serving engine does: they wait for a header
+from every attention peer each step, and pace their idle peers by the busy ones' steps. A node's TP ranks
+> 0 get each job (its prompts and limits, to size their KV caches alike) from rank 0 over the TP group,
+and run its steps, idle steps and the final leave as rank 0 sends them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import os
+import threading
+import time
+from collections import Counter
 
+from afd.cluster.jobs import STOP, jobs_of
+from afd.control.client import ControlError
+from afd.dataplane.transport import PeerError
 from afd.engine import offline
+from afd.engine.engine import IDLE_BACKOFF_MAX, Engine
 from afd.engine.graph import graph_report, settings_of
-from afd.engine.runner import follow
+from afd.engine.messages import IdleStep, LeaveStep, RunJob, RunStep
 from afd.engine.sampling import SamplingParams
-from afd.model.config import parse_dtype
-from afd.node.runtime import bring_up
-from attention_node.halves import build_rank, load_halves
+from attention_node.node import AttentionNode
 
 log = logging.getLogger("afd.attention")
 
 
-def run_offline(cfg, args) -> int:
-    """The node's job; on a TP rank > 0 (`--tp-rank`), that rank's share of it, led by rank 0. Every
-    rank reads the same prompts file, so that their KV caches are sized alike."""
-    with open(args.prompts_file) as f:
-        spec = json.load(f)
-    dtype = parse_dtype(cfg.model.dtype)
-    params = SamplingParams(**spec.get("sampling", {}))
-    built = {}
-    rank = getattr(args, "tp_rank", 0)
-    rt = bring_up(cfg, args.node, args.bind_host, lambda rt: built.update(load_halves(rt, dtype)), tp_rank=rank)
-    try:
-        mcfg = rt.model_cfg
-        prompts, max_tokens = spec["prompts"], spec["max_tokens"]
-        per = offline.validate_prompts(mcfg, prompts, max_tokens) if prompts else []
-        attn, tp, moe = build_rank(rt, built, dtype)
-        engine = offline.job_engine(
-            attn,
-            moe,
-            prompts,
-            per,
-            dtype,
-            rt.backend.device,
-            cfg.engine.block_size,
-            cfg.layout.micro_batches,
-            cfg.layout.overlap,
-            tp=tp,
-            mtp=built.get("mtp"),
-            speculative_tokens=cfg.engine.speculative_tokens,
-            graph=settings_of(cfg),
-        )
-        if rank > 0:
-            follow(engine.runner)
-            log.info("TP rank %d done", rank)
+class OfflineNode(AttentionNode):
+    """An offline attention rank (`afd-attention generate`, `--tp-rank R` for rank R > 0)."""
+
+    def __init__(self, cfg, args, tp_rank: int = 0):
+        super().__init__(cfg, args, tp_rank)
+        self.jobs = jobs_of(args.prompts_file, getattr(args, "output_file", None)) if tp_rank == 0 else None
+        self.stopping = threading.Event()
+        """SIGTERM: leave at the next step between jobs."""
+        self.done = threading.Event()
+        """Set once the node has left the data plane (or failed)."""
+        self.serving = False
+        self._launcher = os.getppid()
+
+    def serve(self) -> int:
+        self.serving = True
+        try:
+            if self.tp_rank > 0:
+                self._follow()
+                log.info("TP rank %d done", self.tp_rank)
+            else:
+                self._run_jobs()
             return 0
+        except PeerError as e:  # TPError is one
+            log.error("stopping: %s", e)
+            return 1
+        except (ControlError, OSError, ValueError) as e:  # a job the node cannot run
+            log.error("stopping: %s: %s", type(e).__name__, e)
+            return 1
+        finally:
+            self.done.set()
+            self.close()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.serving and not self.done.wait(10.0):
+            log.warning("no step between jobs within 10s of the signal; exiting")
+        super().stop()
+
+    # ---- rank 0 ----------------------------------------------------------------------------------
+
+    def _run_jobs(self) -> None:
+        n, backoff = 0, 0.0
+        while not self.stopping.is_set():
+            job = self.jobs.take(n)
+            if job == STOP:
+                break
+            if job is None and os.getppid() != self._launcher:  # it died without stopping us
+                log.warning("the process that started this node is gone; leaving")
+                break
+            if job is None:  # between jobs: the FFN nodes still hear from this node every step
+                busy = self._idle()
+                backoff = 0.0 if busy else min(IDLE_BACKOFF_MAX, max(0.001, 2 * backoff))
+                time.sleep(backoff)
+                continue
+            self.jobs.put_result(n, self._run(job))
+            n, backoff = n + 1, 0.0
+        if self.tp.size > 1:
+            self.tp.send_step(LeaveStep())
+        self.moe.leave()
+
+    def _idle(self) -> int:
+        """An idle step (afd.engine.runner.ModelRunner.idle, without a job's runner)."""
+        if self.tp.size > 1:
+            self.tp.send_step(IdleStep())
+        return self.moe.idle()
+
+    def _run(self, job: dict) -> dict:
+        prompts = job["prompts"]
+        per = offline.validate_prompts(self.runtime.model_cfg, prompts, job["max_tokens"]) if prompts else []
+        if self.tp.size > 1:
+            self.tp.send_step(RunJob(prompts, per))
+        engine = self._engine(prompts, per)
+        before = _counters(self.moe, self.tp)
         steps: list[dict] = []
-        logits: list | None = [] if spec.get("logits") else None
+        logits: list | None = [] if job.get("logits") else None
         out = offline.generate(
             engine,
             prompts,
             per,
-            params,
-            spec.get("ignore_eos", False),
+            SamplingParams(**job.get("sampling", {})),
+            job.get("ignore_eos", False),
             logits,
             on_step=lambda s: steps.append(s.report()),
             progress=True,
         )
-        engine.runner.leave()
-        with open(args.output_file, "w") as f:
-            json.dump(
-                {
-                    "outputs": out,
-                    "steps": steps,
-                    "a2f_bytes": getattr(moe, "bytes_sent", 0),
-                    "micro_batches": engine.runner.micro_batches,
-                    "tp_bytes": dict(tp.bytes),
-                    "tp_fallbacks": dict(tp.fallbacks),
-                    "spec_decode": engine.spec.stats.report() if engine.spec else None,
-                    "graph": graph_report(engine.runner.attn),
-                    "logits": [[t.tolist() for t in p] for p in logits] if logits is not None else None,
-                },
-                f,
-            )
+        a2f, tp_bytes, tp_fallbacks = _since(before, _counters(self.moe, self.tp))
         log.info("generated %d sequences in %d steps", len(out), len(steps))
-        return 0
-    finally:
-        rt.close()
+        return {
+            "outputs": out,
+            "steps": steps,
+            "a2f_bytes": a2f,
+            "micro_batches": engine.runner.micro_batches,
+            "tp_bytes": tp_bytes,
+            "tp_fallbacks": tp_fallbacks,
+            "spec_decode": engine.spec.stats.report() if engine.spec else None,
+            "graph": graph_report(engine.runner.attn),
+            "logits": [[t.tolist() for t in p] for p in logits] if logits is not None else None,
+        }
+
+    def _engine(self, prompts: list[list[int]], per: list[int]) -> Engine:
+        """A job's engine over this node's half and exchange: every rank sizes its KV cache alike."""
+        cfg = self.cfg
+        return offline.job_engine(
+            self.attn,
+            self.moe,
+            prompts,
+            per,
+            self.dtype,
+            self.runtime.backend.device,
+            cfg.engine.block_size,
+            cfg.layout.micro_batches,
+            cfg.layout.overlap,
+            tp=self.tp,
+            mtp=self.halves.mtp,
+            speculative_tokens=cfg.engine.speculative_tokens,
+            graph=settings_of(cfg),
+        )
+
+    # ---- TP ranks > 0 ----------------------------------------------------------------------------
+
+    def _follow(self) -> None:
+        """afd.engine.runner.follow, with jobs in between: each job brings its own runner."""
+        self.runtime.backend.bind_thread()
+        runner = None
+        while True:
+            msg = self.tp.recv_step()
+            if isinstance(msg, RunJob):
+                runner = self._engine(msg.prompts, msg.max_tokens).runner
+            elif isinstance(msg, RunStep) and runner is not None:
+                runner.execute(msg.seqs, micro_batches=msg.micro_batches)
+            elif isinstance(msg, IdleStep):
+                self.moe.idle()
+            elif isinstance(msg, LeaveStep):
+                self.moe.leave(shutdown=msg.shutdown, reform=msg.reform)
+                return
+            else:
+                raise TypeError(f"TP rank {self.tp.rank}: unexpected message from the leader: {msg!r}")
+
+
+def _counters(moe, tp) -> tuple[int, Counter, Counter]:
+    return getattr(moe, "bytes_sent", 0), Counter(tp.bytes), Counter(tp.fallbacks)
+
+
+def _since(before: tuple, after: tuple) -> tuple[int, dict, dict]:
+    """A job's own bytes and fallbacks: the exchange and the TP group count for the node's life."""
+    return after[0] - before[0], dict(after[1] - before[1]), dict(after[2] - before[2])

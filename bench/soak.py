@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from afd.cluster.local import descendants, free_ports
+from afd.cluster.processes import descendants, free_ports
 
 
 def _cluster(tmp: str) -> tuple[str, str]:

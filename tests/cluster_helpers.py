@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
+
+from afd.cluster.processes import ClusterError, NodeProcesses, node_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -80,14 +80,18 @@ def cluster_yaml(tmp: Path, model_path: str, attention: int = 1, ffn: int = 1, n
 
 
 class Cluster:
-    """Node processes of one YAML, each started by its own command (as a user or systemd would)."""
+    """Node processes of one YAML, each started by its own command (as a user or systemd would), through
+    afd's launcher (afd.cluster.processes)."""
 
     def __init__(self, config: Path, env: dict | None = None):
         self.config = config
         self.doc = yaml.safe_load(config.read_text())
-        self.env = {**os.environ, **(env or {})}
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.logs: dict[str, Path] = {}
+        self.processes = NodeProcesses(str(config.parent), env={**os.environ, **(env or {})}, cwd=ROOT)
+        self._started = 0
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen]:
+        return {name: p.popen for name, p in self.processes.procs.items()}
 
     def node(self, name: str) -> dict:
         return next(n for n in self.doc["nodes"] if n["name"] == name)
@@ -96,36 +100,15 @@ class Cluster:
         return f"http://127.0.0.1:{self.node(name)['ports']['http']}"
 
     def start(
-        self, name: str, extra: list[str] | None = None, env: dict | None = None, key: str | None = None
+        self, name: str, extra: list[str] | None = None, env: dict | None = None, tp_rank: int = 0
     ) -> subprocess.Popen:
-        """key: the process's name here (a TP rank's `NODE.tpR`), default the node's."""
-        role = self.node(name)["role"]
-        module = "attention_node.main" if role == "attention" else "ffn_node.main"
-        key = key or name
-        log = self.config.parent / f"{self.config.stem}-{key}-{len(self.logs)}.log"
-        self.logs[key] = log
-        with open(log, "w") as fh:
-            p = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    module,
-                    "--config",
-                    str(self.config),
-                    "--node",
-                    name,
-                    "--bind-host",
-                    "127.0.0.1",
-                    *(extra or []),
-                ],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                env={**self.env, **(env or {})},
-                cwd=ROOT,
-                start_new_session=True,
-            )
-        self.procs[key] = p
-        return p
+        """Node `name` (its TP rank `tp_rank`, logged as `NODE.tpR`), on 127.0.0.1; a name started
+        again (a replacement after a kill) gets a fresh log."""
+        args = ["--bind-host", "127.0.0.1", *(extra or [])]
+        cmd = node_command(str(self.config), self.node(name)["role"], name, tp_rank, args)
+        self._started += 1
+        log = self.config.parent / f"{self.config.stem}-{cmd.name}-{self._started}.log"
+        return self.processes.start(cmd, env=env, log=str(log))
 
     def start_all(self, reverse: bool = True) -> None:
         """Every node, and an attention node's TP ranks (layout.attention_tp) after it."""
@@ -135,34 +118,23 @@ class Cluster:
             self.start(name)
             if self.node(name)["role"] == "attention":
                 for r in range(1, tp):
-                    self.start(name, ["--tp-rank", str(r)], key=f"{name}.tp{r}")
+                    self.start(name, tp_rank=r)
 
     def log(self, name: str) -> str:
-        return self.logs[name].read_text()
+        return self.processes.log(name)
 
     def wait_ready(self, timeout: float = 90.0) -> None:
         urls = [self.url(n["name"]) for n in self.doc["nodes"] if n["role"] == "attention"]
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            for name, p in self.procs.items():
-                if p.poll() is not None:
-                    raise AssertionError(f"{name} exited with {p.returncode}:\n{self.log(name)}")
-            if all(health(u) == 200 for u in urls):
-                return
-            time.sleep(0.2)
-        raise AssertionError("cluster not ready:\n" + "\n".join(f"--- {n}\n{self.log(n)}" for n in self.procs))
+        try:
+            self.processes.wait_until(
+                lambda: all(health(u) == 200 for u in urls), timeout, "the cluster to be ready", every=0.2
+            )
+        except ClusterError as e:
+            logs = "\n".join(f"--- {n}\n{self.log(n)}" for n in self.processes.procs)
+            raise AssertionError(f"{e}\n{logs}") from None
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        end = time.monotonic() + 15
-        for p in self.procs.values():
-            try:
-                p.wait(max(0.1, end - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        self.processes.stop(15.0)
 
     def __enter__(self) -> Cluster:
         return self
@@ -216,3 +188,30 @@ def wait_for(what: str, fn, timeout: float, log: Path | None = None):
         time.sleep(0.25)
     extra = f"\n--- prometheus log\n{log.read_text()[-4000:]}" if log else ""
     raise AssertionError(f"timed out waiting for {what}; last: {last}{extra}")
+
+
+class LLMPool:
+    """afd.LLMs by their arguments, built once and shared by the tests that run the same configuration:
+    a multi-process LLM keeps its node processes across generate() calls, so each configuration starts
+    its cluster once. At most `max_live` clusters run at a time (the least recently used one is closed,
+    and started again by its next generate()); `close` stops them all."""
+
+    def __init__(self, max_live: int = 2):
+        self.max_live = max_live
+        self._llms: dict = {}
+
+    def get(self, model: str, **kwargs):
+        import afd
+
+        key = (model, tuple(sorted(kwargs.items())))
+        llm = self._llms.pop(key, None) or afd.LLM(model, **kwargs)
+        self._llms[key] = llm  # the most recently used last
+        live = [other for other in self._llms.values() if other is not llm and other._local is not None]
+        for other in live[: max(0, len(live) - (self.max_live - 1))]:  # room for this one's cluster
+            other.close()
+        return llm
+
+    def close(self) -> None:
+        for llm in self._llms.values():
+            llm.close()
+        self._llms.clear()

@@ -94,3 +94,14 @@ def tiny_checkpoint(families) -> str:
 def _single_thread():
     # Two cores are shared by the test process and any node processes it starts.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def llm_pool():
+    """afd.LLMs shared across tests by configuration (cluster_helpers.LLMPool); their node processes
+    stop at the end of the session."""
+    from cluster_helpers import LLMPool
+
+    pool = LLMPool()
+    yield pool
+    pool.close()

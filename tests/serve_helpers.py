@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from cluster_helpers import ROOT, health
+
+from afd.cluster.processes import ClusterError, Command, NodeProcesses
 
 
 def free_port_run(n: int) -> int:
@@ -37,34 +36,25 @@ def free_port_run(n: int) -> int:
 
 
 class Served:
+    """`afd serve ARGV`, started and stopped by afd's launcher (afd.cluster.processes) as one process."""
+
     def __init__(self, argv: list[str], log: Path, urls: list[str], env: dict | None = None):
         self.log, self.urls = log, urls
-        with open(log, "w") as fh:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "afd.cli", "serve", *argv],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                start_new_session=True,
-                env={**os.environ, **(env or {})},
-            )
+        self.processes = NodeProcesses(str(log.parent), env={**os.environ, **(env or {})}, cwd=ROOT)
+        self.proc = self.processes.start(
+            Command("afd-serve", (sys.executable, "-m", "afd.cli", "serve", *argv)), log=str(log)
+        )
 
     def wait_ready(self, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"afd serve exited with {self.proc.returncode}:\n{self.log.read_text()}")
-            if all(health(u) == 200 for u in self.urls):
-                return
-            time.sleep(0.3)
-        raise AssertionError(f"afd serve not ready:\n{self.log.read_text()}")
+        def ready() -> bool:
+            return all(health(u) == 200 for u in self.urls)
+
+        try:
+            self.processes.wait_until(ready, timeout, "afd serve to be ready")
+        except ClusterError as e:
+            raise AssertionError(f"{e}\n{self.log.read_text()}") from None
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-            raise AssertionError(f"afd serve ignored SIGTERM:\n{self.log.read_text()}") from None
+        if self.processes.stop(60.0):
+            raise AssertionError(f"afd serve ignored SIGTERM:\n{self.log.read_text()}")
+        return self.proc.returncode

@@ -110,17 +110,23 @@ def test_every_mode_at_tp2_and_tp4(ckpt, hf, tp, mode, otp, colocated):
 
 
 def test_below_the_threshold_a_mode_runs_as_allreduce_and_counts_it(ckpt, hf):
-    """min_tokens 6: the prefill (35 tokens) is sharded, the decode steps (5, 3, 1 tokens) fall back."""
-    from afd.cluster.local import LocalClusterSpec, run_generate
+    """min_tokens 6: the prefill (35 tokens) is sharded, the decode steps (5, 3, 1 tokens) fall back.
+    A second job on the same processes (the TP rank takes it from rank 0) counts only its own."""
+    from afd.cluster.local import LocalCluster
+    from afd.cluster.local_spec import LocalClusterSpec
 
     spec = LocalClusterSpec(
         ckpt, 1, 1, block_size=4, micro_batches=1, attention_tp=2, tp_comm="sp", tp_comm_min_tokens=6
     )
-    out, reports = run_generate(spec, PROMPTS, MAX_TOKENS)
+    with LocalCluster(spec) as cluster:
+        cluster.start()
+        out, reports = cluster.generate(PROMPTS, MAX_TOKENS)
+        again, second = cluster.generate(PROMPTS[:2], 2)  # a 12-token prefill, then one decode step
     assert out == [ids for ids, _ in hf]
     assert reports[0]["tp_fallbacks"] == {"sp": 6}  # the six decode steps
     sent = reports[0]["tp_bytes"]
     assert sent["reduce_scatter"] > 0 and sent["all_reduce"] > 0  # both paths ran
+    assert again == [ids[:2] for ids, _ in hf[:2]] and second[0]["tp_fallbacks"] == {"sp": 1}
 
 
 @pytest.mark.slow  # the CLI runs afd.LLM, which the cases above exercise; CI runs test-slow

@@ -17,7 +17,7 @@ import yaml
 from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, health, post
 from hf_reference import PROMPTS
 
-from afd.cluster.local import descendants
+from afd.cluster.processes import Command, NodeProcesses, descendants
 
 pytestmark = pytest.mark.multiprocess
 NEW = 12
@@ -176,21 +176,15 @@ def _launched_cluster_is_closed(path: Path, url: str, launcher_pid: int) -> None
 
 def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_path):
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="launch")
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "afd.cli", "launch", str(path)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=ROOT,
-    )
+    procs = NodeProcesses(str(tmp_path), cwd=ROOT)
+    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd.cli", "launch", str(path))))
     try:
-        url = None
-        end = time.monotonic() + 90
-        while time.monotonic() < end:
-            line = launcher.stdout.readline()
-            if line.startswith("http://"):
-                url = line.strip()
-                break
+
+        def url_line() -> list[str]:
+            return [line for line in procs.log("afd-launch").splitlines() if line.startswith("http://")]
+
+        procs.wait_until(url_line, 90, "afd launch to print its URL")
+        url = url_line()[0]
         assert url and health(url) == 200
         _launched_cluster_is_closed(path, url, launcher.pid)
         children = descendants(launcher.pid)
@@ -208,7 +202,7 @@ def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_pat
             for pid in descendants(launcher.pid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-            launcher.kill()
+        procs.stop()
 
 
 def test_one_attention_node_leaving_does_not_stop_the_others(tiny_checkpoint, reference, tmp_path):

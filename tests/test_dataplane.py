@@ -14,7 +14,8 @@ import pytest
 from hf_reference import PROMPTS
 
 import afd
-from afd.cluster.local import LocalCluster, LocalClusterSpec
+from afd.cluster.local import LocalCluster
+from afd.cluster.local_spec import LocalClusterSpec
 
 pytestmark = pytest.mark.multiprocess
 NEW_TOKENS = 32
@@ -42,20 +43,22 @@ SLOW = pytest.mark.slow  # the same paths as a default case next to it; `make te
         pytest.param(2, 2, False, 1, marks=SLOW),
     ],
 )
-def test_afd_generation_equals_hf(tiny_checkpoint, reference, A, F, overlap, micro_batches):
-    llm = afd.LLM(
+def test_afd_generation_equals_hf(llm_pool, tiny_checkpoint, reference, A, F, overlap, micro_batches):
+    llm = llm_pool.get(
         tiny_checkpoint, attention_nodes=A, ffn_nodes=F, overlap=overlap, micro_batches=micro_batches, block_size=4
     )
     assert llm.generate_ids(PROMPTS, NEW_TOKENS) == reference
+    assert llm.generate_ids(PROMPTS[:1], 4) == [reference[0][:4]]  # a second job on the same nodes
 
 
 @SLOW  # the longest multi-process case (18 s); CI runs test-slow
-def test_multiprocess_sampling_honours_seed_top_k_and_top_p(tiny_checkpoint, reference):
-    """Sampling runs in the attention nodes' engines, with every field of the request."""
+def test_multiprocess_sampling_honours_seed_top_k_and_top_p(llm_pool, tiny_checkpoint, reference):
+    """Sampling runs in the attention nodes' engines, with every field of the request. (The 2A2F
+    nodes of the last case above: three jobs on them.)"""
     seeded = dict(temperature=1.0, seed=7)
     local = afd.LLM(tiny_checkpoint).generate_ids(PROMPTS, 12, **seeded)
     assert local != [ids[:12] for ids in reference]  # really sampled
-    nodes = afd.LLM(tiny_checkpoint, attention_nodes=2, ffn_nodes=1)
+    nodes = llm_pool.get(tiny_checkpoint, attention_nodes=2, ffn_nodes=2, overlap=False, micro_batches=1, block_size=4)
     assert nodes.generate_ids(PROMPTS, 12, **seeded) == local  # the seed, wherever each prompt ran
     assert nodes.generate_ids(PROMPTS, NEW_TOKENS, temperature=1.0, top_k=1) == reference
     assert nodes.generate_ids(PROMPTS, NEW_TOKENS, temperature=5.0, top_p=1e-4) == reference
@@ -92,6 +95,34 @@ def test_generate_cli_multiprocess_prints_same_json(tiny_checkpoint, reference, 
     assert json.loads(out.stdout.strip().splitlines()[-1]) == reference
 
 
+_KEEPS_ITS_NODES = """
+import json, os, sys
+import afd
+
+def pids(llm):
+    return sorted(p.popen.pid for p in llm._local.processes.procs.values())
+
+with afd.LLM(sys.argv[1], attention_nodes=1, ffn_nodes=1, block_size=4) as llm:
+    first = llm.generate_ids([[1, 2, 3]], 3)
+    served = pids(llm)
+    assert llm.generate_ids([[1, 2, 3]], 3) == first and pids(llm) == served, "a new cluster for the second job"
+gone = [p for p in served if not os.path.exists(f"/proc/{p}")]
+assert gone == served, f"still running after the with block: {set(served) - set(gone)}"
+left = afd.LLM(sys.argv[1], attention_nodes=1, ffn_nodes=0, block_size=4)  # one process is enough here
+left.generate_ids([[1, 2, 3]], 3)
+print(json.dumps(pids(left)))  # never closed: stopped at interpreter exit
+"""
+
+
+def test_an_llm_keeps_its_nodes_across_jobs_and_leaves_none_behind(tiny_checkpoint):
+    out = subprocess.run(
+        [sys.executable, "-c", _KEEPS_ITS_NODES, tiny_checkpoint], capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    left = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [p for p in left if os.path.exists(f"/proc/{p}")] == []
+
+
 def _long_job(tmp_path) -> LocalCluster:
     """A dummy-weights job long enough to be interrupted."""
     from afd.model.demo import DEMO_CONFIG
@@ -101,7 +132,7 @@ def _long_job(tmp_path) -> LocalCluster:
     (d / "config.json").write_text(json.dumps({**DEMO_CONFIG, "num_layers": 2}))
     cluster = LocalCluster(LocalClusterSpec(str(d), dummy_weights=True, comm_timeout=120))
     cluster.start([[1, 2, 3, 4]] * 4, 3000, ignore_eos=True)
-    _wait_for_log(cluster, "attention0", "data plane up")
+    _wait_for_log(cluster, "attn0", "data plane up")
     time.sleep(1.0)
     return cluster
 
@@ -120,9 +151,9 @@ def _wait_for_log(cluster: LocalCluster, name: str, text: str, timeout: float = 
 @pytest.mark.parametrize(
     "victim,survivor,signum",
     [
-        ("ffn0", "attention0", signal.SIGKILL),
-        ("attention0", "ffn0", signal.SIGKILL),
-        pytest.param("ffn0", "attention0", signal.SIGTERM, marks=pytest.mark.slow),
+        ("ffn0", "attn0", signal.SIGKILL),
+        ("attn0", "ffn0", signal.SIGKILL),
+        pytest.param("ffn0", "attn0", signal.SIGTERM, marks=pytest.mark.slow),
     ],
 )
 def test_a_dead_peer_fails_fast_with_a_clear_error(tmp_path, victim, survivor, signum):

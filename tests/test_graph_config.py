@@ -8,7 +8,7 @@ from metrics_text import total
 
 from afd.cli import main
 from afd.cluster.config import GRAPH_BATCH_SIZES, ClusterConfigError, from_dict
-from afd.cluster.local import LocalClusterSpec, cluster_doc
+from afd.cluster.local_spec import LocalClusterSpec, cluster_doc
 from afd.engine.graph import GraphSettings, settings_of
 
 NODES = [{"name": "a", "role": "attention", "host": "h", "ports": {"control": 1, "data": 2, "http": 3}}]

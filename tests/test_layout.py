@@ -194,3 +194,49 @@ def test_every_registered_family_keeps_the_contract():
         if fam.mtp_module is not None:
             block = fam.mtp_module.MTPBlock
             assert issubclass(block, halves.MTPBlock) and not block.__abstractmethods__, fam
+
+
+# ---- one launcher: node processes are started only by afd/cluster/processes.py ------------------------
+
+NODE_MODULES = ("attention_node.main", "ffn_node.main")
+LAUNCHER = "afd/cluster/processes.py"
+
+
+def _popen_calls(src: str) -> int:
+    def popen(f) -> bool:
+        return (isinstance(f, ast.Name) and f.id == "Popen") or (isinstance(f, ast.Attribute) and f.attr == "Popen")
+
+    return sum(isinstance(n, ast.Call) and popen(n.func) for n in ast.walk(ast.parse(src)))
+
+
+def _launch_violations(files: dict[str, str]) -> list[str]:
+    """Inside the packages only the launcher starts processes; elsewhere, a file that starts processes
+    names no node module (else it is a second node launcher). deploy/k8s/tp_node.py, a pod's rank
+    supervisor (standard library only), runs the command it is given."""
+    out = []
+    for rel, src in files.items():
+        if rel == LAUNCHER or not _popen_calls(src):
+            continue
+        if rel.split("/")[0] in ("afd", "attention_node", "ffn_node"):
+            out.append(f"{rel}: starts a process outside {LAUNCHER}")
+        elif any(name in src for name in NODE_MODULES):
+            out.append(f"{rel}: starts node processes outside {LAUNCHER}")
+    return out
+
+
+def test_node_processes_are_started_by_one_launcher():
+    files = {
+        str(p.relative_to(ROOT)): p.read_text()
+        for p in ROOT.rglob("*.py")
+        if not any(part.startswith(".") for part in p.relative_to(ROOT).parts)
+    }
+    assert _popen_calls(files[LAUNCHER]) == 1
+    assert _launch_violations(files) == []
+    # the rule catches both kinds of second launcher
+    node = "import subprocess, sys\nsubprocess.Popen([sys.executable, '-m', 'ffn_node.main'])\n"
+    assert _launch_violations(
+        {"tests/helper.py": node, "afd/bench/x.py": "from subprocess import Popen\nPopen(['ls'])"}
+    ) == [
+        f"tests/helper.py: starts node processes outside {LAUNCHER}",
+        f"afd/bench/x.py: starts a process outside {LAUNCHER}",
+    ]

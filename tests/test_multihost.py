@@ -82,71 +82,34 @@ def test_attention_and_ffn_on_different_hosts(tiny_checkpoint, tmp_path, ffn_hos
     )
     assert r.returncode == 2 and "AFD_CLUSTER_TOKEN is not set" in r.stderr, r.stderr
     token = {"AFD_CLUSTER_TOKEN": "two-hosts-secret"}
-    logs = {n: open(tmp_path / f"{n}.log", "w") for n in ("attn0", "ffn0")}  # noqa: SIM115
-    node = [sys.executable, "-m"]
-    procs = [
-        subprocess.Popen(
-            [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                *node,
-                "ffn_node.main",
-                "--config",
-                str(cfg),
-                "--node",
-                "ffn0",
-                "--bind-host",
-                FFN_IP,
-            ],
-            cwd=ROOT,
-            stdout=logs["ffn0"],
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **token, "GLOO_SOCKET_IFNAME": vb},
-        ),
-        subprocess.Popen(
-            [*node, "attention_node.main", "--config", str(cfg), "--node", "attn0", "--bind-host", ATTN_IP],
-            cwd=ROOT,
-            stdout=logs["attn0"],
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **token, "GLOO_SOCKET_IFNAME": va},
-        ),
-    ]
-    url = f"http://{ATTN_IP}:{doc['nodes'][0]['ports']['http']}"
-    try:
-        import time
+    from afd.cluster.processes import NodeProcesses, node_command
 
-        end = time.monotonic() + 90
-        while health(url) != 200:
-            assert time.monotonic() < end and all(pr.poll() is None for pr in procs), "\n".join(
-                (tmp_path / f"{n}.log").read_text() for n in logs
-            )
-            time.sleep(0.2)
+    procs = NodeProcesses(str(tmp_path), env={**os.environ, **token}, cwd=ROOT)
+    procs.start(
+        node_command(str(cfg), "ffn", "ffn0", args=["--bind-host", FFN_IP], prefix=["ip", "netns", "exec", ns]),
+        env={"GLOO_SOCKET_IFNAME": vb},
+    )
+    procs.start(
+        node_command(str(cfg), "attention", "attn0", args=["--bind-host", ATTN_IP]), env={"GLOO_SOCKET_IFNAME": va}
+    )
+    url = f"http://{ATTN_IP}:{doc['nodes'][0]['ports']['http']}"
+    with procs:
+        procs.wait_until(lambda: health(url) == 200, 90, "the two-host cluster to be ready", every=0.2)
         want = [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 8)]
         for prompt, ids in zip(PROMPTS, want):
             code, body = post(
                 url, "/v1/completions", {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
             )
             assert code == 200 and body["choices"][0]["token_ids"] == ids
-        assert f"registered ffn0 (ffn) from {FFN_IP}" in (tmp_path / "attn0.log").read_text()
-    finally:
-        for pr in procs:
-            pr.terminate()
-        for pr in procs:
-            try:
-                pr.wait(20)
-            except subprocess.TimeoutExpired:
-                pr.kill()
-        for f in logs.values():
-            f.close()
+        assert f"registered ffn0 (ffn) from {FFN_IP}" in procs.log("attn0")
 
 
 def test_a_job_behind_an_emulated_link_equals_hf(tiny_checkpoint):
     """The FFN node behind a shaped veth (afd bench-step --link): the exchange really crosses it, and
     gloo listens on each node's own address (torch passes no options to gloo: GLOO_SOCKET_IFNAME)."""
     from afd.cluster.link import EmulatedLink, LinkError, LinkSpec
-    from afd.cluster.local import LocalClusterSpec, run_generate
+    from afd.cluster.local import run_generate
+    from afd.cluster.local_spec import LocalClusterSpec
 
     try:
         link = EmulatedLink(LinkSpec.parse("1gbit")).__enter__()

@@ -122,7 +122,8 @@ def run_afd(
     dummy_weights: bool = False,
 ) -> Run:
     """A LocalCluster, greedy with EOS ignored; the steps are attention node 0's, the FFN report FFN 0's."""
-    from afd.cluster.local import LocalCluster, LocalClusterSpec
+    from afd.cluster.local import LocalCluster
+    from afd.cluster.local_spec import LocalClusterSpec
 
     spec = LocalClusterSpec(
         model_dir,

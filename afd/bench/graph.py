@@ -70,7 +70,8 @@ def _tok_s(steps: list[dict], batch: int, skip: int, mean: bool = False) -> floa
 
 
 def _afd_steps(model: str, prompts, new_tokens: int, mode: str, cache: str, dummy: bool = True) -> list[dict]:
-    from afd.cluster.local import LocalCluster, LocalClusterSpec
+    from afd.cluster.local import LocalCluster
+    from afd.cluster.local_spec import LocalClusterSpec
 
     spec = LocalClusterSpec(
         model,

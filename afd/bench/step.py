@@ -144,7 +144,8 @@ def _colocated(model: str, prompts, steps: int) -> list[dict]:
 
 
 def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_batches: int, link=None) -> list[dict]:
-    from afd.cluster.local import LocalCluster, LocalClusterSpec
+    from afd.cluster.local import LocalCluster
+    from afd.cluster.local_spec import LocalClusterSpec
 
     where = (
         {}

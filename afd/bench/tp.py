@@ -65,7 +65,8 @@ def _tp_config(args, mode: str):
 
 def _job(model: str, prompts, steps: int, F: int, tp) -> dict:
     """Rank 0's report of one run: one prefill step of every prompt, then `steps` decode steps."""
-    from afd.cluster.local import LocalCluster, LocalClusterSpec
+    from afd.cluster.local import LocalCluster
+    from afd.cluster.local_spec import LocalClusterSpec
 
     # one micro-batch per step, so that a step's TP bytes are one step_bytes
     spec = LocalClusterSpec(

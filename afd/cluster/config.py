@@ -98,7 +98,7 @@ def _positive(src: str, path: str, v, allow_zero: bool = False) -> None:
 
 def _batch_sizes(src: str, v: Any) -> tuple[int, ...]:
     """engine.graph_batch_sizes: a non-empty list of positive ints, kept sorted and without repeats."""
-    if not isinstance(v, list) or not v or not all(type(b) is int and b > 0 for b in v):
+    if not isinstance(v, (list, tuple)) or not v or not all(type(b) is int and b > 0 for b in v):
         _fail(src, "engine.graph_batch_sizes", f"expected a non-empty list of positive batch sizes, got {v!r}")
     return tuple(sorted(set(v)))
 

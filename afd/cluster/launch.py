@@ -10,11 +10,7 @@ import contextlib
 import os
 import shlex
 import signal
-import subprocess
 import sys
-import threading
-import time
-import urllib.request
 
 from afd.cluster.config import ClusterConfig, Node, Process, load
 from afd.cluster.flags import (
@@ -26,9 +22,9 @@ from afd.cluster.flags import (
     overrides_of,
     with_overrides,
 )
+from afd.cluster.processes import MODULES, ClusterError, Command, NodeExited, NodeProcesses, healthy, ports_in_use
 from afd.cluster.topology import with_http_port
 
-MODULES = {"attention": "attention_node.main", "ffn": "ffn_node.main"}
 COMMANDS = {"attention": "afd-attention", "ffn": "afd-ffn"}
 
 
@@ -86,7 +82,7 @@ def check_startable(cfg: ClusterConfig, source: str) -> None:
 
     for device in sorted({n.device_type for n in cfg.nodes}):  # TP ranks share their node's device type
         check_device(device)
-    busy = _ports_in_use(cfg)
+    busy = ports_in_use(cfg)
     if busy:
         raise ValueError(f"{source}: port(s) already in use on this host: {', '.join(busy)} (another cluster running?)")
     if cfg.model.path == "demo":  # made once here, not by every node at the same time
@@ -96,11 +92,11 @@ def check_startable(cfg: ClusterConfig, source: str) -> None:
 
 
 class _Launcher:
+    """`afd launch`'s run: its processes (afd.cluster.processes), the token, the URLs once ready."""
+
     def __init__(self, cfg: ClusterConfig, plan, env: dict):
         self.cfg, self.plan, self.env = cfg, plan, env
-        self.procs: list[tuple[Process, subprocess.Popen]] = []
         self.stopping = False
-        self._lock = threading.Lock()
 
     def run(self, curl_example: bool) -> int:
         from afd.cluster.token import TOKEN_ENV, cluster_token, make_launch_token, token_file
@@ -121,107 +117,49 @@ class _Launcher:
                     os.unlink(made)
 
     def _run(self, curl_example: bool, env: dict) -> int:
-        for proc, args in reversed(self.plan):  # any order works; FFN nodes first shows it
-            p = subprocess.Popen(
-                [sys.executable, "-m", MODULES[proc.node.role], *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                text=True,
-                bufsize=1,
-                env=env,
-            )
-            self.procs.append((proc, p))
-            threading.Thread(target=self._pump, args=(proc.name, p), daemon=True).start()
+        procs = NodeProcesses(env=env, echo=True)
+        procs.start_all(  # any order works; FFN nodes first shows it
+            Command(proc.name, (sys.executable, "-m", MODULES[proc.node.role], *args), _stage(proc))
+            for proc, args in reversed(self.plan)
+        )
         urls = [f"http://{n.host}:{n.ports.http}" for n in self.cfg.attention_nodes]
-        deadline = time.monotonic() + self.cfg.cluster.startup_timeout + 60
-        ready = False
         code = 0
-        while not self.stopping:
-            dead = [(n, p.returncode) for n, p in self.procs if p.poll() is not None]  # n: a Process
-            if dead:
-                n, rc = dead[0]
-                self._say(f"node {n.name} exited with code {rc}; stopping the cluster")
-                code = 1
-                break
-            if not ready:
-                ready = all(_healthy(u) for u in urls)
-                if ready:
-                    self._say(
-                        f"cluster {self.cfg.cluster.name} ({self.cfg.topology_name}) ready; API at {', '.join(urls)}"
-                    )
-                    for u in urls:  # one line each, for scripts
-                        print(u, flush=True)
-                    if curl_example:
-                        self._say(
-                            "try: curl "
-                            + shlex.quote(f"{urls[0]}/v1/completions")
-                            + ' -H \'Content-Type: application/json\' -d \'{"prompt": "Experts are", '
-                            '"max_tokens": 16, "temperature": 0}\''
-                        )
-                elif time.monotonic() > deadline:
-                    self._say(f"cluster not ready at {', '.join(urls)} within the startup timeout; stopping")
-                    code = 1
-                    break
-            time.sleep(0.2)
-        self.shutdown()
+        try:
+            ready = procs.wait_until(
+                lambda: all(healthy(u) for u in urls),
+                self.cfg.cluster.startup_timeout + 60,
+                f"the cluster to be ready at {', '.join(urls)}",
+                stopping=lambda: self.stopping,
+                every=0.2,
+            )
+            if ready:
+                self._ready(procs, urls, curl_example)
+                procs.wait_until(lambda: False, None, "the cluster", stopping=lambda: self.stopping, every=0.2)
+        except NodeExited as e:  # its log is on the terminal already
+            procs.say(f"node {e.name} exited with code {e.code}; stopping the cluster")
+            code = 1
+        except ClusterError as e:
+            procs.say(f"{e}; stopping")
+            code = 1
+        grace = self.cfg.engine.shutdown_timeout + 10  # attention nodes drain first
+        procs.stop({"attention": grace, "tp": 10.0, "ffn": 10.0})
+        procs.say("all nodes stopped")
         return code
 
-    def _say(self, msg: str) -> None:
-        with self._lock:
-            print(f"[launch] {msg}", flush=True)
-
-    def _pump(self, name: str, p: subprocess.Popen) -> None:
-        width = max(len(n) for n in self.cfg.process_names)
-        for line in p.stdout:
-            with self._lock:
-                sys.stdout.write(f"[{name:<{width}}] {line}")
-                sys.stdout.flush()
-
-    def shutdown(self) -> None:
-        """Attention nodes (their TP rank 0) drain and leave first; their other ranks follow them out;
-        then the FFN nodes."""
-        grace = self.cfg.engine.shutdown_timeout + 10
-
-        def stage(proc: Process) -> str:
-            return "tp" if proc.tp_rank else proc.node.role
-
-        for role, wait in (("attention", grace), ("tp", 10.0), ("ffn", 10.0)):
-            group = [p for n, p in self.procs if stage(n) == role and p.poll() is None]
-            for p in group:
-                p.send_signal(signal.SIGTERM)
-            end = time.monotonic() + wait
-            for p in group:
-                try:
-                    p.wait(max(0.1, end - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    self._say(f"pid {p.pid} did not stop in {wait:.0f}s; killing it")
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
-        self._say("all nodes stopped")
+    def _ready(self, procs: NodeProcesses, urls: list[str], curl_example: bool) -> None:
+        procs.say(f"cluster {self.cfg.cluster.name} ({self.cfg.topology_name}) ready; API at {', '.join(urls)}")
+        for u in urls:  # one line each, for scripts
+            print(u, flush=True)
+        if curl_example:
+            procs.say(
+                "try: curl "
+                + shlex.quote(f"{urls[0]}/v1/completions")
+                + ' -H \'Content-Type: application/json\' -d \'{"prompt": "Experts are", '
+                '"max_tokens": 16, "temperature": 0}\''
+            )
 
 
-def _ports_in_use(cfg: ClusterConfig) -> list[str]:
-    import socket
-
-    busy = []
-    for n in cfg.nodes:
-        for name in ("control", "data", "http", "metrics"):
-            port = getattr(n.ports, name)
-            if port is None:
-                continue
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is free
-                try:
-                    s.bind(("0.0.0.0", port))
-                except OSError:
-                    busy.append(f"{port} ({n.name}.ports.{name})")
-    return busy
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
+def _stage(proc: Process) -> str:
+    """Attention nodes (their TP rank 0) drain and leave first; their other ranks follow them out; then
+    the FFN nodes."""
+    return "tp" if proc.tp_rank else proc.node.role

@@ -4,21 +4,10 @@ file the nodes start from)."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
+from afd.cluster.processes import free_ports
 from afd.cluster.schema import ClusterConfig
-
-
-def free_ports(n: int) -> list[int]:
-    """n ports free on 127.0.0.1 now (held together while chosen, so they differ)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def local_config(

@@ -3,14 +3,16 @@ across AFD node processes on this machine."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from afd.backend import get_backend
 from afd.cluster.config import ClusterConfig
 from afd.cluster.flags import flat_overrides
-from afd.cluster.local import LocalClusterSpec, reports_logits, run_generate
+from afd.cluster.local import LocalCluster
 from afd.cluster.local_config import local_config
+from afd.cluster.local_spec import LocalClusterSpec, reports_logits
 from afd.cluster.topology import resolve_model_path
 from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
@@ -56,8 +58,9 @@ class LLM:
         speculative_tokens, graph_mode, graph_batch_sizes, compile_cache_dir), checked as the cluster YAML is.
 
         Where it runs: `device` (cpu; colocated only), and colocated (both halves in this process) unless
-        `attention_nodes` or `ffn_nodes` is given (or `colocated=False`): then generate() runs that many node
-        processes on this machine (afd.cluster.local). With attention_tp > 1 every attention node is that
+        `attention_nodes` or `ffn_nodes` is given (or `colocated=False`): then that many node processes on this
+        machine (afd.cluster.local), started by the first generate() and kept until close(), the end of a
+        `with` block, or the LLM's collection. With attention_tp > 1 every attention node is that
         many processes (afd.model.tp); colocated, that is one attention node whose ranks each hold every
         expert (a cluster without FFN nodes). Offline, micro_batches defaults to 1.
         speculative_tokens: `spec_decode` then holds the last generate()'s acceptance counters. Colocated,
@@ -144,8 +147,8 @@ class LLM:
         per = offline.validate_prompts(self.cfg, prompt_token_ids, max_tokens)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if self.cluster:
-            out, reports = run_generate(
-                self.cluster, prompt_token_ids, per, params, ignore_eos, logits=logits_out is not None
+            out, reports = self._nodes().generate(
+                prompt_token_ids, per, params, ignore_eos, logits=logits_out is not None
             )
             if logits_out is not None:
                 logits_out.extend(reports_logits(self.cluster, reports, len(prompt_token_ids)))
@@ -171,6 +174,31 @@ class LLM:
         self.graph_report = graph_report(engine.runner.attn)
         self.spec_decode = engine.spec.stats.report() if engine.spec else None
         return out
+
+    _local: LocalCluster | None = None
+    """The node processes of a multi-process LLM: started by the first generate(), kept until close()."""
+
+    def _nodes(self) -> LocalCluster:
+        if self._local is None or not self._local.running:
+            assert self.cluster is not None  # a multi-process LLM
+            local = LocalCluster(self.cluster)
+            # at the latest when the LLM is collected or the interpreter exits: no process outlives it
+            weakref.finalize(self, local.stop)
+            local.start()
+            self._local = local
+        return self._local
+
+    def close(self) -> None:
+        """Stops the node processes of a multi-process LLM (the next generate() starts new ones)."""
+        local, self._local = self._local, None
+        if local is not None:
+            local.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _prompt_ids(self, prompts) -> tuple[list[str | None], list[list[int]]]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):

@@ -173,4 +173,12 @@ class LeaveStep:
     """The node moves to the next data-plane generation rather than leaving for good."""
 
 
-TPMessage = RunStep | IdleStep | LeaveStep
+@dataclass(frozen=True)
+class RunJob:
+    """An offline job's prompts (the offline worker): every rank sizes the job's engine from them alike."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+TPMessage = RunStep | IdleStep | LeaveStep | RunJob

@@ -625,7 +625,7 @@ class Launched:
         raise RuntimeError(f"the cluster was not ready within {timeout:.0f}s")
 
     def stop(self) -> None:
-        from afd.cluster.local import descendants
+        from afd.cluster.processes import descendants
 
         if self.proc.poll() is not None:
             return

@@ -1,0 +1,154 @@
+"""`FFNNode`: an FFN node process of a cluster YAML — bring-up, /health and /metrics, the serving loop
+(ffn_node/server.py), re-forming the data plane around a replaced node, and its report at exit."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+from afd.cluster.config import ClusterConfig
+from afd.cluster.topology import served_model_name
+from afd.control import control_pb2 as pb
+from afd.control.client import ControlError
+from afd.dataplane.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
+from afd.dataplane.transport import DataPlane, PeerError
+from afd.model.checkpoint import build_ffn_half, open_reader
+from afd.model.config import parse_dtype
+from afd.node.runtime import NodeRuntime, bring_up
+from afd.observability.metrics import FFNMetrics, serve_metrics
+from ffn_node.server import FFNServer, ServeEnd
+
+log = logging.getLogger("afd.ffn")
+_SERVING = (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING, pb.ClusterStatus.DEGRADED)
+
+
+class FFNNode:
+    def __init__(self, cfg: ClusterConfig, args):
+        self.cfg, self.args = cfg, args
+        self.dtype: torch.dtype = parse_dtype(cfg.model.dtype)
+        self.runtime: NodeRuntime | None = None
+        self.ffn: torch.nn.Module | None = None
+        self.metrics: FFNMetrics | None = None
+        self.server: FFNServer | None = None
+        self.healthy = True
+        """False while the data plane re-forms: /health says 503."""
+        self._http = None
+
+    def start(self) -> None:
+        cfg, args = self.cfg, self.args
+        rt = self.runtime = bring_up(cfg, args.node, args.bind_host, self._load, on_status=_exit_on_shutdown)
+        a = rt.assignment
+        mtp_layers = self.ffn.mtp_layers  # the MTP module's MoE layer: per-layer metrics too
+        self.metrics = metrics = FFNMetrics(
+            args.node,
+            served_model_name(cfg.model.path, args.served_model_name),
+            a.expert_lo,
+            a.expert_hi,
+            rt.model_cfg.num_layers + len(mtp_layers),
+        )
+        metrics.watch_cluster_state(lambda: rt.cluster_state)
+        metrics.count_zero_experts(self.ffn.layer(i).experts for i in (*rt.model_cfg.moe_layers, *mtp_layers))
+        node = cfg.node(args.node)
+        if node.ports.metrics:
+            self._http = serve_metrics(args.bind_host, node.ports.metrics, metrics, self._ready)
+        pf = cfg.prefetch
+        pcfg = PrefetchConfig(pf.enabled, pf.budget_bytes, tuple(pf.weights or WEIGHTS), pf.next_layer)
+        hook = PrefetchSchedule(self.ffn, rt.backend, pcfg) if pcfg.active(rt.backend) else None
+        log.info("weight prefetch: %s", f"on, {pcfg.budget_bytes >> 20} MiB per wait" if hook else "off")
+        self.server = FFNServer(
+            self.ffn, rt.backend, rt.plane, list(a.peer_ranks), self.dtype, layer_hook=hook, metrics=metrics
+        )
+        log.info("serving %d attention peer(s)", len(a.peer_ranks))
+
+    def _load(self, rt: NodeRuntime) -> None:
+        a = rt.assignment
+        reader = open_reader(rt.model_path, self.cfg.model.dummy_weights, self.cfg.model.seed)
+        self.ffn = build_ffn_half(
+            rt.model_cfg,
+            reader,
+            self.dtype,
+            rt.backend.device,
+            a.expert_lo,
+            a.expert_hi,
+            a.serves_zero_experts,
+            mtp=self.cfg.engine.speculative_tokens > 0,
+        )
+        log.info(
+            "experts [%d, %d) of %d loaded%s",
+            a.expert_lo,
+            a.expert_hi,
+            rt.model_cfg.n_routed_experts,
+            ", serving identity experts" if a.serves_zero_experts else "",
+        )
+
+    def _ready(self) -> bool:
+        return self.healthy and self.runtime.cluster_state in _SERVING
+
+    def serve(self) -> int:
+        """Serves every generation of the data plane until the attention nodes are gone for good."""
+        server, code = self.server, 0
+        while True:
+            end = server.serve()
+            log.info("stopped serving generation %d: %s", self.runtime.plane.generation, end.value)
+            if end is not ServeEnd.REFORM:
+                break
+            why = "; ".join(server.gone.values())
+            self.healthy = False
+            if self.cfg.cluster.rejoin_timeout <= 0:
+                log.error("stopping: %s", why)
+                code = 1
+                break
+            try:  # wait for the failed node's replacement, then serve the next generation
+                self.reform(why)
+            except (ControlError, PeerError) as err:
+                log.error("stopping: %s; %s", why, err)
+                code = 1
+                break
+            self.healthy = True
+            log.info("data plane re-formed; serving %d attention peer(s)", len(self.runtime.assignment.peer_ranks))
+        self._report()
+        if self._http is not None:
+            self._http.shutdown()
+        self.runtime.close()
+        return code
+
+    def reform(self, why: str) -> DataPlane:
+        plane = self.runtime.reform(why)
+        self.server.reset(plane, list(self.runtime.assignment.peer_ranks))
+        return plane
+
+    def stop(self) -> None:
+        """From the signal thread: the main thread may be blocked in the data plane, which is left to the exit."""
+        if self.runtime is not None:
+            self.runtime.close(plane=False)
+
+    def _report(self) -> None:
+        server, t = self.server, self.server.timers
+        log.info(
+            "%d steps, %d tokens; compute %.3fs, idle %.3fs",
+            server.steps,
+            server.tokens,
+            t.total("compute"),
+            t.total("idle"),
+        )
+        if self.args.report_file:
+            with open(self.args.report_file, "w") as f:
+                json.dump(
+                    {
+                        "steps": server.steps,
+                        "tokens": server.tokens,
+                        "compute_seconds": t.total("compute"),
+                        "idle_seconds": t.total("idle"),
+                    },
+                    f,
+                )
+
+
+def _exit_on_shutdown(status) -> None:
+    if status is not None and status.state == pb.ClusterStatus.SHUTDOWN:
+        log.info("cluster shut down (%s); exiting", status.message)
+        logging.shutdown()
+        os._exit(0)
