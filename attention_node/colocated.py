@@ -30,19 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_of(args):
     """The configuration of a colocated server: one attention node and no FFN nodes, the flags over the
-    defaults."""
+    defaults (one micro-batch unless told: with the experts in process there is no exchange to hide)."""
     from afd.cluster.flags import overrides_of
     from afd.cluster.local_config import local_config
 
-    return local_config(
-        1,
-        0,
-        overrides_of(args),
-        name="colocated",
-        device=args.device,
-        http_port=args.port or 8000,
-        host=args.host or "127.0.0.1",
-    )
+    sections = overrides_of(args)
+    sections["layout"] = {"micro_batches": 1, **sections.get("layout", {})}
+    host = args.host or "127.0.0.1"
+    return local_config(1, 0, sections, name="colocated", http_port=args.port or 8000, host=host)
 
 
 def run(args) -> int:
@@ -52,7 +47,7 @@ def run(args) -> int:
     from afd.backend import get_backend
     from afd.cluster.topology import resolve_model_path, served_model_name
     from afd.dataplane.exchange import LocalMoE
-    from afd.engine.graph import GraphSettings
+    from afd.engine.factory import build_engine
     from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
     from afd.model.config import parse_dtype
     from afd.model.registry import load_config
@@ -60,7 +55,7 @@ def run(args) -> int:
     from attention_node.api_server import ServerState, build_app
     from attention_node.cluster_mode import UvicornServer
     from attention_node.openai_protocol import Limits
-    from attention_node.setup import build_engine
+    from attention_node.setup import serving_tokenizer
 
     if not args.model:
         print("afd-attention colocated: error: --model is required", file=sys.stderr)
@@ -79,24 +74,19 @@ def run(args) -> int:
     name = served_model_name(cfg.model.path, cfg.model.served_model_name)
     metrics = AttentionMetrics("colocated", name)
     metrics.watch_cluster_state(lambda: 3 if st.draining else 1)  # a cluster of one: READY (1), DRAINING (3)
-    args.chat_template, args.seed = cfg.model.chat_template, cfg.engine.sampling_seed
-    engine, tok, max_len = build_engine(
-        attn,
-        LocalMoE(ffn, backend),
-        path,
-        mcfg,
-        dtype,
-        backend.device,
-        cfg.engine,
-        cfg.model.max_model_len,
-        args,
-        metrics,
-        mtp=mtp,
-        graph=GraphSettings(cfg.layout.graph_mode),
-        backend=backend,
+    tok = serving_tokenizer(cfg, path)
+    engine = build_engine(
+        cfg, attn, LocalMoE(ffn, backend), backend.device, mtp=mtp, backend=backend, metrics=metrics, tokenizer=tok
     )
     st = ServerState(
-        engine, tok, name, path, Limits(max_len, mcfg.vocab_size), metrics, ready=lambda: True, api_key=api_key(args)
+        engine,
+        tok,
+        name,
+        path,
+        Limits(engine.max_model_len, mcfg.vocab_size),
+        metrics,
+        ready=lambda: True,
+        api_key=api_key(args),
     )
     host, port = cfg.attention_nodes[0].host, cfg.attention_nodes[0].ports.http
     server = UvicornServer(

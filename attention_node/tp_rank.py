@@ -12,12 +12,11 @@ import logging
 import threading
 
 from afd.dataplane.transport import PeerError
-from afd.engine.graph import settings_of, wrap
+from afd.engine.factory import build_runner
 from afd.engine.runner import ModelRunner, follow
 from afd.node.args import start_cluster_node
 from afd.node.process import run_node
 from attention_node.node import AttentionNode
-from attention_node.setup import kv_cache_for
 
 log = logging.getLogger("afd.attention")
 
@@ -56,12 +55,8 @@ class TPRankNode(AttentionNode):
 
     def start(self) -> None:
         super().start()
-        rt, cfg = self.runtime, self.cfg
-        kv = kv_cache_for(rt.model_cfg, self.dtype, rt.backend.device, cfg.engine, self.tp.cfg.kvp)
-        attn = wrap(self.attn, kv, settings_of(cfg), self.tp, rt.backend)  # under TP: eager, said once
-        self.runner = ModelRunner(
-            attn, self.moe, kv, rt.backend.device, cfg.layout.micro_batches, cfg.layout.overlap, self.tp
-        )
+        rt = self.runtime  # a KV cache like rank 0's: block tables come from the leader
+        self.runner = build_runner(self.cfg, self.attn, self.moe, rt.backend.device, tp=self.tp, backend=rt.backend)
 
     def serve(self) -> int:
         self.runtime.backend.bind_thread()

@@ -25,7 +25,8 @@ from afd.control.client import ControlError
 from afd.dataplane.transport import PeerError
 from afd.engine import offline
 from afd.engine.engine import IDLE_BACKOFF_MAX, Engine
-from afd.engine.graph import graph_report, settings_of
+from afd.engine.factory import Job, build_engine
+from afd.engine.graph import graph_report
 from afd.engine.messages import IdleStep, LeaveStep, RunJob, RunStep
 from afd.engine.sampling import SamplingParams
 from attention_node.node import AttentionNode
@@ -134,21 +135,15 @@ class OfflineNode(AttentionNode):
 
     def _engine(self, prompts: list[list[int]], per: list[int]) -> Engine:
         """A job's engine over this node's half and exchange: every rank sizes its KV cache alike."""
-        cfg = self.cfg
-        return offline.job_engine(
+        return build_engine(
+            self.cfg,
             self.attn,
             self.moe,
-            prompts,
-            per,
-            self.dtype,
             self.runtime.backend.device,
-            cfg.engine.block_size,
-            cfg.layout.micro_batches,
-            cfg.layout.overlap,
             tp=self.tp,
             mtp=self.halves.mtp,
-            speculative_tokens=cfg.engine.speculative_tokens,
-            graph=settings_of(cfg),
+            backend=self.runtime.backend,
+            job=Job(prompts, per),
         )
 
     # ---- TP ranks > 0 ----------------------------------------------------------------------------

@@ -6,12 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
-import torch
 from hf_reference import PROMPTS
 
 import afd
 from afd.dataplane.exchange import LocalMoE
-from afd.engine import offline
 from afd.engine.membership import PlaneMembership
 from afd.engine.request import Request
 from afd.engine.sampling import SamplingParams
@@ -24,9 +22,7 @@ def llm(tiny_checkpoint):
 
 
 def _engine(llm, metrics=None):
-    eng = offline.job_engine(
-        llm.attn, LocalMoE(llm.ffn, llm.backend), PROMPTS, [8] * len(PROMPTS), torch.float32, llm.backend.device
-    )
+    eng = llm.job_engine(PROMPTS, [8] * len(PROMPTS))
     eng.metrics = metrics
     return eng
 

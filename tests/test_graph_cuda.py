@@ -8,9 +8,7 @@ import torch
 from test_graph_mode import PROMPTS5, N, steps_by_mode
 
 import afd
-from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
-from afd.engine.graph import GraphSettings
 from afd.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -30,16 +28,6 @@ def test_cuda_graphs_with_two_micro_batches_in_flight(tiny_checkpoint):
     ref = afd.LLM(tiny_checkpoint, block_size=16).generate_ids(PROMPTS5, N, ignore_eos=True)
     llm = afd.LLM(tiny_checkpoint, device="cuda", block_size=16)
     per = [N] * len(PROMPTS5)
-    engine = offline.job_engine(
-        llm.attn,
-        LocalMoE(llm.ffn, llm.backend),
-        PROMPTS5,
-        per,
-        llm.dtype,
-        llm.backend.device,
-        16,
-        micro_batches=2,
-        graph=GraphSettings("compile", (4,)),
-    )
+    engine = llm.job_engine(PROMPTS5, per, micro_batches=2, graph_mode="compile", graph_batch_sizes=(4,))
     assert offline.generate(engine, PROMPTS5, per, SamplingParams(), ignore_eos=True) == ref
     assert engine.runner.attn.steps == steps_by_mode(micro_batches=2)

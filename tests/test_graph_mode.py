@@ -15,7 +15,6 @@ from hf_reference import PROMPTS, hf_greedy
 
 import afd
 from afd.backend.cpu import CpuBackend
-from afd.dataplane.exchange import LocalMoE
 from afd.engine import graph, offline
 from afd.engine.sampling import SamplingParams
 
@@ -52,17 +51,8 @@ def steps_by_mode(decode_steps: int = N - 1, layers: int = 2, micro_batches: int
 
 
 def _engine(llm, prompts, settings, micro_batches=1):
-    return offline.job_engine(
-        llm.attn,
-        LocalMoE(llm.ffn, llm.backend),
-        prompts,
-        [N] * len(prompts),
-        llm.dtype,
-        llm.backend.device,
-        llm.block_size,
-        micro_batches,
-        graph=settings,
-    )
+    graph = {} if settings is None else {"graph_mode": settings.mode, "graph_batch_sizes": settings.batch_sizes}
+    return llm.job_engine(prompts, [N] * len(prompts), micro_batches=micro_batches, **graph)
 
 
 def _job(llm, prompts, settings, micro_batches=1):

@@ -19,9 +19,7 @@ from test_npu_fakes import _fresh, _npu_backend, ops, torchair  # noqa: F401  (_
 
 import afd
 import afd.backend
-from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
-from afd.engine.graph import GraphSettings
 from afd.engine.sampling import SamplingParams
 
 N = 7
@@ -31,10 +29,8 @@ PROMPTS = [[5, 6, 7, 8], [1, 40, 41], [60]]  # 3 rows: bucket 4; 4 + N tokens: o
 def _generate(llm, monkeypatch, cache_dir=None):
     # graph mode compiled by the NPU backend (on the fake torchair), over CPU tensors
     monkeypatch.setattr(afd.backend, "get_backend", lambda *a: _npu_backend())
-    settings = None if cache_dir is None else GraphSettings("compile", (4,), cache_dir)
-    engine = offline.job_engine(
-        llm.attn, LocalMoE(llm.ffn, llm.backend), PROMPTS, [N] * 3, llm.dtype, llm.backend.device, 16, graph=settings
-    )
+    graph = {"graph_mode": "compile", "graph_batch_sizes": (4,), "compile_cache_dir": cache_dir} if cache_dir else {}
+    engine = llm.job_engine(PROMPTS, [N] * 3, **graph)
     return offline.generate(engine, PROMPTS, [N] * 3, SamplingParams(), ignore_eos=True), engine.runner.attn
 
 

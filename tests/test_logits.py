@@ -6,7 +6,6 @@ import pytest
 import torch
 from hf_reference import PROMPTS
 
-from afd.dataplane.exchange import LocalMoE
 from afd.engine import offline
 from afd.engine.logits import History, process
 from afd.engine.sampling import SamplingParams
@@ -76,9 +75,7 @@ def test_out_of_range_parameters_are_refused(bad):
 
 
 def _generate(llm, params: SamplingParams, n: int = 8) -> list[int]:
-    eng = offline.job_engine(
-        llm.attn, LocalMoE(llm.ffn, llm.backend), [PROMPTS[1]], [n], torch.float32, llm.backend.device
-    )
+    eng = llm.job_engine([PROMPTS[1]], [n])
     return offline.generate(eng, [PROMPTS[1]], [n], params)[0]
 
 

@@ -141,18 +141,7 @@ def llm(tiny_checkpoint):
 def _job(llm, moe=None, micro_batches: int = 1):
     from hf_reference import PROMPTS
 
-    from afd.dataplane.exchange import LocalMoE
-    from afd.engine import offline
-
-    engine = offline.job_engine(
-        llm.attn,
-        moe or LocalMoE(llm.ffn, llm.backend),
-        PROMPTS,
-        [6] * len(PROMPTS),
-        torch.float32,
-        llm.backend.device,
-        micro_batches=micro_batches,
-    )
+    engine = llm.job_engine(PROMPTS, [6] * len(PROMPTS), moe, micro_batches=micro_batches)
     engine.metrics = AttentionMetrics("attn0", "m")
     return engine, PROMPTS
 

@@ -107,9 +107,7 @@ def test_rejected_drafts_roll_the_kv_cache_back(ckpts):
     llm = afd.LLM(ckpts["longcat_flash"], block_size=4, speculative_tokens=2)
     moe = LocalMoE(llm.ffn, llm.backend)
     per = [NEW_TOKENS] * len(PROMPTS)
-    engine = offline.job_engine(
-        llm.attn, moe, PROMPTS, per, torch.float32, llm.backend.device, 4, mtp=llm.mtp, speculative_tokens=2
-    )
+    engine = llm.job_engine(PROMPTS, per, moe)
     out: list[list[int]] = [[] for _ in PROMPTS]
     for i, p in enumerate(PROMPTS):
         engine.add_request(
@@ -124,9 +122,7 @@ def test_rejected_drafts_roll_the_kv_cache_back(ckpts):
     want = afd.LLM(ckpts["longcat_flash"], block_size=4).generate_ids(PROMPTS, NEW_TOKENS)
     assert out == want
     # a cache that holds the longest request alone: the scheduler preempts, drafts and all
-    small = offline.job_engine(
-        llm.attn, moe, PROMPTS[:1], per[:1], torch.float32, llm.backend.device, 4, mtp=llm.mtp, speculative_tokens=2
-    )
+    small = llm.job_engine(PROMPTS[:1], per[:1], moe)
     small.scheduler.max_num_seqs = len(PROMPTS)
     small.scheduler.max_tokens = 64
     got = offline.generate(small, PROMPTS, per, SamplingParams())

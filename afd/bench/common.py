@@ -64,42 +64,31 @@ class Run:
 
 
 class Colocated:
-    """Both halves of one model in this process (built once, reused across rounds)."""
+    """Both halves of one model in this process (built once, reused across rounds): an afd.LLM's."""
 
     def __init__(self, model_dir: str, dummy_weights: bool = False, seed: int = 0):
-        import torch
+        from afd.engine.llm import LLM
 
-        from afd.backend import get_backend
-        from afd.model.checkpoint import build_attention_half, build_ffn_half, open_reader
-        from afd.model.registry import load_config
-
-        self.cfg, self.backend = load_config(model_dir), get_backend("cpu")
-        dev = self.backend.device
-        self.attn = build_attention_half(self.cfg, open_reader(model_dir, dummy_weights, seed), torch.float32, dev)
-        self.ffn = build_ffn_half(self.cfg, open_reader(model_dir, dummy_weights, seed), torch.float32, dev)
+        self.llm = LLM(model_dir, dummy_weights=dummy_weights, seed=seed)
+        self.cfg, self.backend, self.attn, self.ffn = self.llm.cfg, self.llm.backend, self.llm.attn, self.llm.ffn
 
     def generate(self, prompts: list[list[int]], new_tokens: int, threads: int, graph=None) -> Run:
         """Greedy, EOS ignored, with torch using `threads` threads (restored afterwards); graph: graph mode's
         settings (afd.engine.graph.GraphSettings; None: eager)."""
         import torch
 
-        from afd.dataplane.exchange import LocalMoE
         from afd.engine import offline
         from afd.engine.sampling import SamplingParams
 
+        options = {"graph_mode": "eager"}
+        if graph is not None:
+            options = {"graph_mode": graph.mode, "graph_batch_sizes": graph.batch_sizes}
+            options |= {"compile_cache_dir": graph.cache_dir} if graph.cache_dir else {}
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
             per = [new_tokens] * len(prompts)
-            engine = offline.job_engine(
-                self.attn,
-                LocalMoE(self.ffn, self.backend),
-                prompts,
-                per,
-                torch.float32,
-                self.backend.device,
-                graph=graph,
-            )
+            engine = self.llm.job_engine(prompts, per, **options)
             steps: list[dict] = []
             t0 = time.perf_counter()
             out = offline.generate(

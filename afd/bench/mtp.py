@@ -157,7 +157,6 @@ class _Colocated:
         import torch
 
         import afd
-        from afd.dataplane.exchange import LocalMoE
         from afd.engine import offline
         from afd.engine.sampling import SamplingParams
 
@@ -168,19 +167,7 @@ class _Colocated:
         before = torch.get_num_threads()
         torch.set_num_threads(1)  # one core, as each AFD node gets
         try:
-            engine = offline.job_engine(
-                llm.attn,
-                LocalMoE(llm.ffn, llm.backend),
-                prompts,
-                per,
-                llm.dtype,
-                llm.backend.device,
-                llm.block_size,
-                llm.micro_batches,
-                llm.overlap,
-                mtp=llm.mtp,
-                speculative_tokens=n,
-            )
+            engine = llm.job_engine(prompts, per, speculative_tokens=n)
             steps: list[dict] = []
             out = offline.generate(
                 engine, prompts, per, SamplingParams(), ignore_eos=True, on_step=lambda s: steps.append(s.report())

@@ -1,7 +1,7 @@
 """Graph mode: the attention half's decode layers as compiled graphs, one per batch-size bucket.
 
 `layout.graph_mode: compile` (or the backend's default) wraps the attention half where a runner is built
-(afd.engine.offline.job_engine, attention_node/setup.py, attention_node/tp_rank.py) in a GraphHalf
+(afd.engine.factory.build_runner, for every path) in a GraphHalf
 (afd/engine/graph_half.py), which the runner cannot tell from the half itself. Under attention TP (and so
 KVP) the half stays eager: its collectives inside the graphs are future work.
 """

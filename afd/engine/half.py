@@ -7,9 +7,11 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.config import ModelConfig
+from afd.model.mtp import MTPLayer
 
 
 class AttentionHalf(Protocol):
@@ -27,31 +29,11 @@ class AttentionHalf(Protocol):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor: ...
 
-    def norm(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def lm_head(self, x: torch.Tensor) -> torch.Tensor: ...
+    norm: nn.Module
+    lm_head: nn.Module
 
     def prefetch_weights(self, i: int, phase: str) -> list[torch.Tensor]: ...
 
 
-class MTPBlock(Protocol):
-    """A family's decoder block as the MTP module holds it: pre_moe / post_moe over its own KV layer."""
-
-    def pre_moe(
-        self, x: torch.Tensor, rope: Any, meta: AttentionMetadata, kv: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
-
-    def post_moe(
-        self, h: torch.Tensor, m: torch.Tensor | None, rope: Any, meta: AttentionMetadata, kv: torch.Tensor
-    ) -> torch.Tensor: ...
-
-
-class MTPModule(Protocol):
-    block: MTPBlock
-    moe_layer: int | None
-
-    def fuse(self, e: torch.Tensor, h: torch.Tensor) -> torch.Tensor: ...
-
-    def norm(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]: ...
+MTPModule = MTPLayer
+"""The MTP module the runner drafts with: afd.model.mtp's, which no wrapper stands in for."""

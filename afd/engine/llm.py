@@ -9,13 +9,15 @@ from typing import Any
 
 from afd.backend import get_backend
 from afd.cluster.config import ClusterConfig
-from afd.cluster.flags import flat_overrides
+from afd.cluster.flags import flat_overrides, with_overrides
 from afd.cluster.local import LocalCluster
 from afd.cluster.local_config import local_config
 from afd.cluster.local_spec import LocalClusterSpec, reports_logits
 from afd.cluster.topology import resolve_model_path
-from afd.dataplane.exchange import LocalMoE
+from afd.dataplane.exchange import LocalMoE, MoEExchange
 from afd.engine import offline
+from afd.engine.engine import Engine
+from afd.engine.factory import Job, build_engine
 from afd.engine.graph import GraphSettings, graph_report
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import load_tokenizer
@@ -156,24 +158,27 @@ class LLM:
             if self.speculative_tokens:
                 self.spec_decode = _add_counters([r["spec_decode"] for r in reports])
             return out
-        engine = offline.job_engine(
-            self.attn,
-            LocalMoE(self.ffn, self.backend),
-            prompt_token_ids,
-            per,
-            self.dtype,
-            self.backend.device,
-            self.block_size,
-            self.micro_batches,
-            self.overlap,
-            mtp=self.mtp,
-            speculative_tokens=self.speculative_tokens,
-            graph=self.graph,
-        )
+        engine = self.job_engine(prompt_token_ids, per)
         out = offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out, progress=progress)
         self.graph_report = graph_report(engine.runner.attn)
         self.spec_decode = engine.spec.stats.report() if engine.spec else None
         return out
+
+    def job_engine(
+        self, prompts: list[list[int]], max_tokens: list[int], moe: MoEExchange | None = None, **options: Any
+    ) -> Engine:
+        """A colocated LLM's engine for one job (afd.engine.factory.build_engine over this LLM's halves):
+        `options` are config fields over the LLM's own (e.g. micro_batches=2, graph_mode="compile"); `moe`
+        another exchange than the in-process experts."""
+        cfg = with_overrides(self.config, flat_overrides(options)) if options else self.config
+        return build_engine(
+            cfg,
+            self.attn,
+            moe or LocalMoE(self.ffn, self.backend),
+            self.backend.device,
+            mtp=self.mtp if cfg.engine.speculative_tokens else None,
+            job=Job(prompts, max_tokens),
+        )
 
     _local: LocalCluster | None = None
     """The node processes of a multi-process LLM: started by the first generate(), kept until close()."""

@@ -11,20 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from afd.backend.base import bind_device
-from afd.dataplane.exchange import MoEExchange
 from afd.engine.engine import Engine, StepStats
-from afd.engine.graph import GraphSettings, scratch_blocks, wrap
-from afd.engine.kv_cache import KVCache, blocks_needed
 from afd.engine.request import Request, RequestOutput
-from afd.engine.runner import ModelRunner
 from afd.engine.sampling import SamplingParams
-from afd.engine.scheduler import Scheduler
 from afd.model.config import ModelConfig
 from afd.model.progress import Progress
-from afd.model.tp.comm import SINGLE, TPComm
 
 
 def validate_prompts(cfg: ModelConfig, prompts, max_tokens) -> list[int]:
@@ -48,43 +40,6 @@ def validate_prompts(cfg: ModelConfig, prompts, max_tokens) -> list[int]:
                 f"context length of {cfg.max_position_embeddings} tokens"
             )
     return per
-
-
-def job_engine(
-    attn,
-    moe: MoEExchange,
-    prompts: list[list[int]],
-    max_tokens: list[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    block_size: int = 16,
-    micro_batches: int = 1,
-    overlap: bool = True,
-    eos_ids: tuple[int, ...] | None = None,
-    tp: TPComm = SINGLE,
-    mtp=None,
-    speculative_tokens: int = 0,
-    graph: GraphSettings | None = None,
-) -> Engine:
-    """An engine whose KV cache and batch limits hold exactly this job (the same on every TP rank, which
-    all size it from the same prompts). mtp, speculative_tokens: MTP speculative decoding (drafts stay
-    within each prompt's max_tokens, so the cache holds them too). graph: graph mode (afd.engine.graph)."""
-    cfg, N = attn.cfg, tp.cfg.kvp
-    # with KVP, pool k must hold blocks k, k + N, ... of every sequence: pool 0 the most
-    blocks = max(1, sum(-(-blocks_needed(len(p) + n, block_size) // N) for p, n in zip(prompts, max_tokens)))
-    kv = KVCache(cfg, N * blocks + scratch_blocks(graph, tp, device), block_size, dtype, device, N)
-    attn = wrap(attn, kv, graph, tp)  # graph mode (layout.graph_mode): the scratch block came from the cache
-    runner = ModelRunner(attn, moe, kv, device, micro_batches, overlap, tp, mtp if speculative_tokens else None)
-    budget = max(1, sum(len(p) for p in prompts), len(prompts) * (1 + speculative_tokens))  # a decode step's drafts
-    scheduler = Scheduler(kv, max(1, len(prompts)), budget)
-    return Engine(
-        runner,
-        scheduler,
-        None,
-        cfg.eos_token_ids if eos_ids is None else eos_ids,
-        cfg.max_position_embeddings,
-        speculative_tokens=speculative_tokens,
-    )
 
 
 def generate(

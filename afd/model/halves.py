@@ -55,6 +55,11 @@ class AttentionHalf(LoadedModule):
 
     Its parameter names are the checkpoint's (the family's weights.py maps them)."""
 
+    norm: nn.Module
+    """The final norm (MTP drafting reads the main model's hidden state after it)."""
+    lm_head: nn.Module
+    """The head: hidden states -> vocabulary logits (MTP drafts through it too)."""
+
     supports_tp: ClassVar[bool] = False
     """afd.model.tp.shard can cut this half across the ranks of a TP group (its layers are the kinds
     shard knows: MLA and dense MLPs). Read by afd.model.tp.shard and afd.engine.llm (which refuses

@@ -1,0 +1,133 @@
+"""The one place an engine is put together from a configuration: KV cache, graph mode, runner, scheduler.
+
+Serving sizes the KV cache from `engine.kv_cache_bytes` and takes its limits from the config; an offline
+job (`Job`) gets a cache and limits that hold exactly the job, so every prompt prefills in the first step
+and nothing is preempted. Every path that runs a model builds here: the serving node, the colocated
+server, the offline worker, `afd.LLM` and the benchmarks (TP ranks > 0 build only the runner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from afd.backend.base import Backend
+from afd.cluster.schema import ClusterConfig, EngineSection
+from afd.dataplane.exchange import MoEExchange
+from afd.engine.engine import Engine
+from afd.engine.graph import scratch_blocks, settings_of, wrap
+from afd.engine.half import AttentionHalf, MTPModule
+from afd.engine.kv_cache import CacheConfig, KVCache, blocks_needed
+from afd.engine.runner import ModelRunner
+from afd.engine.scheduler import Scheduler
+from afd.engine.tokenizer import Tokenizer
+from afd.model.config import ModelConfig, parse_dtype
+from afd.model.tp.comm import SINGLE, TPComm
+from afd.observability.metrics import AttentionMetrics
+
+log = logging.getLogger("afd.engine")
+
+
+@dataclass(frozen=True)
+class Job:
+    """An offline job: its prompts and their max_tokens size the engine (the same on every TP rank)."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+
+def build_runner(
+    cfg: ClusterConfig,
+    attn: AttentionHalf,
+    moe: MoEExchange | None,
+    device: torch.device,
+    *,
+    tp: TPComm = SINGLE,
+    mtp: MTPModule | None = None,
+    backend: Backend | None = None,
+    job: Job | None = None,
+    metrics: AttentionMetrics | None = None,
+) -> ModelRunner:
+    """The runner over a KV cache sized for `job`, or from the budget; the half in graph mode's wrapper
+    when the config asks for it (the scratch block comes from the same cache)."""
+    mcfg, dtype, N = attn.cfg, parse_dtype(cfg.model.dtype), tp.cfg.kvp
+    eng, graph = cfg.engine, settings_of(cfg)
+    if job is not None:  # with KVP, pool k holds blocks k, k + N, ... of every sequence: pool 0 the most
+        need = (blocks_needed(len(p) + n, eng.block_size) for p, n in zip(job.prompts, job.max_tokens))
+        blocks = N * max(1, sum(-(-b // N) for b in need)) + scratch_blocks(graph, tp, device)
+    else:
+        budget = _without_mtp_layer(eng, mcfg, mtp if eng.speculative_tokens else None)
+        per_rank = CacheConfig(block_size=eng.block_size, memory_budget_bytes=budget.kv_cache_bytes)
+        blocks = N * per_rank.resolve_num_blocks(mcfg, dtype.itemsize)
+    kv = KVCache(mcfg, blocks, eng.block_size, dtype, device, N)
+    half = wrap(attn, kv, graph, tp, backend)
+    if metrics is not None:
+        metrics.watch_graph(half)
+        metrics.watch_kv_ranks(kv.allocator)
+    lay, draft = cfg.layout, mtp if eng.speculative_tokens else None
+    return ModelRunner(half, moe, kv, device, lay.micro_batches, lay.overlap, tp, draft)
+
+
+def build_engine(
+    cfg: ClusterConfig,
+    attn: AttentionHalf,
+    moe: MoEExchange,
+    device: torch.device,
+    *,
+    tp: TPComm = SINGLE,
+    mtp: MTPModule | None = None,
+    backend: Backend | None = None,
+    job: Job | None = None,
+    metrics: AttentionMetrics | None = None,
+    tokenizer: Tokenizer | None = None,
+    eos_ids: tuple[int, ...] | None = None,
+) -> Engine:
+    """The engine of `cfg` over an attention half and its MoE exchange (remote, or LocalMoE colocated).
+    Serving: limits from `cfg.engine`, and max_model_len the smaller of `model.max_model_len` (else the
+    model's) and what the KV cache holds. A job: limits that schedule it whole. EOS ids: the tokenizer's,
+    else the model config's, unless given."""
+    mcfg: ModelConfig = attn.cfg
+    eng = cfg.engine
+    runner = build_runner(cfg, attn, moe, device, tp=tp, mtp=mtp, backend=backend, job=job, metrics=metrics)
+    kv = runner.kv
+    if job is not None:
+        tokens = max(1, sum(len(p) for p in job.prompts), len(job.prompts) * (1 + eng.speculative_tokens))
+        scheduler = Scheduler(kv, max(1, len(job.prompts)), tokens)
+        max_len = mcfg.max_position_embeddings
+    else:
+        scheduler = Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens)
+        num_blocks = kv.allocator.num_free  # what requests can have (graph mode's scratch block is taken)
+        max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d",
+            num_blocks,
+            eng.block_size,
+            kv.data.numel() * kv.data.element_size() / 2**20,
+            max_len,
+        )
+    if eos_ids is None:
+        eos_ids = tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else None
+    return Engine(
+        runner,
+        scheduler,
+        tokenizer,
+        eos_ids or mcfg.eos_token_ids,
+        max_len,
+        metrics,
+        eng.speculative_tokens,
+    )
+
+
+def _without_mtp_layer(eng: EngineSection, mcfg: ModelConfig, mtp: MTPModule | None) -> EngineSection:
+    """The budget left for the main model's layers once the MTP block's cache layer (as many blocks) has
+    its share."""
+    if mtp is None:
+        return eng
+    main, extra = (
+        math.prod(shape) for shape in (mcfg.kv_cache_shape(1, eng.block_size), mtp.kv_cache_shape(1, eng.block_size))
+    )
+    return dataclasses.replace(eng, kv_cache_bytes=eng.kv_cache_bytes * main // (main + extra))
