@@ -24,12 +24,17 @@ from afd.cluster.jobs import STOP, jobs_of
 from afd.control.client import ControlError
 from afd.dataplane.transport import PeerError
 from afd.engine import offline
-from afd.engine.engine import IDLE_BACKOFF_MAX, Engine
+from afd.engine.engine import Engine
 from afd.engine.factory import Job, build_engine
 from afd.engine.graph import graph_report
 from afd.engine.messages import IdleStep, LeaveStep, RunJob, RunStep
 from afd.engine.sampling import SamplingParams
 from attention_node.node import AttentionNode
+
+JOB_WAIT_BACKOFF_MAX = 0.25
+"""Seconds at most between idle steps while no job is queued: a kept cluster (afd.LLM between generate()
+calls, a test's shared cluster) then costs little CPU on the cores the running work needs, for at most
+this much delay before the next job starts. (While a job runs, other nodes' steps pace this one.)"""
 
 log = logging.getLogger("afd.attention")
 
@@ -85,7 +90,7 @@ class OfflineNode(AttentionNode):
                 break
             if job is None:  # between jobs: the FFN nodes still hear from this node every step
                 busy = self._idle()
-                backoff = 0.0 if busy else min(IDLE_BACKOFF_MAX, max(0.001, 2 * backoff))
+                backoff = 0.0 if busy else min(JOB_WAIT_BACKOFF_MAX, max(0.001, 2 * backoff))
                 time.sleep(backoff)
                 continue
             self.jobs.put_result(n, self._run(job))
