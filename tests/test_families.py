@@ -125,18 +125,20 @@ def test_colocated_greedy_tokens_and_logits_match_hf(families, family, name):
     )
 
 
+def _across_processes() -> list:
+    """(family, A, F, overlap, micro_batches) cases. The default suite runs 1A1F for the families whose
+    offline worker no other default case runs (LongCat-Flash's 1A1F is tests/test_dataplane.py's); the
+    other layouts, and LongCat's, run in make test-slow."""
+    layouts = [(1, 1, True, 1), (2, 1, False, 1), (1, 2, True, 2)]  # 1A2F: the experts split over two nodes
+    return [
+        pytest.param(family, *lay, marks=[pytest.mark.slow] if lay[:2] != (1, 1) or family == "longcat_flash" else [])
+        for family in FAMILIES
+        for lay in layouts
+    ]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "A,F,overlap,micro_batches",
-    [
-        # slow: the default suite's 1A1F run per family is `afd serve` below; LongCat's offline 1A1F is
-        # also tests/test_dataplane.py's default case
-        pytest.param(1, 1, True, 1, marks=pytest.mark.slow),
-        pytest.param(2, 1, False, 1, marks=pytest.mark.slow),
-        pytest.param(1, 2, True, 2, marks=pytest.mark.slow),  # the experts split over two FFN nodes
-    ],
-)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family,A,F,overlap,micro_batches", _across_processes())
 def test_afd_across_processes_equals_hf(families, family, A, F, overlap, micro_batches):
     """afd.LLM's offline worker on node processes: greedy tokens and every step's logits."""
     name = FAMILIES[family].multi
