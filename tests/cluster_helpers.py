@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.request
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from afd.cluster.processes import ClusterError, NodeProcesses, node_command
+from afd.cluster.processes import ClusterError, NodeProcesses, free_ports, node_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,18 +23,6 @@ def skip_unless_ci_installs(reason: str) -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(f"CI=true but {reason}")
     pytest.skip(reason)
-
-
-def free_ports(n: int) -> list[int]:
-    socks, ports = [], []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-        ports.append(s.getsockname()[1])
-    for s in socks:
-        s.close()
-    return ports
 
 
 def cluster_yaml(tmp: Path, model_path: str, attention: int = 1, ffn: int = 1, name: str = "test", **sections) -> Path:

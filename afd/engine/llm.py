@@ -18,7 +18,7 @@ from afd.dataplane.exchange import LocalMoE, MoEExchange
 from afd.engine import offline
 from afd.engine.engine import Engine
 from afd.engine.factory import Job, build_engine
-from afd.engine.graph import GraphSettings, graph_report
+from afd.engine.graph import graph_report
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import load_tokenizer
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
@@ -80,7 +80,6 @@ class LLM:
         self.config = local_config(A, F, sections, name="local-job", threads=1)
         """The job's configuration (a cluster YAML's: afd.cluster.schema)."""
         model, lay, eng = self.config.model.path, self.config.layout, self.config.engine
-        self.graph = GraphSettings(lay.graph_mode, eng.graph_batch_sizes, eng.compile_cache_dir)
         self.graph_report: dict | None = None
         """The last generate()'s graph-mode counters (afd.engine.graph.graph_report; attention node 0's)."""
         self.speculative_tokens = eng.speculative_tokens
@@ -88,8 +87,6 @@ class LLM:
         self.cfg = load_config(model)
         self.tokenizer = load_tokenizer(model)
         self.dtype = parse_dtype(self.config.model.dtype)
-        self.block_size = eng.block_size
-        self.overlap, self.micro_batches = lay.overlap, lay.micro_batches
         self.cluster = None if colocated and lay.attention_tp == 1 else _cluster_spec(self.config)
         if self.speculative_tokens:
             family_mtp(self.cfg)  # refuses a family without an MTP module here, not in a node process
