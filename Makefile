@@ -7,7 +7,8 @@ STAMP := $(VENV)/.afd-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # make test's workers (pytest-xdist): most cases wait on node processes starting up, so two workers finish the
-# suite in ~6 minutes on 2 cores where one took ~8.5. PYTEST_WORKERS=0 runs it in this process.
+# suite in ~6 minutes on 2 cores where one took ~8.5; the few cases that compare time shares (`serial`) run
+# after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
@@ -23,7 +24,8 @@ $(STAMP): pyproject.toml
 
 test: setup lint typecheck
 	@command -v prometheus >/dev/null || echo "note: prometheus is not installed; its end-to-end test will skip (install: bash .ci/prometheus.sh, or apt-get install prometheus)"
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not serial" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS)
 
 # schemathesis against /openapi.json of a demo cluster for FUZZ_SECONDS: no 5xx, nothing off-schema, and
 # the cluster answers as before afterwards. CI runs it after `make test`.
