@@ -8,7 +8,7 @@ from hf_reference import PROMPTS
 
 from afd.engine import offline
 from afd.engine.logits import History, process
-from afd.engine.sampling import SamplingParams
+from afd.engine.sampling import GREEDY_BELOW, Sampler, SamplingParams
 
 V = 50
 PROMPT, OUTPUT = [3, 7, 7, 12], [7, 20, 20, 20, 41]
@@ -72,6 +72,19 @@ def test_presence_and_frequency_penalties_follow_openais_formula():
 def test_out_of_range_parameters_are_refused(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def test_extreme_penalty_and_temperature_sample_the_limit_not_nan():
+    """The fuzzer's case: repetition_penalty 9.8e-270 turns every seen token's positive logit into
+    +inf; sampling must draw among those tokens (the limit), not raise on NaN probabilities."""
+    sampler = Sampler()
+    logits = torch.tensor([[2.0, -1.0, 3.0, 1.0, 30.0]])
+    hist = History(prompt_ids=[0, 1, 2], output_ids=[])
+    p = SamplingParams(temperature=1.0, repetition_penalty=9.768669705132132e-270, seed=0)
+    drawn = {sampler.sample(logits, [p], ["r"], [hist])[0] for _ in range(40)}
+    assert drawn == {0, 2}  # the seen tokens with positive logits, now tied at the float32 maximum
+    cold = SamplingParams(temperature=GREEDY_BELOW, seed=0)  # 1e38 / 1e-5 overflows too
+    assert sampler.sample(torch.tensor([[1e38, 0.0, 3e38]]), [cold], ["c"])[0] in (0, 2)
 
 
 def _generate(llm, params: SamplingParams, n: int = 8) -> list[int]:

@@ -125,7 +125,9 @@ class Sampler:
     def _probs(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         """The distribution a token is drawn from: temperature, then top-k and top-p, [V] on the CPU
         (one row is cheap to move, and the per-request generators live there)."""
-        logits = logits.float().cpu() / p.temperature
+        # An extreme repetition penalty (1e-270) or a small temperature can overflow a logit to +inf,
+        # and softmax over +inf is NaN; the largest finite float keeps the limit (those tokens tie).
+        logits = (logits.float().cpu() / p.temperature).clamp(max=torch.finfo(torch.float32).max)
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
