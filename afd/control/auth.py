@@ -59,12 +59,22 @@ def server_credentials(tls: dict | None):
     )
 
 
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+"""A node started before its coordinator retries registering every 0.3 s, but a gRPC channel that failed to
+connect waits out its own reconnect backoff first (1 s, then growing to 120 s by default): a node would join
+seconds after the coordinator came up, and a replacement after a re-form later still."""
+
+
 def channel(address: str, tls: dict | None) -> grpc.Channel:
     if not tls:
-        return grpc.insecure_channel(address)
+        return grpc.insecure_channel(address, options=RECONNECT_OPTIONS)
     creds = grpc.ssl_channel_credentials(
         root_certificates=_read(tls["ca"]) if tls.get("ca") else None,
         private_key=_read(tls["key"]) if tls.get("key") else None,
         certificate_chain=_read(tls["cert"]) if tls.get("cert") else None,
     )
-    return grpc.secure_channel(address, creds)
+    return grpc.secure_channel(address, creds, options=RECONNECT_OPTIONS)
