@@ -73,14 +73,13 @@ def add_parser(sub) -> None:
 
 def _checkpoint_keys(cfg) -> dict[str, tuple[int, ...]]:
     """Every key afd reads from a checkpoint of cfg (both halves, all experts, the MTP module) -> shape."""
-    import torch
-
+    from afd.model.meta import on_meta
     from afd.model.mtp import family_mtp
     from afd.model.registry import family
 
     fam = family(cfg.model_type)
     names = fam.name_map
-    with torch.device("meta"):
+    with on_meta():
         parts = [
             (fam.attention_half(cfg), names.attention_weights),
             (fam.ffn_half(cfg), names.ffn_weights),

@@ -20,6 +20,7 @@ import torch
 from afd.model.config import ModelConfig
 from afd.model.experts import Experts
 from afd.model.halves import AttentionHalf, FFNHalf, LoadedModule
+from afd.model.meta import materialize, on_meta
 from afd.model.progress import Progress
 from afd.model.registry import family
 
@@ -206,7 +207,7 @@ def _build(
     dtype: torch.dtype,
     device: torch.device,
 ) -> M:
-    module = module.to_empty(device="cpu")  # fp32: every checkpoint dtype loads into it exactly
+    module = materialize(module)  # fp32: every checkpoint dtype loads into it exactly
     _load(list(weights(module)), reader, desc)
     _cast(module, dtype, device)
     module = module.eval().requires_grad_(False)
@@ -221,7 +222,7 @@ def _build(
 def build_attention_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> AttentionHalf:
     """cfg's family's attention half, with its weights from `reader` (and no other tensor read)."""
     fam = family(cfg.model_type)
-    with torch.device("meta"):
+    with on_meta():
         model = fam.attention_half(cfg)
     return _build(model, fam.name_map.attention_weights, reader, "loading attention weights", dtype, device)
 
@@ -242,7 +243,7 @@ def build_ffn_half(
 
     kw = {"mtp": True} if mtp and mtp_moe_layers(cfg) else {}
     fam = family(cfg.model_type)
-    with torch.device("meta"):
+    with on_meta():
         model = fam.ffn_half(cfg, lo, hi, serves_zero, **kw)  # `mtp`: MTP families only
     return _build(model, fam.name_map.ffn_weights, reader, "loading expert weights", dtype, device)
 
@@ -253,6 +254,6 @@ def build_mtp_layer(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device
     from afd.model.mtp import family_mtp
 
     mtp = family_mtp(cfg)
-    with torch.device("meta"):
+    with on_meta():
         model = mtp.build(cfg)
     return _build(model, family(cfg.model_type).name_map.mtp_weights, reader, "loading MTP weights", dtype, device)
