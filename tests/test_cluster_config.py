@@ -442,6 +442,20 @@ def test_print_commands_one_per_node():
     ]
 
 
+def test_commands_that_only_read_a_yaml_never_import_torch():
+    """`afd --help` and `afd launch --print-commands` answer in a fraction of a second (torch's import alone
+    takes seconds): every subcommand registers itself, so none may import torch at module level. `afd serve`
+    decides its device (`auto`) and writes its YAML before its nodes start, without torch too: its node
+    processes then import torch at once, instead of after it."""
+    for argv in (["launch", "deploy/2a1f.yaml", "--print-commands"], ["serve", "demo", "--print-config"]):
+        code = (
+            f"import sys; from afd.cli import main; rc = main({argv!r}); "
+            "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+        )
+        r = subprocess.run([sys.executable, "-c", code], timeout=120, cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, (argv, r.stderr)
+
+
 def test_the_ascend_example_shows_what_print_commands_prints():
     r = afd("launch", "deploy/ascend-multihost.yaml", "--print-commands")
     assert r.returncode == 0, r.stderr

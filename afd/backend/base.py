@@ -6,6 +6,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from afd.backend.devices import DeviceUnavailable  # noqa: F401 (the backends raise it)
+
 
 def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """One GEMM per non-empty group over its contiguous row slice of x (reads the sizes on the host)."""
@@ -55,10 +57,6 @@ class PeerError(RuntimeError):
     def __init__(self, message: str, peer: int | None = None):
         super().__init__(message)
         self.peer = peer
-
-
-class DeviceUnavailable(ValueError):
-    """The device asked for is not on this machine (said in one line, not a traceback)."""
 
 
 class Backend(ABC):

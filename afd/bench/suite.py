@@ -17,7 +17,6 @@ import time
 
 from afd.bench.common import Colocated, interleaved, median, run_afd, synthetic_prompts, write_config
 from afd.bench.gemm import _print_gemm, section_gemm
-from afd.bench.prefetch import format_prefetch, run_prefetch_bench
 from afd.bench.step import BENCH_CONFIG, _summarize
 from afd.cluster.flags import DefaultsHelpFormatter
 
@@ -269,8 +268,16 @@ def _print_scaling(res: dict) -> None:
         )
 
 
+def _print_prefetch(results: dict) -> None:
+    from afd.bench.prefetch import format_prefetch
+
+    print("\n### FFN weight prefetch on CPU (1 thread, 8 layers)\n\n" + format_prefetch(results))
+
+
 def section_prefetch(args, tmp: str) -> dict:
     tokens = (8,) if args.quick else (8, 32)
+    from afd.bench.prefetch import run_prefetch_bench  # imports torch: not for `afd --help`
+
     return run_prefetch_bench(tokens, repeats=2 if args.quick else 2 * args.repeats, num_layers=4 if args.quick else 8)
 
 
@@ -306,7 +313,7 @@ def run(args) -> int:
         "gemm": _print_gemm,
         "decode": _print_decode,
         "scaling": _print_scaling,
-        "prefetch": lambda r: print("\n### FFN weight prefetch on CPU (1 thread, 8 layers)\n\n" + format_prefetch(r)),
+        "prefetch": _print_prefetch,
     }
     for s in sections:
         printers[s](results[s])

@@ -8,13 +8,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import TYPE_CHECKING
 
-import torch
-
-from afd.model.checkpoint import DummyReader
-from afd.model.config import ModelConfig
 from afd.model.demo_config import DEMO_CONFIG  # noqa: F401 (re-exported)
-from afd.model.registry import config_from_hf, family
+
+if TYPE_CHECKING:
+    import torch
+
+    from afd.model.config import ModelConfig
 
 # Written by hand for the demo tokenizer's merges: a byte-level BPE needs some text to learn from,
 # and an embedded one keeps the build offline and the ids identical on every machine.
@@ -115,9 +116,16 @@ def default_cache_dir() -> str:
 
 def checkpoint_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     """Every tensor of a hub-layout checkpoint for `cfg`, from the same generator as dummy weights."""
+    # here, not at the top: `afd serve demo` finds the checkpoint made without importing torch
+    import torch
+
+    from afd.model.checkpoint import DummyReader
+    from afd.model.meta import on_meta
+    from afd.model.registry import family
+
     reader = DummyReader(seed)
     fam = family(cfg.model_type)
-    with torch.device("meta"):
+    with on_meta():
         attn, ffn = fam.attention_half(cfg), fam.ffn_half(cfg)
     halves = [(attn, fam.name_map.attention_weights), (ffn, fam.name_map.ffn_weights)]
     out = {key: reader.get(key, shape) for half, name_map in halves for w in name_map(half) for key, shape in w.sources}
@@ -130,6 +138,8 @@ def write_checkpoint(path: str, hf_config: dict, seed: int = 0) -> str:
     """Writes config.json, model.safetensors and (when the vocabulary can hold one) the demo tokenizer
     to `path` (atomically: a half-written one never stays)."""
     from safetensors.torch import save_file
+
+    from afd.model.registry import config_from_hf
 
     cfg = config_from_hf(hf_config)
     tmp = f"{path}.tmp-{os.getpid()}"  # per process: two nodes may make the demo at once
