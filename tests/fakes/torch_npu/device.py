@@ -6,6 +6,15 @@ What is real: the device type. torch_npu renames PyTorch's PrivateUse1 backend t
 A CPU tensor meeting an npu tensor in one op fails as it does on the device, and `.tolist()` on an
 npu tensor is a device-to-host copy (counted: `STATS["host_reads"]`).
 
+What is counted: host syncs (`STATS["host_syncs"]`, by kind in `host_sync_sites`), every call after which
+the host has waited for device work: a device-to-host read, `synchronize()` of a stream, an event or the
+device, a blocking communication wait (hccl.py), and a host-to-device copy unless it is `non_blocking` from
+pinned memory. PyTorch's copy (aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda) synchronizes the stream
+after a copy that is not non_blocking; and CUDA stages a non_blocking copy from pageable memory through a
+stream sync ("API synchronization behavior", CUDA Runtime API); torch_npu's copy follows the same rules.
+Pinning cannot be real here (PrivateUse1's Python hooks, torch._C._acc.PrivateUse1Hooks, offer no pinned
+allocator), so `Tensor.pin_memory()` marks the tensor and `is_pinned()` reads the mark.
+
 What is modelled: streams. Every op runs on the issuing thread's current stream of its tensors'
 device (per thread and per device, as in c10's CUDA and torch_npu's NPU stream pools). Each stream
 keeps a vector clock; events carry a copy; `wait_event` merges it. Every storage remembers its last
@@ -25,12 +34,14 @@ import contextlib
 import itertools
 import os
 import threading
+import time
+import weakref
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 DEVICE_COUNT = int(os.environ.get("AFD_FAKE_NPU_COUNT", "8"))
-STATS = {"ops": 0, "host_reads": 0, "hazards": [], "unbound": []}
+STATS = {"ops": 0, "host_reads": 0, "host_syncs": 0, "host_sync_sites": {}, "hazards": [], "unbound": []}
 _lock = threading.RLock()
 _local = threading.local()
 
@@ -96,6 +107,7 @@ class Stream:
         return event
 
     def synchronize(self) -> None:
+        host_sync("Stream.synchronize")
         _host_waits(self)
 
     def query(self) -> bool:
@@ -106,6 +118,8 @@ class Event:
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         self.clock: dict[int, int] = {}
         self.device_index: int | None = None
+        self.enable_timing = enable_timing
+        self.time: float | None = None
 
     def record(self, stream: Stream | None = None) -> None:
         if stream is None:
@@ -114,15 +128,30 @@ class Event:
         with _lock:
             self.clock = dict(stream.clock)
             self.device_index = stream.device_index
+            self.time = time.perf_counter()
 
     def wait(self, stream: Stream | None = None) -> None:
         (stream or current_stream()).wait_event(self)
 
     def synchronize(self) -> None:
-        pass
+        host_sync("Event.synchronize")
+        if self.device_index is not None:
+            with _lock:
+                for s in _all_streams[self.device_index]:
+                    s.merge(self.clock)
 
     def query(self) -> bool:
         return True
+
+    def elapsed_time(self, end_event: Event) -> float:
+        """Milliseconds between the two records (torch.npu.Event.elapsed_time, as torch.cuda.Event's: both
+        events made with enable_timing=True and recorded). Not a host sync: a real call raises, without
+        waiting, on an event not yet complete; the fake's are complete once recorded."""
+        if not (self.enable_timing and end_event.enable_timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.time is None or end_event.time is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end_event.time - self.time) * 1000.0
 
 
 _default_streams: dict[int, Stream] = {}
@@ -158,6 +187,27 @@ def _note_unbound(what: str) -> None:
             f"{what} from thread {thread!r}, whose current device is "
             f"npu:{current_device()}: the thread never bound its node's device"
         )
+
+
+def host_sync(what: str) -> None:
+    """Counts one wait of the host for the device (see the module docstring). With AFD_FAKE_NPU_SYNC_SITES=1,
+    each kind is counted per line of afd's code that caused it (where to look on a real device)."""
+    if os.environ.get("AFD_FAKE_NPU_SYNC_SITES") == "1":
+        what += _afd_caller()
+    with _lock:
+        STATS["host_syncs"] += 1
+        sites = STATS["host_sync_sites"]
+        sites[what] = sites.get(what, 0) + 1
+
+
+def _afd_caller() -> str:
+    import traceback
+
+    for frame in reversed(traceback.extract_stack(limit=40)):
+        if any(f"/{pkg}/" in frame.filename for pkg in ("afd", "attention_node", "ffn_node")):
+            path = "/".join(frame.filename.rsplit("/", 2)[-2:])
+            return f" in {frame.name} at {path}:{frame.lineno}"
+    return ""
 
 
 def _host_waits(stream: Stream) -> None:
@@ -239,6 +289,7 @@ def synchronize(device=None) -> None:
     if device is None:
         _note_implicit("torch.npu.synchronize() without a device")
     idx = _index(device)
+    host_sync("torch.npu.synchronize")
     with _lock:
         for s in list(_all_streams[idx]):
             _host_waits(s)
@@ -437,8 +488,20 @@ def _run(func, args, kwargs):
     )
     if to_host:
         STATS["host_reads"] += 1
+        host_sync(f"device-to-host read ({func.__name__})")
         _host_waits(stream)
+    elif func is torch.ops.aten.copy_.default and not isinstance(args[1], NpuTensor):
+        _host_to_device(args[1], kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
     return result
+
+
+def _host_to_device(src: torch.Tensor, non_blocking: bool) -> None:
+    if src.numel() == 0:  # PyTorch's copy_ returns before any device work for an empty tensor
+        return
+    if not non_blocking:
+        host_sync("host-to-device copy without non_blocking")
+    elif not is_pinned(src):
+        host_sync("non_blocking host-to-device copy from pageable memory")
 
 
 def _aliases_input(x: NpuTensor, inputs: list) -> bool:
@@ -478,8 +541,35 @@ def _copy_from(src, dst, non_blocking=False):
     access(stream, [src] if isinstance(src, NpuTensor) else [], [dst] if isinstance(dst, NpuTensor) else [], "copy_")
     if not isinstance(dst, NpuTensor):
         STATS["host_reads"] += 1
+        host_sync("device-to-host copy")
         _host_waits(stream)
+    elif not isinstance(src, NpuTensor):
+        _host_to_device(src, non_blocking)
     return dst
+
+
+# ---- pinned host memory (marked, see the module docstring) ------------------------------------------
+
+_pinned: set[tuple[int, int]] = set()
+
+
+def _pin_memory(self: torch.Tensor, device=None) -> torch.Tensor:
+    if isinstance(self, NpuTensor):
+        raise RuntimeError("cannot pin 'npu' memory: only dense CPU tensors can be pinned")
+    t = self.clone()
+    key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+    with _lock:
+        _pinned.add(key)
+    weakref.finalize(t, _pinned.discard, key)  # freed memory may come back pageable at the same address
+    return t
+
+
+def is_pinned(t: torch.Tensor, device=None) -> bool:
+    if isinstance(t, NpuTensor) or t.untyped_storage().nbytes() == 0:
+        return False
+    ptr = t.untyped_storage().data_ptr()
+    with _lock:
+        return any(p <= ptr < p + n for p, n in _pinned)
 
 
 _lib = None
@@ -500,6 +590,8 @@ def install() -> None:
     _lib.impl("empty.memory_format", _factory(torch.empty), "PrivateUse1")
     _lib.impl("empty_strided", _factory(torch.empty_strided), "PrivateUse1")
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    torch.Tensor.pin_memory = _pin_memory
+    torch.Tensor.is_pinned = is_pinned
     for i in range(DEVICE_COUNT):
         _default_streams[i] = Stream(i, label=f"npu:{i} default stream")
         _all_streams[i] = [_default_streams[i]]

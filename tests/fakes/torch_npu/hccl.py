@@ -97,6 +97,7 @@ class _Work(dist.Work):
         with npu._lock:
             npu.current_stream(self.stream.device_index).merge(self.stream.clock)
             if blocking:
+                npu.host_sync(f"blocking {self.kind} wait")
                 npu._host_waits(self.stream)
         return True
 
