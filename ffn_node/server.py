@@ -9,9 +9,11 @@ are served on: one attention node's death never stalls the rest. Once no peer is
 generation of the data plane, `serve` says whether the plane must re-form (a peer failed, or moved on
 to the next generation) or every peer left for good.
 
-Time is accounted on one clock: every span of the serving loop that is not a layer's compute is idle
-(the wait for a layer's inputs, sends, bookkeeping, the wait for the next step's headers), so compute +
-idle adds up to the loop's wall time and busy = compute / (compute + idle) is honest.
+Time: a layer's compute is timed by device events (Backend.timing_event), read once the device has
+passed them, so the host never waits to time it. Every other span of the serving loop is idle (the wait
+for a layer's inputs, sends, bookkeeping, the wait for the next step's headers), on the host's clock. On
+CPU the two clocks are one and compute + idle adds up to the loop's wall time; on a device, where the
+host runs ahead, idle is the host's time outside issuing computes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import deque
 
 import torch
 from torch import nn
@@ -76,6 +79,8 @@ class FFNServer:
         self.tokens = 0
         self._mark = time.perf_counter()
         """Where the current idle span began: the end of the last compute, or of the last span accounted."""
+        self._timed: deque = deque()
+        """(layer, start, end) device events of computes not yet accounted, oldest first."""
         self.reset(plane, attention_ranks)
 
     def reset(self, plane: DataPlane, attention_ranks: list[int]) -> None:
@@ -177,6 +182,12 @@ class FFNServer:
     def _recv_headers(self) -> dict[int, StepHeader]:
         works = [(r, self._post(self.plane.irecv, self._headers[r], r)) for r in list(self.active)]
         received = [r for r, w in works if self._wait(w, r, "step header receive")]
+        try:  # the headers are read on the host next: a deadline the watchdog saw pass makes them garbage
+            self.plane.check()
+        except PeerError as e:
+            if e.peer is not None:
+                self._fail(e.peer, e)
+            received = [r for r in received if r in self.active]
         self._idle()  # between steps: the last step's sends and acks, then the wait for these headers
         headers = {}
         for r in received:
@@ -225,6 +236,18 @@ class FFNServer:
         for r, w in sends:
             self._wait(w, r, "MoE output send")
         self.steps += 1
+        self._account_compute()
+
+    def _account_compute(self) -> None:
+        """Compute time from device events, taken once the device has passed them (query(), never a wait):
+        a synchronize per micro-batch would stall the host the exchange is meant to keep ahead."""
+        while self._timed and self._timed[0][2].query():
+            layer, start, end = self._timed.popleft()
+            seconds = start.elapsed_time(end) / 1000.0
+            self.timers.add("compute", seconds)
+            if self.metrics is not None:
+                self.metrics.compute.observe(seconds)
+                self.metrics.layer_compute[layer] += seconds
 
     def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]]):
         total = sum(n for _, n in parts)
@@ -240,19 +263,18 @@ class FFNServer:
         for r, o, n, w in recvs:
             if not self._wait(w, r, f"layer {layer} MoE input receive"):
                 x[o : o + n].zero_()  # a failed peer's rows: computed and thrown away, never read uninitialised
-        t1 = self._idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
+        self._idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
+        start, end = self.backend.timing_event(), self.backend.timing_event()
+        start.record()
         with torch.inference_mode():
             y = self.ffn(self.backend, layer, x)
-        self.backend.synchronize()
-        t2 = self._mark = time.perf_counter()
-        self.timers.add("compute", t2 - t1)
+        end.record()
+        self._mark = time.perf_counter()
+        self._timed.append((layer, start, end))
         self.tokens += total
         if self.metrics is not None:
-            m = self.metrics
-            m.compute.observe(t2 - t1)
-            m.layer_compute[layer] += t2 - t1
-            m.tokens.inc(total)
-            m.add_expert_tokens(self.ffn.layer(layer).experts.last_counts)
+            self.metrics.tokens.inc(total)
+            self.metrics.add_expert_tokens(self.ffn.layer(layer).experts.last_counts)
         sends, off = [], 0
         for r, n in parts:
             sends.append((r, self._post(self.plane.isend, y[off : off + n], r)))

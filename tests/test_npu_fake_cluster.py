@@ -108,6 +108,39 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
         assert r["hccl"]["sends"] > 0 and r["hccl"]["recvs"] > 0
 
 
+def _syncs(report: Path) -> list[dict[str, int]]:
+    """Per node process, its host syncs by site so far (the fake rewrites its report every 0.5 s)."""
+    time.sleep(1.0)
+    return [r["device"]["host_sync_sites"] for r in reports(report)]
+
+
+def test_a_step_syncs_the_host_once_on_every_node(tiny_checkpoint, tmp_path):
+    """Issue 24's bound: the attention node learns its sampled tokens once per step and the FFN node reads its
+    step header once; nothing else on the hot path waits for the device (exchange waits are stream-ordered,
+    copies to the device are staged in pinned memory, the FFN times its compute with events). Idle steps (an
+    attention node with nothing to run) each cost one read on both sides and are taken out."""
+    path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="npu", layout={"micro_batches": 2, "overlap": True})
+    _on_devices(path)
+    report = tmp_path / "fake-npu"
+    n = 10
+    with Cluster(path, env={**fake_env(report), "AFD_FAKE_NPU_SYNC_SITES": "1"}) as c:
+        c.start_all()
+        c.wait_ready(timeout=120)
+        body = {"prompt": PROMPTS[0], "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        assert post(c.url("attn0"), "/v1/completions", body)[0] == 200  # warm: one-time copies are not a step's
+        before = _syncs(report)
+        code, out = post(c.url("attn0"), "/v1/completions", body)
+        after = _syncs(report)
+    assert code == 200, out
+    delta = [{k: v - b.get(k, 0) for k, v in a.items() if v - b.get(k, 0)} for b, a in zip(before, after)]
+    (attn,) = [d for d in delta if any("sample" in k for k in d)]
+    (ffn,) = [d for d in delta if d is not attn]
+    idle = sum(v for k, v in attn.items() if " in idle " in k)
+    steps = n  # one prefill step and n - 1 decode steps
+    assert sum(attn.values()) - idle <= steps, attn
+    assert sum(ffn.values()) - idle <= steps, ffn
+
+
 _PAIR = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {fakes!r})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -43,10 +44,46 @@ def refuse_host_syncs(compiler):
     return backend
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor `t` on `device`, without a host sync: a copy from pageable memory, or one that is not
+    non_blocking, makes the host wait for the stream (PyTorch's copy_kernel_cuda synchronizes after it; CUDA
+    stages pageable memory through a sync). Staged through pinned memory from PyTorch's caching host
+    allocator, which keeps the block until the copy has run."""
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """dst.copy_(src) for a host `src`, without a host sync where dst is on a device (see to_device)."""
+    if dst.device.type == "cpu":
+        return dst.copy_(src)
+    return dst.copy_(src.pin_memory(), non_blocking=True)
+
+
 def bind_device(device: torch.device) -> None:
     """The calling thread's current device becomes `device` (nothing to do on CPU)."""
     if device.type != "cpu":
         getattr(torch, device.type).set_device(device)
+
+
+class HostEvent:
+    """A point on the host's clock, with a device timing event's interface (record, query, elapsed_time in
+    ms): where ops run synchronously, as on CPU, the host's time is the device's."""
+
+    def __init__(self):
+        self.t: float | None = None
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return self.t is not None
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        if self.t is None or end.t is None:
+            raise RuntimeError("both events must be recorded")
+        return (end.t - self.t) * 1000.0
 
 
 class PeerError(RuntimeError):
@@ -73,6 +110,11 @@ class Backend(ABC):
     def synchronize(self) -> None:
         """Wait for all queued device work (no-op where ops are synchronous)."""
 
+    def timing_event(self):
+        """An event that times device work without a host sync: record() on the current stream, then, once
+        query() is True, start.elapsed_time(end) in ms (torch.cuda.Event / torch.npu.Event with timing)."""
+        return HostEvent()
+
     def bind_thread(self) -> None:
         """Make this node's device the calling thread's current device. The current device is per
         thread on CUDA and on Ascend (aclrtSetDevice binds the calling thread), so every thread that
@@ -82,6 +124,15 @@ class Backend(ABC):
     peer_failure_breaks_group: bool = False
     """Whether one failed or timed-out peer leaves the whole process group unusable. NCCL and HCCL abort
     the communicators when a blocking wait times out; gloo fails only the pair that broke."""
+
+    stream_ordered_waits: bool = False
+    """Whether the data plane's waits order the consumer's stream after the transfer without blocking the
+    host (NCCL, HCCL), its deadlines then held by a watchdog (afd.dataplane.deadlines); else a wait blocks
+    the host until the transfer is done or the group's timeout passes (gloo)."""
+
+    def abort_group(self, group, peer: int | None = None) -> None:
+        """Aborts `group`'s communicators (those with `peer`, or all) without waiting for queued work: what
+        a passed deadline does on a device. Nothing on gloo, whose waits time out on their own."""
 
     def comm_env(self) -> dict[str, str]:
         """Environment variables the data plane needs before its process group forms (so that every

@@ -32,10 +32,22 @@ class CudaBackend(Backend):
     peer_failure_breaks_group = True
 
     def comm_env(self) -> dict[str, str]:
-        return {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+        # waits are stream-ordered (no host block), and afd's watchdog aborts on a passed deadline: PyTorch's
+        # own (mode 3 by default) would tear the process down instead of letting it re-form
+        return {"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+    stream_ordered_waits = True
+
+    def abort_group(self, group, peer: int | None = None) -> None:
+        import torch.distributed.distributed_c10d as c10d
+
+        c10d._abort_process_group(group)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)
+
+    def timing_event(self):
+        return torch.cuda.Event(enable_timing=True)
 
     graph_mode_default = "eager"
     """Not measured: no GPU has run afd's CUDA graphs yet (tests/test_graph_cuda.py is written, skipped here).

@@ -72,10 +72,21 @@ class NpuBackend(Backend):
     peer_failure_breaks_group = True
 
     def comm_env(self) -> dict[str, str]:
-        return {"TORCH_HCCL_BLOCKING_WAIT": "1", "HCCL_BLOCKING_WAIT": "1"}  # older torch_npu reads the second
+        # stream-ordered waits and afd's watchdog, as on CUDA (older torch_npu reads HCCL_BLOCKING_WAIT)
+        return {"TORCH_HCCL_BLOCKING_WAIT": "0", "HCCL_BLOCKING_WAIT": "0", "HCCL_ASYNC_ERROR_HANDLING": "0"}
+
+    stream_ordered_waits = True
+
+    def abort_group(self, group, peer: int | None = None) -> None:
+        abort = getattr(group, "abort", None)  # TODO(issue 24): torch_npu's HCCL abort; pg.abort() is a no-op there
+        if abort is not None:
+            abort()
 
     def synchronize(self) -> None:
         torch.npu.synchronize(self._device)
+
+    def timing_event(self):
+        return torch.npu.Event(enable_timing=True)
 
     def memory_info(self) -> tuple[int, int]:
         return torch.npu.mem_get_info(self._device)

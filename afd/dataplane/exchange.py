@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from afd.backend import Backend
+from afd.backend.base import copy_to_device
 from afd.dataplane.protocol import (
     FLAG_IDLE,
     FLAG_LEAVE,
@@ -44,6 +45,11 @@ class MoEExchange(Protocol):
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle: ...
 
     def end_step(self) -> None: ...
+
+    def check(self) -> None:
+        """Raises the PeerError of a transfer whose deadline passed without the host waiting for it: called
+        after the step's results were read on the host."""
+        ...
 
     def idle(self) -> int:
         """A step with no tokens (keeps FFN peers' steps going); returns how many attention nodes had work."""
@@ -78,6 +84,9 @@ class LocalMoE:
         return Ready(self.ffn(self.backend, layer, m))
 
     def end_step(self) -> None:
+        pass
+
+    def check(self) -> None:
         pass
 
     def idle(self) -> int:
@@ -128,7 +137,7 @@ class RemoteMoE:
         self.bytes_sent = 0
 
     def _send_header(self, header: StepHeader) -> None:
-        self._header.copy_(header.encode())  # the last header's sends were waited for in end_step
+        copy_to_device(self._header, header.encode())  # the last header's sends were waited for in end_step
         self._header_sends = [(f, self.plane.isend(self._header, f), "step header send") for f in self.ffn_ranks]
 
     def begin_step(self, tokens_per_micro_batch: list[int], mtp: bool = False) -> None:
@@ -152,6 +161,9 @@ class RemoteMoE:
             self.plane.wait(work, peer, what)
         self._header_sends = []
 
+    def check(self) -> None:
+        self.plane.check()
+
     def idle(self) -> int:
         """An empty step: tells the FFN nodes this node is alive; returns how many attention nodes had
         work in the FFN step this joined (0: the whole cluster is idle)."""
@@ -160,7 +172,7 @@ class RemoteMoE:
         for f, w in works:
             self.plane.wait(w, f, "idle ack receive")
         self.end_step()
-        return max(int(buf[0]) for buf in self._acks.values())
+        return int(torch.stack([buf[0] for buf in self._acks.values()]).max())  # one host read, not one per node
 
     def leave(self, shutdown: bool = False, reform: bool = False) -> None:
         """Tell every FFN node this attention node is done (with `shutdown`, that they exit; with

@@ -10,8 +10,11 @@ Two groups over the same ranks, one per direction: messages to a higher rank go 
 on the other. NCCL and HCCL run a pair's sends and receives on one stream in issue order, so with one
 group a send queued behind a pending receive (ping-pong's next micro-batch behind the last one's result).
 
-Every wait has a timeout that holds (the backend's comm_env makes NCCL/HCCL waits blocking), and a failed
-or timed-out op raises PeerError naming the peer.
+Every wait has a deadline that holds, and a failed or timed-out op raises PeerError naming the peer. On
+gloo a wait blocks the host, with the group's timeout. On NCCL and HCCL it is stream-ordered (the current
+stream waits for the transfer; the host does not), and afd.dataplane.deadlines' watchdog holds the
+deadline: it aborts the peer's communicators when one passes, and the owner meets the PeerError at its
+next wait or `check()`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch.distributed as dist
 
 from afd.backend import Backend
 from afd.backend.base import PeerError  # noqa: F401 (re-exported: defined below the model's TP group too)
+from afd.dataplane.deadlines import Deadlines
 
 log = logging.getLogger("afd.dataplane.transport")
 
@@ -116,8 +120,8 @@ def apply_comm_env(backend: Backend) -> None:
         have = os.environ.get(key)
         if have is not None and have != want:
             raise ValueError(
-                f"environment: {key}={have}, but the {backend.dist_backend} data plane needs "
-                f"{key}={want} so that a dead peer ends in a timeout instead of a hang; unset it"
+                f"environment: {key}={have}, but the {backend.dist_backend} data plane needs {key}={want} "
+                "(its waits must not block the host, and afd's watchdog holds every deadline); unset it"
             )
         os.environ[key] = want
 
@@ -154,6 +158,7 @@ class DataPlane:
         )
         self._upward = dist.group.WORLD
         self._downward = dist.new_group(list(range(world_size)), timeout=self.timeout, backend=backend.dist_backend)
+        self.deadlines = Deadlines(timeout_s, self.abort) if backend.stream_ordered_waits else None
         log.info(
             "data plane up: rank %d of %d over %s, generation %d, in %.2fs",
             rank,
@@ -202,6 +207,15 @@ class DataPlane:
         return self._issue(dist.irecv, tensor, peer, upward=self.rank > peer)
 
     def wait(self, work, peer: int, what: str) -> None:
+        if self.deadlines is not None:
+            self.deadlines.check()
+            self.deadlines.watch(work, peer, what)
+            try:
+                work.wait()  # stream-ordered: the current stream waits for the transfer, the host goes on
+            except RuntimeError as e:  # the watchdog's abort, or the communicator's own error
+                self.deadlines.check()
+                raise PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)})", peer) from None
+            return
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
@@ -214,7 +228,20 @@ class DataPlane:
                 f"data plane: {what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s", peer
             )
 
+    def check(self) -> None:
+        """Raises the PeerError of a deadline the watchdog saw pass (stream-ordered waits only): call it after
+        a host read of results that a transfer fed, since an aborted transfer leaves garbage behind."""
+        if self.deadlines is not None:
+            self.deadlines.check()
+
+    def abort(self, peer: int | None = None) -> None:
+        """Aborts the communicators without waiting for queued work (the peer's pair, or all)."""
+        for group in (self._upward, self._downward):
+            self.backend.abort_group(group, peer)
+
     def close(self) -> None:
+        if self.deadlines is not None:
+            self.deadlines.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

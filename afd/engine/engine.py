@@ -113,6 +113,7 @@ class Engine:
         out, stats = self._execute(plan)
         now = time.monotonic()
         sampled = sample_step(self.sampler, plan, out.logits, self.processor.fail)
+        self.runner.exchange().check()  # after the host read: an aborted transfer's tokens are never emitted
         self.scheduler.update(plan, sampled)
         counts = self.processor.process(plan, sampled, out.logits, now)
         self._count(counts)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from afd.backend.base import to_device
 from afd.dataplane.exchange import MoEExchange, MoEHandle, Ready
 from afd.dataplane.overlap import MicroBatchTuner
 from afd.engine.graph_half import GraphHalf
@@ -134,7 +135,8 @@ class ModelRunner:
             dst = [first[r] + j for r in mb.rows for j in range(seqs[r].num_logits)]
             with self.tp.plan(mb.plan):
                 x = self.tp.gather(mb.x)
-                logits[dst] = self.attn.logits(x[torch.tensor(src, device=self.device)])
+                rows = self.attn.logits(x[to_device(torch.tensor(src), self.device)])
+                logits[to_device(torch.tensor(dst), self.device)] = rows
                 if self.mtp is not None:
                     hidden.append(self.attn.norm(x))
         if self.tuner:
@@ -152,7 +154,7 @@ class ModelRunner:
             self.kv.block_size,
             self.device,
         )
-        ids = torch.tensor([t for s in part for t in s.token_ids], dtype=torch.long, device=self.device)
+        ids = to_device(torch.tensor([t for s in part for t in s.token_ids], dtype=torch.long), self.device)
         plan = self.tp.plan_for(meta.num_tokens)
         with self.tp.plan(plan):
             x, rope = self.attn.embed(ids, meta)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from afd.backend.base import to_device
 from afd.engine.logits import History, process
 
 if TYPE_CHECKING:
@@ -229,6 +230,14 @@ def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor, fail: Fa
     return out
 
 
+def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows]: a slice where the rows are consecutive (the usual case), else a gather whose index is
+    staged without a host sync (a list index is a blocking copy)."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return logits[rows[0] : rows[0] + len(rows)]
+    return logits[to_device(torch.tensor(rows), logits.device)]
+
+
 def _sample_each(
     sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: list[Request], fail: Fail
 ) -> list[int | None]:
@@ -237,7 +246,7 @@ def _sample_each(
     try:
         return list(  # list[int] as list[int | None]
             sampler.sample(
-                logits[rows],
+                _take_rows(logits, rows),
                 [r.params for r in reqs],
                 [r.request_id for r in reqs],
                 [History(r.prompt_ids, r.output_ids) for r in reqs],

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.backend.base import to_device
+
 
 @dataclass
 class SeqSlice:
@@ -54,7 +56,7 @@ class AttentionMetadata:
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in decode]
 
         def as_long(values: list) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
+            return to_device(torch.tensor(values, dtype=torch.long), device)
 
         return cls(
             positions=as_long(positions),

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from afd.backend.base import to_device
 from afd.model import kvp
 from afd.model.attention_metadata import AttentionMetadata, store_kv
 from afd.model.config import ModelConfig
@@ -153,7 +154,7 @@ class MLAttention(nn.Module):
         """n queries at positions [ctx_len - n, ctx_len). q_nope [n, NH, nope] -> [n, NH, v]."""
         n = q_nope.shape[0]
         bs = cache.shape[1]
-        blocks = torch.tensor(table[: (ctx_len + bs - 1) // bs], dtype=torch.long, device=cache.device)
+        blocks = to_device(torch.tensor(table[: (ctx_len + bs - 1) // bs], dtype=torch.long), cache.device)
         kv = cache[blocks].view(-1, cache.shape[-1])[:ctx_len]  # [L, C + R]
         c, k_rot = kv.split([self.kv_lora, self.rope], dim=-1)
         kvb = self.kv_b_proj(c).view(ctx_len, self.n_heads, -1)
