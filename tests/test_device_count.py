@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from afd.backend import DeviceUnavailable, check_device, check_devices, devices, get_backend
+from afd.cluster.config import load
 from afd.cluster.processes import free_ports
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +76,15 @@ def test_the_cuda_backend_refuses_an_index_beyond_the_count_before_set_device(gp
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: pytest.fail("set_device reached"))
     with pytest.raises(DeviceUnavailable, match=r"^device cuda:2: this machine has 2 CUDA devices \(cuda:0-1\)$"):
         get_backend("cuda", 2)
+
+
+def test_the_cuda_examples_on_a_two_gpu_machine(gpus):
+    """deploy/cuda.yaml (4A4F on cuda:0-7) is refused there, naming the six GPUs it lacks; cuda-1a1f.yaml fits."""
+    gpus(2)
+    check_devices(p.device for p in load(str(ROOT / "deploy/cuda-1a1f.yaml")).processes)
+    assert _refusal(p.device for p in load(str(ROOT / "deploy/cuda.yaml")).processes) == (
+        "devices cuda:2, cuda:3, cuda:4, cuda:5, cuda:6, cuda:7: this machine has 2 CUDA devices (cuda:0-1)"
+    )
 
 
 # ---- the commands, on the fake NPU -------------------------------------------------------------------------
