@@ -4,6 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.afd-installed
 # The CPU wheel of this version is on the build machines' disk; an unpinned torch pulls a CUDA build.
+# The pin is the version, not the build: pip takes the build this machine's sources offer (+cpu here; PyPI's
+# Linux wheel is a CUDA build). A GPU machine whose venv got the CPU wheel needs a CUDA build put in its place
+# (`.venv/bin/pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cuXXX`,
+# XXX a CUDA version its driver supports): `make test-device` fails there until then, and says so.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 # make test's workers (pytest-xdist): most cases wait on node processes starting up, so two workers finish the
@@ -46,7 +50,8 @@ test-slow: setup
 # On a CUDA GPU or an Ascend NPU (torch_npu in the venv): afd on the device against the CPU reference, at most
 # 8 minutes on one device (tests/device/check.py says what it checks); the table is printed and written to
 # docs/bench/device/. Without an accelerator every device check skips with its reason, nothing is written, and
-# it exits 0. DEVICE_CHECK_ARGS: e.g. --checks gemm, --quick, --no-write, --device cpu (a dry run on the CPU).
+# it exits 0; a GPU or NPU that torch cannot use (the CPU wheel, no torch_npu) fails it in one line, as nothing
+# would run. DEVICE_CHECK_ARGS: e.g. --checks gemm, --quick, --no-write, --device cpu (a dry run on the CPU).
 DEVICE_CHECK_ARGS ?=
 test-device: setup
 	$(BIN)/python tests/device/check.py $(DEVICE_CHECK_ARGS)

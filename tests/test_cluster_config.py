@@ -22,7 +22,7 @@ from afd.model.demo import DEMO_CONFIG
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 EXAMPLES = sorted(DEPLOY.glob("*.yaml"))
-TOPOLOGY = {"local.yaml": "1A1F", "2a1f.yaml": "2A1F", "1a2f.yaml": "1A2F"}
+TOPOLOGY = {"local.yaml": "1A1F", "2a1f.yaml": "2A1F", "1a2f.yaml": "1A2F", "cuda-1a1f.yaml": "1A1F"}
 
 
 def afd(*argv: str) -> subprocess.CompletedProcess:
@@ -67,7 +67,7 @@ print(json.dumps(results))
 
 def test_examples_exist():
     names = {p.name for p in EXAMPLES}
-    assert {"local.yaml", "2a1f.yaml", "1a2f.yaml", "ascend-multihost.yaml", "cuda.yaml"} <= names
+    assert {"local.yaml", "2a1f.yaml", "1a2f.yaml", "ascend-multihost.yaml", "cuda.yaml", "cuda-1a1f.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -130,6 +130,9 @@ def test_device_examples():
     assert {n.device_type for n in cuda.nodes} == {"cuda"}
     assert len({n.device for n in cuda.nodes}) == len(cuda.nodes)  # one GPU per node
     assert "NCCL_SOCKET_IFNAME" in (DEPLOY / "cuda.yaml").read_text()
+    two = load(str(DEPLOY / "cuda-1a1f.yaml"))  # the example for a 2-GPU machine, which cuda.yaml points at
+    assert [n.device for n in two.nodes] == ["cuda:0", "cuda:1"] and two.model.dtype == "bfloat16"
+    assert "deploy/cuda-1a1f.yaml" in (DEPLOY / "cuda.yaml").read_text()
 
 
 # ---- mistakes -----------------------------------------------------------------------------------

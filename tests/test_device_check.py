@@ -1,6 +1,7 @@
 """`make test-device` (tests/device/check.py) on a machine without an accelerator: it reports the
-environment, says why every device check skips, exits 0 and writes nothing. Its parts that need no
-device, on made-up inputs: the report writer, the pytest report reader, teacher forcing and the verdicts."""
+environment, says why every device check skips, exits 0 and writes nothing; on one that has a GPU or NPU
+torch cannot use (probes made up), it fails in one line. Its parts that need no device, on made-up
+inputs: the report writer, the pytest report reader, teacher forcing and the verdicts."""
 
 from __future__ import annotations
 
@@ -23,7 +24,12 @@ from device_report import SCHEMA, Result, write_report  # noqa: E402
 
 
 def _accelerator_here() -> bool:
-    return torch.cuda.is_available() or importlib.util.find_spec("torch_npu") is not None
+    """torch can use one, or the machine has one (then torch's not using it fails the run: tested below)."""
+    return (
+        torch.cuda.is_available()
+        or importlib.util.find_spec("torch_npu") is not None
+        or bool(device_check.visible_accelerators())
+    )
 
 
 @pytest.mark.skipif(_accelerator_here(), reason="an accelerator is here: `make test-device` runs the real checks")
@@ -46,6 +52,84 @@ def test_without_an_accelerator_every_device_check_skips_with_the_reason_and_not
     assert len(rows) == 4 and all(" | skip | " in ln and "no accelerator: " in ln for ln in rows), rows
     assert "nothing written" in r.stdout
     assert (sorted(out.iterdir()) if out.exists() else []) == before
+
+
+@pytest.mark.parametrize(
+    "smi, paths, seen",
+    [
+        (
+            {"nvidia-smi": "GPU 0: NVIDIA H200 (UUID: GPU-1)\nGPU 1: NVIDIA H200 (UUID: GPU-2)"},
+            (),
+            {"cuda": "nvidia-smi -L lists 2 GPUs"},
+        ),
+        ({"nvidia-smi": "No devices were found"}, (), {}),
+        ({}, ("/dev/nvidia0",), {"cuda": "/dev/nvidia0 exists"}),
+        ({"npu-smi": "+--- npu-smi 24.1.0 ---+"}, (), {"npu": "npu-smi info answers"}),
+        ({}, ("/dev/davinci0",), {"npu": "/dev/davinci0 exists"}),
+        ({}, (), {}),
+    ],
+)
+def test_visible_accelerators_reads_the_vendor_tools_then_the_device_files(monkeypatch, smi, paths, seen):
+    monkeypatch.setattr(device_check, "_command_output", lambda argv: smi.get(argv[0]))
+    monkeypatch.setattr(device_check.os.path, "exists", lambda p: p in paths)
+    assert device_check.visible_accelerators() == seen
+
+
+@pytest.fixture
+def torch_here(monkeypatch):
+    """torch_here(cuda_build, cuda_ok, npu_ok): which torch build this is and what it can use (made up)."""
+
+    def make(cuda_build: str | None, cuda_ok: bool = False, npu_ok: bool = False) -> None:
+        monkeypatch.setattr(torch, "__version__", "2.13.0+cpu" if cuda_build is None else "2.13.0")
+        monkeypatch.setattr(torch.version, "cuda", cuda_build)
+        monkeypatch.setattr(torch.version, "hip", None, raising=False)
+        why = "torch.cuda.is_available() is False (torch 2.13.0, CUDA 12.8): no GPU visible, or no driver"
+        no_npu = "torch_npu is not installed"
+        monkeypatch.setattr(device_check, "_cuda_usable", lambda: (cuda_ok, "" if cuda_ok else why))
+        monkeypatch.setattr(device_check, "_npu_usable", lambda: (npu_ok, "" if npu_ok else no_npu))
+
+    return make
+
+
+def test_an_accelerator_torch_cannot_use_is_named_with_the_fix(torch_here):
+    unusable = device_check.unusable_accelerator
+    gpu = {"cuda": "nvidia-smi -L lists 2 GPUs"}
+    torch_here(None)
+    assert unusable(gpu) == (
+        "torch 2.13.0+cpu is a CPU-only build and cannot use the GPU this machine has (nvidia-smi -L lists 2 GPUs): "
+        "install a CUDA build of torch (see the Makefile's TORCH_SPEC)"
+    )
+    assert unusable({}) is None and unusable(gpu, "npu") is None and unusable(gpu, "cuda")
+    torch_here("12.8")  # a CUDA build that sees no GPU: the driver, or CUDA_VISIBLE_DEVICES
+    assert unusable(gpu) == (
+        "torch 2.13.0 cannot use the GPU this machine has (nvidia-smi -L lists 2 GPUs): torch.cuda.is_available() "
+        "is False (torch 2.13.0, CUDA 12.8): no GPU visible, or no driver"
+    )
+    torch_here("12.8", cuda_ok=True)
+    assert unusable(gpu) is None
+    torch_here(None)
+    assert unusable({"npu": "/dev/davinci0 exists"}) == (
+        "torch 2.13.0+cpu cannot use the NPU this machine has (/dev/davinci0 exists): torch_npu is not "
+        "installed; install the torch_npu release for this torch and source CANN's set_env.sh"
+    )
+    torch_here(None, npu_ok=True)
+    assert unusable({"npu": "npu-smi info answers"}) is None
+
+
+def test_a_gpu_machine_with_the_cpu_wheel_fails_before_any_check(torch_here, monkeypatch, capsys):
+    """What `make test-device` did there: every check skipped and exit 0. Now: exit 2, one line saying why."""
+    torch_here(None)
+    monkeypatch.setattr(device_check, "find_target", lambda requested: (None, "torch 2.13.0+cpu is a CPU-only build"))
+    monkeypatch.setattr(device_check, "environment", lambda target, why: {"torch": torch.__version__})
+    ran = []
+    monkeypatch.setattr(device_check, "run_checks", lambda *a: ran.append(a) or [])
+    monkeypatch.setattr(device_check, "visible_accelerators", lambda: {"cuda": "/dev/nvidia0 exists"})
+    assert device_check.main(["--no-write"]) == 2 and not ran
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("error: torch 2.13.0+cpu is a CPU-only build and cannot use the GPU this machine has")
+    assert sum("cannot use" in line for line in out) == 1
+    monkeypatch.setattr(device_check, "visible_accelerators", lambda: {})  # no GPU: the checks skip, exit 0
+    assert device_check.main(["--no-write"]) == 0 and ran
 
 
 def test_report_is_a_well_formed_table_and_json(tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from afd.backend.devices import BACKENDS, DeviceUnavailable, check_device, resolve_device
+from afd.backend.devices import BACKENDS, DeviceUnavailable, check_device, check_devices, resolve_device
 
 if TYPE_CHECKING:
     from afd.backend.base import Backend
@@ -36,4 +36,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Backend", "BACKENDS", "DeviceUnavailable", "check_device", "get_backend", "resolve_device"]
+__all__ = [
+    "Backend",
+    "BACKENDS",
+    "DeviceUnavailable",
+    "check_device",
+    "check_devices",
+    "get_backend",
+    "resolve_device",
+]

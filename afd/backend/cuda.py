@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices
+from afd.backend.devices import check_indices
 
 
 class CudaBackend(Backend):
@@ -17,6 +18,7 @@ class CudaBackend(Backend):
                 f"device cuda: no CUDA device is visible (torch {torch.__version__}: "
                 "torch.cuda.is_available() is False)"
             )
+        check_indices("cuda", [index], torch.cuda.device_count())  # one line, not set_device's traceback
         self._device = torch.device("cuda", index)
         self.bind_thread()
 

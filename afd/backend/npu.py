@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices
+from afd.backend.devices import check_indices
 
 
 def _import_torch_npu():
@@ -58,6 +59,7 @@ class NpuBackend(Backend):
 
     def __init__(self, index: int = 0):
         self._torch_npu = _import_torch_npu()
+        check_indices("npu", [index], torch.npu.device_count())  # one line, not set_device's traceback
         self._device = torch.device("npu", index)
         self.bind_thread()
 

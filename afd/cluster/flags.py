@@ -134,7 +134,7 @@ FLAGS = {
         Flag(
             "--device",
             "device of every node (auto: npu if torch_npu sees one, else cuda if torch sees one, else cpu; "
-            "with several nodes, node i takes device index i of its role)",
+            "with several nodes, each has its own: the attention nodes' from index 0, then the FFN nodes')",
             str,
             "cpu",
             ("cpu", "cuda", "npu", "auto"),

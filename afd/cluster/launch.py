@@ -78,10 +78,12 @@ def check_startable(cfg: ClusterConfig, source: str) -> None:
         mcfg = load_config(cfg.model.path)
         check_expert_layout(cfg, mcfg.n_routed_experts)
         check_tp_layout(cfg, mcfg.num_attention_heads)
-    from afd.backend import check_device  # here: afd.backend imports torch, which `afd --help` need not
+    from afd.backend import DeviceUnavailable, check_devices
 
-    for device in sorted({n.device_type for n in cfg.nodes}):  # TP ranks share their node's device type
-        check_device(device)
+    try:  # every process's device (a TP rank's is its node's index + r), before any process starts
+        check_devices(p.device for p in cfg.processes)
+    except DeviceUnavailable as e:
+        raise DeviceUnavailable(f"{source}: {e}") from None
     busy = ports_in_use(cfg)
     if busy:
         raise ValueError(f"{source}: port(s) already in use on this host: {', '.join(busy)} (another cluster running?)")

@@ -25,8 +25,9 @@ def local_config(
     source: str = "<local>",
 ) -> ClusterConfig:
     """A cluster of `attention_nodes` attention and `ffn_nodes` FFN nodes: `sections` ({section: {field:
-    value}}) over the defaults, node i of a role on device index i of it (times the attention TP size),
-    HTTP ports from `http_port` up (default: free ones), FFN metrics ports with `metrics_ports`."""
+    value}}) over the defaults, each process on a device index of its own (attention node i's TP rank r on
+    i * attention_tp + r, then FFN node i on attention_nodes * attention_tp + i), HTTP ports from `http_port`
+    up (default: free ones), FFN metrics ports with `metrics_ports`."""
     from afd.cluster.config import from_dict
 
     sections = {k: dict(v) for k, v in (sections or {}).items()}

@@ -63,6 +63,7 @@ def run(args) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    check_device_count(cfg)
     from afd.cluster import launch
 
     tmp = tempfile.mkdtemp(prefix="afd-serve-")  # mode 0700: the YAML is this user's
@@ -75,6 +76,23 @@ def run(args) -> int:
         return launch.run(args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_device_count(cfg) -> None:
+    """Every process on a device of its own (local_config): refused in one line when this machine has fewer
+    devices than that, before anything starts."""
+    from afd.backend import DeviceUnavailable, check_devices
+
+    try:
+        check_devices(p.device for p in cfg.processes)
+    except DeviceUnavailable as e:
+        A, G, F = len(cfg.attention_nodes), cfg.layout.attention_tp, len(cfg.ffn_nodes)
+        attention = f"{A} attention node{'s' if A > 1 else ''}" + (f" of {G} TP ranks" if G > 1 else "")
+        ffn = f" and {F} FFN node{'s' if F > 1 else ''}" if F else ""
+        raise DeviceUnavailable(
+            f"{e}; afd serve gives every process its own device: {attention}{ffn} need{'' if ffn or A > 1 else 's'} "
+            f"{A * G + F}"
+        ) from None
 
 
 def _exec_colocated(args) -> int:

@@ -49,7 +49,7 @@ def start_cluster_node(args, role: str):
     prog = "afd-attention" if role == "attention" else "afd-ffn"
     try:
         cfg = load_cluster_args(args, role)
-        err = _insecure_start(cfg, args.node)
+        err = _insecure_start(cfg, args.node) or _device_missing(cfg, args.node, getattr(args, "tp_rank", 0) or 0)
     except ClusterConfigError as e:
         err = str(e)
     if err:
@@ -69,6 +69,20 @@ def start_cluster_node(args, role: str):
     threads = args.threads or cpu_threads(cfg, args.node) or min(torch.get_num_threads(), usable_cpus())
     torch.set_num_threads(threads)
     return cfg
+
+
+def _device_missing(cfg, name: str, tp_rank: int) -> str | None:
+    """Why this process's device is not here (`device cuda:5: this machine has 2 CUDA devices (cuda:0-1)`),
+    said before anything starts; a TP rank the node does not have is left to its own check."""
+    from afd.backend import DeviceUnavailable, check_device
+
+    if not 0 <= tp_rank < cfg.layout.attention_tp:
+        return None
+    try:
+        check_device(cfg.node(name).rank_device(tp_rank))
+    except DeviceUnavailable as e:
+        return f"{cfg.source}: node {name}{f' TP rank {tp_rank}' if tp_rank else ''}: {e}"
+    return None
 
 
 def _is_loopback(host: str) -> bool:

@@ -121,14 +121,14 @@ def bring_up(
     mcfg = load_config(path)
     check_tp_layout(cfg, mcfg.num_attention_heads)
     fp = model_fingerprint(path, cfg.model.dtype, cfg.model.dummy_weights, cfg.model.seed)
+    device = proc.device  # first: a device that is not here (DeviceUnavailable) leaves no server behind
+    backend = get_backend(device.split(":")[0], int(device.split(":")[1]) if ":" in device else 0)
     server = None
     if tp_rank == 0:
         coordinator = Coordinator(cfg, fp, mcfg.n_routed_experts) if cfg.coordinator.name == name else None
         server = ControlServer(
             bind_host, node.ports.control, cfg.cluster.tls, coordinator, workers=8 + 2 * len(cfg.processes)
         )
-    device = proc.device
-    backend = get_backend(device.split(":")[0], int(device.split(":")[1]) if ":" in device else 0)
     rt = NodeRuntime(
         cfg,
         node,

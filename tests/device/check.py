@@ -13,7 +13,9 @@ Checks, each reported as pass / fail / skip with its reason and figures:
 
 The table is printed and, when an accelerator ran the checks (or with --write), written with a JSON copy
 to docs/bench/device/<device>-<date>.{md,json}. Without an accelerator the environment is reported,
-every device check skips with the reason, nothing is written, and the exit code is 0. `--device cpu`
+every device check skips with the reason, nothing is written, and the exit code is 0. A GPU or NPU that
+this machine has (visible_accelerators) but torch cannot use (the CPU wheel, no torch_npu, no driver)
+is an error instead, in one line, exit code 2: that run would skip everything and pass. `--device cpu`
 runs every check on the CPU instead (gloo for 1A1F): a dry run of this script where no device is.
 
 This lives in tests/, not afd/bench/: it builds its checkpoints with transformers through the tests'
@@ -153,6 +155,47 @@ def find_target(requested: str) -> tuple[Target | None, str]:
             return Target(kind, getattr(torch, kind).device_count()), ""
         why.append(msg)
     return None, "; ".join(why)
+
+
+def visible_accelerators() -> dict[str, str]:
+    """The accelerators this machine shows, whether torch can use them or not: {kind: what shows it}. A GPU
+    is listed by `nvidia-smi -L` (or has /dev/nvidia0), an Ascend NPU answers `npu-smi info` (or has
+    /dev/davinci0)."""
+    seen = {}
+    gpus = [ln for ln in (_command_output(["nvidia-smi", "-L"]) or "").splitlines() if ln.startswith("GPU ")]
+    if gpus:
+        seen["cuda"] = f"nvidia-smi -L lists {len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
+    elif os.path.exists("/dev/nvidia0"):
+        seen["cuda"] = "/dev/nvidia0 exists"
+    if _command_output(["npu-smi", "info"]) is not None:
+        seen["npu"] = "npu-smi info answers"
+    elif os.path.exists("/dev/davinci0"):
+        seen["npu"] = "/dev/davinci0 exists"
+    return seen
+
+
+def unusable_accelerator(seen: dict[str, str], requested: str = "auto") -> str | None:
+    """Why the run must fail before any check: an accelerator this machine has (`seen`, of the kind asked
+    for) that torch cannot use, e.g. the CPU wheel on a GPU machine, where every device check would skip
+    and the run pass. None when torch can use each one (or none is here)."""
+    for kind, shown in seen.items():
+        if requested not in ("auto", kind):
+            continue
+        ok, why = {"cuda": _cuda_usable, "npu": _npu_usable}[kind]()
+        if ok:
+            continue
+        if kind == "npu":
+            return (
+                f"torch {torch.__version__} cannot use the NPU this machine has ({shown}): {why}; install the "
+                "torch_npu release for this torch and source CANN's set_env.sh"
+            )
+        if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+            return (
+                f"torch {torch.__version__} is a CPU-only build and cannot use the GPU this machine has "
+                f"({shown}): install a CUDA build of torch (see the Makefile's TORCH_SPEC)"
+            )
+        return f"torch {torch.__version__} cannot use the GPU this machine has ({shown}): {why}"
+    return None
 
 
 def _command_output(argv: list[str]) -> str | None:
@@ -827,6 +870,10 @@ def main(argv: list[str] | None = None) -> int:
     target, why = find_target(args.device)
     env = environment(target, why)
     print_environment(env)
+    unusable = unusable_accelerator(visible_accelerators(), args.device) if target is None else None
+    if unusable:  # else every device check would skip and the run pass on the machine it is for
+        say(f"error: {unusable}")
+        return 2
     if target is None and args.device != "auto":
         say(f"--device {args.device} asked for, but it is not usable here: {why}")
         return 2
