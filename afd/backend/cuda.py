@@ -24,15 +24,27 @@ class CudaBackend(Backend):
     def device(self) -> torch.device:
         return self._device
 
-    # A blocking wait times out and aborts the communicators; without it wait() only orders streams and a
-    # dead peer hangs the next host read. With it, TORCH_NCCL_ASYNC_ERROR_HANDLING is off (no watchdog
+    # A blocking wait times out and aborts the communicator of the work that timed out (WorkNCCL::abort: the
+    # work's own communicator, for a point-to-point op the pair's); without it wait() only orders streams and
+    # a dead peer hangs the next host read. With it, TORCH_NCCL_ASYNC_ERROR_HANDLING is off (no watchdog
     # kills the process): the node reports the PeerError and re-forms. source: pytorch
     # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ProcessGroupNCCL::ProcessGroupNCCL and
-    # WorkNCCL::synchronize (torch 2.4-2.13), and docs/architecture.md "Devices, streams and timeouts".
-    peer_failure_breaks_group = True
-
+    # WorkNCCL::synchronize / WorkNCCL::abort (torch 2.4-2.13), and docs/architecture/backends.md
+    # "Devices, streams and timeouts".
     def comm_env(self) -> dict[str, str]:
         return {"TORCH_NCCL_BLOCKING_WAIT": "1"}
+
+    # ProcessGroupNCCL::shutdown() (what destroy_process_group calls) finalizes every communicator and waits
+    # for its kernels; ProcessGroupNCCL::abort() runs ncclCommAbort, which ends them at once ("abort() will
+    # signal communicators to terminate all NCCL kernels immediately; shutdown() will wait for all NCCL
+    # kernels to finish before destroying communicators"). c10d's ProcessGroup::abort reaches it, as
+    # torch.distributed.distributed_c10d._abort_process_group does before it forgets the group. source: pytorch
+    # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp (ProcessGroupNCCL::abort, ::shutdown) and
+    # torch/distributed/distributed_c10d.py (_abort_process_group, destroy_process_group), torch 2.5-2.13.
+    shutdown_waits_for_queued_work = True
+
+    def abort_group(self, pg) -> None:
+        pg.abort()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)
