@@ -35,8 +35,9 @@ def fake_env(report: Path) -> dict:
     }
 
 
-def reports(report: Path) -> list[dict]:
-    return [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{report}.*.json"))]
+def reports(report: Path) -> dict[str, dict]:
+    """Each process's report (written as `{report}.{pid}.json`), by file."""
+    return {f: json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{report}.*.json"))}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
         for (a, i), (code, body) in zip(jobs, answers):
             assert code == 200, body
             assert body["choices"][0]["token_ids"] == reference[i], f"attn{a}, prompt {i}"
-    seen = reports(report)
+    seen = list(reports(report).values())
     assert len(seen) == A * tp.get("attention_tp", 1) + F, "every process ran on the fake device and wrote its report"
     for r in seen:
         assert r["device"]["ops"] > 0
