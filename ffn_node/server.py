@@ -4,8 +4,11 @@ It never initiates: each step starts with a header from every active attention n
 sizes of all messages are known (afd.dataplane.protocol). Per layer and micro-batch, the MoE inputs of all peers
 are received into one preallocated buffer, so the experts see the aggregate batch of every peer.
 
-A peer that fails (its process died, it timed out, it broke the protocol) is dropped, and the others
-are served on: one attention node's death never stalls the rest. Once no peer is left on this
+A peer that fails (its process died, it timed out, it broke the protocol) is dropped, its pair of the data
+plane aborted (afd.dataplane.transport: one pair per process group, so on every backend the others' pairs
+keep working), and the others are served on. A dead peer is noticed by an error on its pair or by a
+timeout: on gloo at once (its sockets close), on NCCL/HCCL often only after comm_timeout, during which
+this loop waits for it and the others wait with it. Once no peer is left on this
 generation of the data plane, `serve` says whether the plane must re-form (a peer failed, or moved on
 to the next generation) or every peer left for good.
 
@@ -124,7 +127,11 @@ class FFNServer:
 
     # ---- one failing peer never takes the others down --------------------------------------------
 
-    def _drop(self, r: int, why: str, level: int = logging.WARNING) -> None:
+    def _drop(self, r: int, why: str, level: int = logging.WARNING, abort: bool = False) -> None:
+        """abort: the peer is alive but broke the protocol; its pair is aborted, so that nothing it still
+        sends stays queued for a teardown to wait on."""
+        if abort:
+            self.plane.abort(r)
         if r in self.active:
             self.active.remove(r)
             self.gone[r] = why
@@ -138,10 +145,7 @@ class FFNServer:
             )
 
     def _fail(self, r: int, e: PeerError) -> None:
-        self._drop(r, str(e))
-        if self.backend.peer_failure_breaks_group:  # the communicators are aborted: nobody is served on them
-            for other in list(self.active):
-                self._drop(other, f"{self.backend.dist_backend} aborted the group when rank {r} failed")
+        self._drop(r, str(e))  # the data plane aborted the pair; the other peers' pairs are untouched
 
     def _post(self, op, tensor: torch.Tensor, r: int):
         """isend/irecv to a live peer; _FAILED (and the peer dropped) when it is gone."""
@@ -194,13 +198,14 @@ class FFNServer:
             try:
                 h = StepHeader.decode(self._headers[r], r)
             except ProtocolError as e:
-                self._drop(r, f"data plane: {e}")
+                self._drop(r, f"data plane: {e}", abort=True)
                 continue
             if h.flags & FLAG_MTP and not self.ffn.mtp_layers:
                 self._drop(
                     r,
                     f"data plane: rank {r} sent an MTP step, but this FFN node holds no MTP layer: "
                     "start every node with the same engine.speculative_tokens",
+                    abort=True,
                 )
                 continue
             if h.step_id != self._next_step[r]:  # a desynchronised peer is an error here, never wrong numbers
@@ -208,6 +213,7 @@ class FFNServer:
                     r,
                     f"data plane: rank {r} sent step {h.step_id} where step {self._next_step[r]} was "
                     "due: the protocol is out of step",
+                    abort=True,
                 )
                 continue
             if not h.flags & (FLAG_IDLE | _GONE):

@@ -35,8 +35,9 @@ def fake_env(report: Path) -> dict:
     }
 
 
-def reports(report: Path) -> list[dict]:
-    return [json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{report}.*.json"))]
+def reports(report: Path) -> dict[str, dict]:
+    """Each process's report (written as `{report}.{pid}.json`), by file."""
+    return {f: json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{report}.*.json"))}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
         for (a, i), (code, body) in zip(jobs, answers):
             assert code == 200, body
             assert body["choices"][0]["token_ids"] == reference[i], f"attn{a}, prompt {i}"
-    seen = reports(report)
+    seen = list(reports(report).values())
     assert len(seen) == A * tp.get("attention_tp", 1) + F, "every process ran on the fake device and wrote its report"
     for r in seen:
         assert r["device"]["ops"] > 0
@@ -111,7 +112,7 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
 def _syncs(report: Path) -> list[dict[str, int]]:
     """Per node process, its host syncs by site so far (the fake rewrites its report every 0.5 s)."""
     time.sleep(1.0)
-    return [r["device"]["host_sync_sites"] for r in reports(report)]
+    return [r["device"]["host_sync_sites"] for r in reports(report).values()]
 
 
 def test_a_step_syncs_the_host_once_on_every_node(tiny_checkpoint, tmp_path):
@@ -164,7 +165,8 @@ _PAIR = textwrap.dedent("""
 
 
 def test_a_silent_peer_ends_in_a_timeout_not_a_hang(tmp_path):
-    """HCCL's wait() ignores its timeout unless blocking wait is on; the data plane turns it on."""
+    """HCCL's wait() ignores its timeout without blocking wait, which the data plane turns off: its watchdog
+    aborts the pair when the deadline passes, and the wait ends then."""
     from cluster_helpers import free_ports
 
     code = _PAIR.format(fakes=FAKES, port=free_ports(1)[0], timeout=2)
@@ -187,7 +189,7 @@ def test_a_silent_peer_ends_in_a_timeout_not_a_hang(tmp_path):
     procs[1].kill()
     procs[1].wait()
     assert "PeerError 1" in out, out
-    assert "timed out" in out and time.monotonic() - t0 < 45, out
+    assert time.monotonic() - t0 < 45, out  # the deadline's watchdog aborted the pair: the wait ended
     waited = float(out.split("PeerError 1 ")[1].split()[0])
     assert waited < 5, f"the wait took {waited}s: the 2s timeout did not hold"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 
@@ -91,8 +93,15 @@ class _ScriptedPlane:
 
     generation = 0
 
+    def check(self) -> None:  # no deadline passes here
+        pass
+
     def __init__(self, scripts: dict[int, list]):
         self.scripts = {r: list(s) for r, s in scripts.items()}
+        self.aborted: list[int] = []
+
+    def abort(self, peer=None):
+        self.aborted.append(peer)
 
     def irecv(self, tensor, peer):
         tensor.copy_(self.scripts[peer].pop(0).encode())
@@ -120,6 +129,7 @@ def test_ffn_drops_a_peer_whose_step_ids_are_out_of_step_and_serves_the_other():
     assert list(server._recv_headers()) == [0]  # the desynchronised peer is dropped, never computed for
     assert server.active == [0]
     assert "sent step 3 where step 2 was due" in server.gone[1]
+    assert server.plane.aborted == [1], "the live but broken peer's pair is aborted: nothing of it stays queued"
 
 
 def test_posting_to_a_gone_peer_is_a_peer_error():
@@ -130,8 +140,73 @@ def test_posting_to_a_gone_peer_is_a_peer_error():
     def isend(tensor, peer, group=None):
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234")
 
-    plane = object.__new__(DataPlane)
-    plane._upward = plane._downward = None
+    plane = _bare_plane(DataPlane, peers=[3])
     with pytest.raises(PeerError, match="isend to rank 3 failed .*Connection closed by peer") as e:
-        plane._issue(isend, torch.zeros(1), 3, upward=True)
+        plane._issue(isend, torch.zeros(1), 3, low_to_high=True)
     assert e.value.peer == 3
+    assert 3 in plane._aborted and plane.backend.aborted == ["up3", "down3"], "the failed pair is aborted"
+    with pytest.raises(PeerError, match="refused: its pair was aborted"):
+        plane._issue(isend, torch.zeros(1), 3, low_to_high=True)
+
+
+def _bare_plane(cls, peers: list[int]):
+    """A DataPlane without process groups: each pair's groups are names, the backend records aborts."""
+    import threading
+
+    class Backend:
+        dist_backend = "nccl"
+        shutdown_waits_for_queued_work = True
+
+        def __init__(self):
+            self.aborted = []
+
+        def abort_group(self, pg):
+            self.aborted.append(pg)
+
+    plane = object.__new__(cls)
+    plane.backend, plane.rank, plane.generation = Backend(), 0, 0
+    plane._pairs = {p: (f"up{p}", f"down{p}") for p in peers}
+    plane._aborted, plane._abort_lock, plane._outstanding = {}, threading.Lock(), 0
+    plane.deadlines = None
+    return plane
+
+
+class _Work:
+    def __init__(self, result=True, error: str | None = None):
+        self.result, self.error = result, error
+
+    def wait(self, timeout):
+        if self.error:
+            raise RuntimeError(self.error)
+        return self.result
+
+
+def test_abort_fails_the_pairs_waits_and_refuses_its_ops_leaving_other_pairs():
+    """DataPlane.abort(peer): the pair's groups go to the backend's abort, its later ops are refused and
+    its waits fail with PeerError, even one whose work completed (it may be torn); other pairs go on."""
+    from afd.dataplane.transport import DataPlane, PeerError
+
+    plane = _bare_plane(DataPlane, peers=[2, 3])
+    plane.timeout = timedelta(seconds=1)
+    plane._outstanding = 2
+    plane.abort(2)
+    assert plane.backend.aborted == ["up2", "down2"]
+    with pytest.raises(PeerError, match="with rank 2 failed: its pair was aborted") as e:
+        plane.wait(_Work(), 2, "layer 0 MoE output receive")
+    assert e.value.peer == 2
+    with pytest.raises(PeerError, match="to rank 2 refused"):
+        plane._issue(lambda *a, **k: _Work(), torch.zeros(1), 2, low_to_high=False)
+    plane.wait(_Work(), 3, "layer 0 MoE output receive")  # the other pair is untouched
+    assert plane._outstanding == 1
+    plane.abort()  # every pair, each once
+    assert plane.backend.aborted == ["up2", "down2", "up3", "down3"]
+
+
+def test_a_failed_wait_aborts_only_that_pair():
+    from afd.dataplane.transport import DataPlane, PeerError
+
+    plane = _bare_plane(DataPlane, peers=[2, 3])
+    plane.timeout = timedelta(seconds=1)
+    with pytest.raises(PeerError, match="with rank 3 failed .*timed out"):
+        plane.wait(_Work(error="Work recv timed out in blocking wait"), 3, "step header receive")
+    assert plane.backend.aborted == ["up3", "down3"] and list(plane._aborted) == [3]

@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from cluster_helpers import Cluster, cluster_yaml, health, post
@@ -88,9 +89,20 @@ def _assert_all_equal_hf(results, prompts, reference) -> None:
         assert ids == reference[PROMPTS.index(p)]
 
 
-def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, reference, tmp_path):
+@pytest.mark.parametrize("fake_npu", [False, True], ids=["gloo", "fake-hccl"])
+def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, reference, tmp_path, fake_npu):
+    """On the fake HCCL (tests/fakes: nodes on npu:1 and npu:2), also: no teardown of the old generation
+    waited on work queued on it (a real HCCL's shutdown() would hang on the dead FFN's transfers): the
+    attention node aborted its pairs instead."""
     path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="rejoin-ffn", cluster=FAST)
-    with Cluster(path) as c:
+    report = tmp_path / "fake-npu"
+    env = None
+    if fake_npu:
+        from test_npu_fake_cluster import _on_devices, fake_env
+
+        _on_devices(path)
+        env = fake_env(report)
+    with Cluster(path, env=env) as c:
         c.start_all()
         c.wait_ready()
         attn_pid = c.procs["attn0"].pid
@@ -106,12 +118,30 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
         assert c.procs["attn0"].pid == attn_pid and c.procs["attn0"].poll() is None
         assert "data plane re-formed" in c.log("attn0") and "generation 1" in c.log("attn0")
         assert health(c.url()) == 200 and _greedy(c.url(), PROMPTS[0]) == reference[0]
+    if fake_npu:
+        from test_npu_fake_cluster import reports
+
+        seen = {int(Path(f).name.split(".")[-2]): r for f, r in reports(report).items()}
+        assert len(seen) == 3, "attn0, the killed ffn0 and its replacement each wrote a report"
+        for r in seen.values():
+            assert r["hccl"]["shutdown_hangs"] == [], "a teardown synchronized streams with work queued on them"
+            assert r["device"]["hazards"] == [] and r["device"]["unbound"] == []
+        assert seen[attn_pid]["hccl"]["aborts"] > 0, "the failed generation was aborted, not destroyed"
 
 
 @pytest.mark.slow  # CI runs it in make test-slow; the killed FFN node's case covers re-forming by default
-def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_checkpoint, reference, tmp_path):
+@pytest.mark.parametrize("fake_npu", [False, True], ids=["gloo", "fake-hccl"])
+def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_checkpoint, reference, tmp_path, fake_npu):
+    """On the fake HCCL too: the FFN node drops only the dead node's pair (one process group per pair), so
+    the other attention node is served on without a pause."""
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="rejoin-attn", cluster=FAST)
-    with Cluster(path) as c:
+    env = None
+    if fake_npu:
+        from test_npu_fake_cluster import _on_devices, fake_env
+
+        _on_devices(path)
+        env = fake_env(tmp_path / "fake-npu")
+    with Cluster(path, env=env) as c:
         c.start_all()
         c.wait_ready()
         survivors = {n: c.procs[n].pid for n in ("attn0", "ffn0")}

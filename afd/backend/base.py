@@ -121,18 +121,27 @@ class Backend(ABC):
         issues device work calls this first; otherwise implicit-device calls act on device 0."""
         bind_device(self.device)
 
-    peer_failure_breaks_group: bool = False
-    """Whether one failed or timed-out peer leaves the whole process group unusable. NCCL and HCCL abort
-    the communicators when a blocking wait times out; gloo fails only the pair that broke."""
+    shutdown_waits_for_queued_work: bool = False
+    """Whether tearing a process group down (c10d's `shutdown()`, which `destroy_process_group` calls on
+    every group) waits for the work queued on it: NCCL's finalizes each communicator and waits for its
+    kernels, HCCL's synchronizes the group's streams. A send or receive whose peer is dead never
+    finishes, so there the data plane aborts (`abort_group`) instead whenever work may be queued. gloo's
+    shutdown does not wait."""
+
+    def abort_group(self, pg) -> None:
+        """Abort the communicators of process group `pg` without waiting for the work queued on them;
+        callable from any thread, also while another thread waits on `pg`. c10d's registry of groups is
+        left alone (the owner forgets the group later, on its own thread). gloo: nothing to call — in
+        torch 2.13 ProcessGroupGloo.abort() neither fails a pending wait nor refuses a later op (checked: an
+        irecv issued before it still waited out its timeout, a send after it went through), as c10d's
+        default Backend::abort is a no-op (pytorch torch/csrc/distributed/c10d/Backend.hpp). A pending gloo
+        wait ends at its timeout or when the peer's sockets close; the data plane's own flag refuses the
+        pair's later ops."""
 
     stream_ordered_waits: bool = False
     """Whether the data plane's waits order the consumer's stream after the transfer without blocking the
     host (NCCL, HCCL), its deadlines then held by a watchdog (afd.dataplane.deadlines); else a wait blocks
     the host until the transfer is done or the group's timeout passes (gloo)."""
-
-    def abort_group(self, group, peer: int | None = None) -> None:
-        """Aborts `group`'s communicators (those with `peer`, or all) without waiting for queued work: what
-        a passed deadline does on a device. Nothing on gloo, whose waits time out on their own."""
 
     def comm_env(self) -> dict[str, str]:
         """Environment variables the data plane needs before its process group forms (so that every

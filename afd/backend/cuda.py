@@ -26,13 +26,12 @@ class CudaBackend(Backend):
     def device(self) -> torch.device:
         return self._device
 
-    # A blocking wait times out and aborts the communicators; without it wait() only orders streams and a
-    # dead peer hangs the next host read. With it, TORCH_NCCL_ASYNC_ERROR_HANDLING is off (no watchdog
-    # kills the process): the node reports the PeerError and re-forms. source: pytorch
-    # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, ProcessGroupNCCL::ProcessGroupNCCL and
-    # WorkNCCL::synchronize (torch 2.4-2.13), and docs/architecture.md "Devices, streams and timeouts".
-    peer_failure_breaks_group = True
-
+    # Without blocking wait, WorkNCCL::wait only makes the current stream wait for the work (no host block);
+    # a dead peer would then hang the next host read, so afd's watchdog (afd/dataplane/deadlines.py) aborts
+    # the pair when a deadline passes. TORCH_NCCL_ASYNC_ERROR_HANDLING is off, since PyTorch's own watchdog
+    # (mode 3 by default) would tear the process down instead of letting it re-form. source: pytorch
+    # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp (WorkNCCL::synchronize, the watchdog) and
+    # ProcessGroupNCCL.hpp (TORCH_NCCL_ASYNC_ERROR_HANDLING modes 0-3), torch 2.4-2.13.
     def comm_env(self) -> dict[str, str]:
         # waits are stream-ordered (no host block), and afd's watchdog aborts on a passed deadline: PyTorch's
         # own (mode 3 by default) would tear the process down instead of letting it re-form
@@ -40,10 +39,17 @@ class CudaBackend(Backend):
 
     stream_ordered_waits = True
 
-    def abort_group(self, group, peer: int | None = None) -> None:
-        import torch.distributed.distributed_c10d as c10d
+    # ProcessGroupNCCL::shutdown() (what destroy_process_group calls) finalizes every communicator and waits
+    # for its kernels; ProcessGroupNCCL::abort() runs ncclCommAbort, which ends them at once ("abort() will
+    # signal communicators to terminate all NCCL kernels immediately; shutdown() will wait for all NCCL
+    # kernels to finish before destroying communicators"). c10d's ProcessGroup::abort reaches it, as
+    # torch.distributed.distributed_c10d._abort_process_group does before it forgets the group. source: pytorch
+    # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp (ProcessGroupNCCL::abort, ::shutdown) and
+    # torch/distributed/distributed_c10d.py (_abort_process_group, destroy_process_group), torch 2.5-2.13.
+    shutdown_waits_for_queued_work = True
 
-        c10d._abort_process_group(group)
+    def abort_group(self, pg) -> None:
+        pg.abort()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self._device)

@@ -67,22 +67,31 @@ class NpuBackend(Backend):
     def device(self) -> torch.device:
         return self._device
 
-    # HCCL's wait() honours its timeout only in blocking mode, which also aborts the communicators on a
-    # timeout and turns the watchdog off. source: Ascend/pytorch torch_npu/csrc/distributed/
-    # ProcessGroupHCCL.hpp (TORCH_HCCL_BLOCKING_WAIT = {"TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT"})
+    # Without blocking wait, WorkHCCL's wait() only makes the current stream wait for the work (no host block),
+    # and its timeout does not apply: afd's watchdog (afd/dataplane/deadlines.py) aborts the pair when a
+    # deadline passes. source: Ascend/pytorch torch_npu/csrc/distributed/ProcessGroupHCCL.hpp
+    # (TORCH_HCCL_BLOCKING_WAIT = {"TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT"}; HCCL_ASYNC_ERROR_HANDLING)
     # and ProcessGroupHCCL.cpp WorkHCCL::synchronizeInternal, master @9e73e70 (2026-08).
-    peer_failure_breaks_group = True
-
     def comm_env(self) -> dict[str, str]:
         # stream-ordered waits and afd's watchdog, as on CUDA (older torch_npu reads HCCL_BLOCKING_WAIT)
         return {"TORCH_HCCL_BLOCKING_WAIT": "0", "HCCL_BLOCKING_WAIT": "0", "HCCL_ASYNC_ERROR_HANDLING": "0"}
 
     stream_ordered_waits = True
 
-    def abort_group(self, group, peer: int | None = None) -> None:
-        abort = getattr(group, "abort", None)  # TODO(issue 24): torch_npu's HCCL abort; pg.abort() is a no-op there
-        if abort is not None:
-            abort()
+    # ProcessGroupHCCL::shutdown() (what destroy_process_group calls) synchronizes every HCCL stream of the
+    # group before it destroys the communicators: a send or receive whose peer is dead blocks it, up to
+    # HCCL_EXEC_TIMEOUT. pg.abort() does nothing here: ProcessGroupHCCL declares `bool abort(optional<string>)`,
+    # which does not override c10d's `void abort()` (a no-op, pytorch torch/csrc/distributed/c10d/Backend.hpp).
+    # The abort torch_npu binds is `abort_hccl_comm(abortReason)` = ProcessGroupHCCL::abortAndClearHcclComm:
+    # every communicator of the group destroyed (hcclCommDestroy), no stream synchronized, the maps cleared;
+    # torch_npu's own reinit_process_group calls it as below. source: Ascend/pytorch
+    # torch_npu/csrc/distributed/ProcessGroupHCCL.cpp (::shutdown, ::abortAndClearHcclComm, abortCommsFromMap),
+    # ProcessGroupHCCL.hpp, Init.cpp (.def("abort_hccl_comm", ...)), torch_npu/distributed/distributed_c10d.py
+    # (reinit_process_group), master @9e73e70; abort_hccl_comm is bound since v6.0.0 (2024-09).
+    shutdown_waits_for_queued_work = True
+
+    def abort_group(self, pg) -> None:
+        pg._get_backend(torch.device("npu")).abort_hccl_comm("afd: data plane abort")
 
     def synchronize(self) -> None:
         torch.npu.synchronize(self._device)

@@ -44,8 +44,9 @@ class Deadlines:
 
     @property
     def pending(self) -> int:
+        """Watched works not completed yet: work that may still be queued on the device."""
         with self._mu:
-            return len(self._pending)
+            return sum(1 for entry in self._pending if not _completed(entry[1]))
 
     def close(self) -> None:
         self._stop.set()

@@ -6,15 +6,19 @@ tensors, with that thread's current stream: the process group orders its own com
 it and keeps the tensor alive for the transfer, so no side stream is needed (docs/architecture.md,
 "Devices, streams and timeouts").
 
-Two groups over the same ranks, one per direction: messages to a higher rank go on one, to a lower rank
-on the other. NCCL and HCCL run a pair's sends and receives on one stream in issue order, so with one
-group a send queued behind a pending receive (ping-pong's next micro-batch behind the last one's result).
+Two groups per pair of peers, one per direction: messages from the lower rank to the higher go on one, the
+other way on the other. NCCL and HCCL run a pair's sends and receives on one stream in issue order, so with
+one group a send queued behind a pending receive (ping-pong's next micro-batch behind the last one's
+result). And one pair per group, because NCCL's and HCCL's aborts act on a whole group: aborting the pair
+of a failed peer leaves every other pair working, and no communicator spans more than two ranks (so none
+needs the other ranks to form it, whatever P2P_HCCL_BUFFSIZE says).
 
 Every wait has a deadline that holds, and a failed or timed-out op raises PeerError naming the peer. On
 gloo a wait blocks the host, with the group's timeout. On NCCL and HCCL it is stream-ordered (the current
 stream waits for the transfer; the host does not), and afd.dataplane.deadlines' watchdog holds the
-deadline: it aborts the peer's communicators when one passes, and the owner meets the PeerError at its
-next wait or `check()`.
+deadline: it aborts the peer's pair when one passes, and the owner meets the PeerError at its next wait
+or `check()`. Teardown never waits on work that may still be queued: NCCL's and HCCL's shutdown() would
+(docs/architecture/dataplane.md, "Failures and teardown").
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import hmac
 import logging
 import os
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -140,11 +145,24 @@ class DataPlane:
         timeout_s: float = 60.0,
         formation: str = "",
         bind_host: str | None = None,
+        peers: list[int] | None = None,
     ):
         """formation: the secret part of this generation's store prefix, handed out over the (token-
-        authenticated) control plane, so a process that only reaches the store cannot join it."""
+        authenticated) control plane, so a process that only reaches the store cannot join it.
+        peers: the ranks this one exchanges with (None: every other rank). Every rank makes every pair's
+        groups in one order, so all ranks must agree on the pairs: afd's are every attention rank with
+        every FFN rank, i.e. this rank's side (the ranks that are not its peers) times its peers."""
         self.backend, self.rank, self.world_size, self.generation = backend, rank, world_size, generation
         self.timeout = timedelta(seconds=timeout_s)
+        self.peers = sorted(peers) if peers is not None else [r for r in range(world_size) if r != rank]
+        pairs = _pairs(world_size, None if peers is None else self.peers, rank)
+        self._pairs: dict[int, tuple] = {}
+        """peer -> (group carrying the lower rank's messages to the higher, group for the other way)."""
+        self._aborted: dict[int, str] = {}
+        """Peers whose pair was aborted, and why: their ops are refused, their waits fail."""
+        self._abort_lock = threading.Lock()
+        self._outstanding = 0
+        """Ops issued and not yet waited for successfully: work that may still be queued (owner thread only)."""
         t0 = time.monotonic()
         apply_comm_env(backend)
         if backend.dist_backend == "gloo":
@@ -156,33 +174,46 @@ class DataPlane:
             world_size=world_size,
             timeout=self.timeout,
         )
-        self._upward = dist.group.WORLD
-        self._downward = dist.new_group(list(range(world_size)), timeout=self.timeout, backend=backend.dist_backend)
-        self.deadlines = Deadlines(timeout_s, self.abort) if backend.stream_ordered_waits else None
+        for lo, hi in pairs:  # every rank makes every pair's groups, in one order: c10d numbers them
+            up, down = (dist.new_group([lo, hi], timeout=self.timeout, backend=backend.dist_backend) for _ in range(2))
+            if rank in (lo, hi):
+                self._pairs[hi if rank == lo else lo] = (up, down)
+        self.deadlines = (
+            Deadlines(timeout_s, lambda p: self._abort_pair(p, "its deadline passed"))
+            if backend.stream_ordered_waits
+            else None
+        )
         log.info(
-            "data plane up: rank %d of %d over %s, generation %d, in %.2fs",
+            "data plane up: rank %d of %d over %s, generation %d, %d pair(s), in %.2fs",
             rank,
             world_size,
             backend.dist_backend,
             generation,
+            len(self._pairs),
             time.monotonic() - t0,
         )
 
     def handshake(self, peers: list[int], token: str | None, formation: str) -> None:
         """Each pair of peers proves to the other that it holds the cluster token: a process that took
         a rank through a leaked store prefix cannot answer, and is refused before any tensor moves.
-        Pairs go in one order on both ends (the lower rank sends first), which NCCL and HCCL need."""
+        Every op is posted before any is waited for, pair by pair in ascending order and the lower rank's
+        send first on both ends: a communicator that forms at its first op, blocking until the other end's
+        first op (HCCL's HcclCommInitRootInfo inside getHCCLComm), therefore forms in one global order, and
+        no rank blocks on one pair while the other end of another waits for it."""
         key = (token or formation).encode()
 
         def digest(src: int, dst: int) -> torch.Tensor:
             d = hmac.new(key, f"afd/{formation}/{src}->{dst}".encode(), hashlib.sha256).digest()
             return torch.frombuffer(bytearray(d), dtype=torch.uint8).to(self.backend.device)
 
+        posted = []
         for p in sorted(peers):
             mine, theirs = digest(self.rank, p), torch.empty(32, dtype=torch.uint8, device=self.backend.device)
             ops = [(self.isend, mine), (self.irecv, theirs)]
-            for op, t in ops if self.rank < p else ops[::-1]:
-                self.wait(op(t, p), p, "handshake")
+            posted.append((p, theirs, mine, [op(t, p) for op, t in (ops if self.rank < p else ops[::-1])]))
+        for p, theirs, _, works in posted:
+            for w in works:
+                self.wait(w, p, "handshake")
             if not hmac.compare_digest(bytes(theirs.cpu().tolist()), bytes(digest(p, self.rank).cpu().tolist())):
                 raise PeerError(
                     f"data plane: rank {p} failed the handshake: it does not hold this cluster's "
@@ -190,43 +221,99 @@ class DataPlane:
                     p,
                 )
 
-    def _issue(self, op, tensor: torch.Tensor, peer: int, upward: bool):
+    def _group(self, peer: int, low_to_high: bool):
+        pair = self._pairs.get(peer)
+        if pair is None:
+            raise PeerError(f"data plane: rank {peer} is not a peer of rank {self.rank}", peer)
+        return pair[0] if low_to_high else pair[1]
+
+    def _issue(self, op, tensor: torch.Tensor, peer: int, low_to_high: bool):
+        why = self._aborted.get(peer)
+        if why is not None:
+            raise PeerError(f"data plane: {op.__name__} to rank {peer} refused: its pair was aborted ({why})", peer)
+        group = self._group(peer, low_to_high)
         try:
-            return op(tensor, peer, group=self._upward if upward else self._downward)
+            work = op(tensor, peer, group=group)
         except RuntimeError as e:  # gloo refuses to post on a pair whose peer is already gone
-            raise PeerError(
+            err = PeerError(
                 f"data plane: {op.__name__} to rank {peer} failed ({_first_line(e)}); "
                 f"the peer process is probably gone",
                 peer,
-            ) from None
+            )
+        else:
+            self._outstanding += 1
+            return work
+        self._abort_pair(peer, str(err))
+        raise err
 
     def isend(self, tensor: torch.Tensor, peer: int):
-        return self._issue(dist.isend, tensor, peer, upward=peer > self.rank)
+        return self._issue(dist.isend, tensor, peer, low_to_high=peer > self.rank)
 
     def irecv(self, tensor: torch.Tensor, peer: int):
-        return self._issue(dist.irecv, tensor, peer, upward=self.rank > peer)
+        return self._issue(dist.irecv, tensor, peer, low_to_high=self.rank > peer)
 
     def wait(self, work, peer: int, what: str) -> None:
         if self.deadlines is not None:
             self.deadlines.check()
+        if peer in self._aborted:
+            raise self._aborted_error(peer, what)
+        if self.deadlines is not None:
             self.deadlines.watch(work, peer, what)
             try:
                 work.wait()  # stream-ordered: the current stream waits for the transfer, the host goes on
+                self._outstanding -= 1  # the watchdog knows whether it is still queued on the device
+                return
             except RuntimeError as e:  # the watchdog's abort, or the communicator's own error
                 self.deadlines.check()
-                raise PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)})", peer) from None
-            return
+                err = PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)})", peer)
+                self._abort_pair(peer, str(err))
+                raise err from None
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
-            raise PeerError(
+            err = PeerError(
                 f"data plane: {what} with rank {peer} failed ({_first_line(e)}); the peer process is probably gone",
                 peer,
-            ) from None
-        if ok is False:
-            raise PeerError(
-                f"data plane: {what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s", peer
             )
+        else:
+            if ok is False:
+                err = PeerError(
+                    f"data plane: {what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s", peer
+                )
+            elif peer in self._aborted:  # aborted while this wait ran: what arrived may be torn
+                err = self._aborted_error(peer, what)
+            else:
+                self._outstanding -= 1
+                return
+        if peer in self._aborted:
+            err = self._aborted_error(peer, what)
+        self._abort_pair(peer, str(err))
+        raise err
+
+    def _aborted_error(self, peer: int, what: str) -> PeerError:
+        why = self._aborted[peer]
+        return PeerError(f"data plane: {what} with rank {peer} failed: its pair was aborted ({why})", peer)
+
+    def abort(self, peer: int | None = None) -> None:
+        """Aborts the communicators of the pair with `peer` (every pair with None) without waiting for the
+        work queued on them; later ops with that peer are refused and its waits fail with PeerError.
+        Safe from any thread, also while the owner thread is blocked in a wait: on NCCL (and the fake
+        HCCL) that wait then fails at once; on gloo, and on a real HCCL as far as torch_npu's source shows,
+        it still runs to its timeout (or the peer's sockets closing), then fails with PeerError."""
+        for p in list(self._pairs) if peer is None else [peer]:
+            self._abort_pair(p, "DataPlane.abort")
+
+    def _abort_pair(self, peer: int, why: str) -> None:
+        with self._abort_lock:
+            if peer in self._aborted or peer not in self._pairs:
+                return
+            self._aborted[peer] = why  # first: the owner refuses new ops on the pair from here on
+        for group in self._pairs[peer]:
+            try:
+                self.backend.abort_group(group)
+            except Exception as e:  # an abort that fails leaves nothing worse than the failure it follows
+                log.warning("data plane: aborting the pair with rank %d: %s", peer, _first_line(e))
+        log.info("data plane generation %d: pair with rank %d aborted (%s)", self.generation, peer, why)
 
     def check(self) -> None:
         """Raises the PeerError of a deadline the watchdog saw pass (stream-ordered waits only): call it after
@@ -234,22 +321,38 @@ class DataPlane:
         if self.deadlines is not None:
             self.deadlines.check()
 
-    def abort(self, peer: int | None = None) -> None:
-        """Aborts the communicators without waiting for queued work (the peer's pair, or all)."""
-        for group in (self._upward, self._downward):
-            self.backend.abort_group(group, peer)
-
     def close(self) -> None:
+        """Leaves this generation. Where tearing a group down waits for its queued work (NCCL, HCCL) and
+        work may be queued (an op not waited for, a failed or aborted pair), every pair is aborted and the
+        groups are forgotten without shutdown(); otherwise the groups are destroyed as usual."""
         if self.deadlines is not None:
             self.deadlines.close()
-        if dist.is_initialized():
-            try:
+        if not dist.is_initialized():
+            return
+        queued = self._outstanding > 0 or bool(self._aborted)
+        queued = queued or (self.deadlines is not None and self.deadlines.pending > 0)
+        try:
+            if self.backend.shutdown_waits_for_queued_work and queued:
+                self.abort()
+                dist.distributed_c10d._abort_process_group()  # forgets every group; no shutdown(), no wait
+            else:
                 dist.destroy_process_group()
-            except Exception as e:  # a dead peer can make teardown fail; exiting matters more
-                log.debug("process group teardown: %s", e)
-            # pending works in dropped frames keep the group (and its sockets) alive until collected;
-            # peers blocked on this node notice only once the sockets close
-            gc.collect()
+        except Exception as e:  # a dead peer can make teardown fail; exiting matters more
+            log.debug("process group teardown: %s", e)
+        self._pairs = {}
+        # pending works in dropped frames keep the group (and its sockets) alive until collected;
+        # peers blocked on this node notice only once the sockets close
+        gc.collect()
+
+
+def _pairs(world_size: int, peers: list[int] | None, rank: int) -> list[tuple[int, int]]:
+    """Every pair of ranks that exchange, (lower, higher), in ascending order: this rank's side (itself and
+    the ranks that are not its peers) times its peers; with peers None, every pair of ranks."""
+    if peers is None:
+        return [(a, b) for a in range(world_size) for b in range(a + 1, world_size)]
+    side = [r for r in range(world_size) if r not in peers]
+    assert rank in side
+    return sorted({(min(a, b), max(a, b)) for a in side for b in peers})
 
 
 def _first_line(e: BaseException) -> str:

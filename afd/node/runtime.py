@@ -61,6 +61,7 @@ class NodeRuntime:
             self.cfg.cluster.comm_timeout,
             st.formation,
             self.bind_host,
+            peers=list(a.peer_ranks),
         )
         try:
             self.plane.handshake(list(a.peer_ranks), cluster_token(), st.formation)

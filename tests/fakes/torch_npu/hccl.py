@@ -23,13 +23,45 @@ source: Ascend/pytorch (torch_npu) master @9e73e70, 2026-08-21:
   documents obtain `hcom` (op-plugin docs, torch_npu-npu_mm_reduce_scatter_base.md, 7.1.0 to 26.0.0): rankid
   must be >= 0 and serves only a warning (not modelled) when rankid % device_count is not the current device;
   the name is the current device's communicator's, created on the way unless init_comm=False (then "").
+
+Teardown and abort (afd/dataplane/transport.py aborts instead of destroying when work may be queued):
+- the same file, `ProcessGroupHCCL::shutdown` (what c10d's destroy_process_group calls on every group):
+  it synchronizes every HCCL stream of the group ("Temporarily use stream synchronization as a substitute
+  for the HCCL finalize API") before destroying the communicators, so a send or receive that never
+  completes (its peer is dead) blocks it, on a real HCCL up to HCCL_EXEC_TIMEOUT. The fake's shutdown()
+  raises HangError when a send/receive issued on the group has not completed within SHUTDOWN_WAIT_S (or
+  failed: a transfer whose peer died never completes on an HCCL stream), and records it
+  (`STATS["shutdown_hangs"]`): a node that would hang never goes unnoticed.
+- `ProcessGroupHCCL::abortAndClearHcclComm(c10::optional<std::string> abortReason)`, bound as
+  `abort_hccl_comm` in Init.cpp (one positional argument, a string or None) and called by torch_npu's own
+  `reinit_process_group` as `group._get_backend(torch.device("npu")).abort_hccl_comm("reinit")`
+  (torch_npu/distributed/distributed_c10d.py): every communicator of the group destroyed
+  (abortCommsFromMap -> HCCLComm::destroyHcclComm -> hcclCommDestroy), no stream synchronized, the
+  communicator maps cleared. The fake fails the group's pending works with an error at once (also a wait
+  another thread is blocked in: a thread per stream waits for the transfers, in issue order, and a wait()
+  waits for that thread or the abort) and leaves every other group working; a group is
+  one pair in afd, so that is the per-pair abort. What CANN does with a task in flight on a destroyed
+  communicator is not in torch_npu's source: the fake assumes it stays on the stream, so a shutdown()
+  after an abort still hangs on it (afd never calls one). A later op on the group would create a new
+  communicator and block in HcclCommInitRootInfo until the peer does the same: the fake raises HangError.
+- ProcessGroupHCCL declares `bool abort(c10::optional<std::string>)`, which does not override c10d's
+  `void Backend::abort()` (a no-op: pytorch torch/csrc/distributed/c10d/Backend.hpp): `pg.abort()`, and so
+  `torch.distributed.distributed_c10d._abort_process_group`, aborts nothing on HCCL; the fake's abort() is
+  that no-op. _abort_process_group forgets the group without calling shutdown(), which is what afd uses it
+  for. (PyTorch's ProcessGroupNCCL.cpp for comparison: "abort() will signal communicators to terminate all
+  NCCL kernels immediately; shutdown() will wait for all NCCL kernels to finish before destroying
+  communicators".)
+- `WorkHCCL::synchronizeInternal` / `WorkHCCL::abort`: a blocking wait that times out destroys the
+  communicators of that work only (for a point-to-point op, the pair's), not the group's others.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import queue
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -52,7 +84,9 @@ HCCL_DTYPES = {
 }
 HANG_S = float(os.environ.get("AFD_FAKE_HANG_S", "20"))
 """How long the fake lets a wait that a real HCCL would never end run before it says so."""
-STATS = {"sends": 0, "recvs": 0, "send_behind_recv": 0}
+SHUTDOWN_WAIT_S = 1.0
+"""How long shutdown() lets issued transfers finish (a stream synchronization) before it says it would hang."""
+STATS = {"sends": 0, "recvs": 0, "send_behind_recv": 0, "aborts": 0, "shutdowns": 0, "shutdown_hangs": []}
 _COMM_IDS = itertools.count()
 
 
@@ -72,26 +106,51 @@ class _Work(dist.Work):
         super().__init__()
         self.pg, self._payload, self.stream, self.seq, self.kind, self.peer = pg, inner, stream, seq, kind, peer
         self._done = False
+        self._ran = threading.Event()
+        """Set by the stream's runner once gloo finished the transfer (or failed it: `_error`)."""
+        self._error: str | None = None
+        self._wake = threading.Event()
+        """Set when the transfer ran or the group was aborted: what a wait() waits for."""
+
+    def _run(self) -> None:
+        """On the stream's runner thread, in issue order (an HCCL stream runs its tasks in order)."""
+        try:
+            self._payload.wait()  # bounded by the group's timeout, as gloo's own ops are
+        except RuntimeError as e:
+            self._error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        self._ran.set()
+        self._wake.set()
 
     def is_completed(self) -> bool:
-        return self._done or self._payload.is_completed()
+        return self._done or self._ran.is_set() or self.pg._aborted is not None
+
+    def stuck(self) -> bool:
+        """Never completed on the wire: a real HCCL task that would still sit on its stream."""
+        return not self._ran.is_set() or self._error is not None
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         blocking = _blocking_wait()
         limit = timeout if blocking and timeout.total_seconds() > 0 else timedelta(seconds=HANG_S)
-        try:
-            self._payload.wait(limit)
-        except RuntimeError as e:
+        # The transfer is waited for on the stream's runner thread, so that an abort from another thread
+        # ends this wait at once (a gloo wait cannot be interrupted, and one that times out closes its pair).
+        self._wake.wait(limit.total_seconds())
+        if self.pg._aborted is not None and not (self._ran.is_set() and self._error is None):
+            raise RuntimeError(
+                f"[Rank {self.pg.rank()}] Work {self.kind} with rank {self.pg._global(self.peer)} failed: the "
+                f"group's HCCL communicators were aborted ({self.pg._aborted})"
+            )
+        if not self._ran.is_set() or self._error is not None:
             if not blocking:
                 raise HangError(
                     f"fake hccl: {self.kind} with rank {self.peer} never completed; a real HCCL "
                     "wait() ignores its timeout unless HCCL_BLOCKING_WAIT=1 (or "
                     "TORCH_HCCL_BLOCKING_WAIT=1), so this process would hang here"
-                ) from None
+                )
+            why = self._error or f"not completed after {limit.total_seconds():.0f}s"
             raise RuntimeError(
                 f"[Rank {self.pg.rank()}] Work {self.kind} timed out in blocking wait "
-                f"(TORCH_HCCL_BLOCKING_WAIT=1 or HCCL_BLOCKING_WAIT=1): {e}"
-            ) from None
+                f"(TORCH_HCCL_BLOCKING_WAIT=1 or HCCL_BLOCKING_WAIT=1): {why}"
+            )
         self._done = True
         self.pg._finished(self)
         with npu._lock:
@@ -102,6 +161,13 @@ class _Work(dist.Work):
         return True
 
 
+def _runner(tasks: queue.SimpleQueue) -> None:
+    """One stream's tasks, in order; None ends it."""
+    while (work := tasks.get()) is not None:
+        work._run()
+        del work  # hold no group alive between tasks
+
+
 class FakeHcclGroup(dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
@@ -110,6 +176,12 @@ class FakeHcclGroup(dist.ProcessGroup):
         self._pending: dict[tuple[int, int], list[_Work]] = {}
         self._mu = threading.Lock()
         self._comm_name = ""
+        self._aborted: str | None = None
+        """Why abort_hccl_comm destroyed this group's communicators (None: it did not)."""
+        self._issued: list[_Work] = []
+        """The send/receives issued on the group and not yet completed, for shutdown()'s stream synchronization."""
+        self._runners: dict[tuple[int, int], queue.SimpleQueue] = {}
+        """Per stream: the queue of its runner thread, which waits for each transfer in issue order."""
 
     def getBackendName(self) -> str:
         return "hccl"
@@ -133,6 +205,51 @@ class FakeHcclGroup(dist.ProcessGroup):
             ops.register_hcom(self._comm_name, self._gloo)
         return self._comm_name
 
+    def abort_hccl_comm(self, abortReason: str | None, /) -> None:
+        """ProcessGroupHCCL::abortAndClearHcclComm: the group's communicators destroyed without waiting for
+        their streams; here, the group's pending works fail at once."""
+        with self._mu:
+            if self._aborted is None:
+                self._aborted = abortReason or "aborted"
+                STATS["aborts"] += 1
+            for w in self._issued:
+                w._wake.set()
+
+    def abort(self) -> None:
+        """c10d's ProcessGroup.abort(): on HCCL it reaches Backend::abort, a no-op (see the module docstring)."""
+
+    def shutdown(self) -> None:
+        """ProcessGroupHCCL::shutdown: synchronizes the group's HCCL streams, then destroys the communicators."""
+        STATS["shutdowns"] += 1
+        with self._mu:
+            issued = list(self._issued)
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        for w in issued:
+            w._ran.wait(max(0.0, deadline - time.monotonic()))
+        stuck = [w for w in issued if w.stuck()]
+        with self._mu:
+            for tasks in self._runners.values():
+                tasks.put(None)
+            self._runners.clear()
+        if stuck:
+            what = ", ".join(f"{w.kind} with rank {self._global(w.peer)}" for w in stuck[:4])
+            what += ", ..." if len(stuck) > 4 else ""
+            message = (
+                f"fake hccl: shutdown() of a group with {len(stuck)} send/recv that never completed ({what}); "
+                "ProcessGroupHCCL::shutdown synchronizes the group's HCCL streams first, so a real HCCL would "
+                "hang here, up to HCCL_EXEC_TIMEOUT"
+                + (f" (the group's communicators were aborted before: {self._aborted})" if self._aborted else "")
+            )
+            STATS["shutdown_hangs"].append(message)
+            raise HangError(message)
+
+    def _global(self, group_rank: int) -> int:
+        """The global rank of a peer (c10d hands a group its group ranks)."""
+        try:
+            return dist.get_global_rank(self, group_rank)
+        except (RuntimeError, ValueError):
+            return group_rank
+
     def _check(self, tensors: list[torch.Tensor], what: str) -> npu.NpuTensor:
         if len(tensors) != 1:
             raise RuntimeError(f"fake hccl {what}: one tensor per call, got {len(tensors)}")
@@ -154,6 +271,12 @@ class FakeHcclGroup(dist.ProcessGroup):
             return self._streams[key]
 
     def _issue(self, kind: str, t: npu.NpuTensor, peer: int, inner_op) -> _Work:
+        if self._aborted is not None:
+            raise HangError(
+                f"fake hccl: {kind} with rank {peer} on a group whose communicators were aborted "
+                f"({self._aborted}); a real ProcessGroupHCCL would create a new communicator here and block in "
+                "HcclCommInitRootInfo until the peer does the same"
+            )
         stream = self._stream(t, peer)
         key = (t.device.index, peer)
         with npu._lock:
@@ -165,10 +288,20 @@ class FakeHcclGroup(dist.ProcessGroup):
             seq = npu.access(
                 stream, [t] if kind == "send" else [], [t] if kind == "recv" else [], f"hccl {kind} with rank {peer}"
             )
-        work = _Work(self, inner_op(), stream, seq, kind, peer)
+        work = self._run_on(key, _Work(self, inner_op(), stream, seq, kind, peer))
         with self._mu:
             self._pending.setdefault(key, []).append(work)
         STATS[kind + "s"] += 1
+        return work
+
+    def _run_on(self, key: tuple[int, int], work: _Work) -> _Work:
+        with self._mu:
+            tasks = self._runners.get(key)
+            if tasks is None:
+                tasks = self._runners[key] = queue.SimpleQueue()
+                threading.Thread(target=_runner, args=(tasks,), name=f"fake-hccl-stream-{key}", daemon=True).start()
+            self._issued = [w for w in self._issued if w.stuck()] + [work]  # only what a shutdown could block on
+        tasks.put(work)
         return work
 
     def _finished(self, work: _Work) -> None:
@@ -201,7 +334,7 @@ class FakeHcclGroup(dist.ProcessGroup):
         with npu._lock:
             stream.merge(npu.current_stream(t.device.index).clock)
             seq = npu.access(stream, reads, writes, f"hccl {kind}")
-        return _Work(self, inner_op(), stream, seq, kind, -1)
+        return self._run_on((t.device.index, -1), _Work(self, inner_op(), stream, seq, kind, -1))
 
     def allreduce(self, tensors, opts=None):
         t = self._check(tensors, "allreduce")

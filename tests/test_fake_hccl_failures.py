@@ -1,0 +1,175 @@
+"""Failure handling that matches HCCL, on the fake torch_npu (tests/fakes): tearing a group down waits for
+its queued work (so a dead peer's send hangs it), an abort does not, and afd's data plane never tears down
+a group with work queued on it: it aborts the failed pair only and serves the others on.
+
+Each case runs its ranks as processes (the fake's "hccl" group moves bytes over gloo between them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from cluster_helpers import free_ports
+
+pytestmark = pytest.mark.multiprocess
+FAKES = str(Path(__file__).parent / "fakes")
+ROOT = Path(__file__).parent.parent
+
+
+def _run(code: str, ranks: int, timeout: float = 90, **env) -> list[str]:
+    """Runs `code` as `ranks` processes (argv[1] = the rank); returns each one's output."""
+    full = {**os.environ, "AFD_FAKE_HANG_S": "20", **env}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(r)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=full,
+            cwd=ROOT,
+        )
+        for r in range(ranks)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0] + "\n<timed out>")
+    return outs
+
+
+_GROUPS = textwrap.dedent("""
+    import sys, threading, time, torch, torch.distributed as dist
+    from datetime import timedelta
+    sys.path.insert(0, {fakes!r})
+    import torch_npu
+    from torch_npu.hccl import HangError
+    rank, mode = int(sys.argv[1]), {mode!r}
+    torch.npu.set_device(rank + 1)
+    dist.init_process_group("hccl", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=30))
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])  # two pairs' groups, as afd's data plane makes them
+    buf = torch.zeros(4, device=torch.device("npu", rank + 1))
+    if rank == 1:
+        time.sleep(2)
+        if mode == "abort":
+            dist.isend(torch.ones(4, device=buf.device), 0, group=b).wait(timedelta(seconds=10))
+        time.sleep(3)
+        sys.exit(0)
+    queued = dist.irecv(buf, 1, group=a)  # rank 1 never sends on `a`: a receive that never completes
+    if mode == "destroy":
+        try:
+            dist.destroy_process_group()
+            print("destroyed", flush=True)
+        except HangError as e:
+            print("HangError", e, flush=True)
+        sys.exit(0)
+    other = dist.irecv(torch.zeros(4, device=buf.device), 1, group=b)
+    threading.Timer(1.0, lambda: a._get_backend(torch.device("npu")).abort_hccl_comm("test")).start()
+    t0 = time.monotonic()
+    try:
+        queued.wait(timedelta(seconds=20))
+    except RuntimeError as e:
+        print("queued wait failed after", round(time.monotonic() - t0, 1), e, flush=True)
+    print("other pair:", other.wait(timedelta(seconds=10)), flush=True)
+    try:
+        dist.isend(buf, 1, group=a)
+    except HangError as e:
+        print("post after abort: HangError", e, flush=True)
+    dist.distributed_c10d._abort_process_group()
+    print("forgotten without shutdown", torch_npu.report()["hccl"], flush=True)
+""")
+
+
+def test_fake_hccl_shutdown_with_queued_work_hangs():
+    """ProcessGroupHCCL::shutdown synchronizes the group's streams: a receive whose peer never sends
+    blocks it (HCCL_EXEC_TIMEOUT on a real device); the fake says so instead of returning."""
+    out = _run(_GROUPS.format(fakes=FAKES, port=free_ports(1)[0], mode="destroy"), 2, HCCL_BLOCKING_WAIT="1")[0]
+    assert "HangError fake hccl: shutdown() of a group with 1 send/recv that never completed (recv with rank 1)" in out
+    assert "up to HCCL_EXEC_TIMEOUT" in out and "destroyed" not in out, out
+
+
+def test_fake_hccl_abort_fails_the_pairs_work_at_once_and_leaves_other_pairs():
+    """abort_hccl_comm (torch_npu's abort, the backend's abort_group) from another thread: the blocked
+    wait on the aborted group fails at once, another group's receive completes, a later post on the
+    aborted group is refused, and forgetting the groups (_abort_process_group) never calls shutdown()."""
+    out = _run(_GROUPS.format(fakes=FAKES, port=free_ports(1)[0], mode="abort"), 2, HCCL_BLOCKING_WAIT="1")[0]
+    assert "queued wait failed after" in out and "communicators were aborted (test)" in out, out
+    waited = float(out.split("queued wait failed after ")[1].split()[0])
+    assert waited < 5, f"the aborted wait ran {waited}s: the abort did not end it"
+    assert "other pair: True" in out, out
+    assert "post after abort: HangError" in out and "HcclCommInitRootInfo" in out, out
+    report = out.split("forgotten without shutdown ")[1].strip().splitlines()[0]
+    assert "'aborts': 1" in report and "'shutdowns': 0" in report and "'shutdown_hangs': []" in report, out
+
+
+_PLANE = textwrap.dedent("""
+    import json, os, sys, threading, time, torch
+    sys.path.insert(0, {fakes!r})
+    import torch_npu
+    from afd.backend import get_backend
+    from afd.dataplane.transport import DataPlane, PeerError, rendezvous_store
+    rank = int(sys.argv[1])
+    peers = [2] if rank < 2 else [0, 1]  # attention ranks 0 and 1, the FFN rank 2
+    store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    plane = DataPlane(get_backend("npu", rank + 1), rank, 3, store, timeout_s=20, formation="f", peers=peers)
+    plane.handshake(peers, None, "f")
+    dev = plane.backend.device
+    if rank == 1:
+        time.sleep(8)  # hangs, alive but silent: the FFN's send to it stays queued, its header never comes
+        os._exit(0)
+    if rank == 0:
+        plane.wait(plane.isend(torch.full((4,), 7.0, device=dev), 2), 2, "step header send")
+        y = torch.zeros(4, device=dev)
+        plane.wait(plane.irecv(y, 2), 2, "MoE output receive")
+        print("attention 0 served:", y.tolist(), flush=True)
+        plane.close()
+        print("report", json.dumps(torch_npu.report()["hccl"]), flush=True)
+        sys.exit(0)
+    queued = plane.isend(torch.ones(4, device=dev), 1)  # a y send rank 1 never receives
+    h0, h1 = torch.zeros(4, device=dev), torch.zeros(4, device=dev)
+    w0, w1 = plane.irecv(h0, 0), plane.irecv(h1, 1)
+    plane.wait(w0, 0, "step header receive")
+    threading.Timer(1.0, plane.abort, args=(1,)).start()  # as a watchdog would, on the control plane's word
+    t0 = time.monotonic()
+    try:
+        plane.wait(w1, 1, "step header receive")
+    except PeerError as e:
+        print("rank 1 failed after", round(time.monotonic() - t0, 1), "peer", e.peer, e, flush=True)
+    plane.wait(plane.isend(h0 * 2, 0), 0, "MoE output send")  # the other pair is served on
+    try:
+        plane.isend(h1, 1)
+    except PeerError as e:
+        print("post refused:", e, flush=True)
+    plane.close()
+    print("report", json.dumps(torch_npu.report()["hccl"]), flush=True)
+""")
+
+
+def test_data_plane_aborts_only_the_failed_pair_and_never_tears_down_queued_work():
+    """2A1F on the fake HCCL (the handshake with two attention ranks included): attention rank 1 hangs with
+    the FFN's send to it queued. An abort of its pair from another thread (what a watchdog does on the
+    control plane's word) ends the FFN's wait on it at once, well inside comm_timeout; the FFN serves
+    attention rank 0 on; and its teardown aborts instead of synchronizing streams (destroy_process_group
+    would hang on the queued send: see the first test), while rank 0, with nothing queued, is destroyed
+    as usual."""
+    outs = _run(_PLANE.format(fakes=FAKES, port=free_ports(1)[0]), 3)
+    attn, ffn = outs[0], outs[2]
+    assert "attention 0 served: [14.0, 14.0, 14.0, 14.0]" in attn, attn
+    assert "rank 1 failed after" in ffn and "peer 1" in ffn and "its pair was aborted (DataPlane.abort)" in ffn, ffn
+    waited = float(ffn.split("rank 1 failed after ")[1].split()[0])
+    assert waited < 5, f"the wait on the aborted pair ran {waited}s (timeout 20s)"
+    assert "post refused:" in ffn and "refused: its pair was aborted" in ffn, ffn
+    ffn_report = json.loads(ffn.split("report ")[1].splitlines()[0])
+    assert ffn_report["shutdown_hangs"] == [], ffn
+    assert ffn_report["aborts"] == 4, "each of the FFN's two pairs has two groups, each aborted once"
+    attn_report = json.loads(attn.split("report ")[1].splitlines()[0])
+    assert attn_report["shutdown_hangs"] == [] and attn_report["aborts"] == 0 and attn_report["shutdowns"] > 0, attn
