@@ -22,6 +22,9 @@ class _SlowPlane:
 
     generation = 0
 
+    def check(self) -> None:  # no deadline passes here
+        pass
+
     def __init__(self, headers: list, wait_s: float):
         self.headers, self.wait_s = list(headers), wait_s
 
