@@ -1,6 +1,7 @@
 """Failure handling that matches HCCL, on the fake torch_npu (tests/fakes): tearing a group down waits for
 its queued work (so a dead peer's send hangs it), an abort does not, and afd's data plane never tears down
-a group with work queued on it: it aborts the failed pair only and serves the others on.
+a group with work queued on it: it aborts the failed pair only and serves the others on. And a
+communicator shared by a whole group (P2P_HCCL_BUFFSIZE=0) cannot deadlock the handshake.
 
 Each case runs its ranks as processes (the fake's "hccl" group moves bytes over gloo between them).
 """
@@ -59,6 +60,7 @@ _GROUPS = textwrap.dedent("""
     a, b = dist.new_group([0, 1]), dist.new_group([0, 1])  # two pairs' groups, as afd's data plane makes them
     buf = torch.zeros(4, device=torch.device("npu", rank + 1))
     if rank == 1:
+        never = dist.irecv(torch.zeros(4, device=buf.device), 0, group=a)  # forms a's pair communicator
         time.sleep(2)
         if mode == "abort":
             dist.isend(torch.ones(4, device=buf.device), 0, group=b).wait(timedelta(seconds=10))
@@ -173,3 +175,53 @@ def test_data_plane_aborts_only_the_failed_pair_and_never_tears_down_queued_work
     assert ffn_report["aborts"] == 4, "each of the FFN's two pairs has two groups, each aborted once"
     attn_report = json.loads(attn.split("report ")[1].splitlines()[0])
     assert attn_report["shutdown_hangs"] == [] and attn_report["aborts"] == 0 and attn_report["shutdowns"] > 0, attn
+
+
+_OLD_HANDSHAKE = textwrap.dedent("""
+    import sys, torch, torch.distributed as dist
+    from datetime import timedelta
+    sys.path.insert(0, {fakes!r})
+    import torch_npu
+    from torch_npu.hccl import HangError
+    rank = int(sys.argv[1])
+    torch.npu.set_device(rank + 1)
+    dist.init_process_group("hccl", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+                            timeout=timedelta(seconds=30))
+    up, down = dist.group.WORLD, dist.new_group([0, 1, 2])  # afd's old layout: two groups over every rank
+    peers, t = ([2] if rank < 2 else [0, 1]), torch.zeros(4, device=torch.device("npu", rank + 1))
+    try:
+        for p in peers:  # the old handshake: pair by pair, each op waited for before the next
+            ops = [(dist.isend, up if p > rank else down), (dist.irecv, down if p > rank else up)]
+            for op, group in ops if rank < p else ops[::-1]:
+                op(t, p, group=group).wait(timedelta(seconds=30))
+        print("handshake done", flush=True)
+    except HangError as e:
+        print("HangError", e, flush=True)
+""")
+
+_NEW_HANDSHAKE = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {fakes!r})
+    from afd.backend import get_backend
+    from afd.dataplane.transport import DataPlane, rendezvous_store
+    rank = int(sys.argv[1])
+    peers = [2] if rank < 2 else [0, 1]
+    store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    plane = DataPlane(get_backend("npu", rank + 1), rank, 3, store, timeout_s=20, formation="f", peers=peers)
+    plane.handshake(peers, None, "f")
+    print("handshake done", flush=True)
+    plane.close()
+""")
+
+
+def test_the_handshake_cannot_deadlock_on_a_group_wide_hccl_communicator():
+    """N2 of issue 24: with P2P_HCCL_BUFFSIZE=0 HCCL forms one communicator per group, at the first op of
+    every rank. The old layout (two groups over every rank, each handshake op waited for at once) deadlocks
+    at 2 attention ranks: the FFN and attention rank 0 wait in the second group's formation for rank 1,
+    which waits for the FFN to take its message. The data plane's groups of one pair each, with every
+    handshake op posted before any wait, form and handshake."""
+    env = {"P2P_HCCL_BUFFSIZE": "0", "HCCL_BLOCKING_WAIT": "1", "AFD_FAKE_HANG_S": "5"}
+    old = _run(_OLD_HANDSHAKE.format(fakes=FAKES, port=free_ports(1)[0]), 3, **env)
+    assert any("HangError" in o and "HcclCommInitRootInfo" in o for o in old), old
+    new = _run(_NEW_HANDSHAKE.format(fakes=FAKES, port=free_ports(1)[0]), 3, **env)
+    assert all("handshake done" in o for o in new), new

@@ -168,6 +168,7 @@ def _bare_plane(cls, peers: list[int]):
     plane._pairs = {p: (f"up{p}", f"down{p}") for p in peers}
     plane._aborted, plane._abort_lock, plane._outstanding = {}, threading.Lock(), 0
     plane.deadlines = None
+    plane._errors_before = 0
     return plane
 
 
@@ -210,3 +211,53 @@ def test_a_failed_wait_aborts_only_that_pair():
     with pytest.raises(PeerError, match="with rank 3 failed .*timed out"):
         plane.wait(_Work(error="Work recv timed out in blocking wait"), 3, "step header receive")
     assert plane.backend.aborted == ["up3", "down3"] and list(plane._aborted) == [3]
+
+
+def test_close_aborts_instead_of_destroying_when_work_may_be_queued(monkeypatch):
+    """NCCL's and HCCL's shutdown() (destroy_process_group) waits for queued work: after a failure, or with
+    an op not waited for, the plane aborts its pairs and forgets the groups instead; a clean plane, or a
+    gloo one, is destroyed as before."""
+    from afd.backend.base import PeerError
+    from afd.dataplane import transport
+
+    calls = []
+    monkeypatch.setattr(transport.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(transport.dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(transport.dist.distributed_c10d, "_abort_process_group", lambda: calls.append("forget"))
+
+    def close(outstanding=0, error=False, gloo=False) -> list:
+        plane = _bare_plane(transport.DataPlane, peers=[2])
+        plane._outstanding, plane._errors_before = outstanding, PeerError.made
+        plane.backend.shutdown_waits_for_queued_work = not gloo
+        if error:
+            PeerError("tensor parallel: a collective of the TP group failed")  # made, as TPComm does
+        calls.clear()
+        plane.close()
+        return calls + plane.backend.aborted
+
+    assert close() == ["destroy"]
+    assert close(outstanding=1) == ["forget", "up2", "down2"]
+    assert close(error=True) == ["forget", "up2", "down2"], "a TP failure in the same world counts"
+    assert close(outstanding=1, gloo=True) == ["destroy"], "gloo's shutdown does not wait"
+
+
+def test_ffn_drops_only_the_peer_that_failed():
+    """One pair per process group on every backend: a peer whose op fails is dropped alone."""
+    from torch import nn
+
+    from afd.backend import get_backend
+    from afd.backend.base import PeerError
+    from afd.dataplane.protocol import FLAG_IDLE
+    from ffn_node.server import FFNServer
+
+    class Plane(_ScriptedPlane):
+        def wait(self, work, peer, what):
+            if peer == 1:
+                raise PeerError(f"data plane: {what} with rank 1 timed out", 1)
+
+    ffn = nn.Module()
+    ffn.cfg = type("Cfg", (), {"hidden_size": 4, "num_layers": 1})()
+    idle = [StepHeader(0, (), FLAG_IDLE)] * 2
+    server = FFNServer(ffn, get_backend("cpu"), Plane({0: list(idle), 1: list(idle)}), [0, 1], torch.float32)
+    assert list(server._recv_headers()) == [0]
+    assert server.active == [0] and "timed out" in server.gone[1]

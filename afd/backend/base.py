@@ -91,9 +91,14 @@ class PeerError(RuntimeError):
     an attention node's TP group (afd.model.tp). Here, below both, so that one except clause (the engine's
     re-forming) covers every process boundary."""
 
+    made = 0
+    """How many were made in this process. A data plane that saw one made since it formed tears down by
+    aborting (afd.dataplane.transport): a failed TP collective may be queued on a group of its world."""
+
     def __init__(self, message: str, peer: int | None = None):
         super().__init__(message)
         self.peer = peer
+        PeerError.made += 1
 
 
 class Backend(ABC):

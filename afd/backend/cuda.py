@@ -43,9 +43,12 @@ class CudaBackend(Backend):
     # for its kernels; ProcessGroupNCCL::abort() runs ncclCommAbort, which ends them at once ("abort() will
     # signal communicators to terminate all NCCL kernels immediately; shutdown() will wait for all NCCL
     # kernels to finish before destroying communicators"). c10d's ProcessGroup::abort reaches it, as
-    # torch.distributed.distributed_c10d._abort_process_group does before it forgets the group. source: pytorch
-    # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp (ProcessGroupNCCL::abort, ::shutdown) and
-    # torch/distributed/distributed_c10d.py (_abort_process_group, destroy_process_group), torch 2.5-2.13.
+    # torch.distributed.distributed_c10d._abort_process_group does before it forgets the group. An aborted
+    # communicator reports ncclSystemError from then on, so a wait on one of its works (another thread's,
+    # blocking) fails at once. source: pytorch torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp
+    # (ProcessGroupNCCL::abort, ::shutdown), NCCLUtils.cpp (NCCLComm::abort: "Set an appropriate error so that
+    # we avoid using the communicator") and torch/distributed/distributed_c10d.py (_abort_process_group,
+    # destroy_process_group), torch 2.5-2.13.
     shutdown_waits_for_queued_work = True
 
     def abort_group(self, pg) -> None:

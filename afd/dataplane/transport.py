@@ -163,6 +163,9 @@ class DataPlane:
         self._abort_lock = threading.Lock()
         self._outstanding = 0
         """Ops issued and not yet waited for successfully: work that may still be queued (owner thread only)."""
+        self._errors_before = PeerError.made
+        """PeerErrors made in this process before this generation: any made since means a failure here, on
+        the plane or in a TP group of its world, whose collective may be queued."""
         t0 = time.monotonic()
         apply_comm_env(backend)
         if backend.dist_backend == "gloo":
@@ -322,23 +325,26 @@ class DataPlane:
             self.deadlines.check()
 
     def close(self) -> None:
-        """Leaves this generation. Where tearing a group down waits for its queued work (NCCL, HCCL) and
-        work may be queued (an op not waited for, a failed or aborted pair), every pair is aborted and the
-        groups are forgotten without shutdown(); otherwise the groups are destroyed as usual."""
+        """Leaves this generation, and every process group of its world (an attention node's TP groups too).
+        Where tearing a group down waits for its queued work (NCCL, HCCL) and work may be queued (an op not
+        waited for, a pair aborted, any PeerError in this process since the plane formed), every pair is
+        aborted and all groups are forgotten without shutdown(); otherwise they are destroyed as usual."""
         if self.deadlines is not None:
             self.deadlines.close()
         if not dist.is_initialized():
             return
-        queued = self._outstanding > 0 or bool(self._aborted)
+        queued = self._outstanding > 0 or bool(self._aborted) or PeerError.made > self._errors_before
         queued = queued or (self.deadlines is not None and self.deadlines.pending > 0)
+        abort = self.backend.shutdown_waits_for_queued_work and queued
         try:
-            if self.backend.shutdown_waits_for_queued_work and queued:
+            if abort:
                 self.abort()
                 dist.distributed_c10d._abort_process_group()  # forgets every group; no shutdown(), no wait
             else:
                 dist.destroy_process_group()
         except Exception as e:  # a dead peer can make teardown fail; exiting matters more
-            log.debug("process group teardown: %s", e)
+            # (after an abort that failed, the next generation may not form: say so)
+            log.log(logging.WARNING if abort else logging.DEBUG, "process group teardown: %s", e)
         self._pairs = {}
         # pending works in dropped frames keep the group (and its sockets) alive until collected;
         # peers blocked on this node notice only once the sockets close

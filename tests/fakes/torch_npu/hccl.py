@@ -17,6 +17,12 @@ source: Ascend/pytorch (torch_npu) master @9e73e70, 2026-08-21:
   reduce_scatter_single, alltoall_base): one HCCL stream per device for a group's collectives
   (getKeyFromDevices), made to wait for the current stream (syncStreams), inputs and outputs
   recordStream'd on it; a work's wait() as for point-to-point. (attention TP, afd/model/tp/comm.py)
+- the same file, `pointToPoint` and `getHCCLComm`: a communicator is created at its first op
+  (HcclCommInitRootInfo, which blocks until every rank of it has called it): per pair (getKeySendRecv) when
+  P2P_HCCL_BUFFSIZE is not 0 (torch_npu's default is 20, OptionsManager::GetP2PBufferSize) and the CANN has
+  HcclCommInitRootInfoConfig, else one for the whole group, shared by every pair, on one stream
+  (getKeyFromDevices). The fake forms its point-to-point communicators so (a store barrier, HangError after
+  HANG_S), per pair unless P2P_HCCL_BUFFSIZE=0; collectives' communicators are not modelled.
 - getHcclDataType: the dtypes HCCL moves.
 - `getHcclCommName` (bound as `get_hccl_comm_name(rankid, init_comm=True)` in torch_npu/csrc/distributed/
   Init.cpp), reached as `group._get_backend(torch.device("npu"))`, which is how the fused communication ops'
@@ -102,8 +108,13 @@ def _blocking_wait() -> bool:
 
 
 class _Work(dist.Work):
-    def __init__(self, pg: FakeHcclGroup, inner, stream: npu.Stream, seq: int, kind: str, peer: int):
+    def __init__(
+        self, pg: FakeHcclGroup, inner, stream: npu.Stream, seq: int, kind: str, peer: int, on_runner: bool = True
+    ):
+        """on_runner: the transfer is waited for on its stream's runner thread (point-to-point); else on the
+        thread that waits (collectives: gloo finishes them in wait(), under that thread's inference mode)."""
         super().__init__()
+        self.on_runner = on_runner
         self.pg, self._payload, self.stream, self.seq, self.kind, self.peer = pg, inner, stream, seq, kind, peer
         self._done = False
         self._ran = threading.Event()
@@ -112,10 +123,13 @@ class _Work(dist.Work):
         self._wake = threading.Event()
         """Set when the transfer ran or the group was aborted: what a wait() waits for."""
 
-    def _run(self) -> None:
+    def _run(self, limit: timedelta | None = None) -> None:
         """On the stream's runner thread, in issue order (an HCCL stream runs its tasks in order)."""
         try:
-            self._payload.wait()  # bounded by the group's timeout, as gloo's own ops are
+            if limit is None:
+                self._payload.wait()  # bounded by the group's timeout, as gloo's own ops are
+            else:
+                self._payload.wait(limit)
         except RuntimeError as e:
             self._error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         self._ran.set()
@@ -126,6 +140,8 @@ class _Work(dist.Work):
 
     def stuck(self) -> bool:
         """Never completed on the wire: a real HCCL task that would still sit on its stream."""
+        if not self._ran.is_set() and not self.on_runner:  # a collective nobody waited for: gloo's own word
+            return not self._payload.is_completed()
         return not self._ran.is_set() or self._error is not None
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -133,6 +149,8 @@ class _Work(dist.Work):
         limit = timeout if blocking and timeout.total_seconds() > 0 else timedelta(seconds=HANG_S)
         # The transfer is waited for on the stream's runner thread, so that an abort from another thread
         # ends this wait at once (a gloo wait cannot be interrupted, and one that times out closes its pair).
+        if not self.on_runner and self.pg._aborted is None:
+            self._run(limit)
         self._wake.wait(limit.total_seconds())
         if self.pg._aborted is not None and not (self._ran.is_set() and self._error is None):
             raise RuntimeError(
@@ -182,6 +200,10 @@ class FakeHcclGroup(dist.ProcessGroup):
         """The send/receives issued on the group and not yet completed, for shutdown()'s stream synchronization."""
         self._runners: dict[tuple[int, int], queue.SimpleQueue] = {}
         """Per stream: the queue of its runner thread, which waits for each transfer in issue order."""
+        self._per_pair = int(os.environ.get("P2P_HCCL_BUFFSIZE", "20")) != 0
+        """Point-to-point on a communicator per pair (torch_npu's default), else on the group's one."""
+        self._formed: set[str] = set()
+        self._form_store = dist.PrefixStore("fake-hccl-comm", store)
 
     def getBackendName(self) -> str:
         return "hccl"
@@ -214,6 +236,9 @@ class FakeHcclGroup(dist.ProcessGroup):
                 STATS["aborts"] += 1
             for w in self._issued:
                 w._wake.set()
+            for tasks in self._runners.values():  # each runner ends after the transfer it may be waiting for
+                tasks.put(None)
+            self._runners.clear()
 
     def abort(self) -> None:
         """c10d's ProcessGroup.abort(): on HCCL it reaches Backend::abort, a no-op (see the module docstring)."""
@@ -267,8 +292,28 @@ class FakeHcclGroup(dist.ProcessGroup):
         with self._mu:
             if key not in self._streams:
                 lo, hi = sorted((self.rank(), peer))
-                self._streams[key] = npu.new_stream(t.device.index, f"hccl stream {lo}:{hi} of group {id(self):x}")
+                what = f"{lo}:{hi}" if peer >= 0 else "collectives" if peer == -1 else "point-to-point"
+                self._streams[key] = npu.new_stream(t.device.index, f"hccl stream {what} of group {id(self):x}")
             return self._streams[key]
+
+    def _form(self, key: str, ranks: int, what: str) -> None:
+        """getHCCLComm: the first op on a communicator creates it (HcclCommInitRootInfo), which blocks until
+        every rank of it does the same."""
+        with self._mu:
+            if key in self._formed:
+                return
+        joined, deadline = self._form_store.add(key, 1), time.monotonic() + HANG_S
+        while joined < ranks:
+            if time.monotonic() > deadline:
+                raise HangError(
+                    f"fake hccl: {what} is the first op on {key} of this group, whose communicator forms only "
+                    f"once all its {ranks} ranks issue their first op on it ({joined} did): a real HCCL blocks "
+                    "here in HcclCommInitRootInfo (up to HCCL_CONNECT_TIMEOUT)"
+                )
+            time.sleep(0.005)
+            joined = self._form_store.add(key, 0)
+        with self._mu:
+            self._formed.add(key)
 
     def _issue(self, kind: str, t: npu.NpuTensor, peer: int, inner_op) -> _Work:
         if self._aborted is not None:
@@ -277,8 +322,14 @@ class FakeHcclGroup(dist.ProcessGroup):
                 f"({self._aborted}); a real ProcessGroupHCCL would create a new communicator here and block in "
                 "HcclCommInitRootInfo until the peer does the same"
             )
-        stream = self._stream(t, peer)
-        key = (t.device.index, peer)
+        if self._per_pair:  # pointToPoint: the pair's own communicator and stream (getKeySendRecv)
+            lo, hi = sorted((self.rank(), peer))
+            self._form(f"the pair communicator {lo}:{hi}", 1 if lo == hi else 2, f"{kind} with rank {peer}")
+            key = (t.device.index, peer)
+        else:  # P2P_HCCL_BUFFSIZE=0: the group's communicator and one stream (getKeyFromDevices)
+            self._form("the group communicator", self.size(), f"{kind} with rank {peer}")
+            key = (t.device.index, -2)
+        stream = self._stream(t, key[1])
         with npu._lock:
             # syncStreams: the communication stream waits for the issuing thread's current stream
             stream.merge(npu.current_stream(t.device.index).clock)
@@ -334,7 +385,10 @@ class FakeHcclGroup(dist.ProcessGroup):
         with npu._lock:
             stream.merge(npu.current_stream(t.device.index).clock)
             seq = npu.access(stream, reads, writes, f"hccl {kind}")
-        return self._run_on((t.device.index, -1), _Work(self, inner_op(), stream, seq, kind, -1))
+        work = _Work(self, inner_op(), stream, seq, kind, -1, on_runner=False)
+        with self._mu:
+            self._issued = [w for w in self._issued if w.stuck()] + [work]
+        return work
 
     def allreduce(self, tensors, opts=None):
         t = self._check(tensors, "allreduce")
