@@ -223,5 +223,6 @@ def test_the_handshake_cannot_deadlock_on_a_group_wide_hccl_communicator():
     env = {"P2P_HCCL_BUFFSIZE": "0", "HCCL_BLOCKING_WAIT": "1", "AFD_FAKE_HANG_S": "5"}
     old = _run(_OLD_HANDSHAKE.format(fakes=FAKES, port=free_ports(1)[0]), 3, **env)
     assert any("HangError" in o and "HcclCommInitRootInfo" in o for o in old), old
+    env["HCCL_BLOCKING_WAIT"] = "0"  # the data plane's own setting (stream-ordered waits; it refuses "1")
     new = _run(_NEW_HANDSHAKE.format(fakes=FAKES, port=free_ports(1)[0]), 3, **env)
     assert all("handshake done" in o for o in new), new

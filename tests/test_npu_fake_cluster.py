@@ -190,7 +190,7 @@ def test_a_silent_peer_ends_in_a_timeout_not_a_hang(tmp_path):
     procs[1].kill()
     procs[1].wait()
     assert "PeerError 1" in out, out
-    assert time.monotonic() - t0 < 45, out  # the deadline's watchdog aborted the pair: the wait ended
+    assert "timed out" in out and time.monotonic() - t0 < 45, out
     waited = float(out.split("PeerError 1 ")[1].split()[0])
     assert waited < 5, f"the wait took {waited}s: the 2s timeout did not hold"
 
