@@ -77,7 +77,7 @@ class FFNServer:
         self.layer_hook = layer_hook
         """Called as hook(layer) -> bytes while waiting for that layer's inputs (afd.dataplane.prefetch)."""
         self.metrics = metrics
-        self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=backend.device)
+        self._ack: torch.Tensor | None = None
         self.steps = 0
         self.tokens = 0
         self._mark = time.perf_counter()
@@ -93,6 +93,7 @@ class FFNServer:
         """Peers that failed or moved to the next generation, and why: the plane must re-form for them."""
         self._next_step = dict.fromkeys(attention_ranks, 0)
         """The step id each attention peer's next header must carry (idle and leave headers repeat it)."""
+        self._retired: list[torch.Tensor] = []
 
     def serve(self) -> ServeEnd:
         """Runs until no attention peer is left on this generation, or one asks for shutdown."""
@@ -119,10 +120,13 @@ class FFNServer:
                 self._run_step(work)
             idle = [r for r, h in headers.items() if h.flags & FLAG_IDLE and not h.flags & _GONE]
             if idle:
+                if self._ack is None:
+                    self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=self.backend.device)
                 self._ack.fill_(len(work))
                 acks = [(r, self._post(self.plane.isend, self._ack, r)) for r in idle]
-                for r, w in acks:
-                    self._wait(w, r, "idle ack send")
+                if not all([self._wait(w, r, "idle ack send") for r, w in acks]):
+                    self._retire(self._ack)
+                    self._ack = None
         return ServeEnd.REFORM if self.gone else ServeEnd.LEFT
 
     # ---- one failing peer never takes the others down --------------------------------------------
@@ -239,10 +243,17 @@ class FFNServer:
                     y, works = self._run_micro_batch(layer, i, parts)
                     outputs.append(y)
                     sends += works
-        for r, w in sends:
-            self._wait(w, r, "MoE output send")
+        if not all([self._wait(w, r, "MoE output send") for r, w in sends]):
+            for y in outputs:
+                self._retire(y)
         self.steps += 1
         self._account_compute()
+
+    def _retire(self, t: torch.Tensor) -> None:
+        """A tensor a failed peer's send may still read (an aborted transfer may stay on its stream): kept
+        until this generation ends, so that its memory is never written again while it might be read. The
+        receive pool is not: a failed peer's rows are written once the plane re-forms."""
+        self._retired.append(t)
 
     def _account_compute(self) -> None:
         """Compute time from device events, taken once the device has passed them (query(), never a wait):

@@ -161,7 +161,9 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
         assert all(c.procs[n].poll() is None for n in survivors)
         end = time.monotonic() + 60
         while health(c.url("attn1")) != 200:
-            assert time.monotonic() < end and c.procs["attn1"].poll() is None, c.log("attn1")
+            assert time.monotonic() < end and c.procs["attn1"].poll() is None, "\n".join(
+                c.log(n)[-3000:] for n in ("attn1", "attn0", "ffn0")
+            )
             time.sleep(0.2)
         assert _greedy(c.url("attn1"), PROMPTS[3]) == reference[3]
         assert _greedy(c.url("attn0"), PROMPTS[1]) == reference[1]

@@ -24,7 +24,7 @@ class Deadlines:
     def __init__(self, timeout_s: float, on_expired: Callable[[int], None], poll_s: float = 0.05):
         self.timeout_s, self.on_expired, self.poll_s = timeout_s, on_expired, poll_s
         self._pending: list[tuple[float, object, int, str]] = []
-        self._failure: PeerError | None = None
+        self._failures: dict[int, PeerError] = {}
         self._mu = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="afd-deadlines", daemon=True)
@@ -35,10 +35,12 @@ class Deadlines:
         with self._mu:
             self._pending.append((time.monotonic() + self.timeout_s, work, peer, what))
 
-    def check(self) -> None:
-        """Raises the PeerError of a deadline that passed (each one once)."""
+    def check(self, peer: int | None = None) -> None:
+        """Raises the PeerError of a deadline that passed (`peer`'s, or any peer's with None; each once)."""
         with self._mu:
-            failure, self._failure = self._failure, None
+            if peer is None:
+                peer = next(iter(self._failures), None)
+            failure = self._failures.pop(peer, None) if peer is not None else None
         if failure is not None:
             raise failure
 
@@ -68,8 +70,8 @@ class Deadlines:
                 if expired is not None:
                     _, _, peer, what = expired
                     live = [e for e in live if e[2] != peer]  # the abort fails the rest of that peer's work
-                    if self._failure is None:
-                        self._failure = PeerError(
+                    if peer not in self._failures:
+                        self._failures[peer] = PeerError(
                             f"data plane: {what} with rank {peer} timed out after {self.timeout_s:.0f}s", peer
                         )
                 self._pending = live

@@ -257,7 +257,7 @@ class DataPlane:
 
     def wait(self, work, peer: int, what: str) -> None:
         if self.deadlines is not None:
-            self.deadlines.check()
+            self.deadlines.check(peer)  # another peer's passed deadline is that peer's wait's, or check()'s
         if peer in self._aborted:
             raise self._aborted_error(peer, what)
         if self.deadlines is not None:
@@ -267,7 +267,7 @@ class DataPlane:
                 self._outstanding -= 1  # the watchdog knows whether it is still queued on the device
                 return
             except RuntimeError as e:  # the watchdog's abort, or the communicator's own error
-                self.deadlines.check()
+                self.deadlines.check(peer)
                 err = PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)})", peer)
                 self._abort_pair(peer, str(err))
                 raise err from None
