@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -247,14 +248,38 @@ def healthy(url: str) -> bool:
         return False
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """n distinct ports free on `host` now, for nodes that bind them seconds later. Chosen below the kernel's
+    ephemeral range: a port the OS hands out (a bind to port 0, the source port of every outgoing connection)
+    comes from that range, so one picked there can be taken by anything on the machine before the node
+    binds it (seen under make test's parallel workers)."""
+    top = _ephemeral_low()
+    pick = random.SystemRandom()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = pick.randrange(10000, top) if top > 11000 else _os_port(host)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        ports.append(port)
     return ports
+
+
+def _os_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_read("/proc/sys/net/ipv4/ip_local_port_range").split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
 
 
 def descendants(pid: int) -> list[int]:
