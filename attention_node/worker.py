@@ -20,6 +20,7 @@ import threading
 import time
 from collections import Counter
 
+from afd.backend import host_syncs
 from afd.cluster.jobs import STOP, jobs_of
 from afd.control.client import ControlError
 from afd.dataplane.transport import PeerError
@@ -135,7 +136,7 @@ class OfflineNode(AttentionNode):
             "tp_fallbacks": tp_fallbacks,
             "spec_decode": engine.spec.stats.report() if engine.spec else None,
             "graph": graph_report(engine.runner.attn),
-            "logits": [[t.tolist() for t in p] for p in logits] if logits is not None else None,
+            "logits": [[host_syncs.to_list(t) for t in p] for p in logits] if logits is not None else None,
         }
 
     def _engine(self, prompts: list[list[int]], per: list[int]) -> Engine:

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster_helpers import Cluster, cluster_yaml, post
+from cluster_helpers import Cluster, cluster_yaml, get, post
 from hf_reference import PROMPTS
+from metrics_text import total
 
 pytestmark = pytest.mark.multiprocess
 FAKES = str(Path(__file__).parent / "fakes")
@@ -109,10 +110,13 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
         assert r["hccl"]["sends"] > 0 and r["hccl"]["recvs"] > 0
 
 
-def _syncs(report: Path) -> list[dict[str, int]]:
-    """Per node process, its host syncs by site so far (the fake rewrites its report every 0.5 s)."""
+def _syncs(report: Path, c: Cluster) -> tuple[list[dict[str, int]], dict[str, float]]:
+    """Per node process, its host syncs by site so far (the fake rewrites its report every 0.5 s), and each
+    node's afd_host_syncs_total, scraped at once."""
     time.sleep(1.0)
-    return [r["device"]["host_sync_sites"] for r in reports(report).values()]
+    urls = {"attn0": c.url("attn0"), "ffn0": f"http://127.0.0.1:{c.node('ffn0')['ports']['metrics']}"}
+    counted = {n: total(get(u, "/metrics")[1].decode(), "afd_host_syncs_total") for n, u in urls.items()}
+    return [r["device"]["host_sync_sites"] for r in reports(report).values()], counted
 
 
 def test_a_step_syncs_the_host_once_on_every_node(tiny_checkpoint, tmp_path):
@@ -126,22 +130,30 @@ def test_a_step_syncs_the_host_once_on_every_node(tiny_checkpoint, tmp_path):
     _on_devices(path)
     report = tmp_path / "fake-npu"
     n = 10
-    with Cluster(path, env={**fake_env(report), "AFD_FAKE_NPU_SYNC_SITES": "1"}) as c:
+    env = {**fake_env(report), "AFD_FAKE_NPU_SYNC_SITES": "1", "AFD_FAKE_NPU_REPORT_S": "0.05"}
+    with Cluster(path, env=env) as c:
         c.start_all()
         c.wait_ready(timeout=120)
         body = {"prompt": PROMPTS[0], "max_tokens": n, "temperature": 0, "ignore_eos": True}
         assert post(c.url("attn0"), "/v1/completions", body)[0] == 200  # warm: one-time copies are not a step's
-        before = _syncs(report)
+        before, counted0 = _syncs(report, c)
         code, out = post(c.url("attn0"), "/v1/completions", body)
-        after = _syncs(report)
+        after, counted1 = _syncs(report, c)
     assert code == 200, out
     delta = [{k: v - b.get(k, 0) for k, v in a.items() if v - b.get(k, 0)} for b, a in zip(before, after)]
     (attn,) = [d for d in delta if any("sample" in k for k in d)]
     (ffn,) = [d for d in delta if d is not attn]
+    scrape = {k: v for k, v in ffn.items() if " in _collect at observability/metrics.py" in k}  # not a step's
+    ffn = {k: v for k, v in ffn.items() if k not in scrape}
     idle = sum(v for k, v in attn.items() if " in idle " in k)
     steps = n  # one prefill step and n - 1 decode steps
     assert sum(attn.values()) - idle <= steps, attn
     assert ffn and all(" in decode at dataplane/protocol.py" in k for k in ffn), ffn  # StepHeader.decode
+    # afd_host_syncs_total counts what the fake saw. Slack: the fake's report may be 0.05 s older than the
+    # scrape, and idle steps (one sync each on both nodes) run back to back between requests.
+    for name, seen in (("attn0", attn), ("ffn0", {**ffn, **scrape})):
+        counted = counted1[name] - counted0[name]
+        assert counted >= steps and abs(counted - sum(seen.values())) <= 6, (name, counted, seen)
 
 
 _PAIR = textwrap.dedent("""

@@ -12,9 +12,11 @@ from afd.backend.devices import DeviceUnavailable  # noqa: F401 (the backends ra
 
 def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """One GEMM per non-empty group over its contiguous row slice of x (reads the sizes on the host)."""
+    from afd.backend import host_syncs
+
     out = x.new_empty(x.shape[0], w.shape[-1])
     start = 0
-    for g, n in enumerate(group_sizes.tolist()):
+    for g, n in enumerate(host_syncs.to_list(group_sizes)):
         if n:
             torch.mm(x[start : start + n], w[g], out=out[start : start + n])
             start += n

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from afd.backend import host_syncs
 from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices
 from afd.backend.devices import check_indices
 
@@ -55,6 +56,7 @@ class CudaBackend(Backend):
         pg.abort()
 
     def synchronize(self) -> None:
+        host_syncs.note(self._device)
         torch.cuda.synchronize(self._device)
 
     def timing_event(self):

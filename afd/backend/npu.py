@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from afd.backend import host_syncs
 from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices
 from afd.backend.devices import check_indices
 
@@ -94,6 +95,7 @@ class NpuBackend(Backend):
         pg._get_backend(torch.device("npu")).abort_hccl_comm("afd: data plane abort")
 
     def synchronize(self) -> None:
+        host_syncs.note(self._device)
         torch.npu.synchronize(self._device)
 
     def timing_event(self):

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from afd.backend import Backend
+from afd.backend import Backend, host_syncs
 from afd.backend.base import copy_to_device
 from afd.dataplane.protocol import (
     FLAG_IDLE,
@@ -172,7 +172,8 @@ class RemoteMoE:
         for f, w in works:
             self.plane.wait(w, f, "idle ack receive")
         self.end_step()
-        return int(torch.stack([buf[0] for buf in self._acks.values()]).max())  # one host read, not one per node
+        busiest = torch.stack([buf[0] for buf in self._acks.values()]).max()
+        return host_syncs.to_int(busiest)  # one read, not one per FFN node
 
     def leave(self, shutdown: bool = False, reform: bool = False) -> None:
         """Tell every FFN node this attention node is done (with `shutdown`, that they exit; with

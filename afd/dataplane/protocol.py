@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afd.backend import host_syncs
+
 MAGIC = 0xAFD0
 MAX_MICRO_BATCHES = 4
 HEADER_LEN = 4 + MAX_MICRO_BATCHES
@@ -82,7 +84,7 @@ class StepHeader:
 
     @classmethod
     def decode(cls, t: torch.Tensor, sender: int) -> StepHeader:
-        v = t.tolist()
+        v = host_syncs.to_list(t)
         if v[0] != MAGIC:
             raise ProtocolError(f"rank {sender}: expected a step header, got magic {v[0]:#x}")
         m = v[3]

@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from afd.backend import Backend
+from afd.backend import Backend, host_syncs
 from afd.backend.base import PeerError  # noqa: F401 (re-exported: defined below the model's TP group too)
 from afd.dataplane.deadlines import Deadlines
 
@@ -154,6 +154,9 @@ class DataPlane:
         every FFN rank, i.e. this rank's side (the ranks that are not its peers) times its peers."""
         self.backend, self.rank, self.world_size, self.generation = backend, rank, world_size, generation
         self.timeout = timedelta(seconds=timeout_s)
+        # Where the watchdog holds the deadlines, the groups' own timeout is a backstop past it: a transfer
+        # that the group timed out first would end as a hang-like failure, not as the deadline's PeerError.
+        group_timeout = self.timeout * 2 + timedelta(seconds=10) if backend.stream_ordered_waits else self.timeout
         self.peers = sorted(peers) if peers is not None else [r for r in range(world_size) if r != rank]
         pairs = _pairs(world_size, None if peers is None else self.peers, rank)
         self._pairs: dict[int, tuple] = {}
@@ -175,10 +178,10 @@ class DataPlane:
             store=dist.PrefixStore(f"afd/g{generation}/{formation}", store),
             rank=rank,
             world_size=world_size,
-            timeout=self.timeout,
+            timeout=group_timeout,
         )
         for lo, hi in pairs:  # every rank makes every pair's groups, in one order: c10d numbers them
-            up, down = (dist.new_group([lo, hi], timeout=self.timeout, backend=backend.dist_backend) for _ in range(2))
+            up, down = (dist.new_group([lo, hi], timeout=group_timeout, backend=backend.dist_backend) for _ in range(2))
             if rank in (lo, hi):
                 self._pairs[hi if rank == lo else lo] = (up, down)
         self.deadlines = (
@@ -217,6 +220,7 @@ class DataPlane:
         for p, theirs, _, works in posted:
             for w in works:
                 self.wait(w, p, "handshake")
+            host_syncs.note(theirs.device)
             if not hmac.compare_digest(bytes(theirs.cpu().tolist()), bytes(digest(p, self.rank).cpu().tolist())):
                 raise PeerError(
                     f"data plane: rank {p} failed the handshake: it does not hold this cluster's "

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from afd.backend import host_syncs
 from afd.backend.base import to_device
 from afd.engine.logits import History, process
 
@@ -114,7 +115,7 @@ class Sampler:
             logits = logits.clone()
             for b in rows:
                 logits[b] = process(logits[b], params[b], histories[b], self.eos_ids)
-        out = logits.argmax(dim=-1).tolist()
+        out = host_syncs.to_list(logits.argmax(dim=-1))
         for b, p in enumerate(params):
             if p.temperature >= GREEDY_BELOW:
                 out[b] = self._sample_row(logits[b], p, request_ids[b])
@@ -128,6 +129,7 @@ class Sampler:
         (one row is cheap to move, and the per-request generators live there)."""
         # An extreme repetition penalty (1e-270) or a small temperature can overflow a logit to +inf,
         # and softmax over +inf is NaN; the largest finite float keeps the limit (those tokens tie).
+        host_syncs.note(logits.device)
         logits = (logits.float().cpu() / p.temperature).clamp(max=torch.finfo(torch.float32).max)
         if p.top_k:
             kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
@@ -160,7 +162,7 @@ class Sampler:
             if p.processes_logits:
                 row = process(row, p, History(history.prompt_ids, history.output_ids + out), self.eos_ids)
             if p.temperature < GREEDY_BELOW:
-                out.append(int(row.argmax()))
+                out.append(host_syncs.to_int(row.argmax()))
                 if j < len(drafts) and out[-1] == drafts[j]:
                     continue
                 return out
@@ -193,6 +195,7 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[
     """The sampled token's logprob and the k most likely (id, logprob) under the model's raw
     distribution (vLLM's default: before penalties and temperature)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
+    host_syncs.note(lp.device, 2 if k else 1)
     top = torch.topk(lp, k) if k else None
     alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
     return float(lp[token]), alts

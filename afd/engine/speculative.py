@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afd.backend import host_syncs
 from afd.engine.messages import StepPlan, StepSeq
 from afd.engine.request import Request, Status
 from afd.engine.runner import ModelRunner
@@ -98,7 +99,7 @@ class Speculator:
             raise RuntimeError("the runner returned no hidden states to draft from")
         out = self.runner.mtp_step(seqs, hidden[rows])
         live = [k for k, w in enumerate(want) if w > 0]
-        for k, tok in zip(live, out.logits[live].argmax(dim=-1).tolist()):
+        for k, tok in zip(live, host_syncs.to_list(out.logits[live].argmax(dim=-1))):
             reqs[k].draft = [tok]
         h = out.hidden[live]
         for depth in range(1, self.n):  # chained drafts: the MTP module one position further on
@@ -116,5 +117,5 @@ class Speculator:
             ]
             out = self.runner.mtp_step(chained, h[go])
             h = out.hidden
-            for k, tok in zip(live, out.logits.argmax(dim=-1).tolist()):
+            for k, tok in zip(live, host_syncs.to_list(out.logits.argmax(dim=-1))):
                 reqs[k].draft.append(tok)

@@ -103,5 +103,7 @@ class YarnRotary(Rotary):
         self.attention_factor = attention_factor
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)  # [T, dim/2]
+        if self.inv_freq.device != positions.device:  # once: a copy per call would sync the host every step
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq  # [T, dim/2]
         return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)

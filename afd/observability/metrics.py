@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from afd.backend import host_syncs
 from afd.backend.base import bind_device
 
 TTFT_BUCKETS = (
@@ -116,6 +117,17 @@ class _Metrics:
     def __init__(self, role: str, node: str, model_name: str):
         self.registry = CollectorRegistry()
         self._base = {"role": role, "node": node, "model_name": model_name}
+        self.registry.register(_Collector(self._host_syncs))
+
+    def _host_syncs(self):
+        fam = CounterMetricFamily(
+            "afd_host_syncs",
+            "Times this process's host waited for its device: reads of device values and synchronizes "
+            "(afd.backend.host_syncs; one per decode step is the design, 0 on CPU).",
+            labels=BASE_LABELS,
+        )
+        fam.add_metric(self._values(), host_syncs.total())
+        yield fam
 
     def _make(self, kind, name: str, doc: str, extra: tuple[str, ...] = (), **kw):
         m = kind(name, doc, BASE_LABELS + extra, registry=self.registry, **kw)
@@ -329,7 +341,7 @@ class FFNMetrics(_Metrics):
             "afd_expert_tokens", "Token-expert assignments per routed expert.", labels=(*BASE_LABELS, "expert")
         )
         bind_device(self.expert_counts.device)  # the scrape thread reads a device tensor: bind first
-        for i, n in enumerate(self.expert_counts.tolist()):
+        for i, n in enumerate(host_syncs.to_list(self.expert_counts)):
             experts.add_metric(self._values(str(self._lo + i)), n)
         yield experts
         zero = CounterMetricFamily(
@@ -337,6 +349,8 @@ class FFNMetrics(_Metrics):
             "Token assignments to zero-computation (identity) experts; 0 on FFN nodes that do not apply them.",
             labels=BASE_LABELS,
         )
+        if isinstance(self.zero_tokens, torch.Tensor):
+            host_syncs.note(self.zero_tokens.device)
         zero.add_metric(self._values(), int(self.zero_tokens))
         yield zero
         for name, values, doc in (

@@ -35,10 +35,12 @@ def _write_report() -> None:
 
 
 def _keep_writing() -> None:
-    # afd's nodes leave by os._exit (no atexit): the report is rewritten twice a second instead
+    # afd's nodes leave by os._exit (no atexit): the report is rewritten twice a second instead (or every
+    # AFD_FAKE_NPU_REPORT_S seconds, for a test that compares it with another count at one moment)
+    every = float(os.environ.get("AFD_FAKE_NPU_REPORT_S", "0.5"))
     while True:
         _write_report()
-        time.sleep(0.5)
+        time.sleep(every)
 
 
 atexit.register(_write_report)
