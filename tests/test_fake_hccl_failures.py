@@ -91,6 +91,7 @@ _GROUPS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # multi-process runs that wait out a hang; `make test-slow`, which CI runs
 def test_fake_hccl_shutdown_with_queued_work_hangs():
     """ProcessGroupHCCL::shutdown synchronizes the group's streams: a receive whose peer never sends
     blocks it (HCCL_EXEC_TIMEOUT on a real device); the fake says so instead of returning."""
@@ -156,6 +157,7 @@ _PLANE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # multi-process runs that wait out a hang; `make test-slow`, which CI runs
 def test_data_plane_aborts_only_the_failed_pair_and_never_tears_down_queued_work():
     """2A1F on the fake HCCL (the handshake with two attention ranks included): attention rank 1 hangs with
     the FFN's send to it queued. An abort of its pair from another thread (what a watchdog does on the
@@ -214,6 +216,7 @@ _NEW_HANDSHAKE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # multi-process runs that wait out a hang; `make test-slow`, which CI runs
 def test_the_handshake_cannot_deadlock_on_a_group_wide_hccl_communicator():
     """N2 of issue 24: with P2P_HCCL_BUFFSIZE=0 HCCL forms one communicator per group, at the first op of
     every rank. The old layout (two groups over every rank, each handshake op waited for at once) deadlocks

@@ -89,7 +89,9 @@ def _assert_all_equal_hf(results, prompts, reference) -> None:
         assert ids == reference[PROMPTS.index(p)]
 
 
-@pytest.mark.parametrize("fake_npu", [False, True], ids=["gloo", "fake-hccl"])
+@pytest.mark.parametrize(
+    "fake_npu", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["gloo", "fake-hccl"]
+)  # the fake HCCL's case: `make test-slow`, which CI runs; the gloo case covers re-forming by default
 def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, reference, tmp_path, fake_npu):
     """On the fake HCCL (tests/fakes: nodes on npu:1 and npu:2), also: no teardown of the old generation
     waited on work queued on it (a real HCCL's shutdown() would hang on the dead FFN's transfers): the
