@@ -77,7 +77,7 @@ class FFNServer:
         self.layer_hook = layer_hook
         """Called as hook(layer) -> bytes while waiting for that layer's inputs (afd.dataplane.prefetch)."""
         self.metrics = metrics
-        self._ack: torch.Tensor | None = None
+        self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=backend.device)
         self.steps = 0
         self.tokens = 0
         self._mark = time.perf_counter()
@@ -120,13 +120,11 @@ class FFNServer:
                 self._run_step(work)
             idle = [r for r, h in headers.items() if h.flags & FLAG_IDLE and not h.flags & _GONE]
             if idle:
-                if self._ack is None:
-                    self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=self.backend.device)
                 self._ack.fill_(len(work))
                 acks = [(r, self._post(self.plane.isend, self._ack, r)) for r in idle]
                 if not all([self._wait(w, r, "idle ack send") for r, w in acks]):
                     self._retire(self._ack)
-                    self._ack = None
+                    self._ack = torch.empty_like(self._ack)
         return ServeEnd.REFORM if self.gone else ServeEnd.LEFT
 
     # ---- one failing peer never takes the others down --------------------------------------------

@@ -7,13 +7,12 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from afd.backend import host_syncs
 from afd.backend.devices import DeviceUnavailable  # noqa: F401 (the backends raise it)
 
 
 def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """One GEMM per non-empty group over its contiguous row slice of x (reads the sizes on the host)."""
-    from afd.backend import host_syncs
-
     out = x.new_empty(x.shape[0], w.shape[-1])
     start = 0
     for g, n in enumerate(host_syncs.to_list(group_sizes)):

@@ -120,12 +120,8 @@ class _Metrics:
         self.registry.register(_Collector(self._host_syncs))
 
     def _host_syncs(self):
-        fam = CounterMetricFamily(
-            "afd_host_syncs",
-            "Times this process's host waited for its device: reads of device values and synchronizes "
-            "(afd.backend.host_syncs; one per decode step is the design, 0 on CPU).",
-            labels=BASE_LABELS,
-        )
+        doc = "Times this process's host waited for its device (afd/backend/host_syncs.py; 0 on CPU)."
+        fam = CounterMetricFamily("afd_host_syncs", doc, labels=BASE_LABELS)
         fam.add_metric(self._values(), host_syncs.total())
         yield fam
 
