@@ -23,7 +23,7 @@ def _add_generate(sub) -> None:
 
 
 def _cmd_generate(args) -> int:
-    from afd.engine.llm import LLM
+    from afd.backend.devices import check_device
 
     if not args.model:
         raise UserError("--model is required (an HF checkpoint directory, or `demo`)")
@@ -38,6 +38,9 @@ def _cmd_generate(args) -> int:
     if not args.colocated:  # node processes: the micro-batch count is measured unless given (colocated: 1)
         A, F = args.attention_nodes or 1, 1 if args.ffn_nodes is None else args.ffn_nodes
         options = {"micro_batches": 0, **options, "attention_nodes": A, "ffn_nodes": F}
+    check_device(args.device)  # before torch's import (seconds): a bad flag or device is refused at once
+    from afd.engine.llm import LLM
+
     llm = LLM(args.model, device=args.device, **options)
     out = llm.generate_ids(
         prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos, progress=True

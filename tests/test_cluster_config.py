@@ -445,15 +445,45 @@ def test_print_commands_one_per_node():
     ]
 
 
-def test_commands_that_only_read_a_yaml_never_import_torch():
+def test_commands_that_only_read_a_yaml_never_import_torch(tmp_path):
     """`afd --help` and `afd launch --print-commands` answer in a fraction of a second (torch's import alone
     takes seconds): every subcommand registers itself, so none may import torch at module level. `afd serve`
     decides its device (`auto`) and writes its YAML before its nodes start, without torch too: its node
-    processes then import torch at once, instead of after it."""
-    for argv in (["launch", "deploy/2a1f.yaml", "--print-commands"], ["serve", "demo", "--print-config"]):
+    processes then import torch at once, instead of after it. A bad flag, and CUDA asked of a CPU-only build
+    of torch, are refused before the import as well."""
+    from afd.backend.devices import _cpu_only_torch
+
+    ids = tmp_path / "p.json"
+    ids.write_text("[[1, 2, 3]]")
+    cases = [
+        (["launch", "deploy/2a1f.yaml", "--print-commands"], 0),
+        (["serve", "demo", "--print-config"], 0),
+        (
+            [
+                "generate",
+                "--model",
+                "demo",
+                "--prompt-ids",
+                "x.json",
+                "--max-tokens",
+                "2",
+                "--colocated",
+                "--ffn-nodes",
+                "1",
+            ],
+            2,
+        ),
+    ]
+    if _cpu_only_torch():
+        cases += [
+            (["serve", "demo", "--device", "cuda"], 2),
+            (["generate", "--model", "demo", "--prompt-ids", str(ids), "--max-tokens", "2", "--device", "cuda"], 2),
+        ]
+    for argv, want in cases:
         code = (
             f"import sys; from afd.cli import main; rc = main({argv!r}); "
-            "assert rc == 0 and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:5]"
+            f"assert rc == {want} and 'torch' not in sys.modules, "
+            "(rc, sorted(m for m in sys.modules if 'torch' in m)[:5])"
         )
         r = subprocess.run([sys.executable, "-c", code], timeout=120, cwd=ROOT, capture_output=True, text=True)
         assert r.returncode == 0, (argv, r.stderr)

@@ -97,6 +97,9 @@ def check_indices(kind: str, indices: Iterable[int], count: int) -> None:
 
 
 def _check_kind(kind: str) -> None:
+    if kind == "cuda" and "torch" not in sys.modules and _cpu_only_torch():
+        version = importlib.metadata.version("torch")  # not imported: a CPU build answers in milliseconds
+        raise DeviceUnavailable(f"device cuda: no CUDA device is visible (torch {version} is a CPU-only build)")
     if kind == "cuda":
         import torch
 
