@@ -1,5 +1,6 @@
-"""The README's commands, run as written against the README's demo (`afd serve demo`; only the port
-differs, so that the test never collides with a server already on :8000)."""
+"""The README's commands, run as written against the README's demo (`afd serve demo`). Only the port
+differs, so that the test never collides with a server already on :8000, and `afd bench` lines run 8 prompts
+(a later --num-prompts wins): what is tested is that each line works, not the load it puts on the demo."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_the_readmes_curl_and_bench_lines_work_against_its_demo(demo):
                 "-c",
                 f'PATH="{env_path}$PATH" {_on(demo, cmd)} --fail-with-body'
                 if cmd.startswith("curl")
-                else f'PATH="{env_path}$PATH" {_on(demo, cmd)} --disable-tqdm',
+                else f'PATH="{env_path}$PATH" {_on(demo, cmd)} --disable-tqdm --num-prompts 8',
             ],
             capture_output=True,
             text=True,
@@ -67,7 +68,7 @@ def test_the_readmes_curl_and_bench_lines_work_against_its_demo(demo):
         )
         assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])
         if cmd.startswith("afd bench"):
-            assert "Failed requests:                         0" in r.stdout, r.stdout
+            assert "Successful requests:                     8" in r.stdout, r.stdout
         else:
             assert '"completion_tokens":16' in r.stdout, r.stdout
 

@@ -259,6 +259,7 @@ def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
+    TOKENS = 150  # about 2 s here: the drain is seen while it runs (checked), with time to spare
     path = cluster_yaml(
         tmp_path,
         _slow_model(tmp_path),
@@ -275,20 +276,25 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
                 r=post(
                     c.url(),
                     "/v1/completions",
-                    {"prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "temperature": 0},
+                    {"prompt": [1, 2, 3], "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0},
                 )
             )
         )
         long.start()
-        time.sleep(0.5)
+        end = time.monotonic() + 30
+        while _running(c.url()) < 1:
+            assert time.monotonic() < end, "the request never started"
+            time.sleep(0.02)
         c.procs["attn0"].send_signal(signal.SIGTERM)
-        time.sleep(0.3)
-        assert health(c.url()) == 503
+        while health(c.url()) != 503:
+            assert time.monotonic() < end + 10, "SIGTERM did not start a drain"
+            time.sleep(0.02)
         status, err = _complete(c.url(), PROMPTS[0])
         assert status == 503 and "draining" in err["error"]["message"]
+        assert long.is_alive(), "the running request ended before the drain was seen: nothing was drained"
         long.join(60)
         status, body = result["r"]
-        assert status == 200 and body["usage"]["completion_tokens"] == 400
+        assert status == 200 and body["usage"]["completion_tokens"] == TOKENS
         assert c.procs["attn0"].wait(15) == 0
         assert c.procs["ffn0"].wait(15) == 0  # every attention node left: the FFN node stops too
 
