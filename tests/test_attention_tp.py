@@ -2,7 +2,8 @@
 
 Token counts that G does not divide throughout: prompts of 5, 7, 3, 9 and 11 tokens, and max_tokens that
 leave decode batches of 5, 3 and 1 sequences. The matrix (modes x tp 2/4 x colocated/1A1F) is marked
-slow (`make test-slow`, which CI runs); the default run keeps one of each kind at tp 2.
+slow (`make test-slow`, which CI runs) and holds each mode to the allreduce path as well; the default run
+keeps one of each kind at tp 2, held to HF.
 """
 
 from __future__ import annotations
@@ -70,12 +71,15 @@ def run(
     return _runs[key]
 
 
-def check(ckpt, hf, tp, mode, colocated, otp=None, micro_batches=1):
+def check(ckpt, hf, tp, mode, colocated, otp=None, micro_batches=1, vs_allreduce=True):
+    """Tokens equal HF's, logits within 1e-4 of HF's; with vs_allreduce, also of the allreduce path's at
+    the same TP (one more job: the slow matrix's)."""
     ids, logits = run(ckpt, tp, mode, colocated, otp, micro_batches=micro_batches)
-    _, ref_logits = run(ckpt, tp, "allreduce", colocated)
+    ref_logits = run(ckpt, tp, "allreduce", colocated)[1] if vs_allreduce else None
     for i, (hf_ids, hf_logits) in enumerate(hf):
         assert ids[i] == hf_ids, f"prompt {i}: tokens differ from HF"
-        assert max_rel_err(logits[i], ref_logits[i]) <= 1e-4, f"prompt {i}: logits off the allreduce path"
+        if ref_logits is not None:
+            assert max_rel_err(logits[i], ref_logits[i]) <= 1e-4, f"prompt {i}: logits off the allreduce path"
         assert max_rel_err(logits[i], hf_logits) <= 1e-4, f"prompt {i}: logits off HF"
 
 
@@ -87,8 +91,9 @@ def check(ckpt, hf, tp, mode, colocated, otp=None, micro_batches=1):
         ("flashcomm2", False, 1, 1),
     ],
 )
-def test_tp2_modes_equal_hf_and_the_allreduce_path(ckpt, hf, mode, colocated, otp, micro_batches):
-    check(ckpt, hf, 2, mode, colocated, otp, micro_batches)
+def test_tp2_modes_equal_hf(ckpt, hf, mode, colocated, otp, micro_batches):
+    """One job per mode, held to HF; each also against the allreduce path in the slow matrix below."""
+    check(ckpt, hf, 2, mode, colocated, otp, micro_batches, vs_allreduce=False)
 
 
 @pytest.mark.slow
