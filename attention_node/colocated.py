@@ -53,8 +53,8 @@ def run(args) -> int:
     from afd.model.registry import load_config
     from afd.observability.metrics import AttentionMetrics
     from attention_node.api_server import ServerState, build_app
-    from attention_node.cluster_mode import UvicornServer
     from attention_node.openai_protocol import Limits
+    from attention_node.serving_node import UvicornServer
     from attention_node.setup import serving_tokenizer
 
     if not args.model:

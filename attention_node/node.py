@@ -2,7 +2,7 @@
 
 It holds what every such process has: its place in the cluster (`runtime`, after bring-up), what it
 loaded (`halves`), its share of the attention half (`attn`), its TP group (`tp`) and its way to the MoE
-(`moe`). The roles built on it say what `serve` runs: the HTTP API (cluster_mode.ServingNode), what
+(`moe`). The roles built on it say what `serve` runs: the HTTP API (serving_node.ServingNode), what
 rank 0 sends (tp_rank.TPRankNode), or offline jobs (worker.OfflineNode).
 """
 

@@ -1,0 +1,92 @@
+"""The serving attention node: the engine on its own thread, the OpenAI API (uvicorn) in the main one.
+
+SIGTERM (or SIGINT): /health turns 503 and new requests get 503; running requests get up to
+`engine.shutdown_timeout` seconds to finish (0 aborts them at once); then the node leaves the data
+plane and exits. The FFN nodes stop once every attention node has left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import uvicorn
+
+from afd.control import control_pb2 as pb
+from attention_node.api_server import ServerState
+from attention_node.node import AttentionNode
+
+log = logging.getLogger("afd.attention")
+
+
+class ServingNode(AttentionNode):
+    """Rank 0 of a serving attention node: the engine on its own thread, the API in this one."""
+
+    def __init__(self, cfg, args):
+        super().__init__(cfg, args)
+        self.state: ServerState | None = None
+        self.server: UvicornServer | None = None
+
+    def start(self) -> None:
+        from attention_node.setup import serving_state
+
+        super().start()
+        self.state = serving_state(self)
+
+    def _on_status(self, status) -> None:  # Drain: no new requests, running ones finish
+        st = self.state
+        if status is not None and st is not None and self.args.node in status.draining and not st.draining:
+            log.info("draining: new requests get 503, %d running finish", st.engine.num_unfinished())
+            st.draining = True
+
+    def serve(self) -> int:
+        from attention_node.api_server import build_app
+
+        cfg, args = self.cfg, self.args
+        node = cfg.node(args.node)
+        config = uvicorn.Config(
+            build_app(self.state),
+            host=args.host or args.bind_host,
+            port=node.ports.http,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=1,
+        )
+        self.server = UvicornServer(config)
+        self.state.engine.start()
+        log.info(
+            "API ready at http://%s:%d (cluster %s, %s)",
+            node.host,
+            node.ports.http,
+            cfg.cluster.name,
+            cfg.topology_name,
+        )
+        self.server.run()
+        return 0
+
+    def stop(self) -> None:
+        """Drains (up to engine.shutdown_timeout), stops the engine (it leaves the data plane), and, on
+        the coordinator's node, shuts the cluster down."""
+        st, rt = self.state, self.runtime
+        if st is not None:
+            st.draining = True
+            deadline = time.monotonic() + self.cfg.engine.shutdown_timeout
+            while st.engine.num_unfinished() and time.monotonic() < deadline and not st.engine.dead:
+                time.sleep(0.05)
+            left = st.engine.num_unfinished()
+            if left:
+                log.info("aborting %d unfinished request(s) at shutdown", left)
+            st.engine.stop(timeout=5)
+        if rt is not None:
+            if rt.cluster_state != pb.ClusterStatus.SHUTDOWN and rt.node.name == self.cfg.coordinator.name:
+                rt.client.shutdown_cluster("coordinator node stopped")
+            rt.close(plane=False)
+
+
+class UvicornServer(uvicorn.Server):
+    """uvicorn without its own signal handlers: this process takes signals on a sigwait thread."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
