@@ -104,10 +104,11 @@ def _single_thread():
     torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def llm_pool():
-    """afd.LLMs shared across tests by configuration (cluster_helpers.LLMPool); their node processes
-    stop at the end of the session."""
+    """afd.LLMs shared across a module's tests by configuration (cluster_helpers.LLMPool); their node
+    processes stop when the module ends: an idle cluster still exchanges idle steps (a few % of a core
+    per node), which a session-long pool spent through the rest of the suite."""
     from cluster_helpers import LLMPool
 
     pool = LLMPool()
