@@ -229,3 +229,46 @@ def test_the_handshake_cannot_deadlock_on_a_group_wide_hccl_communicator():
     env["HCCL_BLOCKING_WAIT"] = "0"  # the data plane's own setting (stream-ordered waits; it refuses "1")
     new = _run(_NEW_HANDSHAKE.format(fakes=FAKES, port=free_ports(1)[0]), 3, **env)
     assert all("handshake done" in o for o in new), new
+
+
+_TP = textwrap.dedent("""
+    import json, os, sys, time, torch, torch.distributed as dist
+    sys.path.insert(0, {fakes!r})
+    import torch_npu
+    from afd.backend.npu import NpuBackend
+    from afd.model.tp.comm import TPComm, TPError
+    from afd.model.tp.config import TPConfig, plan
+    rank = int(sys.argv[1])
+    dist.init_process_group("hccl", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    comm = TPComm(TPConfig(size=2), rank=rank, ranks=[0, 1], backend=NpuBackend(rank + 1), timeout_s=1)
+    y = torch.ones(4, device=comm.backend.device)
+    with comm.plan(plan(comm.cfg, 4)):
+        comm.reduce(y)
+        print("reduced", y.cpu().tolist(), flush=True)
+        if rank == 1:
+            time.sleep(4)  # alive but silent: never joins the next all_reduce
+            os._exit(0)
+        t0 = time.monotonic()
+        try:
+            comm.reduce(y)
+            comm.check()
+            print("no error", flush=True)
+        except TPError as e:
+            print("TP failed after", round(time.monotonic() - t0, 1), e, flush=True)
+    print("report", json.dumps(torch_npu.report()["hccl"]), flush=True)
+    os._exit(0)
+""")
+
+
+def test_a_tp_collective_past_its_deadline_aborts_the_group_instead_of_hanging():
+    """On HCCL a TP collective's wait is stream-ordered (the host goes on) and ignores its timeout, so a rank
+    that never joins would hang the others: the TP group's watchdog holds the deadline, aborts the group's
+    communicators once it passes, and the collective fails with a TPError naming the timeout."""
+    outs = _run(_TP.format(fakes=FAKES, port=free_ports(1)[0]), 2)
+    assert all("reduced [2.0, 2.0, 2.0, 2.0]" in out for out in outs), outs
+    out = outs[0]
+    assert "TP failed after" in out and "all_reduce in the TP group (ranks [0, 1]) timed out after 1s" in out, out
+    waited = float(out.split("TP failed after ")[1].split()[0])
+    assert waited < 4, f"the collective ran {waited}s past a 1s deadline (the fake's hang is 20s)"  # poll + slack
+    report = json.loads(out.split("report ")[1].splitlines()[0])
+    assert report["aborts"] == 1 and report["shutdown_hangs"] == [], report

@@ -20,9 +20,21 @@ from afd.backend.base import PeerError
 log = logging.getLogger("afd.dataplane.deadlines")
 
 
+def _plane_error(what: str, peer: int, timeout_s: float) -> PeerError:
+    return PeerError(f"data plane: {what} with rank {peer} timed out after {timeout_s:.0f}s", peer)
+
+
 class Deadlines:
-    def __init__(self, timeout_s: float, on_expired: Callable[[int], None], poll_s: float = 0.05):
-        self.timeout_s, self.on_expired, self.poll_s = timeout_s, on_expired, poll_s
+    def __init__(
+        self,
+        timeout_s: float,
+        on_expired: Callable[[int], None],
+        poll_s: float = 0.05,
+        error: Callable[[str, int, float], PeerError] = _plane_error,
+    ):
+        """error(what, peer, timeout_s): the PeerError a passed deadline raises at `check` (a TP group's
+        names its group, not a peer rank)."""
+        self.timeout_s, self.on_expired, self.poll_s, self.error = timeout_s, on_expired, poll_s, error
         self._pending: list[tuple[float, object, int, str]] = []
         self._failures: dict[int, PeerError] = {}
         self._mu = threading.Lock()
@@ -71,9 +83,7 @@ class Deadlines:
                     _, _, peer, what = expired
                     live = [e for e in live if e[2] != peer]  # the abort fails the rest of that peer's work
                     if peer not in self._failures:
-                        self._failures[peer] = PeerError(
-                            f"data plane: {what} with rank {peer} timed out after {self.timeout_s:.0f}s", peer
-                        )
+                        self._failures[peer] = self.error(what, peer, self.timeout_s)
                 self._pending = live
             if expired is not None:
                 log.warning("deadline passed: %s with rank %d; aborting its communicators", expired[3], expired[2])

@@ -114,6 +114,7 @@ class Engine:
         now = time.monotonic()
         sampled = sample_step(self.sampler, plan, out.logits, self.processor.fail)
         self.runner.exchange().check()  # after the host read: an aborted transfer's tokens are never emitted
+        self.runner.tp.check()  # and an aborted TP collective's
         self.scheduler.update(plan, sampled)
         counts = self.processor.process(plan, sampled, out.logits, now)
         self._count(counts)

@@ -249,6 +249,8 @@ def follow(runner: ModelRunner) -> LeaveStep:
         msg = runner.tp.recv_step()
         if isinstance(msg, RunStep):
             runner.execute(msg.seqs, micro_batches=msg.micro_batches)
+            runner.exchange().check()  # a passed deadline, here as on the leader (which checks after sampling)
+            runner.tp.check()
         elif isinstance(msg, IdleStep):
             runner.exchange().idle()
         elif isinstance(msg, LeaveStep):

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from afd.backend.base import PeerError
+from afd.dataplane.deadlines import Deadlines
 from afd.model.tp.config import ShardPlan, TPConfig, fc2_batch_ids, fc2_groups, plan
 
 log = logging.getLogger("afd.tp")
@@ -60,6 +61,9 @@ class TPComm:
         self.fallbacks: Counter = Counter()
         """Micro-batches a sharded mode ran as allreduce, below its token threshold."""
         self.timeout_s = timeout_s
+        self.deadlines: Deadlines | None = None
+        """On NCCL/HCCL (stream-ordered waits) the collectives' deadlines, held off the hot path as the data
+        plane's are (afd.dataplane.deadlines); None where a wait blocks the host until its timeout (gloo)."""
         if self.size > 1:
             self.connect()
 
@@ -68,7 +72,13 @@ class TPComm:
         data plane re-forms (a node was replaced), when the old groups died with the old world. Layers
         keep this object, so they follow."""
         cfg, rank = self.cfg, self.rank
-        timeout = timedelta(seconds=self.timeout_s)
+        ordered = self.backend is not None and self.backend.stream_ordered_waits
+        # With the watchdog holding the deadlines, the groups' own timeout is a backstop past it (as the data
+        # plane's: afd.dataplane.transport); the object collectives' gloo group keeps the deadline itself.
+        timeout = timedelta(seconds=self.timeout_s * 2 + 10 if ordered else self.timeout_s)
+        if self.deadlines is not None:  # a re-form: the old groups died with the old world
+            self.deadlines.close()
+        self.deadlines = Deadlines(self.timeout_s, self._abort, error=self._timed_out) if ordered else None
 
         def group(members: list[int], **kw):
             return dist.new_group(
@@ -76,7 +86,9 @@ class TPComm:
             )
 
         self.group = group(list(range(self.size)))
-        self.cpu_group = group(list(range(self.size)), backend="gloo")  # schedules, as pickled objects
+        self.cpu_group = dist.new_group(
+            self.ranks, timeout=timedelta(seconds=self.timeout_s), use_local_synchronization=True, backend="gloo"
+        )  # schedules, as pickled objects
         if cfg.kvp > 1:  # consecutive ranks: head group rank // N, KV rank rank % N
             first = rank - rank % cfg.kvp
             self.kvp_group = group(list(range(first, first + cfg.kvp)))
@@ -118,8 +130,21 @@ class TPComm:
     # ---- collectives -------------------------------------------------------------------------------
 
     def _run(self, op: str, nbytes: int, fn, *args, **kw) -> None:
+        """One collective. On NCCL/HCCL it is stream-ordered: issued asynchronously, waited for on the
+        stream (the host goes on), its deadline held by the watchdog; `check` raises a passed one."""
         try:
-            fn(*args, **kw)
+            if self.deadlines is not None and op != "schedule":
+                work = fn(*args, async_op=True, **kw)
+                self.deadlines.watch(work, 0, op)
+                try:
+                    work.wait()
+                except RuntimeError:
+                    self.deadlines.check()  # the watchdog's abort ended it: say that its deadline passed
+                    raise
+            else:
+                fn(*args, **kw)
+        except TPError:
+            raise
         except RuntimeError as e:
             line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TPError(
@@ -127,6 +152,26 @@ class TPComm:
                 "of this attention node is probably gone"
             ) from None
         self.bytes[op] += nbytes
+
+    def check(self) -> None:
+        """Raises the TPError of a collective whose deadline passed (its groups are aborted by then): the
+        engine calls it after each step's host read, as it does the data plane's."""
+        if self.deadlines is not None:
+            self.deadlines.check()
+
+    def _timed_out(self, what: str, peer: int, timeout_s: float) -> TPError:
+        return TPError(
+            f"tensor parallel: {what} in the TP group (ranks {self.ranks}) timed out after {timeout_s:.0f}s; a "
+            "rank of this attention node is probably gone"
+        )
+
+    def _abort(self, _peer: int) -> None:
+        """The watchdog's: aborts every device group of this TP group, so the work queued on them fails
+        instead of hanging (a finalized group would wait for it: afd.backend's abort_group)."""
+        for name in ("group", "kvp_group", "odp_group", "otp_group"):
+            pg = getattr(self, name, None)
+            if pg is not None and self.backend is not None:
+                self.backend.abort_group(pg)
 
     def _share(self, n: int, parts: int) -> int:
         return n * (parts - 1) // parts

@@ -108,13 +108,12 @@ def _blocking_wait() -> bool:
 
 
 class _Work(dist.Work):
-    def __init__(
-        self, pg: FakeHcclGroup, inner, stream: npu.Stream, seq: int, kind: str, peer: int, on_runner: bool = True
-    ):
-        """on_runner: the transfer is waited for on its stream's runner thread (point-to-point); else on the
-        thread that waits (collectives: gloo finishes them in wait(), under that thread's inference mode)."""
+    def __init__(self, pg: FakeHcclGroup, inner, stream: npu.Stream, seq: int, kind: str, peer: int):
+        """The transfer is waited for on its stream's runner thread, so that an abort from another thread ends
+        a wait on it at once, collectives included (gloo finishes a collective in its wait(): the runner
+        takes the issuing thread's inference mode for it)."""
         super().__init__()
-        self.on_runner = on_runner
+        self._inference = torch.is_inference_mode_enabled()
         self.pg, self._payload, self.stream, self.seq, self.kind, self.peer = pg, inner, stream, seq, kind, peer
         self._done = False
         self._ran = threading.Event()
@@ -126,10 +125,11 @@ class _Work(dist.Work):
     def _run(self, limit: timedelta | None = None) -> None:
         """On the stream's runner thread, in issue order (an HCCL stream runs its tasks in order)."""
         try:
-            if limit is None:
-                self._payload.wait()  # bounded by the group's timeout, as gloo's own ops are
-            else:
-                self._payload.wait(limit)
+            with torch.inference_mode(self._inference):
+                if limit is None:
+                    self._payload.wait()  # bounded by the group's timeout, as gloo's own ops are
+                else:
+                    self._payload.wait(limit)
         except RuntimeError as e:
             self._error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         self._ran.set()
@@ -140,8 +140,6 @@ class _Work(dist.Work):
 
     def stuck(self) -> bool:
         """Never completed on the wire: a real HCCL task that would still sit on its stream."""
-        if not self._ran.is_set() and not self.on_runner:  # a collective nobody waited for: gloo's own word
-            return not self._payload.is_completed()
         return not self._ran.is_set() or self._error is not None
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
@@ -149,8 +147,6 @@ class _Work(dist.Work):
         limit = timeout if blocking and timeout.total_seconds() > 0 else timedelta(seconds=HANG_S)
         # The transfer is waited for on the stream's runner thread, so that an abort from another thread
         # ends this wait at once (a gloo wait cannot be interrupted, and one that times out closes its pair).
-        if not self.on_runner and self.pg._aborted is None:
-            self._run(limit)
         self._wake.wait(limit.total_seconds())
         if self.pg._aborted is not None and not (self._ran.is_set() and self._error is None):
             raise RuntimeError(
@@ -385,10 +381,7 @@ class FakeHcclGroup(dist.ProcessGroup):
         with npu._lock:
             stream.merge(npu.current_stream(t.device.index).clock)
             seq = npu.access(stream, reads, writes, f"hccl {kind}")
-        work = _Work(self, inner_op(), stream, seq, kind, -1, on_runner=False)
-        with self._mu:
-            self._issued = [w for w in self._issued if w.stuck()] + [work]
-        return work
+        return self._run_on((t.device.index, -1), _Work(self, inner_op(), stream, seq, kind, -1))
 
     def allreduce(self, tensors, opts=None):
         t = self._check(tensors, "allreduce")
