@@ -75,6 +75,55 @@ SCRIPT = textwrap.dedent("""
     comm = torch.npu.Stream(device=1)
     comm.wait_event(written)                         # ordered after the write, not after the read
     raises(lambda: torch_npu.device.access(comm, [], [y], "irecv(y)"), "may still be reading")
+
+    # torch_npu's generators: one of the device reproduces its seed; a CPU one on an npu op is refused,
+    # as ATen's check_generator refuses it
+    def draw(gen):
+        return torch.empty(6, device="npu:1").exponential_(generator=gen).cpu()
+    g = torch.Generator(device="npu:1").manual_seed(5)
+    assert isinstance(g, torch.Generator) and g.device == torch.device("npu:1")
+    assert torch.equal(draw(g), draw(torch.Generator(device="npu:1").manual_seed(5)))
+    raises(lambda: draw(torch.Generator().manual_seed(9)), "Expected a 'npu' device type for generator")
+
+    # multinomial checks its input on the host before it draws
+    n = STATS["host_syncs"]
+    torch.multinomial(torch.ones(4, device="npu:1"), 1)
+    assert STATS["host_syncs"] == n + 1
+    print("OK")
+""")
+
+SAMPLER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {fakes!r})
+    import torch, torch_npu
+    from torch_npu.device import STATS
+    from afd.engine.logits import History
+    from afd.engine.sampling import Row, Sampler, SamplingParams
+
+    P = SamplingParams
+    rows = [
+        Row(P(), "greedy", History([1], [2])),
+        Row(P(temperature=0.9, top_k=20, top_p=0.8, seed=3, logprobs=2), "hot", History([1], [2])),
+        Row(P(temperature=1.2, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+              logit_bias={{4: 3.0}}, min_tokens=5, stop_token_ids=(7,), seed=11), "pen", History([1, 4], [4, 9])),
+        Row(P(temperature=0.7, seed=5), "spec", History([3], []), draft=6),  # a draft, then its bonus row
+        Row(P(temperature=0.7, seed=5), "spec", History([3], [6])),
+        Row(P(temperature=1.0), "unseeded", History([1], [])),
+    ]
+    logits = torch.randn(len(rows), 64, generator=torch.Generator().manual_seed(0)) * 3
+
+    def run(x):
+        sampler = Sampler(eos_ids=(2,))
+        torch.manual_seed(1)  # the unseeded row: the fake draws on the host's default generator
+        return [sampler.draw(x, rows) for _ in range(3)]
+
+    want = run(logits)
+    torch.npu.set_device(1)
+    x = logits.pin_memory().to("npu:1", non_blocking=True)
+    n = STATS["host_syncs"]
+    got = run(x)
+    assert STATS["host_syncs"] - n == 3, STATS["host_sync_sites"]  # one read per batch, every field in it
+    assert got == want, (got, want)
     print("OK")
 """)
 
@@ -82,5 +131,16 @@ SCRIPT = textwrap.dedent("""
 def test_the_fake_device_catches_what_a_device_punishes():
     out = subprocess.run(
         [sys.executable, "-c", SCRIPT.format(fakes=FAKES)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+
+
+def test_the_sampler_reads_the_host_once_per_batch_and_draws_as_on_the_cpu():
+    """Every sampling field in one batch on the fake device: one host read per draw, and the tokens and
+    logprobs of the same batch on the CPU (the fake computes on the host; seeded rows use their own
+    generators, the unseeded one the default generator, seeded alike for both runs)."""
+    root = Path(__file__).parent.parent
+    out = subprocess.run(
+        [sys.executable, "-c", SAMPLER.format(fakes=FAKES)], capture_output=True, text=True, timeout=120, cwd=root
     )
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr

@@ -7,7 +7,7 @@ import torch
 from hf_reference import PROMPTS
 
 from afd.engine import offline
-from afd.engine.logits import History, process
+from afd.engine.logits import History, apply_penalties
 from afd.engine.sampling import GREEDY_BELOW, Sampler, SamplingParams
 
 V = 50
@@ -16,6 +16,11 @@ PROMPT, OUTPUT = [3, 7, 7, 12], [7, 20, 20, 20, 41]
 
 def _row(seed: int = 0) -> torch.Tensor:
     return torch.randn(V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def process(row: torch.Tensor, p: SamplingParams, h: History, eos_ids: tuple[int, ...]) -> torch.Tensor:
+    """One row through the batched processors."""
+    return apply_penalties(row[None], [p], [h], eos_ids)[0]
 
 
 @pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
@@ -54,6 +59,21 @@ def test_presence_and_frequency_penalties_follow_openais_formula():
     for tok in set(OUTPUT):  # prompt tokens are not penalized
         want[tok] -= -0.4 * OUTPUT.count(tok) + 0.7
     assert torch.allclose(ours, want)
+
+
+def test_a_batch_is_processed_as_each_row_alone():
+    """Rows with different parameters (and rows with none) in one batch: each row as if processed alone."""
+    cases = [
+        (SamplingParams(repetition_penalty=1.3, logit_bias={5: 2.0}), History(PROMPT, OUTPUT)),
+        (SamplingParams(), History(PROMPT, OUTPUT)),
+        (SamplingParams(min_tokens=9, stop_token_ids=(9,), frequency_penalty=0.5), History(PROMPT, OUTPUT)),
+        (SamplingParams(presence_penalty=-1.0, repetition_penalty=0.7), History([1, 2], [2, 2, 49])),
+    ]
+    rows = torch.stack([_row(i) for i in range(len(cases))])
+    batch = apply_penalties(rows, [p for p, _ in cases], [h for _, h in cases], (2,))
+    for b, (p, h) in enumerate(cases):
+        assert torch.equal(batch[b], process(rows[b], p, h, (2,))), b
+    assert torch.equal(batch[1], rows[1])
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,12 @@ HCCL played by gloo, every device rule of the fake checked as the nodes run, tok
 
 Nodes sit on devices other than 0 (attention on npu:1, FFN nodes on npu:2..), so a thread that forgets
 to bind its node's device acts on the wrong one, as it would on a real machine. Each node's fake
-writes what it saw (hazards, unbound threads, sends queued behind receives) when it exits.
+writes what it saw (hazards, unbound threads, sends queued behind receives, host syncs by site) as it runs;
+every case holds each node to one host sync per decode step (tests/npu_fake.py).
 """
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import subprocess
 import sys
@@ -19,42 +18,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import yaml
 from cluster_helpers import Cluster, cluster_yaml, get, post
 from hf_reference import PROMPTS
 from metrics_text import total
+from npu_fake import FAKES, Snapshot, check_one_host_sync_per_step, on_devices, report_pid, reports, sync_env
 
 pytestmark = pytest.mark.multiprocess
-FAKES = str(Path(__file__).parent / "fakes")
 NEW = 12
-
-
-def fake_env(report: Path) -> dict:
-    return {
-        "PYTHONPATH": os.pathsep.join([FAKES, os.environ.get("PYTHONPATH", "")]),
-        "AFD_FAKE_NPU_REPORT": str(report),
-    }
-
-
-def reports(report: Path) -> dict[str, dict]:
-    """Each process's report (written as `{report}.{pid}.json`), by file."""
-    return {f: json.loads(Path(f).read_text()) for f in sorted(glob.glob(f"{report}.*.json"))}
 
 
 @pytest.fixture(scope="module")
 def reference(families):
     return families.ref_ids("longcat_flash", "zero_experts", NEW)  # tiny_checkpoint's
-
-
-def _on_devices(path: Path) -> None:
-    """Node i on the next free device from npu:1; an attention node's TP rank r on its device + r."""
-    doc = yaml.safe_load(path.read_text())
-    tp = (doc.get("layout") or {}).get("attention_tp", 1)
-    free = 1
-    for node in doc["nodes"]:
-        node["device"] = f"npu:{free}"
-        free += tp if node["role"] == "attention" else 1
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
 
 
 @pytest.mark.parametrize(
@@ -80,11 +55,9 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
     path = cluster_yaml(
         tmp_path, tiny_checkpoint, A, F, name="npu", layout={"micro_batches": micro_batches, "overlap": overlap, **tp}
     )
-    _on_devices(path)
+    on_devices(path)
     report = tmp_path / "fake-npu"
-    syncs = (A, F, tp) == (1, 1, {})  # the 1A1F run (make test's) also holds the host-sync bound
-    env = {**fake_env(report), "AFD_FAKE_NPU_SYNC_SITES": "1", "AFD_FAKE_NPU_REPORT_S": "0.05"} if syncs else None
-    with Cluster(path, env=env or fake_env(report)) as c:
+    with Cluster(path, env=sync_env(report)) as c:
         c.start_all()
         c.wait_ready(timeout=120)
         jobs = [(a, i) for a in range(A) for i in range(len(PROMPTS))]
@@ -102,8 +75,10 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
         for (a, i), (code, body) in zip(jobs, answers):
             assert code == 200, body
             assert body["choices"][0]["token_ids"] == reference[i], f"attn{a}, prompt {i}"
-        if syncs:  # warm by now: one-time copies (the rope frequencies) are not a step's
-            _check_one_host_sync_per_step(c, report)
+        # warm by now: one-time copies (rope tables) are not a step's
+        check_one_host_sync_per_step(
+            c.url("attn0"), _snapshot(report, c), {n["name"]: n["role"] for n in c.doc["nodes"]}
+        )
     seen = list(reports(report).values())
     assert len(seen) == A * tp.get("attention_tp", 1) + F, "every process ran on the fake device and wrote its report"
     for r in seen:
@@ -114,42 +89,20 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
         assert r["hccl"]["sends"] > 0 and r["hccl"]["recvs"] > 0
 
 
-def _syncs(report: Path, c: Cluster) -> tuple[list[dict[str, int]], dict[str, float]]:
-    """Per node process, its host syncs by site so far (the fake rewrites its report every 0.5 s), and each
-    node's afd_host_syncs_total, scraped at once."""
-    time.sleep(1.0)
-    urls = {"attn0": c.url("attn0"), "ffn0": f"http://127.0.0.1:{c.node('ffn0')['ports']['metrics']}"}
-    counted = {n: total(get(u, "/metrics")[1].decode(), "afd_host_syncs_total") for n, u in urls.items()}
-    return [r["device"]["host_sync_sites"] for r in reports(report).values()], counted
+def _snapshot(report: Path, c: Cluster) -> Snapshot:
+    """Each node process's host syncs by site (the fake's report), and each node's afd_host_syncs_total."""
+    urls = {
+        n["name"]: c.url(n["name"]) if n["role"] == "attention" else f"http://127.0.0.1:{n['ports']['metrics']}"
+        for n in c.doc["nodes"]
+    }
 
+    def take():
+        counted = {n: total(get(u, "/metrics")[1].decode(), "afd_host_syncs_total") for n, u in urls.items()}
+        names = {p.pid: name for name, p in c.procs.items()}
+        sites = {names[report_pid(f)]: r["device"]["host_sync_sites"] for f, r in reports(report).items()}
+        return sites, counted
 
-def _check_one_host_sync_per_step(c: Cluster, report: Path) -> None:
-    """Issue 24's bound: the attention node learns its sampled tokens once per step and the FFN node reads its
-    step header once; nothing else on the hot path waits for the device (exchange waits are stream-ordered,
-    copies to the device are staged in pinned memory, the FFN times its compute with events). Idle steps (an
-    attention node with nothing to run) each cost one read on both sides and are taken out. The nodes write
-    their reports on their own clocks, so the FFN node's idle steps are not the attention node's count: there,
-    every sync must be a step header's read, one per step, idle or not."""
-    n = 10
-    body = {"prompt": PROMPTS[0], "max_tokens": n, "temperature": 0, "ignore_eos": True}
-    before, counted0 = _syncs(report, c)
-    code, out = post(c.url("attn0"), "/v1/completions", body)
-    after, counted1 = _syncs(report, c)
-    assert code == 200, out
-    delta = [{k: v - b.get(k, 0) for k, v in a.items() if v - b.get(k, 0)} for b, a in zip(before, after)]
-    (attn,) = [d for d in delta if any("sample" in k for k in d)]
-    (ffn,) = [d for d in delta if d is not attn]
-    scrape = {k: v for k, v in ffn.items() if " in _collect at observability/metrics.py" in k}  # not a step's
-    ffn = {k: v for k, v in ffn.items() if k not in scrape}
-    idle = sum(v for k, v in attn.items() if " in idle " in k)
-    steps = n  # one prefill step and n - 1 decode steps
-    assert sum(attn.values()) - idle <= steps, attn
-    assert ffn and all(" in decode at dataplane/protocol.py" in k for k in ffn), ffn  # StepHeader.decode
-    # afd_host_syncs_total counts what the fake saw. Slack: the fake's report may be 0.05 s older than the
-    # scrape, and idle steps (one sync each on both nodes) run back to back between requests.
-    for name, seen in (("attn0", attn), ("ffn0", {**ffn, **scrape})):
-        counted = counted1[name] - counted0[name]
-        assert counted >= steps and abs(counted - sum(seen.values())) <= 6, (name, counted, seen)
+    return take
 
 
 _PAIR = textwrap.dedent("""

@@ -115,7 +115,7 @@ class Engine:
         sampled = sample_step(self.sampler, plan, out.logits, self.processor.fail)
         self.runner.exchange().check()  # after the host read: an aborted transfer's tokens are never emitted
         self.runner.tp.check()  # and an aborted TP collective's
-        self.scheduler.update(plan, sampled)
+        self.scheduler.update(plan, sampled.tokens)
         counts = self.processor.process(plan, sampled, out.logits, now)
         self._count(counts)
         self._refresh_gauges()
@@ -123,7 +123,7 @@ class Engine:
         if self.spec is None:
             return stats
         t0 = time.perf_counter()
-        self.spec.propose(plan, sampled, out.hidden, self.max_model_len)
+        self.spec.propose(plan, sampled.tokens, out.hidden, self.max_model_len)
         return dataclasses.replace(stats, draft_seconds=time.perf_counter() - t0)
 
     def _loop(self) -> None:

@@ -2,19 +2,21 @@
 
 One step: the scheduler's `StepPlan` (each request, the tokens it computes and the drafts among them)
 -> the runner's `RunnerOutput` (logits, and the hidden states the MTP module drafts from) -> the
-sampler's tokens -> the output processor. Between threads: the engine's inbox items (`AddRequest`,
-`AbortRequest`). Between processes: what the TP leader broadcasts to its other ranks (`RunStep`,
-`IdleStep`, `LeaveStep`; pickled, so plain frozen dataclasses). And what a step did (`StepStats`).
+sampler's `SampledStep` (tokens, logprobs) -> the output processor. Between threads: the engine's inbox
+items (`AddRequest`, `AbortRequest`). Between processes: what the TP leader broadcasts to its other ranks
+(`RunStep`, `IdleStep`, `LeaveStep`; pickled, so plain frozen dataclasses). And what a step did (`StepStats`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from afd.engine.request import Request
+if TYPE_CHECKING:  # request.py imports the sampler, which hands back a SampledStep
+    from afd.engine.request import Request
 
 
 @dataclass
@@ -99,6 +101,21 @@ class RunnerOutput:
     drafts' input); else None."""
     micro_batches: int
     """What the step ran with (afd_micro_batches): the tuner may choose anew right after it."""
+
+
+Logprob = tuple[float, list[tuple[int, float]]]
+"""A token's logprob and the top alternatives' (id, logprob), most likely first."""
+
+
+@dataclass(frozen=True, slots=True)
+class SampledStep:
+    """The sampler's answer for one step (afd.engine.sampling.sample_step), per plan entry."""
+
+    tokens: list[list[int] | None]
+    """The tokens the entry's request emits; None for a prefill chunk that samples nothing, or a request
+    whose sampling failed."""
+    logprobs: list[list[Logprob] | None]
+    """Per emitted token, when the request asks for logprobs; else None."""
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from afd.engine.messages import StepPlan
+from afd.engine.messages import SampledStep, StepPlan
 from afd.engine.request import Request, RequestOutput, Status
-from afd.engine.sampling import Sampler, top_logprobs
+from afd.engine.sampling import Sampler
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import IncrementalDetokenizer, Tokenizer, find_stop
 
@@ -80,12 +79,12 @@ class OutputProcessor:
             return False
         return True
 
-    def process(self, plan: StepPlan, sampled: Sequence[list[int] | None], logits: torch.Tensor, now: float) -> Counts:
-        """The step's tokens (per plan entry, as afd.engine.sampling.sample_step gives them; logits: the
-        runner's, now: when they came), to each request's caller. What fails for one request (detokenizing,
-        stop handling) fails that request alone."""
+    def process(self, plan: StepPlan, sampled: SampledStep, logits: torch.Tensor, now: float) -> Counts:
+        """The step's tokens and logprobs (per plan entry, as afd.engine.sampling.sample_step gives them;
+        logits: the runner's, now: when they came), to each request's caller. What fails for one request
+        (detokenizing, stop handling) fails that request alone."""
         counts = Counts()
-        for s, row, toks in zip(plan, plan.logit_rows(), sampled):
+        for s, row, toks, lps in zip(plan, plan.logit_rows(), sampled.tokens, sampled.logprobs):
             if toks is None:
                 continue
             req = s.request
@@ -95,8 +94,7 @@ class OutputProcessor:
                         break
                     if req.logits is not None:
                         req.logits.append(logits[row + j].clone())
-                    k = req.params.logprobs
-                    self._append(req, tok, now, None if k is None else top_logprobs(logits[row + j], tok, k), counts)
+                    self._append(req, tok, now, None if lps is None else lps[j], counts)
             except Exception as e:
                 self.fail(req, e)
         return counts

@@ -1,10 +1,15 @@
 """Token sampling: penalties, logit bias and min_tokens (afd.engine.logits), then greedy or temperature
-with top-k / top-p, each request with its own optional seed."""
+with top-k / top-p, each request with its own optional seed; speculative decoding's verification.
+
+A step's logits rows are sampled as one batch on their device (afd.engine.sample_ops), every sampling
+field included, and the host reads the result once: each row's token (and whether its draft was kept, and
+its logprobs when asked) in one tensor. That read is the attention node's one host sync of a decode step
+(docs/architecture/backends.md)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -12,7 +17,9 @@ import torch
 
 from afd.backend import host_syncs
 from afd.backend.base import to_device
-from afd.engine.logits import History, process
+from afd.engine import sample_ops as ops
+from afd.engine.logits import History, apply_penalties
+from afd.engine.messages import Logprob, SampledStep
 
 if TYPE_CHECKING:
     from afd.engine.messages import StepPlan
@@ -89,8 +96,28 @@ class SamplingParams:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One logits row to sample: a request's, with the draft token it verifies (None: no draft)."""
+
+    params: SamplingParams
+    request_id: object
+    history: History
+    """Prompt and output before this row's token (with drafts: the drafts before it too)."""
+    draft: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Drawn:
+    token: int
+    """What the row emits: its draft when kept, else the target's own token."""
+    kept: bool
+    logprob: Logprob | None
+
+
 class Sampler:
-    """Keeps one generator per seeded request so that a seed reproduces its tokens across steps."""
+    """Samples batches of rows on their device; keeps one device generator per seeded request so that a seed
+    reproduces its tokens across steps."""
 
     def __init__(self, eos_ids: tuple[int, ...] = ()):
         self.eos_ids = eos_ids
@@ -98,6 +125,62 @@ class Sampler:
 
     def forget(self, request_id: object) -> None:
         self._generators.pop(request_id, None)
+
+    def draw(self, logits: torch.Tensor, rows: Sequence[Row]) -> list[Drawn]:
+        """logits [R, V] fp32, one row each -> what each row emits, read by the host once."""
+        dev, R, V = logits.device, logits.shape[0], logits.shape[1]
+        params = [r.params for r in rows]
+        x = logits
+        if any(p.processes_logits for p in params):
+            x = apply_penalties(logits, params, [r.history for r in rows], self.eos_ids)
+        tok = x.argmax(dim=-1)  # [R] greedy: a draft is kept iff it is the argmax
+        kept = torch.zeros_like(tok, dtype=torch.bool)
+        drafting = any(r.draft is not None for r in rows)
+        if drafting:
+            has = to_device(torch.tensor([r.draft is not None for r in rows]), dev)
+            draft = to_device(torch.tensor([0 if r.draft is None else r.draft for r in rows]), dev)
+            kept = has & (tok == draft)
+        hot = [p.temperature >= GREEDY_BELOW for p in params]
+        if any(hot):
+            temp = [p.temperature if h else 1.0 for p, h in zip(params, hot)]
+            knobs = to_device(torch.tensor([temp, [p.top_p for p in params]], dtype=torch.float32), dev)
+            ks = [p.top_k for p in params]
+            top_k = to_device(torch.tensor(ks), dev) if any(ks) else None
+            top_p = knobs[1] if any(p.top_p < 1 for p in params) else None
+            probs = ops.probs(x, knobs[0], top_k, max(ks), top_p)
+            gens = {i: self._generator(r, dev) for i, r in enumerate(rows) if hot[i] and r.params.seed is not None}
+            e = ops.noise((R, V), dev, gens)
+            if drafting:
+                q = torch.nn.functional.one_hot(draft, V).to(probs.dtype) * has[:, None]  # MTP drafts: argmax
+                drawn, kept_hot = ops.rejection_sample(probs, q, draft, ops.uniform(R, dev, gens), e)
+                kept_hot = kept_hot & has
+            else:
+                drawn, kept_hot = ops.draw(probs, e), kept
+            is_hot = to_device(torch.tensor(hot), dev)
+            tok, kept = torch.where(is_hot, drawn, tok), torch.where(is_hot, kept_hot, kept)
+        return self._read(logits, tok, kept, params)
+
+    def _read(self, logits: torch.Tensor, tok: torch.Tensor, kept: torch.Tensor, params: list[SamplingParams]):
+        """The one host read: [R, 2] (token, kept), with [R, 1 + 2k] logprobs beside them when a row asks."""
+        k = max((p.logprobs for p in params if p.logprobs is not None), default=None)
+        packed = torch.stack([tok, kept.long()], dim=1)
+        if k is not None:
+            packed = torch.cat([packed.double(), ops.logprobs(logits, tok, k)], dim=1)
+        out = []
+        for p, row in zip(params, host_syncs.to_list(packed)):
+            lp = None
+            if p.logprobs is not None and k is not None:
+                ids, vals = row[3 : 3 + p.logprobs], row[3 + k : 3 + k + p.logprobs]
+                lp = (row[2], [(int(i), v) for i, v in zip(ids, vals)])
+            out.append(Drawn(int(row[0]), bool(row[1]), lp))
+        return out
+
+    def _generator(self, row: Row, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(row.request_id)
+        if gen is None:
+            gen = torch.Generator(device=device).manual_seed(row.params.seed)  # type: ignore[arg-type]
+            self._generators[row.request_id] = gen
+        return gen
 
     def sample(
         self,
@@ -108,129 +191,77 @@ class Sampler:
     ) -> list[int]:
         """logits [B, V] fp32 -> one token id per row. `histories` (prompt and output ids per row) are
         needed when a request asks for penalties or min_tokens."""
-        rows = [b for b, p in enumerate(params) if p.processes_logits]
-        if rows:
-            if histories is None:
+        if histories is None:
+            if any(p.processes_logits for p in params):
                 raise ValueError("penalties and min_tokens need each row's history")
-            logits = logits.clone()
-            for b in rows:
-                logits[b] = process(logits[b], params[b], histories[b], self.eos_ids)
-        out = host_syncs.to_list(logits.argmax(dim=-1))
-        for b, p in enumerate(params):
-            if p.temperature >= GREEDY_BELOW:
-                out[b] = self._sample_row(logits[b], p, request_ids[b])
-        return out
-
-    def _sample_row(self, logits: torch.Tensor, p: SamplingParams, rid) -> int:
-        return int(torch.multinomial(self._probs(logits, p), 1, generator=self._generator(rid, p)))
-
-    def _probs(self, logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-        """The distribution a token is drawn from: temperature, then top-k and top-p, [V] on the CPU
-        (one row is cheap to move, and the per-request generators live there)."""
-        # An extreme repetition penalty (1e-270) or a small temperature can overflow a logit to +inf,
-        # and softmax over +inf is NaN; the largest finite float keeps the limit (those tokens tie).
-        host_syncs.note(logits.device)
-        logits = (logits.float().cpu() / p.temperature).clamp(max=torch.finfo(torch.float32).max)
-        if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, idx = probs.sort(descending=True)
-            keep = sorted_p.cumsum(0) - sorted_p < p.top_p  # always keeps the most likely token
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        return probs
-
-    def _generator(self, rid, p: SamplingParams) -> torch.Generator | None:
-        if p.seed is None:
-            return None
-        gen = self._generators.get(rid)
-        if gen is None:
-            gen = self._generators[rid] = torch.Generator().manual_seed(p.seed)
-        return gen
+            histories = [History([], [])] * len(params)
+        rows = [Row(p, rid, h) for p, rid, h in zip(params, request_ids, histories)]
+        return [d.token for d in self.draw(logits, rows)]
 
     def verify(self, logits: torch.Tensor, drafts: list[int], p: SamplingParams, rid, history: History) -> list[int]:
         """Speculative decoding: logits [d + 1, V] of a request's last token and its d draft tokens ->
         the tokens it emits: the accepted drafts, then one more (the target's correction at the first
         rejected draft, or a bonus token after the last). Row j is processed with the tokens before it
         (penalties, min_tokens). Greedy keeps a draft iff it is the argmax, so the tokens are those of
-        decoding one at a time; sampling follows the rejection rule (`rejection_sample`), so their
-        distribution is too. Drafts are the MTP head's argmax: q is one-hot at the draft."""
-        out: list[int] = []
-        for j in range(len(drafts) + 1):
-            row = logits[j]
-            if p.processes_logits:
-                row = process(row, p, History(history.prompt_ids, history.output_ids + out), self.eos_ids)
-            if p.temperature < GREEDY_BELOW:
-                out.append(host_syncs.to_int(row.argmax()))
-                if j < len(drafts) and out[-1] == drafts[j]:
-                    continue
-                return out
-            probs, gen = self._probs(row, p), self._generator(rid, p)
-            if j == len(drafts):
-                return out + [int(torch.multinomial(probs, 1, generator=gen))]
-            q = torch.zeros_like(probs)
-            q[drafts[j]] = 1.0  # the draft distribution: one-hot at the MTP head's argmax
-            tok, kept = rejection_sample(probs, q, drafts[j], gen)
-            out.append(tok)
-            if not kept:
-                return out
-        return out
+        decoding one at a time; sampling follows the rejection rule (`sample_ops.rejection_sample`), so
+        their distribution is too. Drafts are the MTP head's argmax: q is one-hot at the draft."""
+        return [d.token for d in accepted(self.draw(logits, verify_rows(drafts, p, rid, history)))]
 
 
-def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: int, gen: torch.Generator | None) -> tuple[int, bool]:
-    """Speculative sampling's rule (Leviathan et al. 2023; Chen et al. 2023) for a draft x ~ q [V] checked
-    against the target p [V]: keep x with probability min(1, p(x) / q(x)), else draw from
-    normalize(max(0, p - q)). The token returned is distributed as p, whatever q is. Returns (token, kept)."""
-    u = float(torch.rand((), generator=gen))
-    if u * float(q[draft]) < float(p[draft]):
-        return draft, True
-    residual = (p - q).clamp_min(0)
-    if float(residual.sum()) <= 0:  # only by rounding: a rejection needs p(x) < q(x), so p > q somewhere
-        residual = p
-    return int(torch.multinomial(residual / residual.sum(), 1, generator=gen)), False
+def verify_rows(drafts: Sequence[int], p: SamplingParams, rid, h: History) -> list[Row]:
+    """Row j of a verification sees the drafts before it as output (all of them kept, or it emits nothing)."""
+    return [
+        Row(p, rid, History(h.prompt_ids, h.output_ids + list(drafts[:j])), drafts[j] if j < len(drafts) else None)
+        for j in range(len(drafts) + 1)
+    ]
 
 
-def top_logprobs(logits: torch.Tensor, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
-    """The sampled token's logprob and the k most likely (id, logprob) under the model's raw
-    distribution (vLLM's default: before penalties and temperature)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    host_syncs.note(lp.device, 2 if k else 1)
-    top = torch.topk(lp, k) if k else None
-    alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-    return float(lp[token]), alts
+def accepted(drawn: list[Drawn]) -> list[Drawn]:
+    """A verification's rows -> what it emits: each kept draft, then the first row that keeps none."""
+    for j, d in enumerate(drawn):
+        if j == len(drawn) - 1 or not d.kept:
+            return drawn[: j + 1]
+    return drawn
 
 
 Fail = Callable[["Request", Exception], None]
 
 
-def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor, fail: Fail) -> list[list[int] | None]:
-    """Per entry of the plan, the tokens its request emits: one, or with drafts to verify (its logits
-    rows row .. row + d) the accepted ones and one more (Sampler.verify); None for a prefill chunk that
-    samples nothing. A request whose sampling raises goes to `fail(req, error)` alone and gets None; the
-    others still get their tokens."""
-    rows = plan.logit_rows()
-    out: list[list[int] | None] = [None] * len(plan)
-    plain = [k for k, s in enumerate(plan.seqs) if s.samples and not s.drafts]
-    if plain:
-        toks = _sample_each(sampler, logits, [rows[k] for k in plain], [plan.seqs[k].request for k in plain], fail)
-        for k, tok in zip(plain, toks):
-            out[k] = None if tok is None else [tok]
-    for k, s in enumerate(plan.seqs):
-        if not s.drafts:
-            continue
-        req = s.request
-        try:
-            out[k] = sampler.verify(
-                logits[rows[k] : rows[k] + len(s.drafts) + 1],
-                list(s.drafts),
-                req.params,
-                req.request_id,
-                History(req.prompt_ids, req.output_ids),
-            )
-        except Exception as e:
-            fail(req, e)
-    return out
+def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor, fail: Fail) -> SampledStep:
+    """Per entry of the plan, the tokens its request emits (and their logprobs, when it asks): one, or with
+    drafts to verify (its logits rows row .. row + d) the accepted ones and one more; None for a prefill
+    chunk that samples nothing. Every row in one batch; if that raises, entry by entry, so that a request
+    whose sampling raises goes to `fail(req, error)` alone and gets None while the others get their tokens."""
+    starts = plan.logit_rows()
+    due = [k for k, s in enumerate(plan.seqs) if s.samples]
+    if not due:
+        return SampledStep([None] * len(plan), [None] * len(plan))
+    rows = {k: _rows(plan.seqs[k].request, plan.seqs[k].drafts) for k in due}
+    out: dict[int, list[Drawn]] = {}
+    try:
+        flat = sampler.draw(
+            _take_rows(logits, [starts[k] + j for k in due for j in range(len(rows[k]))]),
+            [r for k in due for r in rows[k]],
+        )
+        for k in due:
+            out[k], flat = accepted(flat[: len(rows[k])]), flat[len(rows[k]) :]
+    except Exception:
+        for k in due:
+            try:
+                out[k] = accepted(sampler.draw(logits[starts[k] : starts[k] + len(rows[k])], rows[k]))
+            except Exception as e:
+                fail(plan.seqs[k].request, e)
+    tokens: list[list[int] | None] = [None] * len(plan)
+    logprobs: list[list[Logprob] | None] = [None] * len(plan)
+    for k, drawn in out.items():
+        tokens[k] = [d.token for d in drawn]
+        if plan.seqs[k].request.params.logprobs is not None:
+            logprobs[k] = [d.logprob for d in drawn if d.logprob is not None]
+    return SampledStep(tokens, logprobs)
+
+
+def _rows(req: Request, drafts: tuple[int, ...]) -> list[Row]:
+    return verify_rows(drafts, req.params, req.request_id, History(req.prompt_ids, req.output_ids))
 
 
 def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -239,32 +270,3 @@ def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if rows == list(range(rows[0], rows[0] + len(rows))):
         return logits[rows[0] : rows[0] + len(rows)]
     return logits[to_device(torch.tensor(rows), logits.device)]
-
-
-def _sample_each(
-    sampler: Sampler, logits: torch.Tensor, rows: list[int], reqs: list[Request], fail: Fail
-) -> list[int | None]:
-    """One token per request, all in one batch; if that raises, one by one, so that only the request whose
-    sampling raises fails (None)."""
-    try:
-        return list(  # list[int] as list[int | None]
-            sampler.sample(
-                _take_rows(logits, rows),
-                [r.params for r in reqs],
-                [r.request_id for r in reqs],
-                [History(r.prompt_ids, r.output_ids) for r in reqs],
-            )
-        )
-    except Exception:
-        out: list[int | None] = []
-        for row, req in zip(rows, reqs):
-            try:
-                out.append(
-                    sampler.sample(
-                        logits[[row]], [req.params], [req.request_id], [History(req.prompt_ids, req.output_ids)]
-                    )[0]
-                )
-            except Exception as e:
-                fail(req, e)
-                out.append(None)
-        return out

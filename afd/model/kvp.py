@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from afd.backend.base import to_device
 from afd.model.attention_metadata import AttentionMetadata
 
 
@@ -55,8 +56,9 @@ def _build(meta: AttentionMetadata, n: int, k: int) -> LocalView:
     pos = ((first[:, None] * bs + offs).flatten()).expand(tables.shape[0], -1)
     prefill = []
     for s in meta.prefill_seqs:
-        idx = torch.tensor(list(range(k, -(-s.ctx_len // bs), n)), dtype=torch.long, device=dev)
-        local = torch.tensor(s.block_table, dtype=torch.long, device=dev)[idx] // n
+        # staged: a blocking host-to-device copy would sync the host once per prefill sequence
+        idx = to_device(torch.tensor(list(range(k, -(-s.ctx_len // bs), n)), dtype=torch.long), dev)
+        local = to_device(torch.tensor(s.block_table, dtype=torch.long), dev)[idx] // n
         prefill.append((local, (idx[:, None] * bs + offs).flatten()))
     return LocalView(rows, slots, tables // n, pos, prefill)
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from afd.backend.base import PeerError
+from afd.backend.base import PeerError, to_device
 from afd.dataplane.deadlines import Deadlines
 from afd.model.tp.config import ShardPlan, TPConfig, fc2_batch_ids, fc2_groups, plan
 
@@ -236,7 +236,7 @@ class TPComm:
         ODP group). Returns this rank's token shard [s, H]."""
         p, G, P = self.active, self.size, self.cfg.fc2_otp
         D, s, Fl = G // P, p.shard, x.shape[1]
-        order = torch.tensor(fc2_batch_ids(G, P), device=x.device).reshape(-1)  # member i's chunks, i = 0..D-1
+        order = to_device(torch.tensor(fc2_batch_ids(G, P)), x.device).reshape(-1)  # member i's chunks, i = 0..D-1
         send = _pad_rows(x, p.padded).view(G, s, Fl)[order].view(D, P, s, Fl)  # [D (to member i), P, s, Fl]
         recv = torch.empty_like(send)  # [D (from member i), P, s, Fl]: member i's heads for my chunks
         self._run(

@@ -1,8 +1,9 @@
 """A fake torch_npu for CPU tests (tests/fakes is put on sys.path only by tests that ask for it).
 
 Importing it does what importing torch_npu does for afd: registers the "npu" device and `torch.npu`
-(device.py), the "hccl" process group (hccl.py) and the fused ops afd calls (ops.py). Each module says
-which behaviour of the real package it reproduces, and where that behaviour is documented.
+(device.py), npu generators (generator.py), the "hccl" process group (hccl.py) and the fused ops afd
+calls (ops.py). Each module says which behaviour of the real package it reproduces, and where that
+behaviour is documented.
 """
 
 import atexit
@@ -12,12 +13,13 @@ import threading
 import time
 
 from . import device as npu
-from . import hccl
+from . import generator, hccl
 from .ops import npu_grouped_matmul, npu_mm_reduce_scatter_base, npu_prefetch  # noqa: F401  (torch_npu.<op>)
 
 __version__ = "0.0.0+fake"
 
 npu.install()
+generator.install()
 hccl.install()
 
 

@@ -40,6 +40,8 @@ import weakref
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from . import generator
+
 DEVICE_COUNT = int(os.environ.get("AFD_FAKE_NPU_COUNT", "8"))
 STATS = {"ops": 0, "host_reads": 0, "host_syncs": 0, "host_sync_sites": {}, "hazards": [], "unbound": []}
 _lock = threading.RLock()
@@ -352,6 +354,11 @@ _TO_HOST = {
     torch.ops.aten.is_nonzero.default,
     torch.ops.aten.equal.default,
 }
+_READS_INSIDE = {
+    # its one-sample path reads `(max < inf) & (min >= 0)` and the rows' sums with .item() before drawing
+    # (multinomial_out, aten/src/ATen/native/Distributions.cpp): a host sync on the device
+    torch.ops.aten.multinomial.default,
+}
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -438,7 +445,9 @@ def _written_args(func, args, kwargs) -> list:
 
 
 def _run(func, args, kwargs):
-    flat = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    leaves = tree_flatten((args, kwargs))[0]
+    generator.check(func, leaves)
+    flat = [x for x in leaves if isinstance(x, torch.Tensor)]
     npu = [x for x in flat if isinstance(x, NpuTensor)]
     devices = {x.device.index for x in npu}
     if len(devices) > 1:
@@ -488,7 +497,7 @@ def _run(func, args, kwargs):
         str(func.__name__),
         fresh=[x for x in fresh if not _aliases_input(x, npu)],
     )
-    if to_host:
+    if to_host or func in _READS_INSIDE:
         STATS["host_reads"] += 1
         host_sync(f"device-to-host read ({func.__name__})")
         _host_waits(stream)
