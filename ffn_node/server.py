@@ -6,9 +6,10 @@ are received into one preallocated buffer, so the experts see the aggregate batc
 
 A peer that fails (its process died, it timed out, it broke the protocol) is dropped, its pair of the data
 plane aborted (afd.dataplane.transport: one pair per process group, so on every backend the others' pairs
-keep working), and the others are served on. A dead peer is noticed by an error on its pair or by a
-timeout: on gloo at once (its sockets close), on NCCL/HCCL often only after comm_timeout, during which
-this loop waits for it and the others wait with it. Once no peer is left on this
+keep working), and the others are served on. A dead peer is noticed by an error on its pair (on gloo at
+once: its sockets close), by the control plane (on NCCL/HCCL, where its transfers just never complete:
+the heartbeat thread aborts its pair after heartbeat_timeout, afd.node.runtime) or by a timeout
+(comm_timeout); this loop waits for it meanwhile, and the others wait with it. Once no peer is left on this
 generation of the data plane, `serve` says whether the plane must re-form (a peer failed, or moved on
 to the next generation) or every peer left for good.
 
@@ -247,10 +248,20 @@ class FFNServer:
         self.steps += 1
         self._account_compute()
 
+    def _without_failed(self, i: int, x: torch.Tensor, ok: list[tuple[int, int]]) -> torch.Tensor:
+        """The micro-batch's input with a failed peer's rows zeroed (computed and thrown away, never read
+        uninitialised), in new memory: the failed receive may still sit on its stream after the abort and
+        write into the pool's buffer, so that buffer is retired rather than written or used again."""
+        clean = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # not zeros_like: the fake NPU counts x as read
+        for o, n in ok:
+            clean[o : o + n].copy_(x[o : o + n])
+        self._retire(self.pool.retire(i))
+        return clean
+
     def _retire(self, t: torch.Tensor) -> None:
         """A tensor a failed peer's send may still read (an aborted transfer may stay on its stream): kept
-        until this generation ends, so that its memory is never written again while it might be read. The
-        receive pool is not: a failed peer's rows are written once the plane re-forms."""
+        until this generation ends, so that its memory is never written again while it might be read (or, a
+        receive buffer, written by a failed peer's receive while it is read for another)."""
         self._retired.append(t)
 
     def _account_compute(self) -> None:
@@ -275,9 +286,9 @@ class FFNServer:
             hinted = self.layer_hook(layer) or 0
             if self.metrics is not None:
                 self.metrics.prefetch_bytes.inc(hinted)
-        for r, o, n, w in recvs:
-            if not self._wait(w, r, f"layer {layer} MoE input receive"):
-                x[o : o + n].zero_()  # a failed peer's rows: computed and thrown away, never read uninitialised
+        ok = [(o, n) for r, o, n, w in recvs if self._wait(w, r, f"layer {layer} MoE input receive")]
+        if len(ok) < len(recvs):
+            x = self._without_failed(i, x, ok)
         self._idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
         start, end = self.backend.timing_event(), self.backend.timing_event()
         start.record()

@@ -56,6 +56,11 @@ class BufferPool:
             buf = self._bufs[key] = torch.empty(max(rows, 1), cols, device=self.device, dtype=self.dtype)
         return buf[:rows]
 
+    def retire(self, key) -> torch.Tensor:
+        """Takes `key`'s buffer out of the pool (the next get makes a new one) and returns it: a receive into
+        it may still be queued after its pair was aborted."""
+        return self._bufs.pop(key)
+
 
 def rendezvous_store(rank: int, master_addr: str, master_port: int, timeout_s: float):
     """torch.distributed's key-value store for forming process groups: rank 0 serves it for the life of
@@ -301,21 +306,25 @@ class DataPlane:
         why = self._aborted[peer]
         return PeerError(f"data plane: {what} with rank {peer} failed: its pair was aborted ({why})", peer)
 
-    def abort(self, peer: int | None = None) -> None:
+    def abort(self, peer: int | None = None, why: str = "DataPlane.abort") -> None:
         """Aborts the communicators of the pair with `peer` (every pair with None) without waiting for the
         work queued on them; later ops with that peer are refused and its waits fail with PeerError.
         Safe from any thread, also while the owner thread is blocked in a wait: on NCCL (and the fake
         HCCL) that wait then fails at once; on gloo, and on a real HCCL as far as torch_npu's source shows,
         it still runs to its timeout (or the peer's sockets closing), then fails with PeerError."""
         for p in list(self._pairs) if peer is None else [peer]:
-            self._abort_pair(p, "DataPlane.abort")
+            self._abort_pair(p, why)
+
+    def aborted(self, peer: int) -> bool:
+        return peer in self._aborted
 
     def _abort_pair(self, peer: int, why: str) -> None:
         with self._abort_lock:
-            if peer in self._aborted or peer not in self._pairs:
+            pair = self._pairs.get(peer)  # under the lock: close() may empty the pairs from another thread
+            if peer in self._aborted or pair is None:
                 return
             self._aborted[peer] = why  # first: the owner refuses new ops on the pair from here on
-        for group in self._pairs[peer]:
+        for group in pair:
             try:
                 self.backend.abort_group(group)
             except Exception as e:  # an abort that fails leaves nothing worse than the failure it follows
@@ -349,7 +358,8 @@ class DataPlane:
         except Exception as e:  # a dead peer can make teardown fail; exiting matters more
             # (after an abort that failed, the next generation may not form: say so)
             log.log(logging.WARNING if abort else logging.DEBUG, "process group teardown: %s", e)
-        self._pairs = {}
+        with self._abort_lock:  # an abort from the heartbeat thread finds no pair left to abort
+            self._pairs = {}
         # pending works in dropped frames keep the group (and its sockets) alive until collected;
         # peers blocked on this node notice only once the sockets close
         gc.collect()

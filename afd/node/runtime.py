@@ -17,6 +17,7 @@ from afd.control import control_pb2 as pb
 from afd.control.client import ControlClient
 from afd.control.coordinator import Coordinator
 from afd.control.server import ControlServer
+from afd.dataplane.deadlines import role_timeout
 from afd.dataplane.transport import DataPlane, rendezvous_store
 from afd.model.config import ModelConfig
 from afd.model.registry import load_config
@@ -58,7 +59,7 @@ class NodeRuntime:
             a.world_size,
             self.store,
             st.generation,
-            self.cfg.cluster.comm_timeout,
+            role_timeout(self.cfg.cluster.comm_timeout, self.node.role),
             st.formation,
             self.bind_host,
             peers=list(a.peer_ranks),
@@ -89,6 +90,25 @@ class NodeRuntime:
     def superseded(self) -> bool:
         """A newer generation than the one this node is in has been announced: a node was replaced."""
         return self.plane is not None and self.generation_seen > self.plane.generation
+
+    def abort_lost_peers(self, st: pb.ClusterStatus) -> None:
+        """Aborts the pair of every data-plane peer that the coordinator reports lost (no heartbeat for
+        `cluster.heartbeat_timeout`). On NCCL and HCCL nothing on the data plane says that a peer died, and
+        a hung peer (stopped, not dead) says nothing on gloo either: a wait on it would run to its deadline
+        (`comm_timeout`) while every other peer of this node waited with it. The abort ends that wait, so
+        an FFN node drops a dead attention node after about heartbeat_timeout and serves the others on.
+        A report from before this generation formed is not acted on: the rank it names may by now be held
+        by a replacement."""
+        plane = self.plane
+        if plane is None or not st.lost or st.generation < plane.generation:
+            return
+        for name in st.lost:
+            if name not in self.cfg.process_names:
+                continue
+            rank = self.cfg.rank(name)
+            if rank in plane.peers and not plane.aborted(rank):
+                log.warning("%s missed its heartbeats: aborting its pair of the data plane", name)
+                plane.abort(rank, f"{name} missed its heartbeats for {self.cfg.cluster.heartbeat_timeout:g}s")
 
     def release_plane(self) -> None:
         if self.plane is not None:
@@ -156,6 +176,7 @@ def bring_up(
         rt.cluster_state = pb.ClusterStatus.DEGRADED if st is None else st.state
         if st is not None:
             rt.generation_seen = max(rt.generation_seen, st.generation)
+            rt.abort_lost_peers(st)
         if st is not None and st.state == pb.ClusterStatus.SHUTDOWN:
             rt.shutdown.set()
         if on_status is not None:

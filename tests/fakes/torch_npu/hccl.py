@@ -30,6 +30,12 @@ source: Ascend/pytorch (torch_npu) master @9e73e70, 2026-08-21:
   must be >= 0 and serves only a warning (not modelled) when rankid % device_count is not the current device;
   the name is the current device's communicator's, created on the way unless init_comm=False (then "").
 
+A dead peer: HCCL has no liveness signal on HCCS (nor NCCL on NVLink): a transfer whose peer died (or hung)
+is a task that never completes on its stream; nothing fails. The fake does the same with a point-to-point
+transfer whose gloo op failed (the peer's sockets closed: kill -9): it never completes, so only an abort or
+the deadline of the wait ends it, and not gloo's fast failure (afd/node/runtime.py aborts a peer's pair
+when the control plane reports it lost).
+
 Teardown and abort (afd/dataplane/transport.py aborts instead of destroying when work may be queued):
 - the same file, `ProcessGroupHCCL::shutdown` (what c10d's destroy_process_group calls on every group):
   it synchronizes every HCCL stream of the group ("Temporarily use stream synchronization as a substitute
@@ -117,7 +123,8 @@ class _Work(dist.Work):
         self.pg, self._payload, self.stream, self.seq, self.kind, self.peer = pg, inner, stream, seq, kind, peer
         self._done = False
         self._ran = threading.Event()
-        """Set by the stream's runner once gloo finished the transfer (or failed it: `_error`)."""
+        """Set once gloo finished the transfer; a collective also once gloo failed it (`_error`), a
+        point-to-point transfer never then (its peer died: see the module docstring)."""
         self._error: str | None = None
         self._wake = threading.Event()
         """Set when the transfer ran or the group was aborted: what a wait() waits for."""
@@ -132,6 +139,8 @@ class _Work(dist.Work):
                     self._payload.wait(limit)
         except RuntimeError as e:
             self._error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if self.on_runner:  # a dead peer's transfer never completes on an HCCL stream (module docstring)
+                return
         self._ran.set()
         self._wake.set()
 

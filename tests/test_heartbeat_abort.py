@@ -1,0 +1,175 @@
+"""Issue 24, N4: one attention node's death never stalls the others for longer than the control plane
+takes to notice it. On NCCL and HCCL nothing on the data plane says that a peer died (the fake HCCL
+models that: a dead peer's transfer never completes), so the FFN node aborts the pair of a peer the
+coordinator reports lost (afd/node/runtime.py, `abort_lost_peers`), and attention-side deadlines are
+longer than the FFN side's (`role_timeout`), so that the FFN node gives up on a dead peer first."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+import urllib.request
+
+import pytest
+from cluster_helpers import Cluster, cluster_yaml
+from hf_reference import PROMPTS, hf_greedy
+
+from afd.cluster.config import load
+from afd.control import control_pb2 as pb
+from afd.dataplane.deadlines import role_timeout
+from afd.node.runtime import NodeRuntime
+
+NEW = 48
+HEARTBEAT = {"heartbeat_interval": 0.3, "heartbeat_timeout": 2}
+# comm_timeout (and the fake's HANG_S, 20 s) far above the bound: without the abort on heartbeat loss the
+# survivor would stall for one of them, and the test fails
+CLUSTER = {**HEARTBEAT, "comm_timeout": 30, "rejoin_timeout": 60}
+SLACK_S = 1.5
+"""What the bound allows beyond heartbeat_timeout + one heartbeat interval + one step: the coordinator's
+and the FFN node's gRPC round trips, the deadline watchdog's poll and the scheduling of four processes
+on the test machine's two shared cores."""
+
+
+def test_attention_deadlines_are_longer_than_the_ffn_sides():
+    for comm in (1.0, 30.0, 60.0, 600.0):
+        ffn, attention = role_timeout(comm, "ffn"), role_timeout(comm, "attention")
+        assert ffn == comm
+        assert attention >= comm + 2 and attention >= comm * 1.25
+
+
+class _Plane:
+    def __init__(self, generation: int, peers: list[int]):
+        self.generation, self.peers, self.aborts = generation, peers, []
+
+    def aborted(self, peer: int) -> bool:
+        return peer in [p for p, _ in self.aborts]
+
+    def abort(self, peer: int, why: str) -> None:
+        self.aborts.append((peer, why))
+
+
+def _runtime(tmp_path, plane: _Plane) -> NodeRuntime:
+    cfg = load(str(cluster_yaml(tmp_path, "unused", 2, 1, cluster=HEARTBEAT)))
+    fields = dict.fromkeys(("model_path", "model_cfg", "backend", "server", "client"))
+    return NodeRuntime(cfg, cfg.node("ffn0"), plane=plane, **fields)  # type: ignore[arg-type]
+
+
+def test_a_lost_peer_has_its_pair_aborted_once_and_only_in_its_generation(tmp_path):
+    plane = _Plane(generation=1, peers=[0, 1])
+    rt = _runtime(tmp_path, plane)
+    rt.abort_lost_peers(pb.ClusterStatus(generation=0, lost=["attn1"]))
+    assert plane.aborts == [], "a report from before this generation formed names a rank a replacement may hold"
+    rt.abort_lost_peers(pb.ClusterStatus(generation=1, lost=["ffn0", "attn1"]))
+    rt.abort_lost_peers(pb.ClusterStatus(generation=2, lost=["attn1"]))
+    assert plane.aborts == [(1, "attn1 missed its heartbeats for 2s")], "itself is no peer; each pair once"
+    rt.abort_lost_peers(pb.ClusterStatus(generation=1, lost=["attn0"]))
+    assert [p for p, _ in plane.aborts] == [1, 0]
+    rt.plane = None
+    rt.abort_lost_peers(pb.ClusterStatus(generation=1, lost=["attn0", "attn1"]))  # between generations
+
+
+class _Ticker:
+    """Greedy streams from one attention node, one after another, with the arrival time of every chunk
+    that carries tokens: the longest gap between two is how long the node stalled."""
+
+    def __init__(self, url: str):
+        self.url, self.stop = url, threading.Event()
+        self.chunks: list[float] = []
+        self.done: list[tuple[list[int], list[int]]] = []
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run)
+        self.thread.start()
+
+    def _run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            i += 1
+            body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "stream": True, "return_token_ids": True}
+            req = urllib.request.Request(
+                self.url + "/v1/completions",
+                data=json.dumps(body).encode(),
+                method="POST",
+                headers={"Content-Type": "application/json"},
+            )
+            ids: list[int] = []
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    for line in r:
+                        if not line.startswith(b"data: {"):
+                            continue
+                        ev = json.loads(line[len(b"data: ") :])
+                        if "error" in ev:
+                            self.errors.append(ev["error"]["message"])
+                        got = [t for c in ev.get("choices", []) for t in (c.get("token_ids") or [])]
+                        if got:
+                            self.chunks.append(time.monotonic())
+                            ids.extend(got)
+            except Exception as e:  # noqa: BLE001 (reported through errors)
+                self.errors.append(repr(e))
+                return
+            self.done.append((prompt, ids))
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        """Gaps between consecutive chunks that end within [start, end]."""
+        t = self.chunks
+        return [b - a for a, b in zip(t, t[1:]) if start <= b <= end]
+
+    def join(self) -> None:
+        self.stop.set()
+        self.thread.join(150)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_checkpoint):
+    return {tuple(p): ids for p, (ids, _) in zip(PROMPTS, hf_greedy(tiny_checkpoint, PROMPTS, NEW))}
+
+
+@pytest.mark.slow  # three node processes on the fake NPU and a kill: about 30 s; `make test-slow`, which CI runs
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "stopped"])
+def test_a_dead_attention_node_stalls_the_other_no_longer_than_the_heartbeat_timeout(
+    tiny_checkpoint, reference, tmp_path, sig
+):
+    """Done-when of issue 24 at 2A1F on the fake HCCL: while attn0 streams, attn1 (itself mid-decode) is
+    killed with SIGKILL, or stopped (alive, its sockets open: a hang, not a death); attn0's longest pause
+    between two streamed chunks is at most heartbeat_timeout + one heartbeat interval (the FFN node learns
+    of the loss at its next heartbeat) + one step (the longest seen before) + SLACK_S, and every
+    completion equals HF's tokens."""
+    from test_npu_fake_cluster import _on_devices, fake_env
+
+    path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="hb-abort", cluster=CLUSTER)
+    _on_devices(path)
+    with Cluster(path, env=fake_env(tmp_path / "fake-npu")) as c:
+        c.start_all()
+        c.wait_ready()
+        busy = [_Ticker(c.url("attn1")) for _ in range(2)]  # the FFN node is mid-step with attn1 when it dies
+        ticker = _Ticker(c.url("attn0"))
+        try:
+            end = time.monotonic() + 60
+            while len(ticker.done) < 2 or not all(b.chunks for b in busy):  # past every prompt's first prefill
+                assert time.monotonic() < end and not ticker.errors, ticker.errors
+                time.sleep(0.1)
+            killed = time.monotonic()
+            c.procs["attn1"].send_signal(sig)
+            end = killed + 20
+            while time.monotonic() < end and not (ticker.chunks and ticker.chunks[-1] > killed + 8):
+                time.sleep(0.2)  # 8 s of tokens after the kill: past the bound, well short of comm_timeout
+        finally:
+            ticker.join()
+            c.procs["attn1"].kill()  # a stopped process too
+            for b in busy:
+                b.join()
+        log = c.log("ffn0")
+        assert not ticker.errors, ticker.errors
+        assert "attn1 missed its heartbeats" in log and "attention rank 1 dropped from generation 0" in log, log[-3000:]
+        step = max(ticker.gaps(0, killed))
+        stall = max(ticker.gaps(killed, float("inf")))
+        bound = CLUSTER["heartbeat_timeout"] + CLUSTER["heartbeat_interval"] + step + SLACK_S
+        assert ticker.chunks[-1] > killed + 8, "attn0 stopped streaming after the kill"
+        assert stall <= bound, f"attn0 stalled {stall:.2f}s; bound {bound:.2f}s (one step: {step:.2f}s)"
+        assert c.procs["attn0"].poll() is None and c.procs["ffn0"].poll() is None
+    for prompt, ids in ticker.done:
+        assert ids == reference[tuple(prompt)]
