@@ -115,9 +115,11 @@ import json, os, signal, sys, time
 args = sys.argv[1:]
 rank = int(args[args.index("--tp-rank") + 1]) if "--tp-rank" in args else 0
 out = os.environ["STUB_DIR"]
-def note(what):
-    with open(os.path.join(out, f"{rank}.{what}"), "w") as f:
+def note(what):  # written whole, then renamed: the test (and a SIGTERM mid-write) never sees an empty file
+    path = os.path.join(out, f"{rank}.{what}")
+    with open(path + ".tmp", "w") as f:
         json.dump(args, f)
+    os.replace(path + ".tmp", path)
 def term(*_):
     note("term")
     sys.exit(0)

@@ -146,7 +146,7 @@ class Backend(ABC):
 
     stream_ordered_waits: bool = False
     """Whether the data plane's waits order the consumer's stream after the transfer without blocking the
-    host (NCCL, HCCL), its deadlines then held by a watchdog (afd.dataplane.deadlines); else a wait blocks
+    host (NCCL, HCCL), its deadlines then held by a watchdog (afd.backend.deadlines); else a wait blocks
     the host until the transfer is done or the group's timeout passes (gloo)."""
 
     def comm_env(self) -> dict[str, str]:

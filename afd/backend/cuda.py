@@ -28,7 +28,7 @@ class CudaBackend(Backend):
         return self._device
 
     # Without blocking wait, WorkNCCL::wait only makes the current stream wait for the work (no host block);
-    # a dead peer would then hang the next host read, so afd's watchdog (afd/dataplane/deadlines.py) aborts
+    # a dead peer would then hang the next host read, so afd's watchdog (afd/backend/deadlines.py) aborts
     # the pair when a deadline passes. TORCH_NCCL_ASYNC_ERROR_HANDLING is off, since PyTorch's own watchdog
     # (mode 3 by default) would tear the process down instead of letting it re-form. source: pytorch
     # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp (WorkNCCL::synchronize, the watchdog) and

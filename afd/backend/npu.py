@@ -69,7 +69,7 @@ class NpuBackend(Backend):
         return self._device
 
     # Without blocking wait, WorkHCCL's wait() only makes the current stream wait for the work (no host block),
-    # and its timeout does not apply: afd's watchdog (afd/dataplane/deadlines.py) aborts the pair when a
+    # and its timeout does not apply: afd's watchdog (afd/backend/deadlines.py) aborts the pair when a
     # deadline passes. source: Ascend/pytorch torch_npu/csrc/distributed/ProcessGroupHCCL.hpp
     # (TORCH_HCCL_BLOCKING_WAIT = {"TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT"}; HCCL_ASYNC_ERROR_HANDLING)
     # and ProcessGroupHCCL.cpp WorkHCCL::synchronizeInternal, master @9e73e70 (2026-08).

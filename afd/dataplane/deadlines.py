@@ -1,23 +1,9 @@
-"""Deadlines for communication the host does not wait for.
-
-On NCCL and HCCL a wait is stream-ordered: the consumer's stream waits for the transfer and the host goes
-on issuing work, so no wait on the hot path can time out. A watchdog thread holds the deadline of every
-such wait instead: it polls `work.is_completed()` (a host-side query, never a sync) and, once a deadline
-passes, records a PeerError naming the peer and calls `on_expired(peer)`, which aborts that peer's
-communicators so the queued device work fails instead of hanging. The owner thread meets the error at its
-next `check()`: after each step's one host read, where an aborted step's results would otherwise be used.
-"""
+"""The data plane's deadlines: how long each role waits on a peer, and the error a passed one raises (the
+watchdog that holds them is afd.backend.deadlines)."""
 
 from __future__ import annotations
 
-import logging
-import threading
-import time
-from collections.abc import Callable
-
 from afd.backend.base import PeerError
-
-log = logging.getLogger("afd.dataplane.deadlines")
 
 
 def role_timeout(comm_timeout: float, role: str) -> float:
@@ -36,81 +22,5 @@ def role_timeout(comm_timeout: float, role: str) -> float:
     return comm_timeout + max(2.0, comm_timeout / 4) if role == "attention" else comm_timeout
 
 
-def _plane_error(what: str, peer: int, timeout_s: float) -> PeerError:
+def plane_error(what: str, peer: int, timeout_s: float) -> PeerError:
     return PeerError(f"data plane: {what} with rank {peer} timed out after {timeout_s:.0f}s", peer)
-
-
-class Deadlines:
-    def __init__(
-        self,
-        timeout_s: float,
-        on_expired: Callable[[int], None],
-        poll_s: float = 0.05,
-        error: Callable[[str, int, float], PeerError] = _plane_error,
-    ):
-        """error(what, peer, timeout_s): the PeerError a passed deadline raises at `check` (a TP group's
-        names its group, not a peer rank)."""
-        self.timeout_s, self.on_expired, self.poll_s, self.error = timeout_s, on_expired, poll_s, error
-        self._pending: list[tuple[float, object, int, str]] = []
-        self._failures: dict[int, PeerError] = {}
-        self._mu = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="afd-deadlines", daemon=True)
-        self._thread.start()
-
-    def watch(self, work, peer: int, what: str) -> None:
-        """`work` must complete within the timeout from now."""
-        with self._mu:
-            self._pending.append((time.monotonic() + self.timeout_s, work, peer, what))
-
-    def check(self, peer: int | None = None) -> None:
-        """Raises the PeerError of a deadline that passed (`peer`'s, or any peer's with None; each once)."""
-        with self._mu:
-            if peer is None:
-                peer = next(iter(self._failures), None)
-            failure = self._failures.pop(peer, None) if peer is not None else None
-        if failure is not None:
-            raise failure
-
-    @property
-    def pending(self) -> int:
-        """Watched works not completed yet: work that may still be queued on the device."""
-        with self._mu:
-            return sum(1 for entry in self._pending if not _completed(entry[1]))
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5 * self.poll_s + 1)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            now, expired = time.monotonic(), None
-            with self._mu:
-                live = []
-                for entry in self._pending:
-                    deadline, work, peer, what = entry
-                    if _completed(work):
-                        continue
-                    if expired is None and now > deadline:
-                        expired = entry
-                    else:
-                        live.append(entry)
-                if expired is not None:
-                    _, _, peer, what = expired
-                    live = [e for e in live if e[2] != peer]  # the abort fails the rest of that peer's work
-                    if peer not in self._failures:
-                        self._failures[peer] = self.error(what, peer, self.timeout_s)
-                self._pending = live
-            if expired is not None:
-                log.warning("deadline passed: %s with rank %d; aborting its communicators", expired[3], expired[2])
-                try:
-                    self.on_expired(expired[2])
-                except Exception as e:  # the error is recorded either way; the abort is best effort
-                    log.warning("abort after a deadline failed: %s", e)
-
-
-def _completed(work) -> bool:
-    try:
-        return bool(work.is_completed())
-    except RuntimeError:  # a failed work is done: its error surfaces where it is waited for
-        return True

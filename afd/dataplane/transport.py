@@ -15,7 +15,7 @@ needs the other ranks to form it, whatever P2P_HCCL_BUFFSIZE says).
 
 Every wait has a deadline that holds, and a failed or timed-out op raises PeerError naming the peer. On
 gloo a wait blocks the host, with the group's timeout. On NCCL and HCCL it is stream-ordered (the current
-stream waits for the transfer; the host does not), and afd.dataplane.deadlines' watchdog holds the
+stream waits for the transfer; the host does not), and afd.backend.deadlines' watchdog holds the
 deadline: it aborts the peer's pair when one passes, and the owner meets the PeerError at its next wait
 or `check()`. Teardown never waits on work that may still be queued: NCCL's and HCCL's shutdown() would
 (docs/architecture/dataplane.md, "Failures and teardown").
@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from afd.backend import Backend, host_syncs
 from afd.backend.base import PeerError  # noqa: F401 (re-exported: defined below the model's TP group too)
-from afd.dataplane.deadlines import Deadlines
+from afd.backend.deadlines import Deadlines
+from afd.dataplane.deadlines import plane_error
 
 log = logging.getLogger("afd.dataplane.transport")
 
@@ -190,7 +191,7 @@ class DataPlane:
             if rank in (lo, hi):
                 self._pairs[hi if rank == lo else lo] = (up, down)
         self.deadlines = (
-            Deadlines(timeout_s, lambda p: self._abort_pair(p, "its deadline passed"))
+            Deadlines(timeout_s, lambda p: self._abort_pair(p, "its deadline passed"), plane_error)
             if backend.stream_ordered_waits
             else None
         )

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from afd.backend.base import PeerError, to_device
-from afd.dataplane.deadlines import Deadlines
+from afd.backend.deadlines import Deadlines
 from afd.model.tp.config import ShardPlan, TPConfig, fc2_batch_ids, fc2_groups, plan
 
 log = logging.getLogger("afd.tp")
@@ -63,7 +63,7 @@ class TPComm:
         self.timeout_s = timeout_s
         self.deadlines: Deadlines | None = None
         """On NCCL/HCCL (stream-ordered waits) the collectives' deadlines, held off the hot path as the data
-        plane's are (afd.dataplane.deadlines); None where a wait blocks the host until its timeout (gloo)."""
+        plane's are (afd.backend.deadlines); None where a wait blocks the host until its timeout (gloo)."""
         if self.size > 1:
             self.connect()
 
