@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from cluster_helpers import free_ports
+from rank_processes import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 FAKES = str(Path(__file__).parent / "fakes")
@@ -25,26 +24,7 @@ ROOT = Path(__file__).parent.parent
 
 def _run(code: str, ranks: int, timeout: float = 90, **env) -> list[str]:
     """Runs `code` as `ranks` processes (argv[1] = the rank); returns each one's output."""
-    full = {**os.environ, "AFD_FAKE_HANG_S": "20", **env}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(r)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=full,
-            cwd=ROOT,
-        )
-        for r in range(ranks)
-    ]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=timeout)[0])
-        except subprocess.TimeoutExpired:
-            p.kill()
-            outs.append(p.communicate()[0] + "\n<timed out>")
-    return outs
+    return [r.output for r in run_ranks(code, ranks, timeout, {**os.environ, "AFD_FAKE_HANG_S": "20", **env})]
 
 
 _GROUPS = textwrap.dedent("""

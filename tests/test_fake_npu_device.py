@@ -1,13 +1,13 @@
 """The fake Ascend device itself (tests/fakes/torch_npu/device.py): it must catch what a real device
-would punish, or the tests that run afd on it prove nothing. One subprocess: the fake renames
-PyTorch's PrivateUse1 backend, which is process-wide."""
+would punish, or the tests that run afd on it prove nothing. Each script in a process of its own
+(tests/rank_processes.py): the fake renames PyTorch's PrivateUse1 backend, which is process-wide."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from rank_processes import run
 
 FAKES = str(Path(__file__).parent / "fakes")
 
@@ -129,18 +129,13 @@ SAMPLER = textwrap.dedent("""
 
 
 def test_the_fake_device_catches_what_a_device_punishes():
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT.format(fakes=FAKES)], capture_output=True, text=True, timeout=120
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    (out,) = run(SCRIPT.format(fakes=FAKES), [[]], timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.output
 
 
 def test_the_sampler_reads_the_host_once_per_batch_and_draws_as_on_the_cpu():
     """Every sampling field in one batch on the fake device: one host read per draw, and the tokens and
     logprobs of the same batch on the CPU (the fake computes on the host; seeded rows use their own
     generators, the unseeded one the default generator, seeded alike for both runs)."""
-    root = Path(__file__).parent.parent
-    out = subprocess.run(
-        [sys.executable, "-c", SAMPLER.format(fakes=FAKES)], capture_output=True, text=True, timeout=120, cwd=root
-    )
-    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout + out.stderr
+    (out,) = run(SAMPLER.format(fakes=FAKES), [[]], timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.output

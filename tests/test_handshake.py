@@ -3,10 +3,9 @@ get past it."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 from cluster_helpers import free_ports
+from rank_processes import context
 
 
 def _member(rank: int, port: int, token: str, out) -> None:
@@ -31,7 +30,7 @@ def _member(rank: int, port: int, token: str, out) -> None:
     ],
 )
 def test_only_token_holders_pass_the_handshake(tokens, expect):
-    ctx = mp.get_context("spawn")
+    ctx = context()  # forked from a server that has torch imported (tests/rank_processes.py)
     out = ctx.Queue()
     port = free_ports(1)[0]
     procs = [ctx.Process(target=_member, args=(r, port, tokens[r], out)) for r in (0, 1)]

@@ -10,8 +10,6 @@ every case holds each node to one host sync per decode step (tests/npu_fake.py).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +20,7 @@ from cluster_helpers import Cluster, cluster_yaml, get, post
 from hf_reference import PROMPTS
 from metrics_text import total
 from npu_fake import FAKES, Snapshot, check_one_host_sync_per_step, on_devices, report_pid, reports, sync_env
+from rank_processes import run_ranks
 
 pytestmark = pytest.mark.multiprocess
 NEW = 12
@@ -135,21 +134,8 @@ def test_a_silent_peer_ends_in_a_timeout_not_a_hang(tmp_path):
     env = {**os.environ, "AFD_FAKE_HANG_S": "6"}
     env.pop("HCCL_BLOCKING_WAIT", None)
     env.pop("TORCH_HCCL_BLOCKING_WAIT", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(r)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=Path(__file__).parent.parent,
-        )
-        for r in (0, 1)
-    ]
     t0 = time.monotonic()
-    out = procs[0].communicate(timeout=60)[0]
-    procs[1].kill()
-    procs[1].wait()
+    out = run_ranks(code, 2, timeout=60, env=env, wait=[0])[0].output
     assert "PeerError 1" in out, out
     assert "timed out" in out and time.monotonic() - t0 < 45, out
     waited = float(out.split("PeerError 1 ")[1].split()[0])

@@ -9,8 +9,6 @@ backend and through TPComm.row_parallel, and the fake op refuses the wrong argum
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
 import textwrap
 import types
@@ -19,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from cluster_helpers import free_ports
+from rank_processes import run
 
 from afd.backend.npu import NpuBackend
 
@@ -189,22 +188,5 @@ TWO_RANKS = textwrap.dedent("""
 def test_fused_op_equals_matmul_and_reduce_scatter_on_two_fake_ranks():
     code = TWO_RANKS.format(fakes=str(FAKES))
     port = str(free_ports(1)[0])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, str(r), port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        for r in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0 and out.strip().endswith("OK"), f"rank {r}:\n{out}"
+    for r, ran in enumerate(run(code, [[str(r), port] for r in (0, 1)])):
+        assert ran.returncode == 0 and ran.stdout.strip().endswith("OK"), f"rank {r}:\n{ran.output}"
