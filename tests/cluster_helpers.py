@@ -202,3 +202,18 @@ class LLMPool:
         for llm in self._llms.values():
             llm.close()
         self._llms.clear()
+
+
+def stop_launcher(launcher, procs) -> None:
+    """The end of a test of `afd launch` (launcher: its process in `procs`): a launcher still running (an
+    assertion failed) has its nodes killed, not left running; then `procs` stop."""
+    import contextlib
+    import signal
+
+    from afd.cluster.processes import descendants
+
+    if launcher.poll() is None:
+        for pid in descendants(launcher.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    procs.stop()

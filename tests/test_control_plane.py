@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, health, post
+from cluster_helpers import ROOT, Cluster, cluster_yaml, free_ports, health, post, stop_launcher
 from hf_reference import PROMPTS
 
 from afd.cluster.processes import Command, NodeProcesses, descendants
@@ -198,11 +197,7 @@ def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_pat
         ]
         assert alive == []
     finally:
-        if launcher.poll() is None:  # a failed assertion must not leave the nodes running
-            for pid in descendants(launcher.pid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        procs.stop()
+        stop_launcher(launcher, procs)
 
 
 def test_one_attention_node_leaving_does_not_stop_the_others(tiny_checkpoint, reference, tmp_path):

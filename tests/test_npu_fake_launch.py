@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from cluster_helpers import cluster_yaml, get, post
+from cluster_helpers import cluster_yaml, get, post, stop_launcher
 from hf_reference import PROMPTS
 from metrics_text import total
 from npu_fake import check_one_host_sync_per_step, on_devices, report_pid, reports, sync_env
@@ -75,11 +75,7 @@ def test_a_launched_cluster_on_the_fake_npu_syncs_once_per_step(tiny_checkpoint,
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(90) == 0, procs.log("afd-launch")
     finally:
-        if launcher.poll() is None:  # a failed assertion must not leave the nodes running
-            for pid in descendants(launcher.pid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-        procs.stop()
+        stop_launcher(launcher, procs)
     seen = {report_pid(f): r for f, r in reports(report).items()}
     assert set(nodes) <= set(seen), "every node ran on the fake device and wrote its report"
     for pid, name in nodes.items():
