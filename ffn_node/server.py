@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from afd.backend import Backend
+from afd.dataplane.buffers import BufferPool
 from afd.dataplane.protocol import (
     FLAG_IDLE,
     FLAG_LEAVE,
@@ -42,7 +43,7 @@ from afd.dataplane.protocol import (
     ProtocolError,
     StepHeader,
 )
-from afd.dataplane.transport import BufferPool, DataPlane, PeerError
+from afd.dataplane.transport import DataPlane, PeerError
 from afd.observability.metrics import FFNMetrics
 from afd.observability.timing import Timers
 

@@ -99,7 +99,8 @@ _PLANE = textwrap.dedent("""
     sys.path.insert(0, {fakes!r})
     import torch_npu
     from afd.backend import get_backend
-    from afd.dataplane.transport import DataPlane, PeerError, rendezvous_store
+    from afd.dataplane.rendezvous import rendezvous_store
+    from afd.dataplane.transport import DataPlane, PeerError
     rank = int(sys.argv[1])
     peers = [2] if rank < 2 else [0, 1]  # attention ranks 0 and 1, the FFN rank 2
     store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
@@ -185,7 +186,8 @@ _NEW_HANDSHAKE = textwrap.dedent("""
     import sys
     sys.path.insert(0, {fakes!r})
     from afd.backend import get_backend
-    from afd.dataplane.transport import DataPlane, rendezvous_store
+    from afd.dataplane.rendezvous import rendezvous_store
+    from afd.dataplane.transport import DataPlane
     rank = int(sys.argv[1])
     peers = [2] if rank < 2 else [0, 1]
     store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)

@@ -10,7 +10,8 @@ from rank_processes import context
 
 def _member(rank: int, port: int, token: str, out) -> None:
     from afd.backend import get_backend
-    from afd.dataplane.transport import DataPlane, PeerError, rendezvous_store
+    from afd.dataplane.rendezvous import rendezvous_store
+    from afd.dataplane.transport import DataPlane, PeerError
 
     store, sock = rendezvous_store(rank, "127.0.0.1", port, 20)
     plane = DataPlane(get_backend("cpu"), rank, 2, store, 0, 20, "f0", "127.0.0.1")

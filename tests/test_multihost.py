@@ -150,6 +150,6 @@ def test_bad_link_specs_are_refused(text):
 
 
 def test_gloo_is_told_the_interface_of_the_bind_address():
-    from afd.dataplane.transport import _interface_of
+    from afd.dataplane.rendezvous import _interface_of
 
     assert _interface_of("127.0.0.1") == "lo" and _interface_of("192.0.2.77") is None

@@ -108,7 +108,8 @@ _PAIR = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {fakes!r})
     from afd.backend import get_backend
-    from afd.dataplane.transport import DataPlane, PeerError, rendezvous_store
+    from afd.dataplane.rendezvous import rendezvous_store
+    from afd.dataplane.transport import DataPlane, PeerError
     rank = int(sys.argv[1])
     store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
     plane = DataPlane(get_backend("npu", rank + 1), rank, 2, store, timeout_s={timeout})
@@ -143,7 +144,7 @@ def test_a_silent_peer_ends_in_a_timeout_not_a_hang(tmp_path):
 
 
 def test_a_conflicting_blocking_wait_setting_is_refused():
-    from afd.dataplane.transport import apply_comm_env
+    from afd.dataplane.rendezvous import apply_comm_env
 
     class Hccl:
         dist_backend = "hccl"

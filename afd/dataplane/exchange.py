@@ -16,6 +16,7 @@ from torch import nn
 
 from afd.backend import Backend, host_syncs
 from afd.backend.base import copy_to_device
+from afd.dataplane.buffers import BufferPool
 from afd.dataplane.protocol import (
     FLAG_IDLE,
     FLAG_LEAVE,
@@ -26,7 +27,7 @@ from afd.dataplane.protocol import (
     IDLE_ACK_LEN,
     StepHeader,
 )
-from afd.dataplane.transport import BufferPool, DataPlane
+from afd.dataplane.transport import DataPlane
 from afd.observability.timing import Timers
 
 

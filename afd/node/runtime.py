@@ -18,7 +18,8 @@ from afd.control.client import ControlClient
 from afd.control.coordinator import Coordinator
 from afd.control.server import ControlServer
 from afd.dataplane.deadlines import role_timeout
-from afd.dataplane.transport import DataPlane, rendezvous_store
+from afd.dataplane.rendezvous import rendezvous_store
+from afd.dataplane.transport import DataPlane
 from afd.model.config import ModelConfig
 from afd.model.registry import load_config
 
