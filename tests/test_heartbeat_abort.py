@@ -138,10 +138,10 @@ def test_a_dead_attention_node_stalls_the_other_no_longer_than_the_heartbeat_tim
     between two streamed chunks is at most heartbeat_timeout + one heartbeat interval (the FFN node learns
     of the loss at its next heartbeat) + one step (the longest seen before) + SLACK_S, and every
     completion equals HF's tokens."""
-    from test_npu_fake_cluster import _on_devices, fake_env
+    from npu_fake import fake_env, on_devices
 
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="hb-abort", cluster=CLUSTER)
-    _on_devices(path)
+    on_devices(path)
     with Cluster(path, env=fake_env(tmp_path / "fake-npu")) as c:
         c.start_all()
         c.wait_ready()

@@ -100,9 +100,9 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
     report = tmp_path / "fake-npu"
     env = None
     if fake_npu:
-        from test_npu_fake_cluster import _on_devices, fake_env
+        from npu_fake import fake_env, on_devices
 
-        _on_devices(path)
+        on_devices(path)
         env = fake_env(report)
     with Cluster(path, env=env) as c:
         c.start_all()
@@ -126,7 +126,7 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
         assert "data plane re-formed" in c.log("attn0") and "generation 1" in c.log("attn0")
         assert health(c.url()) == 200 and _greedy(c.url(), PROMPTS[0]) == reference[0]
     if fake_npu:
-        from test_npu_fake_cluster import reports
+        from npu_fake import reports
 
         seen = {int(Path(f).name.split(".")[-2]): r for f, r in reports(report).items()}
         assert len(seen) == 3, "attn0, the killed ffn0 and its replacement each wrote a report"
@@ -144,9 +144,9 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="rejoin-attn", cluster=FAST)
     env = None
     if fake_npu:
-        from test_npu_fake_cluster import _on_devices, fake_env
+        from npu_fake import fake_env, on_devices
 
-        _on_devices(path)
+        on_devices(path)
         env = fake_env(tmp_path / "fake-npu")
     with Cluster(path, env=env) as c:
         c.start_all()

@@ -176,38 +176,41 @@ class DataPlane:
             self.deadlines.check(peer)  # another peer's passed deadline is that peer's wait's, or check()'s
         if peer in self._aborted:
             raise self._aborted_error(peer, what)
-        if self.deadlines is not None:
-            self.deadlines.watch(work, peer, what)
-            try:
-                work.wait()  # stream-ordered: the current stream waits for the transfer, the host goes on
-                self._outstanding -= 1  # the watchdog knows whether it is still queued on the device
-                return
-            except RuntimeError as e:  # the watchdog's abort, or the communicator's own error
-                self.deadlines.check(peer)
-                err = PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)})", peer)
-                self._abort_pair(peer, str(err))
-                raise err from None
-        try:
-            ok = work.wait(self.timeout)
-        except RuntimeError as e:
-            err = PeerError(
-                f"data plane: {what} with rank {peer} failed ({_first_line(e)}); the peer process is probably gone",
-                peer,
-            )
-        else:
-            if ok is False:
-                err = PeerError(
-                    f"data plane: {what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s", peer
-                )
-            elif peer in self._aborted:  # aborted while this wait ran: what arrived may be torn
-                err = self._aborted_error(peer, what)
-            else:
-                self._outstanding -= 1
-                return
-        if peer in self._aborted:
+        ordered = self.deadlines is not None
+        err = self._wait_stream_ordered(work, peer, what) if ordered else self._wait_blocking(work, peer, what)
+        if err is None:
+            self._outstanding -= 1  # on NCCL/HCCL the watchdog knows whether it is still queued on the device
+            return
+        if peer in self._aborted:  # aborted while this wait ran: that is the cause, and what arrived may be torn
             err = self._aborted_error(peer, what)
         self._abort_pair(peer, str(err))
         raise err
+
+    def _wait_stream_ordered(self, work, peer: int, what: str) -> PeerError | None:
+        """The current stream waits for the transfer and the host goes on; the watchdog holds the deadline."""
+        assert self.deadlines is not None
+        self.deadlines.watch(work, peer, what)
+        try:
+            work.wait()
+        except RuntimeError as e:  # the watchdog's abort, or the communicator's own error
+            self.deadlines.check(peer)  # a passed deadline raises its own error, which names the timeout
+            return PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)})", peer)
+        return None
+
+    def _wait_blocking(self, work, peer: int, what: str) -> PeerError | None:
+        """gloo: the host waits, up to the group's timeout."""
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as e:
+            return PeerError(
+                f"data plane: {what} with rank {peer} failed ({_first_line(e)}); the peer process is probably gone",
+                peer,
+            )
+        if ok is False:
+            return PeerError(
+                f"data plane: {what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s", peer
+            )
+        return None
 
     def _aborted_error(self, peer: int, what: str) -> PeerError:
         why = self._aborted[peer]
