@@ -98,3 +98,16 @@ def test_shapes_cover_what_a_step_can_pad_to():
     assert graph_warmup.shapes([1, 2, 4, 8], 3, 5) == [(b, w) for b in (1, 2, 4) for w in (1, 2, 4, 8)]
     assert graph_warmup.shapes([1, 2, 4], 100, 1) == [(1, 1), (2, 1), (4, 1)]  # above every bucket: all of them
     assert graph_warmup.shapes([4], 1, 4) == [(4, 1), (4, 2), (4, 4)]
+
+
+def test_warm_up_keeps_the_ffn_nodes_waiting_within_their_timeout(tiny_checkpoint, capturing, monkeypatch):
+    """The FFN nodes wait for this node's next step header at most comm_timeout: warm-up sends idle steps."""
+    from afd.dataplane.exchange import LocalMoE
+
+    idles: list[int] = []
+    monkeypatch.setattr(graph_warmup, "KEEP_ALIVE_SECONDS", -1.0)  # one after every layer
+    monkeypatch.setattr(LocalMoE, "idle", lambda self: idles.append(len(capturing.captures)) or 0)
+    llm = afd.LLM(tiny_checkpoint, block_size=16)
+    llm.job_engine(PROMPTS5[:3], [N] * 3, graph_mode="compile", graph_batch_sizes=(4,))
+    layers = llm.cfg.num_layers
+    assert idles == [2 * (i + 1) for i in range(2 * layers)]  # widths 1 and 2, after each layer's two graphs
