@@ -181,6 +181,13 @@ class Backend(ABC):
     graph_mode_default: str = "eager"
     """layout.graph_mode when the YAML leaves it unset (afd.engine.graph); each backend's by measurement."""
 
+    capture_at_warmup: bool = False
+    """Whether graph mode compiles every graph a node can meet before it serves (afd.engine.graph_warmup)
+    rather than on first use, one per step. Where a compile drains the device or takes long (a CUDA graph
+    capture syncs the device and flushes the caching allocator; a torchair GE compile takes seconds), doing
+    it inside a live decode step stalls the step and the FFN nodes waiting on it. CPU: lazily, since an
+    inductor compile of every bucket and width would cost minutes before the first token."""
+
     def compile(self, fn, cache_dir: str | None = None):
         """`fn` as the device's static graph, compiled (or loaded from `cache_dir`) on its first call. afd.engine
         .graph calls it with one bound method of an nn.Module per graph, each with a code object of its own,

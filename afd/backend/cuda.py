@@ -67,6 +67,11 @@ class CudaBackend(Backend):
     vLLM and SGLang capture decode CUDA graphs by default, for the launch overhead of small decode kernels, so
     `compile` is expected to win; it becomes the default once a GPU run of `make test-device` holds it."""
 
+    # torch.cuda.graph's __enter__ runs torch.cuda.synchronize() and torch.cuda.empty_cache() (source: pytorch
+    # torch/cuda/graphs.py, graph.__enter__, torch 2.13): a capture mid-step would drain the GPU and flush the
+    # caching allocator inside a live decode step.
+    capture_at_warmup = True
+
     def compile(self, fn, cache_dir: str | None = None):
         # One CUDA graph of fn's kernels, captured on the first call. There is nothing to cache across
         # restarts (a graph holds this process's device addresses): cache_dir is not used. The data plane's

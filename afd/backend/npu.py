@@ -180,6 +180,10 @@ class NpuBackend(Backend):
     Atlas A3 finds decode faster as a static torchair graph (docs/design/longcat-on-ascend.md#graph-mode), so
     `compile` is expected to win; it becomes the default once an Ascend run holds it."""
 
+    # torchair compiles (GE) or loads (cache_compile) a graph on its first call: seconds per graph, which
+    # a decode step would otherwise wait for while the FFN nodes wait on it.
+    capture_at_warmup = True
+
     def compile(self, fn, cache_dir: str | None = None):
         # torchair's GE graph (CompilerConfig's default mode, max-autotune), static shapes, as the LongCat-Flash
         # recipe compiles its decode step (docs/design/longcat-on-ascend.md#compile-cache): with a cache_dir,

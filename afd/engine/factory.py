@@ -19,7 +19,8 @@ from afd.backend.base import Backend
 from afd.cluster.schema import ClusterConfig, EngineSection
 from afd.dataplane.exchange import MoEExchange
 from afd.engine.engine import Engine
-from afd.engine.graph import scratch_blocks, settings_of, wrap
+from afd.engine.graph import GraphHalf, scratch_blocks, settings_of, wrap
+from afd.engine.graph_warmup import warm_up
 from afd.engine.half import AttentionHalf, MTPModule
 from afd.engine.kv_cache import CacheConfig, KVCache, blocks_needed
 from afd.engine.runner import ModelRunner
@@ -65,6 +66,17 @@ def build_runner(
         blocks = N * per_rank.resolve_num_blocks(mcfg, dtype.itemsize)
     kv = KVCache(mcfg, blocks, eng.block_size, dtype, device, N)
     half = wrap(attn, kv, graph, tp, backend)
+    if isinstance(half, GraphHalf) and half.backend.capture_at_warmup:
+        if job is not None:  # a micro-batch holds at most every prompt; a sequence at most its own blocks
+            rows = max(1, len(job.prompts))
+            longest = max(
+                (blocks_needed(len(p) + n, eng.block_size) for p, n in zip(job.prompts, job.max_tokens)), default=1
+            )
+        else:
+            rows = eng.max_num_seqs
+            max_len = cfg.model.max_model_len or mcfg.max_position_embeddings
+            longest = min(blocks_needed(max_len, eng.block_size), kv.allocator.num_free)
+        warm_up(half, kv, rows, longest, None if moe is None else moe.idle)
     if metrics is not None:
         metrics.watch_graph(half)
         metrics.watch_kv_ranks(kv.allocator)

@@ -75,8 +75,13 @@ def wrap(attn: AttentionHalf, kv, settings: GraphSettings | None, tp, backend=No
 
 
 def graph_report(attn) -> dict | None:
-    """A half's graph-mode counters as JSON (None: not in graph mode): forward passes by mode, and the
-    compile seconds of each "BUCKETxWIDTH"."""
+    """A half's graph-mode counters as JSON (None: not in graph mode): forward passes by mode, the compile
+    seconds of each "BUCKETxWIDTH", and the graphs compiled at warm-up and its seconds (0: compiled lazily)."""
     if not isinstance(attn, GraphHalf):
         return None
-    return {"steps": dict(attn.steps), "compile_seconds": {f"{b}x{w}": t for (b, w), t in attn.compile_seconds.items()}}
+    return {
+        "steps": dict(attn.steps),
+        "compile_seconds": {f"{b}x{w}": t for (b, w), t in attn.compile_seconds.items()},
+        "warmup_graphs": attn.warmup_graphs,
+        "warmup_seconds": attn.warmup_seconds,
+    }

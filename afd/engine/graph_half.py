@@ -15,7 +15,9 @@ Graphs compile lazily, one per step (whatever its micro-batches: the runner call
 them before the first layer): the first steps of a new (bucket, width) run their other layers eager while the graphs
 arrive one by one. A step that stalls for every layer's compile would keep the FFN nodes waiting past
 cluster.comm_timeout on a cold cache (one inductor compile takes 5-30 s on a CPU); one compile per step
-keeps each stall to one graph. `steps` (afd_graph_steps_total) counts a micro-batch's forward pass as
+keeps each stall to one graph. Where the backend compiles at warm-up instead (`Backend.capture_at_warmup`:
+CUDA, NPU), afd/engine/graph_warmup.py compiles every graph before the node serves and no step compiles.
+`steps` (afd_graph_steps_total) counts a micro-batch's forward pass as
 graph when every layer of it ran a compiled graph, else as eager (prefill, mixed, above the largest bucket,
 graphs still compiling or failed). The (bucket, width) total is logged once its last
 graph is in; a warm compile cache (engine.compile_cache_dir) turns compiles into reloads.
@@ -84,10 +86,15 @@ class GraphHalf(nn.Module):
         """(bucket, width) -> seconds its graphs took to compile (or load) on their first call."""
         self.prefetch_bytes = 8 << 20 if backend.prefetch_by_default else 0
         self._fns: dict[tuple, Any] = {}  # (phase, layer, bucket, width) -> graph, _FirstCall, or None: eager
+        self.warmed_up = False
+        """Set by afd.engine.graph_warmup: every graph is in, and a step compiles none (a shape left out: eager)."""
+        self.warmup_graphs, self.warmup_seconds = 0, 0.0
+        self._not_warmed: set[tuple[int, int]] = set()  # (bucket, width)s a step met after warm-up, said once
         log.info(
-            "graph mode on %s: batch buckets %s, compiled lazily per bucket and block-table width, cache %s",
+            "graph mode on %s: batch buckets %s, compiled %s per bucket and block-table width, cache %s",
             backend.name,
             self.buckets,
+            "at warm-up" if backend.capture_at_warmup else "lazily",
             cache_dir or "the backend's default",
         )
 
@@ -100,7 +107,7 @@ class GraphHalf(nn.Module):
     def begin_step(self, metas: list[AttentionMetadata], ropes: list[Any]) -> None:
         """A step begins with these micro-batches (their metadata and rotary tables, as the runner passes
         them to every layer): each is padded to its bucket once, and the step may compile one graph."""
-        self._compiles_left = 1
+        self._compiles_left = 0 if self.warmed_up else 1
         self._micro_batches = [_MicroBatch(meta, self._pad_step(rope, meta)) for meta, rope in zip(metas, ropes)]
 
     # ---- the attention half's interface ---------------------------------------------------------------
@@ -173,8 +180,13 @@ class GraphHalf(nn.Module):
         key = (phase, layer, s.bucket, s.width)
         fn = self._fns.get(key, False)
         if fn is False:
+            if self.warmed_up and (s.bucket, s.width) not in self._not_warmed:
+                self._not_warmed.add((s.bucket, s.width))
+                log.warning(
+                    "graph mode: bucket %d, width %d was not compiled at warm-up; it runs eager", s.bucket, s.width
+                )
             if not self._compiles_left:
-                return None  # this step has compiled its graph: this layer runs eager once more
+                return None  # this step has compiled its graph (or warm-up has): this layer runs eager
             self._compiles_left -= 1
             name = f"{phase}_moe_l{layer}_b{s.bucket}_w{s.width}_{self._tag}"
             try:
