@@ -32,9 +32,9 @@ source: Ascend/pytorch (torch_npu) master @9e73e70, 2026-08-21:
 
 A dead peer: HCCL has no liveness signal on HCCS (nor NCCL on NVLink): a transfer whose peer died (or hung)
 is a task that never completes on its stream; nothing fails. The fake does the same with a point-to-point
-transfer whose gloo op failed (the peer's sockets closed: kill -9): it never completes, so only an abort or
-the deadline of the wait ends it, and not gloo's fast failure (afd/node/runtime.py aborts a peer's pair
-when the control plane reports it lost).
+transfer whose gloo op failed, at issue or later (the peer's sockets closed: kill -9): it never completes, so
+only an abort or the deadline of the wait ends it, and not gloo's fast failure (afd/node/runtime.py aborts a
+peer's pair when the control plane reports it lost).
 
 Teardown and abort (afd/dataplane/transport.py aborts instead of destroying when work may be queued):
 - the same file, `ProcessGroupHCCL::shutdown` (what c10d's destroy_process_group calls on every group):
@@ -131,6 +131,8 @@ class _Work(dist.Work):
 
     def _run(self, limit: timedelta | None = None) -> None:
         """On the stream's runner thread, in issue order (an HCCL stream runs its tasks in order)."""
+        if self._payload is None:  # its peer was already gone when it was issued: it never completes
+            return
         try:
             with torch.inference_mode(self._inference):
                 if limit is None:
@@ -139,7 +141,7 @@ class _Work(dist.Work):
                     self._payload.wait(limit)
         except RuntimeError as e:
             self._error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if self.on_runner:  # a dead peer's transfer never completes on an HCCL stream (module docstring)
+            if self.peer >= 0:  # a dead peer's transfer never completes on an HCCL stream (module docstring)
                 return
         self._ran.set()
         self._wake.set()
@@ -344,7 +346,11 @@ class FakeHcclGroup(dist.ProcessGroup):
             seq = npu.access(
                 stream, [t] if kind == "send" else [], [t] if kind == "recv" else [], f"hccl {kind} with rank {peer}"
             )
-        work = self._run_on(key, _Work(self, inner_op(), stream, seq, kind, peer))
+        try:
+            inner = inner_op()
+        except RuntimeError:  # gloo already knows the peer's sockets closed (kill -9); an HCCL stream does not
+            inner = None
+        work = self._run_on(key, _Work(self, inner, stream, seq, kind, peer))
         with self._mu:
             self._pending.setdefault(key, []).append(work)
         STATS[kind + "s"] += 1
