@@ -19,7 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE = ROOT / "tests" / "device"
 sys.path.insert(0, str(DEVICE))
 
-import check as device_check  # noqa: E402
+import check as device_check  # noqa: E402  (first: it puts tests/ on the path, as `make test-device` does)
+import checks_colocated  # noqa: E402
+import checks_pytest  # noqa: E402
+import device_env  # noqa: E402
 from device_report import SCHEMA, Result, write_report  # noqa: E402
 
 
@@ -70,9 +73,9 @@ def test_without_an_accelerator_every_device_check_skips_with_the_reason_and_not
     ],
 )
 def test_visible_accelerators_reads_the_vendor_tools_then_the_device_files(monkeypatch, smi, paths, seen):
-    monkeypatch.setattr(device_check, "_command_output", lambda argv: smi.get(argv[0]))
-    monkeypatch.setattr(device_check.os.path, "exists", lambda p: p in paths)
-    assert device_check.visible_accelerators() == seen
+    monkeypatch.setattr(device_env, "_command_output", lambda argv: smi.get(argv[0]))
+    monkeypatch.setattr(device_env.os.path, "exists", lambda p: p in paths)
+    assert device_env.visible_accelerators() == seen
 
 
 @pytest.fixture
@@ -85,8 +88,8 @@ def torch_here(monkeypatch):
         monkeypatch.setattr(torch.version, "hip", None, raising=False)
         why = "torch.cuda.is_available() is False (torch 2.13.0, CUDA 12.8): no GPU visible, or no driver"
         no_npu = "torch_npu is not installed"
-        monkeypatch.setattr(device_check, "_cuda_usable", lambda: (cuda_ok, "" if cuda_ok else why))
-        monkeypatch.setattr(device_check, "_npu_usable", lambda: (npu_ok, "" if npu_ok else no_npu))
+        monkeypatch.setattr(device_env, "_cuda_usable", lambda: (cuda_ok, "" if cuda_ok else why))
+        monkeypatch.setattr(device_env, "_npu_usable", lambda: (npu_ok, "" if npu_ok else no_npu))
 
     return make
 
@@ -147,6 +150,7 @@ def test_report_is_a_well_formed_table_and_json(tmp_path):
             "top-1 on 99.8% of steps",
             {"steps": 512, "top1_strict": 0.977, "logits_err_max": float("nan")},
             12.3,
+            "tokens and logits vs CPU",
         ),
         Result(
             "grouped GEMM float32 G=1",
@@ -174,6 +178,10 @@ def test_report_is_a_well_formed_table_and_json(tmp_path):
     assert all(len(re.findall(r"(?<!\\)\|", ln)) == 6 for ln in table), table  # 5 cells; escaped pipes aside
     assert [ln.split(" | ")[1] for ln in table[2:]] == ["pass", "fail", "skip"]
     assert "a pipe and a newline" in table[3]
+    # each row says what it measured, in its check cell (issue 24)
+    assert table[2].startswith("| colocated bfloat16 vs CPU fp32: tokens and logits vs CPU | pass |")
+    assert table[4].startswith("| 1A1F over NCCL via the OpenAI API | skip |")  # none said: the name alone
+    assert doc["checks"][0]["measured"] == "tokens and logits vs CPU"
 
     again = write_report(tmp_path, env, results, ["check.py"], 1.0)  # the same day: a new file, not over the first
     assert [p.name for p in again] == ["2x-nvidia-h200-2025-06-01-2.md", "2x-nvidia-h200-2025-06-01-2.json"]
@@ -187,7 +195,7 @@ def test_pytest_report_reader(tmp_path):
 <testcase classname="tests.t" name="test_c"><failure message="assert 1 == 2&#10;where">tb</failure></testcase>
 <testcase classname="tests.t" name="test_d"><error message="">tb</error></testcase>
 </testsuite></testsuites>""")
-    got = device_check.parse_junit(xml)
+    got = checks_pytest.parse_junit(xml)
     assert {k: got[k] for k in ("passed", "failed", "skipped")} == {"passed": 1, "failed": 2, "skipped": 1}
     assert got["skips"] == ["needs a CUDA device"]
     assert got["failures"] == ["tests.t::test_c: assert 1 == 2", "tests.t::test_d: "]
@@ -218,28 +226,28 @@ class _FakeLLM:
 def test_teacher_forcing_restarts_from_the_reference_after_each_disagreement():
     truth = [11, 12, 13, 14, 15, 16, 17, 18]
     llm = _FakeLLM([5, 6], truth, flips={2, 5})
-    tokens, logits, rounds = device_check.teacher_forced(llm, [[5, 6]], [truth])
+    tokens, logits, rounds = checks_colocated.teacher_forced(llm, [[5, 6]], [truth])
     assert tokens == [[11, 12, 14, 14, 15, 17, 17, 18]]
     assert [x.item() for x in logits[0]] == list(range(8)) and rounds == llm.calls == 3
 
-    cut = device_check.teacher_forced(_FakeLLM([5, 6], truth, set(range(8))), [[5, 6]], [truth], max_rounds=3)
+    cut = checks_colocated.teacher_forced(_FakeLLM([5, 6], truth, set(range(8))), [[5, 6]], [truth], max_rounds=3)
     assert len(cut[0][0]) == 3 and cut[2] == 3  # cut short: the verdict then fails it
 
 
 def _steps(n: int, misses: int, gap: float, err: float = 1e-4) -> list:
     """n compared steps over a 4-token vocabulary; `misses` of them pick a token `gap` below the top-1."""
     ref = torch.tensor([0.0, 10.0, 10.0 - 10 * gap, 1.0])
-    return [device_check.compare_step(f"s{k}", 2 if k < misses else 1, ref + err * 10, 1, ref) for k in range(n)]
+    return [checks_colocated.compare_step(f"s{k}", 2 if k < misses else 1, ref + err * 10, 1, ref) for k in range(n)]
 
 
 def test_verdicts():
-    judge = device_check.judge_colocated
+    judge = checks_colocated.judge_colocated
     assert judge("fp32", "float32", _steps(100, 0, 0.5), 0, []).status == "pass"
     fp32_miss = judge("fp32", "float32", _steps(100, 1, 0.001), 1, [])
     assert fp32_miss.status == "fail" and "tokens differ at 1 steps (first: s0)" in fp32_miss.reason
     assert judge("fp32", "float32", _steps(10, 0, 0.5, err=0.01), 0, []).status == "fail"  # logits off
     # bf16: a near-tie flip is agreement; 1 decisive flip in 100 is 99 %; 2 are not enough
-    near = judge("bf16", "bfloat16", _steps(100, 50, device_check.TIE / 2, err=0.01), 5, [])
+    near = judge("bf16", "bfloat16", _steps(100, 50, checks_colocated.TIE / 2, err=0.01), 5, [])
     assert near.status == "pass" and near.figures["top1_strict"] == 0.5 and near.figures["top1_up_to_ties"] == 1
     assert judge("bf16", "bfloat16", _steps(100, 1, 0.5), 1, []).status == "pass"
     assert judge("bf16", "bfloat16", _steps(100, 2, 0.5), 2, []).status == "fail"
