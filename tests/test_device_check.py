@@ -21,8 +21,11 @@ sys.path.insert(0, str(DEVICE))
 
 import check as device_check  # noqa: E402  (first: it puts tests/ on the path, as `make test-device` does)
 import checks_colocated  # noqa: E402
+import checks_failure  # noqa: E402
+import checks_host_syncs  # noqa: E402
 import checks_pytest  # noqa: E402
 import device_env  # noqa: E402
+from device_common import Target  # noqa: E402
 from device_report import SCHEMA, Result, write_report  # noqa: E402
 
 
@@ -253,3 +256,63 @@ def test_verdicts():
     assert judge("bf16", "bfloat16", _steps(100, 2, 0.5), 2, []).status == "fail"
     assert judge("bf16", "bfloat16", _steps(100, 0, 0.5, err=0.03), 0, []).status == "fail"  # median too far
     assert "cut short" in judge("bf16", "bfloat16", _steps(10, 0, 0.5), 5, ["x prompt 0"]).reason
+
+
+def _window(attention: float, ffn: float, decode_steps: float) -> dict[str, float]:
+    return {"attention": attention, "ffn": ffn, "decode_steps": decode_steps}
+
+
+def test_host_sync_verdicts():
+    judge = checks_host_syncs.judge
+    short = _window(9, 14, 7)
+    ok = judge("cuda", 32, short, _window(9 + 31, 14 + 33, 7 + 32))  # idle steps' jitter: 31, 33 for 32 steps
+    assert ok.status == "pass" and ok.figures["attention_per_step"] == round(31 / 32, 3)
+    twice = judge("cuda", 32, short, _window(9 + 64, 14 + 32, 39)).reason  # one more sync per step
+    assert twice.startswith("attention 2.00 per step > 1 + 0.25")
+    assert (
+        "ffn 0.00 per step < 1 - 0.25: afd_host_syncs_total misses"
+        in judge("npu", 32, short, _window(41, 14, 39)).reason
+    )
+    assert "ran 31 more decode steps, not 32" in judge("cuda", 32, short, _window(40, 46, 38)).reason
+    assert judge("cpu", 32, _window(0, 0, 7), _window(0, 0, 39)).status == "pass"  # the dry run: steps only
+    assert judge("cpu", 32, _window(0, 0, 7), _window(1, 0, 39)).status == "fail"
+
+
+def test_failure_verdicts():
+    ref = [[1, 2, 3], [4, 5, 6]]
+    prompts = checks_failure.PROMPTS[:2]
+    fine = {"finished_at_kill": 0, "pause_s": 0.4, "reform_s": 12.0}
+    good = [([1, 2, 3], []), ([4, 5, 6], [])]
+    judge = checks_failure.judge
+    assert judge(good, ref, prompts, 0, fine, True).status == "pass"
+    assert "1 stream(s) still open" in judge([good[0], None], ref, prompts, 1, fine, True).reason
+    assert "a token lost or doubled" in judge([good[0], ([4, 5, 5, 6], [])], ref, prompts, 0, fine, True).reason
+    late = judge(good, ref, prompts, 0, {**fine, "finished_at_kill": 2}, True).reason
+    assert "every stream had finished before the kill" in late
+    assert (
+        "did not re-form within rejoin_timeout" in judge(good, ref, prompts, 0, {**fine, "reform_s": None}, True).reason
+    )
+    assert "never paused" in judge(good, ref, prompts, 0, {**fine, "pause_s": None}, True).reason
+    assert "was restarted" in judge(good, ref, prompts, 0, fine, False).reason
+    errs = judge([good[0], ([4], ["engine stopped: no replacement"])], ref, prompts, 0, fine, True).reason
+    assert "1 stream error(s), first: engine stopped" in errs
+
+
+def test_too_few_devices_for_a_cluster_check():
+    assert Target("cuda", 1).node_devices() is None and Target("cpu", 1).node_devices() == ("cpu", "cpu")
+    assert Target("npu", 2).node_devices() == ("npu:0", "npu:1")
+    skip = checks_host_syncs.check_host_syncs(Target("cuda", 1), "unused", quick=True)
+    assert skip.status == "skip" and "1A1F needs 2" in skip.reason
+    assert checks_failure.check_failure(Target("cuda", 1), "unused", quick=True).status == "skip"
+
+
+@pytest.mark.slow  # ~45 s of node processes on 2 cores; make test-slow
+@pytest.mark.multiprocess
+def test_the_host_sync_row_reads_one_sync_per_decode_step_on_the_fake_npu(tiny_checkpoint, tmp_path):
+    """The row's arithmetic on counts that are not 0: the fake NPU (tests/fakes) counts host syncs as a
+    device would, and afd holds one per decode step on each node there (tests/test_npu_fake_cluster.py)."""
+    from npu_fake import fake_env
+
+    r = checks_host_syncs.check_host_syncs(Target("npu", 2), tiny_checkpoint, quick=True, env=fake_env(tmp_path / "r"))
+    assert r.status == "pass", r
+    assert all(0.75 <= r.figures[f"{role}_per_step"] <= 1.25 for role in ("attention", "ffn")), r.figures

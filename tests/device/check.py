@@ -1,6 +1,6 @@
 """`make test-device`: afd on one accelerator (a CUDA GPU or an Ascend NPU) against the CPU reference.
 
-    .venv/bin/python tests/device/check.py [--checks pytest,colocated,gemm,1a1f] [--write | --no-write]
+    .venv/bin/python tests/device/check.py [--checks pytest,colocated,gemm,1a1f,syncs,failure] [--write | --no-write]
 
 Checks, each reported as pass / fail / skip with its reason and figures, its row saying what it measured
 (one module each, tests/device/checks_*.py):
@@ -11,6 +11,10 @@ Checks, each reported as pass / fail / skip with its reason and figures, its row
   gemm        backend.grouped_matmul vs a per-expert torch.mm loop, bf16 and fp32: error and median time
   1a1f        with two devices or more, `afd launch` of one attention node (device 0) and one FFN node
               (device 1) over NCCL / HCCL, greedy requests through the OpenAI API vs CPU fp32 tokens
+  syncs       the same cluster: afd_host_syncs_total per decode step on each node, at most 1 + a slack
+  failure     the same cluster under 16 streams: the FFN node killed (SIGKILL) mid-decode and started
+              again; the attention node re-forms within rejoin_timeout, every stream ends with CPU fp32's
+              tokens, and every wait has a deadline (a hang fails the row)
 
 The table is printed and, when an accelerator ran the checks (or with --write), written with a JSON copy
 to docs/bench/device/<device>-<date>.{md,json}. Without an accelerator the environment is reported,
@@ -40,7 +44,9 @@ sys.path[:0] = [str(ROOT / "tests"), str(Path(__file__).parent)]  # the tests' c
 # One module per check (checks_*.py), what they share in device_common.py, the machine in device_env.py.
 import checks_1a1f  # noqa: E402
 import checks_colocated  # noqa: E402
+import checks_failure  # noqa: E402
 import checks_gemm  # noqa: E402
+import checks_host_syncs  # noqa: E402
 import checks_pytest  # noqa: E402
 from device_common import Target, announce, guarded, say  # noqa: E402
 from device_env import (  # noqa: E402  (main's steps, replaced by the tests)
@@ -53,7 +59,7 @@ from device_env import (  # noqa: E402  (main's steps, replaced by the tests)
 from device_report import Result, markdown_table, summary, write_report  # noqa: E402
 
 OUT_DIR = ROOT / "docs" / "bench" / "device"
-CHECKS = ("pytest", "colocated", "gemm", "1a1f")
+CHECKS = ("pytest", "colocated", "gemm", "1a1f", "syncs", "failure")
 TIME_BUDGET_S = 480  # `make test-device` promises at most 8 minutes on one device
 
 
@@ -65,9 +71,13 @@ SKIPPED_WITHOUT_DEVICE = {
     ],
     "gemm": [("grouped GEMM vs the per-expert loop", checks_gemm.MEASURED)],
     "1a1f": [("1A1F over NCCL / HCCL", checks_1a1f.MEASURED)],
+    "syncs": [("host syncs per decode step, 1A1F", checks_host_syncs.MEASURED)],
+    "failure": [("FFN node killed mid-decode, 1A1F", checks_failure.MEASURED)],
 }
 CLUSTER_CHECKS = {  # check -> (its function, its row's name if it raises, what it measures): a 1A1F cluster each
     "1a1f": (checks_1a1f.check_1a1f, "1A1F", checks_1a1f.MEASURED),
+    "syncs": (checks_host_syncs.check_host_syncs, "host syncs per decode step", checks_host_syncs.MEASURED),
+    "failure": (checks_failure.check_failure, "FFN node killed mid-decode", checks_failure.MEASURED),
 }
 
 
