@@ -19,7 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent
 DEVICE = ROOT / "tests" / "device"
 sys.path.insert(0, str(DEVICE))
 
-import check as device_check  # noqa: E402
+import check as device_check  # noqa: E402  (first: it puts tests/ on the path, as `make test-device` does)
+import checks_colocated  # noqa: E402
+import checks_failure  # noqa: E402
+import checks_host_syncs  # noqa: E402
+import checks_pytest  # noqa: E402
+import device_env  # noqa: E402
+from device_common import Target  # noqa: E402
 from device_report import SCHEMA, Result, write_report  # noqa: E402
 
 
@@ -70,9 +76,9 @@ def test_without_an_accelerator_every_device_check_skips_with_the_reason_and_not
     ],
 )
 def test_visible_accelerators_reads_the_vendor_tools_then_the_device_files(monkeypatch, smi, paths, seen):
-    monkeypatch.setattr(device_check, "_command_output", lambda argv: smi.get(argv[0]))
-    monkeypatch.setattr(device_check.os.path, "exists", lambda p: p in paths)
-    assert device_check.visible_accelerators() == seen
+    monkeypatch.setattr(device_env, "_command_output", lambda argv: smi.get(argv[0]))
+    monkeypatch.setattr(device_env.os.path, "exists", lambda p: p in paths)
+    assert device_env.visible_accelerators() == seen
 
 
 @pytest.fixture
@@ -85,8 +91,8 @@ def torch_here(monkeypatch):
         monkeypatch.setattr(torch.version, "hip", None, raising=False)
         why = "torch.cuda.is_available() is False (torch 2.13.0, CUDA 12.8): no GPU visible, or no driver"
         no_npu = "torch_npu is not installed"
-        monkeypatch.setattr(device_check, "_cuda_usable", lambda: (cuda_ok, "" if cuda_ok else why))
-        monkeypatch.setattr(device_check, "_npu_usable", lambda: (npu_ok, "" if npu_ok else no_npu))
+        monkeypatch.setattr(device_env, "_cuda_usable", lambda: (cuda_ok, "" if cuda_ok else why))
+        monkeypatch.setattr(device_env, "_npu_usable", lambda: (npu_ok, "" if npu_ok else no_npu))
 
     return make
 
@@ -147,6 +153,7 @@ def test_report_is_a_well_formed_table_and_json(tmp_path):
             "top-1 on 99.8% of steps",
             {"steps": 512, "top1_strict": 0.977, "logits_err_max": float("nan")},
             12.3,
+            "tokens and logits vs CPU",
         ),
         Result(
             "grouped GEMM float32 G=1",
@@ -174,6 +181,10 @@ def test_report_is_a_well_formed_table_and_json(tmp_path):
     assert all(len(re.findall(r"(?<!\\)\|", ln)) == 6 for ln in table), table  # 5 cells; escaped pipes aside
     assert [ln.split(" | ")[1] for ln in table[2:]] == ["pass", "fail", "skip"]
     assert "a pipe and a newline" in table[3]
+    # each row says what it measured, in its check cell (issue 24)
+    assert table[2].startswith("| colocated bfloat16 vs CPU fp32: tokens and logits vs CPU | pass |")
+    assert table[4].startswith("| 1A1F over NCCL via the OpenAI API | skip |")  # none said: the name alone
+    assert doc["checks"][0]["measured"] == "tokens and logits vs CPU"
 
     again = write_report(tmp_path, env, results, ["check.py"], 1.0)  # the same day: a new file, not over the first
     assert [p.name for p in again] == ["2x-nvidia-h200-2025-06-01-2.md", "2x-nvidia-h200-2025-06-01-2.json"]
@@ -187,7 +198,7 @@ def test_pytest_report_reader(tmp_path):
 <testcase classname="tests.t" name="test_c"><failure message="assert 1 == 2&#10;where">tb</failure></testcase>
 <testcase classname="tests.t" name="test_d"><error message="">tb</error></testcase>
 </testsuite></testsuites>""")
-    got = device_check.parse_junit(xml)
+    got = checks_pytest.parse_junit(xml)
     assert {k: got[k] for k in ("passed", "failed", "skipped")} == {"passed": 1, "failed": 2, "skipped": 1}
     assert got["skips"] == ["needs a CUDA device"]
     assert got["failures"] == ["tests.t::test_c: assert 1 == 2", "tests.t::test_d: "]
@@ -218,30 +229,90 @@ class _FakeLLM:
 def test_teacher_forcing_restarts_from_the_reference_after_each_disagreement():
     truth = [11, 12, 13, 14, 15, 16, 17, 18]
     llm = _FakeLLM([5, 6], truth, flips={2, 5})
-    tokens, logits, rounds = device_check.teacher_forced(llm, [[5, 6]], [truth])
+    tokens, logits, rounds = checks_colocated.teacher_forced(llm, [[5, 6]], [truth])
     assert tokens == [[11, 12, 14, 14, 15, 17, 17, 18]]
     assert [x.item() for x in logits[0]] == list(range(8)) and rounds == llm.calls == 3
 
-    cut = device_check.teacher_forced(_FakeLLM([5, 6], truth, set(range(8))), [[5, 6]], [truth], max_rounds=3)
+    cut = checks_colocated.teacher_forced(_FakeLLM([5, 6], truth, set(range(8))), [[5, 6]], [truth], max_rounds=3)
     assert len(cut[0][0]) == 3 and cut[2] == 3  # cut short: the verdict then fails it
 
 
 def _steps(n: int, misses: int, gap: float, err: float = 1e-4) -> list:
     """n compared steps over a 4-token vocabulary; `misses` of them pick a token `gap` below the top-1."""
     ref = torch.tensor([0.0, 10.0, 10.0 - 10 * gap, 1.0])
-    return [device_check.compare_step(f"s{k}", 2 if k < misses else 1, ref + err * 10, 1, ref) for k in range(n)]
+    return [checks_colocated.compare_step(f"s{k}", 2 if k < misses else 1, ref + err * 10, 1, ref) for k in range(n)]
 
 
 def test_verdicts():
-    judge = device_check.judge_colocated
+    judge = checks_colocated.judge_colocated
     assert judge("fp32", "float32", _steps(100, 0, 0.5), 0, []).status == "pass"
     fp32_miss = judge("fp32", "float32", _steps(100, 1, 0.001), 1, [])
     assert fp32_miss.status == "fail" and "tokens differ at 1 steps (first: s0)" in fp32_miss.reason
     assert judge("fp32", "float32", _steps(10, 0, 0.5, err=0.01), 0, []).status == "fail"  # logits off
     # bf16: a near-tie flip is agreement; 1 decisive flip in 100 is 99 %; 2 are not enough
-    near = judge("bf16", "bfloat16", _steps(100, 50, device_check.TIE / 2, err=0.01), 5, [])
+    near = judge("bf16", "bfloat16", _steps(100, 50, checks_colocated.TIE / 2, err=0.01), 5, [])
     assert near.status == "pass" and near.figures["top1_strict"] == 0.5 and near.figures["top1_up_to_ties"] == 1
     assert judge("bf16", "bfloat16", _steps(100, 1, 0.5), 1, []).status == "pass"
     assert judge("bf16", "bfloat16", _steps(100, 2, 0.5), 2, []).status == "fail"
     assert judge("bf16", "bfloat16", _steps(100, 0, 0.5, err=0.03), 0, []).status == "fail"  # median too far
     assert "cut short" in judge("bf16", "bfloat16", _steps(10, 0, 0.5), 5, ["x prompt 0"]).reason
+
+
+def _window(attention: float, ffn: float, decode_steps: float) -> dict[str, float]:
+    return {"attention": attention, "ffn": ffn, "decode_steps": decode_steps}
+
+
+def test_host_sync_verdicts():
+    judge = checks_host_syncs.judge
+    short = _window(9, 14, 7)
+    ok = judge("cuda", 32, short, _window(9 + 31, 14 + 33, 7 + 32))  # idle steps' jitter: 31, 33 for 32 steps
+    assert ok.status == "pass" and ok.figures["attention_per_step"] == round(31 / 32, 3)
+    twice = judge("cuda", 32, short, _window(9 + 64, 14 + 32, 39)).reason  # one more sync per step
+    assert twice.startswith("attention 2.00 per step > 1 + 0.25")
+    assert (
+        "ffn 0.00 per step < 1 - 0.25: afd_host_syncs_total misses"
+        in judge("npu", 32, short, _window(41, 14, 39)).reason
+    )
+    assert "ran 31 more decode steps, not 32" in judge("cuda", 32, short, _window(40, 46, 38)).reason
+    assert judge("cpu", 32, _window(0, 0, 7), _window(0, 0, 39)).status == "pass"  # the dry run: steps only
+    assert judge("cpu", 32, _window(0, 0, 7), _window(1, 0, 39)).status == "fail"
+
+
+def test_failure_verdicts():
+    ref = [[1, 2, 3], [4, 5, 6]]
+    prompts = checks_failure.PROMPTS[:2]
+    fine = {"finished_at_kill": 0, "pause_s": 0.4, "reform_s": 12.0}
+    good = [([1, 2, 3], []), ([4, 5, 6], [])]
+    judge = checks_failure.judge
+    assert judge(good, ref, prompts, 0, fine, True).status == "pass"
+    assert "1 stream(s) still open" in judge([good[0], None], ref, prompts, 1, fine, True).reason
+    assert "a token lost or doubled" in judge([good[0], ([4, 5, 5, 6], [])], ref, prompts, 0, fine, True).reason
+    late = judge(good, ref, prompts, 0, {**fine, "finished_at_kill": 2}, True).reason
+    assert "every stream had finished before the kill" in late
+    assert (
+        "did not re-form within rejoin_timeout" in judge(good, ref, prompts, 0, {**fine, "reform_s": None}, True).reason
+    )
+    assert "never paused" in judge(good, ref, prompts, 0, {**fine, "pause_s": None}, True).reason
+    assert "was restarted" in judge(good, ref, prompts, 0, fine, False).reason
+    errs = judge([good[0], ([4], ["engine stopped: no replacement"])], ref, prompts, 0, fine, True).reason
+    assert "1 stream error(s), first: engine stopped" in errs
+
+
+def test_too_few_devices_for_a_cluster_check():
+    assert Target("cuda", 1).node_devices() is None and Target("cpu", 1).node_devices() == ("cpu", "cpu")
+    assert Target("npu", 2).node_devices() == ("npu:0", "npu:1")
+    skip = checks_host_syncs.check_host_syncs(Target("cuda", 1), "unused", quick=True)
+    assert skip.status == "skip" and "1A1F needs 2" in skip.reason
+    assert checks_failure.check_failure(Target("cuda", 1), "unused", quick=True).status == "skip"
+
+
+@pytest.mark.slow  # ~45 s of node processes on 2 cores; make test-slow
+@pytest.mark.multiprocess
+def test_the_host_sync_row_reads_one_sync_per_decode_step_on_the_fake_npu(tiny_checkpoint, tmp_path):
+    """The row's arithmetic on counts that are not 0: the fake NPU (tests/fakes) counts host syncs as a
+    device would, and afd holds one per decode step on each node there (tests/test_npu_fake_cluster.py)."""
+    from npu_fake import fake_env
+
+    r = checks_host_syncs.check_host_syncs(Target("npu", 2), tiny_checkpoint, quick=True, env=fake_env(tmp_path / "r"))
+    assert r.status == "pass", r
+    assert all(0.75 <= r.figures[f"{role}_per_step"] <= 1.25 for role in ("attention", "ffn")), r.figures

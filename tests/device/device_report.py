@@ -20,6 +20,7 @@ class Result:
     reason: str = ""  # why it failed or skipped; for a pass, what held
     figures: dict = field(default_factory=dict)
     seconds: float = 0.0
+    measured: str = ""  # what the row measured, said in its check cell (issue 24: a row says what it measured)
 
 
 def _fmt(v) -> str:
@@ -51,7 +52,8 @@ def markdown_table(results: list[Result]) -> str:
     rows = ["| check | result | figures | reason | s |", "| --- | --- | --- | --- | --- |"]
     for r in results:
         figs = ", ".join(f"{k} {_fmt(v)}" for k, v in r.figures.items())
-        rows.append(f"| {_cell(r.check)} | {r.status} | {_cell(figs)} | {_cell(r.reason)} | {r.seconds:.1f} |")
+        check = f"{r.check}: {r.measured}" if r.measured else r.check
+        rows.append(f"| {_cell(check)} | {r.status} | {_cell(figs)} | {_cell(r.reason)} | {r.seconds:.1f} |")
     return "\n".join(rows)
 
 
