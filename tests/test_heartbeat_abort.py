@@ -6,15 +6,14 @@ longer than the FFN side's (`role_timeout`), so that the FFN node gives up on a 
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
-import urllib.request
 
 import pytest
 from cluster_helpers import Cluster, cluster_yaml
 from hf_reference import PROMPTS, hf_greedy
+from sse import stream_completion
 
 from afd.cluster.config import load
 from afd.control import control_pb2 as pb
@@ -87,26 +86,15 @@ class _Ticker:
         while not self.stop.is_set():
             prompt = PROMPTS[i % len(PROMPTS)]
             i += 1
-            body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "stream": True, "return_token_ids": True}
-            req = urllib.request.Request(
-                self.url + "/v1/completions",
-                data=json.dumps(body).encode(),
-                method="POST",
-                headers={"Content-Type": "application/json"},
-            )
+            body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0}
             ids: list[int] = []
             try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    for line in r:
-                        if not line.startswith(b"data: {"):
-                            continue
-                        ev = json.loads(line[len(b"data: ") :])
-                        if "error" in ev:
-                            self.errors.append(ev["error"]["message"])
-                        got = [t for c in ev.get("choices", []) for t in (c.get("token_ids") or [])]
-                        if got:
-                            self.chunks.append(time.monotonic())
-                            ids.extend(got)
+                for got, error in stream_completion(self.url, body, 120):
+                    if error is not None:
+                        self.errors.append(error)
+                    if got:
+                        self.chunks.append(time.monotonic())
+                        ids.extend(got)
             except Exception as e:  # noqa: BLE001 (reported through errors)
                 self.errors.append(repr(e))
                 return

@@ -5,16 +5,15 @@ away the FFN nodes go on serving the others."""
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 from cluster_helpers import Cluster, cluster_yaml, health, post
 from hf_reference import PROMPTS, hf_greedy
+from sse import stream_completion
 
 pytestmark = pytest.mark.multiprocess
 NEW = 48
@@ -37,27 +36,16 @@ class _Streams:
             t.start()
 
     def _run(self, i: int, url: str, prompt: list[int]) -> None:
-        body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0, "stream": True, "return_token_ids": True}
-        req = urllib.request.Request(
-            url + "/v1/completions",
-            data=json.dumps(body).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
+        body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0}
         ids, errors, first = [], [], True
         try:
-            with urllib.request.urlopen(req, timeout=180) as r:
-                for line in r:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    ev = json.loads(line[len(b"data: ") :])
-                    if "error" in ev:
-                        errors.append(ev["error"]["message"])
-                    for c in ev.get("choices", []):
-                        ids.extend(c.get("token_ids") or [])
-                    if first:
-                        first = False
-                        self._first.release()
+            for got, error in stream_completion(url, body, 180):
+                if error is not None:
+                    errors.append(error)
+                ids.extend(got)
+                if first:
+                    first = False
+                    self._first.release()
         except Exception as e:  # noqa: BLE001 (reported through the result)
             errors.append(repr(e))
         finally:

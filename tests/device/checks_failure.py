@@ -8,12 +8,10 @@ tests/test_rejoin.py does the same on gloo and the fake HCCL in the CPU suite; t
 
 from __future__ import annotations
 
-import json
 import signal
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from checks_1a1f import api_url, cluster_config
@@ -21,6 +19,7 @@ from checks_colocated import cpu_reference
 from device_common import Target, say, wait_ready
 from device_report import Result
 from hf_reference import PROMPTS
+from sse import stream_completion
 
 STREAMS = PROMPTS * 4  # 16 at once: a decode batch, and a kill that lands mid-step
 TOKENS = {False: 96, True: 48}  # per stream, by --quick: long enough that the kill lands mid-decode
@@ -50,27 +49,16 @@ class Streams:
             t.start()
 
     def _run(self, i: int, url: str, prompt: list[int], tokens: int, read_timeout: float) -> None:
-        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True}
-        req = urllib.request.Request(
-            url + "/v1/completions",
-            data=json.dumps({**body, "return_token_ids": True}).encode(),
-            method="POST",
-            headers={"Content-Type": "application/json"},
-        )
+        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
         ids, errors, first = [], [], True
         try:
-            with urllib.request.urlopen(req, timeout=read_timeout) as r:
-                for line in r:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    ev = json.loads(line[len(b"data: ") :])
-                    if "error" in ev:
-                        errors.append(ev["error"]["message"])
-                    for c in ev.get("choices", []):
-                        ids.extend(c.get("token_ids") or [])
-                    if first:
-                        first = False
-                        self._first.release()
+            for got, error in stream_completion(url, body, read_timeout):
+                if error is not None:
+                    errors.append(error)
+                ids.extend(got)
+                if first:
+                    first = False
+                    self._first.release()
         except Exception as e:  # noqa: BLE001 (reported through the result)
             errors.append(repr(e))
         finally:
