@@ -101,27 +101,32 @@ SAMPLER = textwrap.dedent("""
     from afd.engine.sampling import Row, Sampler, SamplingParams
 
     P = SamplingParams
-    rows = [
-        Row(P(), "greedy", History([1], [2])),
-        Row(P(temperature=0.9, top_k=20, top_p=0.8, seed=3, logprobs=2), "hot", History([1], [2])),
-        Row(P(temperature=1.2, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
-              logit_bias={{4: 3.0}}, min_tokens=5, stop_token_ids=(7,), seed=11), "pen", History([1, 4], [4, 9])),
-        Row(P(temperature=0.7, seed=5), "spec", History([3], []), draft=6),  # a draft, then its bonus row
-        Row(P(temperature=0.7, seed=5), "spec", History([3], [6])),
-        Row(P(temperature=1.0), "unseeded", History([1], [])),
-    ]
-    logits = torch.randn(len(rows), 64, generator=torch.Generator().manual_seed(0)) * 3
 
-    def run(x):
+    def batch(drafts):  # drafts: the MTP drafts, never read on the host where they are on the device
+        return [
+            Row(P(), "greedy", History([1], [2])),
+            Row(P(temperature=0.9, top_k=20, top_p=0.8, seed=3, logprobs=2), "hot", History([1], [2])),
+            Row(P(temperature=1.2, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2,
+                  logit_bias={{4: 3.0}}, min_tokens=5, stop_token_ids=(7,), seed=11), "pen", History([1, 4], [4, 9])),
+            Row(P(temperature=0.7, seed=5), "spec", History([3], []), draft=0),  # a draft, then its bonus row
+            Row(P(temperature=0.7, seed=5, presence_penalty=0.4), "spec", History([3], [], drafts[:1])),
+            Row(P(temperature=1.0), "unseeded", History([1], [])),
+        ]
+
+    logits = torch.randn(6, 64, generator=torch.Generator().manual_seed(0)) * 3
+
+    def run(x, drafts):
         sampler = Sampler(eos_ids=(2,))
         torch.manual_seed(1)  # the unseeded row: the fake draws on the host's default generator
-        return [sampler.draw(x, rows) for _ in range(3)]
+        return [sampler.draw(x, batch(drafts), drafts) for _ in range(3)]
 
-    want = run(logits)
+    drafts = torch.tensor([6])
+    want = run(logits, drafts)
     torch.npu.set_device(1)
     x = logits.pin_memory().to("npu:1", non_blocking=True)
+    d = drafts.pin_memory().to("npu:1", non_blocking=True)
     n = STATS["host_syncs"]
-    got = run(x)
+    got = run(x, d)
     assert STATS["host_syncs"] - n == 3, STATS["host_sync_sites"]  # one read per batch, every field in it
     assert got == want, (got, want)
     print("OK")

@@ -121,3 +121,18 @@ def test_engine_applies_bias_stop_ids_and_min_tokens(tiny_checkpoint):
     assert _generate(llm, SamplingParams(stop_token_ids=(greedy[0],))) == greedy[:1]
     barred = _generate(llm, SamplingParams(stop_token_ids=(greedy[0],), min_tokens=3))
     assert greedy[0] not in barred[:3]
+
+
+def test_drafts_on_the_device_count_as_output():
+    """A verification row's MTP drafts are a device tensor the host never reads: they penalise (and count
+    toward min_tokens) exactly as the same tokens appended to the output on the host do. Both sides add
+    whole counts and run the same ops, so the rows are equal bit for bit."""
+    p = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=len(OUTPUT) + 3)
+    rows = torch.stack([_row(1), _row(2)])
+    plain = SamplingParams(logit_bias={4: 2.0})  # a row without penalties keeps its logits
+    drafts = torch.tensor([20, 9, 9])
+    for n in range(len(drafts) + 1):
+        want = apply_penalties(rows, [p, plain], [History(PROMPT, OUTPUT + drafts[:n].tolist()), History([], [])], (2,))
+        got = apply_penalties(rows, [p, plain], [History(PROMPT, OUTPUT, drafts[:n]), History([], [])], (2,))
+        assert torch.equal(got, want), n
+        assert (got[0, 2] == float("-inf")) == (n < 3)  # min_tokens counts the drafts

@@ -116,7 +116,7 @@ def test_rejected_drafts_roll_the_kv_cache_back(ckpts):
     while engine.has_unfinished():
         engine.step()
         for req in engine.scheduler.running:
-            assert len(req.block_table) == blocks_needed(req.num_computed + max(0, len(req.draft) - 1), 4)
+            assert len(req.block_table) == blocks_needed(req.num_computed + max(0, req.num_drafts - 1), 4)
             assert req.num_computed == req.num_tokens - 1
     assert engine.scheduler.kv.allocator.num_free == engine.scheduler.kv.allocator.num_blocks
     want = afd.LLM(ckpts["longcat_flash"], block_size=4).generate_ids(PROMPTS, NEW_TOKENS)
@@ -140,6 +140,29 @@ def test_afd_1a1f_speculates_across_the_data_plane(ckpts, refs):
     colocated = afd.LLM(ckpts["deepseek_v3"], block_size=4, speculative_tokens=2)
     colocated.generate_ids(PROMPTS, NEW_TOKENS)
     assert llm.spec_decode == colocated.spec_decode and llm.spec_decode["num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow  # the default fake-NPU case covers the same checks without drafts
+@pytest.mark.multiprocess
+def test_drafts_never_reach_the_host_on_the_fake_npu(ckpts, refs, tmp_path):
+    """Issue 24 with MTP: a DeepSeek-V3 1A1F cluster drafting 2 tokens a step on the fake NPU learns only its
+    sampled tokens on the host, once per step (the drafts stay on the device from the MTP module to the
+    next step's verification), and its greedy tokens are HF's."""
+    from cluster_helpers import Cluster, cluster_yaml, post
+    from npu_fake import check_one_host_sync_per_step, on_devices, snapshot, sync_env
+
+    _, hf_ids = refs("deepseek_v3")
+    path = cluster_yaml(tmp_path, ckpts["deepseek_v3"], name="mtp-npu", engine={"speculative_tokens": 2})
+    on_devices(path)
+    report = tmp_path / "fake-npu"
+    with Cluster(path, env=sync_env(report)) as c:
+        c.start_all()
+        c.wait_ready(timeout=120)
+        for prompt, want in zip(PROMPTS, hf_ids):
+            body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True}
+            code, out = post(c.url("attn0"), "/v1/completions", body)
+            assert code == 200 and out["choices"][0]["token_ids"] == want, out
+        check_one_host_sync_per_step(c.url("attn0"), snapshot(report, c), {"attn0": "attention", "ffn0": "ffn"})
 
 
 @pytest.mark.multiprocess

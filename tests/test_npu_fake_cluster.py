@@ -13,13 +13,11 @@ import os
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-from cluster_helpers import Cluster, cluster_yaml, get, post
+from cluster_helpers import Cluster, cluster_yaml, post
 from hf_reference import PROMPTS
-from metrics_text import total
-from npu_fake import FAKES, Snapshot, check_one_host_sync_per_step, on_devices, report_pid, reports, sync_env
+from npu_fake import FAKES, check_one_host_sync_per_step, on_devices, reports, snapshot, sync_env
 from rank_processes import run_ranks
 
 pytestmark = pytest.mark.multiprocess
@@ -76,7 +74,7 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
             assert body["choices"][0]["token_ids"] == reference[i], f"attn{a}, prompt {i}"
         # warm by now: one-time copies (rope tables) are not a step's
         check_one_host_sync_per_step(
-            c.url("attn0"), _snapshot(report, c), {n["name"]: n["role"] for n in c.doc["nodes"]}
+            c.url("attn0"), snapshot(report, c), {n["name"]: n["role"] for n in c.doc["nodes"]}
         )
     seen = list(reports(report).values())
     assert len(seen) == A * tp.get("attention_tp", 1) + F, "every process ran on the fake device and wrote its report"
@@ -86,22 +84,6 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
         assert r["device"]["unbound"] == []
         assert r["hccl"]["send_behind_recv"] == 0, "a send waited behind a pending receive on one HCCL stream"
         assert r["hccl"]["sends"] > 0 and r["hccl"]["recvs"] > 0
-
-
-def _snapshot(report: Path, c: Cluster) -> Snapshot:
-    """Each node process's host syncs by site (the fake's report), and each node's afd_host_syncs_total."""
-    urls = {
-        n["name"]: c.url(n["name"]) if n["role"] == "attention" else f"http://127.0.0.1:{n['ports']['metrics']}"
-        for n in c.doc["nodes"]
-    }
-
-    def take():
-        counted = {n: total(get(u, "/metrics")[1].decode(), "afd_host_syncs_total") for n, u in urls.items()}
-        names = {p.pid: name for name, p in c.procs.items()}
-        sites = {names[report_pid(f)]: r["device"]["host_sync_sites"] for f, r in reports(report).items()}
-        return sites, counted
-
-    return take
 
 
 _PAIR = textwrap.dedent("""

@@ -100,22 +100,24 @@ def test_the_plan_says_which_drafts_run_and_update_rolls_rejected_ones_back():
     a = _req("a", 3)
     s.add(a)
     _run(s, s.schedule())  # prefill: 3 cached, a token sampled (4 tokens, the last not cached)
-    a.draft = [7, 8, 9]
+    a.draft = torch.tensor([7, 8, 9])
     plan = s.schedule()  # budget 3: the last token and two of the three drafts
     (e,) = plan.seqs
-    assert (e.start, e.num_tokens, e.drafts, e.samples, e.num_logits) == (3, 3, (7, 8), True, 3)
-    assert e.step_seq().token_ids == [1, 7, 8] and len(a.block_table) == 2  # positions 3..5: blocks 0 and 1
+    assert (e.start, e.num_tokens, e.num_drafts, e.samples, e.num_logits) == (3, 3, 2, True, 3)
+    assert e.drafts is not None and e.drafts.tolist() == [7, 8]
+    seq = e.step_seq()  # the drafts stand in for placeholders: they stay on the device
+    assert seq.token_ids == [1, 0, 0] and seq.drafts is e.drafts and len(a.block_table) == 2  # positions 3..5
     s.update(plan, [[7, 5]])  # the first draft accepted, the second rejected, 5 the target's own
-    assert a.num_computed == 5 and a.draft == [] and len(a.block_table) == 2
+    assert a.num_computed == 5 and a.draft is None and len(a.block_table) == 2
     a.output_ids += [7, 5]
     s.add(b := _req("b", 1))
     plan = s.schedule()
     assert _ids(plan) == [("a", 1), ("b", 1)]
     _run(s, plan)
     assert a.num_computed == 6 and len(a.block_table) == 2
-    a.draft = [4, 4]
+    a.draft = torch.tensor([4, 4])
     plan = s.schedule()  # a: its last token and both drafts, positions 6..8: a third block; no budget for b
-    assert _ids(plan) == [("a", 3)] and plan.seqs[0].drafts == (4, 4) and len(a.block_table) == 3
+    assert _ids(plan) == [("a", 3)] and plan.seqs[0].num_drafts == 2 and len(a.block_table) == 3
     s.update(plan, [[1]])  # both rejected: the third block held only drafts
     assert a.num_computed == 7 and len(a.block_table) == 2 and b.num_computed == 1
     assert s.kv.allocator.num_free == 8 - 2 - 1

@@ -29,6 +29,9 @@ class StepSeq:
     num_logits: int = 1
     """Logits rows the step returns for it: of its last token, or of its last 1 + d when it verifies d
     draft tokens (speculative decoding)."""
+    drafts: torch.Tensor | None = None
+    """Device tokens [d] that stand in for the last d of `token_ids` (placeholders there): MTP drafts stay
+    on the device, so the host never waits to read them (afd.engine.speculative)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,20 +43,23 @@ class ScheduledSeq:
     """Tokens of the request cached before the step (its num_computed when scheduled)."""
     num_tokens: int
     """Tokens the step computes for it: uncached ones, then its drafts."""
-    drafts: tuple[int, ...]
-    """The drafts the step verifies: the last len(drafts) of those tokens (the scheduler decides how
+    num_drafts: int
+    """How many drafts the step verifies: the last num_drafts of those tokens (the scheduler decides how
     many fit; nobody else works it out again)."""
     samples: bool
     """The step reaches the request's last token, so a token is due (else it is one chunk of a prefill)."""
+    drafts: torch.Tensor | None = None
+    """Those drafts' tokens [num_drafts] on the device (None without drafts); the host learns the kept
+    ones from the step's sampled tokens."""
 
     @property
     def num_logits(self) -> int:
-        return len(self.drafts) + 1
+        return self.num_drafts + 1
 
     def step_seq(self) -> StepSeq:
-        req = self.request
-        ids = (req.all_ids + list(self.drafts))[self.start : self.start + self.num_tokens]
-        return StepSeq(ids, self.start, req.block_table, self.num_logits)
+        req, n = self.request, self.num_tokens - self.num_drafts
+        ids = req.all_ids[self.start : self.start + n] + [0] * self.num_drafts
+        return StepSeq(ids, self.start, req.block_table, self.num_logits, self.drafts)
 
 
 @dataclass(frozen=True, slots=True)

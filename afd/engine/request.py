@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+import torch
+
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import IncrementalDetokenizer
 
@@ -64,9 +66,10 @@ class Request:
     """Characters of the detokenized output already handed out (held back while a stop string may form)."""
     logits: list | None = None
     """When a list, each sampled step's fp32 logits row is appended (offline parity checks)."""
-    draft: list[int] = field(default_factory=list)
-    """Speculative decoding: the tokens the MTP module proposed to follow the last one, which the next
-    step runs with it and verifies (afd.engine.speculative)."""
+    draft: torch.Tensor | None = None
+    """Speculative decoding: the tokens [d] the MTP module proposed to follow the last one, which the next
+    step runs with it and verifies (afd.engine.speculative). They stay on the device: the host learns the
+    kept ones with the next step's sampled tokens."""
 
     @property
     def all_ids(self) -> list[int]:
@@ -79,4 +82,8 @@ class Request:
     @property
     def num_uncomputed(self) -> int:
         """Tokens the next step may run: those whose KV is not cached yet, then the drafts to verify."""
-        return self.num_tokens + len(self.draft) - self.num_computed
+        return self.num_tokens + self.num_drafts - self.num_computed
+
+    @property
+    def num_drafts(self) -> int:
+        return 0 if self.draft is None else len(self.draft)

@@ -108,6 +108,8 @@ class ModelRunner:
         t0, wait0 = time.perf_counter(), moe.timers.total("ffn_wait")
         n = micro_batches or self.micro_batches
         if self.tp.size > 1 and self.tp.is_leader:
+            if any(s.drafts is not None for s in seqs):  # the config refuses this pairing; device drafts don't pickle
+                raise RuntimeError("speculative decoding runs at attention_tp 1 only")
             self.tp.send_step(RunStep(seqs, n))
         mbs = [self._prepare(i, rows, seqs) for i, rows in enumerate(split_micro_batches(seqs, n))]
         if self.graph is not None:
@@ -154,7 +156,7 @@ class ModelRunner:
             self.kv.block_size,
             self.device,
         )
-        ids = to_device(torch.tensor([t for s in part for t in s.token_ids], dtype=torch.long), self.device)
+        ids = token_ids(part, self.device)
         plan = self.tp.plan_for(meta.num_tokens)
         with self.tp.plan(plan):
             x, rope = self.attn.embed(ids, meta)
@@ -206,7 +208,7 @@ class ModelRunner:
             self.kv.block_size,
             self.device,
         )
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
+        ids = token_ids(seqs, self.device)
         e, rope = self.attn.embed(ids, meta)  # the main model's embedding and rotary tables
         x = mtp.fuse(e, hidden)  # [T, H]
         h, m = mtp.block.pre_moe(x, rope, meta, kv)
@@ -219,7 +221,7 @@ class ModelRunner:
         if pending is not None:
             h = h + pending.wait()
             self.exchange().end_step()
-        last = torch.tensor([s.q_start + s.q_len - 1 for s in meta.seqs], device=self.device)
+        last = to_device(torch.tensor([s.q_start + s.q_len - 1 for s in meta.seqs]), self.device)
         out = mtp.norm(h[last])  # [B, H]
         return DraftOutput(out, self.attn.lm_head(out).float())
 
@@ -235,6 +237,23 @@ class ModelRunner:
         if self.tp.size > 1 and self.tp.is_leader:
             self.tp.send_step(LeaveStep(shutdown, reform))
         self.exchange().leave(shutdown=shutdown, reform=reform)
+
+
+def token_ids(seqs: list[StepSeq], device: torch.device) -> torch.Tensor:
+    """The sequences' tokens [T] on `device`, each one's device drafts in its placeholders: staged without a
+    host sync, and the drafts never leave the device."""
+    ids = to_device(torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long), device)
+    where: list[int] = []  # the placeholders' rows in ids
+    drafts: list[torch.Tensor] = []
+    at = 0
+    for s in seqs:
+        at += len(s.token_ids)
+        if s.drafts is not None:
+            where.extend(range(at - len(s.drafts), at))
+            drafts.append(s.drafts)
+    if drafts:
+        ids.index_copy_(0, to_device(torch.tensor(where), device), torch.cat(drafts))
+    return ids
 
 
 def _layer_id(moe_layer: int | None) -> int:

@@ -22,7 +22,7 @@ from afd.engine.logits import History, apply_penalties
 from afd.engine.messages import Logprob, SampledStep
 
 if TYPE_CHECKING:
-    from afd.engine.messages import StepPlan
+    from afd.engine.messages import ScheduledSeq, StepPlan
     from afd.engine.request import Request
 
 # vLLM bounds seeds to torch.long; a generator refuses what does not fit 64 bits.
@@ -105,6 +105,7 @@ class Row:
     history: History
     """Prompt and output before this row's token (with drafts: the drafts before it too)."""
     draft: int | None = None
+    """Where the draft this row verifies is in the batch's draft tokens (None: no draft)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +127,9 @@ class Sampler:
     def forget(self, request_id: object) -> None:
         self._generators.pop(request_id, None)
 
-    def draw(self, logits: torch.Tensor, rows: Sequence[Row]) -> list[Drawn]:
-        """logits [R, V] fp32, one row each -> what each row emits, read by the host once."""
+    def draw(self, logits: torch.Tensor, rows: Sequence[Row], drafts: torch.Tensor | None = None) -> list[Drawn]:
+        """logits [R, V] fp32, one row each -> what each row emits, read by the host once. drafts: the draft
+        tokens [D] on the device that rows' `draft` index."""
         dev, R, V = logits.device, logits.shape[0], logits.shape[1]
         params = [r.params for r in rows]
         x = logits
@@ -135,10 +137,11 @@ class Sampler:
             x = apply_penalties(logits, params, [r.history for r in rows], self.eos_ids)
         tok = x.argmax(dim=-1)  # [R] greedy: a draft is kept iff it is the argmax
         kept = torch.zeros_like(tok, dtype=torch.bool)
-        drafting = any(r.draft is not None for r in rows)
+        drafting = drafts is not None and any(r.draft is not None for r in rows)
         if drafting:
+            assert drafts is not None
             has = to_device(torch.tensor([r.draft is not None for r in rows]), dev)
-            draft = to_device(torch.tensor([0 if r.draft is None else r.draft for r in rows]), dev)
+            draft = drafts[to_device(torch.tensor([r.draft or 0 for r in rows]), dev)] * has  # [R], 0 where none
             kept = has & (tok == draft)
         hot = [p.temperature >= GREEDY_BELOW for p in params]
         if any(hot):
@@ -198,21 +201,26 @@ class Sampler:
         rows = [Row(p, rid, h) for p, rid, h in zip(params, request_ids, histories)]
         return [d.token for d in self.draw(logits, rows)]
 
-    def verify(self, logits: torch.Tensor, drafts: list[int], p: SamplingParams, rid, history: History) -> list[int]:
+    def verify(
+        self, logits: torch.Tensor, drafts: Sequence[int] | torch.Tensor, p: SamplingParams, rid, history: History
+    ) -> list[int]:
         """Speculative decoding: logits [d + 1, V] of a request's last token and its d draft tokens ->
         the tokens it emits: the accepted drafts, then one more (the target's correction at the first
         rejected draft, or a bonus token after the last). Row j is processed with the tokens before it
         (penalties, min_tokens). Greedy keeps a draft iff it is the argmax, so the tokens are those of
         decoding one at a time; sampling follows the rejection rule (`sample_ops.rejection_sample`), so
         their distribution is too. Drafts are the MTP head's argmax: q is one-hot at the draft."""
-        return [d.token for d in accepted(self.draw(logits, verify_rows(drafts, p, rid, history)))]
+        d = to_device(torch.as_tensor(drafts, dtype=torch.long), logits.device)
+        return [t.token for t in accepted(self.draw(logits, verify_rows(d, 0, p, rid, history), d))]
 
 
-def verify_rows(drafts: Sequence[int], p: SamplingParams, rid, h: History) -> list[Row]:
-    """Row j of a verification sees the drafts before it as output (all of them kept, or it emits nothing)."""
+def verify_rows(drafts: torch.Tensor, first: int, p: SamplingParams, rid, h: History) -> list[Row]:
+    """The rows verifying `drafts` [d] (device tokens, at `first` in the batch's draft tokens). Row j sees the
+    drafts before it as output (all of them kept, or it emits nothing)."""
+    n = len(drafts)
     return [
-        Row(p, rid, History(h.prompt_ids, h.output_ids + list(drafts[:j])), drafts[j] if j < len(drafts) else None)
-        for j in range(len(drafts) + 1)
+        Row(p, rid, History(h.prompt_ids, h.output_ids, drafts[:j] if j else None), first + j if j < n else None)
+        for j in range(n + 1)
     ]
 
 
@@ -236,19 +244,24 @@ def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor, fail: Fa
     due = [k for k, s in enumerate(plan.seqs) if s.samples]
     if not due:
         return SampledStep([None] * len(plan), [None] * len(plan))
-    rows = {k: _rows(plan.seqs[k].request, plan.seqs[k].drafts) for k in due}
+    drafted = [plan.seqs[k].drafts for k in due]
+    drafts = torch.cat([d for d in drafted if d is not None]) if any(d is not None for d in drafted) else None
+    rows, at = {}, 0
+    for k in due:
+        rows[k], at = _rows(plan.seqs[k], at), at + plan.seqs[k].num_drafts
     out: dict[int, list[Drawn]] = {}
     try:
         flat = sampler.draw(
             _take_rows(logits, [starts[k] + j for k in due for j in range(len(rows[k]))]),
             [r for k in due for r in rows[k]],
+            drafts,
         )
         for k in due:
             out[k], flat = accepted(flat[: len(rows[k])]), flat[len(rows[k]) :]
     except Exception:
         for k in due:
             try:
-                out[k] = accepted(sampler.draw(logits[starts[k] : starts[k] + len(rows[k])], rows[k]))
+                out[k] = accepted(sampler.draw(logits[starts[k] : starts[k] + len(rows[k])], rows[k], drafts))
             except Exception as e:
                 fail(plan.seqs[k].request, e)
     tokens: list[list[int] | None] = [None] * len(plan)
@@ -260,8 +273,12 @@ def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor, fail: Fa
     return SampledStep(tokens, logprobs)
 
 
-def _rows(req: Request, drafts: tuple[int, ...]) -> list[Row]:
-    return verify_rows(drafts, req.params, req.request_id, History(req.prompt_ids, req.output_ids))
+def _rows(s: ScheduledSeq, first: int) -> list[Row]:
+    """The rows an entry samples; its drafts are at `first` in the step's draft tokens."""
+    req, h = s.request, History(s.request.prompt_ids, s.request.output_ids)
+    if s.drafts is None:
+        return [Row(req.params, req.request_id, h)]
+    return verify_rows(s.drafts, first, req.params, req.request_id, h)
 
 
 def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:

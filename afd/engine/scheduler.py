@@ -82,10 +82,10 @@ class Scheduler:
         KV blocks past the cached tokens (they held only rejected drafts) go back to the allocator."""
         for s, toks in zip(plan, sampled):
             req = s.request
-            req.num_computed = s.start + s.num_tokens - len(s.drafts)
+            req.num_computed = s.start + s.num_tokens - s.num_drafts
             if toks:
                 req.num_computed += len(toks) - 1
-            req.draft = []
+            req.draft = None
             if req.status is Status.RUNNING:
                 keep = blocks_needed(req.num_computed, self.kv.block_size)
                 self.kv.allocator.free(req.block_table[keep:])
@@ -110,7 +110,6 @@ class Scheduler:
 
 def _scheduled(req: Request, n: int) -> ScheduledSeq:
     """req runs n tokens: its uncached ones, then as many of its drafts as fit."""
-    drafts = max(0, req.num_computed + n - req.num_tokens)
-    return ScheduledSeq(
-        req, req.num_computed, n, tuple(req.draft[:drafts]), req.num_computed + n - drafts == req.num_tokens
-    )
+    d = max(0, req.num_computed + n - req.num_tokens)
+    drafts = req.draft[:d] if d and req.draft is not None else None
+    return ScheduledSeq(req, req.num_computed, n, d, req.num_computed + n - d == req.num_tokens, drafts)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from afd.backend import host_syncs
+from afd.backend.base import to_device
 from afd.engine.messages import StepPlan, StepSeq
 from afd.engine.request import Request, Status
 from afd.engine.runner import ModelRunner
@@ -75,10 +75,12 @@ class Speculator:
     ) -> None:
         """After the scheduler's update of the step `plan` ran (sampled: what each entry emitted, hidden:
         the runner's hidden states of the step): counts the verified drafts, runs the MTP module over the
-        positions each request kept and sets `draft` on each running request that awaits its next token."""
+        positions each request kept and sets `draft` on each running request that awaits its next token.
+        The drafts stay on the device: the next step runs and verifies them there, and the host learns the
+        kept ones with that step's tokens, in its one read."""
         for s, toks in zip(plan, sampled):
-            if s.drafts and toks is not None:
-                self.stats.observe(len(s.drafts), len(toks) - 1)
+            if s.num_drafts and toks is not None:
+                self.stats.observe(s.num_drafts, len(toks) - 1)
         reqs: list[Request] = []
         seqs: list[StepSeq] = []
         rows: list[int] = []
@@ -97,25 +99,35 @@ class Speculator:
             return
         if hidden is None:
             raise RuntimeError("the runner returned no hidden states to draft from")
-        out = self.runner.mtp_step(seqs, hidden[rows])
+        dev = hidden.device
+        out = self.runner.mtp_step(seqs, hidden[to_device(torch.tensor(rows), dev)])
         live = [k for k, w in enumerate(want) if w > 0]
-        for k, tok in zip(live, host_syncs.to_list(out.logits[live].argmax(dim=-1))):
-            reqs[k].draft = [tok]
-        h = out.hidden[live]
+        if not live:
+            return
+        at = to_device(torch.tensor(live), dev)
+        table = out.logits[at].argmax(dim=-1)[:, None]  # [B, 1]: each live request's first draft
+        h = out.hidden[at]
+        depths = [1] * len(live)
+        go = list(range(len(live)))  # rows of `table` still chaining
         for depth in range(1, self.n):  # chained drafts: the MTP module one position further on
             # its KV goes at position num_computed + depth - 1 (no room: the request drafts fewer this time)
             go = [
                 i
-                for i, k in enumerate(live)
-                if want[k] > depth and self.scheduler.reserve(reqs[k], reqs[k].num_computed + depth)
+                for i in go
+                if want[live[i]] > depth and self.scheduler.reserve(reqs[live[i]], reqs[live[i]].num_computed + depth)
             ]
             if not go:
-                return
-            live = [live[i] for i in go]
+                break
+            idx = to_device(torch.tensor(go), dev)
             chained = [
-                StepSeq([reqs[k].draft[-1]], reqs[k].num_computed + depth - 1, reqs[k].block_table) for k in live
+                StepSeq([0], reqs[live[i]].num_computed + depth - 1, reqs[live[i]].block_table, drafts=table[i, -1:])
+                for i in go
             ]
-            out = self.runner.mtp_step(chained, h[go])
-            h = out.hidden
-            for k, tok in zip(live, host_syncs.to_list(out.logits.argmax(dim=-1))):
-                reqs[k].draft.append(tok)
+            out = self.runner.mtp_step(chained, h[idx])
+            h = torch.zeros_like(h).index_copy_(0, idx, out.hidden)
+            column = torch.zeros_like(table[:, 0]).index_copy_(0, idx, out.logits.argmax(dim=-1))
+            table = torch.cat([table, column[:, None]], dim=1)
+            for i in go:
+                depths[i] += 1
+        for i, k in enumerate(live):
+            reqs[k].draft = table[i, : depths[i]]
