@@ -89,6 +89,17 @@ SCRIPT = textwrap.dedent("""
     n = STATS["host_syncs"]
     torch.multinomial(torch.ones(4, device="npu:1"), 1)
     assert STATS["host_syncs"] == n + 1
+
+    # so does every op whose output size is a device value; a fixed size or a scatter does not wait
+    v = torch.tensor([0, 2, 0, 1], device="npu:1")
+    for op in (torch.nonzero, torch.bincount, torch.unique, lambda t: t[t > 0], lambda t: t.repeat_interleave(t)):
+        n = STATS["host_syncs"]
+        op(v)
+        assert STATS["host_syncs"] == n + 1, op
+    n = STATS["host_syncs"]
+    torch.zeros(3, dtype=torch.long, device="npu:1").index_add_(0, v, torch.ones_like(v))
+    v.repeat_interleave(v, output_size=3)
+    assert STATS["host_syncs"] == n
     print("OK")
 """)
 

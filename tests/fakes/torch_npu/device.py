@@ -358,7 +358,35 @@ _READS_INSIDE = {
     # its one-sample path reads `(max < inf) & (min >= 0)` and the rows' sums with .item() before drawing
     # (multinomial_out, aten/src/ATen/native/Distributions.cpp): a host sync on the device
     torch.ops.aten.multinomial.default,
+    # Ops whose output size is a device value: the host reads it before it can allocate the result.
+    # torch.nonzero and torch.argwhere (which calls it): "When input is on CUDA, this function causes
+    # host-device synchronization" (their PyTorch 2.x docs); masked_select and a boolean-mask index go through
+    # nonzero (aten/src/ATen/native/TensorAdvancedIndexing.cpp); unique's size is its count of distinct values;
+    # bincount reads its input's min and max with .item() (_bincount_cuda_template,
+    # aten/src/ATen/native/cuda/SummaryOps.cu). torch_npu's kernels share these semantics. nonzero_static
+    # (a fixed size) is the way around, and an index_add_ for counts.
+    torch.ops.aten.nonzero.default,
+    torch.ops.aten.masked_select.default,
+    torch.ops.aten.bincount.default,
+    torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_dim.default,
+    torch.ops.aten.unique_consecutive.default,
 }
+
+
+def _reads_inside(func, args, kwargs) -> bool:
+    if func in _READS_INSIDE:
+        return True
+    # "output_size: ... If given, it will avoid stream synchronization needed to calculate output shape of the
+    # tensor" (torch.repeat_interleave, PyTorch 2.x docs)
+    repeat = (torch.ops.aten.repeat_interleave.Tensor, torch.ops.aten.repeat_interleave.self_Tensor)
+    if func in repeat:
+        return kwargs.get("output_size") is None
+    # a boolean-mask index: its nonzero runs inside the kernel, out of this dispatcher's sight
+    indexing = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+    return func in indexing and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ())
+    )
 
 
 def _storage_key(t: torch.Tensor) -> int | None:
@@ -497,7 +525,7 @@ def _run(func, args, kwargs):
         str(func.__name__),
         fresh=[x for x in fresh if not _aliases_input(x, npu)],
     )
-    if to_host or func in _READS_INSIDE:
+    if to_host or _reads_inside(func, args, kwargs):
         STATS["host_reads"] += 1
         host_sync(f"device-to-host read ({func.__name__})")
         _host_waits(stream)
