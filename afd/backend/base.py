@@ -12,7 +12,8 @@ from afd.backend.devices import DeviceUnavailable  # noqa: F401 (the backends ra
 
 
 def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """One GEMM per non-empty group over its contiguous row slice of x (reads the sizes on the host)."""
+    """One GEMM per non-empty group over its contiguous row slice of x (reads the sizes on the host); rows
+    past the groups are left as they come."""
     out = x.new_empty(x.shape[0], w.shape[-1])
     start = 0
     for g, n in enumerate(host_syncs.to_list(group_sizes)):
@@ -20,6 +21,12 @@ def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torc
             torch.mm(x[start : start + n], w[g], out=out[start : start + n])
             start += n
     return out
+
+
+def sizes_covering(group_sizes: torch.Tensor, rows: int) -> torch.Tensor:
+    """group_sizes [G] with the rows past them (rows - their sum) added to the last group, on the device: for
+    a fused grouped GEMM whose documented contract wants the groups to cover x's rows."""
+    return torch.cat([group_sizes[:-1], (rows - group_sizes[:-1].sum()).reshape(1)])
 
 
 HOST_SYNCS = ("item", "tolist", "_local_scalar_dense")
@@ -161,8 +168,9 @@ class Backend(ABC):
     @abstractmethod
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """x [T, K] with rows sorted by group; w [G, K, N]; group_sizes [G] int64 row counts on x's device
-        (they stay there: a device backend never reads them on the host). Returns [T, N], group g's rows
-        times w[g]."""
+        (they stay there: a device backend never reads them on the host), summing to T or less. Returns
+        [T, N], group g's rows times w[g]; rows past the groups are unspecified (the caller drops them: they
+        let its shapes depend on T alone)."""
 
     prefetch_by_default: bool = False
     """Whether FFN nodes prefetch weights unless the YAML says otherwise (see docs/benchmarks.md)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from afd.backend import host_syncs
-from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices
+from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices, sizes_covering
 from afd.backend.devices import check_indices
 
 
@@ -134,7 +134,9 @@ class CudaBackend(Backend):
             )
         )
         if fast:
-            offs = group_sizes.cumsum(0, dtype=torch.int32)  # end row of each group; offsets must be int32
+            # end row of each group, int32; the last ends at x's end (rows past the groups, which the caller
+            # drops, join it) so that no output row is left unwritten
+            offs = sizes_covering(group_sizes, x.shape[0]).cumsum(0, dtype=torch.int32)
             return torch._grouped_mm(x, w, offs=offs)
         return grouped_matmul_by_slices(x, w, group_sizes)
 

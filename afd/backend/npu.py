@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from afd.backend import host_syncs
-from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices
+from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices, sizes_covering
 from afd.backend.devices import check_indices
 
 
@@ -113,9 +113,13 @@ class NpuBackend(Backend):
             # it reads the group sizes on the host.
             return grouped_matmul_by_slices(x, w, group_sizes)
         # split_item=2: one output tensor; group_type=0: groups along M; group_list_type=1: counts, int64,
-        # kept on the device (no host read, nothing for a torchair graph to break on).
+        # kept on the device (no host read, nothing for a torchair graph to break on). Counts must sum to x's
+        # rows (aclnnGroupedMatmulV4 constraints, group type 0, single-single-single; op-plugin 7.1.0): the
+        # rows past the groups join the last one, which computes them for nothing (a few hundred rows at
+        # decode, against one expert's weight read) and the caller drops.
+        counts = sizes_covering(group_sizes.to(torch.int64), x.shape[0])
         (y,) = self._torch_npu.npu_grouped_matmul(
-            [x], [w], group_list=group_sizes.to(torch.int64), split_item=2, group_type=0, group_list_type=1
+            [x], [w], group_list=counts, split_item=2, group_type=0, group_list_type=1
         )
         return y
 

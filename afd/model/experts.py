@@ -29,20 +29,28 @@ class Experts(nn.Module):
         them up there and read them once per step)."""
 
     def forward(self, backend: Backend, x, weights, ids) -> torch.Tensor:
-        """x [T, H], weights/ids [T, K] -> this holder's share of the MoE output [T, H]."""
+        """x [T, H], weights/ids [T, K] -> this holder's share of the MoE output [T, H].
+
+        Every (token, k) slot goes through, other holders' too: shapes depend on T and K alone, so nothing
+        waits on the host for a count (nonzero and bincount do on a device) and a device graph can hold the
+        layer. The grouped GEMM computes only this holder's groups; the other slots sort last and are
+        dropped."""
         T, K = ids.shape
-        out = torch.zeros_like(x)
+        G = self.hi - self.lo
         flat = ids.reshape(-1)  # [T*K]
         local = (flat >= self.lo) & (flat < self.hi)
-        sel = local.nonzero().squeeze(1)
-        order = sel[torch.argsort(flat[sel], stable=True)]  # (token, k) slots sorted by expert
-        sizes = torch.bincount(flat[order] - self.lo, minlength=self.hi - self.lo)  # [G], stays on the device
-        self.last_counts = sizes
-        if order.numel():
-            token = order // K
-            gate, up = backend.grouped_matmul(x[token], self.w13, sizes).chunk(2, dim=-1)  # [N, I] each
-            y = backend.grouped_matmul(F.silu(gate) * up, self.w2, sizes)  # [N, H]
-            out.index_add_(0, token, (y * weights.reshape(-1)[order, None]).to(x.dtype))
+        group = torch.where(local, flat - self.lo, G)  # [T*K]: other holders' slots in group G, after ours
+        order = torch.argsort(group, stable=True)  # [T*K] slots sorted by expert
+        ones = torch.ones_like(group)
+        sizes = torch.zeros(G + 1, dtype=torch.int64, device=x.device).index_add_(0, group, ones)[:G]  # [G]
+        self.last_counts = sizes  # stays on the device
+        token = order // K  # [T*K]
+        gate, up = backend.grouped_matmul(x[token], self.w13, sizes).chunk(2, dim=-1)  # [T*K, I] each
+        y = backend.grouped_matmul(F.silu(gate) * up, self.w2, sizes)  # [T*K, H]
+        mine = local[order]  # [T*K]
+        w = torch.where(mine, weights.reshape(-1)[order], 0.0)  # [T*K]
+        y = torch.where(mine[:, None], y * w[:, None], 0.0)  # rows past the groups are unspecified: dropped
+        out = torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
         if self.serves_zero:
             zero_w = (weights * (ids >= self.n_routed)).sum(dim=-1, keepdim=True)  # [T, 1]
             out += (x * zero_w).to(x.dtype)
