@@ -46,10 +46,15 @@ def local_view(meta: AttentionMetadata, n: int, k: int) -> LocalView:
 
 def _build(meta: AttentionMetadata, n: int, k: int) -> LocalView:
     bs, dev = meta.block_size, meta.slot_mapping.device
-    block = meta.slot_mapping // bs
-    mine = block % n == k
-    rows = mine.nonzero().flatten()
-    slots = (block[rows] // n) * bs + meta.slot_mapping[rows] % bs
+    # the rows this rank writes, from the host's block tables: a mask's nonzero() would wait on the device
+    rows, slots = [], []
+    for s in meta.seqs:
+        for j, at in enumerate(range(s.ctx_len - s.q_len, s.ctx_len)):
+            b = s.block_table[at // bs]
+            if b % n == k:
+                rows.append(s.q_start + j)
+                slots.append((b // n) * bs + at % bs)
+    staged = to_device(torch.tensor([rows, slots], dtype=torch.long), dev)
     offs = torch.arange(bs, device=dev)
     tables = meta.decode_block_tables[:, k::n]  # [B, nb]: the sequence's blocks k, k + N, ...
     first = torch.arange(k, k + n * tables.shape[1], n, device=dev)  # their block index in the sequence
@@ -60,7 +65,7 @@ def _build(meta: AttentionMetadata, n: int, k: int) -> LocalView:
         idx = to_device(torch.tensor(list(range(k, -(-s.ctx_len // bs), n)), dtype=torch.long), dev)
         local = to_device(torch.tensor(s.block_table, dtype=torch.long), dev)[idx] // n
         prefill.append((local, (idx[:, None] * bs + offs).flatten()))
-    return LocalView(rows, slots, tables // n, pos, prefill)
+    return LocalView(staged[0], staged[1], tables // n, pos, prefill)
 
 
 def partial(score: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
