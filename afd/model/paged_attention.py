@@ -9,7 +9,7 @@ caches when the two products read it) and merges the chunks' partial softmaxes o
     m' = max(m, max_j s_j)     d' = d e^(m - m') + sum_j e^(s_j - m')     o' = o e^(m - m') + sum_j e^(s_j - m') v_j
 
 which after the last chunk is exactly softmax attention over all of them (o / d; lse = m + log d for
-the KVP merge). Peak memory is one chunk's keys, values and scores, whatever L.
+the KVP merge). Peak memory is one chunk's keys, values and scores: B x chunk x bs rows, whatever L.
 
 Shapes: B sequences, nb blocks in the (padded) block tables, bs block size, l = chunk x bs keys per
 chunk, S the query's head dims ([NH] for MLA, [KVH, G] for GQA), Dv the value width.
@@ -23,7 +23,9 @@ import torch
 
 CHUNK_BLOCKS = 64
 """Blocks per chunk (1,024 keys at block size 16), by measurement on CPU (docs/benchmarks.md, section 9):
-short contexts run as one chunk, so they pay nothing for the merge; longer chunks stop fitting the caches."""
+contexts up to 1,024 tokens run as one chunk and pay nothing for the merge; smaller chunks pay a dozen
+small ops each (4 blocks: 2.4x the attention time at 4,096 tokens), 256 was no faster, and the chunk is
+the memory bound, so the smallest of the fast sizes."""
 
 
 def gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
