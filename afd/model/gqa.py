@@ -4,6 +4,7 @@ Per token the cache keeps the rotated key heads and the value heads: cache [2, n
 K at [0] and V at [1]. Query head h reads key/value head h // G (G = NH / KVH), as HF's repeat_kv lays
 them out, so the queries are viewed [.., KVH, G, D] and never copied per group.
 
+Decode reads the cache in place, a chunk of blocks at a time (afd/model/paged_attention.py says why).
 Optional per-head RMSNorm of q and k before RoPE (Qwen3's q_norm / k_norm). RoPE rotates halves
 (x_j, x_{j + D/2}), HF's rotate_half layout.
 Shapes: T tokens, H hidden, NH query heads, KVH key/value heads, G = NH / KVH, D head dim, L context.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from afd.model import paged_attention
 from afd.model.attention_metadata import AttentionMetadata, store_kv
 from afd.model.layers import RMSNorm, apply_rotary_halves
 
@@ -67,14 +69,13 @@ class GQAttention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor) -> torch.Tensor:
         """One query per sequence. q [B, KVH, G, D] -> [B, KVH, G, D]."""
-        B, nb = meta.decode_block_tables.shape
-        k = cache[0][meta.decode_block_tables].view(B, nb * meta.block_size, self.n_kv, -1)  # [B, L, KVH, D]
-        v = cache[1][meta.decode_block_tables].view(B, nb * meta.block_size, self.n_kv, -1)
-        score = torch.einsum("bkgd,blkd->bkgl", q, k) * self.scale
-        pos = torch.arange(k.shape[1], device=k.device)
-        score.masked_fill_(pos >= meta.decode_ctx_lens[:, None, None, None], float("-inf"))
-        p = torch.softmax(score, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.einsum("bkgl,blkd->bkgd", p, v)
+
+        def read(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return paged_attention.gather(cache[0], blocks), paged_attention.gather(cache[1], blocks)  # [B, l, KVH, D]
+
+        eqs = ("bkgd,blkd->bkgl", "bkgl,blkd->bkgd")
+        tables, ctx_lens = meta.decode_block_tables, meta.decode_ctx_lens
+        return paged_attention.attend(q, tables, ctx_lens, meta.block_size, read, eqs, self.scale)[0]
 
     def _prefill(self, q: torch.Tensor, ctx_len: int, table: list[int], cache: torch.Tensor) -> torch.Tensor:
         """n queries at positions [ctx_len - n, ctx_len). q [n, KVH, G, D] -> [n, KVH, G, D]."""

@@ -6,6 +6,7 @@ shared key k_rot (qk_rope_head_dim values). Decode uses the absorbed form, atten
     q_lat[h] = q_nope[h] @ W_UK[h]            score = [q_lat, q_rot] . [c, k_rot] * scale
     o[h]     = (softmax(score) @ c) @ W_UV[h]^T
 
+Decode reads the cache in place, a chunk of blocks at a time (afd/model/paged_attention.py says why).
 Prefill expands the latents to per-head keys and values (cheaper when many queries share them).
 
 Families differ in small ways, chosen by the constructor's options: LongCat-Flash scales the LoRA
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from afd.backend.base import to_device
-from afd.model import kvp
+from afd.model import kvp, paged_attention
 from afd.model.attention_metadata import AttentionMetadata, store_kv
 from afd.model.config import ModelConfig
 from afd.model.layers import RMSNorm, apply_rotary, apply_rotary_halves
@@ -141,14 +142,19 @@ class MLAttention(nn.Module):
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)  # [B, NH, C]
         q_full = torch.cat([q_lat, q_rot], dim=-1)  # [B, NH, C + R]
-        B, nb = meta.decode_block_tables.shape
-        kv = cache[meta.decode_block_tables].view(B, nb * meta.block_size, -1)  # [B, L, C + R]
-        score = torch.einsum("bhd,bld->bhl", q_full, kv) * self.scale
-        pos = torch.arange(kv.shape[1], device=kv.device)
-        score.masked_fill_(pos[None, None, :] >= meta.decode_ctx_lens[:, None, None], float("-inf"))
-        p = torch.softmax(score, dim=-1, dtype=torch.float32).to(q_full.dtype)
-        o_lat = torch.einsum("bhl,blc->bhc", p, kv[..., : self.kv_lora])  # [B, NH, C]
+        o_lat, _ = self._attend_latent(q_full, meta.decode_block_tables, meta.decode_ctx_lens, meta.block_size, cache)
         return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+
+    def _attend_latent(self, q_full, tables, ctx_lens, block_size: int, cache, positions=None):
+        """Absorbed attention of q_full [B, NH, C + R] over the latents of the blocks in tables [B, nb], read
+        from the paged cache a chunk at a time (afd/model/paged_attention.py). -> (o_lat [B, NH, C], lse)."""
+
+        def read(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            kv = paged_attention.gather(cache, blocks)  # [B, l, C + R]: keys; their first C values are values
+            return kv, kv[..., : self.kv_lora]
+
+        eqs = ("bhd,bld->bhl", "bhl,blc->bhc")
+        return paged_attention.attend(q_full, tables, ctx_lens, block_size, read, eqs, self.scale, positions)
 
     def _prefill_expanded(self, q_nope, q_rot, ctx_len: int, table: list[int], cache) -> torch.Tensor:
         """n queries at positions [ctx_len - n, ctx_len). q_nope [n, NH, nope] -> [n, NH, v]."""
@@ -182,11 +188,9 @@ class MLAttention(nn.Module):
         if meta.decode_rows.numel():
             dec = meta.decode_rows
             q_full = torch.cat([torch.einsum("bhn,hnc->bhc", q_nope[dec], w_uk), q_rot[dec]], dim=-1)
-            B, nb = view.decode_tables.shape
-            kv = cache[view.decode_tables].view(B, nb * bs, cache.shape[-1])  # [B, L/N, C + R]; L/N may be 0
-            score = torch.einsum("bhd,bld->bhl", q_full, kv) * self.scale
-            score.masked_fill_(view.decode_pos[:, None, :] >= meta.decode_ctx_lens[:, None, None], float("-inf"))
-            o_lat, lse[dec] = kvp.partial(score, kv[..., : self.kv_lora])
+            o_lat, lse[dec] = self._attend_latent(
+                q_full, view.decode_tables, meta.decode_ctx_lens, bs, cache, view.decode_pos
+            )  # a rank holding none of a row's keys: o_lat = 0, lse = -inf
             o[dec] = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
         for s, (blocks, pos) in zip(meta.prefill_seqs, view.prefill):
             rows = slice(s.q_start, s.q_start + s.q_len)
