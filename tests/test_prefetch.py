@@ -105,7 +105,9 @@ def test_wait_hints_stop_at_the_budget(ffn):
 
 def test_after_the_router_the_chosen_experts_are_hinted_where_sizes_are_on_the_host(ffn):
     be = _Recorder(on_host=True)
-    sched = PrefetchSchedule(ffn, be, PrefetchConfig(True, budget_bytes=1 << 30, next_layer=False), SPEC)
+    cfg = PrefetchConfig(True, budget_bytes=1 << 30, next_layer=False, after_router=True)
+    assert PrefetchSchedule(ffn, be, PrefetchConfig(True), SPEC) and ffn.layers[0].experts.before_gemm is None
+    sched = PrefetchSchedule(ffn, be, cfg, SPEC)
     ex = ffn.layers[0].experts
     try:
         sched.known[0] = [0]

@@ -6,9 +6,9 @@ seed 001's rule computes from the measured gap (afd.dataplane.prefetch_budget):
 1. While the FFN node waits for layer l's inputs (FFNServer calls the schedule): layer l's router, then
    the w13 slices and then the w2 slices of the experts layer l chose the last time the host learned it,
    then layer l+1's router.
-2. After layer l's router, before its grouped GEMMs (Experts calls `routed`), on backends whose grouped
-   GEMM reads the group sizes on the host anyway (CPU): the experts chosen now, w13 then w2 slices, less
-   those step 1 already hinted.
+2. Optionally (PrefetchConfig.after_router), after layer l's router and before its grouped GEMMs
+   (Experts calls `routed`), on backends whose grouped GEMM reads the group sizes on the host anyway
+   (CPU): the experts chosen now, w13 then w2 slices, less those step 1 already hinted.
 
 Why "the last time the host learned it" on a device: npu_prefetch takes a host tensor and a host byte
 offset, and this step's chosen expert ids live on the device. Reading them there would stall the host
@@ -45,9 +45,10 @@ class PrefetchConfig:
     down (their w2 slices)."""
     next_layer: bool = True
     """Hint layer l+1's router too while waiting for layer l's inputs."""
-    after_router: bool | None = None
-    """Step 2 above, only where the backend reads the group sizes on the host (Backend.group_sizes_on_host);
-    False turns it off there (the benchmark's variants)."""
+    after_router: bool = False
+    """Step 2 above, only where the backend reads the group sizes on the host (Backend.group_sizes_on_host).
+    Off by default: on CPU, the one such backend, the hint is a synchronous read on the critical path and
+    measured slower than step 1 alone (docs/benchmarks.md, afd bench-suite --sections prefetch)."""
 
     def __post_init__(self):
         bad = [w for w in self.weights if w not in WEIGHTS]
@@ -79,7 +80,7 @@ class PrefetchSchedule:
         self.bytes_total = 0
         self._untaken = 0
         # never where the sizes stay on the device: reading them there is the per-layer host sync avoided above
-        if backend.group_sizes_on_host and cfg.after_router is not False:
+        if backend.group_sizes_on_host and cfg.after_router:
             for layer in self.layers:
                 _experts(ffn, layer).before_gemm = partial(self.routed, layer)
 
