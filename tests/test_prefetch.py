@@ -180,6 +180,21 @@ def test_npu_prefetch_for_real():
     be.synchronize()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is None, reason="torch_npu not installed (no Ascend NPU)")
+def test_npu_prefetch_spec_and_an_expert_slice_for_real(capsys):
+    # On hardware: the figures the budget is computed from (printed, to replace the unverified constants
+    # in afd/backend/npu.py with what the device reports), and one expert's slice hinted by offset.
+    be = get_backend("npu")
+    spec = be.prefetch_spec()
+    with capsys.disabled():
+        print(f"\nnpu prefetch spec: {spec}")
+    assert spec.bandwidth > 0 and spec.cache_bytes > 0
+    w13 = torch.randn(4, 256, 512, device=be.device)
+    per = w13[0].numel() * w13.element_size()
+    assert be.prefetch(w13, per, None, offset=3 * per) == per  # the last expert's slice, to the tensor's end
+    be.synchronize()
+
+
 @pytest.mark.slow  # CI runs it in make test-slow; a default case covers the same path
 @pytest.mark.multiprocess
 def test_generation_unchanged_with_prefetch_on(families, tiny_checkpoint, tmp_path):

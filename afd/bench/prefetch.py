@@ -5,7 +5,7 @@ starts waiting for them (a sleep, as a blocking gloo wait is); the prefetch sche
 as FFNServer calls it, and is told the measured gap the same way (the wait, or 0 when the hint outlasted
 it); then the layer computes. Many layers make the weights far larger than one core's share of the
 last-level cache, so every layer starts cold unless something warmed it. Each step's inputs are the
-same tokens as the last step's with noise, so that routing repeats partly, as in decode.
+same tokens with fresh noise, so that routing repeats partly from step to step, as in decode.
 
 Reported per variant: layer compute (router + experts), the hint's own time, the layer's time from the
 start of its wait to the end of its compute (what the attention node waits for), and the computed budget.
@@ -18,11 +18,15 @@ import time
 
 import torch
 
+from afd.dataplane.prefetch import PrefetchConfig, PrefetchSchedule
+
 GAPS_MS = (1.0, 3.0)
 NOISE = 0.5
 """Step-to-step change of a layer's input, relative to the input (std): decode's next token of the
 same sequences routes partly like the last one."""
-VARIANTS = ("off", "computed", "computed + after router", "fixed 8 MiB")
+VARIANTS = ("off", "computed", "computed + after router", "fixed 8 MiB", "old: first 8 MiB")
+"""old: the rule before the computed budget: a fixed 8 MiB from the start of the stacked weights (the
+router, then expert 0's rows on), whatever the router chose."""
 
 
 def _model(num_layers: int):
@@ -37,19 +41,25 @@ def _model(num_layers: int):
 def _schedules(ffn, be, spec, num_layers: int) -> tuple[dict, dict]:
     """The schedules, and each one's after-router hooks: they share one model, so each sets its hook (or
     none) on a layer just before running it."""
-    from afd.dataplane.prefetch import PrefetchConfig, PrefetchSchedule
-
     made = {
         "computed": PrefetchConfig(True),
         "computed + after router": PrefetchConfig(True, after_router=True),
         "fixed 8 MiB": PrefetchConfig(True, budget_bytes=8 << 20),
     }
+    made["old: first 8 MiB"] = made["fixed 8 MiB"]
     scheds, hooks = {}, {}
     for name, cfg in made.items():
-        scheds[name] = PrefetchSchedule(ffn, be, cfg, spec)
+        scheds[name] = (_FirstBytes if name.startswith("old") else PrefetchSchedule)(ffn, be, cfg, spec)
         hooks[name] = {i: ffn.layer(i).experts.before_gemm for i in range(num_layers)}
         _unhook(ffn, num_layers)
     return scheds, hooks
+
+
+class _FirstBytes(PrefetchSchedule):
+    """The old rule: every expert in order, so the budget covers the first bytes of w13 (then w2)."""
+
+    def after_compute(self, layer: int) -> None:
+        self.known[layer] = list(range(self.ffn.layer(layer).experts.w13.shape[0]))
 
 
 def _step(be, ffn, xs, sched, hooks: dict, gap: float, out: dict) -> None:
