@@ -89,6 +89,16 @@ SCRIPT = textwrap.dedent("""
     n = STATS["host_syncs"]
     torch.multinomial(torch.ones(4, device="npu:1"), 1)
     assert STATS["host_syncs"] == n + 1
+
+    # a device-to-host copy waits for the device unless it is non_blocking into pinned memory
+    counts = torch.arange(4, device="npu:1")
+    n = STATS["host_syncs"]
+    pinned = torch.empty(4, dtype=torch.int64).pin_memory()
+    pinned.copy_(counts, non_blocking=True)
+    assert STATS["host_syncs"] == n and pinned.tolist() == [0, 1, 2, 3]
+    torch.empty(4, dtype=torch.int64).copy_(counts, non_blocking=True)  # pageable: the host waits
+    torch.empty(4, dtype=torch.int64).copy_(counts)
+    assert STATS["host_syncs"] == n + 2, STATS["host_sync_sites"]
     print("OK")
 """)
 

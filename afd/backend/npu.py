@@ -56,7 +56,7 @@ ASCEND_HBM_BANDWIDTH = 1.6e12
 """Bytes/s of one Ascend 910B-class die's HBM (Atlas A2; an A3 module is two such dies, each its own device)."""
 ASCEND_L2_BYTES = 192 << 20
 """One 910B-class die's L2 cache."""
-ASCEND_FIGURES_SOURCE = "public 910B figures, not confirmed in a Huawei document yet: docs/architecture/prefetch.md"
+ASCEND_FIGURES_SOURCE = "910B figures, unverified: docs/architecture/prefetch.md"
 """Unverified: the widely quoted figures for the Ascend 910B (HBM2e about 1.6 TB/s, L2 192 MB); the stored
 Huawei pages this was written from (CANN Ascend C best practices, "Setting a Proper L2 CacheMode", 8.5.0)
 say only that L2 is several times faster than GM, with no size. A device run should log the L2 that
@@ -196,12 +196,10 @@ class NpuBackend(Backend):
         # that have it), else the figure below; the bandwidth is the figure below (no API reports it).
         props = torch.npu.get_device_properties(self._device)
         l2 = int(getattr(props, "L2_cache_size", 0) or 0)
-        where = "L2 reported by torch_npu" if l2 else f"L2 {ASCEND_L2_BYTES >> 20} MiB ({ASCEND_FIGURES_SOURCE})"
-        return PrefetchSpec(
-            ASCEND_HBM_BANDWIDTH,
-            l2 or ASCEND_L2_BYTES,
-            f"{where}; HBM {ASCEND_HBM_BANDWIDTH / 1e12:.1f} TB/s ({ASCEND_FIGURES_SOURCE})",
-        )
+        l2_from = "reported by torch_npu" if l2 else "assumed"
+        l2 = l2 or ASCEND_L2_BYTES
+        hbm = f"HBM {ASCEND_HBM_BANDWIDTH / 1e12:.1f} TB/s assumed"
+        return PrefetchSpec(ASCEND_HBM_BANDWIDTH, l2, f"L2 {l2 >> 20} MiB {l2_from}, {hbm} ({ASCEND_FIGURES_SOURCE})")
 
     graph_mode_default = "eager"
     """Not measured: afd's torchair graphs have run on the fake torchair only. The LongCat-Flash recipe on

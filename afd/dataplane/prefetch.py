@@ -72,6 +72,7 @@ class PrefetchSchedule:
         """Layer -> local experts it chose the last time the host learned it (step 1's guess)."""
         self._landing: dict[int, tuple[torch.Tensor, Any]] = {}
         """Layer -> (pinned host copy of its counts, event): copies not yet known to have landed."""
+        self._host: dict[int, torch.Tensor] = {}
         self._left: dict[int, int] = {}
         self._hinted: dict[int, set[int]] = {}
         """Layer -> experts step 1 hinted in this wait (step 2 skips them)."""
@@ -139,8 +140,10 @@ class PrefetchSchedule:
             return
         if layer in self._landing:  # the previous copy has not landed: keep waiting for it, not a newer one
             return
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-        host.copy_(counts, non_blocking=True)
+        host = self._host.get(layer)
+        if host is None:  # one pinned buffer per layer, reused: a new copy starts only once the last landed
+            host = self._host[layer] = torch.empty(counts.shape, dtype=counts.dtype).pin_memory()
+        host.copy_(counts, non_blocking=True)  # pinned: queued on the stream, no host wait
         event = self.backend.timing_event()  # any event: only query() is used
         event.record()
         self._landing[layer] = (host, event)
