@@ -294,3 +294,17 @@ def test_server_measures_each_layers_wait_for_the_prefetch_budget(ffn, landed):
 def _labels(text: str, name: str) -> str:
     line = next(ln for ln in text.splitlines() if ln.startswith(name + "{"))
     return line[len(name) + 1 : line.index("}")]
+
+
+def test_prefetch_bench_runs_every_variant_side_by_side():
+    from afd.bench.prefetch import VARIANTS, format_prefetch, run_prefetch_bench
+
+    threads = torch.get_num_threads()
+    try:
+        res = run_prefetch_bench((4,), repeats=1, num_layers=2, gaps_ms=(0.5,))
+    finally:
+        torch.set_num_threads(threads)
+    rows = res["T=4 gap=0.5ms"]
+    assert list(rows) == list(VARIANTS) and rows["off"]["compute_vs_off"] == 1.0
+    assert rows["off"]["budget_mib"] == 0 and rows["fixed 8 MiB"]["budget_mib"] == 8
+    assert "min(bandwidth x measured gap, cache)" in format_prefetch(res)
