@@ -308,3 +308,17 @@ def test_prefetch_bench_runs_every_variant_side_by_side():
     assert list(rows) == list(VARIANTS) and rows["off"]["compute_vs_off"] == 1.0
     assert rows["off"]["budget_mib"] == 0 and rows["fixed 8 MiB"]["budget_mib"] == 8
     assert "min(bandwidth x measured gap, cache)" in format_prefetch(res)
+
+
+def test_the_guess_is_the_union_of_a_steps_micro_batches(ffn):
+    sched = PrefetchSchedule(ffn, _Recorder(), PrefetchConfig(True, budget_bytes=1 << 30), SPEC)
+    ex = ffn.layers[0].experts
+    sched(0)
+    for counts, want in (([1, 0, 0, 0], [0]), ([0, 0, 2, 0], [0, 2])):  # micro-batches 0 and 1
+        ex.last_counts = torch.tensor(counts + [0] * (ex.w13.shape[0] - 4))
+        sched.after_compute(0)
+        assert sched.known[0] == want
+    sched(0)  # the next step's wait: its first micro-batch starts a new guess
+    ex.last_counts = torch.tensor([0, 3] + [0] * (ex.w13.shape[0] - 2))
+    sched.after_compute(0)
+    assert sched.known[0] == [1]

@@ -14,8 +14,10 @@ Why "the last time the host learned it" on a device: npu_prefetch takes a host t
 offset, and this step's chosen expert ids live on the device. Reading them there would stall the host
 for every layer; instead each layer's per-expert counts (Experts.last_counts) are copied to pinned host
 memory without blocking, and read once that copy has landed (an event's query(), never a wait): a step
-or so late. Decode routing repeats from step to step for the same sequences, so last step's experts are
-the best guess the host has for free; a wrong guess costs bandwidth in a gap, never a result.
+or so late, and with several micro-batches only the one whose copy started (on CPU, where the counts are on
+the host, the union over the step's micro-batches). Decode routing repeats from step to step for the same
+sequences, so last step's experts are the best guess the host has for free; a wrong guess costs bandwidth
+in a gap, never a result.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class PrefetchSchedule:
         self._landing: dict[int, tuple[torch.Tensor, Any]] = {}
         """Layer -> (pinned host copy of its counts, event): copies not yet known to have landed."""
         self._host: dict[int, torch.Tensor] = {}
+        self._waited: set[int] = set()
+        """Layers waited for (step 1) since their last compute: the next compute starts a new guess."""
         self._left: dict[int, int] = {}
         self._hinted: dict[int, set[int]] = {}
         """Layer -> experts step 1 hinted in this wait (step 2 skips them)."""
@@ -116,6 +120,7 @@ class PrefetchSchedule:
         """Step 1, while waiting for `layer`'s inputs; returns the bytes hinted."""
         before = self.bytes_total
         self._left[layer] = self.last_budget[layer] = self.budget(layer)
+        self._waited.add(layer)
         self._learn(layer)
         if "router" in self.cfg.weights:
             self._hint(layer, _router(self.ffn, layer))
@@ -135,8 +140,13 @@ class PrefetchSchedule:
     def after_compute(self, layer: int) -> None:
         """Once `layer` has computed: its per-expert counts start their way to the host (step 1's guess)."""
         counts = _experts(self.ffn, layer).last_counts
-        if counts.device.type == "cpu":
-            self.known[layer] = [g for g, n in enumerate(counts.tolist()) if n]
+        if counts.device.type == "cpu":  # the union over the layer's micro-batches of this step
+            chosen = {g for g, n in enumerate(counts.tolist()) if n}
+            if layer in self._waited:  # the first micro-batch since the wait: last step's guess is done
+                self._waited.discard(layer)
+            else:
+                chosen |= set(self.known.get(layer, ()))
+            self.known[layer] = sorted(chosen)
             return
         if layer in self._landing:  # the previous copy has not landed: keep waiting for it, not a newer one
             return
