@@ -56,10 +56,10 @@ class FFNNode:
             self._http = serve_metrics(args.bind_host, node.ports.metrics, metrics, self._ready)
         pf = cfg.prefetch
         pcfg = PrefetchConfig(pf.enabled, pf.budget_bytes, tuple(pf.weights or WEIGHTS), pf.next_layer)
-        hook = PrefetchSchedule(self.ffn, rt.backend, pcfg) if pcfg.active(rt.backend) else None
-        log.info("weight prefetch: %s", f"on, {pcfg.budget_bytes >> 20} MiB per wait" if hook else "off")
+        prefetch = PrefetchSchedule(self.ffn, rt.backend, pcfg) if pcfg.active(rt.backend) else None
+        log.info("weight prefetch: %s", _describe(prefetch, pcfg))
         self.server = FFNServer(
-            self.ffn, rt.backend, rt.plane, list(a.peer_ranks), self.dtype, layer_hook=hook, metrics=metrics
+            self.ffn, rt.backend, rt.plane, list(a.peer_ranks), self.dtype, prefetch=prefetch, metrics=metrics
         )
         log.info("serving %d attention peer(s)", len(a.peer_ranks))
 
@@ -145,6 +145,15 @@ class FFNNode:
                     },
                     f,
                 )
+
+
+def _describe(prefetch: PrefetchSchedule | None, pcfg: PrefetchConfig) -> str:
+    if prefetch is None:
+        return "off"
+    if pcfg.budget_bytes is not None:
+        return f"on, {pcfg.budget_bytes >> 10} KiB per layer (prefetch.budget_bytes)"
+    spec = prefetch.budget.spec
+    return f"on, per layer min(bandwidth x measured gap, cache): {spec.source}"
 
 
 def _exit_on_shutdown(status) -> None:

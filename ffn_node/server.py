@@ -32,6 +32,7 @@ from torch import nn
 
 from afd.backend import Backend
 from afd.dataplane.buffers import BufferPool
+from afd.dataplane.prefetch import PrefetchSchedule
 from afd.dataplane.protocol import (
     FLAG_IDLE,
     FLAG_LEAVE,
@@ -68,7 +69,7 @@ class FFNServer:
         attention_ranks: list[int],
         dtype: torch.dtype,
         timers: Timers | None = None,
-        layer_hook=None,
+        prefetch: PrefetchSchedule | None = None,
         metrics: FFNMetrics | None = None,
     ):
         self.ffn, self.backend = ffn, backend
@@ -76,8 +77,8 @@ class FFNServer:
         self.timers = timers or Timers()
         self.pool = BufferPool(backend.device, dtype)
         self._headers = {r: torch.empty(HEADER_LEN, dtype=torch.int64, device=backend.device) for r in attention_ranks}
-        self.layer_hook = layer_hook
-        """Called as hook(layer) -> bytes while waiting for that layer's inputs (afd.dataplane.prefetch)."""
+        self.prefetch = prefetch
+        """Hints weights while waiting for each layer's inputs, sized by the waits this loop measures."""
         self.metrics = metrics
         self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=backend.device)
         self.steps = 0
@@ -85,7 +86,8 @@ class FFNServer:
         self._mark = time.perf_counter()
         """Where the current idle span began: the end of the last compute, or of the last span accounted."""
         self._timed: deque = deque()
-        """(layer, start, end) device events of computes not yet accounted, oldest first."""
+        """(layer, start, end, gap) device events of computes not yet accounted, oldest first; gap: the
+        event before the layer's prefetch and wait (its span to start is the layer's gap), or None."""
         self.reset(plane, attention_ranks)
 
     def reset(self, plane: DataPlane, attention_ranks: list[int]) -> None:
@@ -269,12 +271,31 @@ class FFNServer:
         """Compute time from device events, taken once the device has passed them (query(), never a wait):
         a synchronize per micro-batch would stall the host the exchange is meant to keep ahead."""
         while self._timed and self._timed[0][2].query():
-            layer, start, end = self._timed.popleft()
+            layer, start, end, gap = self._timed.popleft()
             seconds = start.elapsed_time(end) / 1000.0
+            if gap is not None and self.prefetch is not None:
+                self.prefetch.observe_gap(layer, gap.elapsed_time(start) / 1000.0)
             self.timers.add("compute", seconds)
             if self.metrics is not None:
                 self.metrics.compute.observe(seconds)
                 self.metrics.layer_compute[layer] += seconds
+
+    def _prefetch_in_gap(self, layer: int, recvs: list):
+        """Hints `layer`'s weights while its inputs are in flight; returns the event that starts the layer's
+        measured gap (its span to the compute's start event), or None when the gap is not measurable.
+
+        On a device the hint is asynchronous and the events time the stream's stall for the inputs. On CPU
+        the hint runs on this thread first: if the inputs landed before it ended, the gap was shorter than
+        the hint and is taken as 0, so that the estimate shrinks the next hint (never feeds it its own
+        time)."""
+        gap = self.backend.timing_event()
+        gap.record()
+        self.prefetch(layer)
+        if not self.backend.stream_ordered_waits and all(w is not _FAILED and w.is_completed() for w in recvs):
+            zero = self.backend.timing_event()
+            zero.record()
+            return zero  # its span to the compute's start: the wait after the hint, ~0
+        return gap
 
     def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]]):
         total = sum(n for _, n in parts)
@@ -283,10 +304,9 @@ class FFNServer:
         for r, n in parts:
             recvs.append((r, off, n, self._post(self.plane.irecv, x[off : off + n], r)))
             off += n
-        if self.layer_hook is not None and i == 0 and layer in self.ffn.cfg.moe_layers:  # once per layer
-            hinted = self.layer_hook(layer) or 0
-            if self.metrics is not None:
-                self.metrics.prefetch_bytes.inc(hinted)
+        gap = None
+        if self.prefetch is not None and i == 0 and layer in self.ffn.cfg.moe_layers:  # once per layer
+            gap = self._prefetch_in_gap(layer, [w for _, _, _, w in recvs])
         ok = [(o, n) for r, o, n, w in recvs if self._wait(w, r, f"layer {layer} MoE input receive")]
         if len(ok) < len(recvs):
             x = self._without_failed(i, x, ok)
@@ -297,7 +317,12 @@ class FFNServer:
             y = self.ffn(self.backend, layer, x)
         end.record()
         self._mark = time.perf_counter()
-        self._timed.append((layer, start, end))
+        self._timed.append((layer, start, end, gap))
+        if self.prefetch is not None:
+            self.prefetch.after_compute(layer)
+            if self.metrics is not None:
+                self.metrics.prefetch_bytes.inc(self.prefetch.take_bytes())
+                self.metrics.prefetch_budget[layer] = self.prefetch.last_budget.get(layer, 0)
         self.tokens += total
         if self.metrics is not None:
             self.metrics.tokens.inc(total)

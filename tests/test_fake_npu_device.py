@@ -100,6 +100,16 @@ SCRIPT = textwrap.dedent("""
     torch.zeros(3, dtype=torch.long, device="npu:1").index_add_(0, v, torch.ones_like(v))
     v.repeat_interleave(v, output_size=3)
     assert STATS["host_syncs"] == n
+
+    # a device-to-host copy waits for the device unless it is non_blocking into pinned memory
+    counts = torch.arange(4, device="npu:1")
+    n = STATS["host_syncs"]
+    pinned = torch.empty(4, dtype=torch.int64).pin_memory()
+    pinned.copy_(counts, non_blocking=True)
+    assert STATS["host_syncs"] == n and pinned.tolist() == [0, 1, 2, 3]
+    torch.empty(4, dtype=torch.int64).copy_(counts, non_blocking=True)  # pageable: the host waits
+    torch.empty(4, dtype=torch.int64).copy_(counts)
+    assert STATS["host_syncs"] == n + 2, STATS["host_sync_sites"]
     print("OK")
 """)
 

@@ -15,8 +15,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from cluster_helpers import Cluster, cluster_yaml, post
+from cluster_helpers import Cluster, cluster_yaml, get, post
 from hf_reference import PROMPTS
+from metrics_text import total
 from npu_fake import FAKES, check_one_host_sync_per_step, on_devices, reports, snapshot, sync_env
 from rank_processes import run_ranks
 
@@ -76,6 +77,12 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
         check_one_host_sync_per_step(
             c.url("attn0"), snapshot(report, c), {n["name"]: n["role"] for n in c.doc["nodes"]}
         )
+        # prefetch is on by default on Ascend: the router's and the last-chosen experts' slices went through
+        # the fake npu_prefetch's checks, within a budget computed from the measured waits
+        for n in c.doc["nodes"]:
+            if n["role"] == "ffn":
+                text = get(f"http://127.0.0.1:{n['ports']['metrics']}", "/metrics")[1].decode()
+                assert total(text, "afd_prefetch_bytes_total") > 0 and total(text, "afd_prefetch_budget_bytes") > 0
     seen = list(reports(report).values())
     assert len(seen) == A * tp.get("attention_tp", 1) + F, "every process ran on the fake device and wrote its report"
     for r in seen:

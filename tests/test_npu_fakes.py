@@ -323,6 +323,43 @@ def test_npu_prefetch_always_names_a_dependency():
     assert [c[1] for c in ops.calls] == [512, 1024]
 
 
+def test_npu_prefetch_of_routed_experts_passes_the_fake_checks():
+    # The FFN node's schedule on Ascend: the router, then each chosen expert's w13 slice and then its w2
+    # slice, as (whole stacked weight, max_size, offset) per torch_npu's npu_prefetch(input, dependency,
+    # max_size, offset); the last expert's slice ends exactly at the tensor's end.
+    from afd.backend.base import PrefetchSpec
+    from afd.dataplane.prefetch import PrefetchConfig, PrefetchSchedule
+    from afd.model.demo_config import DEMO_CONFIG
+    from afd.model.longcat_flash.ffn import FFNHalf
+    from afd.model.registry import config_from_hf
+
+    ffn = FFNHalf(config_from_hf(DEMO_CONFIG))
+    seen = []
+    be = _npu_backend()
+    be._torch_npu.npu_prefetch = lambda inp, dep, n, offset=0: (
+        seen.append((inp, dep)),
+        ops.npu_prefetch(inp, dep, n, offset),
+    )
+    spec = PrefetchSpec(1.6e12, 192 << 20, "test")
+    sched = PrefetchSchedule(ffn, be, PrefetchConfig(True, next_layer=False), spec)
+    ex = ffn.layer(0).experts
+    last = ex.w13.shape[0] - 1
+    assert ex.before_gemm is None  # the chosen ids stay on the device: nothing reads them per layer
+    sched.known[0] = [1, last]  # what layer 0 chose last time the host learned it
+    sched.observe_gap(0, 1e-3)  # 1.6 MB movable: every slice fits
+    sched(0)
+    s13, s2 = ex.w13[0].numel() * 4, ex.w2[0].numel() * 4
+    router = ffn.layer(0).router.classifier.weight
+    assert ops.calls == [
+        ("npu_prefetch", router.numel() * 4, 0),
+        ("npu_prefetch", s13, s13),
+        ("npu_prefetch", s13, last * s13),
+        ("npu_prefetch", s2, s2),
+        ("npu_prefetch", s2, last * s2),
+    ]
+    assert [inp for inp, _ in seen[1:]] == [ex.w13, ex.w13, ex.w2, ex.w2] and all(d is not None for _, d in seen)
+
+
 def test_npu_prefetch_inside_a_torchair_graph(torchair):
     # Failed before the fix: prefetch passed dependency=None, which graph mode refuses.
     be = _npu_backend()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 import torch
 
@@ -109,6 +110,19 @@ class PeerError(RuntimeError):
         PeerError.made += 1
 
 
+@dataclass(frozen=True)
+class PrefetchSpec:
+    """What bounds a weight prefetch on one device (seed 001: the bytes a gap can move are bandwidth x
+    time, and only what the cache holds survives until the compute reads it)."""
+
+    bandwidth: float
+    """Bytes per second the prefetch can move from memory (HBM on a device, DRAM on a CPU)."""
+    cache_bytes: int
+    """The cache the prefetch fills: L2 on Ascend, the last-level cache on a CPU."""
+    source: str
+    """Where the two figures come from (measured, read from the OS, or a document): logged at startup."""
+
+
 class Backend(ABC):
     """One device family. Implementations import their SDKs lazily, inside their own module."""
 
@@ -175,10 +189,22 @@ class Backend(ABC):
     prefetch_by_default: bool = False
     """Whether FFN nodes prefetch weights unless the YAML says otherwise (see docs/benchmarks.md)."""
 
-    def prefetch(self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None) -> int:
-        """Hint that the first `max_bytes` of `weight` are needed soon, once `dependency` is computed (inside
-        a graph: the node it follows); returns the bytes hinted (0: no-op). No numerical effect."""
+    def prefetch(
+        self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None, offset: int = 0
+    ) -> int:
+        """Hint that `max_bytes` of `weight` from byte `offset` on (one expert's slice of a stacked weight)
+        are needed soon, once `dependency` is computed (inside a graph: the node it follows); returns the
+        bytes hinted (0: no-op). No numerical effect."""
         return 0
+
+    def prefetch_spec(self) -> PrefetchSpec | None:
+        """The figures the FFN node sizes its prefetch by (afd.dataplane.prefetch_budget); None where
+        prefetch is a no-op."""
+        return None
+
+    group_sizes_on_host: bool = False
+    """Whether grouped_matmul reads its group sizes on the host anyway (grouped_matmul_by_slices): then the
+    experts the router chose are known there at no extra sync, and can be hinted before the GEMMs."""
 
     def mm_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, world_size: int) -> torch.Tensor | None:
         """Fused (x @ weight^T) then ReduceScatter over `group` along rows: x [T, K] (T a multiple of

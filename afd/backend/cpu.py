@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from afd.backend.base import Backend, grouped_matmul_by_slices, refuse_host_syncs
+from afd.backend.base import Backend, PrefetchSpec, grouped_matmul_by_slices, refuse_host_syncs
 
 ROW_MAJOR_ENV = "AFD_CPU_ROW_MAJOR_WEIGHTS"
 """Set to 1: column_major_linears leaves weights as loaded (what afd bench-graph --vs-hf compares against)."""
@@ -45,18 +45,28 @@ class CpuBackend(Backend):
         free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return free, total
 
-    def prefetch(self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None) -> int:
-        # Reads one value per 64-byte line of the first max_bytes: the lines land in the caches before the
-        # GEMM needs them (now: a CPU has no dependency to wait for). Costs memory bandwidth; the suite decides
-        # whether it pays (off by default).
+    def prefetch(
+        self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None, offset: int = 0
+    ) -> int:
+        # Reads one value per 64-byte line of max_bytes from byte `offset`: the lines land in the caches
+        # before the GEMM needs them (now: a CPU has no dependency to wait for). Costs memory bandwidth on the
+        # serving thread; the suite decides whether it pays (off by default).
         w = weight.detach()
         flat = (w if w.is_contiguous() or w.dim() != 2 else w.t()).reshape(-1)  # a view: column-major too
-        n = min(flat.numel(), max_bytes // flat.element_size())
+        size = flat.element_size()
+        first = offset // size
+        n = min(flat.numel() - first, max_bytes // size)
         if n <= 0:
             return 0
-        step = max(1, 64 // flat.element_size())
-        flat[:n:step].sum()
-        return n * flat.element_size()
+        flat[first : first + n : max(1, 64 // size)].sum()
+        return n * size
+
+    def prefetch_spec(self) -> PrefetchSpec:
+        from afd.backend.cpu_spec import cpu_prefetch_spec  # measured once, when first asked
+
+        return cpu_prefetch_spec()
+
+    group_sizes_on_host = True  # grouped_matmul_by_slices reads them (a CPU tensor: no sync)
 
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         # One GEMM per non-empty group over a contiguous row slice: on CPU this measures as fast as

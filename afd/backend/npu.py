@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from afd.backend import host_syncs
-from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices, sizes_covering
+from afd.backend.base import Backend, DeviceUnavailable, PrefetchSpec, grouped_matmul_by_slices, sizes_covering
 from afd.backend.devices import check_indices
 
 
@@ -49,6 +49,18 @@ MMRS_COMM_MODE = "aiv"
 """7.1.0's op (no comm_mode) and comm_mode "ai_cpu", the default since 7.2.0, are documented "仅在训练场景下使用"
 (training only); "aiv" is documented for training and inference (doc 7.2.0, 26.0.0). vllm-ascend passes "aiv"
 on A2/A3 too (vllm_ascend/device/device_op.py, BaseDeviceAdaptor.npu_mm_reduce_scatter_base)."""
+
+
+# The figures the FFN node's prefetch budget is sized by on Ascend (afd.dataplane.prefetch_budget).
+ASCEND_HBM_BANDWIDTH = 1.6e12
+"""Bytes/s of one Ascend 910B-class die's HBM (Atlas A2; an A3 module is two such dies, each its own device)."""
+ASCEND_L2_BYTES = 192 << 20
+"""One 910B-class die's L2 cache."""
+ASCEND_FIGURES_SOURCE = "910B figures, unverified: docs/architecture/prefetch.md"
+"""Unverified: the widely quoted figures for the Ascend 910B (HBM2e about 1.6 TB/s, L2 192 MB); the stored
+Huawei pages this was written from (CANN Ascend C best practices, "Setting a Proper L2 CacheMode", 8.5.0)
+say only that L2 is several times faster than GM, with no size. A device run should log the L2 that
+torch_npu reports (prefetch_spec prefers it) and replace these with a cited figure."""
 
 
 class NpuBackend(Backend):
@@ -162,22 +174,36 @@ class NpuBackend(Backend):
             names[group] = group._get_backend(torch.device("npu")).get_hccl_comm_name(dist.get_rank(group))
         return names[group]
 
-    def prefetch(self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None) -> int:
-        # npu_prefetch(input, dependency, max_size): an L2 hint that starts after `dependency`'s producer.
+    def prefetch(
+        self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None, offset: int = 0
+    ) -> int:
+        # npu_prefetch(input, dependency, max_size, offset=0): an L2 hint of max_size bytes from byte `offset`
+        # of `input`, started after `dependency`'s producer. One expert's slice of a stacked weight is the
+        # whole tensor with that slice's offset, as the doc's signature has it (no view, no host read).
         # Graph mode (torchair) refuses dependency=None, so one is always passed: without a caller's choice,
         # the weight itself. The doc makes `dependency` only the node the prefetch starts after, read for
         # ordering, not data ("不做数据处理，与数据类型和数据格式无关"); the weight is already the prefetch's
         # input, so ordering after it adds no edge beyond that one: the hint may start as soon as the weight
-        # exists, which is what an eager call with None does. max_size must be > 0, hence the n > 0 guard;
-        # a max_size past the tensor's end is clamped by the op, but n never exceeds it anyway.
+        # exists, which is what an eager call with None does. max_size must be > 0 and offset inside the
+        # tensor (the kernel's check), hence the n > 0 guard; n never runs past the tensor's end.
         # source: torch_npu.npu_prefetch, https://github.com/Ascend/op-plugin/blob/7.1.0/docs/context/
         #   torch_npu-npu_prefetch.md, op-plugin 7.1.0; torchair npu_prefetch converter,
         #   https://github.com/Ascend/torchair/blob/7.1.0/python/torchair/_ge_concrete_graph/ge_converter/
         #   custom/npu_prefetch.py, torchair 7.1.0
-        n = min(max_bytes, weight.numel() * weight.element_size())
+        n = min(max_bytes, weight.numel() * weight.element_size() - offset)
         if n > 0:
-            self._torch_npu.npu_prefetch(weight, weight if dependency is None else dependency, n)
-        return n
+            self._torch_npu.npu_prefetch(weight, weight if dependency is None else dependency, n, offset)
+        return max(n, 0)
+
+    def prefetch_spec(self) -> PrefetchSpec:
+        # L2 from the device where torch_npu reports it (NPUDeviceProperties.L2_cache_size in the releases
+        # that have it), else the figure below; the bandwidth is the figure below (no API reports it).
+        props = torch.npu.get_device_properties(self._device)
+        l2 = int(getattr(props, "L2_cache_size", 0) or 0)
+        l2_from = "reported by torch_npu" if l2 else "assumed"
+        l2 = l2 or ASCEND_L2_BYTES
+        hbm = f"HBM {ASCEND_HBM_BANDWIDTH / 1e12:.1f} TB/s assumed"
+        return PrefetchSpec(ASCEND_HBM_BANDWIDTH, l2, f"L2 {l2 >> 20} MiB {l2_from}, {hbm} ({ASCEND_FIGURES_SOURCE})")
 
     graph_mode_default = "eager"
     """Not measured: afd's torchair graphs have run on the fake torchair only. The LongCat-Flash recipe on

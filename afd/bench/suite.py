@@ -5,7 +5,7 @@ Three sections, each comparing its variants side by side in one run (interleaved
            vs the per-expert loop of HF's LongcatFlashExperts vs every token through every expert;
   decode   decode tokens/s of AFD 1A1F, colocated afd and HF `generate` on the same checkpoint;
   scaling  AFD decode step time vs batch per attention node, and 1A1F vs 2A1F (one FFN node serving two);
-  prefetch FFN layer time with and without weight prefetch at decode-sized batches (afd.bench.prefetch).
+  prefetch FFN layer time with and without weight prefetch in a replayed communication gap (afd.bench.prefetch).
 """
 
 from __future__ import annotations

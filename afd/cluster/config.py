@@ -258,9 +258,10 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
         _positive(src, f"engine.{k}", getattr(engine, k))
     _positive(src, "engine.shutdown_timeout", engine.shutdown_timeout, allow_zero=True)
     pf_raw = dict(raw.get("prefetch") or {})
-    if "budget_bytes" in pf_raw:
+    if pf_raw.get("budget_bytes") is not None:
         pf_raw["budget_bytes"] = parse_bytes(src, "prefetch.budget_bytes", pf_raw["budget_bytes"])
     prefetch = PrefetchSection(**_section(PrefetchSection, src, "prefetch", pf_raw))
+    _positive(src, "prefetch.budget_bytes", prefetch.budget_bytes)
     for i, w in enumerate(prefetch.weights or []):
         if w not in ("router", "gate_up", "down"):
             _fail(src, f"prefetch.weights[{i}]", f"expected router, gate_up or down, got {w!r}")

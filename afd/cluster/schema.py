@@ -170,10 +170,15 @@ class PrefetchSection:
 
     enabled: bool | None = None
     """Unset: the backend's default (on for Ascend NPU; off on CPU and CUDA, see docs/benchmarks.md)."""
-    budget_bytes: int = 8 << 20
+    budget_bytes: int | None = None
+    """Bytes hinted per layer. Unset (the default): computed per layer as the device's memory bandwidth x
+    the measured wait for the layer's inputs, within its cache (docs/architecture/prefetch.md); set it only
+    to pin the budget, e.g. to compare against the computed one. A positive size ("16MiB" or bytes)."""
     weights: list | None = None
-    """Any of router, gate_up, down, in prefetch order (default: all three)."""
+    """Any of router (this layer's and the next's), gate_up (the chosen experts' w13 rows), down (their w2
+    rows); default: all three. Hinted in the order the layer reads them, whatever the order here."""
     next_layer: bool = True
+    """Also hint the next layer's router while waiting for this layer's inputs."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ Shapes: T tokens, H hidden, I expert intermediate, K top-k, G routed experts hel
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,6 +29,9 @@ class Experts(nn.Module):
         self.last_counts = torch.zeros(G, dtype=torch.int64)
         """[G] tokens each local expert got in the last call, on the device (the FFN node's metrics add
         them up there and read them once per step)."""
+        self.before_gemm: Callable[[torch.Tensor], None] | None = None
+        """Called with the group sizes [G] once routing is known, before the grouped GEMMs: the FFN node's
+        weight prefetch (afd.dataplane.prefetch) hints the chosen experts' slices there."""
 
     def forward(self, backend: Backend, x, weights, ids) -> torch.Tensor:
         """x [T, H], weights/ids [T, K] -> this holder's share of the MoE output [T, H].
@@ -44,6 +49,8 @@ class Experts(nn.Module):
         ones = torch.ones_like(group)
         sizes = torch.zeros(G + 1, dtype=torch.int64, device=x.device).index_add_(0, group, ones)[:G]  # [G]
         self.last_counts = sizes  # stays on the device
+        if self.before_gemm is not None:
+            self.before_gemm(sizes)
         token = order // K  # [T*K]
         gate, up = backend.grouped_matmul(x[token], self.w13, sizes).chunk(2, dim=-1)  # [T*K, I] each
         y = backend.grouped_matmul(F.silu(gate) * up, self.w2, sizes)  # [T*K, H]

@@ -308,6 +308,8 @@ class FFNMetrics(_Metrics):
         # a labelled Prometheus child costs a lock and a dict lookup per observation on the hot path.
         self.layer_compute = [0.0] * num_layers
         self.layer_idle = [0.0] * num_layers
+        self.prefetch_budget = [0] * num_layers
+        """Bytes each layer's last prefetch was allowed (afd.dataplane.prefetch_budget): computed, so exported."""
         self.zero_tokens = 0
         """Token assignments to identity experts: a device tensor once counted, read at scrape time."""
         self.registry.register(_Collector(self._collect))
@@ -362,6 +364,15 @@ class FFNMetrics(_Metrics):
             for layer, v in enumerate(values):
                 fam.add_metric(self._values(str(layer)), v)
             yield fam
+        budget = GaugeMetricFamily(
+            "afd_prefetch_budget_bytes",
+            "Bytes the FFN node's weight prefetch may hint per layer: memory bandwidth x the measured wait "
+            "for the layer's inputs, within the cache (0: prefetch off or no gap measured yet).",
+            labels=(*BASE_LABELS, "layer"),
+        )
+        for layer, v in enumerate(self.prefetch_budget):
+            budget.add_metric(self._values(str(layer)), v)
+        yield budget
 
 
 class _Collector:

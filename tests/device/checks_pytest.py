@@ -18,6 +18,7 @@ DEVICE_TESTS = (
     "tests/test_backend_and_sampling.py::test_cuda_grouped_matmul",
     "tests/test_backend_and_sampling.py::test_npu_backend_fails_clearly_without_torch_npu",
     "tests/test_prefetch.py::test_npu_prefetch_for_real",
+    "tests/test_prefetch.py::test_npu_prefetch_spec_and_an_expert_slice_for_real",
 )
 PYTEST_TIMEOUT = 300
 MEASURED = "the device-guarded tests' verdicts, by pytest"

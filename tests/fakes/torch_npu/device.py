@@ -311,6 +311,18 @@ def get_device_name(device=None) -> str:
     return "fake Ascend (CPU)"
 
 
+class _DeviceProperties:
+    """torch_npu's _NPUDeviceProperties, with the fields the fake can state; no L2_cache_size, which not
+    every torch_npu release reports, so that afd's fallback figure is what the fake exercises."""
+
+    def __init__(self, index: int):
+        self.name, self.total_memory = get_device_name(index), mem_get_info(index)[1]
+
+
+def get_device_properties(device=None) -> _DeviceProperties:
+    return _DeviceProperties(_index(device))
+
+
 # ---- the device's tensors ---------------------------------------------------------------------------
 
 
@@ -525,13 +537,25 @@ def _run(func, args, kwargs):
         str(func.__name__),
         fresh=[x for x in fresh if not _aliases_input(x, npu)],
     )
-    if to_host or _reads_inside(func, args, kwargs):
+    if to_host and func is torch.ops.aten.copy_.default and _async_to_host(args, kwargs):
+        STATS["host_reads"] += 1  # queued on the stream; the host reads the buffer after an event says so
+    elif to_host or _reads_inside(func, args, kwargs):
         STATS["host_reads"] += 1
         host_sync(f"device-to-host read ({func.__name__})")
         _host_waits(stream)
     elif func is torch.ops.aten.copy_.default and not isinstance(args[1], NpuTensor):
         _host_to_device(args[1], kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
     return result
+
+
+def _async_to_host(args, kwargs) -> bool:
+    """dst.copy_(npu_src, non_blocking=True) into pinned host memory: queued on the stream, no host wait.
+    PyTorch's copy_kernel_cuda (aten/src/ATen/native/cuda/Copy.cu) synchronizes the stream only when the copy
+    is not non_blocking, and records an event for the pinned block instead; into pageable memory CUDA makes the
+    copy synchronous ("API synchronization behavior", CUDA Runtime API). The fake copies at once, so a host
+    that reads the buffer before an event says the copy landed is not caught here."""
+    non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+    return bool(non_blocking) and is_pinned(args[0])
 
 
 def _host_to_device(src: torch.Tensor, non_blocking: bool) -> None:
