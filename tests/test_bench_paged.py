@@ -8,6 +8,7 @@ import json
 from bench_helpers import TINY_LONGCAT, bench_args
 
 from afd.bench import paged as bench_paged
+from afd.bench.paged_gather import BEFORE
 from afd.model import paged_attention
 
 
@@ -23,6 +24,6 @@ def test_tiny_run_times_every_implementation_at_every_context(tmp_path, capsys):
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"8", "40"}
     for r in results.values():
-        assert set(r) == {"paged chunk=1", "paged chunk=64", bench_paged.BEFORE, "ratio"}
+        assert set(r) == {"paged chunk=1", "paged chunk=64", BEFORE, "ratio"}
         assert all(v > 0 for v in r.values())
     assert chunk == paged_attention.CHUNK_BLOCKS  # the benchmark's patches end with it

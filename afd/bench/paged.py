@@ -1,7 +1,7 @@
 """`afd bench-paged`: decode step time against context length, attention reading the paged cache a chunk
 of blocks at a time (afd/model/paged_attention.py) against the whole-sequence gather it replaced.
 
-The gather is kept here only, as the reference: `gather_decode` patches it in for the steps that time
+The gather is kept only as the reference (afd/bench/paged_gather.py), patched in for the steps that time
 it, so both run in one process on the same model, cache and block tables. A step is a whole colocated
 decode step (embedding, every layer's attention and MoE, logits) of B sequences at context L, from a KV
 cache filled with random latents (the values do not change the time) over block tables drawn at random
@@ -12,25 +12,14 @@ figure is a median over steps, then over rounds, and the ratio the median of the
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import tempfile
 import time
-from collections.abc import Iterator
-from unittest import mock
-
-import torch
 
 from afd.bench.common import interleaved, median
-from afd.bench.step import SCENARIOS, add_model_args
+from afd.bench.step import add_model_args, model_of
 from afd.cluster.flags import DefaultsHelpFormatter
-from afd.model import paged_attention
-from afd.model.gqa import GQAttention
-from afd.model.mla import MLAttention
-
-BEFORE = "gather (before)"
 
 
 def add_parser(sub) -> None:
@@ -47,72 +36,28 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument(
         "--chunks",
-        default=str(paged_attention.CHUNK_BLOCKS),
-        help="comma-separated blocks per chunk to time (the product's default first)",
+        default=None,
+        help="comma-separated blocks per chunk to time (default: the product's, CHUNK_BLOCKS of "
+        "afd/model/paged_attention.py)",
     )
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
 
 
-def _mla_gather(self: MLAttention, q_nope, q_rot, meta, cache) -> torch.Tensor:
-    """MLAttention._decode_absorbed as it was: every sequence's whole cache copied out, one softmax."""
-    w_uk, w_uv = self._w_uk_uv()
-    q_full = torch.cat([torch.einsum("bhn,hnc->bhc", q_nope, w_uk), q_rot], dim=-1)  # [B, NH, C + R]
-    B, nb = meta.decode_block_tables.shape
-    kv = cache[meta.decode_block_tables].view(B, nb * meta.block_size, -1)  # [B, L, C + R]
-    score = torch.einsum("bhd,bld->bhl", q_full, kv) * self.scale
-    pos = torch.arange(kv.shape[1], device=kv.device)
-    score.masked_fill_(pos[None, None, :] >= meta.decode_ctx_lens[:, None, None], float("-inf"))
-    p = torch.softmax(score, dim=-1, dtype=torch.float32).to(q_full.dtype)
-    o_lat = torch.einsum("bhl,blc->bhc", p, kv[..., : self.kv_lora])  # [B, NH, C]
-    return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
-
-
-def _gqa_gather(self: GQAttention, q, meta, cache) -> torch.Tensor:
-    """GQAttention._decode as it was. q [B, KVH, G, D]."""
-    B, nb = meta.decode_block_tables.shape
-    k = cache[0][meta.decode_block_tables].view(B, nb * meta.block_size, self.n_kv, -1)  # [B, L, KVH, D]
-    v = cache[1][meta.decode_block_tables].view(B, nb * meta.block_size, self.n_kv, -1)
-    score = torch.einsum("bkgd,blkd->bkgl", q, k) * self.scale
-    pos = torch.arange(k.shape[1], device=k.device)
-    score.masked_fill_(pos >= meta.decode_ctx_lens[:, None, None, None], float("-inf"))
-    p = torch.softmax(score, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.einsum("bkgl,blkd->bkgd", p, v)
-
-
-@contextlib.contextmanager
-def gather_decode() -> Iterator[None]:
-    """Decode through the whole-sequence gather (MLA and GQA) while inside."""
-    with (
-        mock.patch.object(MLAttention, "_decode_absorbed", _mla_gather),
-        mock.patch.object(GQAttention, "_decode", _gqa_gather),
-    ):
-        yield
-
-
-@contextlib.contextmanager
-def implementation(name: str) -> Iterator[None]:
-    if name == BEFORE:
-        with gather_decode():
-            yield
-    else:
-        with mock.patch.object(paged_attention, "CHUNK_BLOCKS", int(name.split("=")[1])):
-            yield
-
-
 def run(args) -> int:
+    import torch
+
     from afd.bench.common import Colocated
+    from afd.bench.paged_gather import BEFORE, implementation
     from afd.engine.messages import StepSeq
+    from afd.model.paged_attention import CHUNK_BLOCKS
 
     contexts = [int(c) for c in args.contexts.split(",")]
-    impls = [f"paged chunk={int(c)}" for c in args.chunks.split(",")] + [BEFORE]
+    chunks = str(CHUNK_BLOCKS) if args.chunks is None else args.chunks
+    impls = [f"paged chunk={int(c)}" for c in chunks.split(",")] + [BEFORE]
     B, longest = args.batch_size, max(contexts)
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            model = tmp
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(SCENARIOS[args.scenario], f)
+        model = model_of(args, tmp)
         col = Colocated(model, dummy_weights=True)
         engine = col.llm.job_engine([[3] * longest] * B, [1] * B, graph_mode="eager")
     runner = engine.runner

@@ -8,11 +8,11 @@ and then over rounds.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import tempfile
 import time
 
+from afd.bench.common import write_config
 from afd.cluster.flags import DefaultsHelpFormatter
 
 BENCH_CONFIG = {
@@ -111,6 +111,11 @@ def add_model_args(p) -> None:
     )
 
 
+def model_of(args, tmp: str) -> str:
+    """The --model directory, or one in `tmp` holding the --scenario's config.json (dummy weights)."""
+    return args.model if args.model is not None else write_config(tmp, SCENARIOS[args.scenario])
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench-step",
@@ -197,11 +202,7 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory() as tmp, _link(link_spec) as link:
         if link is not None:
             print(f"FFN nodes behind an emulated link: {link.qdisc} each way", flush=True)
-        model = args.model
-        if model is None:
-            model = tmp
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(SCENARIOS[args.scenario], f)
+        model = model_of(args, tmp)
         A, F = args.attention_nodes, args.ffn_nodes
         per_node = args.batch_size
         prompts = [[3 + (i * 7 + j) % 1000 for j in range(args.prompt_len)] for i in range(per_node * A)]

@@ -17,7 +17,7 @@ import tempfile
 import time
 
 from afd.bench.common import synthetic_prompts
-from afd.bench.step import SCENARIOS
+from afd.bench.step import SCENARIOS, model_of
 from afd.cluster.flags import DefaultsHelpFormatter
 from afd.model.tp.config import MODES
 
@@ -160,11 +160,7 @@ def run(args) -> int:
     rows = [BASELINE, *modes]
     tps = {m: _tp_config(args, m) for m in rows}  # validates G, P and the threshold before any run
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if model is None:
-            model = tmp
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump(SCENARIOS[args.scenario], f)
+        model = model_of(args, tmp)
         cfg = load_config(model)
         for tp in tps.values():
             tp.check_model(cfg.num_attention_heads, "--attention-tp")
