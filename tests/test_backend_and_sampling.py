@@ -53,9 +53,11 @@ def test_sampler_greedy_seeded_and_cuts():
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
     s = Sampler()
     assert s.sample(logits, [SamplingParams()] * 2, [0, 1]) == [1, 0]
-    # top_k=1 and a tiny top_p are greedy whatever the temperature.
-    for p in (SamplingParams(temperature=2.0, top_k=1), SamplingParams(temperature=2.0, top_p=1e-6)):
-        assert s.sample(logits, [p, p], [2, 3]) == [1, 0]
+    # top_k=1 and a tiny top_p are greedy whatever the temperature, down to the smallest positive double
+    # the API takes (it rounds to 0 in float32: `make fuzz` found every token dropped, and token 0 drawn)
+    tiny = [SamplingParams(temperature=2.0, top_p=p) for p in (1e-6, 2.17e-295, 5e-324)]
+    for p in (SamplingParams(temperature=2.0, top_k=1), *tiny):
+        assert s.sample(logits, [p, p], [2, 3]) == [1, 0], p
     hot = SamplingParams(temperature=5.0, seed=11)
     a = [Sampler().sample(logits[:1], [hot], ["r"])[0] for _ in range(5)]
     assert len(set(a)) == 1  # the same seed gives the same draw

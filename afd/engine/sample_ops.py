@@ -28,8 +28,11 @@ def probs(
     p = torch.softmax(logits, dim=-1)
     if top_p is not None:
         sp, idx = p.sort(dim=-1, descending=True)
-        # keep a token while the mass before it is under top_p: the most likely one always stays
+        # keep a token while the mass before it is under top_p; the most likely one always stays, even for
+        # a top_p that rounds to 0 in float32 (the API takes any positive double: 1e-300 dropped every
+        # token, and the draw over all zeros returned token 0)
         drop = (sp.cumsum(-1) - sp >= top_p[:, None]) & (top_p < 1)[:, None]
+        drop[:, 0] = False
         p = torch.zeros_like(p).scatter_(1, idx, sp.masked_fill(drop, 0.0))
         p = p / p.sum(-1, keepdim=True)  # the rejection rule compares p(draft) with a uniform: p must sum to 1
     return p
