@@ -1,5 +1,6 @@
 """Routing on the device: the fake torch_npu.npu_moe_gating_top_k (tests/fakes/torch_npu/ops_gating.py) against
-its documented program and limits.
+its documented program and limits, and NpuBackend.moe_gating_top_k under the DeepSeek-V3, LongCat-Flash and
+Qwen3-MoE routers, against the same routers in plain torch.
 
 Shapes: T tokens, E experts, G groups, K top-k.
 """
@@ -8,11 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
+from dataclasses import replace
 
 import pytest
 import torch
-from test_npu_fakes import FAKES, _fresh  # noqa: F401  (_fresh: a fixture)
+from test_npu_fakes import FAKES, _fresh, torchair  # noqa: F401  (_fresh, torchair: fixtures)
 from torch._subclasses.fake_tensor import FakeTensorMode
+
+from afd.backend.npu import NpuBackend
 
 
 def _load():
@@ -26,6 +31,12 @@ def _load():
 
 gating = _load()
 op = gating.npu_moe_gating_top_k
+
+
+def _backend() -> NpuBackend:
+    be = object.__new__(NpuBackend)  # no device here: skip __init__, keep the real methods
+    be._torch_npu = types.SimpleNamespace(npu_moe_gating_top_k=op)
+    return be
 
 
 def _reference(x, k, bias, k_group, group_count, group_select_mode, norm_type, scale, eps=1e-20):
@@ -132,3 +143,80 @@ def test_fake_gating_keyword_only_and_meta_shapes():
         y, idx, out = op(torch.randn(5, 256, dtype=torch.bfloat16), 8, bias=torch.zeros(256, dtype=torch.bfloat16))
     assert (y.shape, y.dtype, idx.shape, idx.dtype) == ((5, 8), torch.bfloat16, (5, 8), torch.int32)
     assert (out.shape, out.dtype) == ((5, 256), torch.float32)
+
+
+# ---- the routers through NpuBackend.moe_gating_top_k ------------------------------------------------------
+
+
+def _deepseek_router(**over):
+    from afd.model.deepseek_v3.config import DeepseekV3Config
+    from afd.model.deepseek_v3.ffn import Router
+
+    router = Router(replace(DeepseekV3Config(), hidden_size=32, **over))
+    with torch.no_grad():
+        router.classifier.weight.normal_(0, 0.3)
+        router.e_score_correction_bias.normal_(0, 0.2)  # large enough to change the choice
+    return router
+
+
+def _same_routing(fused, plain):
+    """ids equal as sets per token (the op returns them best first, torch.topk(sorted=False) in any order), and
+    weights equal per expert: the same fp32 formula, summed in another order for the renormalisation."""
+    (w, ids), (pw, pids) = fused, plain
+    assert ids.dtype == torch.int64 and w.dtype == pw.dtype == torch.float32
+    order, porder = ids.argsort(dim=-1), pids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), pids.gather(1, porder))
+    torch.testing.assert_close(w.gather(1, order), pw.gather(1, porder), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "over", [{}, dict(n_routed_experts=12, n_group=4, topk_group=2, num_experts_per_tok=5)], ids=["v3", "tiny"]
+)
+def test_deepseek_router_on_the_fake_npu_is_the_cpu_router(over):
+    torch.manual_seed(0)
+    router, x = _deepseek_router(**over), torch.randn(64, 32)
+    _same_routing(router(x, _backend()), router(x))
+    assert gating.calls and all(c == ("npu_moe_gating_top_k", 1, router.groups) for c in gating.calls)
+
+
+def test_deepseek_router_without_norm_topk_prob_stays_plain():
+    # The op renormalises sigmoid weights always: a router that does not is not this op.
+    torch.manual_seed(0)
+    router, x = _deepseek_router(norm_topk_prob=False), torch.randn(8, 32)
+    assert torch.equal(router(x, _backend())[1], router(x)[1]) and not gating.calls
+
+
+def test_longcat_router_on_the_fake_npu_is_the_cpu_router():
+    from afd.model.longcat_flash.config import LongcatFlashConfig
+    from afd.model.longcat_flash.ffn import Router
+
+    torch.manual_seed(0)
+    router = Router(replace(LongcatFlashConfig(), hidden_size=32, n_routed_experts=16, zero_expert_num=8, moe_topk=4))
+    with torch.no_grad():
+        router.classifier.weight.normal_(0, 0.3)
+        router.e_score_correction_bias.normal_(0, 0.05)
+    x = torch.randn(64, 32)
+    _same_routing(router(x, _backend()), router(x))
+    assert gating.calls == [("npu_moe_gating_top_k", 0, 1)]
+
+
+def test_backend_declines_what_the_op_does_not_compute():
+    be, logits, bias = _backend(), torch.randn(4, 64), torch.zeros(64)
+    kw = dict(bias=bias, sigmoid=False, renormalise=False, scale=1.0)
+    assert be.moe_gating_top_k(logits, 4, **kw) is not None
+    assert be.moe_gating_top_k(logits, 4, **(kw | dict(renormalise=True))) is None  # softmax + renorm (Qwen3)
+    assert be.moe_gating_top_k(logits, 4, **(kw | dict(bias=bias.half()))) is None  # bias dtype != logits'
+    assert be.moe_gating_top_k(torch.randn(4, 4096), 4, **(kw | dict(bias=None))) is None  # E > 2048
+    assert be.moe_gating_top_k(logits, 4, **(kw | dict(groups=32, keep_groups=4))) is None  # 2 experts a group
+    assert be.moe_gating_top_k(logits[:0], 4, **kw) is None  # no rows: not documented
+    assert be.moe_gating_top_k(logits, 4, **(kw | dict(groups=8, keep_groups=9))) is None
+    be._torch_npu = types.SimpleNamespace()  # a torch_npu without the op
+    assert be.moe_gating_top_k(logits, 4, **kw) is None
+
+
+def test_deepseek_router_inside_a_torchair_graph(torchair):  # noqa: F811
+    torch.manual_seed(0)
+    router, x, be = _deepseek_router(), torch.randn(16, 32), _backend()
+    fused = be.compile(lambda t: router(t, be))(x)  # NpuBackend.compile: the fake torchair, fullgraph
+    _same_routing(fused, router(x))
+    assert gating.calls == [("npu_moe_gating_top_k", 1, 8)]
