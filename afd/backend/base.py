@@ -212,6 +212,25 @@ class Backend(ABC):
         caller then runs matmul and reduce_scatter)."""
         return None
 
+    def moe_gating_top_k(
+        self,
+        logits: torch.Tensor,
+        k: int,
+        *,
+        bias: torch.Tensor | None,
+        sigmoid: bool,
+        groups: int = 1,
+        keep_groups: int = 1,
+        renormalise: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A router's top-k as one fused op: logits [T, E] -> scores = sigmoid (else softmax over E) in fp32;
+        experts chosen on scores + bias [E] (optional), first keeping the keep_groups best of `groups` equal
+        groups, each scored by the sum of its top 2; weights [T, K] = the chosen experts' unbiased scores,
+        divided by (their sum + 1e-20) if `renormalise`, times `scale`, in logits' dtype; ids [T, K] int64.
+        None where the device has no fused op for these arguments: the router then runs plain torch."""
+        return None
+
     graph_mode_default: str = "eager"
     """layout.graph_mode when the YAML leaves it unset (afd.engine.graph); each backend's by measurement."""
 

@@ -155,6 +155,29 @@ class NpuBackend(Backend):
             comm_mode=MMRS_COMM_MODE,
         )
 
+    def moe_gating_top_k(
+        self,
+        logits: torch.Tensor,
+        k: int,
+        *,
+        bias: torch.Tensor | None,
+        sigmoid: bool,
+        groups: int = 1,
+        keep_groups: int = 1,
+        renormalise: bool,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # torch_npu.npu_moe_gating_top_k where the router's math and the op's documented limits agree
+        # (afd.backend.npu_gating, with the sources); its ids are int32, afd's int64.
+        from afd.backend.npu_gating import gating_args
+
+        op = getattr(self._torch_npu, "npu_moe_gating_top_k", None)
+        args = gating_args(logits, k, bias, sigmoid, groups, keep_groups, renormalise)
+        if op is None or args is None:
+            return None
+        weights, ids, _ = op(logits, k, routed_scaling_factor=scale, **args)
+        return weights, ids.long()
+
     def _mmrs_op(self):
         """torch_npu.npu_mm_reduce_scatter_base where it takes comm_mode (op-plugin 7.2.0 and later), else None."""
         if "_mmrs" not in self.__dict__:

@@ -4,7 +4,8 @@ Routing follows HF's DeepseekV3TopkRouter exactly (noaux_tc): fp32 sigmoid score
 correction bias stay fp32 at the checkpoint's precision in a bf16 model, as HF keeps them); the bias
 steers the choice only; experts split into G groups, each scored by the sum of its top-2 biased
 scores; the best topk_group groups stay; top-K over their experts; weights = the unbiased scores of
-the chosen, normalised if norm_topk_prob, times routed_scaling_factor.
+the chosen, normalised if norm_topk_prob, times routed_scaling_factor. Where the backend has this
+math as one fused op (Backend.moe_gating_top_k: npu_moe_gating_top_k on NPU, with norm_topk_prob), it runs.
 Shapes: T tokens, H hidden, E routed experts, G groups, K top-k.
 """
 
@@ -33,10 +34,24 @@ class Router(nn.Module):
         self.top_k, self.scale, self.norm = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob
         self.groups, self.keep_groups = cfg.n_group, cfg.topk_group
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> weights [T, K] (fp32), ids [T, K]."""
+    def forward(self, x: torch.Tensor, backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> weights [T, K] (fp32), ids [T, K]; through `backend`'s fused op where it has one."""
         T, E, G = x.shape[0], self.classifier.weight.shape[0], self.groups
-        scores = F.linear(x.float(), self.classifier.weight.float()).sigmoid()  # [T, E]
+        logits = F.linear(x.float(), self.classifier.weight.float())  # [T, E]
+        if backend is not None:
+            fused = backend.moe_gating_top_k(
+                logits,
+                self.top_k,
+                bias=self.e_score_correction_bias.float(),
+                sigmoid=True,
+                groups=G,
+                keep_groups=self.keep_groups,
+                renormalise=self.norm,
+                scale=self.scale,
+            )
+            if fused is not None:
+                return fused
+        scores = logits.sigmoid()  # [T, E]
         choice = scores + self.e_score_correction_bias  # [T, E]
         group_scores = choice.view(T, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
         best = group_scores.topk(self.keep_groups, dim=-1, sorted=False)[1]  # [T, topk_group]
@@ -84,5 +99,5 @@ class FFNHalf(halves.FFNHalf):
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
         """Routed experts of decoder layer i on m [T, H] (this node's experts only)."""
         layer = self.layer(i)
-        weights, ids = layer.router(m)
+        weights, ids = layer.router(m, backend)
         return layer.experts(backend, m, weights, ids)

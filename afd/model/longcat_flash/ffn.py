@@ -3,6 +3,8 @@
 Routing follows HF's LongcatFlashTopkRouter exactly: an fp32 classifier over E = n_routed + n_zero
 outputs (its bias, when a checkpoint has one, is not applied: HF's forward uses the weight alone),
 softmax, top-K on softmax + e_score_correction_bias, weights = softmax[idx] * routed_scaling_factor.
+Where the backend has this math as one fused op (Backend.moe_gating_top_k: npu_moe_gating_top_k's softmax
+mode on NPU), it runs.
 Shapes: T tokens, H hidden, E router outputs, K top-k.
 """
 
@@ -31,9 +33,22 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.top_k, self.scale = cfg.moe_topk, cfg.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> weights [T, K] (fp32), ids [T, K]."""
-        scores = F.linear(x.float(), self.classifier.weight.float()).softmax(dim=-1)  # [T, E]
+    def forward(self, x: torch.Tensor, backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> weights [T, K] (fp32), ids [T, K]; through `backend`'s fused op where it has one."""
+        logits = F.linear(x.float(), self.classifier.weight.float())  # [T, E]
+        if backend is not None:
+            # one group of all E, softmax, no renormalisation: the op's softmax mode is this router's math
+            fused = backend.moe_gating_top_k(
+                logits,
+                self.top_k,
+                bias=self.e_score_correction_bias.float(),
+                sigmoid=False,
+                renormalise=False,
+                scale=self.scale,
+            )
+            if fused is not None:
+                return fused
+        scores = logits.softmax(dim=-1)  # [T, E]
         ids = torch.topk(scores + self.e_score_correction_bias.float(), self.top_k, dim=-1, sorted=False)[1]
         return scores.gather(1, ids) * self.scale, ids
 
@@ -63,7 +78,7 @@ class FFNHalf(halves.FFNHalf):
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
         """MoE of decoder layer i on m [T, H] (this node's experts only)."""
         layer = self.layer(i)
-        weights, ids = layer.router(m)
+        weights, ids = layer.router(m, backend)
         return layer.experts(backend, m, weights, ids)
 
     def extra_checkpoint_keys(self) -> Iterator[tuple[str, tuple[int, ...]]]:

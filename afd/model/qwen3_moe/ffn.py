@@ -25,6 +25,10 @@ class Router(nn.Module):
         self.classifier = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
+    # No fused op (Backend.moe_gating_top_k): npu_moe_gating_top_k's softmax mode does not renormalise the K
+    # weights, and it returns them in the logits' dtype, so renormalising its output would divide rounded bf16
+    # values where HF divides the fp32 ones. Without norm_topk_prob it would fit (not wired: Qwen3-30B-A3B and
+    # Qwen3-235B-A22B, the released Qwen3-MoE checkpoints, set it).
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> weights [T, K] (x's dtype), ids [T, K]."""
         probs = F.linear(x, self.classifier.weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]
