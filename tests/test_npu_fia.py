@@ -286,3 +286,56 @@ def test_mla_decode_through_fia_equals_the_cpu_path(family):
     # the latents out of FIA differ from the chunked path's by a bf16 ulp (test above); W_UV and o_proj carry
     # that through two more bf16 products (measured: 2.4e-3 at most, on outputs of mean magnitude 0.07-0.14)
     torch.testing.assert_close(got.double(), want.double(), rtol=1.6e-2, atol=4e-3)
+
+
+DEVICE_SCRIPT = """
+import sys
+sys.path.insert(0, {fakes!r})
+import torch, torch_npu
+from torch_npu.device import STATS
+from afd.backend.npu import NpuBackend
+from afd.model.attention_metadata import AttentionMetadata
+from afd.model.mla import attach_backend
+sys.path.insert(0, {tests!r})
+from test_npu_fia import _mla, C, R
+
+# MLA decode on the fake Ascend device, npu:1: the step through FIA (split caches) against the same step on the CPU
+be = NpuBackend(1)
+dev = be.device
+attn = _mla(lora_scales=True, rope_interleave=True)
+lens, bs = [70, 17, 3], 16
+tables = [[4 * i + j for j in range(-(-n // bs))] for i, n in enumerate(lens)]
+cache = torch.randn(16, bs, C + R).bfloat16()
+x = torch.randn(3, 64).bfloat16()
+angle = torch.rand(3, R // 2) * 6
+cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+with torch.no_grad():
+    cpu_meta = AttentionMetadata.build([n - 1 for n in lens], [1] * 3, tables, bs, torch.device("cpu"))
+    want = attn(x, cos, sin, cpu_meta, cache.clone())
+    attn.to(dev)
+    attach_backend(attn, be)
+    real = be.paged_mla_decode
+    be.paged_mla_decode = lambda q, qr, kc, kr, *rest: real(q, qr, kc.contiguous(), kr.contiguous(), *rest)
+    meta = AttentionMetadata.build([n - 1 for n in lens], [1] * 3, tables, bs, dev)
+    xs, cs, ss, dc = x.to(dev), cos.to(dev), sin.to(dev), cache.to(dev)
+    torch.npu.synchronize()
+    before = (STATS["host_syncs"], STATS["host_reads"])
+    got = attn(xs, cs, ss, meta, dc)
+    after = (STATS["host_syncs"], STATS["host_reads"])
+    got = got.cpu()
+assert torch.ops.fake_npu.calls[-1][0] == "npu_fused_infer_attention_score", torch.ops.fake_npu.calls
+assert after == before, (before, after)  # the lengths are host ints afd already holds: no device read
+assert not STATS["hazards"], STATS["hazards"]
+torch.testing.assert_close(got.double(), want.double(), rtol=1.6e-2, atol=4e-3)
+print("ok")
+"""
+
+
+def test_mla_decode_through_fia_on_the_fake_device():
+    """On the fake Ascend device (a process of its own: the fake renames PyTorch's PrivateUse1 backend), the
+    FIA step reads nothing back on the host and orders every access on the stream."""
+    from rank_processes import run
+
+    tests = str(Path(__file__).resolve().parent)
+    (ran,) = run(DEVICE_SCRIPT.format(fakes=str(FAKES), tests=tests), [[]], timeout=120)
+    assert ran.returncode == 0 and "ok" in ran.stdout, ran.stderr[-3000:]
