@@ -194,3 +194,31 @@ def test_mla_decode_through_fia_on_the_fake_device():
     tests = str(Path(__file__).resolve().parent)
     (ran,) = run(DEVICE_SCRIPT.format(fakes=str(FAKES), tests=tests), [[]], timeout=120)
     assert ran.returncode == 0 and "ok" in ran.stdout, ran.stderr[-3000:]
+
+
+@pytest.mark.parametrize("family", ["longcat_flash", "deepseek_v3"])
+def test_tiny_families_offer_decode_to_the_backend_and_keep_hfs_tokens(families, family, caplog):
+    """The real models reach the hook on every decode step (each MLA of each layer) and, outside FIA's limits
+    (a tiny model's latent widths), keep HF's greedy tokens on the chunked path, the reason said once."""
+    from conftest import REF_TOKENS
+    from hf_families import FAMILIES
+    from hf_reference import PROMPTS
+    from test_families import _assert_matches_hf
+
+    import afd
+    from afd.model.mla import attach_backend
+
+    name = next(iter(FAMILIES[family].configs))
+    llm = afd.LLM(families.path(family, name), dtype="float32", block_size=4)
+    be = _backend()
+    offered = []
+    real = be.paged_mla_decode
+    be.paged_mla_decode = lambda *a: offered.append(a[0].shape) or real(*a)
+    attach_backend(llm.attn, be)
+    logits: list = []
+    with caplog.at_level("INFO", logger="afd.backend"):
+        ids = llm.generate_ids(PROMPTS, REF_TOKENS, logits_out=logits)
+    _assert_matches_hf(family, ids, logits, families.ref(family, name))
+    assert offered and be._torch_npu.npu_fused_infer_attention_score.calls == 0
+    said = [r.getMessage() for r in caplog.records if "npu_fused_infer_attention_score" in r.getMessage()]
+    assert len(said) == 1 and "latent/rope widths" in said[0], said
