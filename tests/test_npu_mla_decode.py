@@ -222,3 +222,24 @@ def test_tiny_families_offer_decode_to_the_backend_and_keep_hfs_tokens(families,
     assert offered and be._torch_npu.npu_fused_infer_attention_score.calls == 0
     said = [r.getMessage() for r in caplog.records if "npu_fused_infer_attention_score" in r.getMessage()]
     assert len(said) == 1 and "latent/rope widths" in said[0], said
+
+
+def test_a_compiled_graph_does_not_offer_decode_to_the_backend():
+    """FIA 7.1.0 takes the context lengths as host ints, which a static graph would freeze: traced (fullgraph,
+    no graph break), MLA never asks the backend and reads the cache itself."""
+    from afd.model.attention_metadata import AttentionMetadata
+    from afd.model.mla import attach_backend
+
+    attn = _mla(lora_scales=True, rope_interleave=True)
+    meta = AttentionMetadata.build([69, 16], [1, 1], [[0, 1, 2, 3, 4], [5, 6]], 16, torch.device("cpu"))
+    x, cos, sin = torch.randn(2, 64).bfloat16(), torch.ones(2, R // 2), torch.zeros(2, R // 2)
+    cache = torch.randn(8, 16, C + R).bfloat16()
+    be = _backend()
+    attach_backend(attn, be)
+    offered = []
+    be.paged_mla_decode = lambda *a: offered.append(1)
+    with torch.no_grad():
+        want = attn(x, cos.bfloat16(), sin.bfloat16(), meta, cache.clone())
+        assert offered == [1]  # eager: offered (and, here, declined)
+        got = torch.compile(attn, backend="eager", fullgraph=True)(x, cos.bfloat16(), sin.bfloat16(), meta, cache)
+    assert offered == [1] and torch.equal(got, want)

@@ -156,12 +156,11 @@ class MLAttention(nn.Module):
         """The backend's fused kernel over the latent (cache[..., :C]) and rope (cache[..., C:]) parts of the
         cache, or None where it has none for these inputs. Its context lengths are host ints, which the
         metadata already holds (no device read); inside a compiled graph they would be constants, so None."""
-        if self.backend is None:
+        if self.backend is None or torch.compiler.is_compiling():  # not traced: a graph would freeze the lengths
             return None
-        lens = None
-        if not torch.compiler.is_compiling():
-            lens = [s.ctx_len for s in meta.seqs if s.q_len == 1]  # the decode rows, in AttentionMetadata's order
-            lens = lens if len(lens) == q_lat.shape[0] else None
+        lens = [s.ctx_len for s in meta.seqs if s.q_len == 1]  # the decode rows, in AttentionMetadata's order
+        if len(lens) != q_lat.shape[0]:
+            return None
         C = self.kv_lora
         return self.backend.paged_mla_decode(
             q_lat, q_rot, cache[..., :C], cache[..., C:], meta.decode_block_tables, lens, self.scale
