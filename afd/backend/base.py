@@ -231,6 +231,24 @@ class Backend(ABC):
         None where the device has no fused op for these arguments: the router then runs plain torch."""
         return None
 
+    def paged_mla_decode(
+        self,
+        q_lat: torch.Tensor,
+        q_rope: torch.Tensor,
+        kv_c: torch.Tensor,
+        kv_r: torch.Tensor,
+        block_tables: torch.Tensor,
+        ctx_lens: list[int] | None,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """MLA's absorbed decode attention in one fused kernel over the paged cache: q_lat [B, N, C] (queries
+        absorbed into latent space), q_rope [B, N, R]; kv_c [nb, bs, C] and kv_r [nb, bs, R] the latent and
+        rope caches; block_tables [B, nb'] block ids on the device; ctx_lens the B context lengths as host ints
+        (None inside a compiled graph). Returns o_lat [B, N, C] = softmax((q_lat . c + q_rope . k_rot) * scale)
+        @ c, or None where the device has no fused kernel for these inputs (the caller then reads the cache
+        itself, afd/model/paged_attention.py)."""
+        return None
+
     graph_mode_default: str = "eager"
     """layout.graph_mode when the YAML leaves it unset (afd.engine.graph); each backend's by measurement."""
 

@@ -7,12 +7,16 @@ machine without them never fails.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
-from afd.backend import host_syncs
+from afd.backend import host_syncs, npu_attention
 from afd.backend.base import Backend, DeviceUnavailable, PrefetchSpec, grouped_matmul_by_slices, sizes_covering
 from afd.backend.devices import check_indices
+
+log = logging.getLogger("afd.backend")
 
 
 def _import_torch_npu():
@@ -196,6 +200,19 @@ class NpuBackend(Backend):
         if group not in names:
             names[group] = group._get_backend(torch.device("npu")).get_hccl_comm_name(dist.get_rank(group))
         return names[group]
+
+    def paged_mla_decode(self, q_lat, q_rope, kv_c, kv_r, block_tables, ctx_lens, scale):
+        # npu_fused_infer_attention_score's MLA mode where its documented limits hold (afd/backend/npu_attention.py),
+        # else None with the reason logged once.
+        why = npu_attention.refusal(q_lat, q_rope, kv_c, kv_r, ctx_lens)
+        if why is not None:
+            seen = self.__dict__.setdefault("_fia_refusals", set())
+            if why not in seen:
+                seen.add(why)
+                log.info("MLA decode reads the paged cache without npu_fused_infer_attention_score: %s", why)
+            return None
+        assert ctx_lens is not None  # refusal() says None otherwise
+        return npu_attention.mla_decode(self._torch_npu, q_lat, q_rope, kv_c, kv_r, block_tables, ctx_lens, scale)
 
     def prefetch(
         self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None, offset: int = 0

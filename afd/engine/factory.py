@@ -27,6 +27,7 @@ from afd.engine.runner import ModelRunner
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import Tokenizer
 from afd.model.config import ModelConfig, parse_dtype
+from afd.model.mla import attach_backend
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.observability.metrics import AttentionMetrics
 
@@ -65,6 +66,10 @@ def build_runner(
         per_rank = CacheConfig(block_size=eng.block_size, memory_budget_bytes=budget.kv_cache_bytes)
         blocks = N * per_rank.resolve_num_blocks(mcfg, dtype.itemsize)
     kv = KVCache(mcfg, blocks, eng.block_size, dtype, device, N)
+    if backend is not None:  # MLA decode tries the backend's fused attention first (afd/model/mla.py)
+        attach_backend(attn, backend)
+        if mtp is not None:
+            attach_backend(mtp, backend)
     half = wrap(attn, kv, graph, tp, backend)
     if isinstance(half, GraphHalf) and half.backend.capture_at_warmup:
         if job is not None:  # a micro-batch holds at most every prompt; a sequence at most its own blocks

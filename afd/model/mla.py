@@ -6,7 +6,9 @@ shared key k_rot (qk_rope_head_dim values). Decode uses the absorbed form, atten
     q_lat[h] = q_nope[h] @ W_UK[h]            score = [q_lat, q_rot] . [c, k_rot] * scale
     o[h]     = (softmax(score) @ c) @ W_UV[h]^T
 
-Decode reads the cache in place, a chunk of blocks at a time (afd/model/paged_attention.py says why).
+Decode reads the cache in place, a chunk of blocks at a time (afd/model/paged_attention.py says why), unless
+the node's backend has a fused kernel for it (`Backend.paged_mla_decode`: FIA on Ascend, within its documented
+limits); the chunked path is the CPU's and every fallback.
 Prefill expands the latents to per-head keys and values (cheaper when many queries share them).
 
 Families differ in small ways, chosen by the constructor's options: LongCat-Flash scales the LoRA
@@ -22,7 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from afd.backend.base import to_device
+from afd.backend.base import Backend, to_device
 from afd.model import kvp, paged_attention
 from afd.model.attention_metadata import AttentionMetadata, store_kv
 from afd.model.config import ModelConfig
@@ -89,6 +91,8 @@ class MLAttention(nn.Module):
         self.kvp: tuple[int, int] | None = None
         """(N, k) under KV parallelism: this rank stores KV blocks k, k + N, ... and attends with the heads
         of its head group, merging with its N - 1 peers (afd/model/kvp.py)."""
+        self.backend: Backend | None = None
+        """The node's backend, whose fused decode attention is tried first (attach_backend sets it)."""
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream -> (q [T, NH, qk_head_dim], q_a_proj | kv_a_proj_with_mqa latents [T, C + R]) of
@@ -141,9 +145,26 @@ class MLAttention(nn.Module):
         """One query per sequence. q_nope [B, NH, nope], q_rot [B, NH, R] -> [B, NH, v]."""
         w_uk, w_uv = self._w_uk_uv()
         q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)  # [B, NH, C]
+        o_lat = self._fused_decode(q_lat, q_rot, meta, cache)
+        if o_lat is not None:
+            return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
         q_full = torch.cat([q_lat, q_rot], dim=-1)  # [B, NH, C + R]
         o_lat, _ = self._attend_latent(q_full, meta.decode_block_tables, meta.decode_ctx_lens, meta.block_size, cache)
         return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+
+    def _fused_decode(self, q_lat, q_rot, meta: AttentionMetadata, cache) -> torch.Tensor | None:
+        """The backend's fused kernel over the latent (cache[..., :C]) and rope (cache[..., C:]) parts of the
+        cache, or None where it has none for these inputs. Its context lengths are host ints, which the
+        metadata already holds (no device read); inside a compiled graph they would be constants, so None."""
+        if self.backend is None or torch.compiler.is_compiling():  # not traced: a graph would freeze the lengths
+            return None
+        lens = [s.ctx_len for s in meta.seqs if s.q_len == 1]  # the decode rows, in AttentionMetadata's order
+        if len(lens) != q_lat.shape[0]:
+            return None
+        C = self.kv_lora
+        return self.backend.paged_mla_decode(
+            q_lat, q_rot, cache[..., :C], cache[..., C:], meta.decode_block_tables, lens, self.scale
+        )
 
     def _attend_latent(self, q_full, tables, ctx_lens, block_size: int, cache, positions=None):
         """Absorbed attention of q_full [B, NH, C + R] over the latents of the blocks in tables [B, nb], read
@@ -206,3 +227,13 @@ class MLAttention(nn.Module):
             o_s, l_s = kvp.partial(score, v.transpose(0, 1))
             o[rows], lse[rows] = o_s.transpose(0, 1), l_s.transpose(0, 1)
         return self.tp.kvp_merge(o, lse).reshape(T, -1)
+
+
+def attach_backend(model: object, backend: Backend) -> None:
+    """Let every MLA of `model` try `backend`'s fused decode attention first (afd.engine.factory calls it with
+    the halves it holds, typed by the engine's Protocols: anything but an nn.Module holds no MLA)."""
+    if not isinstance(model, nn.Module):
+        return
+    for mod in model.modules():
+        if isinstance(mod, MLAttention):
+            mod.backend = backend
