@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -51,6 +53,20 @@ def refuse_host_syncs(compiler):
         return inner(gm, example_inputs)
 
     return backend
+
+
+def named_method(obj, name: str, body):
+    """body(obj, *args) as a bound method of obj with a code object of its own, named `name`: compilers cache
+    per code object (dynamo's guards, torchair's cache_compile files), so each graph of Backend.compile gets
+    one, always called with one input signature."""
+
+    def step(self, *args):
+        return body(self, *args)
+
+    code = step.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):  # compilers read the qualified name too
+        code = code.replace(co_qualname=name)
+    return types.MethodType(types.FunctionType(code, step.__globals__, name, None, step.__closure__), obj)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
