@@ -144,3 +144,17 @@ def test_1a1f_on_the_fake_npu_runs_the_ffn_half_in_torchair_graphs(tiny_checkpoi
         check_one_host_sync_per_step(c.url("attn0"), snapshot(report, c), {"attn0": "attention", "ffn0": "ffn"})
     for r in reports(report).values():
         assert r["device"]["hazards"] == [] and r["device"]["unbound"] == []
+
+
+def test_the_ffn_half_stays_eager_where_the_grouped_gemm_reads_its_sizes(caplog):
+    be = _npu_backend()  # npu_grouped_matmul's limits: beyond them grouped_matmul reads the sizes on the host
+    assert be.grouped_matmul_in_graph(torch.empty(8, 64, 32)) and be.grouped_matmul_in_graph(torch.empty(1, 8, 8))
+    assert not be.grouped_matmul_in_graph(torch.empty(1025, 8, 8))
+    assert not be.grouped_matmul_in_graph(torch.empty(4, 65536, 8))
+    _, ffn = _demo_ffn()
+    with caplog.at_level(logging.INFO, "afd.graph"):
+        assert wrap(ffn, _Stub(), "compile", (4,), 1) is not ffn
+        stub = _Stub()
+        stub.grouped_matmul_in_graph = lambda w: w.shape[-1] != ffn.cfg.hidden_size  # w2 would read them
+        assert wrap(ffn, stub, "compile", (4,), 1) is ffn
+    assert caplog.text.count("reads group sizes on the host") == 1

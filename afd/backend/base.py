@@ -202,6 +202,12 @@ class Backend(ABC):
         [T, N], group g's rows times w[g]; rows past the groups are unspecified (the caller drops them: they
         let its shapes depend on T alone)."""
 
+    def grouped_matmul_in_graph(self, w: torch.Tensor) -> bool:
+        """Whether grouped_matmul(x, w, sizes) keeps the sizes on the device for x of w's dtype, so that a
+        device graph can hold it (afd.model.ffn_graph); where it reads them on the host, a CUDA graph's capture
+        fails and a torchair graph breaks."""
+        return not self.group_sizes_on_host
+
     prefetch_by_default: bool = False
     """Whether FFN nodes prefetch weights unless the YAML says otherwise (see docs/benchmarks.md)."""
 

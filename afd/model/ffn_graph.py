@@ -13,8 +13,9 @@ outside: the server receives into and sends from unpadded buffers, and sizes its
 Where the backend builds graphs before serving (Backend.capture_at_warmup: CUDA graphs, torchair), `wrap`
 builds every (layer, bucket) graph at once (`warm_up`, from the FFN node's load: before the data plane
 forms, so no attention node waits on it) and no step compiles; a graph that fails runs eager, said once.
-On CPU the FFN half stays eager: its grouped GEMM reads the group sizes on the host
-(Backend.group_sizes_on_host), which no graph holds.
+Where the backend's grouped GEMM reads the group sizes on the host (Backend.grouped_matmul_in_graph: CPU
+always, CUDA outside torch._grouped_mm's fused path, e.g. fp32 or before Hopper, NPU beyond
+npu_grouped_matmul's limits) the FFN half stays eager, said once: no graph holds a host read.
 """
 
 from __future__ import annotations
@@ -50,9 +51,15 @@ def wrap(ffn: FFNHalf, backend: Backend, mode: str | None, batch_sizes, peers: i
     (`mode`, layout.graph_mode; None: the backend's default) and the backend can hold the layer in a graph."""
     if (mode or backend.graph_mode_default) != "compile":
         return ffn
-    if backend.group_sizes_on_host:
+    experts = [cast(Experts, ffn.layer(i).experts) for i in (*ffn.cfg.moe_layers, *ffn.mtp_layers)]
+    # checked up front: where the sizes go to the host, a CUDA graph's capture fails, which is no fallback
+    if not all(backend.grouped_matmul_in_graph(w) for e in experts for w in (e.w13, e.w2)):
+        w = experts[0].w13
         log.info(
-            "graph mode: the FFN half runs eager on %s (its grouped GEMM reads group sizes on the host)", backend.name
+            "graph mode: the FFN half runs eager on %s: its grouped GEMM reads group sizes on the host (%s, %s)",
+            backend.name,
+            w.dtype,
+            "x".join(map(str, w.shape)),
         )
         return ffn
     graph = FFNGraph(ffn, backend, token_buckets(batch_sizes, peers), cache_dir)
