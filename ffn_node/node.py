@@ -17,6 +17,7 @@ from afd.dataplane.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
 from afd.dataplane.transport import DataPlane, PeerError
 from afd.model.checkpoint import build_ffn_half, open_reader
 from afd.model.config import parse_dtype
+from afd.model.ffn_graph import FFNGraph, wrap
 from afd.node.runtime import NodeRuntime, bring_up
 from afd.observability.metrics import FFNMetrics, serve_metrics
 from ffn_node.server import FFNServer, ServeEnd
@@ -50,7 +51,7 @@ class FFNNode:
             rt.model_cfg.num_layers + len(mtp_layers),
         )
         metrics.watch_cluster_state(lambda: rt.cluster_state)
-        metrics.count_zero_experts(self.ffn.layer(i).experts for i in (*rt.model_cfg.moe_layers, *mtp_layers))
+        metrics.watch_ffn_graph(self.ffn.passes if isinstance(self.ffn, FFNGraph) else None)
         node = cfg.node(args.node)
         if node.ports.metrics:
             self._http = serve_metrics(args.bind_host, node.ports.metrics, metrics, self._ready)
@@ -66,7 +67,7 @@ class FFNNode:
     def _load(self, rt: NodeRuntime) -> None:
         a = rt.assignment
         reader = open_reader(rt.model_path, self.cfg.model.dummy_weights, self.cfg.model.seed)
-        self.ffn = build_ffn_half(
+        ffn = build_ffn_half(
             rt.model_cfg,
             reader,
             self.dtype,
@@ -75,6 +76,11 @@ class FFNNode:
             a.expert_hi,
             a.serves_zero_experts,
             mtp=self.cfg.engine.speculative_tokens > 0,
+        )
+        # graph mode as the attention nodes read it; built here, before the data plane forms, so no peer waits
+        eng = self.cfg.engine
+        self.ffn = wrap(
+            ffn, rt.backend, self.cfg.layout.graph_mode, eng.graph_batch_sizes, len(a.peer_ranks), eng.compile_cache_dir
         )
         log.info(
             "experts [%d, %d) of %d loaded%s",
@@ -142,9 +148,17 @@ class FFNNode:
                         "tokens": server.tokens,
                         "compute_seconds": t.total("compute"),
                         "idle_seconds": t.total("idle"),
+                        "graph": _graph_report(self.ffn),
                     },
                     f,
                 )
+
+
+def _graph_report(ffn) -> dict | None:
+    """Graph mode's figures (None: eager): layer passes by mode, and the graphs warm-up built."""
+    if not isinstance(ffn, FFNGraph):
+        return None
+    return {"passes": dict(ffn.passes), "warmup_graphs": ffn.warmup_graphs, "warmup_seconds": ffn.warmup_seconds}
 
 
 def _describe(prefetch: PrefetchSchedule | None, pcfg: PrefetchConfig) -> str:

@@ -326,7 +326,7 @@ class FFNServer:
         self.tokens += total
         if self.metrics is not None:
             self.metrics.tokens.inc(total)
-            self.metrics.add_expert_tokens(self.ffn.layer(layer).experts.last_counts)
+            self.metrics.add_routed(self.ffn.layer(layer).experts)
         sends, off = [], 0
         for r, n in parts:
             sends.append((r, self._post(self.plane.isend, y[off : off + n], r)))

@@ -44,7 +44,9 @@ class _SlowFFN:
 
     def __init__(self, layers: int, compute_s: float):
         self.cfg = argparse.Namespace(hidden_size=4, num_layers=layers, moe_layers=tuple(range(layers)))
-        self.layers = [argparse.Namespace(experts=argparse.Namespace(last_counts=[1, 0])) for _ in range(layers)]
+        self.layers = [
+            argparse.Namespace(experts=argparse.Namespace(last_counts=[1, 0], last_zero=None)) for _ in range(layers)
+        ]
         self.compute_s = compute_s
 
     def layer(self, i: int):
@@ -114,13 +116,12 @@ def test_zero_expert_tokens_count_identity_assignments():
 
     cfg, ffn = _demo_ffn()
     metrics = FFNMetrics("ffn0", "m", 0, cfg.n_routed_experts, cfg.num_layers)
-    metrics.count_zero_experts(layer.experts for layer in ffn.layers)
     want, T = 0, 32
     with torch.inference_mode():
         for layer in range(cfg.num_layers):
             x = torch.randn(T, cfg.hidden_size)
             ffn(get_backend("cpu"), layer, x)
-            metrics.add_expert_tokens(ffn.layers[layer].experts.last_counts)
+            metrics.add_routed(ffn.layers[layer].experts)
             want += int((ffn.layers[layer].router(x)[1] >= cfg.n_routed_experts).sum())
     got = samples(metrics.render().decode())
     assert total(got, "afd_zero_expert_tokens_total") == want > 0
@@ -128,9 +129,9 @@ def test_zero_expert_tokens_count_identity_assignments():
     # An FFN node that does not apply identity experts counts none: the cluster's sum is not doubled.
     _, other = _demo_ffn(0, 8, serves_zero=False)
     metrics = FFNMetrics("ffn1", "m", 0, 8, cfg.num_layers)
-    metrics.count_zero_experts(layer.experts for layer in other.layers)
     with torch.inference_mode():
         other(get_backend("cpu"), 0, torch.randn(T, cfg.hidden_size))
+    metrics.add_routed(other.layers[0].experts)
     assert total(metrics.render().decode(), "afd_zero_expert_tokens_total") == 0
 
 

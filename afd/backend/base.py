@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -51,6 +53,20 @@ def refuse_host_syncs(compiler):
         return inner(gm, example_inputs)
 
     return backend
+
+
+def named_method(obj, name: str, body):
+    """body(obj, *args) as a bound method of obj with a code object of its own, named `name`: compilers cache
+    per code object (dynamo's guards, torchair's cache_compile files), so each graph of Backend.compile gets
+    one, always called with one input signature."""
+
+    def step(self, *args):
+        return body(self, *args)
+
+    code = step.__code__.replace(co_name=name)
+    if sys.version_info >= (3, 11):  # compilers read the qualified name too
+        code = code.replace(co_qualname=name)
+    return types.MethodType(types.FunctionType(code, step.__globals__, name, None, step.__closure__), obj)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -185,6 +201,12 @@ class Backend(ABC):
         (they stay there: a device backend never reads them on the host), summing to T or less. Returns
         [T, N], group g's rows times w[g]; rows past the groups are unspecified (the caller drops them: they
         let its shapes depend on T alone)."""
+
+    def grouped_matmul_in_graph(self, w: torch.Tensor) -> bool:
+        """Whether grouped_matmul(x, w, sizes) keeps the sizes on the device for x of w's dtype, so that a
+        device graph can hold it (afd.model.ffn_graph); where it reads them on the host, a CUDA graph's capture
+        fails and a torchair graph breaks."""
+        return not self.group_sizes_on_host
 
     prefetch_by_default: bool = False
     """Whether FFN nodes prefetch weights unless the YAML says otherwise (see docs/benchmarks.md)."""

@@ -116,6 +116,16 @@ class CudaBackend(Backend):
             return False
         return k > 0 and n > 0 and (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
 
+    def grouped_matmul_in_graph(self, w: torch.Tensor) -> bool:
+        # only torch._grouped_mm's fused path keeps the offsets on the device; the fallback reads them
+        return hasattr(torch, "_grouped_mm") and self.grouped_mm_fast_path(
+            torch.__version__,
+            torch.cuda.get_device_capability(w.device),
+            bool(torch.version.hip),
+            w.dtype,
+            *w.shape[1:],
+        )
+
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         fast = (
             hasattr(torch, "_grouped_mm")

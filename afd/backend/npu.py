@@ -120,6 +120,10 @@ class NpuBackend(Backend):
     def memory_info(self) -> tuple[int, int]:
         return torch.npu.mem_get_info(self._device)
 
+    def grouped_matmul_in_graph(self, w: torch.Tensor) -> bool:
+        groups, k_dim, n_dim = w.shape  # outside the fused op's limits grouped_matmul reads the sizes
+        return groups <= GMM_MAX_GROUPS and max(k_dim, n_dim) < GMM_INNER_LIMIT
+
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         groups, k_dim, n_dim = w.shape
         if groups == 1:  # group_list_type=1 refuses a group list of length 1: an FFN node with one expert

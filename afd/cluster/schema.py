@@ -128,8 +128,9 @@ class Layout:
     block, so max_model_len grows kvp-fold (afd/model/kvp.py)."""
     graph_mode: str | None = opt(None, "--graph-mode", choices=GRAPH_MODES)
     """eager or compile: decode micro-batches padded to engine.graph_batch_sizes run each layer's attention
-    side as a compiled graph (afd/engine/graph.py; eager under attention_tp > 1). Unset: the device backend's
-    default, chosen by measurement (`graph_mode_default` in afd/backend/; `afd bench-graph`)."""
+    side as a compiled graph (afd/engine/graph.py; eager under attention_tp > 1), and the FFN nodes each MoE
+    layer per token bucket (afd/model/ffn_graph.py; eager on CPU). Unset: the device backend's default,
+    chosen by measurement (`graph_mode_default` in afd/backend/; `afd bench-graph`)."""
 
     @property
     def tp(self) -> TPConfig:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from afd.backend.base import to_device
 from afd.engine.half import AttentionHalf
 from afd.model.attention_metadata import AttentionMetadata
 
@@ -170,7 +171,8 @@ class GraphHalf(nn.Module):
         positions = _pad(meta.positions, P)
         slots = _pad(meta.slot_mapping, P, self.scratch_block * self.block_size)
         ctx = _pad(meta.decode_ctx_lens, P, 1)
-        table = torch.tensor(tables, dtype=torch.long, device=meta.positions.device)
+        # staged through pinned memory: a plain copy to a device makes the host wait for the stream
+        table = to_device(torch.tensor(tables, dtype=torch.long), meta.positions.device)
         return _Step(B, P, W, tuple(_pad(t, P) for t in rope), (positions, slots, table, ctx))
 
     # ---- the compiled graphs -----------------------------------------------------------------------------

@@ -29,6 +29,12 @@ class Experts(nn.Module):
         self.last_counts = torch.zeros(G, dtype=torch.int64)
         """[G] tokens each local expert got in the last call, on the device (the FFN node's metrics add
         them up there and read them once per step)."""
+        self.last_zero: torch.Tensor | None = None
+        """[] identity-expert assignments of the last call where this holder applies them (else None), on
+        the device: afd_zero_expert_tokens."""
+        self.last_ids: torch.Tensor | None = None
+        """[T, K] the router's choice of the last call: graph mode (afd.model.ffn_graph) recounts the two
+        above over its real rows, since its padded rows route too."""
         self.before_gemm: Callable[[torch.Tensor], None] | None = None
         """Called with the group sizes [G] once routing is known, before the grouped GEMMs: the FFN node's
         weight prefetch (afd.dataplane.prefetch) hints the chosen experts' slices there."""
@@ -42,6 +48,8 @@ class Experts(nn.Module):
         dropped."""
         T, K = ids.shape
         G = self.hi - self.lo
+        self.last_ids = ids
+        self.last_zero = (ids >= self.n_routed).sum() if self.serves_zero else None
         flat = ids.reshape(-1)  # [T*K]
         local = (flat >= self.lo) & (flat < self.hi)
         group = torch.where(local, flat - self.lo, G)  # [T*K]: other holders' slots in group G, after ours
@@ -62,3 +70,13 @@ class Experts(nn.Module):
             zero_w = (weights * (ids >= self.n_routed)).sum(dim=-1, keepdim=True)  # [T, 1]
             out += (x * zero_w).to(x.dtype)
         return out
+
+    def counts(self, ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(last_counts, last_zero) of ids [T, K] counted over the rows where real [T] (bool) holds: a
+        graph's padded rows go through the layer, not into the metrics."""
+        G = self.hi - self.lo
+        local = (ids >= self.lo) & (ids < self.hi) & real[:, None]  # [T, K]
+        group = torch.where(local, ids - self.lo, G).reshape(-1)  # [T*K]: the rest in group G, dropped
+        sizes = torch.zeros(G + 1, dtype=torch.int64, device=ids.device).index_add_(0, group, torch.ones_like(group))
+        zero = ((ids >= self.n_routed) & real[:, None]).sum() if self.serves_zero else None
+        return sizes[:G], zero

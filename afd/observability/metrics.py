@@ -322,17 +322,35 @@ class FFNMetrics(_Metrics):
             self.expert_counts = self.expert_counts.to(sizes.device)
         self.expert_counts += sizes
 
-    def count_zero_experts(self, experts) -> None:
-        """Counts identity-expert assignments on the expert holders (afd.model.experts.Experts) that apply
-        them: one FFN node does, so the cluster's sum is not multiplied by the number of FFN nodes (every
-        FFN node routes every token). The count stays on the device: no host sync on the hot path."""
-        for e in experts:
-            if e.serves_zero:
-                e.register_forward_hook(self._add_zero)
+    def add_routed(self, experts) -> None:
+        """A layer's routing (afd.model.experts.Experts after its call): tokens per local expert, and the
+        identity-expert assignments where this holder applies them (one FFN node does, so the cluster's sum
+        is not multiplied by the number of FFN nodes: every FFN node routes every token). Both stay on the
+        device: no host sync on the hot path. Read from the module, never from a hook: a graph (afd.model
+        .ffn_graph) runs no Python per call, and recounts both over its real rows."""
+        self.add_expert_tokens(experts.last_counts)
+        if experts.last_zero is not None:
+            self.zero_tokens = self.zero_tokens + experts.last_zero
 
-    def _add_zero(self, module, args, out) -> None:
-        ids = args[-1]  # forward(backend, x, weights, ids): ids [T, K], routed experts first, then identity
-        self.zero_tokens = self.zero_tokens + (ids >= module.n_routed).sum()
+    def watch_ffn_graph(self, passes: dict[str, int] | None) -> None:
+        """afd_ffn_layer_passes_total{mode}: MoE layer forward passes (one per layer and micro-batch) as a
+        compiled graph padded to a token bucket, or eager; read at scrape time from afd.model.ffn_graph's
+        FFNGraph.passes (None in eager mode: no such metric)."""
+        if passes is None:
+            return
+
+        def collect():
+            fam = CounterMetricFamily(
+                "afd_ffn_layer_passes",
+                "MoE layer forward passes (per layer and micro-batch) by mode: graph (compiled, padded to a "
+                "token bucket) or eager.",
+                labels=(*BASE_LABELS, "mode"),
+            )
+            for mode in ("graph", "eager"):
+                fam.add_metric(self._values(mode), passes[mode])
+            yield fam
+
+        self.registry.register(_Collector(collect))
 
     def _collect(self):
         experts = CounterMetricFamily(

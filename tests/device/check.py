@@ -1,6 +1,7 @@
 """`make test-device`: afd on one accelerator (a CUDA GPU or an Ascend NPU) against the CPU reference.
 
-    .venv/bin/python tests/device/check.py [--checks pytest,colocated,gemm,1a1f,syncs,failure] [--write | --no-write]
+    .venv/bin/python tests/device/check.py [--checks pytest,colocated,gemm,ffngraph,1a1f,syncs,failure]
+        [--write | --no-write]
 
 Checks, each reported as pass / fail / skip with its reason and figures, its row saying what it measured
 (one module each, tests/device/checks_*.py):
@@ -9,6 +10,8 @@ Checks, each reported as pass / fail / skip with its reason and figures, its row
               tests' tiny random checkpoints: fp32 gives identical greedy tokens, bf16 the same top-1 on
               >= 99 % of steps (near-ties aside) with logits close
   gemm        backend.grouped_matmul vs a per-expert torch.mm loop, bf16 and fp32: error and median time
+  ffngraph    the FFN half's layers as device graphs (CUDA graphs / torchair) per token bucket, built at
+              warm-up, vs the same layers eager on the CPU in fp32: error, per-expert counts, median time
   1a1f        with two devices or more, `afd launch` of one attention node (device 0) and one FFN node
               (device 1) over NCCL / HCCL, greedy requests through the OpenAI API vs CPU fp32 tokens
   syncs       the same cluster: afd_host_syncs_total per decode step on each node, at most 1 + a slack
@@ -45,6 +48,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(Path(__file__).parent)]  # the tests' c
 import checks_1a1f  # noqa: E402
 import checks_colocated  # noqa: E402
 import checks_failure  # noqa: E402
+import checks_ffn_graph  # noqa: E402
 import checks_gemm  # noqa: E402
 import checks_host_syncs  # noqa: E402
 import checks_pytest  # noqa: E402
@@ -59,7 +63,7 @@ from device_env import (  # noqa: E402  (main's steps, replaced by the tests)
 from device_report import Result, markdown_table, summary, write_report  # noqa: E402
 
 OUT_DIR = ROOT / "docs" / "bench" / "device"
-CHECKS = ("pytest", "colocated", "gemm", "1a1f", "syncs", "failure")
+CHECKS = ("pytest", "colocated", "gemm", "ffngraph", "1a1f", "syncs", "failure")
 TIME_BUDGET_S = 480  # `make test-device` promises at most 8 minutes on one device
 
 
@@ -70,6 +74,7 @@ SKIPPED_WITHOUT_DEVICE = {
         ("colocated bfloat16 vs CPU fp32", checks_colocated.MEASURED),
     ],
     "gemm": [("grouped GEMM vs the per-expert loop", checks_gemm.MEASURED)],
+    "ffngraph": [("FFN graphs vs CPU fp32", checks_ffn_graph.MEASURED)],
     "1a1f": [("1A1F over NCCL / HCCL", checks_1a1f.MEASURED)],
     "syncs": [("host syncs per decode step, 1A1F", checks_host_syncs.MEASURED)],
     "failure": [("FFN node killed mid-decode, 1A1F", checks_failure.MEASURED)],
@@ -104,6 +109,11 @@ def run_device_checks(args, target: Target) -> list[Result]:
                 results.append(
                     announce(Result("grouped GEMM", "fail", f"{type(e).__name__}: {e}", measured=checks_gemm.MEASURED))
                 )
+        if "ffngraph" in args.checks:
+            for dtype in ("float32", "bfloat16"):
+                say(f"== FFN graphs {dtype} on {target.kind} vs CPU fp32")
+                run = functools.partial(checks_ffn_graph.check_ffn_graph, target, dtype)
+                results.append(announce(guarded(run, f"FFN graphs {dtype} vs CPU fp32", checks_ffn_graph.MEASURED)))
         for check, (fn, name, measured) in CLUSTER_CHECKS.items():
             if check in args.checks:
                 say(f"== {name} over {target.dist}")
