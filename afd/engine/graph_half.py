@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import sys
 import time
-import types
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from afd.backend.base import to_device
+from afd.backend.base import named_method, to_device
 from afd.engine.half import AttentionHalf
 from afd.model.attention_metadata import AttentionMetadata
 
@@ -192,7 +190,8 @@ class GraphHalf(nn.Module):
             self._compiles_left -= 1
             name = f"{phase}_moe_l{layer}_b{s.bucket}_w{s.width}_{self._tag}"
             try:
-                fn = _FirstCall(self, key, self.backend.compile(_method(self, phase, layer, name), self.cache_dir))
+                graph = self.backend.compile(named_method(self, name, _traced(phase, layer)), self.cache_dir)
+                fn = _FirstCall(self, key, graph)
             except Exception as e:  # noqa: BLE001 (the compiler cannot even start: eager, said once)
                 log.warning("graph mode: no compiler for %s (%s: %s); it runs eager", name, type(e).__name__, e)
                 fn = None
@@ -260,18 +259,8 @@ class _FirstCall:
         return out
 
 
-def _method(half: GraphHalf, phase: str, layer: int, name: str):
-    """half._trace(phase, layer, ...) as a bound method with a code object of its own, named `name`:
-    compilers cache per code object (dynamo's guards, torchair's cache_compile files), so each graph
-    gets one, called with one input signature only."""
-
-    def step(self, *args):
-        return self._trace(phase, layer, *args)
-
-    code = step.__code__.replace(co_name=name)
-    if sys.version_info >= (3, 11):  # compilers read the qualified name too
-        code = code.replace(co_qualname=name)
-    return types.MethodType(types.FunctionType(code, step.__globals__, name, None, step.__closure__), half)
+def _traced(phase: str, layer: int):
+    return lambda half, *args: half._trace(phase, layer, *args)
 
 
 def _pad(t: torch.Tensor, rows: int, value: int = 0) -> torch.Tensor:
