@@ -131,3 +131,26 @@ def test_the_kv_write_compiles_in_place():
         )
     assert torch.equal(kv[0].flatten(0, 1)[[1, 9]], torch.ones(2, 72))
     assert not re.search(rf"<static_cast<int64_t>\({kv.numel() // 2}L\)", "\n".join(code))  # no loop over it
+
+
+def test_the_latent_planes_write_compiles_in_place():
+    """MLA's write into its layer's two planes (afd.model.latent_cache, views of a view of a graph input):
+    inductor writes the slots, it copies neither plane nor the layer."""
+    from torch._inductor.utils import run_and_get_code
+
+    from afd.model import latent_cache
+
+    def step(kv, slots, c, k_rot):
+        latent_cache.store(kv[0], slots, c, k_rot)
+        return c * 2
+
+    kv = torch.zeros(2, 512, 16, 72)  # C 64 + R 8
+    c, k_rot = torch.ones(2, 64), torch.full((2, 8), 3.0)
+    with torch.inference_mode():
+        _, code = run_and_get_code(
+            torch.compile(step, dynamic=False, fullgraph=True), kv, torch.tensor([1, 9]), c, k_rot
+        )
+    planes = latent_cache.planes(kv[0], 64)
+    assert torch.equal(planes[0].flatten(0, 1)[[1, 9]], c) and torch.equal(planes[1].flatten(0, 1)[[1, 9]], k_rot)
+    for n in (kv.numel() // 2, 512 * 16 * 64, 512 * 16 * 8):  # the layer, the c plane, the k_rot plane
+        assert not re.search(rf"<static_cast<int64_t>\({n}L\)", "\n".join(code)), n

@@ -17,6 +17,7 @@ import afd
 from afd.backend.cpu import CpuBackend
 from afd.engine import graph, offline
 from afd.engine.sampling import SamplingParams
+from afd.model import latent_cache
 
 N = 8
 # 5 sequences (bucket 8), the first 3 (bucket 4); at most 20 + N tokens: 2 blocks of 16
@@ -82,14 +83,23 @@ def test_padded_rows_write_only_the_scratch_block(tiny_checkpoint, traced):
     assert isinstance(half, graph.GraphHalf)
     assert kv.allocator.num_blocks == eager.runner.kv.allocator.num_blocks + 1  # the job's cache got one more...
     assert half.scratch_block == 0  # ...which graph mode took first: the sequences hold blocks 1.. (eager: 0..)
-    kv.data[:, :, 0] = 1e4  # a marker: a real row reading the scratch block would change its tokens
+    C = llm.cfg.kv_lora_rank
+    planes = [  # each MLA's (c, k_rot) planes [blocks, block_size, C or R] (afd.model.latent_cache)
+        (latent_cache.planes(kv.data[i, j], C), latent_cache.planes(eager.runner.kv.data[i, j], C))
+        for i in range(kv.data.shape[0])
+        for j in range(kv.data.shape[1])
+    ]
+    for mine, _ in planes:
+        for plane in mine:
+            plane[0] = 1e4  # a marker: a real row reading the scratch block would change its tokens
     assert offline.generate(eng, PROMPTS5[:3], [N] * 3, SamplingParams(), ignore_eos=True) == eager_out
-    got, want = kv.data, eager.runner.kv.data  # [layers, 2, blocks, block_size, C + R]
-    # the sequences' blocks: as eager, up to rounding. The graph runs 4 rows where eager runs 3, and MKL picks
-    # its sgemm kernel by shape (and by CPU), so fp32 sums of O(1) latents may differ in their last bits after
-    # a few layers: 3e-6 was seen on an AVX-512 EPYC.
-    torch.testing.assert_close(got[:, :, 1:], want, rtol=1e-5, atol=1e-5)
-    assert (got[:, :, 0, 1:] == 1e4).all() and (got[:, :, 0, 0] != 1e4).all()  # padded rows wrote slot 0 only
+    for mine, theirs in planes:
+        for got, want in zip(mine, theirs):
+            # the sequences' blocks: as eager, up to rounding. The graph runs 4 rows where eager runs 3, and MKL
+            # picks its sgemm kernel by shape (and by CPU), so fp32 sums of O(1) latents may differ in their last
+            # bits after a few layers: 3e-6 was seen on an AVX-512 EPYC.
+            torch.testing.assert_close(got[1:], want, rtol=1e-5, atol=1e-5)
+            assert (got[0, 1:] == 1e4).all() and (got[0, 0] != 1e4).all()  # padded rows wrote slot 0 only
 
 
 @pytest.mark.slow  # CI runs it in make test-slow; a default case covers the same path

@@ -13,9 +13,7 @@ from test_npu_fia import FAKES, C, R, _case, ops
 
 
 class _Op:
-    """torch_npu.npu_fused_infer_attention_score as the backend sees it, counting calls; `split`: hand the op
-    contiguous copies of the latent and rope caches, what a split cache layout would pass (see
-    test_mla_decode_through_fia_equals_the_cpu_path)."""
+    """torch_npu.npu_fused_infer_attention_score as the backend sees it, counting calls."""
 
     def __init__(self):
         self.calls = 0
@@ -66,7 +64,7 @@ def test_backend_fia_equals_the_chunked_path():
 def _refused():
     args, _ = _case()
     q, qr, kv_c, kv_r, tables, lens, scale = _hook_args(args)
-    wide = torch.cat([kv_c, kv_r], dim=-1)  # afd's MLA cache today: [nb, bs, C + R]
+    wide = torch.cat([kv_c, kv_r], dim=-1)  # interleaved rows: both parts strided
     return [
         ((q, qr, wide[..., :C], wide[..., C:], tables, lens, scale), "two contiguous"),
         ((q[..., :32], qr, kv_c[..., :32], kv_r, tables, lens, scale), "widths 32/64"),  # a tiny model
@@ -108,9 +106,8 @@ def _mla(lora_scales: bool, rope_interleave: bool, dtype=torch.bfloat16):
 @pytest.mark.parametrize("family", ["longcat_flash", "deepseek_v3"])
 def test_mla_decode_through_fia_equals_the_cpu_path(family):
     """One decode step of three sequences (with a prefill row beside them) on the CPU path and through the
-    fake NPU backend: with afd's one-tensor cache FIA is refused (its key must be contiguous) and the step
-    is the CPU's bit for bit; with the latent and rope caches split, as a split layout would hand them
-    over, the step goes through FIA and matches the CPU's within bf16 rounding."""
+    fake NPU backend: the cache's latent and rope planes (afd.model.latent_cache) are the contiguous paged
+    tensors FIA's document asks for, so the step goes through FIA and matches the CPU's within bf16 rounding."""
     from afd.model.attention_metadata import AttentionMetadata
     from afd.model.mla import attach_backend
 
@@ -126,15 +123,6 @@ def test_mla_decode_through_fia_equals_the_cpu_path(family):
         want = attn(x, cos, sin, meta, cache.clone())
         be = _backend()
         attach_backend(attn, be)
-        assert attn(x, cos, sin, meta, cache.clone()).equal(want)
-        assert be._torch_npu.npu_fused_infer_attention_score.calls == 0
-
-        real = be.paged_mla_decode
-
-        def split(q, qr, kv_c, kv_r, *rest):
-            return real(q, qr, kv_c.contiguous(), kv_r.contiguous(), *rest)
-
-        be.paged_mla_decode = split
         got = attn(x, cos, sin, meta, cache.clone())
     assert be._torch_npu.npu_fused_infer_attention_score.calls == 1
     assert torch.equal(got[3:], want[3:])  # the prefill rows never take the hook
@@ -154,7 +142,8 @@ from afd.model.mla import attach_backend
 sys.path.insert(0, {tests!r})
 from test_npu_mla_decode import _mla, C, R
 
-# MLA decode on the fake Ascend device, npu:1: the step through FIA (split caches) against the same step on the CPU
+# MLA decode on the fake Ascend device, npu:1: the step through FIA (the cache's planes, as they are) against the
+# same step on the CPU
 be = NpuBackend(1)
 dev = be.device
 attn = _mla(lora_scales=True, rope_interleave=True)
@@ -169,8 +158,6 @@ with torch.no_grad():
     want = attn(x, cos, sin, cpu_meta, cache.clone())
     attn.to(dev)
     attach_backend(attn, be)
-    real = be.paged_mla_decode
-    be.paged_mla_decode = lambda q, qr, kc, kr, *rest: real(q, qr, kc.contiguous(), kr.contiguous(), *rest)
     meta = AttentionMetadata.build([n - 1 for n in lens], [1] * 3, tables, bs, dev)
     xs, cs, ss, dc = x.to(dev), cos.to(dev), sin.to(dev), cache.to(dev)
     torch.npu.synchronize()

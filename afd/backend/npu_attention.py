@@ -55,9 +55,9 @@ def refusal(
     if B > MAX_BATCH:
         return f"{B} sequences: FIA decode takes at most {MAX_BATCH}"
     if not (kv_c.is_contiguous() and kv_r.is_contiguous()):
-        # doc: key and key_rope "不支持非连续的Tensor". afd's MLA cache keeps c and k_rot side by side in one row
-        # per token ([nb, bs, C + R], kv_cache_shape), so each is a strided view: FIA needs them as two caches.
-        return "latent and rope caches are views of one [blocks, block_size, C + R] cache; FIA needs two contiguous"
+        # doc: key and key_rope "不支持非连续的Tensor". afd's MLA cache hands over its two planes, each contiguous
+        # (afd.model.latent_cache); a caller with interleaved rows would pass strided views.
+        return "latent and rope caches are strided views; FIA needs two contiguous caches"
     return None
 
 

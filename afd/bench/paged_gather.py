@@ -9,7 +9,7 @@ from unittest import mock
 
 import torch
 
-from afd.model import paged_attention
+from afd.model import latent_cache, paged_attention
 from afd.model.gqa import GQAttention
 from afd.model.mla import MLAttention
 
@@ -21,7 +21,9 @@ def _mla_gather(self: MLAttention, q_nope, q_rot, meta, cache) -> torch.Tensor:
     w_uk, w_uv = self._w_uk_uv()
     q_full = torch.cat([torch.einsum("bhn,hnc->bhc", q_nope, w_uk), q_rot], dim=-1)  # [B, NH, C + R]
     B, nb = meta.decode_block_tables.shape
-    kv = cache[meta.decode_block_tables].view(B, nb * meta.block_size, -1)  # [B, L, C + R]
+    c, k_rot = latent_cache.planes(cache, self.kv_lora)
+    kv = torch.cat([c[meta.decode_block_tables], k_rot[meta.decode_block_tables]], dim=-1)  # [B, nb, bs, C + R]
+    kv = kv.view(B, nb * meta.block_size, -1)  # [B, L, C + R]
     score = torch.einsum("bhd,bld->bhl", q_full, kv) * self.scale
     pos = torch.arange(kv.shape[1], device=kv.device)
     score.masked_fill_(pos[None, None, :] >= meta.decode_ctx_lens[:, None, None], float("-inf"))

@@ -1,7 +1,8 @@
 """Multi-head Latent Attention over a paged cache of compressed latents.
 
-The cache keeps, per token, c = kv_a_layernorm(c_kv) * s_kv (kv_lora_rank values) followed by the rotated
-shared key k_rot (qk_rope_head_dim values). Decode uses the absorbed form, attending in latent space:
+The cache keeps, per token, c = kv_a_layernorm(c_kv) * s_kv (kv_lora_rank values) and the rotated shared
+key k_rot (qk_rope_head_dim values), in two planes of the layer's tensor (afd/model/latent_cache.py says
+why). Decode uses the absorbed form, attending in latent space:
 
     q_lat[h] = q_nope[h] @ W_UK[h]            score = [q_lat, q_rot] . [c, k_rot] * scale
     o[h]     = (softmax(score) @ c) @ W_UV[h]^T
@@ -25,8 +26,8 @@ import torch
 from torch import nn
 
 from afd.backend.base import Backend, to_device
-from afd.model import kvp, paged_attention
-from afd.model.attention_metadata import AttentionMetadata, store_kv
+from afd.model import kvp, latent_cache, paged_attention
+from afd.model.attention_metadata import AttentionMetadata
 from afd.model.config import ModelConfig
 from afd.model.layers import RMSNorm, apply_rotary, apply_rotary_halves
 from afd.model.tp.comm import SINGLE
@@ -119,7 +120,7 @@ class MLAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, cache: torch.Tensor
     ) -> torch.Tensor:
         """x [T, H] (a token shard [s, H] under a sharded TP mode); cache [num_blocks, block_size, C + R]
-        for this layer. Returns o_proj's output in x's layout."""
+        for this layer (two planes: afd.model.latent_cache). Returns o_proj's output in x's layout."""
         q, kva = self._project(x)
         T = q.shape[0]
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
@@ -129,8 +130,8 @@ class MLAttention(nn.Module):
         q_rot = self.rotate(q_rot * self.q_lora_scale, cos, sin)  # [T, NH, R]
         k_rot = self.rotate(k_rot, cos, sin)  # [T, R]
         if self.kvp is not None:
-            return self.o_proj(self._kvp_attend(q_nope, q_rot, torch.cat([c, k_rot], dim=-1), meta, cache))
-        store_kv(cache, meta.slot_mapping, torch.cat([c, k_rot], dim=-1))
+            return self.o_proj(self._kvp_attend(q_nope, q_rot, c, k_rot, meta, cache))
+        latent_cache.store(cache, meta.slot_mapping, c, k_rot)
 
         out = q.new_empty(T, self.n_heads, self.v_dim)
         if meta.decode_rows.numel():
@@ -153,26 +154,26 @@ class MLAttention(nn.Module):
         return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
 
     def _fused_decode(self, q_lat, q_rot, meta: AttentionMetadata, cache) -> torch.Tensor | None:
-        """The backend's fused kernel over the latent (cache[..., :C]) and rope (cache[..., C:]) parts of the
-        cache, or None where it has none for these inputs. Its context lengths are host ints, which the
-        metadata already holds (no device read); inside a compiled graph they would be constants, so None."""
+        """The backend's fused kernel over the latent and rope planes of the cache, or None where it has none
+        for these inputs. Its context lengths are host ints, which the metadata already holds (no device read);
+        inside a compiled graph they would be constants, so None."""
         if self.backend is None or torch.compiler.is_compiling():  # not traced: a graph would freeze the lengths
             return None
         lens = [s.ctx_len for s in meta.seqs if s.q_len == 1]  # the decode rows, in AttentionMetadata's order
         if len(lens) != q_lat.shape[0]:
             return None
-        C = self.kv_lora
-        return self.backend.paged_mla_decode(
-            q_lat, q_rot, cache[..., :C], cache[..., C:], meta.decode_block_tables, lens, self.scale
-        )
+        c, k_rot = latent_cache.planes(cache, self.kv_lora)
+        return self.backend.paged_mla_decode(q_lat, q_rot, c, k_rot, meta.decode_block_tables, lens, self.scale)
 
     def _attend_latent(self, q_full, tables, ctx_lens, block_size: int, cache, positions=None):
         """Absorbed attention of q_full [B, NH, C + R] over the latents of the blocks in tables [B, nb], read
         from the paged cache a chunk at a time (afd/model/paged_attention.py). -> (o_lat [B, NH, C], lse)."""
 
+        c, k_rot = latent_cache.planes(cache, self.kv_lora)
+
         def read(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            kv = paged_attention.gather(cache, blocks)  # [B, l, C + R]: keys; their first C values are values
-            return kv, kv[..., : self.kv_lora]
+            lat = paged_attention.gather(c, blocks)  # [B, l, C]: the values, and the keys' first C dims
+            return torch.cat([lat, paged_attention.gather(k_rot, blocks)], dim=-1), lat  # keys [B, l, C + R]
 
         eqs = ("bhd,bld->bhl", "bhl,blc->bhc")
         return paged_attention.attend(q_full, tables, ctx_lens, block_size, read, eqs, self.scale, positions)
@@ -182,26 +183,26 @@ class MLAttention(nn.Module):
         n = q_nope.shape[0]
         bs = cache.shape[1]
         blocks = to_device(torch.tensor(table[: (ctx_len + bs - 1) // bs], dtype=torch.long), cache.device)
-        kv = cache[blocks].view(-1, cache.shape[-1])[:ctx_len]  # [L, C + R]
-        c, k_rot = kv.split([self.kv_lora, self.rope], dim=-1)
+        c, k_rot = latent_cache.read(cache, self.kv_lora, blocks)
+        c, k_rot = c[:ctx_len], k_rot[:ctx_len]  # [L, C], [L, R]
         kvb = self.kv_b_proj(c).view(ctx_len, self.n_heads, -1)
         k_nope, v = kvb.split([self.nope, self.v_dim], dim=-1)  # [L, NH, nope], [L, NH, v]
         q = torch.cat([q_nope, q_rot], dim=-1).transpose(0, 1)  # [NH, n, D]
         k = torch.cat([k_nope, k_rot[:, None, :].expand(-1, self.n_heads, -1)], dim=-1).transpose(0, 1)
         score = q @ k.transpose(1, 2) * self.scale  # [NH, n, L]
-        q_pos = torch.arange(ctx_len - n, ctx_len, device=kv.device)
-        k_pos = torch.arange(ctx_len, device=kv.device)
+        q_pos = torch.arange(ctx_len - n, ctx_len, device=c.device)
+        k_pos = torch.arange(ctx_len, device=c.device)
         score.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         p = torch.softmax(score, dim=-1, dtype=torch.float32).to(q.dtype)
         return (p @ v.transpose(0, 1)).transpose(0, 1)  # [n, NH, v]
 
-    def _kvp_attend(self, q_nope, q_rot, latents, meta: AttentionMetadata, cache) -> torch.Tensor:
+    def _kvp_attend(self, q_nope, q_rot, c_new, k_rot_new, meta: AttentionMetadata, cache) -> torch.Tensor:
         """KV-parallel attention: store this rank's share of the new latents, attend over this rank's blocks
         with the head group's heads, merge with the other KV ranks. Returns [T, n_own_heads * v]."""
         assert self.kvp is not None  # forward calls this only under KVP
         N, k = self.kvp
         view = kvp.local_view(meta, N, k)
-        cache.view(-1, cache.shape[-1])[view.write_slots] = latents[view.write_rows]
+        latent_cache.store(cache, view.write_slots, c_new[view.write_rows], k_rot_new[view.write_rows])
         T, bs = q_nope.shape[0], meta.block_size
         o = q_nope.new_zeros(T, self.n_heads, self.v_dim)
         lse = torch.full((T, self.n_heads), float("-inf"), device=o.device)
@@ -215,14 +216,13 @@ class MLAttention(nn.Module):
             o[dec] = torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
         for s, (blocks, pos) in zip(meta.prefill_seqs, view.prefill):
             rows = slice(s.q_start, s.q_start + s.q_len)
-            kv = cache[blocks].view(-1, cache.shape[-1])  # [L/N, C + R], this rank's keys of the sequence
-            c, k_rot = kv.split([self.kv_lora, self.rope], dim=-1)
-            kvb = self.kv_b_proj(c).view(kv.shape[0], self.n_heads, self.nope + self.v_dim)  # L/N may be 0
+            c, k_rot = latent_cache.read(cache, self.kv_lora, blocks)  # [L/N, C], [L/N, R]: this rank's keys
+            kvb = self.kv_b_proj(c).view(c.shape[0], self.n_heads, self.nope + self.v_dim)  # L/N may be 0
             k_nope, v = kvb.split([self.nope, self.v_dim], dim=-1)
             q = torch.cat([q_nope[rows], q_rot[rows]], dim=-1).transpose(0, 1)  # [h, n, D]
             key = torch.cat([k_nope, k_rot[:, None, :].expand(-1, self.n_heads, -1)], dim=-1).transpose(0, 1)
             score = q @ key.transpose(1, 2) * self.scale  # [h, n, L/N]
-            q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=kv.device)
+            q_pos = torch.arange(s.ctx_len - s.q_len, s.ctx_len, device=c.device)
             score.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
             o_s, l_s = kvp.partial(score, v.transpose(0, 1))
             o[rows], lse[rows] = o_s.transpose(0, 1), l_s.transpose(0, 1)
