@@ -9,7 +9,9 @@ caches when the two products read it) and merges the chunks' partial softmaxes o
     m' = max(m, max_j s_j)     d' = d e^(m - m') + sum_j e^(s_j - m')     o' = o e^(m - m') + sum_j e^(s_j - m') v_j
 
 which after the last chunk is exactly softmax attention over all of them (o / d; lse = m + log d for
-the KVP merge). Peak memory is one chunk's keys, values and scores: B x chunk x bs rows, whatever L.
+the KVP merge). A table that fits in one chunk takes the plain softmax in HF eager's dtypes instead, so
+short contexts round as HF does (tests/test_bf16_parity.py holds Qwen3's bf16 decode to it bit for bit).
+Peak memory is one chunk's keys, values and scores: B x chunk x bs rows, whatever L.
 
 Shapes: B sequences, nb blocks in the (padded) block tables, bs block size, l = chunk x bs keys per
 chunk, S the query's head dims ([NH] for MLA, [KVH, G] for GQA), Dv the value width.
@@ -60,16 +62,25 @@ def attend(
         return o0, torch.full(o0.shape[:-1], float("-inf"), device=o0.device)
     extra = (1,) * (q.dim() - 1)  # broadcasts [B, l] masks over the head dims S
     ctx = ctx_lens.view(B, *extra)
-    acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (m, d, o) of the chunks so far
-    for lo in range(0, nb, chunk):
-        hi = min(nb, lo + chunk)
+
+    def scores(lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks [lo, hi) of the tables: (scores [B, *S, l] in q's dtype, -inf where not visible; values)."""
         keys, values = read(tables[:, lo:hi])
-        s = torch.einsum(equations[0], q, keys).float() * scale  # [B, *S, l]
+        s = torch.einsum(equations[0], q, keys) * scale  # rounded as HF's eager attention rounds it
         if positions is None:
             pos = torch.arange(lo * block_size, hi * block_size, device=s.device).view(1, *extra[:-1], -1)
         else:
             pos = positions[:, lo * block_size : hi * block_size].reshape(-1, *extra[:-1], s.shape[-1])
-        s.masked_fill_(pos >= ctx, float("-inf"))
+        return s.masked_fill_(pos >= ctx, float("-inf")), values
+
+    if nb <= chunk:  # one chunk: the plain softmax, in HF eager's dtypes (bf16 decode stays bit-equal to it)
+        s, values = scores(0, nb)
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).nan_to_num(0.0)  # no visible key: a row of nan -> 0
+        return torch.einsum(equations[1], p.to(values.dtype), values).to(q.dtype), torch.logsumexp(s.float(), -1)
+    acc: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (m, d, o) of the chunks so far
+    for lo in range(0, nb, chunk):
+        s_c, values = scores(lo, min(nb, lo + chunk))
+        s = s_c.float()
         m_c = s.amax(dim=-1)  # [B, *S]
         m_new = m_c if acc is None else torch.maximum(acc[0], m_c)
         base = m_new.masked_fill(m_new == float("-inf"), 0.0)  # no visible key yet: e^(-inf - 0) = 0, not nan
