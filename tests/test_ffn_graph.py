@@ -101,7 +101,7 @@ def test_ffn_layers_as_torchair_graphs_one_per_bucket_equal_hf(tiny_checkpoint, 
     layers = llm.ffn.cfg.moe_layers
     assert graph.warmup_graphs == 2 * len(layers) and sorted(graph._fns) == [(i, P) for i in layers for P in (2, 4)]
     monkeypatch.setattr(afd.backend, "get_backend", lambda *a: be)
-    engine = llm.job_engine(prompts, per, moe=LocalMoE(graph, be), graph_mode="compile", graph_batch_sizes=(4,))
+    engine = llm.job_engine(prompts, per, moe=LocalMoE(graph, be), graph_mode="eager")  # the FFN half alone
     out = offline.generate(engine, prompts, per, SamplingParams(), ignore_eos=True)
     assert out == families.ref_ids("longcat_flash", "zero_experts", N)  # HF's greedy tokens
     # every decode step's layers ran in graphs (N - 1 steps), the prefill eager; nothing compiled after warm-up

@@ -10,7 +10,7 @@ import torch
 
 from afd.engine.logits import History
 from afd.engine.sample_ops import rejection_sample
-from afd.engine.sampling import Sampler, SamplingParams
+from afd.engine.sampling import Sampler, SamplingParams, accepted, verify_rows
 
 TRIALS = 20000
 TOL = 4 * math.sqrt(0.25 / TRIALS)
@@ -49,8 +49,12 @@ def test_verify_emits_the_targets_tokens_over_two_drafts():
     p0, p1 = torch.softmax(logits[0], -1), torch.softmax(logits[1], -1)
     sampler, params = Sampler(), SamplingParams(temperature=1.0)
     first, second, lengths = torch.zeros(3), torch.zeros(3), torch.zeros(4)
-    for _ in range(TRIALS):
-        out = sampler.verify(logits, drafts, params, "r", History([1], []))
+    # TRIALS requests verifying the same drafts, in one batch as a step samples them (Sampler.verify is one)
+    flat = torch.tensor(drafts * TRIALS)
+    rows = [r for i in range(TRIALS) for r in verify_rows(flat[2 * i : 2 * i + 2], 2 * i, params, i, History([1], []))]
+    drawn = sampler.draw(logits.repeat(TRIALS, 1), rows, flat)
+    for i in range(TRIALS):
+        out = [d.token for d in accepted(drawn[3 * i : 3 * i + 3])]
         first[out[0]] += 1
         lengths[len(out)] += 1
         if len(out) > 1:
