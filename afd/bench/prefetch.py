@@ -29,16 +29,16 @@ VARIANTS = ("off", "computed", "computed + after router", "fixed 8 MiB", "old: f
 router, then expert 0's rows on), whatever the router chose."""
 
 
-def _model(num_layers: int):
+def _model(num_layers: int, device: torch.device, dtype: torch.dtype):
     from afd.bench.step import BENCH_CONFIG
     from afd.model.checkpoint import DummyReader, build_ffn_half
     from afd.model.registry import config_from_hf
 
     cfg = config_from_hf({**BENCH_CONFIG, "num_layers": num_layers})
-    return cfg, build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"))
+    return cfg, build_ffn_half(cfg, DummyReader(0), dtype, device)
 
 
-def _schedules(ffn, be, spec, num_layers: int) -> tuple[dict, dict]:
+def _schedules(ffn, be, spec, num_layers: int, variants) -> tuple[dict, dict]:
     """The schedules, and each one's after-router hooks: they share one model, so each sets its hook (or
     none) on a layer just before running it."""
     made = {
@@ -49,6 +49,8 @@ def _schedules(ffn, be, spec, num_layers: int) -> tuple[dict, dict]:
     made["old: first 8 MiB"] = made["fixed 8 MiB"]
     scheds, hooks = {}, {}
     for name, cfg in made.items():
+        if name not in variants:
+            continue
         scheds[name] = (_FirstBytes if name.startswith("old") else PrefetchSchedule)(ffn, be, cfg, spec)
         hooks[name] = {i: ffn.layer(i).experts.before_gemm for i in range(num_layers)}
         _unhook(ffn, num_layers)
@@ -68,6 +70,7 @@ def _step(be, ffn, xs, sched, hooks: dict, gap: float, out: dict) -> None:
         ffn.layer(layer).experts.before_gemm = hooks.get(layer)
         if sched is not None:
             sched(layer)
+        be.synchronize()  # a device's hints are queued: time them done (this is a benchmark, not the node)
         t1 = time.perf_counter()
         left = t0 + gap - t1
         if left > 0:
@@ -76,6 +79,7 @@ def _step(be, ffn, xs, sched, hooks: dict, gap: float, out: dict) -> None:
         if sched is not None:
             sched.observe_gap(layer, t2 - t0 if left > 0 else 0.0)
         ffn(be, layer, x)
+        be.synchronize()
         t3 = time.perf_counter()
         if sched is not None:
             sched.after_compute(layer)
@@ -85,14 +89,24 @@ def _step(be, ffn, xs, sched, hooks: dict, gap: float, out: dict) -> None:
         out["layer"].append(t3 - t0)
 
 
-def run_prefetch_bench(tokens=(8, 32), repeats: int = 5, num_layers: int = 8, gaps_ms=GAPS_MS) -> dict:
+def run_prefetch_bench(
+    tokens=(8, 32),
+    repeats: int = 5,
+    num_layers: int = 8,
+    gaps_ms=GAPS_MS,
+    kind: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    variants: tuple[str, ...] = VARIANTS,
+) -> dict:
+    """kind: the backend (`make test-device` runs it on the NPU: tests/device/checks_prefetch.py); variants:
+    which of VARIANTS, "off" first."""
     from afd.backend import get_backend
 
     torch.set_num_threads(1)
-    be = get_backend("cpu")
+    be = get_backend(kind)
     spec = be.prefetch_spec()
-    cfg, ffn = _model(num_layers)
-    scheds, hooks = _schedules(ffn, be, spec, num_layers)
+    cfg, ffn = _model(num_layers, be.device, dtype)
+    scheds, hooks = _schedules(ffn, be, spec, num_layers, variants)
     results: dict = {"spec": {"bandwidth": spec.bandwidth, "cache_bytes": spec.cache_bytes, "source": spec.source}}
     gen = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -100,16 +114,16 @@ def run_prefetch_bench(tokens=(8, 32), repeats: int = 5, num_layers: int = 8, ga
             base = [torch.randn(T, cfg.hidden_size, generator=gen) for _ in range(num_layers)]
 
             def inputs(base=base):
-                return [b + NOISE * torch.randn(b.shape, generator=gen) for b in base]
+                return [(b + NOISE * torch.randn(b.shape, generator=gen)).to(be.device, dtype) for b in base]
 
             for gap_ms in gaps_ms:
                 gap = gap_ms / 1e3
-                samples = {v: {"compute": [], "hint": [], "layer": [], "budget": []} for v in VARIANTS}
-                for v in VARIANTS:  # warm-up: a measured gap and a first guess for every schedule
+                samples = {v: {"compute": [], "hint": [], "layer": [], "budget": []} for v in variants}
+                for v in variants:  # warm-up: a measured gap and a first guess for every schedule
                     for _ in range(3):
                         _step(be, ffn, inputs(), scheds.get(v), hooks.get(v, {}), gap, {k: [] for k in samples[v]})
                 for r in range(repeats):
-                    order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]  # rotates per round
+                    order = variants[r % len(variants) :] + variants[: r % len(variants)]  # rotates per round
                     xs = inputs()  # one step's inputs, the same for every variant of the round
                     for v in order:
                         _step(be, ffn, xs, scheds.get(v), hooks.get(v, {}), gap, samples[v])

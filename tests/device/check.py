@@ -1,6 +1,7 @@
 """`make test-device`: afd on one accelerator (a CUDA GPU or an Ascend NPU) against the CPU reference.
 
-    .venv/bin/python tests/device/check.py [--checks pytest,colocated,gemm,ffngraph,paged,1a1f,syncs,failure]
+    .venv/bin/python tests/device/check.py [--checks pytest,colocated,gemm,ffngraph,paged,prefetch,1a1f,syncs,
+        failure]
         [--write | --no-write]
 
 Checks, each reported as pass / fail / skip with its reason and figures, its row saying what it measured
@@ -14,6 +15,8 @@ Checks, each reported as pass / fail / skip with its reason and figures, its row
               warm-up, vs the same layers eager on the CPU in fp32: error, per-expert counts, median time
   paged       MLA decode over the paged cache at contexts of one chunk and of four (4,096 tokens), vs the
               CPU in fp32 (FIA on Ascend where it fits): error, median step time
+  prefetch    the FFN layer's time with the computed weight prefetch budget and without (afd/bench/prefetch.py's
+              replay of the node's loop, 1 and 3 ms gaps); skipped on CUDA, where prefetch is a no-op
   1a1f        with two devices or more, `afd launch` of one attention node (device 0) and one FFN node
               (device 1) over NCCL / HCCL, greedy requests through the OpenAI API vs CPU fp32 tokens
   syncs       the same cluster: afd_host_syncs_total per decode step on each node, at most 1 + a slack
@@ -54,6 +57,7 @@ import checks_ffn_graph  # noqa: E402
 import checks_gemm  # noqa: E402
 import checks_host_syncs  # noqa: E402
 import checks_paged  # noqa: E402
+import checks_prefetch  # noqa: E402
 import checks_pytest  # noqa: E402
 from device_common import Target, announce, guarded, say  # noqa: E402
 from device_env import (  # noqa: E402  (main's steps, replaced by the tests)
@@ -66,7 +70,7 @@ from device_env import (  # noqa: E402  (main's steps, replaced by the tests)
 from device_report import Result, markdown_table, summary, write_report  # noqa: E402
 
 OUT_DIR = ROOT / "docs" / "bench" / "device"
-CHECKS = ("pytest", "colocated", "gemm", "ffngraph", "paged", "1a1f", "syncs", "failure")
+CHECKS = ("pytest", "colocated", "gemm", "ffngraph", "paged", "prefetch", "1a1f", "syncs", "failure")
 TIME_BUDGET_S = 480  # `make test-device` promises at most 8 minutes on one device
 
 
@@ -79,6 +83,7 @@ SKIPPED_WITHOUT_DEVICE = {
     "gemm": [("grouped GEMM vs the per-expert loop", checks_gemm.MEASURED)],
     "ffngraph": [("FFN graphs vs CPU fp32", checks_ffn_graph.MEASURED)],
     "paged": [("paged MLA decode vs CPU fp32", checks_paged.MEASURED)],
+    "prefetch": [("FFN prefetch vs none", checks_prefetch.MEASURED)],
     "1a1f": [("1A1F over NCCL / HCCL", checks_1a1f.MEASURED)],
     "syncs": [("host syncs per decode step, 1A1F", checks_host_syncs.MEASURED)],
     "failure": [("FFN node killed mid-decode, 1A1F", checks_failure.MEASURED)],
@@ -123,6 +128,10 @@ def run_device_checks(args, target: Target) -> list[Result]:
                 say(f"== paged MLA decode {dtype} on {target.kind} vs CPU fp32")
                 run = functools.partial(checks_paged.check_paged, target, dtype)
                 results.append(announce(guarded(run, f"paged MLA decode {dtype} vs CPU fp32", checks_paged.MEASURED)))
+        if "prefetch" in args.checks:
+            say(f"== FFN prefetch on {target.kind}")
+            run = functools.partial(checks_prefetch.check_prefetch, target, args.quick)
+            results.append(announce(guarded(run, "FFN prefetch vs none", checks_prefetch.MEASURED)))
         for check, (fn, name, measured) in CLUSTER_CHECKS.items():
             if check in args.checks:
                 say(f"== {name} over {target.dist}")
