@@ -9,10 +9,8 @@ Each input is run twice with different values, so a graph's replay must take its
 
 from __future__ import annotations
 
-import time
-
 import torch
-from device_common import Target
+from device_common import Target, median_ms
 from device_env import dtype_supported
 from device_report import Result
 
@@ -65,8 +63,8 @@ def check_ffn_graph(target: Target, dtype: str) -> Result:
                         bad_counts.append((layer, T))
         passes = dict(graph.passes)
         xt = torch.randn(TIMED, cfg.hidden_size, generator=g).to(backend.device, getattr(torch, dtype))
-        ms = _median_ms(backend, lambda: graph(backend, layers[0], xt))
-        dev_eager = _median_ms(backend, lambda: dev(backend, layers[0], xt))
+        ms = median_ms(backend, lambda: graph(backend, layers[0], xt))
+        dev_eager = median_ms(backend, lambda: dev(backend, layers[0], xt))
     figures = {
         "graphs": graph.warmup_graphs,
         "warmup_s": round(graph.warmup_seconds, 2),
@@ -85,15 +83,3 @@ def check_ffn_graph(target: Target, dtype: str) -> Result:
     if passes != want:
         return Result(name, "fail", f"passes by mode {passes}, expected {want}", figures)
     return Result(name, "pass", f"within {TOL[dtype]}; {len(layers)} layers x {len(BUCKETS)} buckets", figures)
-
-
-def _median_ms(backend, fn, calls: int = 20) -> float:
-    fn()
-    backend.synchronize()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        backend.synchronize()
-        times.append(time.perf_counter() - t0)
-    return round(sorted(times)[len(times) // 2] * 1e3, 4)

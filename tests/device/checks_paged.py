@@ -10,11 +10,10 @@ tables drawn at random from the pool as a long-running server's are, in FIA's ML
 from __future__ import annotations
 
 import random
-import time
 from types import SimpleNamespace
 
 import torch
-from device_common import Target
+from device_common import Target, median_ms
 from device_env import dtype_supported
 from device_report import Result
 
@@ -70,20 +69,8 @@ def check_paged(target: Target, dtype: str) -> Result:
             got = attn(*args).float().cpu()
             err = ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
             worst = err if not err <= worst else worst  # a NaN stays
-            figures[f"ms_L{L}"] = _median_ms(backend, lambda a=args: attn(*a))
+            figures[f"ms_L{L}"] = median_ms(backend, lambda a=args: attn(*a), calls=10)
     figures["rel_err"] = worst
     if not worst <= TOL[dtype]:
         return Result(name, "fail", f"rel err {worst:.3g} > {TOL[dtype]}", figures)
     return Result(name, "pass", f"within {TOL[dtype]} at contexts {', '.join(map(str, CONTEXTS))}", figures)
-
-
-def _median_ms(backend, fn, calls: int = 10) -> float:
-    fn()
-    backend.synchronize()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        fn()
-        backend.synchronize()
-        times.append(time.perf_counter() - t0)
-    return round(sorted(times)[len(times) // 2] * 1e3, 4)

@@ -71,3 +71,16 @@ def guarded(fn: Callable[[], Result], name: str, measured: str = "") -> Result:
 def announce(result: Result) -> Result:
     say(f"[{result.status}] {result.check}: {result.reason}")
     return result
+
+
+def median_ms(backend, fn: Callable[[], object], calls: int = 20) -> float:
+    """fn's median wall time in ms over `calls` calls after one warm-up, each waited for on the device."""
+    fn()
+    backend.synchronize()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        backend.synchronize()
+        times.append(time.perf_counter() - t0)
+    return round(sorted(times)[len(times) // 2] * 1e3, 4)
