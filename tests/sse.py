@@ -1,8 +1,11 @@
-"""An OpenAI streaming completion read as the tests and the device check read it: event by event."""
+"""An OpenAI streaming completion read as the tests and the device check read it: event by event; and many
+of them at once (`Streams`)."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -23,3 +26,50 @@ def stream_completion(url: str, body: dict, timeout: float) -> Iterator[tuple[li
             ev = json.loads(line[len(b"data: ") :])
             error = ev["error"]["message"] if "error" in ev else None
             yield [t for c in ev.get("choices", []) for t in (c.get("token_ids") or [])], error
+
+
+class Streams:
+    """Concurrent streaming completions, one per prompt, each read by stream_completion with `read_timeout`;
+    results[i] is (token ids, error messages) once stream i has ended."""
+
+    def __init__(self, url: str, prompts: list[list[int]], body: dict, read_timeout: float):
+        self.results: list = [None] * len(prompts)
+        self._first = threading.Semaphore(0)
+        self.threads = [
+            threading.Thread(target=self._run, args=(i, url, {**body, "prompt": p}, read_timeout), daemon=True)
+            for i, p in enumerate(prompts)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int, url: str, body: dict, read_timeout: float) -> None:
+        ids, errors, first = [], [], True
+        try:
+            for got, error in stream_completion(url, body, read_timeout):
+                if error is not None:
+                    errors.append(error)
+                ids.extend(got)
+                if first:
+                    first = False
+                    self._first.release()
+        except Exception as e:  # noqa: BLE001 (reported through the result)
+            errors.append(repr(e))
+        finally:
+            if first:
+                self._first.release()
+        self.results[i] = (ids, errors)
+
+    def wait_started(self, timeout: float) -> bool:
+        """True once every stream has its first chunk (or ended), within `timeout` in all."""
+        end = time.monotonic() + timeout
+        return all(self._first.acquire(timeout=max(0.0, end - time.monotonic())) for _ in self.threads)
+
+    def finished(self) -> int:
+        return sum(r is not None for r in self.results)
+
+    def join(self, timeout: float) -> int:
+        """Waits up to `timeout` in all; returns how many streams are still open (hung)."""
+        end = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, end - time.monotonic()))
+        return sum(t.is_alive() for t in self.threads)

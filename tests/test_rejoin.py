@@ -6,61 +6,23 @@ away the FFN nodes go on serving the others."""
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from pathlib import Path
 
 import pytest
 from cluster_helpers import Cluster, cluster_yaml, health, post
 from hf_reference import PROMPTS, hf_greedy
-from sse import stream_completion
+from sse import Streams
 
 pytestmark = pytest.mark.multiprocess
 NEW = 48
+STREAM = {"max_tokens": NEW, "temperature": 0}
 FAST = {"heartbeat_interval": 0.3, "heartbeat_timeout": 2, "rejoin_timeout": 60, "comm_timeout": 30}
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     return [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, NEW)]
-
-
-class _Streams:
-    """Concurrent streaming greedy completions; `started` is set once every stream has its first chunk."""
-
-    def __init__(self, url: str, prompts: list[list[int]]):
-        self.results: list = [None] * len(prompts)
-        self._first = threading.Semaphore(0)
-        self.threads = [threading.Thread(target=self._run, args=(i, url, p)) for i, p in enumerate(prompts)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, i: int, url: str, prompt: list[int]) -> None:
-        body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0}
-        ids, errors, first = [], [], True
-        try:
-            for got, error in stream_completion(url, body, 180):
-                if error is not None:
-                    errors.append(error)
-                ids.extend(got)
-                if first:
-                    first = False
-                    self._first.release()
-        except Exception as e:  # noqa: BLE001 (reported through the result)
-            errors.append(repr(e))
-        finally:
-            if first:
-                self._first.release()
-        self.results[i] = (ids, errors)
-
-    def wait_started(self) -> None:
-        for _ in self.threads:
-            assert self._first.acquire(timeout=60)
-
-    def join(self) -> list:
-        for t in self.threads:
-            t.join(240)
-        return self.results
 
 
 def _greedy(url: str, prompt: list[int]) -> list[int]:
@@ -97,8 +59,8 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
         c.wait_ready()
         attn_pid = c.procs["attn0"].pid
         prompts = PROMPTS * 4  # 16 streams at once
-        streams = _Streams(c.url(), prompts)
-        streams.wait_started()
+        streams = Streams(c.url(), prompts, STREAM, 180)
+        assert streams.wait_started(60)
         c.procs["ffn0"].send_signal(signal.SIGKILL)
         # paused, waiting for the replacement: on gloo at once (the dead FFN's sockets close); on the fake
         # HCCL, as on a real one, the dead peer's transfers just never complete, and the attention node
@@ -108,7 +70,8 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
             assert time.monotonic() < end, "the attention node did not pause for the dead FFN node"
             time.sleep(0.1)
         c.start("ffn0")  # the node's own command, as a supervisor would run it
-        results = streams.join()
+        streams.join(240)
+        results = streams.results
         _assert_all_equal_hf(results, prompts, reference)
         assert c.procs["attn0"].pid == attn_pid and c.procs["attn0"].poll() is None
         assert "data plane re-formed" in c.log("attn0") and "generation 1" in c.log("attn0")
@@ -141,8 +104,8 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
         c.wait_ready()
         survivors = {n: c.procs[n].pid for n in ("attn0", "ffn0")}
         prompts = PROMPTS * 4
-        streams = _Streams(c.url("attn0"), prompts)
-        streams.wait_started()
+        streams = Streams(c.url("attn0"), prompts, STREAM, 180)
+        assert streams.wait_started(60)
         c.procs["attn1"].send_signal(signal.SIGKILL)
         c.procs["attn1"].wait()
         # while attn1 is away, the FFN node keeps serving attn0: no pause, new requests complete
@@ -150,7 +113,8 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
         assert _greedy(c.url("attn0"), PROMPTS[2]) == reference[2]
         assert "attention rank 1 dropped from generation 0" in c.log("ffn0")
         c.start("attn1")
-        results = streams.join()
+        streams.join(240)
+        results = streams.results
         _assert_all_equal_hf(results, prompts, reference)
         assert {n: c.procs[n].pid for n in survivors} == survivors
         assert all(c.procs[n].poll() is None for n in survivors)
@@ -182,12 +146,13 @@ def test_an_attention_node_on_tp_ranks_re_forms_with_a_replaced_ffn_node(tiny_ch
         c.wait_ready()
         ranks = {n: c.procs[n].pid for n in ("attn0", "attn0.tp1")}
         prompts = PROMPTS * 4
-        streams = _Streams(c.url(), prompts)
-        streams.wait_started()
+        streams = Streams(c.url(), prompts, STREAM, 180)
+        assert streams.wait_started(60)
         c.procs["ffn0"].send_signal(signal.SIGKILL)
         time.sleep(0.5)
         c.start("ffn0")
-        results = streams.join()
+        streams.join(240)
+        results = streams.results
         try:
             _assert_all_equal_hf(results, prompts, reference)
         except AssertionError as e:

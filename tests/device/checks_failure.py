@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import signal
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from checks_colocated import cpu_reference
 from device_common import Target, say, wait_ready
 from device_report import Result
 from hf_reference import PROMPTS
-from sse import stream_completion
+from sse import Streams
 
 STREAMS = PROMPTS * 4  # 16 at once: a decode batch, and a kill that lands mid-step
 TOKENS = {False: 96, True: 48}  # per stream, by --quick: long enough that the kill lands mid-decode
@@ -32,54 +31,6 @@ MEASURED = (
     f"{len(STREAMS)} greedy streams on a 1A1F cluster, FFN node killed (SIGKILL) mid-decode and started again: "
     "pause, re-form within rejoin_timeout, tokens vs CPU fp32, no hang"
 )
-
-
-class Streams:
-    """Concurrent streaming greedy completions (tests/test_rejoin.py's, with deadlines). A stream's read
-    outlasts the pause: rejoin_timeout plus FINISH_S."""
-
-    def __init__(self, url: str, prompts: list[list[int]], tokens: int, read_timeout: float):
-        self.results: list = [None] * len(prompts)
-        self._first = threading.Semaphore(0)
-        self.threads = [
-            threading.Thread(target=self._run, args=(i, url, p, tokens, read_timeout), daemon=True)
-            for i, p in enumerate(prompts)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, i: int, url: str, prompt: list[int], tokens: int, read_timeout: float) -> None:
-        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
-        ids, errors, first = [], [], True
-        try:
-            for got, error in stream_completion(url, body, read_timeout):
-                if error is not None:
-                    errors.append(error)
-                ids.extend(got)
-                if first:
-                    first = False
-                    self._first.release()
-        except Exception as e:  # noqa: BLE001 (reported through the result)
-            errors.append(repr(e))
-        finally:
-            if first:
-                self._first.release()
-        self.results[i] = (ids, errors)
-
-    def wait_started(self, timeout: float) -> bool:
-        """True once every stream has its first chunk (or ended), within `timeout` in all."""
-        end = time.monotonic() + timeout
-        return all(self._first.acquire(timeout=max(0.0, end - time.monotonic())) for _ in self.threads)
-
-    def finished(self) -> int:
-        return sum(r is not None for r in self.results)
-
-    def join(self, timeout: float) -> int:
-        """Waits up to `timeout` in all; returns how many streams are still open (hung)."""
-        end = time.monotonic() + timeout
-        for t in self.threads:
-            t.join(max(0.0, end - time.monotonic()))
-        return sum(t.is_alive() for t in self.threads)
 
 
 def _wait_health(url: str, code: int, timeout: float) -> float | None:
@@ -144,7 +95,8 @@ def check_failure(target: Target, ckpt: str, quick: bool) -> Result:
             c.start_all()
             wait_ready(c)
             attn_pid = c.procs["attn0"].pid
-            streams = Streams(url, STREAMS, tokens, read_timeout=rejoin + FINISH_S)
+            body = {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+            streams = Streams(url, STREAMS, body, read_timeout=rejoin + FINISH_S)  # a read outlasts the pause
             if not streams.wait_started(60):
                 return Result(name, "fail", "the streams had no first chunk within 60s", figures)
             c.procs["ffn0"].send_signal(signal.SIGKILL)
