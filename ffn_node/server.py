@@ -280,23 +280,6 @@ class FFNServer:
                 self.metrics.compute.observe(seconds)
                 self.metrics.layer_compute[layer] += seconds
 
-    def _prefetch_in_gap(self, layer: int, recvs: list):
-        """Hints `layer`'s weights while its inputs are in flight; returns the event that starts the layer's
-        measured gap (its span to the compute's start event), or None when the gap is not measurable.
-
-        On a device the hint is asynchronous and the events time the stream's stall for the inputs. On CPU
-        the hint runs on this thread first: if the inputs landed before it ended, the gap was shorter than
-        the hint and is taken as 0, so that the estimate shrinks the next hint (never feeds it its own
-        time)."""
-        gap = self.backend.timing_event()
-        gap.record()
-        self.prefetch(layer)
-        if not self.backend.stream_ordered_waits and all(w is not _FAILED and w.is_completed() for w in recvs):
-            zero = self.backend.timing_event()
-            zero.record()
-            return zero  # its span to the compute's start: the wait after the hint, ~0
-        return gap
-
     def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]]):
         total = sum(n for _, n in parts)
         x = self.pool.get(i, total, self.hidden)  # [T_all, H]: every peer's tokens, peer by peer
@@ -306,7 +289,7 @@ class FFNServer:
             off += n
         gap = None
         if self.prefetch is not None and i == 0 and layer in self.ffn.cfg.moe_layers:  # once per layer
-            gap = self._prefetch_in_gap(layer, [w for _, _, _, w in recvs])
+            gap = self.prefetch.in_gap(layer, lambda: all(w is not _FAILED and w.is_completed() for *_, w in recvs))
         ok = [(o, n) for r, o, n, w in recvs if self._wait(w, r, f"layer {layer} MoE input receive")]
         if len(ok) < len(recvs):
             x = self._without_failed(i, x, ok)

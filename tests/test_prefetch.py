@@ -248,9 +248,12 @@ class _Plane:
 
 
 class _Gaps:
-    """A schedule that records what the server tells it."""
+    """A schedule that records what the server tells it (the real schedule's in_gap, which the server calls)."""
+
+    in_gap = PrefetchSchedule.in_gap
 
     def __init__(self):
+        self.backend = get_backend("cpu")
         self.gaps: list[tuple[int, float]] = []
         self.computed: list[int] = []
         self.last_budget = {0: 123}

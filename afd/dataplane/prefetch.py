@@ -22,6 +22,7 @@ in a gap, never a result.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -131,6 +132,22 @@ class PrefetchSchedule:
         if self.cfg.next_layer and nxt is not None and "router" in self.cfg.weights:
             self._hint(layer, _router(self.ffn, nxt))
         return self.bytes_total - before
+
+    def in_gap(self, layer: int, landed: Callable[[], bool]):
+        """Step 1 as the FFN server runs it, while `layer`'s inputs are in flight: returns the event that starts
+        the layer's measured gap (its span to the compute's start event is what observe_gap takes).
+
+        On a device the hint is asynchronous and the events time the stream's stall for the inputs. Where waits
+        block the host (CPU) the hint runs on the serving thread first: if the inputs had `landed` by its end,
+        the gap was shorter than the hint and is taken as 0, so that the estimate shrinks the next hint (never
+        feeds it its own time)."""
+        gap = self.backend.timing_event()
+        gap.record()
+        self(layer)
+        if not self.backend.stream_ordered_waits and landed():
+            gap = self.backend.timing_event()
+            gap.record()  # its span to the compute's start: the wait after the hint, ~0
+        return gap
 
     def routed(self, layer: int, sizes: torch.Tensor) -> None:
         """Step 2: sizes [G] tokens per local expert, read on the host (a CPU tensor: no sync)."""
