@@ -1,0 +1,260 @@
+"""Fault injection: kill -9 each node of a running cluster under streaming load, and measure what the
+survivors and the clients saw.
+
+A cluster YAML (default deploy/2a1f.yaml, its ports moved to free ones) runs either under `afd launch`,
+which must restart a dead node by itself, or as the commands `afd launch --print-commands` prints, each
+started on its own as a user would in another shell, a dead one started again by its printed command.
+Every attention node serves `--streams` greedy streaming completions at once, back to back, from a fixed
+set of prompts whose tokens are first recorded with no fault. Then, one node after another (`--kill`), the
+node's process is killed with SIGKILL while the load runs, and the script waits until it serves again.
+
+Per kill it reports: the largest gap between two chunks of one stream on every attention node that was not
+killed, while the node was down and rejoining (the "pause"); requests done and failed on each node (a
+killed attention node's own streams die with it: their connections are gone); whether every completed
+stream's tokens equal the fault-free ones; and the time from the kill until the node answered again and
+until `afd status` said READY.
+
+    python bench/failover.py --launcher launch --output docs/bench/failover-launch.json
+    python bench/failover.py --launcher hand --output docs/bench/failover-hand.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from afd.bench.streams import stream_timed
+from afd.cluster.processes import descendants, free_ports
+
+
+def _cluster(src: str, tmp: str) -> tuple[str, dict]:
+    """src with every port moved to a free one; returns its path and its document."""
+    doc = yaml.safe_load(Path(src).read_text())
+    ports = iter(free_ports(sum(len(n["ports"]) for n in doc["nodes"])))
+    for n in doc["nodes"]:
+        n["ports"] = {k: next(ports) for k in n["ports"]}
+    path = os.path.join(tmp, os.path.basename(src))
+    Path(path).write_text(yaml.safe_dump(doc))
+    return path, doc
+
+
+def _afd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "afd.cli", *args]
+
+
+class Cluster:
+    """The cluster's node processes: under one `afd launch`, or each started from its printed command."""
+
+    def __init__(self, path: str, launcher: str):
+        self.path, self.launcher, self.procs = path, launcher, {}
+        doc = yaml.safe_load(Path(path).read_text())
+        self.metrics = {
+            n["name"]: f"http://{n['host']}:{n['ports']['metrics']}" for n in doc["nodes"] if "metrics" in n["ports"]
+        }
+        self.log = open(os.path.join(os.path.dirname(path), "cluster.log"), "w")  # noqa: SIM115
+        if launcher == "launch":
+            self.procs["launch"] = self._start(shlex.join(_afd("launch", path)))
+            return
+        printed = subprocess.run(_afd("launch", path, "--print-commands"), check=True, capture_output=True, text=True)
+        self.commands = {}
+        for line in printed.stdout.splitlines():
+            if "--node" in line and not line.lstrip().startswith("#"):
+                words = shlex.split(line, comments=True)
+                self.commands[words[words.index("--node") + 1]] = line
+        for name, line in self.commands.items():
+            self.procs[name] = self._start(line)
+
+    def _start(self, line: str) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if k != "AFD_CLUSTER_TOKEN"}  # a second shell's
+        bindir = os.path.dirname(sys.executable)
+        env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+        return subprocess.Popen(
+            ["bash", "-c", line], stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def pid(self, node: str) -> int | None:
+        for p in self.procs.values():
+            for pid in [p.pid, *descendants(p.pid)]:
+                try:
+                    cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"--node" in cmd and cmd[cmd.index(b"--node") + 1].decode() == node and b"bash" not in cmd[0]:
+                    return pid
+        return None
+
+    def kill(self, node: str) -> int:
+        pid = self.pid(node)
+        assert pid is not None, f"no process for {node}"
+        os.kill(pid, signal.SIGKILL)
+        if self.launcher == "hand":  # the user's second shell: wait for it to go, run its command again
+            self.procs[node].wait(30)
+            self.procs[node] = self._start(self.commands[node])
+        return pid
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def _ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except Exception:  # noqa: BLE001 (not up yet)
+        return False
+
+
+def _back(cluster: Cluster, node: str, old: int, attention: dict[str, str]) -> bool:
+    """A new process holds the node, and an attention node answers /health."""
+    if cluster.pid(node) in (None, old):
+        return False
+    return _ok(attention[node] + "/health") if node in attention else _ok(cluster.metrics[node] + "/metrics")
+
+
+def _status(path: str) -> dict | None:
+    r = subprocess.run(_afd("status", path, "--json"), capture_output=True, text=True, timeout=30)
+    try:
+        return json.loads(r.stdout)
+    except json.JSONDecodeError:
+        return None
+
+
+def _ready(path: str, doc: dict) -> bool:
+    st = _status(path)
+    return st is not None and st.get("state") == "READY" and len(st.get("ready", [])) == len(doc["nodes"])
+
+
+def _wait(what: str, cond, timeout: float) -> float | None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return time.monotonic() - t0
+        time.sleep(0.25)
+    print(f"  {what}: not within {timeout:.0f}s", flush=True)
+    return None
+
+
+class Load:
+    """`n` streams on one attention node, back to back until stopped; every request's record kept."""
+
+    def __init__(self, url: str, prompts: list[list[int]], max_tokens: int, n: int):
+        self.url, self.prompts, self.max_tokens, self.records = url, prompts, max_tokens, []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        k = i
+        while not self.stop.is_set():
+            body = {"prompt": self.prompts[k % len(self.prompts)], "max_tokens": self.max_tokens}
+            body.update(temperature=0, ignore_eos=True)
+            rec = stream_timed(self.url, body, timeout=120)
+            rec["prompt"] = k % len(self.prompts)
+            self.records.append(rec)
+            if not rec["ids"]:  # the node is down or refusing: do not spin
+                time.sleep(0.5)
+            k += len(self.threads)
+
+    def join(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(150)
+
+
+def _summary(records: list[dict], refs: dict[int, list[int]], t0: float, t1: float, n: int) -> dict:
+    """Requests that ran during [t0, t1]: done (all n tokens, no error), failed, tokens compared, and the
+    largest gap between two chunks inside it."""
+    during = [r for r in records if r["start"] < t1 and r["end"] > t0]
+    done = [r for r in during if not r["errors"] and len(r["ids"]) == n]
+    gaps = [b - a for r in during for a, b in zip(r["times"], r["times"][1:]) if b > t0 and a < t1]
+    return {
+        "requests": len(during),
+        "done": len(done),
+        "failed": len(during) - len(done),
+        "identical": sum(r["ids"] == refs[r["prompt"]] for r in done),
+        "largest_gap_s": round(max(gaps, default=0.0), 3),
+        "errors": sorted({e for r in during for e in r["errors"]})[:3],
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="deploy/2a1f.yaml")
+    ap.add_argument("--launcher", choices=("launch", "hand"), default="launch")
+    ap.add_argument("--kill", default=None, help="comma-separated nodes, in order (default: every node)")
+    ap.add_argument("--streams", type=int, default=16, help="concurrent streams per attention node")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds of load after the node is back")
+    ap.add_argument("--output", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 24))] for _ in range(args.streams)]
+    with tempfile.TemporaryDirectory() as tmp:
+        path, doc = _cluster(args.config, tmp)
+        attention = {n["name"]: f"http://{n['host']}:{n['ports']['http']}" for n in doc["nodes"] if n["role"] != "ffn"}
+        kills = args.kill.split(",") if args.kill else [n["name"] for n in doc["nodes"]]
+        cluster = Cluster(path, args.launcher)
+        results = []
+        try:
+            up = lambda: _ready(path, doc) and all(_ok(u + "/health") for u in attention.values())  # noqa: E731
+            assert _wait("cluster READY", up, 300) is not None, "the cluster did not start"
+            refs = {}
+            for i, p in enumerate(prompts):  # fault-free tokens, one at a time on the first node
+                body = {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
+                refs[i] = stream_timed(next(iter(attention.values())), body, timeout=120)["ids"]
+            for node in kills:
+                loads = {n: Load(u, prompts, args.max_tokens, args.streams) for n, u in attention.items()}
+                time.sleep(3)
+                t_kill = time.monotonic()
+                pid = cluster.kill(node)
+                print(f"{args.launcher}: killed {node} (pid {pid})", flush=True)
+                back = _wait(f"{node} back", lambda n=node, old=pid: _back(cluster, n, old, attention), 180)
+                ready = _wait("READY", lambda: _ready(path, doc), 120)
+                time.sleep(args.settle)
+                t_end = time.monotonic()
+                for load in loads.values():
+                    load.join()
+                row = {
+                    "killed": node,
+                    "launcher": args.launcher,
+                    "back_after_s": None if back is None else round(back, 1),
+                    "ready_after_s": None if ready is None else round(back + ready if back else ready, 1),
+                    "nodes": {
+                        n: _summary(load.records, refs, t_kill, t_end, args.max_tokens) for n, load in loads.items()
+                    },
+                }
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            cluster.stop()
+    out = {"config": args.config, "streams_per_node": args.streams, "max_tokens": args.max_tokens, "runs": results}
+    if args.output:
+        Path(args.output).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
