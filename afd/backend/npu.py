@@ -12,7 +12,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from afd.backend import host_syncs, npu_attention
+from afd.backend import host_syncs, npu_attention, npu_prolog
 from afd.backend.base import Backend, DeviceUnavailable, PrefetchSpec, grouped_matmul_by_slices, sizes_covering
 from afd.backend.devices import check_indices
 from afd.backend.npu_mmrs import MMRS_COMM_MODE, mmrs_fits, takes_argument
@@ -190,13 +190,27 @@ class NpuBackend(Backend):
         # else None with the reason logged once.
         why = npu_attention.refusal(q_lat, q_rope, kv_c, kv_r, ctx_lens)
         if why is not None:
-            seen = self.__dict__.setdefault("_fia_refusals", set())
-            if why not in seen:
-                seen.add(why)
-                log.info("MLA decode reads the paged cache without npu_fused_infer_attention_score: %s", why)
+            self._say_once("MLA decode reads the paged cache without npu_fused_infer_attention_score: %s", why)
             return None
         assert ctx_lens is not None  # refusal() says None otherwise
         return npu_attention.mla_decode(self._torch_npu, q_lat, q_rope, kv_c, kv_r, block_tables, ctx_lens, scale)
+
+    def mla_prolog(self, layer):
+        # npu_mla_prolog_v3 where the layer fits its documented limits (afd/backend/npu_prolog.py), its weights
+        # prepared now; else None, the reason logged once (every layer of a model has the same one).
+        without = "MLA decode projects without npu_mla_prolog_v3: %s"
+        why = npu_prolog.refusal(self._torch_npu, layer)
+        if why is not None:
+            self._say_once(without, why)
+            return None
+        return npu_prolog.NpuMLAProlog(self._torch_npu, layer, lambda why: self._say_once(without, why))
+
+    def _say_once(self, message: str, why: str) -> None:
+        """log.info(message % why), once per backend for each (message, why)."""
+        seen = self.__dict__.setdefault("_said", set())
+        if (message, why) not in seen:
+            seen.add((message, why))
+            log.info(message, why)
 
     def prefetch(
         self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None, offset: int = 0
