@@ -26,10 +26,17 @@ class _Op:
 def _backend(op=None):
     from types import SimpleNamespace
 
+    from test_npu_mla_prolog import formats
+    from test_npu_mla_prolog import ops as prolog_ops
+
     from afd.backend.npu import NpuBackend
 
     be = object.__new__(NpuBackend)  # no device here: skip __init__, keep the real methods
-    be._torch_npu = SimpleNamespace(npu_fused_infer_attention_score=op or _Op())
+    be._torch_npu = SimpleNamespace(
+        npu_fused_infer_attention_score=op or _Op(),
+        npu_mla_prolog_v3=prolog_ops.npu_mla_prolog_v3,  # whose shapes none of these layers has
+        npu_format_cast=formats.npu_format_cast,
+    )
     return be
 
 
@@ -202,14 +209,16 @@ def test_tiny_families_offer_decode_to_the_backend_and_keep_hfs_tokens(families,
     offered = []
     real = be.paged_mla_decode
     be.paged_mla_decode = lambda *a: offered.append(a[0].shape) or real(*a)
-    attach_backend(llm.attn, be)
     logits: list = []
     with caplog.at_level("INFO", logger="afd.backend"):
+        attach_backend(llm.attn, be)
         ids = llm.generate_ids(PROMPTS, REF_TOKENS, logits_out=logits)
     _assert_matches_hf(family, ids, logits, families.ref(family, name))
     assert offered and be._torch_npu.npu_fused_infer_attention_score.calls == 0
     said = [r.getMessage() for r in caplog.records if "npu_fused_infer_attention_score" in r.getMessage()]
     assert len(said) == 1 and "latent/rope widths" in said[0], said
+    said = [r.getMessage() for r in caplog.records if "npu_mla_prolog_v3" in r.getMessage()]
+    assert len(said) == 1 and "hidden size" in said[0], said  # checked at load, every layer alike
 
 
 def test_a_compiled_graph_does_not_offer_decode_to_the_backend():

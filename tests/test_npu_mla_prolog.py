@@ -17,15 +17,15 @@ from afd.model.mla import MLAttention
 FAKES = Path(__file__).resolve().parent / "fakes"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("afd_tests_fake_npu_prolog", FAKES / "torch_npu" / "ops_prolog.py")
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"afd_tests_fake_npu_{name}", FAKES / "torch_npu" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
-ops = _load()
+ops, formats = _load("ops_prolog"), _load("ops_format")
 HE, HCQ, C, D, R, T = 7168, 1536, 512, 128, 64, 5  # the doc's fixed widths (DeepSeek-V3's); T tokens
 
 
@@ -47,7 +47,8 @@ def mla():
 
 def _inputs(attn: MLAttention, lora_scales: bool):
     """The op's arguments from afd's weights: nn.Linear's [out, in] weights transposed ([in, out], the doc's
-    shapes), W_UK as kv_b_proj's first rows per head, afd's [T, R/2] rotary tables doubled to [T, Dr]."""
+    shapes; the three the doc wants in FRACTAL_NZ cast), W_UK as kv_b_proj's first rows per head, afd's [T, R/2]
+    rotary tables doubled to [T, Dr]."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(T, HE, generator=g).bfloat16()
     angle = torch.rand(T, R // 2, generator=g) * 6
@@ -57,8 +58,11 @@ def _inputs(attn: MLAttention, lora_scales: bool):
     def bf(t):
         return t.detach().bfloat16().contiguous()
 
+    def nz(t):
+        return formats.npu_format_cast(bf(t), formats.FRACTAL_NZ)
+
     args = [
-        x, bf(attn.q_a_proj.weight.T), bf(attn.q_b_proj.weight.T), bf(w_uk), bf(attn.kv_a_proj_with_mqa.weight.T),
+        x, nz(attn.q_a_proj.weight.T), nz(attn.q_b_proj.weight.T), bf(w_uk), nz(attn.kv_a_proj_with_mqa.weight.T),
         bf(attn.q_a_layernorm.weight), bf(attn.kv_a_layernorm.weight), bf(torch.cat([sin, sin], -1)),
         bf(torch.cat([cos, cos], -1)), torch.zeros(4, 16, 1, C).bfloat16(), torch.zeros(4, 16, 1, R).bfloat16(),
     ]  # fmt: skip
@@ -105,10 +109,12 @@ def _refusal_cases(mla):
     return [
         ({0: args[0][:, :4096].contiguous()}, {}, "He 7168 or 7680"),
         ({0: args[0].float()}, {}, "bfloat16"),
-        ({1: args[1].T.contiguous().T}, {}, "weight_dq must be contiguous"),
+        ({1: formats.npu_format_cast(args[1].T.contiguous().T, 29)}, {}, "weight_dq must be contiguous"),
+        ({2: args[2].clone()}, {}, "weight_uq_qr must be FRACTAL_NZ"),  # never cast: ND
+        ({4: formats.npu_format_cast(args[4], formats.ND)}, {}, "weight_dkv_kr must be FRACTAL_NZ"),
         ({3: args[3].repeat(2, 1, 1)[:3].contiguous()}, {}, "power of two"),
         ({3: args[3][:, :64].contiguous()}, {}, "\\[N, 128, 512\\]"),
-        ({2: args[2][:, :100].contiguous()}, {}, "weight_uq_qr must be"),
+        ({2: formats.npu_format_cast(args[2][:, :100], 29)}, {}, "weight_uq_qr must be"),
         ({7: args[7][:, :32].contiguous()}, {}, "rope_sin must be"),
         ({9: args[9].view(4, 16, C)}, {}, "kv_cache must be"),
         ({10: args[10][:2].contiguous()}, {}, "kr_cache must be"),

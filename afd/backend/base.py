@@ -12,6 +12,7 @@ import torch
 
 from afd.backend import host_syncs
 from afd.backend.devices import DeviceUnavailable  # noqa: F401 (the backends raise it)
+from afd.backend.mla_prolog import MLAProlog, MLAPrologWeights
 
 
 def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -269,6 +270,12 @@ class Backend(ABC):
         (None inside a compiled graph). Returns o_lat [B, N, C] = softmax((q_lat . c + q_rope . k_rot) * scale)
         @ c, or None where the device has no fused kernel for these inputs (the caller then reads the cache
         itself, afd/model/paged_attention.py)."""
+        return None
+
+    def mla_prolog(self, layer: MLAPrologWeights) -> MLAProlog | None:
+        """Called once per MLA layer at load (after any TP cut): the device's fused prolog for its decode steps
+        (the projections, norms, rope and absorption before attention, and the cache write), with whatever
+        weights it needs prepared now; None where there is none for this layer (MLA then projects itself)."""
         return None
 
     graph_mode_default: str = "eager"

@@ -12,9 +12,10 @@ import logging
 import torch
 import torch.distributed as dist
 
-from afd.backend import host_syncs, npu_attention
+from afd.backend import host_syncs, npu_attention, npu_prolog
 from afd.backend.base import Backend, DeviceUnavailable, PrefetchSpec, grouped_matmul_by_slices, sizes_covering
 from afd.backend.devices import check_indices
+from afd.backend.npu_mmrs import MMRS_COMM_MODE, mmrs_fits, takes_argument
 
 log = logging.getLogger("afd.backend")
 
@@ -33,27 +34,6 @@ GMM_MAX_GROUPS = 1024
 """Groups one call takes with a single x and a single 3-D weight."""
 GMM_INNER_LIMIT = 65536
 """Atlas A2/A3: x's last dim (K) and the weight's (N) must be below it."""
-
-# source: torch_npu.npu_mm_reduce_scatter_base ("doc" below), https://github.com/Ascend/op-plugin/blob/7.1.0/docs/
-#   context/torch_npu-npu_mm_reduce_scatter_base.md (op-plugin 7.1.0), the same path @7.2.0 (7.2.0, comm_mode
-#   added), and .../blob/26.0.0/docs/en/custom_APIs/torch_npu/torch_npu-npu_mm_reduce_scatter_base.md (26.0.0).
-# source: the kernel comm_mode "aiv" runs ("V2 doc"), aclnnMatmulReduceScatterV2, CANN ops-transformer
-#   mc2/matmul_reduce_scatter_v2/docs/aclnnMatmulReduceScatterV2.md (read at repo-mirror-test/ops-transformer
-#   @f33d3ce). Both list Atlas A2 and A3 only: Ascend 950 takes "ccu" or "ai_cpu", not "aiv" (vllm-ascend #12689),
-#   and is not handled here.
-MMRS_DTYPES = (torch.float16, torch.bfloat16)
-"""input and x2, one dtype (doc, all versions; int8 only in the quantized scenario afd does not use)."""
-MMRS_WORLD_SIZES = (2, 4, 8)
-"""Atlas A2 takes 2/4/8 ranks, A3 also 16/32 (doc); the "aiv" kernel only 2/4/8 (aclnnMatmulReduceScatterV2
-doc), which is also vllm-ascend's mmrs_fusion default, tp <= 8
-(docs/design/tp-communication.md#thresholds)."""
-MMRS_K_RANGE = (256, 65535)
-"""k in [256, 65535) (doc, all versions)."""
-MMRS_COMM_MODE = "aiv"
-"""7.1.0's op (no comm_mode) and comm_mode "ai_cpu", the default since 7.2.0, are documented "仅在训练场景下使用"
-(training only); "aiv" is documented for training and inference (doc 7.2.0, 26.0.0). vllm-ascend passes "aiv"
-on A2/A3 too (vllm_ascend/device/device_op.py, BaseDeviceAdaptor.npu_mm_reduce_scatter_base)."""
-
 
 # The figures the FFN node's prefetch budget is sized by on Ascend (afd.dataplane.prefetch_budget).
 ASCEND_HBM_BANDWIDTH = 1.6e12
@@ -145,7 +125,7 @@ class NpuBackend(Backend):
 
     def mm_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, world_size: int) -> torch.Tensor | None:
         op = self._mmrs_op()
-        if op is None or not _mmrs_fits(x, weight, world_size):
+        if op is None or not mmrs_fits(x, weight, world_size):
             return None
         # x2 is (k, n): nn.Linear's (n, k) weight, transposed as a view, which the doc allows for x2 (not for
         # input, which must be a plain ND tensor: .contiguous() is a no-op for row_parallel's padded rows).
@@ -190,7 +170,7 @@ class NpuBackend(Backend):
         """torch_npu.npu_mm_reduce_scatter_base where it takes comm_mode (op-plugin 7.2.0 and later), else None."""
         if "_mmrs" not in self.__dict__:
             op = getattr(self._torch_npu, "npu_mm_reduce_scatter_base", None)
-            self._mmrs = op if _takes_argument(op, "comm_mode") else None
+            self._mmrs = op if takes_argument(op, "comm_mode") else None
         return self._mmrs
 
     def _hcom_name(self, group) -> str:
@@ -210,13 +190,27 @@ class NpuBackend(Backend):
         # else None with the reason logged once.
         why = npu_attention.refusal(q_lat, q_rope, kv_c, kv_r, ctx_lens)
         if why is not None:
-            seen = self.__dict__.setdefault("_fia_refusals", set())
-            if why not in seen:
-                seen.add(why)
-                log.info("MLA decode reads the paged cache without npu_fused_infer_attention_score: %s", why)
+            self._say_once("MLA decode reads the paged cache without npu_fused_infer_attention_score: %s", why)
             return None
         assert ctx_lens is not None  # refusal() says None otherwise
         return npu_attention.mla_decode(self._torch_npu, q_lat, q_rope, kv_c, kv_r, block_tables, ctx_lens, scale)
+
+    def mla_prolog(self, layer):
+        # npu_mla_prolog_v3 where the layer fits its documented limits (afd/backend/npu_prolog.py), its weights
+        # prepared now; else None, the reason logged once (every layer of a model has the same one).
+        without = "MLA decode projects without npu_mla_prolog_v3: %s"
+        why = npu_prolog.refusal(self._torch_npu, layer)
+        if why is not None:
+            self._say_once(without, why)
+            return None
+        return npu_prolog.NpuMLAProlog(self._torch_npu, layer, lambda why: self._say_once(without, why))
+
+    def _say_once(self, message: str, why: str) -> None:
+        """log.info(message % why), once per backend for each (message, why)."""
+        seen = self.__dict__.setdefault("_said", set())
+        if (message, why) not in seen:
+            seen.add((message, why))
+            log.info(message, why)
 
     def prefetch(
         self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None, offset: int = 0
@@ -279,29 +273,3 @@ class NpuBackend(Backend):
         return torch.compile(
             fn, backend=torchair.get_npu_backend(compiler_config=config), dynamic=False, fullgraph=True
         )
-
-
-def _takes_argument(op, name: str) -> bool:
-    # torch_npu.<op> is the torch.ops.npu packet (torch_npu/__init__.py binds each name of torch.ops.npu), so
-    # its schema says which release's signature this is.
-    schema = getattr(getattr(op, "default", None), "_schema", None)
-    return schema is not None and any(a.name == name for a in schema.arguments)
-
-
-def _mmrs_fits(x: torch.Tensor, weight: torch.Tensor, world_size: int) -> bool:
-    """Whether npu_mm_reduce_scatter_base is documented to take x [m, k] @ weight[n, k]^T over world_size
-    ranks; outside, the caller's matmul and reduce_scatter run instead."""
-    if x.dim() != 2 or weight.dim() != 2:  # doc: input and x2 are 2-D
-        return False
-    if x.dtype not in MMRS_DTYPES or weight.dtype != x.dtype:  # doc: float16 / bfloat16, x2 as input
-        return False
-    if world_size not in MMRS_WORLD_SIZES:
-        return False
-    (m, k), (n, k_w) = x.shape, weight.shape
-    if k_w != k or not MMRS_K_RANGE[0] <= k < MMRS_K_RANGE[1]:  # doc: equal k, in [256, 65535)
-        return False
-    if m == 0 or n == 0 or m % world_size:  # V2 doc: no empty tensor; doc: m divisible by world_size
-        return False
-    # doc: x2 may be transposed; weight.t() of a row-major weight is that plain transpose, other strides are not
-    # documented.
-    return weight.is_contiguous()

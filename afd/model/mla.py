@@ -9,7 +9,9 @@ why). Decode uses the absorbed form, attending in latent space:
 
 Decode reads the cache in place, a chunk of blocks at a time (afd/model/paged_attention.py says why), unless
 the node's backend has a fused kernel for it (`Backend.paged_mla_decode`: FIA on Ascend, within its documented
-limits); the chunked path is the CPU's and every fallback.
+limits); the chunked path is the CPU's and every fallback. A decode-only step may also hand its projections,
+rope, absorption and cache write to the backend's fused prolog (`Backend.mla_prolog`: npu_mla_prolog_v3 on
+Ascend, for layers within its documented shapes), which writes the cache in the order MLA's own path does.
 Prefill expands the latents to per-head keys and values (cheaper when many queries share them).
 
 Families differ in small ways, chosen by the constructor's options: LongCat-Flash scales the LoRA
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from afd.backend.base import Backend, to_device
+from afd.backend.mla_prolog import MLAProlog, MLAPrologWeights
 from afd.model import kvp, latent_cache, paged_attention
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.config import ModelConfig
@@ -94,6 +97,8 @@ class MLAttention(nn.Module):
         of its head group, merging with its N - 1 peers (afd/model/kvp.py)."""
         self.backend: Backend | None = None
         """The node's backend, whose fused decode attention is tried first (attach_backend sets it)."""
+        self.prolog: MLAProlog | None = None
+        """The backend's fused decode prolog for this layer, prepared at load (attach_backend), or None."""
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stream -> (q [T, NH, qk_head_dim], q_a_proj | kv_a_proj_with_mqa latents [T, C + R]) of
@@ -121,6 +126,9 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """x [T, H] (a token shard [s, H] under a sharded TP mode); cache [num_blocks, block_size, C + R]
         for this layer (two planes: afd.model.latent_cache). Returns o_proj's output in x's layout."""
+        fused = self._prolog_decode(x, cos, sin, meta, cache)
+        if fused is not None:
+            return fused
         q, kva = self._project(x)
         T = q.shape[0]
         q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
@@ -144,14 +152,50 @@ class MLAttention(nn.Module):
 
     def _decode_absorbed(self, q_nope, q_rot, meta: AttentionMetadata, cache) -> torch.Tensor:
         """One query per sequence. q_nope [B, NH, nope], q_rot [B, NH, R] -> [B, NH, v]."""
-        w_uk, w_uv = self._w_uk_uv()
-        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)  # [B, NH, C]
+        q_lat = torch.einsum("bhn,hnc->bhc", q_nope, self._w_uk_uv()[0])  # [B, NH, C]
+        return self._decode_latent(q_lat, q_rot, meta, cache)
+
+    def _decode_latent(self, q_lat, q_rot, meta: AttentionMetadata, cache) -> torch.Tensor:
+        """Absorbed queries q_lat [B, NH, C], q_rot [B, NH, R] -> [B, NH, v]."""
+        w_uv = self._w_uk_uv()[1]
         o_lat = self._fused_decode(q_lat, q_rot, meta, cache)
         if o_lat is not None:
             return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
         q_full = torch.cat([q_lat, q_rot], dim=-1)  # [B, NH, C + R]
         o_lat, _ = self._attend_latent(q_full, meta.decode_block_tables, meta.decode_ctx_lens, meta.block_size, cache)
         return torch.einsum("bhc,hvc->bhv", o_lat, w_uv)
+
+    def _prolog_decode(self, x, cos, sin, meta: AttentionMetadata, cache) -> torch.Tensor | None:
+        """A decode-only step with the backend's fused prolog (projections, norms, rope, absorption and the cache
+        write in one op), then attention as `_decode_latent`; None where the prolog does not run: a prefill row
+        (it needs q unabsorbed), KVP (each rank stores its share of the tokens), flashcomm1's latent gather (it
+        shards the down-projections the prolog fuses), a compiled graph (decode there is traced as it stands)."""
+        if self.prolog is None or self.kvp is not None or self.tp.active.latents or torch.compiler.is_compiling():
+            return None
+        if meta.prefill_seqs or not meta.num_tokens:  # else every row is one sequence's decode token
+            return None
+        c, k_rot = latent_cache.planes(cache, self.kv_lora)
+        if not self.prolog.takes(c, k_rot):
+            return None
+        q_lat, q_rot = self.prolog(self.tp.gather(x), cos, sin, c, k_rot, meta.slot_mapping)
+        return self.o_proj(self._decode_latent(q_lat, q_rot, meta, cache).flatten(1))
+
+    def prolog_weights(self) -> MLAPrologWeights:
+        """This layer's projections before attention, as a backend's fused prolog takes them (attach_backend)."""
+        lora = self.q_proj is None
+        return MLAPrologWeights(
+            q_a=self.q_a_proj.weight.detach() if lora else None,
+            q_b=self.q_b_proj.weight.detach() if lora else None,
+            q_norm=self.q_a_layernorm.weight.detach() if lora else None,
+            kv_a=self.kv_a_proj_with_mqa.weight.detach(),
+            kv_norm=self.kv_a_layernorm.weight.detach(),
+            w_uk=self._w_uk_uv()[0].detach(),
+            eps=_LATENT_NORM_EPS,
+            q_scale=self.q_lora_scale,
+            kv_scale=self.kv_lora_scale,
+            rope_interleave=self.rotate is apply_rotary,
+            bias=self.kv_a_proj_with_mqa.bias is not None,
+        )
 
     def _fused_decode(self, q_lat, q_rot, meta: AttentionMetadata, cache) -> torch.Tensor | None:
         """The backend's fused kernel over the latent and rope planes of the cache, or None where it has none
@@ -230,10 +274,13 @@ class MLAttention(nn.Module):
 
 
 def attach_backend(model: object, backend: Backend) -> None:
-    """Let every MLA of `model` try `backend`'s fused decode attention first (afd.engine.factory calls it with
-    the halves it holds, typed by the engine's Protocols: anything but an nn.Module holds no MLA)."""
+    """Let every MLA of `model` try `backend`'s fused decode attention first, and its fused prolog where it has
+    one for the layer, prepared now (afd.engine.factory calls it with the halves it holds, loaded and cut for
+    TP, typed by the engine's Protocols: anything but an nn.Module holds no MLA)."""
     if not isinstance(model, nn.Module):
         return
     for mod in model.modules():
         if isinstance(mod, MLAttention):
             mod.backend = backend
+            with torch.no_grad():
+                mod.prolog = backend.mla_prolog(mod.prolog_weights())

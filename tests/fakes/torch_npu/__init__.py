@@ -2,10 +2,9 @@
 
 Importing it does what importing torch_npu does for afd: registers the "npu" device and `torch.npu`
 (device.py), npu generators (generator.py), the "hccl" process group (hccl.py) and the fused ops afd
-calls (ops.py, and the router's npu_moe_gating_top_k in ops_gating.py). Each module says which behaviour of
-the real package it reproduces, and where that behaviour is documented.
-calls (ops.py, ops_attention.py, ops_prolog.py). Each module says which behaviour of the real package it
-reproduces, and where that behaviour is documented.
+calls (ops.py, ops_attention.py, the router's npu_moe_gating_top_k in ops_gating.py, ops_prolog.py, and the
+weight format casts ops_prolog.py checks in ops_format.py). Each module says which behaviour of the real package
+it reproduces, and where that behaviour is documented.
 """
 
 import atexit
@@ -18,6 +17,7 @@ from . import device as npu
 from . import generator, hccl
 from .ops import npu_grouped_matmul, npu_mm_reduce_scatter_base, npu_prefetch  # noqa: F401  (torch_npu.<op>)
 from .ops_attention import npu_fused_infer_attention_score  # noqa: F401
+from .ops_format import get_npu_format, npu_format_cast  # noqa: F401
 from .ops_gating import npu_moe_gating_top_k  # noqa: F401  (torch_npu.<op>)
 from .ops_prolog import npu_mla_prolog_v3  # noqa: F401
 

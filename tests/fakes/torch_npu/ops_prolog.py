@@ -15,8 +15,13 @@ source ("golden"): the ROPE, which neither doc defines: op-plugin 26.0.0 test/te
   rotate_half-style with cos / sin of width Dr. So q^R and k^R come out in halves order (one permutation of the
   rope dims for both: their dot product is unchanged).
 
-Not modelled: FRACTAL_NZ weights (the device needs weight_dq, weight_uq_qr and weight_dkv_kr cast to NZ; a CPU
-tensor has no format, so the fake takes them ND), quantization, the other cache modes.
+FRACTAL_NZ: doc, weight_dq, weight_uq_qr and weight_dkv_kr "数据格式支持FRACTAL_NZ" (weight_uk, the gammas, rope tables
+and caches ND). The fake's torch_npu.npu_mla_prolog_v3 refuses those three unless npu_format_cast(w, 29) made them
+(ops_format.py records the format; the values stay ND, so the kernel reads them as they are). The format check and the
+call log sit in that Python entry point, where the keyword names the caller used are visible; the registered op
+(torch.ops.fake_npu.npu_mla_prolog_v3, for graphs) checks the rest.
+
+Not modelled: quantization, the other cache modes.
 
 Shapes: T tokens, He hidden, Hcq q LoRA rank, N heads, D nope width, Dr rope width, Hckv kv LoRA rank (C).
 """
@@ -135,7 +140,6 @@ def _kernel(x, w_dq, w_uq_qr, w_uk, w_dkv_kr, g_cq, g_ckv, sin, cos, kv_cache, k
     slots = kw["cache_index"].reshape(-1)  # doc: values not validated by the op ("需用户自行保证")
     kv_cache.view(-1, PROLOG_HCKV)[slots] = ckv.to(kv_cache.dtype)
     kr_cache.view(-1, PROLOG_DR)[slots] = kr.to(kr_cache.dtype)
-    calls.append(("npu_mla_prolog_v3", int(xt.shape[0]), N))
     empty = x.new_empty(0, dtype=torch.float32)  # doc: outputs of other scenarios have shape [0]
     q_norm = cq.to(x.dtype).view(*lead, -1) if kw.get("query_norm_flag", False) else x.new_empty(0)
     return q_n.to(x.dtype).view(*lead, N, -1), q_r.to(x.dtype).view(*lead, N, -1), empty, q_norm, empty.clone()
@@ -163,4 +167,26 @@ if not _registered():  # once per process, as ops.py
     _LIB.impl("npu_mla_prolog_v3", _kernel, "CompositeExplicitAutograd")
     _LIB.impl("npu_mla_prolog_v3", _meta, "Meta")
 
-npu_mla_prolog_v3 = torch.ops.fake_npu.npu_mla_prolog_v3
+INPUTS = (
+    "token_x", "weight_dq", "weight_uq_qr", "weight_uk", "weight_dkv_kr", "rmsnorm_gamma_cq", "rmsnorm_gamma_ckv",
+    "rope_sin", "rope_cos", "kv_cache", "kr_cache",
+)  # fmt: skip
+"""schema: the arguments before `*`, in order (the doc's prototype names them all; callers pass them by name)."""
+NZ_WEIGHTS = ("weight_dq", "weight_uq_qr", "weight_dkv_kr")
+FRACTAL_NZ = 29
+FORMAT_ATTR = "_fake_npu_format"
+"""ops_format.ATTR: where the fake npu_format_cast records a tensor's format (this module is loaded on its own too)."""
+
+
+def npu_mla_prolog_v3(*args, **kwargs):
+    """torch_npu.npu_mla_prolog_v3: the weights' format checked, the call logged with the keyword names it was
+    given, then the op."""
+    bound = dict(zip(INPUTS, args)) | {k: v for k, v in kwargs.items() if k in INPUTS}
+    for name in NZ_WEIGHTS:
+        fmt = getattr(bound.get(name), FORMAT_ATTR, 2)
+        if fmt != FRACTAL_NZ:
+            _fail(f"npu_mla_prolog_v3: {name} must be FRACTAL_NZ (npu_format_cast(w, 29)), got format {fmt}")
+    out = torch.ops.fake_npu.npu_mla_prolog_v3(*args, **kwargs)
+    x = bound["token_x"]
+    calls.append(("npu_mla_prolog_v3", x.numel() // x.shape[-1], out[0].shape[-2], tuple(kwargs)))
+    return out
