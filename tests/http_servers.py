@@ -22,6 +22,10 @@ def echo_app(max_body_bytes: int, api_key: str | None = None):
     async def echo(request: Request):
         return {"bytes": len(await request.body())}
 
+    @app.get("/health")
+    async def health():
+        return {}
+
     app.add_middleware(Guard, st=SimpleNamespace(api_key=api_key, max_body_bytes=max_body_bytes))
     return app
 

@@ -11,7 +11,7 @@ import pytest
 from cluster_helpers import skip_unless_ci_installs
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def openssl():
     if shutil.which("openssl") is None:
         skip_unless_ci_installs("openssl is not installed (apt-get install openssl)")
