@@ -52,7 +52,7 @@ def run(args) -> int:
     from afd.model.registry import load_config
     from afd.observability.metrics import AttentionMetrics
     from attention_node.api_server import ServerState, build_app
-    from attention_node.http_server import api_server, api_socket, check_tls, serve_on
+    from attention_node.http_server import api_listen, api_server, api_socket, check_tls, serve_on
     from attention_node.openai_protocol import Limits
     from attention_node.setup import serving_tokenizer
 
@@ -64,7 +64,8 @@ def run(args) -> int:
         cfg, key = config_of(args), api_key(args)
         host, port = cfg.attention_nodes[0].host, cfg.attention_nodes[0].ports.http
         check_tls(cfg.http)
-        sock = api_socket(host, port, "the colocated server's --port")
+        what = "the colocated server's --port"
+        sock = api_socket(host, port, what)
     except (OSError, ValueError) as e:
         print(f"afd-attention colocated: error: {e}", file=sys.stderr)
         return 2
@@ -96,6 +97,11 @@ def run(args) -> int:
         max_body_bytes=cfg.http.max_body_bytes,
     )
     server = api_server(build_app(st), cfg.http, sock)
+    try:
+        api_listen(sock, what)
+    except OSError as e:
+        print(f"afd-attention colocated: error: {e}", file=sys.stderr)
+        return 2
 
     def stop(_) -> None:
         st.draining = True

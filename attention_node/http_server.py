@@ -10,7 +10,7 @@ import ssl
 import uvicorn
 
 from afd.cluster.http_section import HttpSection
-from afd.cluster.ports import listen_socket
+from afd.cluster.ports import listen, listen_socket
 from attention_node.http_conn import protocol_class
 
 
@@ -23,9 +23,14 @@ class UvicornServer(uvicorn.Server):
 
 
 def api_socket(host: str, port: int, what: str) -> socket.socket:
-    """The API's socket, bound (PortInUse when taken) but not listening until the server runs: until then a
-    client is refused at once."""
+    """The API's socket, bound (PortInUse when taken) but not listening until `api_listen`: until then a client
+    is refused at once rather than left waiting while the node loads."""
     return listen_socket(host, port, what)
+
+
+def api_listen(sock: socket.socket, what: str) -> None:
+    """Listens on the API's socket once the node is up (PortInUse if another process took it meanwhile)."""
+    listen(sock, what)
 
 
 def check_tls(http: HttpSection) -> None:

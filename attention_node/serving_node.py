@@ -32,14 +32,16 @@ class ServingNode(AttentionNode):
         self.sock: socket.socket | None = None
 
     def start(self) -> None:
-        from attention_node.http_server import api_socket, check_tls
+        from attention_node.http_server import api_listen, api_socket, check_tls
         from attention_node.setup import serving_state
 
         node, http_host = self.cfg.node(self.args.node), self.args.host or self.args.bind_host
+        what = f"attention node {node.name}'s ports.http"
         check_tls(self.cfg.http)
-        self.sock = api_socket(http_host, node.ports.http, f"attention node {node.name}'s ports.http")
+        self.sock = api_socket(http_host, node.ports.http, what)
         super().start()
         self.state = serving_state(self)
+        api_listen(self.sock, what)
 
     def _on_status(self, status) -> None:  # Drain: no new requests, running ones finish
         st = self.state

@@ -64,3 +64,20 @@ def test_afd_serve_names_its_port_in_use():
         port = s.getsockname()[1]
         r = _run(["-m", "afd.cli", "serve", "demo", "--port", str(port)])
     _one_line(r, f"{port} (attn0.ports.http)")
+
+
+def test_a_port_taken_between_bind_and_listen_is_named():
+    """The API binds its port before the node loads, and listens once it is up: another process that bound
+    it meanwhile (SO_REUSEADDR lets both bind) and listened first is caught at listen."""
+    from afd.cluster.ports import PortInUse, listen, listen_socket
+
+    ours = listen_socket("127.0.0.1", 0, "ours")
+    port = ours.getsockname()[1]
+    theirs = listen_socket("127.0.0.1", port, "theirs")
+    try:
+        theirs.listen()
+        with pytest.raises(PortInUse, match=f"port {port} on 127.0.0.1 is in use \\(attention node a's ports.http\\)"):
+            listen(ours, "attention node a's ports.http")
+    finally:
+        ours.close()
+        theirs.close()

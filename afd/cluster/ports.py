@@ -30,9 +30,27 @@ def listen_socket(host: str, port: int, what: str) -> socket.socket:
     return sock
 
 
+def listen(sock: socket.socket, what: str, backlog: int = 2048) -> None:
+    """Starts listening on a socket of listen_socket. Two sockets with SO_REUSEADDR can both be bound to a port
+    until one listens: a process that took the port since our bind is caught here, as PortInUse."""
+    try:
+        sock.listen(backlog)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        host, port = sock.getsockname()[:2]
+        raise PortInUse(f"port {port} on {host} is in use ({what})") from None
+
+
 def check_free(host: str, port: int, what: str) -> None:
-    """Raises PortInUse when (host, port) cannot be bound now (the server binds it moments later)."""
-    listen_socket(host, port, what).close()
+    """Raises PortInUse when (host, port) is taken now (the server binds it moments later). Other bind errors
+    are left to the server's own bind, which says them in its terms."""
+    try:
+        listen_socket(host, port, what).close()
+    except PortInUse:
+        raise
+    except OSError:
+        pass
 
 
 def listeners(cfg, name: str, tp_rank: int, bind_host: str, http_host: str | None = None, api=True) -> list[tuple]:
