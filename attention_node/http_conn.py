@@ -62,7 +62,7 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self._raw = transport
         super().connection_made(_Transport(transport, self))  # type: ignore[arg-type]
-        self._enter("idle", self.limits.keep_alive_timeout)
+        self._follow(0)
 
     def data_received(self, data: bytes) -> None:
         if self.lingering:
@@ -71,24 +71,33 @@ class GuardedH11Protocol(H11Protocol):
                 self._close_now()
             return
         super().data_received(data)
-        if self._raw is None or self._raw.is_closing() or self.lingering:
-            return
-        state = self.conn.their_state
-        if state is h11.SEND_BODY:
-            if self._phase != "body":
-                self._enter("body", self.limits.body_timeout)
-            else:  # progress: a second more per body_min_rate bytes, never beyond body_timeout from now
-                cap = time.monotonic() + self.limits.body_timeout
-                self._deadline = min(self._deadline + len(data) / self.limits.body_min_rate, cap)
-        elif state is h11.IDLE and self.conn.trailing_data[0]:  # part of a request's head
-            if self._phase != "header":
-                self._enter("header", self.limits.header_timeout)
-        else:  # the request is in (or the connection is done): the app's time is not the client's
-            self._enter("", None)
+        self._follow(len(data))
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()  # arms uvicorn's keep-alive timer (keep_alive_timeout) when open
-        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
+        super().on_response_complete()  # may start the next request from bytes already buffered
+        self._follow(0)
+
+    def _follow(self, received: int) -> None:
+        """The phase (and its deadline) the connection is in now, from h11's view of the client. Idle is
+        timed here too, not only by uvicorn's keep-alive timer: uvicorn arms that only when a response
+        completes, so a connection that finished sending a body after its answer (a 413 on a chunked body)
+        would have no deadline at all."""
+        if self._raw is None or self._raw.is_closing() or self.lingering:
+            return
+        state, lim = self.conn.their_state, self.limits
+        if state is h11.SEND_BODY:
+            if self._phase != "body":
+                self._enter("body", lim.body_timeout)
+            else:  # progress: a second more per body_min_rate bytes, never beyond body_timeout from now
+                cap = time.monotonic() + lim.body_timeout
+                self._deadline = min(self._deadline + received / lim.body_min_rate, cap)
+        elif state is h11.IDLE and self.conn.trailing_data[0]:  # part of a request's head
+            if self._phase != "header":
+                self._enter("header", lim.header_timeout)
+        elif state is h11.IDLE:  # between requests (their_state is IDLE only once both sides are done)
+            if self._phase != "idle":
+                self._enter("idle", lim.keep_alive_timeout)
+        else:  # the request is in (or the connection is done): the app's time is not the client's
             self._enter("", None)
 
     def _enter(self, phase: str, timeout: float | None) -> None:

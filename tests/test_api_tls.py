@@ -94,5 +94,19 @@ def test_afd_serve_over_https(certs, tmp_path, mode):
         assert code == 200 and out["usage"]["completion_tokens"] >= 1
         if not mode:
             served.processes.wait_until(lambda: url in served.log.read_text(), 30, "the launcher to print the URL")
+        else:  # the benchmark client over HTTPS, trusting the CA as any client does (SSL_CERT_FILE)
+            import os
+            import subprocess
+            import sys
+
+            from cluster_helpers import ROOT
+
+            argv = ["bench", "--base-url", url, "--num-prompts", "2", "--random-input-len", "8"]
+            argv += ["--random-output-len", "2", "--disable-tqdm"]
+            env = {**os.environ, "SSL_CERT_FILE": certs["ca"]}
+            r = subprocess.run(
+                [sys.executable, "-m", "afd.cli", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env
+            )
+            assert r.returncode == 0 and "Successful requests:                     2" in r.stdout, r.stdout + r.stderr
     finally:
         assert served.stop() == 0, served.log.read_text()

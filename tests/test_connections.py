@@ -119,3 +119,19 @@ def test_keep_alive_serves_several_requests_on_one_connection(port):
     with requests.Session() as s:
         for n in (1, 10, 100):
             assert s.post(f"http://127.0.0.1:{port}/v1/echo", data=b"a" * n, timeout=5).json() == {"bytes": n}
+
+
+def test_a_connection_idle_after_its_413_and_its_body_is_closed(port):
+    """The 413 of a chunked body goes out before the body ends (no connection: close); once the client has
+    sent the rest, the connection is idle and must be timed as such (uvicorn arms its timer only when a
+    response completes, which here was before)."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /v1/echo HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n")
+        s.sendall(b"800\r\n" + b"x" * 2048 + b"\r\n")
+        s.settimeout(5)
+        answer = b""
+        while not answer.endswith(b"}"):
+            answer += s.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        s.sendall(b"0\r\n\r\n")  # the body's end: the connection is now between requests
+        assert _closed_within(s, 2.0)
