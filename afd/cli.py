@@ -155,7 +155,7 @@ def _cmd_drain(args) -> int:
     print(f"draining {', '.join(n.name for n in nodes)}")
     deadline = time.monotonic() + args.wait
     while args.wait > 0:
-        running = sum(_running_requests(n) for n in nodes)
+        running = sum(_running_requests(cfg, n) for n in nodes)
         if running == 0:
             print("no request running")
             return 0
@@ -166,12 +166,13 @@ def _cmd_drain(args) -> int:
     return 0
 
 
-def _running_requests(node) -> int:
-    """Running + waiting requests of an attention node, from its /metrics (0 once it is gone)."""
-    import urllib.request
+def _running_requests(cfg, node) -> int:
+    """Running + waiting requests of an attention node, from its /metrics (0 once it is gone); over https when
+    the YAML gives http.ssl_certfile."""
+    from afd.cluster.api_client import api_url, open_api
 
     try:
-        with urllib.request.urlopen(f"http://{node.host}:{node.ports.http}/metrics", timeout=5) as r:
+        with open_api(api_url(cfg.http, node.host, node.ports.http) + "/metrics", cfg.http, timeout=5) as r:
             text = r.read().decode()
     except OSError:
         return 0

@@ -42,7 +42,6 @@ def config_of(args):
 
 def run(args) -> int:
     import torch
-    import uvicorn
 
     from afd.backend import get_backend
     from afd.cluster.topology import resolve_model_path, served_model_name
@@ -53,15 +52,23 @@ def run(args) -> int:
     from afd.model.registry import load_config
     from afd.observability.metrics import AttentionMetrics
     from attention_node.api_server import ServerState, build_app
+    from attention_node.http_server import api_listen, api_server, api_socket, check_tls, serve_on
     from attention_node.openai_protocol import Limits
-    from attention_node.serving_node import UvicornServer
     from attention_node.setup import serving_tokenizer
 
     if not args.model:
         print("afd-attention colocated: error: --model is required", file=sys.stderr)
         return 2
     setup_logging("colocated", "0")
-    cfg = config_of(args)
+    try:  # before the model loads: a bad value, a port in use or a bad certificate is one line
+        cfg, key = config_of(args), api_key(args)
+        host, port = cfg.attention_nodes[0].host, cfg.attention_nodes[0].ports.http
+        check_tls(cfg.http)
+        what = "the colocated server's --port"
+        sock = api_socket(host, port, what)
+    except (OSError, ValueError) as e:
+        print(f"afd-attention colocated: error: {e}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     path = resolve_model_path(cfg.model.path)
@@ -86,19 +93,15 @@ def run(args) -> int:
         Limits(engine.max_model_len, mcfg.vocab_size),
         metrics,
         ready=lambda: True,
-        api_key=api_key(args),
+        api_key=key,
+        max_body_bytes=cfg.http.max_body_bytes,
     )
-    host, port = cfg.attention_nodes[0].host, cfg.attention_nodes[0].ports.http
-    server = UvicornServer(
-        uvicorn.Config(
-            build_app(st),
-            host=host,
-            port=port,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=1,
-        )
-    )
+    server = api_server(build_app(st), cfg.http, sock)
+    try:
+        api_listen(sock, what)
+    except OSError as e:
+        print(f"afd-attention colocated: error: {e}", file=sys.stderr)
+        return 2
 
     def stop(_) -> None:
         st.draining = True
@@ -106,6 +109,6 @@ def run(args) -> int:
 
     set_stop_handler(stop)
     engine.start()
-    log.info("API ready at http://%s:%d (colocated, %s on %s)", host, port, name, backend.device)
-    server.run()
+    log.info("API ready at %s://%s:%d (colocated, %s on %s)", cfg.http.scheme, host, port, name, backend.device)
+    serve_on(server, sock)
     return 0

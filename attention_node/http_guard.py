@@ -7,6 +7,7 @@ import logging
 
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from attention_node.openai_protocol import ApiError
 
@@ -32,6 +33,7 @@ class Guard:
         size = headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > st.max_body_bytes):
             err = ApiError(413, _too_large(st), "body")
+            # connection: close, and the body is never read: the connection lingers to drop it (http_conn)
             response = JSONResponse(err.body(), status_code=413, headers={"connection": "close"})
             return await response(scope, receive, send)
         started, received = False, 0
@@ -52,6 +54,8 @@ class Guard:
 
         try:
             await self.app(scope, receive_limited, send_tracked)
+        except ClientDisconnect:  # gone mid-body (or cut by a read deadline, which answered it): nobody to tell
+            return
         except Exception as e:
             log.exception("%s %s failed", scope.get("method"), scope["path"])
             if started:  # too late for an error response

@@ -7,15 +7,17 @@ plane and exits. The FFN nodes stop once every attention node has left.
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import socket
 import time
-
-import uvicorn
+from typing import TYPE_CHECKING
 
 from afd.control import control_pb2 as pb
 from attention_node.api_server import ServerState
 from attention_node.node import AttentionNode
+
+if TYPE_CHECKING:
+    from attention_node.http_server import UvicornServer
 
 log = logging.getLogger("afd.attention")
 
@@ -27,12 +29,19 @@ class ServingNode(AttentionNode):
         super().__init__(cfg, args)
         self.state: ServerState | None = None
         self.server: UvicornServer | None = None
+        self.sock: socket.socket | None = None
 
     def start(self) -> None:
+        from attention_node.http_server import api_listen, api_socket, check_tls
         from attention_node.setup import serving_state
 
+        node, http_host = self.cfg.node(self.args.node), self.args.host or self.args.bind_host
+        what = f"attention node {node.name}'s ports.http"
+        check_tls(self.cfg.http)
+        self.sock = api_socket(http_host, node.ports.http, what)
         super().start()
         self.state = serving_state(self)
+        api_listen(self.sock, what)
 
     def _on_status(self, status) -> None:  # Drain: no new requests, running ones finish
         st = self.state
@@ -42,27 +51,21 @@ class ServingNode(AttentionNode):
 
     def serve(self) -> int:
         from attention_node.api_server import build_app
+        from attention_node.http_server import api_server, serve_on
 
         cfg, args = self.cfg, self.args
         node = cfg.node(args.node)
-        config = uvicorn.Config(
-            build_app(self.state),
-            host=args.host or args.bind_host,
-            port=node.ports.http,
-            log_level="warning",
-            access_log=False,
-            timeout_graceful_shutdown=1,
-        )
-        self.server = UvicornServer(config)
+        self.server = api_server(build_app(self.state), cfg.http, self.sock)
         self.state.engine.start()
         log.info(
-            "API ready at http://%s:%d (cluster %s, %s)",
+            "API ready at %s://%s:%d (cluster %s, %s)",
+            cfg.http.scheme,
             node.host,
             node.ports.http,
             cfg.cluster.name,
             cfg.topology_name,
         )
-        self.server.run()
+        serve_on(self.server, self.sock)
         return 0
 
     def stop(self) -> None:
@@ -82,11 +85,3 @@ class ServingNode(AttentionNode):
             if rt.cluster_state != pb.ClusterStatus.SHUTDOWN and rt.node.name == self.cfg.coordinator.name:
                 rt.client.shutdown_cluster("coordinator node stopped")
             rt.close(plane=False)
-
-
-class UvicornServer(uvicorn.Server):
-    """uvicorn without its own signal handlers: this process takes signals on a sigwait thread."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield

@@ -58,6 +58,7 @@ def serving_state(node: AttentionNode) -> ServerState:
         metrics,
         ready=lambda: rt.cluster_state in _SERVING,
         api_key=args.api_key,
+        max_body_bytes=cfg.http.max_body_bytes,
     )
 
 

@@ -54,7 +54,8 @@ class FFNNode:
         metrics.watch_ffn_graph(self.ffn.passes if isinstance(self.ffn, FFNGraph) else None)
         node = cfg.node(args.node)
         if node.ports.metrics:
-            self._http = serve_metrics(args.bind_host, node.ports.metrics, metrics, self._ready)
+            what = f"FFN node {node.name}'s ports.metrics"
+            self._http = serve_metrics(args.bind_host, node.ports.metrics, metrics, self._ready, what)
         pf = cfg.prefetch
         pcfg = PrefetchConfig(pf.enabled, pf.budget_bytes, tuple(pf.weights or WEIGHTS), pf.next_layer)
         prefetch = PrefetchSchedule(self.ffn, rt.backend, pcfg) if pcfg.active(rt.backend) else None

@@ -84,7 +84,16 @@ class Cluster:
         return next(n for n in self.doc["nodes"] if n["name"] == name)
 
     def url(self, name: str = "attn0") -> str:
-        return f"http://127.0.0.1:{self.node(name)['ports']['http']}"
+        scheme = "https" if (self.doc.get("http") or {}).get("ssl_certfile") else "http"
+        return f"{scheme}://127.0.0.1:{self.node(name)['ports']['http']}"
+
+    @property
+    def tls(self):
+        """The ssl.SSLContext afd's own clients use for this cluster's API (None: plain HTTP)."""
+        from afd.cluster.api_client import client_context
+        from afd.cluster.http_section import HttpSection
+
+        return client_context(HttpSection(**(self.doc.get("http") or {})))
 
     def start(
         self, name: str, extra: list[str] | None = None, env: dict | None = None, tp_rank: int = 0
@@ -114,7 +123,7 @@ class Cluster:
         urls = [self.url(n["name"]) for n in self.doc["nodes"] if n["role"] == "attention"]
         try:
             self.processes.wait_until(
-                lambda: all(health(u) == 200 for u in urls), timeout, "the cluster to be ready", every=0.2
+                lambda: all(health(u, self.tls) == 200 for u in urls), timeout, "the cluster to be ready", every=0.2
             )
         except ClusterError as e:
             logs = "\n".join(f"--- {n}\n{self.log(n)}" for n in self.processes.procs)
@@ -130,9 +139,9 @@ class Cluster:
         self.stop()
 
 
-def health(url: str) -> int:
+def health(url: str, context=None) -> int:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+        with urllib.request.urlopen(f"{url}/health", timeout=2, context=context) as r:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
@@ -140,13 +149,13 @@ def health(url: str) -> int:
         return 0
 
 
-def post(url: str, path: str, body, headers: dict | None = None, timeout: float = 60) -> tuple[int, dict]:
+def post(url: str, path: str, body, headers: dict | None = None, timeout: float = 60, context=None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(
         url + path, data=data, method="POST", headers={"Content-Type": "application/json", **(headers or {})}
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")

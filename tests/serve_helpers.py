@@ -38,8 +38,9 @@ def free_port_run(n: int) -> int:
 class Served:
     """`afd serve ARGV`, started and stopped by afd's launcher (afd.cluster.processes) as one process."""
 
-    def __init__(self, argv: list[str], log: Path, urls: list[str], env: dict | None = None):
-        self.log, self.urls = log, urls
+    def __init__(self, argv: list[str], log: Path, urls: list[str], env: dict | None = None, tls=None):
+        """tls: the ssl.SSLContext for https URLs."""
+        self.log, self.urls, self.tls = log, urls, tls
         self.processes = NodeProcesses(str(log.parent), env={**os.environ, **(env or {})}, cwd=ROOT)
         self.proc = self.processes.start(
             Command("afd-serve", (sys.executable, "-m", "afd.cli", "serve", *argv)), log=str(log)
@@ -47,7 +48,7 @@ class Served:
 
     def wait_ready(self, timeout: float = 120) -> None:
         def ready() -> bool:
-            return all(health(u) == 200 for u in self.urls)
+            return all(health(u, self.tls) == 200 for u in self.urls)
 
         try:
             self.processes.wait_until(ready, timeout, "afd serve to be ready")

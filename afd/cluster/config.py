@@ -20,10 +20,12 @@ from afd.cluster.schema import (  # noqa: F401 (re-exported: the names afd impor
     GRAPH_BATCH_SIZES,
     GRAPH_MODES,
     ROLES,
+    SECTION_KEYS,
     ClusterConfig,
     ClusterConfigError,
     ClusterSection,
     EngineSection,
+    HttpSection,
     Layout,
     ModelSection,
     Node,
@@ -227,10 +229,22 @@ def _check_tls(src: str, tls: dict | None) -> None:
         _fail(src, "cluster.tls", "cert and key go together")
 
 
+def _load_http(src: str, raw: Any) -> HttpSection:
+    kw = dict(raw or {}) if isinstance(raw, dict) else raw
+    if isinstance(kw, dict) and "max_body_bytes" in kw:
+        kw["max_body_bytes"] = parse_bytes(src, "http.max_body_bytes", kw["max_body_bytes"])
+    http = HttpSection(**_section(HttpSection, src, "http", kw))
+    for k in ("keep_alive_timeout", "header_timeout", "body_timeout", "body_min_rate"):
+        _positive(src, f"http.{k}", getattr(http, k))
+    if (http.ssl_certfile is None) != (http.ssl_keyfile is None):
+        _fail(src, "http", "ssl_certfile and ssl_keyfile go together")
+    return http
+
+
 def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     if not isinstance(raw, dict):
         _fail(src, "", "the file must be a YAML mapping")
-    allowed = ("cluster", "model", "layout", "engine", "prefetch", "nodes")
+    allowed = (*SECTION_KEYS, "nodes")
     for key in raw:
         if key not in allowed:
             _fail(src, str(key), f"unknown key (known: {', '.join(allowed)})")
@@ -265,6 +279,7 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     for i, w in enumerate(prefetch.weights or []):
         if w not in ("router", "gate_up", "down"):
             _fail(src, f"prefetch.weights[{i}]", f"expected router, gate_up or down, got {w!r}")
+    http = _load_http(src, raw.get("http"))
     if not isinstance(raw["nodes"], list) or not raw["nodes"]:
         _fail(src, "nodes", "expected a non-empty list of nodes")
     ctx = _Ctx(src, attention_tp=layout.attention_tp if type(layout.attention_tp) is int else 1)
@@ -280,15 +295,15 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     if cluster.coordinator is not None and cluster.coordinator not in names:
         _fail(src, "cluster.coordinator", f"{cluster.coordinator!r} is not a node ({', '.join(sorted(names))})")
     _check_layout(src, layout, nodes)
-    cfg = ClusterConfig(cluster, model, layout, engine, tuple(nodes), prefetch, src, _given(raw))
+    cfg = ClusterConfig(cluster, model, layout, engine, tuple(nodes), prefetch, src, _given(raw), http)
     check_speculative(cfg)
     return cfg
 
 
 def _given(raw: dict) -> frozenset[str]:
     """The key paths a loaded YAML spelled out (ClusterConfig.given)."""
-    out = {f"{s}.{k}" for s in ("cluster", "model", "layout", "engine", "prefetch") for k in (raw.get(s) or {})}
-    out |= {s for s in ("cluster", "model", "layout", "engine", "prefetch") if s in raw}
+    out = {f"{s}.{k}" for s in SECTION_KEYS for k in (raw.get(s) or {})}
+    out |= {s for s in SECTION_KEYS if s in raw}
     for i, node in enumerate(raw["nodes"]):
         out |= {f"nodes.{i}.{k}" for k in node} | {f"nodes.{i}.ports.{k}" for k in node.get("ports") or {}}
     return frozenset(out)

@@ -13,12 +13,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import typing
 from dataclasses import dataclass
 from typing import Any
 
 from afd.cluster.fieldspec import count_arg, field_docs, flag_of, positive_int
-from afd.cluster.schema import ClusterConfig, ClusterSection, EngineSection, Layout, ModelSection, PrefetchSection
+from afd.cluster.schema import (
+    ClusterConfig,
+    ClusterSection,
+    EngineSection,
+    HttpSection,
+    Layout,
+    ModelSection,
+    PrefetchSection,
+)
 
 SECTIONS = {
     "model": ModelSection,
@@ -26,6 +35,7 @@ SECTIONS = {
     "engine": EngineSection,
     "cluster": ClusterSection,
     "prefetch": PrefetchSection,
+    "http": HttpSection,
 }
 """The config sections whose fields are options of `afd.LLM` and, where they declare a flag, of the CLI."""
 
@@ -130,7 +140,12 @@ FLAGS = {
         ),
         Flag("--host", "address the HTTP API listens on (default: the node's host; 127.0.0.1 colocated)"),
         Flag("--port", "HTTP port of the (first) attention node (default: the YAML's; 8000 for `afd serve`)", int),
-        Flag("--api-key", "require `Authorization: Bearer KEY` on /v1 routes (default: $AFD_API_KEY)"),
+        Flag(
+            "--api-key",
+            "require `Authorization: Bearer KEY` on /v1 routes (default: $AFD_API_KEY; on the command line the key "
+            "is visible to every user of the host in `ps`: prefer --api-key-file or the environment)",
+        ),
+        Flag("--api-key-file", "a file holding the API key (what --api-key takes, without showing it in `ps`)"),
         Flag(
             "--device",
             "device of every node (auto: npu if torch_npu sees one, else cuda if torch sees one, else cpu; "
@@ -152,9 +167,12 @@ FLAGS = {
 
 
 def add_flags(p, *names: str, **overrides: Any) -> None:
-    """Adds the named flags of FLAGS (by dest); `overrides` (e.g. `help=`, `required=`) apply to each."""
+    """Adds the named flags of FLAGS (by dest); `overrides` (e.g. `help=`, `required=`) apply to each.
+    `api_key` comes with `api_key_file`: every command that takes the key takes it from a file too."""
     for name in names:
         FLAGS[name].add_to(p, **overrides)
+        if name == "api_key":
+            FLAGS["api_key_file"].add_to(p, **overrides)
 
 
 def add_config_flags(p, exclude: tuple[str, ...] = (), title: str = "configuration (overrides the YAML)") -> None:
@@ -191,8 +209,29 @@ def config_argv(args, exclude: tuple[str, ...] = ()) -> list[str]:
 
 
 def api_key(args) -> str | None:
-    """--api-key, else $AFD_API_KEY (a key given on the command line reaches nodes through the environment)."""
-    return getattr(args, "api_key", None) or os.environ.get("AFD_API_KEY")
+    """--api-key-file's key, else --api-key (with a warning: the command line is visible in `ps`), else
+    $AFD_API_KEY. A launcher hands the key to its nodes through the environment, never their command line.
+    An unreadable or empty file is a ValueError naming it."""
+    path, key = getattr(args, "api_key_file", None), getattr(args, "api_key", None)
+    if path and key:
+        raise ValueError("--api-key and --api-key-file: give one")
+    if path:
+        try:
+            with open(path) as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {path}: {e.strerror or e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {path}: the file is empty")
+        return key
+    if key:
+        print(
+            "warning: --api-key on the command line is visible to every user of this host (`ps`); "
+            "use --api-key-file FILE or $AFD_API_KEY",
+            file=sys.stderr,
+        )
+        return key
+    return os.environ.get("AFD_API_KEY")
 
 
 def with_overrides(cfg: ClusterConfig, sections: dict[str, dict[str, Any]]) -> ClusterConfig:

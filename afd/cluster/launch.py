@@ -124,11 +124,14 @@ class _Launcher:
             Command(proc.name, (sys.executable, "-m", MODULES[proc.node.role], *args), _stage(proc))
             for proc, args in reversed(self.plan)
         )
-        urls = [f"http://{n.host}:{n.ports.http}" for n in self.cfg.attention_nodes]
+        from afd.cluster.api_client import api_url, client_context
+
+        urls = [api_url(self.cfg.http, n.host, n.ports.http) for n in self.cfg.attention_nodes]
+        tls = client_context(self.cfg.http)  # https when the YAML gives http.ssl_certfile
         code = 0
         try:
             ready = procs.wait_until(
-                lambda: all(healthy(u) for u in urls),
+                lambda: all(healthy(u, tls) for u in urls),
                 self.cfg.cluster.startup_timeout + 60,
                 f"the cluster to be ready at {', '.join(urls)}",
                 stopping=lambda: self.stopping,

@@ -239,10 +239,10 @@ def ports_in_use(cfg) -> list[str]:
     return busy
 
 
-def healthy(url: str) -> bool:
-    """`/health` answers 200."""
+def healthy(url: str, context=None) -> bool:
+    """`/health` answers 200 (`context`: the ssl.SSLContext of an https URL)."""
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1) as r:
+        with urllib.request.urlopen(f"{url}/health", timeout=1, context=context) as r:
             return r.status == 200
     except OSError:
         return False

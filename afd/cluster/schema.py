@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from afd.cluster.fieldspec import micro_batches_arg, opt, positive_int, size_arg, speculative_count
+from afd.cluster.http_section import HttpSection
 from afd.cluster.placement import ExpertShard, partition_experts
 from afd.model.tp.config import MODES as TP_MODES
 from afd.model.tp.config import TPConfig
@@ -20,6 +21,8 @@ DEVICES = ("cpu", "cuda", "npu")
 GRAPH_MODES = ("eager", "compile")
 DTYPES = ("float32", "bfloat16", "float16")
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+SECTION_KEYS = ("cluster", "model", "layout", "engine", "prefetch", "http")
+"""The YAML's sections besides `nodes`."""
 
 
 class ClusterConfigError(ValueError):
@@ -212,6 +215,7 @@ class ClusterConfig:
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
     """The key paths the YAML spelled out (`engine.block_size`, `nodes.0.device`): `to_dict` writes them back
     even when they hold the default, so a file round-trips unchanged."""
+    http: HttpSection = HttpSection()
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -284,7 +288,7 @@ class ClusterConfig:
         """The cluster YAML of this config (what `from_dict` reads back into an equal config): every value that
         differs from its default, plus the required ones."""
         doc: dict = {}
-        for key in ("cluster", "model", "layout", "engine", "prefetch"):
+        for key in SECTION_KEYS:
             section = _changed(getattr(self, key), key, self.given | {"model.path"})
             if section or key in self.given:
                 doc[key] = section

@@ -103,8 +103,11 @@ def _exec_colocated(args) -> int:
     if args.print_config:
         print(" ".join(argv[1:]))
         return 0
-    if args.api_key:
-        os.environ["AFD_API_KEY"] = args.api_key
+    from afd.cluster.flags import api_key
+
+    key = api_key(args)  # the key travels in the environment, never on the command line
+    if key:
+        os.environ["AFD_API_KEY"] = key
     sys.stdout.flush()
     os.execv(sys.executable, argv)
     return 0  # not reached

@@ -89,7 +89,7 @@ def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
             continue
         line = f"  rank {cfg.rank(n.name)}: {n.name:<10} {n.role:<9} {p.device:<6} {n.host} control {n.ports.control}"
         if n.role == "attention":
-            line += f", API http://{n.host}:{n.ports.http}"
+            line += f", API {cfg.http.scheme}://{n.host}:{n.ports.http}"
         else:
             if n.ports.metrics:
                 line += f", metrics http://{n.host}:{n.ports.metrics}/metrics"

@@ -7,6 +7,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from afd.cluster.ports import PortInUse, check_free
 from afd.control import control_pb2_grpc as pb_grpc
 from afd.control.auth import TokenInterceptor, cluster_token, server_credentials
 
@@ -14,7 +15,12 @@ from afd.control.auth import TokenInterceptor, cluster_token, server_credentials
 class ControlServer:
     """`set_serving(True)` flips the standard health status that probes and `grpc_health_probe` read."""
 
-    def __init__(self, host: str, port: int, tls: dict | None = None, coordinator=None, workers: int = 16):
+    def __init__(
+        self, host: str, port: int, tls: dict | None = None, coordinator=None, workers: int = 16, what: str = ""
+    ):
+        """`what` names the port in the error when it is taken ("attention node attn0's ports.control")."""
+        what = what or "the control port"
+        check_free(host, port, what)  # grpc says only that it could not bind, after logging its own errors
         token = cluster_token()
         # so_reuseport off: a second node on the same port must fail, not share it silently
         self.server = grpc.server(
@@ -28,9 +34,12 @@ class ControlServer:
             pb_grpc.add_CoordinatorServicer_to_server(coordinator, self.server)
         creds = server_credentials(tls)
         addr = f"{host}:{port}"
-        bound = self.server.add_secure_port(addr, creds) if creds else self.server.add_insecure_port(addr)
+        try:  # taken since the check: grpc raises RuntimeError (older versions return 0)
+            bound = self.server.add_secure_port(addr, creds) if creds else self.server.add_insecure_port(addr)
+        except RuntimeError:
+            bound = 0
         if not bound:
-            raise OSError(f"cannot listen on {addr} (control port in use?)")
+            raise PortInUse(f"port {port} on {host} is in use ({what})")
         self.set_serving(False)
         self.server.start()
 

@@ -30,8 +30,8 @@ def load_cluster_args(args, role: str):
     node = cfg.node(args.node)
     if node.role != role:
         raise ClusterConfigError(f"{args.config}: node {args.node!r} is an {node.role} node, not {role}")
-    if hasattr(args, "api_key"):
-        args.api_key = api_key(args)
+    if hasattr(args, "api_key"):  # resolved once: the file read, the warning given
+        args.api_key, args.api_key_file = api_key(args), None
     return with_http_port(with_overrides(cfg, overrides_of(args)), getattr(args, "port", None), args.node)
 
 
@@ -44,13 +44,11 @@ def start_cluster_node(args, role: str):
     overrides, logging, torch threads. Returns the config, or an exit code (2) after printing why."""
     import sys
 
-    from afd.cluster.config import ClusterConfigError
-
     prog = "afd-attention" if role == "attention" else "afd-ffn"
     try:
         cfg = load_cluster_args(args, role)
         err = _insecure_start(cfg, args.node) or _device_missing(cfg, args.node, getattr(args, "tp_rank", 0) or 0)
-    except ClusterConfigError as e:
+    except ValueError as e:  # ClusterConfigError, or an unreadable --api-key-file
         err = str(e)
     if err:
         print(f"{prog}: error: {err}", file=sys.stderr)
@@ -58,6 +56,14 @@ def start_cluster_node(args, role: str):
     if args.bind_host is None:  # nothing listens beyond the address the cluster file gives the node
         args.bind_host = cfg.node(args.node).host
     rank = getattr(args, "tp_rank", 0)
+    from afd.cluster.ports import PortInUse, check_listeners
+
+    try:  # before registering or loading anything; the servers bind these moments later
+        api = hasattr(args, "port")  # the serving command; `generate` opens no API
+        check_listeners(cfg, args.node, rank or 0, args.bind_host, getattr(args, "host", None), api)
+    except PortInUse as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
     setup_logging(role, f"{args.node}.tp{rank}" if rank else args.node)
     import torch
 

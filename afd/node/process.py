@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+from afd.cluster.ports import PortInUse
 from afd.control.client import ControlError
 from afd.dataplane.transport import PeerError
 from afd.node.signals import set_stop_handler
 
 STARTUP_ERRORS = (ControlError, PeerError, OSError, ValueError)
 """Refused or timed out (control plane), a failed data plane, a missing file, a bad model config or
-checkpoint (ValueError)."""
+checkpoint (ValueError). A port in use (PortInUse, an OSError) exits 2."""
 
 
 class NodeProcess(Protocol):
@@ -37,6 +38,9 @@ def run_node(node: NodeProcess, log: logging.Logger) -> int:
     set_stop_handler(lambda _: node.stop())
     try:
         node.start()
+    except PortInUse as e:  # a usage error, as in start_cluster_node's check: exit code 2
+        log.error("%s", e)
+        return 2
     except STARTUP_ERRORS as e:
         log.error("startup failed: %s", e)
         return 1

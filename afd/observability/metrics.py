@@ -5,6 +5,7 @@ What the hot path counts per layer or per expert is kept in plain lists and expo
 
 from __future__ import annotations
 
+import errno
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from afd.backend import host_syncs
 from afd.backend.base import bind_device
+from afd.cluster.ports import PortInUse
 
 TTFT_BUCKETS = (
     0.001,
@@ -400,8 +402,9 @@ class _Collector:
         self.collect = collect
 
 
-def serve_metrics(host: str, port: int, metrics: _Metrics, healthy) -> ThreadingHTTPServer:
-    """/metrics and /health (200 when healthy() else 503, empty body) for nodes without the API."""
+def serve_metrics(host: str, port: int, metrics: _Metrics, healthy, what: str = "metrics") -> ThreadingHTTPServer:
+    """/metrics and /health (200 when healthy() else 503, empty body) for nodes without the API. A port in use
+    is a PortInUse naming `what` (e.g. "FFN node ffn0's ports.metrics")."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's naming)
@@ -420,7 +423,12 @@ def serve_metrics(host: str, port: int, metrics: _Metrics, healthy) -> Threading
         def log_message(self, *args):
             pass
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUse(f"port {port} on {host} is in use ({what})") from None
+        raise
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="afd-metrics-http", daemon=True).start()
     return server
