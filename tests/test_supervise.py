@@ -8,12 +8,15 @@ import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from afd.cluster.ports import free_ports
 from afd.cluster.processes import Command, NodeExited, NodeProcesses
 from afd.cluster.supervise import BACKOFF_CAP, RESTARTS_ENV, GiveUp, RestartPolicy, Supervisor
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Clock:
@@ -95,7 +98,7 @@ def test_a_process_failing_on_every_start_is_restarted_then_given_up(tmp_path):
         assert _starts(procs, "ffn0") == ["0", "1", "2"]  # one log, appended: every run's lines are kept
 
 
-def test_a_killed_process_is_restarted_with_its_count_and_a_clean_exit_is_not(tmp_path):
+def test_a_killed_process_is_restarted_with_its_count_and_a_clean_exit_is_not(tmp_path, caplog):
     with NodeProcesses(str(tmp_path), restart=RestartPolicy(backoff=0.05)) as procs:
         first = procs.start(Command("attn0", (sys.executable, "-c", STAND_IN, "run"), "attention"))
         procs.wait_until(lambda: _starts(procs, "attn0") == ["0"], 30, "the first start")
@@ -105,6 +108,11 @@ def test_a_killed_process_is_restarted_with_its_count_and_a_clean_exit_is_not(tm
         procs.start(Command("ffn0", (sys.executable, "-c", STAND_IN, "0"), "ffn"))
         with pytest.raises(NodeExited, match="node ffn0 exited with code 0; its log ends"):
             procs.wait_until(lambda: False, 30, "nothing")  # exit 0: asked to stop, never restarted
+        for _ in range(3):  # a launcher's steady watch takes a clean exit: said once, not restarted
+            procs.check(exited_ok=True)
+        said = [r.getMessage() for r in caplog.records if "ffn0" in r.getMessage()]
+        assert said == ["node ffn0 exited with code 0 (it was asked to stop); not restarting it"]
+        assert _starts(procs, "ffn0") == ["0"] and procs.supervisor.restarts("ffn0") == 0
 
 
 def test_a_restart_waits_for_the_dead_process_ports(tmp_path):
@@ -148,7 +156,45 @@ def test_a_control_call_after_close_is_one_line_not_a_traceback():
     from afd.cluster.config import load
     from afd.control.client import ControlClient, ControlError
 
-    client = ControlClient(load("deploy/2a1f.yaml"), "ffn0")
+    client = ControlClient(load(str(ROOT / "deploy/2a1f.yaml")), "ffn0")
     client.close()
     with pytest.raises(ControlError, match="^ffn0 is stopping: its control channel is closed$"):
         client.await_formation(0, 5)
+
+
+def test_the_policy_is_a_cluster_setting_with_flags():
+    import subprocess
+
+    import yaml
+
+    from afd.cluster.config import ClusterConfigError, from_dict, load
+    from afd.cluster.local_config import local_config
+
+    cfg = load(str(ROOT / "deploy/2a1f.yaml"))
+    assert RestartPolicy.of(cfg.cluster) == RestartPolicy(5, 1.0, cfg.cluster.startup_timeout)
+    for key, bad in (("max_restarts", -1), ("restart_backoff", -0.5)):
+        doc = local_config(1, 1).to_dict()
+        doc["cluster"][key] = bad
+        with pytest.raises(ClusterConfigError, match=rf"cluster.{key}: must be >= 0, got {bad}"):
+            from_dict(doc)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "afd.cli",
+            "serve",
+            "demo",
+            "--max-restarts",
+            "0",
+            "--restart-backoff",
+            "2.5",
+            "--print-config",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    cluster = yaml.safe_load(r.stdout)["cluster"]
+    assert (cluster["max_restarts"], cluster["restart_backoff"]) == (0, 2.5)

@@ -188,6 +188,8 @@ class NodeProcesses:
         sup = self.supervisor
         for name, p in list(self.procs.items()):
             rc = p.popen.poll()
+            if rc == 0 and exited_ok and sup is not None and sup.left(name):
+                self.note(f"node {name} exited with code 0 (it was asked to stop); not restarting it")
             if rc is None or (exited_ok and rc == 0) or (sup is not None and sup.pending(name)):
                 continue
             if sup is None or rc == 0:

@@ -71,6 +71,8 @@ class _Record:
     """When its pending restart is due; None: none pending."""
     ports_free_by: float = 0.0
     """When a due restart stops waiting for the ports."""
+    left: bool = False
+    """It exited 0 (and that was said)."""
 
 
 class Supervisor:
@@ -83,7 +85,13 @@ class Supervisor:
 
     def started(self, name: str) -> None:
         rec = self.records.setdefault(name, _Record(self.clock()))
-        rec.started, rec.due = self.clock(), None
+        rec.started, rec.due, rec.left = self.clock(), None, False
+
+    def left(self, name: str) -> bool:
+        """Whether `name` exited 0 since its last start and this is the first time it is asked."""
+        rec = self.records.setdefault(name, _Record(self.clock()))
+        first, rec.left = not rec.left, True
+        return first
 
     def pending(self, name: str) -> bool:
         rec = self.records.get(name)
