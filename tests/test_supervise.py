@@ -198,3 +198,20 @@ def test_the_policy_is_a_cluster_setting_with_flags():
     assert r.returncode == 0, r.stderr
     cluster = yaml.safe_load(r.stdout)["cluster"]
     assert (cluster["max_restarts"], cluster["restart_backoff"]) == (0, 2.5)
+
+
+def test_the_processes_of_a_unit_restart_together(tmp_path, caplog):
+    """A node's TP ranks form one group: one that dies takes the others down, and all start again."""
+    with NodeProcesses(str(tmp_path), restart=RestartPolicy(backoff=0.05)) as procs:
+        for name, stage in (("attn0", "attention"), ("attn0.tp1", "tp"), ("ffn0", "ffn")):
+            procs.start(Command(name, (sys.executable, "-c", STAND_IN, "run"), stage, unit=name.split(".")[0]))
+        procs.wait_until(lambda: all(_starts(procs, n) == ["0"] for n in procs.procs), 30, "the first starts")
+        ffn = procs.popen("ffn0").pid
+        procs.popen("attn0.tp1").kill()
+        procs.wait_until(
+            lambda: all(_starts(procs, n) == ["0", "1"] for n in ("attn0", "attn0.tp1")), 30, "the node's restart"
+        )
+        assert procs.supervisor.restarts("attn0") == 1 and procs.popen("ffn0").pid == ffn
+        said = caplog.records[0].getMessage()
+        assert said.startswith("node attn0 lost its process attn0.tp1, which exited with code -9; restarting it")
+        assert all(procs.popen(n).poll() is None for n in procs.procs)

@@ -152,6 +152,7 @@ class _Launcher:
                 (sys.executable, "-m", MODULES[proc.node.role], *args),
                 _stage(proc),
                 () if proc.tp_rank else tuple(node_ports(proc.node)),  # TP ranks > 0 listen on none
+                proc.node.name,  # a node's TP ranks fail and restart together
             )
             for proc, args in reversed(self.plan)
         )

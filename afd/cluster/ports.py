@@ -1,8 +1,10 @@
-"""Ports on this host, before a node starts and while it runs: which of a YAML's ports are taken, free ports
-for local clusters, and a node's readiness on its HTTP port."""
+"""What a launcher asks of this host: which of a YAML's ports are taken (before a node starts, and before
+it restarts), free ports for local clusters, a node's readiness on its HTTP port, and the processes
+below a pid."""
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import urllib.request
@@ -94,3 +96,26 @@ def _ephemeral_low() -> int:
             return int(fh.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768  # Linux's default range starts here
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, grandchildren, ...), from /proc."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                ppid = int(_read(f"/proc/{d}/stat").rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.append(k)
+            todo.append(k)
+    return out
+
+
+def _read(path: str) -> str:
+    with open(path) as fh:
+        return fh.read()

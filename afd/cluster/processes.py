@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from afd.cluster.ports import free_ports, healthy, ports_in_use  # noqa: F401 (re-exported for tests and tools)
+from afd.cluster.ports import descendants, free_ports, healthy, ports_in_use  # noqa: F401 (re-exported for tests, tools)
 from afd.cluster.supervise import GiveUp, RestartPolicy, Supervisor
 
 MODULES = {"attention": "attention_node.main", "ffn": "ffn_node.main"}
@@ -52,6 +52,8 @@ class Command:
     stage: str = "process"
     ports: tuple[int, ...] = ()
     """The ports it listens on: its restart waits until they are free."""
+    unit: str = ""
+    """The processes that fail and restart together (a node's TP ranks: its name); default: its own name."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -73,7 +75,7 @@ def node_command(
     argv = [*prefix, sys.executable, "-m", MODULES[role], *([mode] if mode else []), "--config", str(config)]
     argv += ["--node", node] + (["--tp-rank", str(tp_rank)] if tp_rank else []) + list(args)
     stage = "tp" if tp_rank else role
-    return Command(f"{node}.tp{tp_rank}" if tp_rank else node, tuple(argv), stage, tuple(ports))
+    return Command(f"{node}.tp{tp_rank}" if tp_rank else node, tuple(argv), stage, tuple(ports), node)
 
 
 @dataclass
@@ -190,24 +192,33 @@ class NodeProcesses:
             rc = p.popen.poll()
             if rc == 0 and exited_ok and sup is not None and sup.left(name):
                 self.note(f"node {name} exited with code 0 (it was asked to stop); not restarting it")
-            if rc is None or (exited_ok and rc == 0) or (sup is not None and sup.pending(name)):
+            if rc is None or (exited_ok and rc == 0) or (sup is not None and sup.pending(p.command.unit or name)):
                 continue
             if sup is None or rc == 0:
                 raise NodeExited(name, rc, self.tail(name))
-            _kill_session(p.popen)  # what it left behind holds its ports
+            key = p.command.unit or name
+            for q in self._unit(name):  # what it left behind holds its ports; its unit (TP ranks) cannot go on
+                _kill_session(q.popen)
+            why = f"exited with code {rc}" if key == name else f"lost its process {name}, which exited with code {rc}"
             try:
-                sup.failed(name, f"exited with code {rc}")
+                sup.failed(key, why)
             except GiveUp as e:
                 raise NodeExited(name, rc, self.tail(name), str(e)) from None
-        for name in sup.due() if sup is not None else ():
-            p = self.procs[name]
+        for key in sup.due() if sup is not None else ():
+            unit = self._unit(key)
             try:
-                if not sup.ports_ready(name, p.command.ports):
+                if not sup.ports_ready(key, tuple(port for q in unit for port in q.command.ports)):
                     continue
             except GiveUp as e:
-                raise NodeExited(name, p.popen.returncode, self.tail(name), str(e)) from None
-            new = self.start(p.command, env=sup.restarting(name), log=p.log, append=True)
-            self.note(f"restarted {name} (pid {new.pid}; restart {sup.restarts(name)} of it since the launch)")
+                raise NodeExited(key, unit[0].popen.returncode, self.tail(unit[0].command.name), str(e)) from None
+            env = sup.restarting(key)
+            pids = [str(self.start(q.command, env=env, log=q.log, append=True).pid) for q in unit]
+            self.note(f"restarted {key} (pid {', '.join(pids)}; restart {sup.restarts(key)} of it since the launch)")
+
+    def _unit(self, name: str) -> list[_Proc]:
+        """The processes that restart with `name` (or those of unit `name`), in start order."""
+        unit = self.procs[name].command.unit or name if name in self.procs else name
+        return [p for p in self.procs.values() if (p.command.unit or p.command.name) == unit]
 
     def wait_until(
         self,
@@ -270,26 +281,3 @@ def _kill_session(p: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, grandchildren, ...), from /proc."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(_read(f"/proc/{d}/stat").rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.append(k)
-            todo.append(k)
-    return out
-
-
-def _read(path: str) -> str:
-    with open(path) as fh:
-        return fh.read()
