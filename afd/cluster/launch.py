@@ -179,7 +179,7 @@ class _Launcher:
                     every=0.2,
                 )
         except NodeExited as e:  # its log is on the terminal already
-            procs.say(f"{str(e).split('; its log ends:')[0]}; stopping the cluster")
+            procs.say(f"{e.why}; stopping the cluster")
             code = 1
         except ClusterError as e:
             procs.say(f"{e}; stopping")

@@ -40,8 +40,10 @@ class NodeExited(ClusterError):
     """A process exited (that should not have); the message ends with its log tail."""
 
     def __init__(self, name: str, code: int, tail: str, why: str | None = None):
-        super().__init__(f"{why or f'node {name} exited with code {code}'}; its log ends:\n{tail}")
         self.name, self.code = name, code
+        self.why = why or f"node {name} exited with code {code}"
+        """What happened, in one line (the message without the log tail)."""
+        super().__init__(f"{self.why}; its log ends:\n{tail}")
 
 
 @dataclass(frozen=True)
