@@ -19,11 +19,13 @@ import pytest
 import yaml
 from cluster_helpers import ROOT, cluster_yaml, get, health, post, stop_launcher
 from hf_reference import PROMPTS
+from sse import Streams
 
 from afd.cluster.processes import Command, NodeProcesses, descendants
 from afd.cluster.token import TOKEN_ENV, TOKEN_FILE_ENV
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]  # each starts and restarts real nodes: > 10 s
+NEW = 64
 FAST = {"heartbeat_interval": 0.3, "heartbeat_timeout": 2, "rejoin_timeout": 60, "restart_backoff": 0.2}
 
 
@@ -39,8 +41,8 @@ def _env(tmp_path: Path) -> dict:
     return env
 
 
-def _greedy(url: str, prompt) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+def _greedy(url: str, prompt, max_tokens: int = 8) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
     code, out = post(url, "/v1/completions", body)
     assert code == 200, out
     return out["choices"][0]["token_ids"]
@@ -79,6 +81,8 @@ def _wait_log(procs: NodeProcesses, name: str, text: str, timeout: float) -> Non
 
 
 def test_a_killed_ffn_node_is_restarted_counted_and_the_cluster_serves_again(tiny_checkpoint, tmp_path):
+    """Under 16 greedy streams: every stream resumes on the restarted node and ends with the tokens it
+    would have had."""
     path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="supervised", cluster=FAST)
     doc = yaml.safe_load(path.read_text())
     ffn_metrics = f"http://127.0.0.1:{doc['nodes'][1]['ports']['metrics']}"
@@ -86,7 +90,7 @@ def test_a_killed_ffn_node_is_restarted_counted_and_the_cluster_serves_again(tin
     procs = NodeProcesses(str(tmp_path), cwd=ROOT)
     launcher, url = _launch(procs, path, env)
     try:
-        before = _greedy(url, PROMPTS[0])
+        before = [_greedy(url, p, NEW) for p in PROMPTS]
         token_path = str(
             Path(env["XDG_RUNTIME_DIR"]) / "afd-tokens" / f"supervised-{doc['nodes'][0]['ports']['control']}"
         )
@@ -98,6 +102,8 @@ def test_a_killed_ffn_node_is_restarted_counted_and_the_cluster_serves_again(tin
         assert f"{TOKEN_FILE_ENV}={token_path}".encode() in Path(f"/proc/{ffn}/environ").read_bytes().split(b"\0")
         assert _restarts(ffn_metrics) == 0 and _restarts(url) == 0
 
+        streams = Streams(url, PROMPTS * 4, {"max_tokens": NEW, "temperature": 0}, 180)
+        assert streams.wait_started(60)
         os.kill(ffn, signal.SIGKILL)
         _wait_log(procs, "afd-launch", "node ffn0 exited with code -9; restarting it in 0.2s", 30)
         _wait_log(procs, "afd-launch", "restarted ffn0", 60)
@@ -106,7 +112,11 @@ def test_a_killed_ffn_node_is_restarted_counted_and_the_cluster_serves_again(tin
             assert time.monotonic() < end, procs.log("afd-launch")[-4000:]
             time.sleep(0.2)
         assert _node_pid(launcher.pid, "ffn0") != ffn
-        assert _greedy(url, PROMPTS[0]) == before  # the same tokens from the replacement's experts
+        assert streams.join(180) == 0  # none hung
+        assert streams.results == [(ids, []) for ids in before * 4]  # none failed, none changed
+        resumed = re.findall(r"data plane re-formed; (\d+) request\(s\) resume", procs.log("afd-launch"))
+        assert resumed and int(resumed[-1]) > 0, "no stream was in flight when the FFN node died"
+        assert _greedy(url, PROMPTS[0], NEW) == before[0]  # a new request, on the replacement's experts
         assert _restarts(ffn_metrics) == 1 and _restarts(url) == 0
 
         launcher.send_signal(signal.SIGTERM)
