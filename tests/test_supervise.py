@@ -215,3 +215,22 @@ def test_the_processes_of_a_unit_restart_together(tmp_path, caplog):
         said = caplog.records[0].getMessage()
         assert said.startswith("node attn0 lost its process attn0.tp1, which exited with code -9; restarting it")
         assert all(procs.popen(n).poll() is None for n in procs.procs)
+
+
+def test_ports_that_stay_taken_use_up_the_row_even_after_a_long_run():
+    """A node that ran for long, then died leaving its port taken: each failed attempt continues the row
+    (it is not a new failure of a node that had started), so the launcher gives up in the end."""
+    (port,) = free_ports(1)
+    clock = Clock()
+    sup = Supervisor(RestartPolicy(max_restarts=2, backoff=1.0, reset_after=60.0, port_wait=5.0), lambda _: None, clock)
+    sup.started("ffn0")
+    clock.now += 1000
+    sup.failed("ffn0", "exited with code -9")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        clock.now += 10
+        assert not sup.ports_ready("ffn0", (port,)) and sup.pending("ffn0")
+        clock.now += 10
+        with pytest.raises(GiveUp, match=rf"port\(s\) {port} still in use after 5s; 2 restarts in a row already"):
+            sup.ports_ready("ffn0", (port,))

@@ -140,7 +140,7 @@ class NodeProcesses:
             )
         self.procs[command.name] = _Proc(command, p, log)
         if self.supervisor is not None:
-            self.supervisor.started(command.name)
+            self.supervisor.started(command.unit or command.name, command.name)
         if self.echo:
             self._width = max(self._width, len(command.name))
             threading.Thread(target=self._pump, args=(command.name, p, log), daemon=True).start()

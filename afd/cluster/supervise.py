@@ -71,26 +71,27 @@ class _Record:
     """When its pending restart is due; None: none pending."""
     ports_free_by: float = 0.0
     """When a due restart stops waiting for the ports."""
-    left: bool = False
-    """It exited 0 (and that was said)."""
 
 
 class Supervisor:
     """The restart bookkeeping of one launcher's processes (afd.cluster.processes.NodeProcesses drives it:
-    `failed` when it sees a process dead, `due` on every poll, `started` on every start). `say` logs."""
+    `failed` when it sees a process dead, `due` on every poll, `started` on every start), by unit: the
+    processes that restart together (a node's TP ranks), named by the node. `say` logs."""
 
     def __init__(self, policy: RestartPolicy, say: Callable[[str], None], clock: Callable[[], float] = time.monotonic):
         self.policy, self.say, self.clock = policy, say, clock
         self.records: dict[str, _Record] = {}
+        self._left: set[str] = set()
 
-    def started(self, name: str) -> None:
-        rec = self.records.setdefault(name, _Record(self.clock()))
-        rec.started, rec.due, rec.left = self.clock(), None, False
+    def started(self, unit: str, process: str | None = None) -> None:
+        rec = self.records.setdefault(unit, _Record(self.clock()))
+        rec.started, rec.due = self.clock(), None
+        self._left.discard(process or unit)
 
-    def left(self, name: str) -> bool:
-        """Whether `name` exited 0 since its last start and this is the first time it is asked."""
-        rec = self.records.setdefault(name, _Record(self.clock()))
-        first, rec.left = not rec.left, True
+    def left(self, process: str) -> bool:
+        """Whether `process` exited 0 since its last start and this is the first time it is asked."""
+        first = process not in self._left
+        self._left.add(process)
         return first
 
     def pending(self, name: str) -> bool:
@@ -139,7 +140,7 @@ class Supervisor:
             return True
         rec = self.records[name]
         if self.clock() >= rec.ports_free_by:
-            rec.due = None
+            rec.due, rec.started = None, self.clock()  # an attempt that failed at once: the row goes on
             listed = ", ".join(map(str, taken))
             self.failed(name, f"could not be restarted: port(s) {listed} still in use after {self.policy.port_wait:g}s")
         return False
