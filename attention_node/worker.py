@@ -81,7 +81,7 @@ class OfflineNode(AttentionNode):
     # ---- rank 0 ----------------------------------------------------------------------------------
 
     def _run_jobs(self) -> None:
-        n, backoff = 0, 0.0
+        n, backoff = self.jobs.first_open(), 0.0  # a restarted node: the job it died in, again
         while not self.stopping.is_set():
             job = self.jobs.take(n)
             if job == STOP:

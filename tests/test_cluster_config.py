@@ -435,13 +435,32 @@ def test_from_dict_rejects_a_non_mapping():
 # ---- afd launch --print-commands ----------------------------------------------------------------
 
 
+def _token_prefix(path: str = "deploy/2a1f.yaml") -> str:
+    """What printed commands of a one-host cluster start with: the cluster's 0600 token file, by name."""
+    import os
+
+    from afd.cluster.token import TOKEN_ENV, token_file
+
+    if os.environ.get(TOKEN_ENV):
+        return ""
+    cfg = load(str(ROOT / path))
+    return f"AFD_CLUSTER_TOKEN_FILE={token_file(cfg.cluster.name, cfg.coordinator.ports.control)} "
+
+
+def _node_argv(line: str) -> list[str]:
+    """A printed command's program and arguments, without the environment it sets."""
+    words = shlex.split(line, comments=True)
+    return words[1:] if words[0].startswith("AFD_CLUSTER_TOKEN_FILE=") else words
+
+
 def test_print_commands_one_per_node():
     r = afd("launch", "deploy/2a1f.yaml", "--print-commands")
     assert r.returncode == 0, r.stderr
+    t = _token_prefix()
     assert r.stdout.splitlines() == [
-        "afd-attention --config deploy/2a1f.yaml --node attn0  # on 127.0.0.1",
-        "afd-attention --config deploy/2a1f.yaml --node attn1  # on 127.0.0.1",
-        "afd-ffn --config deploy/2a1f.yaml --node ffn0  # on 127.0.0.1",
+        f"{t}afd-attention --config deploy/2a1f.yaml --node attn0  # on 127.0.0.1",
+        f"{t}afd-attention --config deploy/2a1f.yaml --node attn1  # on 127.0.0.1",
+        f"{t}afd-ffn --config deploy/2a1f.yaml --node ffn0  # on 127.0.0.1",
     ]
 
 
@@ -502,10 +521,11 @@ def test_print_commands_with_overrides():
     r = afd("launch", "deploy/2a1f.yaml", "--print-commands", "--model", "/ckpt/my model", "--port", "8123")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
+    t = _token_prefix()
     assert lines == [
-        "afd-attention --config deploy/2a1f.yaml --node attn0 --port 8123 --model '/ckpt/my model'  # on 127.0.0.1",
-        "afd-attention --config deploy/2a1f.yaml --node attn1 --model '/ckpt/my model'  # on 127.0.0.1",
-        "afd-ffn --config deploy/2a1f.yaml --node ffn0 --model '/ckpt/my model'  # on 127.0.0.1",
+        f"{t}afd-attention --config deploy/2a1f.yaml --node attn0 --port 8123 --model '/ckpt/my model'  # on 127.0.0.1",
+        f"{t}afd-attention --config deploy/2a1f.yaml --node attn1 --model '/ckpt/my model'  # on 127.0.0.1",
+        f"{t}afd-ffn --config deploy/2a1f.yaml --node ffn0 --model '/ckpt/my model'  # on 127.0.0.1",
     ]
     # and the node commands accept exactly these flags
     from attention_node.main import build_server_parser
@@ -513,7 +533,7 @@ def test_print_commands_with_overrides():
 
     parsers = {"afd-attention": build_server_parser(), "afd-ffn": build_ffn_parser()}
     for line in lines:
-        prog, *argv = shlex.split(line, comments=True)
+        prog, *argv = _node_argv(line)
         args = parsers[prog].parse_args(argv)
         assert (args.config, args.model) == ("deploy/2a1f.yaml", "/ckpt/my model")
         assert getattr(args, "port", None) == (8123 if args.node == "attn0" else None)
@@ -550,7 +570,7 @@ def test_print_commands_pass_vllm_flags_to_the_nodes_that_take_them():
 
     parsers = {"afd-attention": build_server_parser(), "afd-ffn": build_ffn_parser()}
     for line in r.stdout.splitlines():
-        prog, *argv = shlex.split(line, comments=True)
+        prog, *argv = _node_argv(line)
         args = parsers[prog].parse_args(argv)
         assert (args.dtype, args.served_model_name) == ("bfloat16", "m")
         if prog == "afd-attention":

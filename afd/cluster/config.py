@@ -255,7 +255,8 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     _check_tls(src, cluster.tls)
     for k in ("startup_timeout", "heartbeat_interval", "heartbeat_timeout", "comm_timeout"):
         _positive(src, f"cluster.{k}", getattr(cluster, k))
-    _positive(src, "cluster.rejoin_timeout", cluster.rejoin_timeout, allow_zero=True)
+    for k in ("rejoin_timeout", "max_restarts", "restart_backoff"):
+        _positive(src, f"cluster.{k}", getattr(cluster, k), allow_zero=True)
     model_kw = _section(ModelSection, src, "model", raw["model"], required=("path",))
     if model_kw.get("dtype", "float32") not in ("float32", "bfloat16", "float16"):
         _fail(src, "model.dtype", f"expected float32, bfloat16 or float16, got {model_kw['dtype']!r}")

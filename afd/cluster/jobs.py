@@ -52,6 +52,13 @@ class JobMailbox:
 
     # ---- the node's side --------------------------------------------------------------------------
 
+    def first_open(self) -> int:
+        """The first job without a result: where a restarted node picks up (the jobs before it are done)."""
+        n = 0
+        while os.path.exists(self._file("result", n)):
+            n += 1
+        return n
+
     def take(self, n: int) -> dict | str | None:
         """Job n, STOP, or None while there is neither yet. A mailbox that is gone is a STOP: the
         launcher removed it with its temporary directory."""
@@ -71,6 +78,9 @@ class OneJob:
 
     def __init__(self, prompts_file: str, output: str | None):
         self.prompts_file, self.output = prompts_file, output
+
+    def first_open(self) -> int:
+        return 0
 
     def take(self, n: int) -> dict | str | None:
         if n > 0:

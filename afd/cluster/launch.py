@@ -1,7 +1,13 @@
 """`afd launch FILE`: every node of a cluster YAML on this host, logs prefixed, one URL when ready.
 
-SIGINT/SIGTERM are forwarded: attention nodes first (they drain, then leave the data plane), then FFN
-nodes; whatever is still alive after the grace period is killed. No child outlives the launcher.
+A node that fails is started again with its own command, after a back-off, up to `cluster.max_restarts`
+in a row (afd.cluster.supervise); past that the cluster is stopped and the launcher exits 1. SIGINT/SIGTERM
+are forwarded: attention nodes first (they drain, then leave the data plane), then FFN nodes; whatever is
+still alive after the grace period is killed. No child outlives the launcher.
+
+The cluster token never travels on a command line (`ps` shows those to every user): without
+AFD_CLUSTER_TOKEN, the launcher makes one in a 0600 file (afd.cluster.token) and its nodes, restarted ones
+and those started by hand from `--print-commands`, read it through AFD_CLUSTER_TOKEN_FILE.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ from afd.cluster.flags import (
     overrides_of,
     with_overrides,
 )
-from afd.cluster.processes import MODULES, ClusterError, Command, NodeExited, NodeProcesses, healthy, ports_in_use
+from afd.cluster.host import healthy, is_loopback, node_ports, ports_in_use
+from afd.cluster.processes import MODULES, ClusterError, Command, NodeExited, NodeProcesses
+from afd.cluster.supervise import RestartPolicy
+from afd.cluster.token import TOKEN_ENV, TOKEN_FILE_ENV, cluster_token, launch_token_file
 from afd.cluster.topology import with_http_port
 
 COMMANDS = {"attention": "afd-attention", "ffn": "afd-ffn"}
@@ -57,9 +66,11 @@ def run(args) -> int:
     first = cfg.attention_nodes[0]
     plan = [(p, node_args(args.config, p.node, args, first.name, p.tp_rank)) for p in cfg.processes]
     if args.print_commands:
+        env = token_env(cfg)
         for p, a in plan:  # the host (and device) as a shell comment: the line still pastes as it is
             dev = f", {p.device}" if p.device != "cpu" else ""
-            print(f"{shlex.join([COMMANDS[p.node.role], *a])}  # on {p.node.host}{dev}")
+            assign = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())  # VAR=value: for this command
+            print(f"{assign}{shlex.join([COMMANDS[p.node.role], *a])}  # on {p.node.host}{dev}")
         return 0
     check_startable(cfg, args.config)
     env = dict(os.environ)
@@ -67,6 +78,21 @@ def run(args) -> int:
     if key:
         env["AFD_API_KEY"] = key
     return _Launcher(cfg, plan, env).run(args.curl_example)
+
+
+def token_env(cfg: ClusterConfig) -> dict[str, str]:
+    """What printed node commands set for the cluster token: nothing with AFD_CLUSTER_TOKEN in this shell
+    (the other shells need it too); the AFD_CLUSTER_TOKEN_FILE this shell names; else, for a one-host
+    cluster, the 0600 file `afd launch` of the same YAML uses (made now if it is not there yet). A file on
+    this host is no use to other hosts: there, nodes need their own AFD_CLUSTER_TOKEN or token file."""
+    if os.environ.get(TOKEN_ENV):
+        return {}
+    if os.environ.get(TOKEN_FILE_ENV):
+        return {TOKEN_FILE_ENV: os.path.abspath(os.environ[TOKEN_FILE_ENV])}
+    if not all(is_loopback(n.host) for n in cfg.nodes):
+        return {}
+    path, _ = launch_token_file(cfg.cluster.name, cfg.coordinator.ports.control)
+    return {TOKEN_FILE_ENV: path}
 
 
 def check_startable(cfg: ClusterConfig, source: str) -> None:
@@ -101,16 +127,16 @@ class _Launcher:
         self.stopping = False
 
     def run(self, curl_example: bool) -> int:
-        from afd.cluster.token import TOKEN_ENV, cluster_token, make_launch_token, token_file
-
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: setattr(self, "stopping", True))
         env = self.env
         coord = self.cfg.coordinator
         made = None
         if not cluster_token():  # secure by default: the control plane of a launch always has a token
-            env[TOKEN_ENV] = make_launch_token(self.cfg.cluster.name, coord.ports.control)
-            made = token_file(self.cfg.cluster.name, coord.ports.control)
+            path, new = launch_token_file(self.cfg.cluster.name, coord.ports.control)
+            env.pop(TOKEN_ENV, None)  # an empty one
+            env[TOKEN_FILE_ENV] = path
+            made = path if new else None
         try:
             return self._run(curl_example, env)
         finally:
@@ -119,9 +145,15 @@ class _Launcher:
                     os.unlink(made)
 
     def _run(self, curl_example: bool, env: dict) -> int:
-        procs = NodeProcesses(env=env, echo=True)
+        procs = NodeProcesses(env=env, echo=True, restart=RestartPolicy.of(self.cfg.cluster))
         procs.start_all(  # any order works; FFN nodes first shows it
-            Command(proc.name, (sys.executable, "-m", MODULES[proc.node.role], *args), _stage(proc))
+            Command(
+                proc.name,
+                (sys.executable, "-m", MODULES[proc.node.role], *args),
+                _stage(proc),
+                () if proc.tp_rank else tuple(node_ports(proc.node)),  # TP ranks > 0 listen on none
+                proc.node.name,  # a node's TP ranks fail and restart together
+            )
             for proc, args in reversed(self.plan)
         )
         from afd.cluster.api_client import api_url, client_context
@@ -139,9 +171,18 @@ class _Launcher:
             )
             if ready:
                 self._ready(procs, urls, curl_example)
-                procs.wait_until(lambda: False, None, "the cluster", stopping=lambda: self.stopping, every=0.2)
+                # until a signal, or every node has exited 0 (a shutdown through the control plane); a node
+                # that fails is restarted inside the wait (NodeProcesses' supervisor)
+                procs.wait_until(
+                    lambda: _all_exited(procs),
+                    None,
+                    "the cluster",
+                    stopping=lambda: self.stopping,
+                    exited_ok=True,
+                    every=0.2,
+                )
         except NodeExited as e:  # its log is on the terminal already
-            procs.say(f"node {e.name} exited with code {e.code}; stopping the cluster")
+            procs.say(f"{e.why}; stopping the cluster")
             code = 1
         except ClusterError as e:
             procs.say(f"{e}; stopping")
@@ -162,6 +203,11 @@ class _Launcher:
                 + ' -H \'Content-Type: application/json\' -d \'{"prompt": "Experts are", '
                 '"max_tokens": 16, "temperature": 0}\''
             )
+
+
+def _all_exited(procs: NodeProcesses) -> bool:
+    sup = procs.supervisor
+    return all(p.popen.poll() is not None for p in procs.procs.values()) and not (sup and sup.any_pending)
 
 
 def _stage(proc: Process) -> str:

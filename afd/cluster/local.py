@@ -4,8 +4,13 @@ It writes a cluster YAML on 127.0.0.1 with free ports and starts every node from
 launcher (afd.cluster.processes), as `afd launch` would: the nodes find each other through the control
 plane. Attention nodes run the offline worker (`afd-attention generate`), which takes jobs one after
 another from a mailbox (afd.cluster.jobs), each job's prompts dealt to them round-robin; FFN nodes serve
-until every attention node has left. A node that fails takes the others down and its log tail is in the
-error.
+until every attention node has left.
+
+A node that fails takes the others down at once (an offline job does not wait for a replacement:
+rejoin_timeout 0), and while a job's results are awaited each failed node is restarted with its own
+command (afd.cluster.supervise: back-off, at most `max_restarts` in a row); a restarted attention node
+runs its share of the unfinished job again, from its mailbox. Past the limit the job fails with the
+node's log tail in the error.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ import subprocess
 import tempfile
 
 from afd.cluster.jobs import JobMailbox
-from afd.cluster.local_spec import LocalClusterSpec, cluster_doc
+from afd.cluster.local_spec import STARTUP_TIMEOUT, LocalClusterSpec, cluster_doc
 from afd.cluster.processes import ClusterError, NodeProcesses, node_command
+from afd.cluster.supervise import RestartPolicy
 from afd.cluster.token import TOKEN_ENV, cluster_token
 
 __all__ = ["ClusterError", "LocalCluster", "run_generate"]
@@ -33,7 +39,8 @@ class LocalCluster:
         self.spec = spec
         self._tmp = tempfile.TemporaryDirectory(prefix="afd-local-")
         self.dir = self._tmp.name
-        self.processes = NodeProcesses(self.dir)
+        policy = RestartPolicy(spec.max_restarts, spec.restart_backoff, reset_after=STARTUP_TIMEOUT)
+        self.processes = NodeProcesses(self.dir, restart=policy)
         self.mailboxes = [JobMailbox(os.path.join(self.dir, f"jobs-attn{a}")) for a in range(spec.attention_nodes)]
         self.ffn_reports: list[dict] = []
         self._jobs = 0
@@ -57,8 +64,10 @@ class LocalCluster:
 
         spec = self.spec
         config = os.path.join(self.dir, "cluster.yaml")
+        doc = cluster_doc(spec)
         with open(config, "w") as fh:
-            yaml.safe_dump(cluster_doc(spec), fh, sort_keys=False)
+            yaml.safe_dump(doc, fh, sort_keys=False)
+        ports = {n["name"]: tuple(n["ports"].values()) for n in doc["nodes"]}
         env = dict(os.environ)  # the job's own token: nodes behind an emulated link are not on loopback
         if not cluster_token():
             env[TOKEN_ENV] = secrets.token_hex(16)
@@ -70,13 +79,14 @@ class LocalCluster:
                 f"ffn{f}",
                 args=["--bind-host", spec.ffn_host, "--report-file", os.path.join(self.dir, f"ffn{f}.json")],
                 prefix=spec.ffn_command_prefix,
+                ports=ports[f"ffn{f}"],
             )
             for f in range(spec.ffn_nodes)
         ]
         for a, box in enumerate(self.mailboxes):  # every TP rank of the node takes its jobs from rank 0
             args = ["--bind-host", spec.attention_host, "--prompts-file", box.path]
             commands += [
-                node_command(config, "attention", f"attn{a}", r, args, mode="generate")
+                node_command(config, "attention", f"attn{a}", r, args, "generate", ports=() if r else ports[f"attn{a}"])
                 for r in range(spec.attention_tp)
             ]
         self.processes.start_all(commands)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from afd.cluster.processes import free_ports
+from afd.cluster.host import free_ports
 from afd.cluster.schema import ClusterConfig
 
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+STARTUP_TIMEOUT = 120.0
+"""cluster.startup_timeout of a local cluster: also how long a restarted node must stay up to end a row."""
+
 
 @dataclass
 class LocalClusterSpec:
@@ -37,6 +40,10 @@ class LocalClusterSpec:
     """layout.graph_mode (None: the backend's default)."""
     graph_batch_sizes: tuple[int, ...] | None = None
     compile_cache_dir: str | None = None
+    max_restarts: int = 5
+    """cluster.max_restarts: restarts in a row of a node that fails (afd.cluster.supervise)."""
+    restart_backoff: float = 1.0
+    """cluster.restart_backoff: seconds before the first restart of a row."""
 
     def __post_init__(self):
         if self.attention_nodes < 1 or self.ffn_nodes < 0:
@@ -66,7 +73,7 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
         "compile_cache_dir": spec.compile_cache_dir,
     }
     sections = {
-        "cluster": {"comm_timeout": spec.comm_timeout, "startup_timeout": 120.0, "rejoin_timeout": 0.0},
+        "cluster": {"comm_timeout": spec.comm_timeout, "startup_timeout": STARTUP_TIMEOUT, "rejoin_timeout": 0.0},
         "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights, "seed": spec.seed},
         "layout": {k: v for k, v in layout.items() if v is not None},
         "engine": {k: v for k, v in engine.items() if v is not None},

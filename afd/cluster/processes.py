@@ -6,24 +6,26 @@ when echoing, on this process's stdout behind a `[name]` prefix), every wait wit
 watches for a process that died (its log tail is in the error). `stop` goes in stages — attention
 nodes' rank 0 first (they drain and leave the data plane), then their other TP ranks, which follow rank
 0 out, then the FFN nodes, which stop once every attention node has left — each stage SIGTERM, a grace
-period, then SIGKILL of the whole session: nothing is left behind.
+period, then SIGKILL of the whole session: nothing is left behind. With a RestartPolicy
+(afd.cluster.supervise), the waits also restart a process that failed, with its own command.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from afd.cluster.host import descendants, free_ports, healthy, ports_in_use  # noqa: F401 (re-exported for tests, tools)
+from afd.cluster.supervise import GiveUp, RestartPolicy, Supervisor
 
 MODULES = {"attention": "attention_node.main", "ffn": "ffn_node.main"}
 STAGES = ("attention", "tp", "ffn", "process")
@@ -37,9 +39,11 @@ class ClusterError(RuntimeError):
 class NodeExited(ClusterError):
     """A process exited (that should not have); the message ends with its log tail."""
 
-    def __init__(self, name: str, code: int, tail: str):
-        super().__init__(f"node {name} exited with code {code}; its log ends:\n{tail}")
+    def __init__(self, name: str, code: int, tail: str, why: str | None = None):
         self.name, self.code = name, code
+        self.why = why or f"node {name} exited with code {code}"
+        """What happened, in one line (the message without the log tail)."""
+        super().__init__(f"{self.why}; its log ends:\n{tail}")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,10 @@ class Command:
     """How the logs and errors call it: the process name (`attn0`, `attn0.tp1`, `ffn0`)."""
     argv: tuple[str, ...]
     stage: str = "process"
+    ports: tuple[int, ...] = ()
+    """The ports it listens on: its restart waits until they are free."""
+    unit: str = ""
+    """The processes that fail and restart together (a node's TP ranks: its name); default: its own name."""
 
     def __post_init__(self):
         if self.stage not in STAGES:
@@ -55,14 +63,21 @@ class Command:
 
 
 def node_command(
-    config: str, role: str, node: str, tp_rank: int = 0, args: Iterable[str] = (), mode: str | None = None, prefix=()
+    config: str,
+    role: str,
+    node: str,
+    tp_rank: int = 0,
+    args: Iterable[str] = (),
+    mode: str | None = None,
+    prefix=(),
+    ports: Iterable[int] = (),
 ) -> Command:
     """A node process of cluster YAML `config`: `mode` is a subcommand (`generate`), `prefix` what runs it
-    (e.g. `ip netns exec NS`)."""
+    (e.g. `ip netns exec NS`), `ports` those it listens on."""
     argv = [*prefix, sys.executable, "-m", MODULES[role], *([mode] if mode else []), "--config", str(config)]
     argv += ["--node", node] + (["--tp-rank", str(tp_rank)] if tp_rank else []) + list(args)
     stage = "tp" if tp_rank else role
-    return Command(f"{node}.tp{tp_rank}" if tp_rank else node, tuple(argv), stage)
+    return Command(f"{node}.tp{tp_rank}" if tp_rank else node, tuple(argv), stage, tuple(ports), node)
 
 
 @dataclass
@@ -75,15 +90,24 @@ class _Proc:
 class NodeProcesses:
     """Processes started together and stopped together (`with` stops them). log_dir: where each
     process's log goes (a private temporary directory by default, removed by `stop`); echo: also copy
-    every line to stdout behind its name."""
+    every line to stdout behind its name; restart: restart a process that fails, while a wait watches them
+    (afd.cluster.supervise; None: a failure is an error at once)."""
 
-    def __init__(self, log_dir: str | None = None, env: dict | None = None, echo: bool = False, cwd=None):
+    def __init__(
+        self,
+        log_dir: str | None = None,
+        env: dict | None = None,
+        echo: bool = False,
+        cwd=None,
+        restart: RestartPolicy | None = None,
+    ):
         self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="afd-logs-")
         self.log_dir: str = self._tmp.name if self._tmp is not None else str(log_dir)
         self.env, self.echo, self.cwd = env, echo, cwd
         self.procs: dict[str, _Proc] = {}
         self._lock = threading.Lock()
         self._width = 0
+        self.supervisor = Supervisor(restart, self.note) if restart is not None else None
 
     def __enter__(self) -> NodeProcesses:
         return self
@@ -93,14 +117,17 @@ class NodeProcesses:
 
     # ---- starting ---------------------------------------------------------------------------------
 
-    def start(self, command: Command, env: dict | None = None, log: str | None = None) -> subprocess.Popen:
-        """Starts `command` (a name already running here is refused); env: added to the launcher's."""
+    def start(
+        self, command: Command, env: dict | None = None, log: str | None = None, append: bool = False
+    ) -> subprocess.Popen:
+        """Starts `command` (a name already running here is refused); env: added to the launcher's; append:
+        to its log (a restart) rather than a fresh one."""
         old = self.procs.get(command.name)
         if old is not None and old.popen.poll() is None:
             raise ValueError(f"{command.name} is already running (pid {old.popen.pid})")
         log = log or os.path.join(self.log_dir, f"{command.name}.log")
         full_env = {**(self.env if self.env is not None else os.environ), **(env or {})}
-        with open(log, "w") as fh:
+        with open(log, "a" if append else "w") as fh:
             p = subprocess.Popen(
                 list(command.argv),
                 stdout=subprocess.PIPE if self.echo else fh,
@@ -112,6 +139,8 @@ class NodeProcesses:
                 bufsize=1 if self.echo else -1,  # echoed: line by line
             )
         self.procs[command.name] = _Proc(command, p, log)
+        if self.supervisor is not None:
+            self.supervisor.started(command.unit or command.name, command.name)
         if self.echo:
             self._width = max(self._width, len(command.name))
             threading.Thread(target=self._pump, args=(command.name, p, log), daemon=True).start()
@@ -137,6 +166,13 @@ class NodeProcesses:
             sys.stdout.write(f"[{prefix:<{self._width}}] {line.rstrip(chr(10))}\n")
             sys.stdout.flush()
 
+    def note(self, line: str) -> None:
+        """What the launcher has to say (a restart): on stdout when echoing, else in the log (afd.cluster)."""
+        if self.echo:
+            self.say(line)
+        else:
+            logging.getLogger("afd.cluster").warning("%s", line)
+
     # ---- watching ---------------------------------------------------------------------------------
 
     def popen(self, name: str) -> subprocess.Popen:
@@ -151,11 +187,40 @@ class NodeProcesses:
 
     def check(self, exited_ok: bool = False) -> None:
         """Raises ClusterError naming the first process that exited (with a non-zero code only, when
-        `exited_ok`: a job's processes finish), with its log tail."""
-        for name, p in self.procs.items():
+        `exited_ok`: a job's processes finish), with its log tail. Under a restart policy a process that
+        failed is restarted instead (after its back-off), until the policy gives up."""
+        sup = self.supervisor
+        for name, p in list(self.procs.items()):
             rc = p.popen.poll()
-            if rc is not None and not (exited_ok and rc == 0):
+            if rc == 0 and exited_ok and sup is not None and sup.left(name):
+                self.note(f"node {name} exited with code 0 (it was asked to stop); not restarting it")
+            if rc is None or (exited_ok and rc == 0) or (sup is not None and sup.pending(p.command.unit or name)):
+                continue
+            if sup is None or rc == 0:
                 raise NodeExited(name, rc, self.tail(name))
+            key = p.command.unit or name
+            for q in self._unit(name):  # what it left behind holds its ports; its unit (TP ranks) cannot go on
+                _kill_session(q.popen)
+            why = f"exited with code {rc}" if key == name else f"lost its process {name}, which exited with code {rc}"
+            try:
+                sup.failed(key, why)
+            except GiveUp as e:
+                raise NodeExited(name, rc, self.tail(name), str(e)) from None
+        for key in sup.due() if sup is not None else ():
+            unit = self._unit(key)
+            try:
+                if not sup.ports_ready(key, tuple(port for q in unit for port in q.command.ports)):
+                    continue
+            except GiveUp as e:
+                raise NodeExited(key, unit[0].popen.returncode, self.tail(unit[0].command.name), str(e)) from None
+            env = sup.restarting(key)
+            pids = [str(self.start(q.command, env=env, log=q.log, append=True).pid) for q in unit]
+            self.note(f"restarted {key} (pid {', '.join(pids)}; restart {sup.restarts(key)} of it since the launch)")
+
+    def _unit(self, name: str) -> list[_Proc]:
+        """The processes that restart with `name` (or those of unit `name`), in start order."""
+        unit = self.procs[name].command.unit or name if name in self.procs else name
+        return [p for p in self.procs.values() if (p.command.unit or p.command.name) == unit]
 
     def wait_until(
         self,
@@ -180,7 +245,8 @@ class NodeProcesses:
         return False
 
     def wait_exit(self, timeout: float, what: str = "the cluster's processes") -> None:
-        """Every process exits with 0 within `timeout` s, or ClusterError."""
+        """Every process exits with 0 within `timeout` s, or ClusterError. Their end: none is restarted."""
+        self.supervisor = None
         self.wait_until(
             lambda: all(p.popen.poll() == 0 for p in self.procs.values()), timeout, f"{what} to exit", exited_ok=True
         )
@@ -217,89 +283,3 @@ def _kill_session(p: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, signal.SIGKILL)
     p.wait()
-
-
-# ---- before starting, and readiness ------------------------------------------------------------------
-
-
-def ports_in_use(cfg) -> list[str]:
-    """The YAML's ports (of this host's nodes) that something already listens on."""
-    busy = []
-    for n in cfg.nodes:
-        for name in ("control", "data", "http", "metrics"):
-            port = getattr(n.ports, name)
-            if port is None:
-                continue
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do: TIME_WAIT is free
-                try:
-                    s.bind(("0.0.0.0", port))
-                except OSError:
-                    busy.append(f"{port} ({n.name}.ports.{name})")
-    return busy
-
-
-def healthy(url: str, context=None) -> bool:
-    """`/health` answers 200 (`context`: the ssl.SSLContext of an https URL)."""
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=1, context=context) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """n distinct ports free on `host` now, for nodes that bind them seconds later. Chosen below the kernel's
-    ephemeral range: a port the OS hands out (a bind to port 0, the source port of every outgoing connection)
-    comes from that range, so one picked there can be taken by anything on the machine before the node
-    binds it (seen under make test's parallel workers)."""
-    top = _ephemeral_low()
-    pick = random.SystemRandom()
-    ports: list[int] = []
-    while len(ports) < n:
-        port = pick.randrange(10000, top) if top > 11000 else _os_port(host)
-        if port in ports:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        ports.append(port)
-    return ports
-
-
-def _os_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(_read("/proc/sys/net/ipv4/ip_local_port_range").split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default range starts here
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, grandchildren, ...), from /proc."""
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(_read(f"/proc/{d}/stat").rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = [], [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.append(k)
-            todo.append(k)
-    return out
-
-
-def _read(path: str) -> str:
-    with open(path) as fh:
-        return fh.read()

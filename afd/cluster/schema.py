@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from afd.cluster.fieldspec import micro_batches_arg, opt, positive_int, size_arg, speculative_count
+from afd.cluster.fieldspec import count_arg, micro_batches_arg, opt, positive_int, size_arg, speculative_count
 from afd.cluster.http_section import HttpSection
 from afd.cluster.placement import ExpertShard, partition_experts
 from afd.model.tp.config import MODES as TP_MODES
@@ -197,6 +197,12 @@ class ClusterSection:
     rejoin_timeout: float = 60.0
     """Seconds the surviving nodes wait, their requests paused, for a failed node's replacement to
     register (the same command started again); 0 fails the requests at once."""
+    max_restarts: int = opt(5, "--max-restarts", parse=count_arg)
+    """Restarts in a row of one node by `afd launch`, `afd serve` and afd.LLM's local cluster, which start a
+    node that failed (exited non-zero, or was killed) again with its own command; past it they stop the
+    cluster and exit 1 (0: never restart). A node that then stays up for startup_timeout starts a new row."""
+    restart_backoff: float = opt(1.0, "--restart-backoff")
+    """Seconds before the first restart of a row; each next one waits twice as long, at most 30 s."""
     tls: dict | None = None
     """Optional {cert, key, ca} file paths for the control plane."""
     insecure: bool = False

@@ -45,6 +45,10 @@ class ControlClient:
             if e.code() in retry:
                 raise
             raise ControlError(f"coordinator at {self.address} refused {self.process}: {e.details()}") from None
+        except ValueError:  # grpc's "Cannot invoke RPC on closed channel!": close() ran, from a signal
+            if not self._stop.is_set():
+                raise
+            raise ControlError(f"{self.process} is stopping: its control channel is closed") from None
 
     def register(self, fingerprint: str) -> pb.RegisterReply:
         n = self.node

@@ -91,27 +91,19 @@ def _device_missing(cfg, name: str, tp_rank: int) -> str | None:
     return None
 
 
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a DNS name: reachable from elsewhere
-        return False
-
-
 def _insecure_start(cfg, name: str) -> str | None:
     """Why this node must not start: a host others can reach, no cluster token, and no explicit
     `cluster.insecure: true`."""
-    from afd.cluster.token import TOKEN_ENV, cluster_token
+    from afd.cluster.host import is_loopback
+    from afd.cluster.token import TOKEN_ENV, TOKEN_FILE_ENV, cluster_token
 
     node = cfg.node(name)
-    if _is_loopback(node.host) or cluster_token() or cfg.cluster.insecure:
+    token = cluster_token()  # read here: an unreadable AFD_CLUSTER_TOKEN_FILE is one line, before bring-up
+    if is_loopback(node.host) or token or cfg.cluster.insecure:
         return None
     return (
         f"{cfg.source}: node {name} is on {node.host}, which other hosts can reach, and {TOKEN_ENV} is not "
-        f"set: anyone reaching its control port could shut the cluster down. Set {TOKEN_ENV} to the same "
-        "secret on every node, or `cluster.insecure: true` in the YAML to run without one."
+        f"set: anyone reaching its control port could shut the cluster down. Set {TOKEN_ENV} (or "
+        f"{TOKEN_FILE_ENV}, a 0600 file holding it) to the same secret on every node, or "
+        "`cluster.insecure: true` in the YAML to run without one."
     )

@@ -6,6 +6,7 @@ What the hot path counts per layer or per expert is kept in plain lists and expo
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -16,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from afd.backend import host_syncs
 from afd.backend.base import bind_device
 from afd.cluster.ports import PortInUse
+from afd.cluster.supervise import RESTARTS_ENV
 
 TTFT_BUCKETS = (
     0.001,
@@ -119,7 +121,16 @@ class _Metrics:
     def __init__(self, role: str, node: str, model_name: str):
         self.registry = CollectorRegistry()
         self._base = {"role": role, "node": node, "model_name": model_name}
+        self.restarts = int(os.environ.get(RESTARTS_ENV) or 0)
         self.registry.register(_Collector(self._host_syncs))
+        self.registry.register(_Collector(self._restarts))
+
+    def _restarts(self):
+        # the launcher's count, handed to each restarted process (afd.cluster.supervise): it has no port of its own
+        doc = "Times the launcher restarted this node after it failed (afd launch / afd serve / afd.LLM; 0 elsewhere)."
+        fam = CounterMetricFamily("afd_node_restarts", doc, labels=BASE_LABELS)
+        fam.add_metric(self._values(), self.restarts)
+        yield fam
 
     def _host_syncs(self):
         doc = "Times this process's host waited for its device (afd/backend/host_syncs.py; 0 on CPU)."
