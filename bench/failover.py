@@ -188,12 +188,15 @@ def _summary(records: list[dict], refs: dict[int, list[int]], t0: float, t1: flo
     """Requests that ran during [t0, t1]: done (all n tokens, no error), failed, tokens compared, and the
     largest gap between two chunks inside it."""
     during = [r for r in records if r["start"] < t1 and r["end"] > t0]
+    refused = [r for r in during if not r["ids"] and any("Connection refused" in e for e in r["errors"])]
+    during = [r for r in during if r not in refused]  # tries while nothing listened: not requests it took
     done = [r for r in during if not r["errors"] and len(r["ids"]) == n]
     gaps = [b - a for r in during for a, b in zip(r["times"], r["times"][1:]) if b > t0 and a < t1]
     return {
         "requests": len(during),
         "done": len(done),
         "failed": len(during) - len(done),
+        "refused_while_down": len(refused),
         "identical": sum(r["ids"] == refs[r["prompt"]] for r in done),
         "largest_gap_s": round(max(gaps, default=0.0), 3),
         "errors": sorted({e for r in during for e in r["errors"]})[:3],
