@@ -103,15 +103,19 @@ def test_long_texts_tokenize_with_the_gil_released(tok):
     th.start()
     time.sleep(0.1)
     t0 = time.perf_counter()
-    ids = tok.encode(text)
-    took = time.perf_counter() - t0
+    longest = 0.0
+    while longest < 0.2:  # a call long enough that a held GIL shows (a fast CPU: a longer text)
+        start = time.perf_counter()
+        ids = tok.encode(text)
+        longest = max(longest, time.perf_counter() - start)
+        text += text if longest < 0.2 else ""
     stop.set()
     th.join(5)
     gaps = [b - a for a, b in zip(ticks, ticks[1:]) if b > t0]
     assert ids == tok._tok.encode(text).ids
     assert tok.decode(ids) == tok._tok.decode(ids)  # the long decode takes the batch call too
-    # a held GIL stops the ticker for the whole encode; released, its gaps are scheduling noise (2 shared cores)
-    assert took > 0.2 and max(gaps) < max(0.1, took / 3), (took, max(gaps))
+    # a held GIL stops the ticker for a whole call; released, its gaps are scheduling noise (2 shared cores)
+    assert max(gaps) < longest / 2, (longest, max(gaps))
 
 
 def test_a_child_process_refuses_an_id_list_no_context_holds():
