@@ -23,7 +23,8 @@ def check_text(text: str, tok: Tokenizer, limits: Limits, param: str) -> None:
     if size > bound:
         raise ApiError(
             400,
-            f"This model's maximum context length is {limits.max_model_len} tokens. However, your {param} is "
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, your "
+            f"{'rendered conversation' if param == 'messages' else param} is "
             f"{'at least ' if at_least else ''}{size} bytes of UTF-8, more than that many tokens can hold "
             f"(at most {tok.max_token_bytes} bytes each: {bound} bytes). Please reduce the length of the input "
             "messages.",
