@@ -19,7 +19,10 @@ from afd.engine import request as rq
 from afd.engine.engine import Engine, EngineDead
 from afd.engine.tokenizer import Tokenizer
 from afd.observability.metrics import CONTENT_TYPE, AttentionMetrics
+from attention_node import prompts
+from attention_node.body_check import CheckLargeBodies
 from attention_node.http_guard import Guard
+from attention_node.memory import TrimAfterLargeBodies
 from attention_node.openai_protocol import (
     COMPLETION_MAX_TOKENS,
     ApiError,
@@ -28,6 +31,7 @@ from attention_node.openai_protocol import (
     DetokenizeRequest,
     Limits,
     TokenizeRequest,
+    check_ids,
     check_prompt,
     resolve_max_tokens,
     sampling_params,
@@ -124,7 +128,9 @@ def build_app(st: ServerState) -> FastAPI:
         err = validation_error(list(e.errors()))
         return JSONResponse(err.body(), status_code=err.code)
 
+    app.add_middleware(CheckLargeBodies, max_model_len=st.limits.max_model_len)  # inside the guard: after its checks
     app.add_middleware(Guard, st=st)
+    app.add_middleware(TrimAfterLargeBodies)  # outermost: it trims once the guard and the route are done
 
     @app.get("/health")
     async def health():
@@ -164,8 +170,8 @@ def build_app(st: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _admit(st, body.model)
-        prompts = await _completion_prompts(st, body.prompt)
-        return await _serve(st, body, prompts, request, chat=False)
+        ids = await prompts.completion_prompts(st.tokenizer, body.prompt, st.limits)
+        return await _serve(st, body, ids, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
@@ -176,16 +182,10 @@ def build_app(st: ServerState) -> FastAPI:
                 "This model has no tokenizer.json: chat needs one; send token ids to /v1/completions instead.",
                 "messages",
             )
-        tok = st.tokenizer
-        msgs = [m.for_template(tok.chat_template or "") for m in body.messages]
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-
-        def render() -> list[int]:  # the rendered template carries its own BOS
-            text = tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
-            return tok.encode(text, add_special_tokens=False)
-
-        return await _serve(st, body, [await _tokenize(render, "messages")], request, chat=True)
+        ids = await prompts.chat_ids(st.tokenizer, body.messages, body.add_generation_prompt, st.limits)
+        return await _serve(st, body, [ids], request, chat=True)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -193,15 +193,9 @@ def build_app(st: ServerState) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "Send either `prompt` or `messages`.", "prompt")
         if body.messages is not None:
-            msgs = [m.for_template(tok.chat_template or "") for m in body.messages]
-
-            def render() -> list[int]:
-                text = tok.apply_chat_template(msgs, add_generation_prompt=body.add_generation_prompt)
-                return tok.encode(text, add_special_tokens=False)
-
-            ids = await _tokenize(render, "messages")
+            ids = await prompts.chat_ids(tok, body.messages, body.add_generation_prompt, st.limits)
         else:
-            ids = await _tokenize(lambda: tok.encode(body.prompt, body.add_special_tokens), "prompt")
+            ids = await prompts.text_ids(tok, body.prompt, st.limits, body.add_special_tokens)
         out = {"count": len(ids), "max_model_len": st.limits.max_model_len, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = tok.token_strs(ids)
@@ -210,12 +204,8 @@ def build_app(st: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         tok = _need_tokenizer(st, body.model)
-        bad = [t for t in body.tokens if not 0 <= t < st.limits.vocab_size]
-        if bad:
-            raise ApiError(
-                400, f"Token id {bad[0]} is out of vocabulary (vocabulary size {st.limits.vocab_size}).", "tokens"
-            )
-        return {"prompt": await _tokenize(lambda: tok.decode(body.tokens), "tokens")}
+        check_ids(body.tokens, st.limits, "tokens")
+        return {"prompt": await prompts.tokenize(lambda: tok.decode(body.tokens), "tokens")}
 
     return app
 
@@ -244,33 +234,9 @@ def _admit(st: ServerState, model: str | None) -> None:
         raise ApiError(503, f"The cluster is not serving: {st.engine.dead or 'not ready'}.")
 
 
-async def _tokenize(fn: Callable[[], list[int]], param: str) -> list[int]:
-    """Runs a tokenization off the event loop (and off the engine thread), so that a huge prompt holds up
-    neither the streams being served nor the heartbeats; text it cannot take is the client's mistake."""
-    from jinja2.exceptions import TemplateError
-
-    try:
-        return await asyncio.to_thread(fn)
-    except (TemplateError, ValueError, TypeError) as e:  # ValueError: UnicodeError (lone surrogates) too
-        raise ApiError(400, f"The {param} could not be tokenized: {e}", param) from None
-
-
-async def _completion_prompts(st: ServerState, prompt) -> list[list[int]]:
-    items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
-    out = []
-    for p in items:
-        if isinstance(p, str):
-            if st.tokenizer is None:
-                raise ApiError(400, "This model has no tokenizer.json: send the prompt as token ids.", "prompt")
-            out.append(await _tokenize(lambda p=p: st.tokenizer.encode(p), "prompt"))
-        else:
-            out.append(list(p))
-    return out
-
-
-async def _serve(st: ServerState, body, prompts: list[list[int]], request: Request, chat: bool):
+async def _serve(st: ServerState, body, prompt_ids: list[list[int]], request: Request, chat: bool):
     plan = []
-    for ids in prompts:
+    for ids in prompt_ids:
         check_prompt(ids, st.limits)
         default = None if chat else COMPLETION_MAX_TOKENS
         plan.append((ids, resolve_max_tokens(body.max_tokens, len(ids), st.limits, default)))

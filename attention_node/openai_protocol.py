@@ -46,6 +46,7 @@ UNSUPPORTED = {
     "tools": ([],),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
+    "min_p": (0, 0.0),
 }
 
 
@@ -138,11 +139,9 @@ class Limits:
 
 
 def check_prompt(ids: list[int], limits: Limits, param: str = "prompt") -> None:
+    """Length first: a list no context can hold is refused without a pass over its ids."""
     if not ids:
         raise ApiError(400, "The prompt is empty: give at least one token.", param)
-    for t in ids:
-        if not 0 <= t < limits.vocab_size:
-            raise ApiError(400, f"Token id {t} is out of vocabulary (vocabulary size {limits.vocab_size}).", param)
     n = len(ids)
     if n >= limits.max_model_len:
         raise ApiError(
@@ -151,6 +150,13 @@ def check_prompt(ids: list[int], limits: Limits, param: str = "prompt") -> None:
             f"your request has {n} input tokens. Please reduce the length of the input messages.",
             "input_tokens",
         )
+    check_ids(ids, limits, param)
+
+
+def check_ids(ids: list[int], limits: Limits, param: str) -> None:
+    if ids and (min(ids) < 0 or max(ids) >= limits.vocab_size):  # min/max: one pass in C, not a Python loop
+        bad = next(t for t in ids if not 0 <= t < limits.vocab_size)
+        raise ApiError(400, f"Token id {bad} is out of vocabulary (vocabulary size {limits.vocab_size}).", param)
 
 
 COMPLETION_MAX_TOKENS = 16

@@ -67,7 +67,7 @@ def test_sampler_greedy_seeded_and_cuts():
         SamplingParams(top_p=0)
 
 
-@pytest.mark.parametrize("temperature", [5.894568385841132e-172, 1e-9, 9.9e-6])
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 5.894568385841132e-172, 1e-9, 9.9e-6])
 def test_a_vanishing_temperature_is_greedy(temperature):
     """make fuzz found 1e-172: logits / temperature overflowed to inf and sampling failed (a 500)."""
     logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])

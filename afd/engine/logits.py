@@ -21,6 +21,8 @@ from afd.backend.base import to_device
 if TYPE_CHECKING:
     from afd.engine.sampling import SamplingParams
 
+F32_TINY, F32_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+
 
 class History(NamedTuple):
     prompt_ids: list[int]
@@ -73,7 +75,9 @@ def apply_penalties(
     rep = [b for b, p in enumerate(params) if p.repetition_penalty != 1.0]
     if rep:  # HF's RepetitionPenaltyLogitsProcessor, over prompt and output
         seen = _counts(out, [histories[b] for b in rep], prompt=True) > 0  # [Br, V]
-        pen = _column(out, [params[b].repetition_penalty for b in rep])
+        # in fp32's normal range: 1e-300 rounds to 0 and 1e300 to inf, and -inf * 0 or 0 * inf is NaN; the
+        # clamped penalty keeps the limit (seen positive logits to +inf or 0, negative ones to 0 or -inf)
+        pen = _column(out, [min(max(params[b].repetition_penalty, F32_TINY), F32_MAX) for b in rep])
         rows = to_device(torch.tensor(rep), out.device)
         x = out[rows]
         out[rows] = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)

@@ -145,9 +145,11 @@ class Sampler:
             kept = has & (tok == draft)
         hot = [p.temperature >= GREEDY_BELOW for p in params]
         if any(hot):
-            temp = [p.temperature if h else 1.0 for p, h in zip(params, hot)]
+            # a temperature past fp32's range would be inf, and inf / inf (a logit a penalty sent to inf) NaN;
+            # a top_k past the vocabulary is no cut (and past int64 would not even make a tensor)
+            temp = [min(p.temperature, ops.F32_MAX) if h else 1.0 for p, h in zip(params, hot)]
             knobs = to_device(torch.tensor([temp, [p.top_p for p in params]], dtype=torch.float32), dev)
-            ks = [p.top_k for p in params]
+            ks = [min(p.top_k, V) for p in params]
             top_k = to_device(torch.tensor(ks), dev) if any(ks) else None
             top_p = knobs[1] if any(p.top_p < 1 for p in params) else None
             probs = ops.probs(x, knobs[0], top_k, max(ks), top_p)

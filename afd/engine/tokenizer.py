@@ -14,6 +14,14 @@ if TYPE_CHECKING:
     from jinja2 import Template
 
 REPLACEMENT_CHAR = "\ufffd"
+RELEASE_GIL_ABOVE = 4096
+"""Texts (characters) and id lists longer than this go through the `tokenizers` batch calls, which release
+the GIL while Rust works: the single calls hold it throughout (a 3 MB prompt: 14 s in which no other thread
+of the node, its engine and heartbeats included, ran)."""
+# Text a lossy tokenizer would drop or fold (whitespace runs, control characters, accents, a long run of a
+# rare character that WordPiece makes one [UNK]); a tokenizer that gives it back byte for byte covers each
+# input byte with some token's bytes.
+_LOSSLESS_PROBE = "  Hi\tthere\n\n\x00\x07 \u00c0\u00c9 cafe\u0301 \u4e2d\u6587 \U0001f642 " + "\ua66e" * 300 + " UP"
 
 
 def _read_json(path: str) -> dict:
@@ -70,6 +78,27 @@ class Tokenizer:
         self._prepend_bos = bool(tc.get("add_bos_token")) and self.bos_token_id is not None and not post_adds_bos
         self.chat_template = self._find_chat_template(model_dir, tc)
         self._compiled_template: Template | None = None
+        self.max_token_bytes = self._max_token_bytes()
+        self.lossless = self._is_lossless()
+
+    def _max_token_bytes(self) -> int:
+        """The most UTF-8 bytes of input one token can stand for: the longest token, spelled as the vocabulary
+        spells it or as it decodes, whichever is longer (byte-level BPE spells a byte in up to two bytes)."""
+        n = self.vocab_size
+        decoded = self._tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+        spelled = [self._tok.id_to_token(i) or "" for i in range(n)]
+        return max(1, *(len(s.encode("utf-8", "surrogatepass")) for s in (*decoded, *spelled)))
+
+    def _is_lossless(self) -> bool:
+        ids = self._tok.encode(_LOSSLESS_PROBE, add_special_tokens=False).ids
+        back = self._tok.decode(ids, skip_special_tokens=False)
+        return back in (_LOSSLESS_PROBE, _LOSSLESS_PROBE[1:])  # a SentencePiece decoder drops the leading space
+
+    def text_bound(self, max_tokens: int) -> int | None:
+        """UTF-8 bytes beyond which a text cannot tokenize to fewer than `max_tokens` tokens: each token
+        covers at most max_token_bytes of it. None when the tokenizer may drop text (the probe did not come
+        back intact), so that no byte count says anything about the token count."""
+        return max_tokens * self.max_token_bytes if self.lossless else None
 
     @staticmethod
     def _find_chat_template(model_dir: str, tc: dict) -> str | None:
@@ -89,13 +118,19 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Special-token text in it (e.g. chat markers) becomes those tokens.
         With add_special_tokens, BOS is added by the post-processor or, failing that, by add_bos_token."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) > RELEASE_GIL_ABOVE:
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        else:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self._prepend_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) > RELEASE_GIL_ABOVE:
+            return self._tok.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_strs(self, ids: list[int]) -> list[str | None]:
         """Each id's token as the vocabulary spells it (None for an id outside it)."""
