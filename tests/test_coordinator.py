@@ -95,3 +95,27 @@ def test_a_failed_generation_forms_again_only_with_the_nodes_that_ask(coordinato
         sts = [f.result() for f in done]
     assert [st.generation for st in sts] == [1, 1, 1] and not any(st.forming for st in sts)  # one bump only
     assert c.Heartbeat(_ref("attn0"), _Context()).formation == ""  # heartbeats never carry the store prefix
+
+
+def test_a_restarted_coordinator_learns_the_survivors_again(tmp_path):
+    """Soft state: a fresh coordinator (its node restarted) takes the running nodes' registrations again,
+    with their generation and readiness; its own node's new instance forms a newer generation with them,
+    and the cluster is READY once that node reports ready."""
+    cfg = load(str(cluster_yaml(tmp_path, str(tmp_path), 2, 1, cluster={"heartbeat_timeout": 5})))
+    c = Coordinator(cfg, "fp", n_routed=4)
+    c.Register(_register("attn0", "attention", "new"), _Context())  # the restarted node registers with itself
+    with pytest.raises(_Aborted, match="NOT_FOUND: node 'attn1' is not registered with this coordinator"):
+        c.Heartbeat(_ref("attn1"), _Context())  # a survivor's heartbeat, before it registers again
+    for name, role in NODES[1:]:
+        again = _register(name, role, "i0")
+        again.again, again.generation, again.ready = True, 3, True
+        c.Register(again, _Context())
+    st = c.AwaitCluster(_ref("attn0", "new"), _Context(5))
+    assert st.generation == 4 and st.formation and not st.missing  # newer than the survivors' 3
+    assert c.GetStatus(pb.StatusRequest(), _Context()).state == pb.ClusterStatus.STARTING  # attn0 not ready
+    assert _await(c, _ref("ffn0"), after=3, seconds=0.2).forming == ["attn1"]
+    assert _await(c, _ref("attn1"), after=3).generation == 4
+    assert c.ReportReady(_ref("attn0", "new"), _Context()).state == pb.ClusterStatus.READY
+    dup = _register("attn1", "attention", "other")  # the survivor is alive: its name is still taken
+    with pytest.raises(_Aborted, match="ALREADY_EXISTS: duplicate node name"):
+        c.Register(dup, _Context())

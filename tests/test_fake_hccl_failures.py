@@ -103,7 +103,7 @@ _PLANE = textwrap.dedent("""
     from afd.dataplane.transport import DataPlane, PeerError
     rank = int(sys.argv[1])
     peers = [2] if rank < 2 else [0, 1]  # attention ranks 0 and 1, the FFN rank 2
-    store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
     plane = DataPlane(get_backend("npu", rank + 1), rank, 3, store, timeout_s=20, formation="f", peers=peers)
     plane.handshake(peers, None, "f")
     dev = plane.backend.device
@@ -190,7 +190,7 @@ _NEW_HANDSHAKE = textwrap.dedent("""
     from afd.dataplane.transport import DataPlane
     rank = int(sys.argv[1])
     peers = [2] if rank < 2 else [0, 1]
-    store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
     plane = DataPlane(get_backend("npu", rank + 1), rank, 3, store, timeout_s=20, formation="f", peers=peers)
     plane.handshake(peers, None, "f")
     print("handshake done", flush=True)

@@ -1,5 +1,9 @@
 """The coordinator: checks the cluster in front of it against the YAML, hands out ranks, tracks liveness.
 
+Its state is soft: a restarted coordinator learns the running nodes again from their registrations
+(`RegisterRequest.again`, sent by a node that its heartbeat found unknown), so the coordinator's node
+can be replaced like any other.
+
 It runs inside the node named by `cluster.coordinator` (default: the first attention node), on that
 node's control port. All state is guarded by one condition variable; AwaitCluster blocks on it.
 """
@@ -99,8 +103,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         m = self.members.get(ref.name)
         if m is None or m.instance_id != ref.instance_id:
             context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"node {ref.name!r} is not registered (or was replaced by another instance)",
+                grpc.StatusCode.NOT_FOUND,
+                f"node {ref.name!r} is not registered with this coordinator (it restarted, or another "
+                "instance took the name)",
             )
         m.last_seen = time.monotonic()
         return m
@@ -152,33 +157,54 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             if replacing:  # the old instance is gone: every node re-forms the data plane with the new one
                 self.draining.discard(req.name)
                 self._next_generation(f"{req.name} replaced by a new instance from {req.address}")
-            self.members[req.name] = _Member(
-                req.name, req.role, req.address, req.instance_id, req.model_fingerprint, time.monotonic()
-            )
+            member = _Member(req.name, req.role, req.address, req.instance_id, req.model_fingerprint, time.monotonic())
+            if req.again:
+                self._registered_again(member, req, known=old is not None)
+            self.members[req.name] = member
             log.info(
-                "registered %s (%s) from %s [%d/%d]",
+                "registered %s (%s) from %s%s [%d/%d]",
                 req.name,
                 req.role,
                 req.address,
+                " again, serving" if req.again else "",
                 len(self.members),
                 len(self.cfg.processes),
             )
+            self._maybe_ready()
             self._cv.notify_all()
             reply = self._assignment(proc)
             reply.generation = self.generation
         return reply
+
+    def _registered_again(self, member: _Member, req: pb.RegisterRequest, known: bool) -> None:
+        """A running node that this coordinator does not know: the coordinator restarted, and its state
+        is soft, rebuilt from the survivors. Their data plane (generation `req.generation`) lost the
+        coordinator's node, whose new instance forms a newer one: the survivors move to it."""
+        member.ready, member.awaiting = req.ready, int(req.generation)
+        if not known and req.generation >= self.generation:
+            self.generation = int(req.generation)
+            self._next_generation(f"{req.name} registered again with a restarted coordinator")
+
+    def _maybe_ready(self) -> None:
+        if (
+            self.state == State.STARTING
+            and len(self.members) == len(self.cfg.processes)
+            and all(m.ready for m in self.members.values())
+        ):
+            self.state = State.READY
+            log.info("cluster %s ready: %s", self.cfg.cluster.name, self.cfg.topology_name)
 
     def _assignment(self, proc) -> pb.RegisterReply:
         """A process's rank, and its data-plane peers: an attention rank's are the FFN nodes, an FFN
         node's every attention node's every TP rank."""
         cfg, node = self.cfg, proc.node
         peers = [p.name for p in cfg.processes if p.node.role != node.role]
-        rank0 = cfg.attention_nodes[0]  # torch.distributed's store lives in rank 0's process
+        rank0 = cfg.attention_nodes[0]  # the rendezvous store: rank 0's control server (afd.control.kvstore)
         reply = pb.RegisterReply(
             rank=cfg.rank(proc.name),
             world_size=len(cfg.processes),
             master_addr=rank0.host,
-            master_port=rank0.ports.data,
+            master_port=rank0.ports.control,
             peer_ranks=[cfg.rank(p) for p in peers],
             cluster_name=cfg.cluster.name,
         )
@@ -232,13 +258,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def ReportReady(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         with self._cv:
             self._member(ref, context).ready = True
-            if (
-                self.state == State.STARTING
-                and all(m.ready for m in self.members.values())
-                and len(self.members) == len(self.cfg.processes)
-            ):
-                self.state = State.READY
-                log.info("cluster %s ready: %s", self.cfg.cluster.name, self.cfg.topology_name)
+            self._maybe_ready()
             self._cv.notify_all()
             return self._status()
 

@@ -18,7 +18,7 @@ from afd.control.client import ControlClient
 from afd.control.coordinator import Coordinator
 from afd.control.server import ControlServer
 from afd.dataplane.deadlines import role_timeout
-from afd.dataplane.rendezvous import rendezvous_store
+from afd.dataplane.rendezvous import ControlStore
 from afd.dataplane.transport import DataPlane
 from afd.model.config import ModelConfig
 from afd.model.registry import load_config
@@ -38,21 +38,22 @@ class NodeRuntime:
     client: ControlClient
     assignment: pb.RegisterReply | None = None
     plane: DataPlane | None = None
-    store: object = None
-    """The rendezvous store every data-plane generation forms through (served by rank 0)."""
+    store: ControlStore | None = None
+    """The rendezvous store every data-plane generation forms through (rank 0's control server serves it)."""
     bind_host: str | None = None
-    _store_socket: object = None
     cluster_state: int = pb.ClusterStatus.STARTING
     generation_seen: int = 0
     """The newest data-plane generation the coordinator has announced (heartbeats carry it)."""
+    ready_reported: bool = False
+    """ReportReady succeeded: a restarted coordinator that this node registers with again learns it."""
     shutdown: threading.Event = field(default_factory=threading.Event)
     tp_rank: int = 0
 
     def join_data_plane(self, st: pb.ClusterStatus) -> DataPlane:
         a = self.assignment
         if self.store is None:
-            self.store, self._store_socket = rendezvous_store(
-                a.rank, a.master_addr, a.master_port, self.cfg.cluster.comm_timeout
+            self.store = ControlStore(
+                f"{a.master_addr}:{a.master_port}", self.cfg.cluster.comm_timeout, self.cfg.cluster.tls
             )
         self.plane = DataPlane(
             self.backend,
@@ -122,6 +123,8 @@ class NodeRuntime:
         self.client.close()
         if plane and self.plane is not None:
             self.plane.close()
+        if self.store is not None:
+            self.store.close()
         if self.server is not None:
             self.server.stop()
 
@@ -169,6 +172,7 @@ def bring_up(
         load_model(rt)
         rt.join_data_plane(rt.client.await_cluster())
         rt.cluster_state = rt.client.report_ready().state
+        rt.ready_reported = True
     except BaseException:
         rt.close()
         raise
@@ -183,7 +187,11 @@ def bring_up(
         if on_status is not None:
             on_status(st)
 
-    rt.client.start_heartbeats(track)
+    def serving() -> tuple[int, bool]:
+        plane = rt.plane
+        return (plane.generation if plane is not None else rt.generation_seen), rt.ready_reported
+
+    rt.client.start_heartbeats(track, serving)
     if server is not None:
         server.set_serving(True)
     return rt
