@@ -96,7 +96,7 @@ class Ticker:
         self.chunks: list[float] = []
         self.done: list[tuple[list[int], list[int]]] = []
         self.errors: list[str] = []
-        self.thread = threading.Thread(target=self._run)
+        self.thread = threading.Thread(target=self._run, daemon=True)  # a failed test never waits on it
         self.thread.start()
 
     def _run(self) -> None:

@@ -40,6 +40,8 @@ def coordinator(tmp_path):
         c.Register(_register(name, role, "i0"), _Context())
     for name, _ in NODES:  # the first formation
         assert c.AwaitCluster(_ref(name), _Context(5)).generation == 0
+    for name, _ in NODES:
+        c.ReportReady(_ref(name), _Context())
     return c
 
 
@@ -69,17 +71,15 @@ def test_a_replacement_opens_a_generation_that_forms_once_everyone_asks(coordina
     for n in ("attn0", "ffn0"):
         c.Heartbeat(_ref(n), _Context())
     formation = c.formation
-    reply = c.Register(_register("attn1", "attention", "i1"), _Context())
-    assert reply.generation == c.generation == 1 and c.formation != formation
-    with ThreadPoolExecutor(3) as pool:  # the survivors move; the replacement comes up
-        done = [
-            pool.submit(_await, c, _ref("attn0"), 0),
-            pool.submit(_await, c, _ref("ffn0"), 0),
-            pool.submit(c.AwaitCluster, _ref("attn1", "i1"), _Context(5)),
-        ]
-        sts = [f.result() for f in done]
+    c.Register(_register("attn1", "attention", "i1"), _Context())
+    assert c.generation == 0  # the survivors step on while the replacement loads its weights
+    st = c.AwaitCluster(_ref("attn1", "i1"), _Context(5))  # loaded: it opens the next generation
+    assert st.generation == c.generation == 1 and st.formation == c.formation != formation
+    assert st.forming == ["attn0", "ffn0"]
+    with ThreadPoolExecutor(2) as pool:  # the survivors see it in their heartbeats and move
+        sts = [st, *pool.map(lambda n: _await(c, _ref(n), 0), ("attn0", "ffn0"))]
     assert {(st.generation, st.formation) for st in sts} == {(1, c.formation)}
-    assert not sts[0].forming and not sts[0].lost
+    assert not sts[1].forming and not sts[1].lost
 
 
 def test_a_failed_generation_forms_again_only_with_the_nodes_that_ask(coordinator):

@@ -14,7 +14,6 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 
@@ -22,35 +21,26 @@ from afd import __version__
 from afd.cluster.config import ClusterConfig, check_expert_layout
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
+from afd.control.members import Member, assignment
 
 log = logging.getLogger("afd.coordinator")
 State = pb.ClusterStatus
-
-
-@dataclass
-class _Member:
-    name: str
-    role: str
-    address: str
-    instance_id: str
-    fingerprint: str
-    last_seen: float
-    ready: bool = False
-    awaiting: int = -1
-    """The newest generation this instance has asked to form (AwaitCluster, AwaitFormation): a dead
-    node never asks, so a generation forms only with the nodes that are really there."""
 
 
 class Coordinator(pb_grpc.CoordinatorServicer):
     def __init__(self, cfg: ClusterConfig, fingerprint: str, n_routed: int):
         check_expert_layout(cfg, n_routed)
         self.cfg, self.fingerprint, self.n_routed = cfg, fingerprint, n_routed
-        self.members: dict[str, _Member] = {}
+        self.members: dict[str, Member] = {}
         self.state = State.STARTING
         self.message = ""
         self.draining: set[str] = set()
         self.generation = 0
-        """Data-plane generation: bumped when a node is replaced, so that every node re-forms."""
+        """Data-plane generation: bumped when a node joins a serving cluster (a replacement, or the
+        coordinator's own node restarted) or a node's plane failed, so that every node re-forms."""
+        self.formed = -1
+        """The newest generation every node has asked to form: a node that joins while it is the current
+        one needs a newer one; one that joins while a newer one is still forming just forms that."""
         self.formation = secrets.token_hex(16)
         """The generation's store prefix: a process that reaches the store but not (with the token) the
         coordinator cannot take a rank in the data plane."""
@@ -91,6 +81,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         m = self._member(ref, context)  # also: waiting counts as alive
         if m.awaiting != self.generation:
             m.awaiting = self.generation
+            if not self._forming():
+                self.formed = self.generation
             self._cv.notify_all()
 
     def _next_generation(self, why: str) -> None:
@@ -99,7 +91,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         log.warning("%s: data-plane generation %d", why, self.generation)
         self._cv.notify_all()
 
-    def _member(self, ref: pb.NodeRef, context) -> _Member:
+    def _member(self, ref: pb.NodeRef, context) -> Member:
         m = self.members.get(ref.name)
         if m is None or m.instance_id != ref.instance_id:
             context.abort(
@@ -154,10 +146,10 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 )
             if req.version != __version__:
                 log.warning("node %s runs afd %s, the coordinator %s", req.name, req.version, __version__)
-            if replacing:  # the old instance is gone: every node re-forms the data plane with the new one
+            if replacing:  # the old instance is gone; the new one opens a generation once loaded (AwaitCluster)
                 self.draining.discard(req.name)
-                self._next_generation(f"{req.name} replaced by a new instance from {req.address}")
-            member = _Member(req.name, req.role, req.address, req.instance_id, req.model_fingerprint, time.monotonic())
+                log.warning("%s replaced by a new instance from %s", req.name, req.address)
+            member = Member(req.name, req.role, req.address, req.instance_id, req.model_fingerprint, time.monotonic())
             if req.again:
                 self._registered_again(member, req, known=old is not None)
             self.members[req.name] = member
@@ -172,18 +164,18 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
             self._maybe_ready()
             self._cv.notify_all()
-            reply = self._assignment(proc)
+            reply = assignment(self.cfg, proc, self.n_routed)
             reply.generation = self.generation
         return reply
 
-    def _registered_again(self, member: _Member, req: pb.RegisterRequest, known: bool) -> None:
+    def _registered_again(self, member: Member, req: pb.RegisterRequest, known: bool) -> None:
         """A running node that this coordinator does not know: the coordinator restarted, and its state
         is soft, rebuilt from the survivors. Their data plane (generation `req.generation`) lost the
         coordinator's node, whose new instance forms a newer one: the survivors move to it."""
         member.ready, member.awaiting = req.ready, int(req.generation)
-        if not known and req.generation >= self.generation:
-            self.generation = int(req.generation)
-            self._next_generation(f"{req.name} registered again with a restarted coordinator")
+        if not known and req.generation >= self.generation:  # adopted, not bumped: that waits for the new node
+            self.generation, self.formed = int(req.generation), int(req.generation)
+            self.formation = secrets.token_hex(16)
 
     def _maybe_ready(self) -> None:
         if (
@@ -193,26 +185,6 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         ):
             self.state = State.READY
             log.info("cluster %s ready: %s", self.cfg.cluster.name, self.cfg.topology_name)
-
-    def _assignment(self, proc) -> pb.RegisterReply:
-        """A process's rank, and its data-plane peers: an attention rank's are the FFN nodes, an FFN
-        node's every attention node's every TP rank."""
-        cfg, node = self.cfg, proc.node
-        peers = [p.name for p in cfg.processes if p.node.role != node.role]
-        rank0 = cfg.attention_nodes[0]  # the rendezvous store: rank 0's control server (afd.control.kvstore)
-        reply = pb.RegisterReply(
-            rank=cfg.rank(proc.name),
-            world_size=len(cfg.processes),
-            master_addr=rank0.host,
-            master_port=rank0.ports.control,
-            peer_ranks=[cfg.rank(p) for p in peers],
-            cluster_name=cfg.cluster.name,
-        )
-        if node.role == "ffn":
-            shard = cfg.expert_shard(node.name, self.n_routed)
-            reply.expert_lo, reply.expert_hi = shard.lo, shard.hi
-            reply.serves_zero_experts = shard.serves_zero_experts
-        return reply
 
     def AwaitCluster(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         deadline = self._started + self.cfg.cluster.startup_timeout
@@ -233,7 +205,20 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 )
                 log.error("%s", self.message)
                 self._cv.notify_all()
+            self._joins(ref)
             return self._status(formation=True)
+
+    def _joins(self, ref: pb.NodeRef) -> None:
+        """A new instance, loaded, about to form: where the other nodes serve on a formed generation it
+        opens the next one, which they move to at their next step boundary. Opening it here, not at
+        Register, keeps the survivors stepping while the new node loads its weights."""
+        m = self.members.get(ref.name)
+        others = [o for o in self.members.values() if o is not m]
+        if m is None or m.ready or len(self.members) < len(self.cfg.processes):
+            return
+        if self.formed == self.generation and any(o.ready for o in others) and self.state != State.SHUTDOWN:
+            self._next_generation(f"{ref.name} joins the serving cluster")
+            m.awaiting = self.generation
 
     def AwaitFormation(self, req: pb.FormationRequest, context) -> pb.ClusterStatus:
         """Returns once the generation is past `req.after` and every node is registered and alive, or when

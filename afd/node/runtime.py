@@ -78,15 +78,19 @@ class NodeRuntime:
         failed node's replacement, and form the next generation with it. Raises ControlError when none
         comes (or the cluster shuts down)."""
         failed = self.plane.generation if self.plane is not None else 0
+        planned = self.superseded()  # a newer generation was announced: a node joined, nothing failed here
         if self.plane is not None:
             self.plane.close()  # peers blocked on this node see the failure at once, not after comm_timeout
             self.plane = None
-        log.warning(
-            "data plane generation %d failed (%s); waiting up to %.0fs for the node to be replaced",
-            failed,
-            why,
-            self.cfg.cluster.rejoin_timeout,
-        )
+        if planned:
+            log.info("leaving data-plane generation %d for the next, a planned re-formation (%s)", failed, why)
+        else:
+            log.warning(
+                "data plane generation %d failed (%s); waiting up to %.0fs for the node to be replaced",
+                failed,
+                why,
+                self.cfg.cluster.rejoin_timeout,
+            )
         return self.join_data_plane(self.client.await_formation(failed, self.cfg.cluster.rejoin_timeout))
 
     def superseded(self) -> bool:
