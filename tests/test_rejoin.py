@@ -132,7 +132,10 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
             )
             time.sleep(0.2)
         rejoined = time.monotonic()
-        assert _greedy(c.url("attn1"), PROMPTS[3]) == reference[3]
+        try:
+            assert _greedy(c.url("attn1"), PROMPTS[3]) == reference[3]
+        except Exception as e:  # noqa: BLE001 (the nodes' logs say why)
+            raise AssertionError(f"{e!r}\n" + "\n".join(f"--- {n}\n{c.log(n)[-6000:]}" for n in c.procs)) from None
         ticker.join()
         assert not ticker.errors and ticker.chunks[-1] > rejoined, ticker.errors
         for prompt, ids in ticker.done:
