@@ -161,18 +161,22 @@ class ControlClient:
         self._serving = serving
 
         def beat() -> None:
-            last_ok, lost = time.monotonic(), False
+            last_ok, lost, refused = time.monotonic(), False, False
             while not self._stop.wait(interval):
                 try:
                     st = self.stub.Heartbeat(self.ref, metadata=call_metadata(), timeout=max(1.0, interval))
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.NOT_FOUND:
-                        log.warning("not registered with this coordinator (%s); registering again", self.address)
+                        if not refused:
+                            log.warning("not registered with this coordinator (%s); registering again", self.address)
                         try:
                             self.register_again(*serving())
+                            refused = False
                             continue
-                        except grpc.RpcError as again:
-                            e = again
+                        except grpc.RpcError as again:  # e.g. another instance took the name meanwhile
+                            if not refused:
+                                log.error("the coordinator refused to register this node again: %s", _line(again))
+                            refused, e = True, again
                     if time.monotonic() - last_ok > limit:
                         if not lost:
                             log.error("coordinator at %s lost (no answer for %.0fs): %s", self.address, limit, _line(e))

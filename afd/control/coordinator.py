@@ -44,6 +44,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.formation = secrets.token_hex(16)
         """The generation's store prefix: a process that reaches the store but not (with the token) the
         coordinator cannot take a rank in the data plane."""
+        self.resumed = False
+        """Running nodes registered again (this coordinator restarted under a serving cluster): until every
+        node is ready it reports DEGRADED, not STARTING, so that they keep taking requests."""
         self._cv = threading.Condition()
         self._started = time.monotonic()
 
@@ -57,7 +60,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         """formation: include the store prefix (only for the nodes forming the data plane)."""
         lost = self._lost()
         state = self.state
-        if state == State.READY and lost:
+        if (state == State.READY and lost) or (state == State.STARTING and self.resumed):
             state = State.DEGRADED
         return pb.ClusterStatus(
             state=state,
@@ -173,6 +176,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         is soft, rebuilt from the survivors. Their data plane (generation `req.generation`) lost the
         coordinator's node, whose new instance forms a newer one: the survivors move to it."""
         member.ready, member.awaiting = req.ready, int(req.generation)
+        self.resumed = self.resumed or req.ready
         if not known and req.generation >= self.generation:  # adopted, not bumped: that waits for the new node
             self.generation, self.formed = int(req.generation), int(req.generation)
             self.formation = secrets.token_hex(16)
