@@ -52,6 +52,8 @@ class AttentionNode:
         """The next data-plane generation (afd.node.runtime.NodeRuntime.reform); the node's TP ranks
         re-form with it and meet in new groups."""
         self.moe = None  # the old exchange's process group goes with the old generation
+        if self.tp.size > 1:
+            self.tp.disconnect()  # the old TP groups go too: their sockets close with the plane's teardown
         self.runtime.reform(why)
         self.tp.connect()
         self.moe = exchange(self.runtime, self.halves, self.dtype)

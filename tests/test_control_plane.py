@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -149,6 +150,13 @@ def _launched_cluster_is_closed(path: Path, url: str, launcher_pid: int) -> None
         with grpc.insecure_channel(f"127.0.0.1:{coord}") as ch, pytest.raises(grpc.RpcError) as e:
             pb_grpc.CoordinatorStub(ch).Shutdown(pb.ShutdownRequest(reason="forged"), metadata=metadata, timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # nor does the rendezvous store answer: no key count, no pair address
+        with grpc.insecure_channel(f"127.0.0.1:{coord}") as ch, pytest.raises(grpc.RpcError) as e:
+            pb_grpc.RendezvousStub(ch).NumKeys(pb.StoreRequest(), metadata=metadata, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # the old TCPStore port (rank 0's ports.data) has nothing listening: no plain-TCP store to read
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", doc["nodes"][0]["ports"]["data"]), timeout=5).close()
     assert health(url) == 200
     env = {k: v for k, v in os.environ.items() if k != "AFD_CLUSTER_TOKEN"}
     status = subprocess.run(

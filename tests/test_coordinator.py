@@ -40,6 +40,8 @@ def coordinator(tmp_path):
         c.Register(_register(name, role, "i0"), _Context())
     for name, _ in NODES:  # the first formation
         assert c.AwaitCluster(_ref(name), _Context(5)).generation == 0
+    for name, _ in NODES:
+        c.ReportReady(_ref(name), _Context())
     return c
 
 
@@ -69,17 +71,15 @@ def test_a_replacement_opens_a_generation_that_forms_once_everyone_asks(coordina
     for n in ("attn0", "ffn0"):
         c.Heartbeat(_ref(n), _Context())
     formation = c.formation
-    reply = c.Register(_register("attn1", "attention", "i1"), _Context())
-    assert reply.generation == c.generation == 1 and c.formation != formation
-    with ThreadPoolExecutor(3) as pool:  # the survivors move; the replacement comes up
-        done = [
-            pool.submit(_await, c, _ref("attn0"), 0),
-            pool.submit(_await, c, _ref("ffn0"), 0),
-            pool.submit(c.AwaitCluster, _ref("attn1", "i1"), _Context(5)),
-        ]
-        sts = [f.result() for f in done]
+    c.Register(_register("attn1", "attention", "i1"), _Context())
+    assert c.generation == 0  # the survivors step on while the replacement loads its weights
+    st = c.AwaitCluster(_ref("attn1", "i1"), _Context(5))  # loaded: it opens the next generation
+    assert st.generation == c.generation == 1 and st.formation == c.formation != formation
+    assert st.forming == ["attn0", "ffn0"]
+    with ThreadPoolExecutor(2) as pool:  # the survivors see it in their heartbeats and move
+        sts = [st, *pool.map(lambda n: _await(c, _ref(n), 0), ("attn0", "ffn0"))]
     assert {(st.generation, st.formation) for st in sts} == {(1, c.formation)}
-    assert not sts[0].forming and not sts[0].lost
+    assert not sts[1].forming and not sts[1].lost
 
 
 def test_a_failed_generation_forms_again_only_with_the_nodes_that_ask(coordinator):
@@ -95,3 +95,28 @@ def test_a_failed_generation_forms_again_only_with_the_nodes_that_ask(coordinato
         sts = [f.result() for f in done]
     assert [st.generation for st in sts] == [1, 1, 1] and not any(st.forming for st in sts)  # one bump only
     assert c.Heartbeat(_ref("attn0"), _Context()).formation == ""  # heartbeats never carry the store prefix
+
+
+def test_a_restarted_coordinator_learns_the_survivors_again(tmp_path):
+    """Soft state: a fresh coordinator (its node restarted) takes the running nodes' registrations again,
+    with their generation and readiness; its own node's new instance forms a newer generation with them,
+    and the cluster is READY once that node reports ready."""
+    cfg = load(str(cluster_yaml(tmp_path, str(tmp_path), 2, 1, cluster={"heartbeat_timeout": 5})))
+    c = Coordinator(cfg, "fp", n_routed=4)
+    c.Register(_register("attn0", "attention", "new"), _Context())  # the restarted node registers with itself
+    with pytest.raises(_Aborted, match="NOT_FOUND: node 'attn1' is not registered with this coordinator"):
+        c.Heartbeat(_ref("attn1"), _Context())  # a survivor's heartbeat, before it registers again
+    for name, role in NODES[1:]:
+        again = _register(name, role, "i0")
+        again.again, again.generation, again.ready = True, 3, True
+        c.Register(again, _Context())
+    st = c.AwaitCluster(_ref("attn0", "new"), _Context(5))
+    assert st.generation == 4 and st.formation and not st.missing  # newer than the survivors' 3
+    # attn0 is not ready yet, but the survivors serve on: DEGRADED (they take requests), not STARTING
+    assert c.GetStatus(pb.StatusRequest(), _Context()).state == pb.ClusterStatus.DEGRADED
+    assert _await(c, _ref("ffn0"), after=3, seconds=0.2).forming == ["attn1"]
+    assert _await(c, _ref("attn1"), after=3).generation == 4
+    assert c.ReportReady(_ref("attn0", "new"), _Context()).state == pb.ClusterStatus.READY
+    dup = _register("attn1", "attention", "other")  # the survivor is alive: its name is still taken
+    with pytest.raises(_Aborted, match="ALREADY_EXISTS: duplicate node name"):
+        c.Register(dup, _Context())

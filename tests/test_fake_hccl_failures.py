@@ -103,7 +103,7 @@ _PLANE = textwrap.dedent("""
     from afd.dataplane.transport import DataPlane, PeerError
     rank = int(sys.argv[1])
     peers = [2] if rank < 2 else [0, 1]  # attention ranks 0 and 1, the FFN rank 2
-    store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
     plane = DataPlane(get_backend("npu", rank + 1), rank, 3, store, timeout_s=20, formation="f", peers=peers)
     plane.handshake(peers, None, "f")
     dev = plane.backend.device
@@ -190,7 +190,7 @@ _NEW_HANDSHAKE = textwrap.dedent("""
     from afd.dataplane.transport import DataPlane
     rank = int(sys.argv[1])
     peers = [2] if rank < 2 else [0, 1]
-    store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
     plane = DataPlane(get_backend("npu", rank + 1), rank, 3, store, timeout_s=20, formation="f", peers=peers)
     plane.handshake(peers, None, "f")
     print("handshake done", flush=True)
@@ -254,3 +254,47 @@ def test_a_tp_collective_past_its_deadline_aborts_the_group_instead_of_hanging()
     assert waited < 4, f"the collective ran {waited}s past a 1s deadline (the fake's hang is 20s)"  # poll + slack
     report = json.loads(out.split("report ")[1].splitlines()[0])
     assert report["aborts"] == 1 and report["shutdown_hangs"] == [], report
+
+
+_PAIR = textwrap.dedent("""
+    import json, sys, threading, time, torch
+    sys.path.insert(0, {fakes!r})
+    import torch_npu
+    from afd.backend import get_backend
+    from afd.dataplane.pairs import PairLink
+    from afd.dataplane.rendezvous import rendezvous_store
+    rank = int(sys.argv[1])  # 0: the attention side, 1: the FFN side
+    store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    link = PairLink(get_backend("npu", rank + 1), store, "attn0@i0-ffn0@i0", rank, 20)
+    dev = link.backend.device
+    if rank == 0:
+        link.isend(torch.full((4,), 3.0, device=dev)).wait()
+        time.sleep(4)  # then silent, alive: the FFN's next receive never completes
+        sys.exit(0)
+    x = torch.zeros(4, device=dev)
+    link.irecv(x).wait()
+    print("received", x.cpu().tolist(), flush=True)
+    pending = link.irecv(torch.zeros(4, device=dev))
+    threading.Timer(1.0, link.abort).start()  # what a watchdog does on the control plane's word
+    t0 = time.monotonic()
+    try:
+        pending.wait()
+        torch.npu.synchronize()
+        print("no error", flush=True)
+    except RuntimeError as e:
+        print("aborted after", round(time.monotonic() - t0, 1), flush=True)
+    print("report", json.dumps(torch_npu.report()["hccl"]), flush=True)
+""")
+
+
+@pytest.mark.slow  # two fake-NPU processes and a silent peer: about 20 s on 2 cores; `make test-slow`
+def test_a_standalone_pair_group_on_the_fake_hccl_is_aborted_like_a_world_s():
+    """A pair's own world (afd.dataplane.pairs: torch_npu's standalone ProcessGroupHCCL constructor, faked)
+    moves tensors, and an abort from another thread ends a receive whose peer went silent at once."""
+    outs = _run(_PAIR.format(fakes=FAKES, port=free_ports(1)[0]), 2, timeout=60)
+    ffn = outs[1]
+    assert "received [3.0, 3.0, 3.0, 3.0]" in ffn, ffn
+    assert "aborted after" in ffn, ffn
+    assert float(ffn.split("aborted after ")[1].split()[0]) < 5, ffn
+    report = json.loads(ffn.split("report ")[1].splitlines()[0])
+    assert report["aborts"] == 2 and report["shutdown_hangs"] == [], ffn

@@ -13,7 +13,7 @@ def _member(rank: int, port: int, token: str, out) -> None:
     from afd.dataplane.rendezvous import rendezvous_store
     from afd.dataplane.transport import DataPlane, PeerError
 
-    store, sock = rendezvous_store(rank, "127.0.0.1", port, 20)
+    store, server = rendezvous_store(rank, "127.0.0.1", port, 20)
     plane = DataPlane(get_backend("cpu"), rank, 2, store, 0, 20, "f0", "127.0.0.1")
     try:
         plane.handshake([1 - rank], token, "f0")

@@ -7,13 +7,12 @@ longer than the FFN side's (`role_timeout`), so that the FFN node gives up on a 
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import pytest
 from cluster_helpers import Cluster, cluster_yaml
 from hf_reference import PROMPTS, hf_greedy
-from sse import stream_completion
+from sse import Ticker
 
 from afd.cluster.config import load
 from afd.control import control_pb2 as pb
@@ -69,47 +68,6 @@ def test_a_lost_peer_has_its_pair_aborted_once_and_only_in_its_generation(tmp_pa
     rt.abort_lost_peers(pb.ClusterStatus(generation=1, lost=["attn0", "attn1"]))  # between generations
 
 
-class _Ticker:
-    """Greedy streams from one attention node, one after another, with the arrival time of every chunk
-    that carries tokens: the longest gap between two is how long the node stalled."""
-
-    def __init__(self, url: str):
-        self.url, self.stop = url, threading.Event()
-        self.chunks: list[float] = []
-        self.done: list[tuple[list[int], list[int]]] = []
-        self.errors: list[str] = []
-        self.thread = threading.Thread(target=self._run)
-        self.thread.start()
-
-    def _run(self) -> None:
-        i = 0
-        while not self.stop.is_set():
-            prompt = PROMPTS[i % len(PROMPTS)]
-            i += 1
-            body = {"prompt": prompt, "max_tokens": NEW, "temperature": 0}
-            ids: list[int] = []
-            try:
-                for got, error in stream_completion(self.url, body, 120):
-                    if error is not None:
-                        self.errors.append(error)
-                    if got:
-                        self.chunks.append(time.monotonic())
-                        ids.extend(got)
-            except Exception as e:  # noqa: BLE001 (reported through errors)
-                self.errors.append(repr(e))
-                return
-            self.done.append((prompt, ids))
-
-    def gaps(self, start: float, end: float) -> list[float]:
-        """Gaps between consecutive chunks that end within [start, end]."""
-        t = self.chunks
-        return [b - a for a, b in zip(t, t[1:]) if start <= b <= end]
-
-    def join(self) -> None:
-        self.stop.set()
-        self.thread.join(150)
-
-
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     return {tuple(p): ids for p, (ids, _) in zip(PROMPTS, hf_greedy(tiny_checkpoint, PROMPTS, NEW))}
@@ -133,8 +91,10 @@ def test_a_dead_attention_node_stalls_the_other_no_longer_than_the_heartbeat_tim
     with Cluster(path, env=fake_env(tmp_path / "fake-npu")) as c:
         c.start_all()
         c.wait_ready()
-        busy = [_Ticker(c.url("attn1")) for _ in range(2)]  # the FFN node is mid-step with attn1 when it dies
-        ticker = _Ticker(c.url("attn0"))
+        busy = [
+            Ticker(c.url("attn1"), PROMPTS, NEW) for _ in range(2)
+        ]  # the FFN node is mid-step with attn1 when it dies
+        ticker = Ticker(c.url("attn0"), PROMPTS, NEW)
         try:
             end = time.monotonic() + 60
             while len(ticker.done) < 2 or not all(b.chunks for b in busy):  # past every prompt's first prefill

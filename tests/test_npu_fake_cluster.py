@@ -100,7 +100,7 @@ _PAIR = textwrap.dedent("""
     from afd.dataplane.rendezvous import rendezvous_store
     from afd.dataplane.transport import DataPlane, PeerError
     rank = int(sys.argv[1])
-    store, sock = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
     plane = DataPlane(get_backend("npu", rank + 1), rank, 2, store, timeout_s={timeout})
     plane.handshake([1 - rank], None, "f")  # the pair's communicators form (HCCL: at their first op)
     buf = torch.empty(4, device=plane.backend.device)

@@ -1,6 +1,6 @@
 """A port a node would listen on that something else holds: one line naming the port, its host and what it is
 for, exit code 2, no traceback, before the node loads anything. Every listener of `afd-attention` and `afd-ffn`
-(API, control, metrics, the data plane's rendezvous), the colocated server's, and `afd serve`'s."""
+(API, control, metrics), the colocated server's, and `afd serve`'s."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _one_line(r: subprocess.CompletedProcess, expected: str) -> None:
 
 @pytest.mark.parametrize(
     "node,key",
-    [("attn0", "http"), ("attn0", "control"), ("attn0", "data"), ("ffn0", "control"), ("ffn0", "metrics")],
+    [("attn0", "http"), ("attn0", "control"), ("ffn0", "control"), ("ffn0", "metrics")],
 )
 def test_a_node_names_its_port_in_use(tiny_checkpoint, tmp_path, node, key):
     path = cluster_yaml(tmp_path, tiny_checkpoint)

@@ -7,6 +7,7 @@ import time
 import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -181,6 +182,16 @@ class Backend(ABC):
         default Backend::abort is a no-op (pytorch torch/csrc/distributed/c10d/Backend.hpp). A pending gloo
         wait ends at its timeout or when the peer's sockets close; the data plane's own flag refuses the
         pair's later ops."""
+
+    def pair_group(self, store, rank: int, timeout: timedelta):
+        """A standalone two-rank process group of this backend over `store` (rank 0 or 1), outside c10d's
+        registry and without a default group: one attention/FFN pair's own world (afd.dataplane.pairs), so
+        that a pair forms and re-forms without any other process taking part. gloo: `ProcessGroupGloo(store,
+        rank, size, timeout)` (torch/csrc/distributed/c10d/init.cpp; its devices follow GLOO_SOCKET_IFNAME,
+        set by afd.dataplane.rendezvous.bind_gloo); the group's own send/recv need no default group."""
+        import torch.distributed as dist
+
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
     stream_ordered_waits: bool = False
     """Whether the data plane's waits order the consumer's stream after the transfer without blocking the

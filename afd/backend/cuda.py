@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 
 from afd.backend import host_syncs
@@ -54,6 +56,16 @@ class CudaBackend(Backend):
 
     def abort_group(self, pg) -> None:
         pg.abort()
+
+    def pair_group(self, store, rank: int, timeout: timedelta):
+        """ProcessGroupNCCL(store, rank, size, options) with the options' `_timeout` (pytorch
+        torch/csrc/distributed/c10d/init.cpp, ProcessGroupNCCL's binding and Options; torch 2.5-2.13). Its
+        communicator forms at the first op, blocking until the peer's."""
+        import torch.distributed as dist
+
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
 
     def synchronize(self) -> None:
         host_syncs.note(self._device)

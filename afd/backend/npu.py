@@ -8,6 +8,7 @@ machine without them never fails.
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -89,6 +90,12 @@ class NpuBackend(Backend):
 
     def abort_group(self, pg) -> None:
         pg._get_backend(torch.device("npu")).abort_hccl_comm("afd: data plane abort")
+
+    def pair_group(self, store, rank: int, timeout: timedelta):
+        """torch_npu's `torch.distributed.ProcessGroupHCCL(store, rank, size, timeout)` (its documented beta
+        API: Ascend/pytorch docs, "torch.distributed.ProcessGroupHCCL"; bound in torch_npu/csrc/distributed/
+        Init.cpp). Its communicators form at the first op (getHCCLComm), per pair."""
+        return dist.ProcessGroupHCCL(store, rank, 2, timeout)
 
     def synchronize(self) -> None:
         host_syncs.note(self._device)

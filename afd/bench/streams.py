@@ -52,6 +52,8 @@ class Streams:
 
     def __init__(self, url: str, prompts: list[list[int]], body: dict, read_timeout: float):
         self.results: list = [None] * len(prompts)
+        self.times: list[list[float]] = [[] for _ in prompts]
+        """When each stream's chunks that carried tokens arrived (time.monotonic)."""
         self._first = threading.Semaphore(0)
         self.threads = [
             threading.Thread(target=self._run, args=(i, url, {**body, "prompt": p}, read_timeout), daemon=True)
@@ -67,6 +69,8 @@ class Streams:
                 if error is not None:
                     errors.append(error)
                 ids.extend(got)
+                if got:
+                    self.times[i].append(time.monotonic())
                 if first:
                     first = False
                     self._first.release()
@@ -82,6 +86,14 @@ class Streams:
         end = time.monotonic() + timeout
         return all(self._first.acquire(timeout=max(0.0, end - time.monotonic())) for _ in self.threads)
 
+    def largest_gap(self, since: float = 0.0) -> float:
+        """The longest wait between two token-carrying chunks of one stream, the second after `since`: how
+        long the node stopped streaming."""
+        return max(
+            (b - a for ts in self.times for a, b in zip(ts, ts[1:]) if b > since),
+            default=0.0,
+        )
+
     def finished(self) -> int:
         return sum(r is not None for r in self.results)
 
@@ -91,3 +103,44 @@ class Streams:
         for t in self.threads:
             t.join(max(0.0, end - time.monotonic()))
         return sum(t.is_alive() for t in self.threads)
+
+
+class Ticker:
+    """Greedy streams from one attention node, one after another, with the arrival time of every chunk
+    that carries tokens: the longest gap between two is how long the node stalled."""
+
+    def __init__(self, url: str, prompts: list[list[int]], new_tokens: int):
+        self.url, self.prompts, self.new, self.stop = url, prompts, new_tokens, threading.Event()
+        self.chunks: list[float] = []
+        self.done: list[tuple[list[int], list[int]]] = []
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)  # a failed test never waits on it
+        self.thread.start()
+
+    def _run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            prompt = self.prompts[i % len(self.prompts)]
+            i += 1
+            body = {"prompt": prompt, "max_tokens": self.new, "temperature": 0}
+            ids: list[int] = []
+            try:
+                for got, error in stream_completion(self.url, body, 120):
+                    if error is not None:
+                        self.errors.append(error)
+                    if got:
+                        self.chunks.append(time.monotonic())
+                        ids.extend(got)
+            except Exception as e:  # noqa: BLE001 (reported through errors)
+                self.errors.append(repr(e))
+                return
+            self.done.append((prompt, ids))
+
+    def gaps(self, start: float, end: float) -> list[float]:
+        """Gaps between consecutive chunks that end within [start, end]."""
+        t = self.chunks
+        return [b - a for a, b in zip(t, t[1:]) if start <= b <= end]
+
+    def join(self) -> None:
+        self.stop.set()
+        self.thread.join(150)

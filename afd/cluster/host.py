@@ -39,15 +39,16 @@ def busy(ports: Iterable[int]) -> list[int]:
 
 
 def node_ports(node) -> list[int]:
-    """The ports a node of the YAML listens on (control, data, http, metrics; those it has)."""
-    return [p for p in (getattr(node.ports, k) for k in ("control", "data", "http", "metrics")) if p is not None]
+    """The ports a node of the YAML listens on (control, http, metrics; those it has: `ports.data` has no
+    listener, the rendezvous being a service of the control port)."""
+    return [p for p in (getattr(node.ports, k) for k in ("control", "http", "metrics")) if p is not None]
 
 
 def ports_in_use(cfg) -> list[str]:
     """The YAML's ports (of this host's nodes) that something already listens on."""
     out = []
     for n in cfg.nodes:
-        for name in ("control", "data", "http", "metrics"):
+        for name in ("control", "http", "metrics"):
             port = getattr(n.ports, name)
             if port is not None and port_busy(port):
                 out.append(f"{port} ({n.name}.ports.{name})")

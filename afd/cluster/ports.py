@@ -55,10 +55,8 @@ def check_free(host: str, port: int, what: str) -> None:
 
 def listeners(cfg, name: str, tp_rank: int, bind_host: str, http_host: str | None = None, api=True) -> list[tuple]:
     """(host, port, what) of every socket process `name` (TP rank `tp_rank`) of `cfg` listens on: its control
-    port and API (unless `api` is False: the offline mode) or metrics port (TP rank 0), and the data plane's
-    rendezvous store (rank 0 of the cluster, on its YAML host)."""
-    from afd.cluster.schema import process_name
-
+    port and API (unless `api` is False: the offline mode) or metrics port (TP rank 0). The data plane's
+    rendezvous is a service of the control port, so `ports.data` has no listener."""
     node = cfg.node(name)
     who = f"{'attention' if node.role == 'attention' else 'FFN'} node {name}"
     out = []
@@ -68,8 +66,6 @@ def listeners(cfg, name: str, tp_rank: int, bind_host: str, http_host: str | Non
             out.append((http_host or bind_host, node.ports.http, f"{who}'s ports.http"))
         if node.ports.metrics is not None and node.role == "ffn":
             out.append((bind_host, node.ports.metrics, f"{who}'s ports.metrics"))
-    if cfg.processes[0].name == process_name(name, tp_rank):
-        out.append((node.host, node.ports.data, f"{who}'s ports.data, the data plane's rendezvous"))
     return out
 
 

@@ -32,9 +32,11 @@ class ClusterConfigError(ValueError):
 @dataclass(frozen=True)
 class Ports:
     control: int
-    """gRPC: the node's health service (and the coordinator, on the coordinator node)."""
+    """gRPC: the node's health service and the data plane's rendezvous store (and the coordinator, on the
+    coordinator node)."""
     data: int
-    """Data-plane rendezvous (torch.distributed store); only rank 0's (the first attention node) is used."""
+    """Reserved: the data-plane rendezvous moved to the control port (behind the cluster token); nothing
+    listens here."""
     http: int | None = None
     """OpenAI API, /health, /metrics (attention nodes)."""
     metrics: int | None = None

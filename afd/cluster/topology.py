@@ -71,7 +71,7 @@ def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
     lines = [
         f"cluster {cfg.cluster.name}: {cfg.topology_name}, model {cfg.model.path} ({cfg.model.dtype})",
         f"coordinator: {coord.name} at {coord.host}:{coord.ports.control}; data-plane rendezvous "
-        f"{cfg.attention_nodes[0].host}:{cfg.attention_nodes[0].ports.data} (rank 0)",
+        f"{cfg.attention_nodes[0].host}:{cfg.attention_nodes[0].ports.control} (rank 0's control port)",
         f"overlap: {'on' if cfg.layout.overlap else 'off'}, micro-batches: {cfg.layout.micro_batches or 'auto'}",
     ]
     family = _model_type(cfg.model.path)

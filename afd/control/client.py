@@ -21,6 +21,12 @@ log = logging.getLogger("afd.control")
 _RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+def _line(e: grpc.RpcError) -> str:
+    """A gRPC error in one line: its code and the first line of its details."""
+    details = (e.details() or "").strip().splitlines()
+    return f"{e.code().name}: {details[0] if details else ''}"
+
+
 class ControlError(RuntimeError):
     """The coordinator refused this node, or could not be reached in time."""
 
@@ -36,6 +42,8 @@ class ControlClient:
         self.stub = pb_grpc.CoordinatorStub(self._channel)
         self.instance_id = uuid.uuid4().hex
         self.ref = pb.NodeRef(name=self.process, instance_id=self.instance_id)
+        self._register_request = pb.RegisterRequest()
+        self._serving: Callable[[], tuple[int, bool]] = lambda: (0, False)
         self._stop = threading.Event()
 
     def _call(self, method, request, timeout: float, retry=_RETRYABLE):
@@ -52,7 +60,7 @@ class ControlClient:
 
     def register(self, fingerprint: str) -> pb.RegisterReply:
         n = self.node
-        req = pb.RegisterRequest(
+        req = self._register_request = pb.RegisterRequest(
             name=self.process,
             role=n.role,
             address=f"{n.host}:{n.ports.control}",
@@ -108,9 +116,12 @@ class ControlClient:
                     self.stub.AwaitFormation,
                     pb.FormationRequest(ref=self.ref, after=after, timeout_seconds=max(0.0, min(left, 10))),
                     timeout=max(1.0, min(left, 10) + 5),
+                    retry=(*_RETRYABLE, grpc.StatusCode.NOT_FOUND),
                 )
             except grpc.RpcError as e:
                 st = None
+                if e.code() == grpc.StatusCode.NOT_FOUND:  # a restarted coordinator, before our heartbeat said so
+                    self._register_again_quietly(after)
                 if time.monotonic() > deadline:
                     raise ControlError(f"coordinator at {self.address} stopped answering: {e.details()}") from None
             if st is not None and st.state == pb.ClusterStatus.SHUTDOWN:
@@ -126,23 +137,61 @@ class ControlClient:
     def report_ready(self) -> pb.ClusterStatus:
         return self._call(self.stub.ReportReady, self.ref, timeout=10)
 
-    def start_heartbeats(self, on_status: Callable[[pb.ClusterStatus | None], None]) -> None:
-        """on_status(status) after each heartbeat; on_status(None) once the coordinator has been
-        unreachable for longer than the heartbeat timeout."""
+    def register_again(self, generation: int, ready: bool) -> None:
+        """Registers this running instance with a coordinator that does not know it (restarted: its state
+        is soft), with the data-plane generation it serves and whether it reported ready."""
+        req = pb.RegisterRequest()
+        req.CopyFrom(self._register_request)
+        req.again, req.generation, req.ready = True, generation, ready
+        self.stub.Register(req, metadata=call_metadata(), timeout=5)
+
+    def _register_again_quietly(self, generation: int) -> None:
+        log.warning("not registered with this coordinator (%s); registering again", self.address)
+        try:
+            self.register_again(generation, self._serving()[1])
+        except grpc.RpcError as e:
+            log.debug("registering again: %s", _line(e))
+
+    def start_heartbeats(
+        self,
+        on_status: Callable[[pb.ClusterStatus | None], None],
+        serving: Callable[[], tuple[int, bool]] = lambda: (0, False),
+    ) -> None:
+        """on_status(status) after each heartbeat; on_status(None) after each one that fails once the
+        coordinator has been unreachable for longer than the heartbeat timeout. One line when it is lost,
+        one when it is back; a coordinator that does not know this node (it restarted) is registered with
+        again, with `serving()`: (the data-plane generation this node serves, whether it reported ready)."""
         interval, limit = self.cfg.cluster.heartbeat_interval, self.cfg.cluster.heartbeat_timeout
+        self._serving = serving
 
         def beat() -> None:
-            last_ok = time.monotonic()
+            last_ok, lost, refused = time.monotonic(), False, False
             while not self._stop.wait(interval):
                 try:
-                    st = self._call(self.stub.Heartbeat, self.ref, timeout=max(1.0, interval))
-                    last_ok = time.monotonic()
-                    on_status(st)
-                except (grpc.RpcError, ControlError) as e:
+                    st = self.stub.Heartbeat(self.ref, metadata=call_metadata(), timeout=max(1.0, interval))
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.NOT_FOUND:
+                        if not refused:
+                            log.warning("not registered with this coordinator (%s); registering again", self.address)
+                        try:
+                            self.register_again(*serving())
+                            refused = False
+                            continue
+                        except grpc.RpcError as again:  # e.g. another instance took the name meanwhile
+                            if not refused:
+                                log.error("the coordinator refused to register this node again: %s", _line(again))
+                            refused, e = True, again
                     if time.monotonic() - last_ok > limit:
-                        log.error("coordinator unreachable for %.0fs: %s", limit, e)
+                        if not lost:
+                            log.error("coordinator at %s lost (no answer for %.0fs): %s", self.address, limit, _line(e))
+                            lost = True
                         on_status(None)
-                        last_ok = time.monotonic()
+                    continue
+                if lost:
+                    log.warning("coordinator at %s is back", self.address)
+                    lost = False
+                last_ok = time.monotonic()
+                on_status(st)
 
         threading.Thread(target=beat, name="afd-heartbeat", daemon=True).start()
 

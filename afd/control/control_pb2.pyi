@@ -7,21 +7,51 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StoreRequest(_message.Message):
+    __slots__ = ("keys", "value", "expected", "amount", "timeout_seconds")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    timeout_seconds: float
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class StoreReply(_message.Message):
+    __slots__ = ("found", "value", "amount")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    value: bytes
+    amount: int
+    def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., amount: _Optional[int] = ...) -> None: ...
+
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "role", "address", "model_fingerprint", "version", "instance_id")
+    __slots__ = ("name", "role", "address", "model_fingerprint", "version", "instance_id", "again", "generation", "ready")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGAIN_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
     address: str
     model_fingerprint: str
     version: str
     instance_id: str
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    again: bool
+    generation: int
+    ready: bool
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ..., again: _Optional[bool] = ..., generation: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
     __slots__ = ("rank", "world_size", "master_addr", "master_port", "peer_ranks", "expert_lo", "expert_hi", "serves_zero_experts", "cluster_name", "generation")

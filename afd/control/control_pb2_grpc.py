@@ -402,3 +402,387 @@ class Coordinator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RendezvousStub:
+    """torch.distributed's rendezvous store, on the control plane: behind the cluster token (and cluster.tls)
+    like every other call, so a process without the token reads no key and no address. Waits are
+    bounded per call (timeout_seconds, a few seconds at most); the caller loops up to its own deadline.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Set = channel.unary_unary(
+                '/afd.control.Rendezvous/Set',
+                request_serializer=afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_unary(
+                '/afd.control.Rendezvous/Get',
+                request_serializer=afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.Add = channel.unary_unary(
+                '/afd.control.Rendezvous/Add',
+                request_serializer=afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.CompareSet = channel.unary_unary(
+                '/afd.control.Rendezvous/CompareSet',
+                request_serializer=afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.Wait = channel.unary_unary(
+                '/afd.control.Rendezvous/Wait',
+                request_serializer=afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.Check = channel.unary_unary(
+                '/afd.control.Rendezvous/Check',
+                request_serializer=afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.DeleteKey = channel.unary_unary(
+                '/afd.control.Rendezvous/DeleteKey',
+                request_serializer=afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.StoreReply.FromString,
+                _registered_method=True)
+        self.NumKeys = channel.unary_unary(
+                '/afd.control.Rendezvous/NumKeys',
+                request_serializer=afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.StoreReply.FromString,
+                _registered_method=True)
+
+
+class RendezvousServicer:
+    """torch.distributed's rendezvous store, on the control plane: behind the cluster token (and cluster.tls)
+    like every other call, so a process without the token reads no key and no address. Waits are
+    bounded per call (timeout_seconds, a few seconds at most); the caller loops up to its own deadline.
+    """
+
+    def Set(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """The value of keys[0] once it is set (found false when timeout_seconds pass first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Add(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CompareSet(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wait(self, request, context):
+        """found: every key of keys is set (Wait: waiting up to timeout_seconds for them; Check: now).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Check(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteKey(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NumKeys(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RendezvousServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Set': grpc.unary_unary_rpc_method_handler(
+                    servicer.Set,
+                    request_deserializer=afd_dot_control_dot_control__pb2.StoreRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.StoreReply.SerializeToString,
+            ),
+            'Get': grpc.unary_unary_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=afd_dot_control_dot_control__pb2.StoreRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.StoreReply.SerializeToString,
+            ),
+            'Add': grpc.unary_unary_rpc_method_handler(
+                    servicer.Add,
+                    request_deserializer=afd_dot_control_dot_control__pb2.StoreRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.StoreReply.SerializeToString,
+            ),
+            'CompareSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.CompareSet,
+                    request_deserializer=afd_dot_control_dot_control__pb2.StoreRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.StoreReply.SerializeToString,
+            ),
+            'Wait': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wait,
+                    request_deserializer=afd_dot_control_dot_control__pb2.StoreRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.StoreReply.SerializeToString,
+            ),
+            'Check': grpc.unary_unary_rpc_method_handler(
+                    servicer.Check,
+                    request_deserializer=afd_dot_control_dot_control__pb2.StoreRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.StoreReply.SerializeToString,
+            ),
+            'DeleteKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteKey,
+                    request_deserializer=afd_dot_control_dot_control__pb2.StoreRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.StoreReply.SerializeToString,
+            ),
+            'NumKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.NumKeys,
+                    request_deserializer=afd_dot_control_dot_control__pb2.StoreRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.StoreReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'afd.control.Rendezvous', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('afd.control.Rendezvous', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Rendezvous:
+    """torch.distributed's rendezvous store, on the control plane: behind the cluster token (and cluster.tls)
+    like every other call, so a process without the token reads no key and no address. Waits are
+    bounded per call (timeout_seconds, a few seconds at most); the caller loops up to its own deadline.
+    """
+
+    @staticmethod
+    def Set(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Rendezvous/Set',
+            afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Rendezvous/Get',
+            afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Add(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Rendezvous/Add',
+            afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CompareSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Rendezvous/CompareSet',
+            afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Rendezvous/Wait',
+            afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Check(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Rendezvous/Check',
+            afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Rendezvous/DeleteKey',
+            afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NumKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Rendezvous/NumKeys',
+            afd_dot_control_dot_control__pb2.StoreRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.StoreReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

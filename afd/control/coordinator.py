@@ -1,5 +1,9 @@
 """The coordinator: checks the cluster in front of it against the YAML, hands out ranks, tracks liveness.
 
+Its state is soft: a restarted coordinator learns the running nodes again from their registrations
+(`RegisterRequest.again`, sent by a node that its heartbeat found unknown), so the coordinator's node
+can be replaced like any other.
+
 It runs inside the node named by `cluster.coordinator` (default: the first attention node), on that
 node's control port. All state is guarded by one condition variable; AwaitCluster blocks on it.
 """
@@ -10,7 +14,6 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
 
 import grpc
 
@@ -18,38 +21,32 @@ from afd import __version__
 from afd.cluster.config import ClusterConfig, check_expert_layout
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
+from afd.control.members import Member, assignment
 
 log = logging.getLogger("afd.coordinator")
 State = pb.ClusterStatus
-
-
-@dataclass
-class _Member:
-    name: str
-    role: str
-    address: str
-    instance_id: str
-    fingerprint: str
-    last_seen: float
-    ready: bool = False
-    awaiting: int = -1
-    """The newest generation this instance has asked to form (AwaitCluster, AwaitFormation): a dead
-    node never asks, so a generation forms only with the nodes that are really there."""
 
 
 class Coordinator(pb_grpc.CoordinatorServicer):
     def __init__(self, cfg: ClusterConfig, fingerprint: str, n_routed: int):
         check_expert_layout(cfg, n_routed)
         self.cfg, self.fingerprint, self.n_routed = cfg, fingerprint, n_routed
-        self.members: dict[str, _Member] = {}
+        self.members: dict[str, Member] = {}
         self.state = State.STARTING
         self.message = ""
         self.draining: set[str] = set()
         self.generation = 0
-        """Data-plane generation: bumped when a node is replaced, so that every node re-forms."""
+        """Data-plane generation: bumped when a node joins a serving cluster (a replacement, or the
+        coordinator's own node restarted) or a node's plane failed, so that every node re-forms."""
+        self.formed = -1
+        """The newest generation every node has asked to form: a node that joins while it is the current
+        one needs a newer one; one that joins while a newer one is still forming just forms that."""
         self.formation = secrets.token_hex(16)
         """The generation's store prefix: a process that reaches the store but not (with the token) the
         coordinator cannot take a rank in the data plane."""
+        self.resumed = False
+        """Running nodes registered again (this coordinator restarted under a serving cluster): until every
+        node is ready it reports DEGRADED, not STARTING, so that they keep taking requests."""
         self._cv = threading.Condition()
         self._started = time.monotonic()
 
@@ -63,7 +60,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         """formation: include the store prefix (only for the nodes forming the data plane)."""
         lost = self._lost()
         state = self.state
-        if state == State.READY and lost:
+        if (state == State.READY and lost) or (state == State.STARTING and self.resumed):
             state = State.DEGRADED
         return pb.ClusterStatus(
             state=state,
@@ -87,6 +84,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         m = self._member(ref, context)  # also: waiting counts as alive
         if m.awaiting != self.generation:
             m.awaiting = self.generation
+            if not self._forming():
+                self.formed = self.generation
             self._cv.notify_all()
 
     def _next_generation(self, why: str) -> None:
@@ -95,12 +94,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         log.warning("%s: data-plane generation %d", why, self.generation)
         self._cv.notify_all()
 
-    def _member(self, ref: pb.NodeRef, context) -> _Member:
+    def _member(self, ref: pb.NodeRef, context) -> Member:
         m = self.members.get(ref.name)
         if m is None or m.instance_id != ref.instance_id:
             context.abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"node {ref.name!r} is not registered (or was replaced by another instance)",
+                grpc.StatusCode.NOT_FOUND,
+                f"node {ref.name!r} is not registered with this coordinator (it restarted, or another "
+                "instance took the name)",
             )
         m.last_seen = time.monotonic()
         return m
@@ -149,44 +149,46 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 )
             if req.version != __version__:
                 log.warning("node %s runs afd %s, the coordinator %s", req.name, req.version, __version__)
-            if replacing:  # the old instance is gone: every node re-forms the data plane with the new one
+            if replacing:  # the old instance is gone; the new one opens a generation once loaded (AwaitCluster)
                 self.draining.discard(req.name)
-                self._next_generation(f"{req.name} replaced by a new instance from {req.address}")
-            self.members[req.name] = _Member(
-                req.name, req.role, req.address, req.instance_id, req.model_fingerprint, time.monotonic()
-            )
+                log.warning("%s replaced by a new instance from %s", req.name, req.address)
+            member = Member(req.name, req.role, req.address, req.instance_id, req.model_fingerprint, time.monotonic())
+            if req.again:
+                self._registered_again(member, req, known=old is not None)
+            self.members[req.name] = member
             log.info(
-                "registered %s (%s) from %s [%d/%d]",
+                "registered %s (%s) from %s%s [%d/%d]",
                 req.name,
                 req.role,
                 req.address,
+                " again, serving" if req.again else "",
                 len(self.members),
                 len(self.cfg.processes),
             )
+            self._maybe_ready()
             self._cv.notify_all()
-            reply = self._assignment(proc)
+            reply = assignment(self.cfg, proc, self.n_routed)
             reply.generation = self.generation
         return reply
 
-    def _assignment(self, proc) -> pb.RegisterReply:
-        """A process's rank, and its data-plane peers: an attention rank's are the FFN nodes, an FFN
-        node's every attention node's every TP rank."""
-        cfg, node = self.cfg, proc.node
-        peers = [p.name for p in cfg.processes if p.node.role != node.role]
-        rank0 = cfg.attention_nodes[0]  # torch.distributed's store lives in rank 0's process
-        reply = pb.RegisterReply(
-            rank=cfg.rank(proc.name),
-            world_size=len(cfg.processes),
-            master_addr=rank0.host,
-            master_port=rank0.ports.data,
-            peer_ranks=[cfg.rank(p) for p in peers],
-            cluster_name=cfg.cluster.name,
-        )
-        if node.role == "ffn":
-            shard = cfg.expert_shard(node.name, self.n_routed)
-            reply.expert_lo, reply.expert_hi = shard.lo, shard.hi
-            reply.serves_zero_experts = shard.serves_zero_experts
-        return reply
+    def _registered_again(self, member: Member, req: pb.RegisterRequest, known: bool) -> None:
+        """A running node that this coordinator does not know: the coordinator restarted, and its state
+        is soft, rebuilt from the survivors. Their data plane (generation `req.generation`) lost the
+        coordinator's node, whose new instance forms a newer one: the survivors move to it."""
+        member.ready, member.awaiting = req.ready, int(req.generation)
+        self.resumed = self.resumed or req.ready
+        if not known and req.generation >= self.generation:  # adopted, not bumped: that waits for the new node
+            self.generation, self.formed = int(req.generation), int(req.generation)
+            self.formation = secrets.token_hex(16)
+
+    def _maybe_ready(self) -> None:
+        if (
+            self.state == State.STARTING
+            and len(self.members) == len(self.cfg.processes)
+            and all(m.ready for m in self.members.values())
+        ):
+            self.state = State.READY
+            log.info("cluster %s ready: %s", self.cfg.cluster.name, self.cfg.topology_name)
 
     def AwaitCluster(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         deadline = self._started + self.cfg.cluster.startup_timeout
@@ -207,7 +209,20 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 )
                 log.error("%s", self.message)
                 self._cv.notify_all()
+            self._joins(ref)
             return self._status(formation=True)
+
+    def _joins(self, ref: pb.NodeRef) -> None:
+        """A new instance, loaded, about to form: where the other nodes serve on a formed generation it
+        opens the next one, which they move to at their next step boundary. Opening it here, not at
+        Register, keeps the survivors stepping while the new node loads its weights."""
+        m = self.members.get(ref.name)
+        others = [o for o in self.members.values() if o is not m]
+        if m is None or m.ready or len(self.members) < len(self.cfg.processes):
+            return
+        if self.formed == self.generation and any(o.ready for o in others) and self.state != State.SHUTDOWN:
+            self._next_generation(f"{ref.name} joins the serving cluster")
+            m.awaiting = self.generation
 
     def AwaitFormation(self, req: pb.FormationRequest, context) -> pb.ClusterStatus:
         """Returns once the generation is past `req.after` and every node is registered and alive, or when
@@ -232,13 +247,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def ReportReady(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         with self._cv:
             self._member(ref, context).ready = True
-            if (
-                self.state == State.STARTING
-                and all(m.ready for m in self.members.values())
-                and len(self.members) == len(self.cfg.processes)
-            ):
-                self.state = State.READY
-                log.info("cluster %s ready: %s", self.cfg.cluster.name, self.cfg.topology_name)
+            self._maybe_ready()
             self._cv.notify_all()
             return self._status()
 

@@ -1,4 +1,5 @@
-"""Each node's gRPC server: the standard health service, plus the coordinator on the coordinator node."""
+"""Each node's gRPC server: the standard health service and the data plane's rendezvous store
+(afd.control.kvstore), plus the coordinator on the coordinator node."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from afd.cluster.ports import PortInUse, check_free
 from afd.control import control_pb2_grpc as pb_grpc
 from afd.control.auth import TokenInterceptor, cluster_token, server_credentials
+from afd.control.kvstore import KeyValues, RendezvousServicer
 
 
 class ControlServer:
@@ -30,6 +32,8 @@ class ControlServer:
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.kv = KeyValues()
+        pb_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.kv), self.server)
         if coordinator is not None:
             pb_grpc.add_CoordinatorServicer_to_server(coordinator, self.server)
         creds = server_credentials(tls)

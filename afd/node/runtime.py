@@ -18,7 +18,7 @@ from afd.control.client import ControlClient
 from afd.control.coordinator import Coordinator
 from afd.control.server import ControlServer
 from afd.dataplane.deadlines import role_timeout
-from afd.dataplane.rendezvous import rendezvous_store
+from afd.dataplane.rendezvous import ControlStore
 from afd.dataplane.transport import DataPlane
 from afd.model.config import ModelConfig
 from afd.model.registry import load_config
@@ -38,21 +38,22 @@ class NodeRuntime:
     client: ControlClient
     assignment: pb.RegisterReply | None = None
     plane: DataPlane | None = None
-    store: object = None
-    """The rendezvous store every data-plane generation forms through (served by rank 0)."""
+    store: ControlStore | None = None
+    """The rendezvous store every data-plane generation forms through (rank 0's control server serves it)."""
     bind_host: str | None = None
-    _store_socket: object = None
     cluster_state: int = pb.ClusterStatus.STARTING
     generation_seen: int = 0
     """The newest data-plane generation the coordinator has announced (heartbeats carry it)."""
+    ready_reported: bool = False
+    """ReportReady succeeded: a restarted coordinator that this node registers with again learns it."""
     shutdown: threading.Event = field(default_factory=threading.Event)
     tp_rank: int = 0
 
     def join_data_plane(self, st: pb.ClusterStatus) -> DataPlane:
         a = self.assignment
         if self.store is None:
-            self.store, self._store_socket = rendezvous_store(
-                a.rank, a.master_addr, a.master_port, self.cfg.cluster.comm_timeout
+            self.store = ControlStore(
+                f"{a.master_addr}:{a.master_port}", self.cfg.cluster.comm_timeout, self.cfg.cluster.tls
             )
         self.plane = DataPlane(
             self.backend,
@@ -77,15 +78,19 @@ class NodeRuntime:
         failed node's replacement, and form the next generation with it. Raises ControlError when none
         comes (or the cluster shuts down)."""
         failed = self.plane.generation if self.plane is not None else 0
+        planned = self.superseded()  # a newer generation was announced: a node joined, nothing failed here
         if self.plane is not None:
             self.plane.close()  # peers blocked on this node see the failure at once, not after comm_timeout
             self.plane = None
-        log.warning(
-            "data plane generation %d failed (%s); waiting up to %.0fs for the node to be replaced",
-            failed,
-            why,
-            self.cfg.cluster.rejoin_timeout,
-        )
+        if planned:
+            log.info("leaving data-plane generation %d for the next, a planned re-formation (%s)", failed, why)
+        else:
+            log.warning(
+                "data plane generation %d failed (%s); waiting up to %.0fs for the node to be replaced",
+                failed,
+                why,
+                self.cfg.cluster.rejoin_timeout,
+            )
         return self.join_data_plane(self.client.await_formation(failed, self.cfg.cluster.rejoin_timeout))
 
     def superseded(self) -> bool:
@@ -122,6 +127,8 @@ class NodeRuntime:
         self.client.close()
         if plane and self.plane is not None:
             self.plane.close()
+        if self.store is not None:
+            self.store.close()
         if self.server is not None:
             self.server.stop()
 
@@ -169,6 +176,7 @@ def bring_up(
         load_model(rt)
         rt.join_data_plane(rt.client.await_cluster())
         rt.cluster_state = rt.client.report_ready().state
+        rt.ready_reported = True
     except BaseException:
         rt.close()
         raise
@@ -183,7 +191,11 @@ def bring_up(
         if on_status is not None:
             on_status(st)
 
-    rt.client.start_heartbeats(track)
+    def serving() -> tuple[int, bool]:
+        plane = rt.plane
+        return (plane.generation if plane is not None else rt.generation_seen), rt.ready_reported
+
+    rt.client.start_heartbeats(track, serving)
     if server is not None:
         server.set_serving(True)
     return rt

@@ -97,6 +97,15 @@ class TPComm:
             self.odp_group = group(next(g for g in odp if rank in g))
             self.otp_group = group(next(g for g in otp if rank in g))
 
+    def disconnect(self) -> None:
+        """Drops this rank's references to its groups before the data plane's world is torn down to re-form:
+        a gloo group's sockets close only once nothing holds it, and a rank of this node still blocked in
+        one of its collectives (it had not seen the failure yet) must fail at once, not at its timeout, or
+        the re-formation waits for it that long. `connect` makes new ones."""
+        for name in ("group", "cpu_group", "kvp_group", "odp_group", "otp_group"):
+            if hasattr(self, name):
+                setattr(self, name, None)
+
     @property
     def is_leader(self) -> bool:
         return self.rank == 0

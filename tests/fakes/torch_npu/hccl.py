@@ -439,4 +439,7 @@ def install() -> None:
     global _registered
     if not _registered:
         dist.Backend.register_backend("hccl", _create, devices=["npu"])
+        # torch_npu's standalone constructor, `torch.distributed.ProcessGroupHCCL(store, rank, size, timeout)`
+        # (its documented beta API): a group outside c10d's registry, as afd's per-pair worlds make them
+        dist.ProcessGroupHCCL = FakeHcclGroup  # type: ignore[attr-defined]
         _registered = True

@@ -1,0 +1,45 @@
+"""What the coordinator keeps per registered node, and what it tells a node when it registers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from afd.cluster.config import ClusterConfig
+from afd.control import control_pb2 as pb
+
+
+@dataclass
+class Member:
+    """What the coordinator knows of a registered node process (soft: a restarted coordinator learns it again)."""
+
+    name: str
+    role: str
+    address: str
+    instance_id: str
+    fingerprint: str
+    last_seen: float
+    ready: bool = False
+    awaiting: int = -1
+    """The newest generation this instance has asked to form (AwaitCluster, AwaitFormation): a dead
+    node never asks, so a generation forms only with the nodes that are really there."""
+
+
+def assignment(cfg: ClusterConfig, proc, n_routed: int) -> pb.RegisterReply:
+    """A process's rank, and its data-plane peers: an attention rank's are the FFN nodes, an FFN
+    node's every attention node's every TP rank."""
+    node = proc.node
+    peers = [p.name for p in cfg.processes if p.node.role != node.role]
+    rank0 = cfg.attention_nodes[0]  # the rendezvous store: rank 0's control server (afd.control.kvstore)
+    reply = pb.RegisterReply(
+        rank=cfg.rank(proc.name),
+        world_size=len(cfg.processes),
+        master_addr=rank0.host,
+        master_port=rank0.ports.control,
+        peer_ranks=[cfg.rank(p) for p in peers],
+        cluster_name=cfg.cluster.name,
+    )
+    if node.role == "ffn":
+        shard = cfg.expert_shard(node.name, n_routed)
+        reply.expert_lo, reply.expert_hi = shard.lo, shard.hi
+        reply.serves_zero_experts = shard.serves_zero_experts
+    return reply
