@@ -16,6 +16,10 @@ until `afd status` said READY.
 
     python bench/failover.py --launcher launch --output docs/bench/failover-launch.json
     python bench/failover.py --launcher hand --output docs/bench/failover-hand.json
+    python bench/failover.py --kill "" --big-prompt 30 --output docs/bench/failover-big-prompt.json
+
+With `--big-prompt MB`, a text prompt that large then goes to the last attention node while the others
+stream: its status, the others' largest gap, and the node's RSS before and a minute after.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -203,6 +208,48 @@ def _summary(records: list[dict], refs: dict[int, list[int]], t0: float, t1: flo
     }
 
 
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _big_prompt(cluster: Cluster, attention: dict[str, str], prompts, args, refs) -> dict:
+    """A text prompt of `--big-prompt` MB to the last attention node while the others stream: its status and
+    time, the others' largest gap, and the node's RSS before, and a minute after."""
+    target, url = list(attention.items())[-1]
+    others = {n: u for n, u in attention.items() if n != target}
+    pid = cluster.pid(target)
+    assert pid is not None
+    before = _rss(pid)
+    loads = {n: Load(u, prompts, args.max_tokens, args.streams) for n, u in others.items()}
+    time.sleep(3)
+    body = json.dumps({"prompt": "afd " * (args.big_prompt * 2**20 // 4), "max_tokens": 4}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            status = r.status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    took = time.monotonic() - t0
+    time.sleep(2)
+    t1 = time.monotonic()
+    for load in loads.values():
+        load.join()
+    time.sleep(60)
+    return {
+        "big_prompt_mb": args.big_prompt,
+        "to": target,
+        "status": status,
+        "answered_after_s": round(took, 2),
+        "rss_before_mib": round(before / 2**20, 1),
+        "rss_a_minute_later_mib": round(_rss(pid) / 2**20, 1),
+        "nodes": {n: _summary(load.records, refs, t0, t1, args.max_tokens) for n, load in loads.items()},
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="deploy/2a1f.yaml")
@@ -211,6 +258,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams per attention node")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load after the node is back")
+    ap.add_argument("--big-prompt", type=int, default=0, help="then send a text prompt of this many MB (0: none)")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -218,7 +266,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path, doc = _cluster(args.config, tmp)
         attention = {n["name"]: f"http://{n['host']}:{n['ports']['http']}" for n in doc["nodes"] if n["role"] != "ffn"}
-        kills = args.kill.split(",") if args.kill else [n["name"] for n in doc["nodes"]]
+        kills = [n["name"] for n in doc["nodes"]] if args.kill is None else [k for k in args.kill.split(",") if k]
         cluster = Cluster(path, args.launcher)
         results = []
         try:
@@ -251,6 +299,9 @@ def main() -> int:
                 }
                 results.append(row)
                 print(json.dumps(row), flush=True)
+            if args.big_prompt:
+                results.append(_big_prompt(cluster, attention, prompts, args, refs))
+                print(json.dumps(results[-1]), flush=True)
         finally:
             cluster.stop()
     out = {"config": args.config, "streams_per_node": args.streams, "max_tokens": args.max_tokens, "runs": results}
