@@ -216,14 +216,9 @@ def api_key(args) -> str | None:
     if path and key:
         raise ValueError("--api-key and --api-key-file: give one")
     if path:
-        try:
-            with open(path) as f:
-                key = f.read().strip()
-        except OSError as e:
-            raise ValueError(f"--api-key-file {path}: {e.strerror or e}") from None
-        if not key:
-            raise ValueError(f"--api-key-file {path}: the file is empty")
-        return key
+        from afd.cluster.token import read_secret
+
+        return read_secret(path, f"--api-key-file {path}")
     if key:
         print(
             "warning: --api-key on the command line is visible to every user of this host (`ps`); "

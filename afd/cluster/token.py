@@ -36,14 +36,20 @@ def cluster_token() -> str | None:
 def read_token_file(path: str) -> str:
     """The token a file holds, read once per process: a node keeps the token it started with even after
     the launcher that wrote the file has removed it."""
+    return read_secret(path, f"{TOKEN_FILE_ENV}={path}", TokenFileError)
+
+
+def read_secret(path: str, what: str, error: type[Exception] = ValueError) -> str:
+    """A secret kept in a file (a token, an API key), stripped; an unreadable or empty file is `error`,
+    its message starting with `what` (how the user named the file)."""
     try:
         with open(path) as f:
-            token = f.read().strip()
+            secret = f.read().strip()
     except OSError as e:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: cannot read the cluster token: {e.strerror}") from None
-    if not token:
-        raise TokenFileError(f"{TOKEN_FILE_ENV}={path}: the file is empty")
-    return token
+        raise error(f"{what}: cannot read it: {e.strerror or e}") from None
+    if not secret:
+        raise error(f"{what}: the file is empty")
+    return secret
 
 
 def token_file(cluster_name: str, coordinator_port: int) -> str:
