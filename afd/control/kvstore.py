@@ -1,7 +1,7 @@
 """The rendezvous store's server side: a key-value map served as the `Rendezvous` service of a node's
 control server, so that it sits behind the cluster token interceptor and cluster.tls like every other
 control call (torch's TCPStore has no authentication: anyone who reached it listed the keys and the
-gloo pair addresses). afd.dataplane.store.ControlStore is torch's view of it.
+gloo pair addresses). afd.dataplane.rendezvous.ControlStore is torch's view of it.
 
 Blocking calls (Get, Wait) hold a server thread for at most MAX_WAIT_S per call; the client loops up
 to its own deadline, so a caller that dies holds nothing for long.
