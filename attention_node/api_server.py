@@ -18,7 +18,8 @@ from afd import __version__
 from afd.engine import request as rq
 from afd.engine.engine import Engine, EngineDead
 from afd.engine.tokenizer import Tokenizer
-from afd.observability.metrics import CONTENT_TYPE, AttentionMetrics
+from afd.observability.attention_metrics import AttentionMetrics
+from afd.observability.metrics import CONTENT_TYPE
 from attention_node import prompts
 from attention_node.body_check import CheckLargeBodies
 from attention_node.http_guard import Guard

@@ -50,7 +50,7 @@ def run(args) -> int:
     from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
     from afd.model.config import parse_dtype
     from afd.model.registry import load_config
-    from afd.observability.metrics import AttentionMetrics
+    from afd.observability.attention_metrics import AttentionMetrics
     from attention_node.api_server import ServerState, build_app
     from attention_node.http_server import api_listen, api_server, api_socket, check_tls, serve_on
     from attention_node.openai_protocol import Limits

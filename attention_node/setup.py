@@ -13,7 +13,7 @@ from afd.control import control_pb2 as pb
 from afd.engine.factory import build_engine
 from afd.engine.membership import PlaneMembership
 from afd.engine.tokenizer import Tokenizer, load_tokenizer
-from afd.observability.metrics import AttentionMetrics
+from afd.observability.attention_metrics import AttentionMetrics
 from attention_node.api_server import ServerState
 from attention_node.openai_protocol import Limits
 

@@ -19,7 +19,8 @@ from afd.model.checkpoint import build_ffn_half, open_reader
 from afd.model.config import parse_dtype
 from afd.model.ffn_graph import FFNGraph, wrap
 from afd.node.runtime import NodeRuntime, bring_up
-from afd.observability.metrics import FFNMetrics, serve_metrics
+from afd.observability.ffn_metrics import FFNMetrics
+from afd.observability.metrics import serve_metrics
 from ffn_node.server import FFNServer, ServeEnd
 
 log = logging.getLogger("afd.ffn")

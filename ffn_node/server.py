@@ -45,7 +45,7 @@ from afd.dataplane.protocol import (
     StepHeader,
 )
 from afd.dataplane.transport import DataPlane, PeerError
-from afd.observability.metrics import FFNMetrics
+from afd.observability.ffn_metrics import FFNMetrics
 from afd.observability.timing import Timers
 
 log = logging.getLogger("afd.ffn")

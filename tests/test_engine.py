@@ -13,7 +13,7 @@ from afd.dataplane.exchange import LocalMoE
 from afd.engine.membership import PlaneMembership
 from afd.engine.request import Request
 from afd.engine.sampling import SamplingParams
-from afd.observability.metrics import AttentionMetrics
+from afd.observability.attention_metrics import AttentionMetrics
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,7 @@ def test_launch_passes_the_mode_to_every_node(capsys, tmp_path):
 
 
 def test_afd_graph_steps_metric():
-    from afd.observability.metrics import AttentionMetrics
+    from afd.observability.attention_metrics import AttentionMetrics
 
     class Half:
         steps = {"graph": 3, "eager": 1}

@@ -14,7 +14,8 @@ from metrics_text import samples, total
 
 from afd.control import control_pb2 as pb
 from afd.model.demo_config import DEMO_CONFIG
-from afd.observability.metrics import AttentionMetrics, FFNMetrics
+from afd.observability.attention_metrics import AttentionMetrics
+from afd.observability.ffn_metrics import FFNMetrics
 
 
 class _SlowPlane:

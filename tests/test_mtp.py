@@ -258,6 +258,7 @@ def test_an_ffn_node_without_the_mtp_layer_drops_an_mtp_step():
 
     from afd.dataplane.protocol import FLAG_MTP, StepHeader
     from afd.observability.timing import Timers
+    from ffn_node.loop_time import LoopTime
     from ffn_node.server import FFNServer
 
     server = FFNServer.__new__(FFNServer)
@@ -267,6 +268,7 @@ def test_an_ffn_node_without_the_mtp_layer_drops_an_mtp_step():
         generation=0, irecv=lambda t, r: None, wait=lambda w, r, what: None, check=lambda: None, abort=lambda *a: None
     )
     server._headers = {0: StepHeader(0, (3,), FLAG_MTP).encode()}
-    server.metrics, server.timers, server._mark = None, Timers(), 0.0
+    server.metrics, server.timers = None, Timers()
+    server.time = LoopTime(None, server.timers, None, None)
     assert server._recv_headers() == {}
     assert "holds no MTP layer" in server.gone[0]

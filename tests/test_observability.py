@@ -26,7 +26,8 @@ from afd.cluster.config import from_dict, load
 from afd.control import control_pb2 as pb
 from afd.model.demo_config import DEMO_CONFIG
 from afd.observability import prometheus_config
-from afd.observability.metrics import AttentionMetrics, FFNMetrics
+from afd.observability.attention_metrics import AttentionMetrics
+from afd.observability.ffn_metrics import FFNMetrics
 from afd.observability.prometheus_config import render
 
 LOCAL_YAML = ROOT / "deploy" / "local.yaml"

@@ -274,7 +274,7 @@ class _Gaps:
 @pytest.mark.parametrize("landed", [False, True])
 def test_server_measures_each_layers_wait_for_the_prefetch_budget(ffn, landed):
     from afd.dataplane.protocol import FLAG_LEAVE, StepHeader
-    from afd.observability.metrics import FFNMetrics
+    from afd.observability.ffn_metrics import FFNMetrics
     from ffn_node.server import FFNServer
 
     script = [StepHeader(0, (2, 1)), StepHeader(1, (1,)), StepHeader(2, (), FLAG_LEAVE)]

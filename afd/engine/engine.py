@@ -35,7 +35,7 @@ from afd.engine.sampling import Sampler, sample_step
 from afd.engine.scheduler import Scheduler
 from afd.engine.speculative import Speculator
 from afd.engine.tokenizer import Tokenizer
-from afd.observability.metrics import AttentionMetrics
+from afd.observability.attention_metrics import AttentionMetrics
 
 log = logging.getLogger("afd.engine")
 IDLE_BACKOFF_MAX = 0.05

@@ -29,7 +29,7 @@ from afd.engine.tokenizer import Tokenizer
 from afd.model.config import ModelConfig, parse_dtype
 from afd.model.mla import attach_backend
 from afd.model.tp.comm import SINGLE, TPComm
-from afd.observability.metrics import AttentionMetrics
+from afd.observability.attention_metrics import AttentionMetrics
 
 log = logging.getLogger("afd.engine")
 

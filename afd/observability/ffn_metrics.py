@@ -1,0 +1,121 @@
+"""An FFN node's Prometheus metrics: compute and idle time, experts' loads, prefetch and the passes per
+mode. What the hot path counts per layer or per expert is kept in plain lists and exported at scrape time."""
+
+from __future__ import annotations
+
+import torch
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from afd.backend import host_syncs
+from afd.backend.base import bind_device
+from afd.observability.metrics import BASE_LABELS, FINE_BUCKETS, Collector, NodeMetrics
+
+
+class FFNMetrics(NodeMetrics):
+    def __init__(self, node: str, model_name: str, expert_lo: int, expert_hi: int, num_layers: int):
+        super().__init__("ffn", node, model_name)
+        self.compute = self._make(
+            Histogram,
+            "afd_ffn_compute_seconds",
+            "Router + experts time per layer and micro-batch.",
+            buckets=FINE_BUCKETS,
+        )
+        self.idle = self._make(
+            Histogram,
+            "afd_ffn_idle_seconds",
+            "Serving-loop time outside compute, per gap: before a layer's compute (waiting "
+            "for its inputs) and between steps; compute + idle = the loop's wall time.",
+            buckets=FINE_BUCKETS,
+        )
+        self.tokens = self._make(Counter, "afd_ffn_tokens", "Tokens through this node's MoE layers.")
+        self.prefetch_bytes = self._make(Counter, "afd_prefetch_bytes", "Expert weight bytes prefetched.")
+        self.expert_counts = torch.zeros(expert_hi - expert_lo, dtype=torch.int64)
+        self._lo = expert_lo
+        # Seconds per layer: a bounded label (a model has a few dozen layers), kept in plain lists since
+        # a labelled Prometheus child costs a lock and a dict lookup per observation on the hot path.
+        self.layer_compute = [0.0] * num_layers
+        self.layer_idle = [0.0] * num_layers
+        self.prefetch_budget = [0] * num_layers
+        """Bytes each layer's last prefetch was allowed (afd.dataplane.prefetch_budget): computed, so exported."""
+        self.zero_tokens = 0
+        """Token assignments to identity experts: a device tensor once counted, read at scrape time."""
+        self.registry.register(Collector(self._collect))
+
+    def add_expert_tokens(self, sizes) -> None:
+        """sizes [G]: tokens per local expert, a device tensor (added up there and read at scrape time,
+        so the hot path has no host sync) or a list."""
+        sizes = torch.as_tensor(sizes)
+        if self.expert_counts.device != sizes.device:
+            self.expert_counts = self.expert_counts.to(sizes.device)
+        self.expert_counts += sizes
+
+    def add_routed(self, experts) -> None:
+        """A layer's routing (afd.model.experts.Experts after its call): tokens per local expert, and the
+        identity-expert assignments where this holder applies them (one FFN node does, so the cluster's sum
+        is not multiplied by the number of FFN nodes: every FFN node routes every token). Both stay on the
+        device: no host sync on the hot path. Read from the module, never from a hook: a graph (afd.model
+        .ffn_graph) runs no Python per call, and recounts both over its real rows."""
+        self.add_expert_tokens(experts.last_counts)
+        if experts.last_zero is not None:
+            self.zero_tokens = self.zero_tokens + experts.last_zero
+
+    def watch_ffn_graph(self, passes: dict[str, int] | None) -> None:
+        """afd_ffn_layer_passes_total{mode}: MoE layer forward passes (one per layer and micro-batch) as a
+        compiled graph padded to a token bucket, or eager; read at scrape time from afd.model.ffn_graph's
+        FFNGraph.passes (None in eager mode: no such metric)."""
+        if passes is None:
+            return
+
+        def collect():
+            fam = CounterMetricFamily(
+                "afd_ffn_layer_passes",
+                "MoE layer forward passes (per layer and micro-batch) by mode: graph (compiled, padded to a "
+                "token bucket) or eager.",
+                labels=(*BASE_LABELS, "mode"),
+            )
+            for mode in ("graph", "eager"):
+                fam.add_metric(self._values(mode), passes[mode])
+            yield fam
+
+        self.registry.register(Collector(collect))
+
+    def _collect(self):
+        experts = CounterMetricFamily(
+            "afd_expert_tokens", "Token-expert assignments per routed expert.", labels=(*BASE_LABELS, "expert")
+        )
+        bind_device(self.expert_counts.device)  # the scrape thread reads a device tensor: bind first
+        for i, n in enumerate(host_syncs.to_list(self.expert_counts)):
+            experts.add_metric(self._values(str(self._lo + i)), n)
+        yield experts
+        zero = CounterMetricFamily(
+            "afd_zero_expert_tokens",
+            "Token assignments to zero-computation (identity) experts; 0 on FFN nodes that do not apply them.",
+            labels=BASE_LABELS,
+        )
+        if isinstance(self.zero_tokens, torch.Tensor):
+            host_syncs.note(self.zero_tokens.device)
+        zero.add_metric(self._values(), int(self.zero_tokens))
+        yield zero
+        for name, values, doc in (
+            ("afd_ffn_layer_compute_seconds", self.layer_compute, "Router + experts time per layer."),
+            (
+                "afd_ffn_layer_idle_seconds",
+                self.layer_idle,
+                "Time before each layer's compute (waiting for "
+                "its inputs) per layer; the rest of afd_ffn_idle_seconds is spent between steps.",
+            ),
+        ):
+            fam = CounterMetricFamily(name, doc, labels=(*BASE_LABELS, "layer"))
+            for layer, v in enumerate(values):
+                fam.add_metric(self._values(str(layer)), v)
+            yield fam
+        budget = GaugeMetricFamily(
+            "afd_prefetch_budget_bytes",
+            "Bytes the FFN node's weight prefetch may hint per layer: memory bandwidth x the measured wait "
+            "for the layer's inputs, within the cache (0: prefetch off or no gap measured yet).",
+            labels=(*BASE_LABELS, "layer"),
+        )
+        for layer, v in enumerate(self.prefetch_budget):
+            budget.add_metric(self._values(str(layer)), v)
+        yield budget
