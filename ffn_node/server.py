@@ -13,19 +13,13 @@ the heartbeat thread aborts its pair after heartbeat_timeout, afd.node.runtime) 
 generation of the data plane, `serve` says whether the plane must re-form (a peer failed, or moved on
 to the next generation) or every peer left for good.
 
-Time: a layer's compute is timed by device events (Backend.timing_event), read once the device has
-passed them, so the host never waits to time it. Every other span of the serving loop is idle (the wait
-for a layer's inputs, sends, bookkeeping, the wait for the next step's headers), on the host's clock. On
-CPU the two clocks are one and compute + idle adds up to the loop's wall time; on a device, where the
-host runs ahead, idle is the host's time outside issuing computes.
+The loop's time, compute and idle, is accounted by ffn_node/loop_time.py.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import time
-from collections import deque
 
 import torch
 from torch import nn
@@ -47,6 +41,7 @@ from afd.dataplane.protocol import (
 from afd.dataplane.transport import DataPlane, PeerError
 from afd.observability.ffn_metrics import FFNMetrics
 from afd.observability.timing import Timers
+from ffn_node.loop_time import LoopTime
 
 log = logging.getLogger("afd.ffn")
 _GONE = FLAG_LEAVE | FLAG_REFORM
@@ -83,11 +78,7 @@ class FFNServer:
         self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=backend.device)
         self.steps = 0
         self.tokens = 0
-        self._mark = time.perf_counter()
-        """Where the current idle span began: the end of the last compute, or of the last span accounted."""
-        self._timed: deque = deque()
-        """(layer, start, end, gap) device events of computes not yet accounted, oldest first; gap: the
-        event before the layer's prefetch and wait (its span to start is the layer's gap), or None."""
+        self.time = LoopTime(backend, self.timers, metrics, prefetch)
         self.reset(plane, attention_ranks)
 
     def reset(self, plane: DataPlane, attention_ranks: list[int]) -> None:
@@ -102,11 +93,11 @@ class FFNServer:
     def serve(self) -> ServeEnd:
         """Runs until no attention peer is left on this generation, or one asks for shutdown."""
         self.backend.bind_thread()
-        self._mark = time.perf_counter()  # time outside serve (a re-formation) is not the loop's
+        self.time.restart()
         try:
             return self._serve()
         finally:
-            self._idle()
+            self.time.idle()
 
     def _serve(self) -> ServeEnd:
         while self.active:
@@ -173,20 +164,6 @@ class FFNServer:
             self._fail(r, e)
             return False
 
-    # ---- time: compute, and everything else as idle --------------------------------------------------
-
-    def _idle(self, layer: int | None = None) -> float:
-        """Accounts the span since the mark as idle (before `layer`'s compute, or between steps when
-        None) and returns now, the next span's start."""
-        now = time.perf_counter()
-        span, self._mark = now - self._mark, now
-        self.timers.add("idle", span)
-        if self.metrics is not None:
-            self.metrics.idle.observe(span)
-            if layer is not None:
-                self.metrics.layer_idle[layer] += span
-        return now
-
     # ---- the protocol ------------------------------------------------------------------------------
 
     def _recv_headers(self) -> dict[int, StepHeader]:
@@ -198,7 +175,7 @@ class FFNServer:
             if e.peer is not None:
                 self._fail(e.peer, e)
             received = [r for r in received if r in self.active]
-        self._idle()  # between steps: the last step's sends and acks, then the wait for these headers
+        self.time.idle()  # between steps: the last step's sends and acks, then the wait for these headers
         headers = {}
         for r in received:
             try:
@@ -249,7 +226,7 @@ class FFNServer:
             for y in outputs:
                 self._retire(y)
         self.steps += 1
-        self._account_compute()
+        self.time.account()
 
     def _without_failed(self, i: int, x: torch.Tensor, ok: list[tuple[int, int]]) -> torch.Tensor:
         """The micro-batch's input with a failed peer's rows zeroed (computed and thrown away, never read
@@ -267,19 +244,6 @@ class FFNServer:
         receive buffer, written by a failed peer's receive while it is read for another)."""
         self._retired.append(t)
 
-    def _account_compute(self) -> None:
-        """Compute time from device events, taken once the device has passed them (query(), never a wait):
-        a synchronize per micro-batch would stall the host the exchange is meant to keep ahead."""
-        while self._timed and self._timed[0][2].query():
-            layer, start, end, gap = self._timed.popleft()
-            seconds = start.elapsed_time(end) / 1000.0
-            if gap is not None and self.prefetch is not None:
-                self.prefetch.observe_gap(layer, gap.elapsed_time(start) / 1000.0)
-            self.timers.add("compute", seconds)
-            if self.metrics is not None:
-                self.metrics.compute.observe(seconds)
-                self.metrics.layer_compute[layer] += seconds
-
     def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]]):
         total = sum(n for _, n in parts)
         x = self.pool.get(i, total, self.hidden)  # [T_all, H]: every peer's tokens, peer by peer
@@ -293,14 +257,9 @@ class FFNServer:
         ok = [(o, n) for r, o, n, w in recvs if self._wait(w, r, f"layer {layer} MoE input receive")]
         if len(ok) < len(recvs):
             x = self._without_failed(i, x, ok)
-        self._idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
-        start, end = self.backend.timing_event(), self.backend.timing_event()
-        start.record()
+        self.time.idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
         with torch.inference_mode():
-            y = self.ffn(self.backend, layer, x)
-        end.record()
-        self._mark = time.perf_counter()
-        self._timed.append((layer, start, end, gap))
+            y = self.time.compute(layer, gap, lambda: self.ffn(self.backend, layer, x))
         if self.prefetch is not None:
             self.prefetch.after_compute(layer)
             if self.metrics is not None:
