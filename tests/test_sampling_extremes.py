@@ -89,3 +89,13 @@ def test_every_combination_of_extremes_draws_a_token():
         toks = Sampler(eos_ids=(0,)).sample(x, [p, p], ["a", "b"], [HISTORY, HISTORY])
         assert all(0 <= t < V for t in toks), (kw, toks)
         assert kw["min_tokens"] == 0 or 0 not in toks, (kw, toks)  # EOS barred
+
+
+def test_a_zero_noise_value_never_draws_a_token_of_probability_zero():
+    """The exponential race divides by its noise: a 0 there on a token of probability 0 (top-k removed it)
+    was 0 / 0, a NaN that argmax takes for the largest."""
+    from afd.engine.sample_ops import draw
+
+    p = torch.tensor([[0.0, 0.7, 0.3], [0.5, 0.0, 0.5]])
+    e = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 2.0]])
+    assert draw(p, e).tolist() == [1, 0]

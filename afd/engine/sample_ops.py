@@ -58,8 +58,10 @@ def uniform(n: int, device: torch.device, gens: dict[int, torch.Generator]) -> t
 def draw(p: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """One token per row of p [R, V] (any scale), given Exponential(1) noise e [R, V]: argmax p / e is
     distributed as p (the exponential race), with no host read; torch.multinomial draws one sample the same
-    way (aten/src/ATen/native/Distributions.cpp) but first checks p's values on the host."""
-    return (p / e).argmax(dim=-1)
+    way (aten/src/ATen/native/Distributions.cpp) but first checks p's values on the host. A noise value of
+    exactly 0 (which a device generator may draw) would make 0 / 0 a NaN that argmax takes for the largest,
+    drawing a token of probability 0: the noise is kept above 0."""
+    return (p / e.clamp_min(torch.finfo(e.dtype).tiny)).argmax(dim=-1)
 
 
 def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: torch.Tensor, e: torch.Tensor):
