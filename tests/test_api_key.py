@@ -74,3 +74,20 @@ def test_the_http_section_loads_checks_and_round_trips():
     ):
         with pytest.raises(ClusterConfigError, match=where):
             from_dict(bad)
+
+
+def test_printed_commands_carry_the_key_by_its_file_never_its_value(tmp_path, monkeypatch, capsys):
+    """`afd launch --print-commands`: each attention node's line names the key file; a key given by value is
+    left out, with a note, since a command line is visible in `ps`."""
+    from afd.cli import main
+
+    monkeypatch.setenv("AFD_CLUSTER_TOKEN", "t")  # no token file made for this test
+    path = cluster_yaml(tmp_path, "demo")
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    assert main(["launch", str(path), "--print-commands", "--api-key-file", str(key)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(("--api-key-file " + str(key) in x) == ("afd-attention" in x) for x in lines)
+    assert main(["launch", str(path), "--print-commands", "--api-key", "s3cret"]) == 0
+    out, err = capsys.readouterr()
+    assert "s3cret" not in out and "--api-key-file FILE" in err

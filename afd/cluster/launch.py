@@ -66,10 +66,11 @@ def run(args) -> int:
     first = cfg.attention_nodes[0]
     plan = [(p, node_args(args.config, p.node, args, first.name, p.tp_rank)) for p in cfg.processes]
     if args.print_commands:
-        env = token_env(cfg)
+        env, key = token_env(cfg), _printed_api_key(args)
         for p, a in plan:  # the host (and device) as a shell comment: the line still pastes as it is
             dev = f", {p.device}" if p.device != "cpu" else ""
             assign = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())  # VAR=value: for this command
+            a = a + key if p.node.role == "attention" and p.tp_rank == 0 else a
             print(f"{assign}{shlex.join([COMMANDS[p.node.role], *a])}  # on {p.node.host}{dev}")
         return 0
     check_startable(cfg, args.config)
@@ -78,6 +79,15 @@ def run(args) -> int:
     if key:
         env["AFD_API_KEY"] = key
     return _Launcher(cfg, plan, env).run(args.curl_example)
+
+
+def _printed_api_key(args) -> list[str]:
+    """The API key as printed commands carry it: by its file, never by value (a command line is in `ps`)."""
+    if getattr(args, "api_key_file", None):
+        return ["--api-key-file", os.path.abspath(args.api_key_file)]
+    if getattr(args, "api_key", None):
+        print("note: the printed commands carry no API key; give it as --api-key-file FILE", file=sys.stderr)
+    return []
 
 
 def token_env(cfg: ClusterConfig) -> dict[str, str]:
