@@ -5,12 +5,13 @@ plane over mutual TLS (`cluster.tls`) refusing a client without a certificate.""
 from __future__ import annotations
 
 import socket
+import ssl
 import urllib.error
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
-import requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from http_servers import running
 from tls_certs import make_certs, openssl  # noqa: F401 (a fixture)
@@ -28,12 +29,13 @@ def certs(tmp_path_factory, openssl):  # noqa: F811 (the fixture)
 def test_the_api_speaks_https_only(certs):
     http = HttpSection(ssl_certfile=certs["cert"], ssl_keyfile=certs["key"])
     with running(http) as port:
-        r = requests.post(f"https://127.0.0.1:{port}/v1/echo", data=b"abc", verify=certs["ca"], timeout=10)
+        trusted = ssl.create_default_context(cafile=certs["ca"])
+        r = httpx.post(f"https://127.0.0.1:{port}/v1/echo", content=b"abc", verify=trusted, timeout=10)
         assert r.status_code == 200 and r.json() == {"bytes": 3}
-        with pytest.raises(requests.exceptions.SSLError):  # not trusted without the CA: it is the real TLS
-            requests.get(f"https://127.0.0.1:{port}/health", timeout=10)
-        with pytest.raises(requests.exceptions.ConnectionError):  # plain HTTP gets no answer
-            requests.post(f"http://127.0.0.1:{port}/v1/echo", data=b"abc", timeout=10)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # the real TLS: no CA, no trust
+            httpx.get(f"https://127.0.0.1:{port}/health", timeout=10)
+        with pytest.raises(httpx.TransportError):  # plain HTTP gets no answer
+            httpx.post(f"http://127.0.0.1:{port}/v1/echo", content=b"abc", timeout=10)
         # afd's own clients (the launcher's /health wait, `afd drain`) trust the API's certificate itself
         url = api_url(http, "127.0.0.1", port)
         assert url.startswith("https://")

@@ -10,8 +10,8 @@ import select
 import socket
 import time
 
+import httpx
 import pytest
-import requests
 from http_servers import running
 
 from afd.cluster.http_section import HttpSection
@@ -100,7 +100,7 @@ def test_a_slow_but_steady_body_is_not_cut():
 
 
 def test_an_oversized_body_sent_whole_gets_a_readable_413(port):
-    """http.client and requests write the whole body before they read: the server must read and drop it
+    """http.client and httpx write the whole body before they read: the server must read and drop it
     after its 413, not close with it unread (the kernel then resets the connection, and the client sees
     "connection reset" or "broken pipe" instead of the 413)."""
     body = b"z" * (36 << 20)
@@ -111,14 +111,14 @@ def test_an_oversized_body_sent_whole_gets_a_readable_413(port):
         assert r.status == 413 and json.loads(r.read())["error"]["param"] == "body"
         assert r.getheader("connection") == "close"
         conn.close()
-    r = requests.post(f"http://127.0.0.1:{port}/v1/echo", data=body, timeout=30)
+    r = httpx.post(f"http://127.0.0.1:{port}/v1/echo", content=body, timeout=30)
     assert r.status_code == 413
 
 
 def test_keep_alive_serves_several_requests_on_one_connection(port):
-    with requests.Session() as s:
+    with httpx.Client() as s:
         for n in (1, 10, 100):
-            assert s.post(f"http://127.0.0.1:{port}/v1/echo", data=b"a" * n, timeout=5).json() == {"bytes": n}
+            assert s.post(f"http://127.0.0.1:{port}/v1/echo", content=b"a" * n, timeout=5).json() == {"bytes": n}
 
 
 def test_a_connection_idle_after_its_413_and_its_body_is_closed(port):
