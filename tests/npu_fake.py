@@ -98,7 +98,7 @@ def check_one_host_sync_per_step(url: str, snapshot: Snapshot, roles: dict[str, 
         for name, a in after.items()
     }
     steps = 2 * n  # per request, one prefill step and n - 1 decode steps
-    scrape = " in _collect at observability/metrics.py"  # a scrape's read of the expert counts, not a step's
+    scrape = " in _collect at observability/ffn_metrics.py"  # a scrape's read of the expert counts, not a step's
     for name, d in delta.items():
         node, _, rank = name.partition(".")
         idle = sum(v for k, v in d.items() if " in idle " in k)
