@@ -52,7 +52,8 @@ def tp_group(rt):
     cfg = rt.cfg
     if cfg.layout.attention_tp == 1:
         return SINGLE
-    tp = TPComm(cfg.layout.tp, rt.tp_rank, cfg.tp_ranks(rt.node.name), rt.backend, cfg.cluster.comm_timeout)
+    # ranks of the node's own TP world (afd.node.tp_world)
+    tp = TPComm(cfg.layout.tp, rt.tp_rank, list(range(cfg.layout.attention_tp)), rt.backend, cfg.cluster.comm_timeout)
     log.info("TP rank %d of %d (tp_comm %s)", rt.tp_rank, tp.size, cfg.layout.tp_comm)
     return tp
 

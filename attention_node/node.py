@@ -49,13 +49,15 @@ class AttentionNode:
         """Each heartbeat's cluster status (None: the coordinator did not answer)."""
 
     def reform(self, why: str) -> MoEExchange:
-        """The next data-plane generation (afd.node.runtime.NodeRuntime.reform); the node's TP ranks
-        re-form with it and meet in new groups."""
-        self.moe = None  # the old exchange's process group goes with the old generation
+        """This rank's pairs of the data plane formed again (afd.node.runtime.NodeRuntime.reform); the
+        node's TP ranks, which meet the failure too, meet again in new TP groups."""
+        self.moe = None  # the old exchange's pairs go
         if self.tp.size > 1:
-            self.tp.disconnect()  # the old TP groups go too: their sockets close with the plane's teardown
+            # the old TP groups go first: a rank still blocked in one of their collectives fails at once
+            self.tp.disconnect()
         self.runtime.reform(why)
-        self.tp.connect()
+        if self.tp.size > 1:
+            self.tp.connect()
         self.moe = exchange(self.runtime, self.halves, self.dtype)
         return self.moe
 

@@ -74,23 +74,21 @@ class TPRankNode(AttentionNode):
         return 0
 
     def _follow(self) -> None:
-        """Follows rank 0 until it leaves for good. When the data plane fails (a peer died) or rank 0
-        moves to the next generation, this rank re-forms with it, as rank 0's engine does, and follows
+        """Follows rank 0 until it leaves. When the data plane fails (a peer died, or rank 0 re-forms and
+        drops its TP groups), this rank forms its own pairs again, as rank 0's engine does, and follows
         on: rank 0 runs the interrupted step again."""
         can_rejoin = self.cfg.cluster.rejoin_timeout > 0
         while True:
             try:
-                msg = follow(self.runner)
-                if not msg.reform:  # a plain leave: the node is done
-                    return
-                why = "rank 0 moves to the next data-plane generation"
+                follow(self.runner)
+                return  # rank 0 left: the node is done
             except PeerError as e:
                 if not can_rejoin:
                     raise
                 why = str(e)  # leave the except block first: its traceback pins the old process group
             self.runner.moe = None
             self.runner.moe = self.reform(why)
-            log.info("TP rank %d re-formed with data-plane generation %d", self.tp_rank, self.runtime.plane.generation)
+            log.info("TP rank %d formed its pairs again", self.tp_rank)
 
     def stop(self) -> None:
         """SIGTERM (a pod's ranks all get it at once): rank 0 drains its requests and then leaves, which

@@ -167,7 +167,7 @@ class OfflineNode(AttentionNode):
             elif isinstance(msg, IdleStep):
                 self.moe.idle()
             elif isinstance(msg, LeaveStep):
-                self.moe.leave(shutdown=msg.shutdown, reform=msg.reform)
+                self.moe.leave(shutdown=msg.shutdown)
                 return
             else:
                 raise TypeError(f"TP rank {self.tp.rank}: unexpected message from the leader: {msg!r}")

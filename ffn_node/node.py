@@ -1,5 +1,5 @@
-"""`FFNNode`: an FFN node process of a cluster YAML — bring-up, /health and /metrics, the serving loop
-(ffn_node/server.py), re-forming the data plane around a replaced node, and its report at exit."""
+"""`FFNNode`: an FFN node process of a cluster YAML — bring-up, /health and /metrics, the pairs attention
+ranks form with it (ffn_node/pairs.py), the serving loop (ffn_node/server.py), and its report at exit."""
 
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ import torch
 from afd.cluster.config import ClusterConfig
 from afd.cluster.topology import served_model_name
 from afd.control import control_pb2 as pb
-from afd.control.client import ControlError
 from afd.dataplane.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
-from afd.dataplane.transport import DataPlane, PeerError
 from afd.model.checkpoint import build_ffn_half, open_reader
 from afd.model.config import parse_dtype
 from afd.model.ffn_graph import FFNGraph, wrap
 from afd.node.runtime import NodeRuntime, bring_up
 from afd.observability.ffn_metrics import FFNMetrics
 from afd.observability.metrics import serve_metrics
+from ffn_node.pairs import PairAcceptor
 from ffn_node.server import FFNServer, ServeEnd
 
 log = logging.getLogger("afd.ffn")
@@ -35,13 +34,17 @@ class FFNNode:
         self.ffn: torch.nn.Module | None = None
         self.metrics: FFNMetrics | None = None
         self.server: FFNServer | None = None
+        self.pairs: PairAcceptor | None = None
         self.healthy = True
-        """False while the data plane re-forms: /health says 503."""
+        """False once the serving loop ended: /health says 503."""
         self._http = None
 
     def start(self) -> None:
         cfg, args = self.cfg, self.args
-        rt = self.runtime = bring_up(cfg, args.node, args.bind_host, self._load, on_status=_exit_on_shutdown)
+        self.pairs = PairAcceptor(cfg, args.node)
+        rt = self.runtime = bring_up(
+            cfg, args.node, args.bind_host, self._load, on_status=_exit_on_shutdown, pairs=self.pairs
+        )
         a = rt.assignment
         mtp_layers = self.ffn.mtp_layers  # the MTP module's MoE layer: per-layer metrics too
         self.metrics = metrics = FFNMetrics(
@@ -62,9 +65,16 @@ class FFNNode:
         prefetch = PrefetchSchedule(self.ffn, rt.backend, pcfg) if pcfg.active(rt.backend) else None
         log.info("weight prefetch: %s", _describe(prefetch, pcfg))
         self.server = FFNServer(
-            self.ffn, rt.backend, rt.plane, list(a.peer_ranks), self.dtype, prefetch=prefetch, metrics=metrics
+            self.ffn,
+            rt.backend,
+            rt.plane,
+            self.pairs.formed,
+            self.dtype,
+            prefetch=prefetch,
+            metrics=metrics,
+            rejoin_timeout=cfg.cluster.rejoin_timeout,
         )
-        log.info("serving %d attention peer(s)", len(a.peer_ranks))
+        log.info("serving the pairs of %d attention rank(s)", len(a.peer_ranks))
 
     def _load(self, rt: NodeRuntime) -> None:
         a = rt.assignment
@@ -96,37 +106,20 @@ class FFNNode:
         return self.healthy and self.runtime.cluster_state in _SERVING
 
     def serve(self) -> int:
-        """Serves every generation of the data plane until the attention nodes are gone for good."""
-        server, code = self.server, 0
-        while True:
-            end = server.serve()
-            log.info("stopped serving generation %d: %s", self.runtime.plane.generation, end.value)
-            if end is not ServeEnd.REFORM:
-                break
-            why = "; ".join(server.gone.values())
-            self.healthy = False
-            if self.cfg.cluster.rejoin_timeout <= 0:
-                log.error("stopping: %s", why)
-                code = 1
-                break
-            try:  # wait for the failed node's replacement, then serve the next generation
-                self.reform(why)
-            except (ControlError, PeerError) as err:
-                log.error("stopping: %s; %s", why, err)
-                code = 1
-                break
-            self.healthy = True
-            log.info("data plane re-formed; serving %d attention peer(s)", len(self.runtime.assignment.peer_ranks))
+        """Serves the attention ranks' pairs, as they come and go, until they are gone for good."""
+        end = self.server.serve()
+        self.healthy = False
+        code = 0
+        if end is ServeEnd.ABANDONED:
+            log.error("stopping: %s (%s)", end.value, "; ".join(self.server.gone.values()))
+            code = 1
+        else:
+            log.info("stopped serving: %s", end.value)
         self._report()
         if self._http is not None:
             self._http.shutdown()
         self.runtime.close()
         return code
-
-    def reform(self, why: str) -> DataPlane:
-        plane = self.runtime.reform(why)
-        self.server.reset(plane, list(self.runtime.assignment.peer_ranks))
-        return plane
 
     def stop(self) -> None:
         """From the signal thread: the main thread may be blocked in the data plane, which is left to the exit."""

@@ -4,14 +4,15 @@ It never initiates: each step starts with a header from every active attention n
 sizes of all messages are known (afd.dataplane.protocol). Per layer and micro-batch, the MoE inputs of all peers
 are received into one preallocated buffer, so the experts see the aggregate batch of every peer.
 
-A peer that fails (its process died, it timed out, it broke the protocol) is dropped, its pair of the data
-plane aborted (afd.dataplane.transport: one pair per process group, so on every backend the others' pairs
-keep working), and the others are served on. A dead peer is noticed by an error on its pair (on gloo at
-once: its sockets close), by the control plane (on NCCL/HCCL, where its transfers just never complete:
-the heartbeat thread aborts its pair after heartbeat_timeout, afd.node.runtime) or by a timeout
-(comm_timeout); this loop waits for it meanwhile, and the others wait with it. Once no peer is left on this
-generation of the data plane, `serve` says whether the plane must re-form (a peer failed, or moved on
-to the next generation) or every peer left for good.
+Pairs come and go one at a time (afd.dataplane.pairs): a pair formed by the node's Pairs service
+(ffn_node/pairs.py) is adopted at the next step boundary, in place of that attention rank's old one.
+A peer that fails (its process died, it timed out, it broke the protocol, it formed a new pair) is
+dropped, its pair aborted, and the others are served on. A dead peer is noticed by an error on its pair
+(on gloo at once: its sockets close), by its replacement's new pair, by the control plane (on NCCL/HCCL,
+where its transfers just never complete: the heartbeat thread aborts its pair after heartbeat_timeout,
+afd.node.runtime) or by a timeout (comm_timeout); this loop waits for it meanwhile, and the others wait
+with it. `serve` returns when every peer left for good, one asked for shutdown, or peers failed and
+none formed a pair again within `cluster.rejoin_timeout`.
 
 The loop's time, compute and idle, is accounted by ffn_node/loop_time.py.
 """
@@ -20,6 +21,9 @@ from __future__ import annotations
 
 import enum
 import logging
+import queue
+import time
+from collections import deque
 
 import torch
 from torch import nn
@@ -31,7 +35,6 @@ from afd.dataplane.protocol import (
     FLAG_IDLE,
     FLAG_LEAVE,
     FLAG_MTP,
-    FLAG_REFORM,
     FLAG_SHUTDOWN,
     HEADER_LEN,
     IDLE_ACK_LEN,
@@ -44,15 +47,17 @@ from afd.observability.timing import Timers
 from ffn_node.loop_time import LoopTime
 
 log = logging.getLogger("afd.ffn")
-_GONE = FLAG_LEAVE | FLAG_REFORM
+_GONE = FLAG_LEAVE
 _FAILED = object()
 """What _post hands back for an op that could not be posted (its peer is dropped)."""
+RETIRED_KEPT = 64
+"""Buffers a failed peer's aborted transfer may still touch, kept from reuse (the oldest go first)."""
 
 
 class ServeEnd(enum.Enum):
     SHUTDOWN = "shutdown requested"
     LEFT = "every attention peer left"
-    REFORM = "no attention peer left on this generation; the data plane re-forms"
+    ABANDONED = "attention peers failed and none formed a pair again within cluster.rejoin_timeout"
 
 
 class FFNServer:
@@ -61,17 +66,30 @@ class FFNServer:
         ffn: nn.Module,
         backend: Backend,
         plane: DataPlane,
-        attention_ranks: list[int],
+        formed: queue.SimpleQueue,
         dtype: torch.dtype,
         timers: Timers | None = None,
         prefetch: PrefetchSchedule | None = None,
         metrics: FFNMetrics | None = None,
+        rejoin_timeout: float = 60.0,
     ):
+        """formed: the pairs formed (ffn_node/pairs.py), to adopt: lists of (attention rank, name,
+        PairLink), every TP rank of one attention node, taken into use at one step boundary."""
         self.ffn, self.backend = ffn, backend
         self.hidden = ffn.cfg.hidden_size
         self.timers = timers or Timers()
         self.pool = BufferPool(backend.device, dtype)
-        self._headers = {r: torch.empty(HEADER_LEN, dtype=torch.int64, device=backend.device) for r in attention_ranks}
+        self.plane, self.formed, self.rejoin_timeout = plane, formed, rejoin_timeout
+        self.active: list[int] = []
+        self.names: dict[int, str] = {}
+        self.gone: dict[int, str] = {}
+        """Peers that failed and have not formed a pair again, and why."""
+        self.left: set[int] = set()
+        """Peers that left for good (their engine stopped)."""
+        self._headers: dict[int, torch.Tensor] = {}
+        self._next_step: dict[int, int] = {}
+        """The step id each attention peer's next header must carry (idle and leave headers repeat it)."""
+        self._retired: deque[torch.Tensor] = deque(maxlen=RETIRED_KEPT)
         self.prefetch = prefetch
         """Hints weights while waiting for each layer's inputs, sized by the waits this loop measures."""
         self.metrics = metrics
@@ -79,19 +97,9 @@ class FFNServer:
         self.steps = 0
         self.tokens = 0
         self.time = LoopTime(backend, self.timers, metrics, prefetch)
-        self.reset(plane, attention_ranks)
-
-    def reset(self, plane: DataPlane, attention_ranks: list[int]) -> None:
-        """Serve a (new) generation of the data plane."""
-        self.plane, self.active = plane, list(attention_ranks)
-        self.gone: dict[int, str] = {}
-        """Peers that failed or moved to the next generation, and why: the plane must re-form for them."""
-        self._next_step = dict.fromkeys(attention_ranks, 0)
-        """The step id each attention peer's next header must carry (idle and leave headers repeat it)."""
-        self._retired: list[torch.Tensor] = []
 
     def serve(self) -> ServeEnd:
-        """Runs until no attention peer is left on this generation, or one asks for shutdown."""
+        """Runs until every attention peer left, one asks for shutdown, or failed peers stay away."""
         self.backend.bind_thread()
         self.time.restart()
         try:
@@ -100,16 +108,21 @@ class FFNServer:
             self.time.idle()
 
     def _serve(self) -> ServeEnd:
-        while self.active:
+        while True:
+            end = self._adopt()
+            if end is not None:
+                return end
+            if not self.active:
+                continue
             headers = self._recv_headers()
             if any(h.flags & FLAG_SHUTDOWN for h in headers.values()):
                 return ServeEnd.SHUTDOWN
             for r, h in headers.items():
-                if h.flags & FLAG_REFORM:
-                    self._drop(r, f"rank {r} moved to the next data-plane generation", level=logging.INFO)
-                elif h.flags & FLAG_LEAVE:
-                    log.info("attention rank %d left", r)
+                if h.flags & FLAG_LEAVE:
+                    log.info("attention rank %d (%s) left", r, self.names[r])
                     self.active.remove(r)
+                    self.left.add(r)
+                    self.plane.drop(r)
             work = {r: h for r, h in headers.items() if not h.flags & (_GONE | FLAG_IDLE)}
             if work:
                 self._run_step(work)
@@ -120,7 +133,48 @@ class FFNServer:
                 if not all([self._wait(w, r, "idle ack send") for r, w in acks]):
                     self._retire(self._ack)
                     self._ack = torch.empty_like(self._ack)
-        return ServeEnd.REFORM if self.gone else ServeEnd.LEFT
+
+    # ---- pairs come and go -----------------------------------------------------------------------
+
+    def _adopt(self) -> ServeEnd | None:
+        """At a step boundary: takes every pair formed since into use. With no peer active, waits for one;
+        says when to stop instead (every peer left for good, or failed ones stayed away too long)."""
+        waiting_since = time.monotonic()
+        while True:
+            try:
+                ranks = self.formed.get(timeout=0.2) if not self.active else self.formed.get_nowait()
+            except queue.Empty:
+                if self.active:
+                    return None
+                if self.left and not self.gone:
+                    return ServeEnd.LEFT
+                if self.gone and time.monotonic() - waiting_since > self.rejoin_timeout:
+                    return ServeEnd.ABANDONED
+                continue
+            for r, name, link in ranks:
+                self._take(r, name, link)
+            if self.formed.empty():
+                return None
+
+    def _take(self, r: int, name: str, link) -> None:
+        again = r in self.gone or r in self.active
+        if r in self.active:
+            self.active.remove(r)
+        self.plane.add(r, link)  # the old pair, if any, goes (aborted where its work may be queued)
+        self.gone.pop(r, None)
+        self.left.discard(r)
+        self.active.append(r)
+        self.names[r] = name
+        self._next_step[r] = 0
+        if r not in self._headers:
+            self._headers[r] = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.backend.device)
+        log.info(
+            "attention rank %d (%s) %s; serving %d peer(s)",
+            r,
+            name,
+            "formed its pair again" if again else "joined",
+            len(self.active),
+        )
 
     # ---- one failing peer never takes the others down --------------------------------------------
 
@@ -134,9 +188,9 @@ class FFNServer:
             self.gone[r] = why
             log.log(
                 level,
-                "attention rank %d dropped from generation %d: %s; serving %d other(s)",
+                "attention rank %d (%s) dropped: %s; serving %d other(s)",
                 r,
-                self.plane.generation,
+                self.names.get(r, "?"),
                 why,
                 len(self.active),
             )
@@ -240,8 +294,8 @@ class FFNServer:
 
     def _retire(self, t: torch.Tensor) -> None:
         """A tensor a failed peer's send may still read (an aborted transfer may stay on its stream): kept
-        until this generation ends, so that its memory is never written again while it might be read (or, a
-        receive buffer, written by a failed peer's receive while it is read for another)."""
+        from reuse, so that its memory is not written again while it might be read (or, a receive buffer,
+        written by a failed peer's receive while it is read for another); the last RETIRED_KEPT of them."""
         self._retired.append(t)
 
     def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]]):

@@ -1,7 +1,7 @@
-"""Nothing lost when a node dies and is started again by its own command: the data plane re-forms
-(a new generation, same ranks) and every request completes with HF's tokens; the surviving processes
-are never restarted. While an FFN node is away its attention peers pause; while an attention node is
-away the FFN nodes go on serving the others."""
+"""Nothing lost when a node dies and is started again by its own command: the pairs of the data plane
+that it was part of form again (afd.dataplane.pairs), and every request completes with HF's tokens; the
+surviving processes are never restarted. While an FFN node is away its attention peers pause; while an
+attention node is away, and while its replacement forms its pairs, the FFN nodes go on serving the others."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
         results = streams.results
         _assert_all_equal_hf(results, prompts, reference)
         assert c.procs["attn0"].pid == attn_pid and c.procs["attn0"].poll() is None
-        assert "data plane re-formed" in c.log("attn0") and "generation 1" in c.log("attn0")
+        assert "data plane re-formed" in c.log("attn0") and "forming this rank's pairs again" in c.log("attn0")
         assert health(c.url()) == 200 and _greedy(c.url(), PROMPTS[0]) == reference[0]
     if fake_npu:
         from npu_fake import reports
@@ -94,10 +94,7 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
         False,
         pytest.param(
             True,
-            # KNOWN BUG (issue 26, session note of 2026-12-02): on the fake HCCL the replaced attn1's first
-            # request sometimes times out after the planned re-formation (2 in ~10 runs, once in a quiet CI).
-            # Not strict: it must be fixed, not hidden; the gloo case holds the same path every run.
-            marks=pytest.mark.xfail(strict=False, reason="intermittent: replaced attn1's first request times out"),
+            marks=pytest.mark.slow,
         ),
     ],
     ids=["gloo", "fake-hccl"],
@@ -130,7 +127,7 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
         # while attn1 is away, the FFN node keeps serving attn0: no pause, new requests complete
         assert health(c.url("attn0")) == 200
         assert _greedy(c.url("attn0"), PROMPTS[2]) == reference[2]
-        assert "attention rank 1 dropped from generation 0" in c.log("ffn0")
+        assert "attention rank 1 (attn1) dropped" in c.log("ffn0")
         restarted = time.monotonic()
         c.start("attn1")
         streams.join(240)
@@ -154,16 +151,17 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
         for prompt, ids in ticker.done:
             assert ids == reference[PROMPTS.index(prompt)]
         assert _greedy(c.url("attn0"), PROMPTS[1]) == reference[1]
-        assert "moving to the next data-plane generation" in c.log("attn0")
-        # attn0 steps on while the replacement loads (the coordinator opens the next generation only once
-        # it is loaded), then pauses for one formation; 3 s bounds that on 2 shared cores (the issue
-        # measured 3.2 s with the generation opened at the replacement's registration). The stall at the
-        # kill itself (on the fake HCCL up to heartbeat_timeout) is tests/test_heartbeat_abort.py's.
+        assert "attention rank 1 (attn1) joined" in c.log("ffn0")
+        assert "pairs again" not in c.log("attn0"), "attn0 re-formed for attn1's rejoin"
+        # attn0 steps on while the replacement loads and forms its own pair: no step of attn0's waits for it
+        # beyond one FFN step. 1.5 s bounds a step on 2 shared cores with four processes and the
+        # replacement's load on them (bench/failover.py measures the gap on a quiet machine). The stall at
+        # the kill itself (on the fake HCCL up to heartbeat_timeout) is tests/test_heartbeat_abort.py's.
         step = max(ticker.gaps(0, killed))
         stall = max(ticker.gaps(killed, restarted), default=0.0)
         gap = max(ticker.gaps(restarted, float("inf")))
         print(f"attn0's largest gap: {gap:.2f}s across attn1's rejoin, {stall:.2f}s at its kill, {step:.2f}s before")
-        assert gap < 3.0
+        assert gap < 1.5
 
 
 @pytest.mark.parametrize(
@@ -175,8 +173,8 @@ def test_a_restarted_attention_node_rejoins_and_the_other_loses_nothing(tiny_che
     ids=["tp2-sp", "tp2-kvp2"],
 )
 def test_an_attention_node_on_tp_ranks_re_forms_with_a_replaced_ffn_node(tiny_checkpoint, reference, tmp_path, layout):
-    """Every TP rank of the node pauses, re-forms with the new generation and re-makes its TP groups;
-    rank 0 runs the interrupted step again, and no stream loses a token."""
+    """Every TP rank of the node pauses, forms its own pairs again and re-makes its TP groups; rank 0
+    runs the interrupted step again, and no stream loses a token."""
     path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="rejoin-tp", cluster=FAST, layout=layout)
     with Cluster(path) as c:
         c.start_all()
@@ -195,5 +193,5 @@ def test_an_attention_node_on_tp_ranks_re_forms_with_a_replaced_ffn_node(tiny_ch
         except AssertionError as e:
             raise AssertionError(f"{e}\n" + "\n".join(f"--- {n}\n{c.log(n)}" for n in c.procs)) from None
         assert {n: c.procs[n].pid for n in ranks} == ranks and all(c.procs[n].poll() is None for n in ranks)
-        assert "TP rank 1 re-formed with data-plane generation" in c.log("attn0.tp1")
+        assert "TP rank 1 formed its pairs again" in c.log("attn0.tp1")
         assert _greedy(c.url(), PROMPTS[0]) == reference[0]

@@ -54,6 +54,15 @@ class Deadlines:
         if failure is not None:
             raise failure
 
+    def forget(self, peer: int) -> bool:
+        """Stops watching `peer`'s works and drops its recorded failure (its pair is replaced or gone);
+        returns whether any of those works had not completed: work that may still be queued."""
+        with self._mu:
+            mine = [e for e in self._pending if e[2] == peer]
+            self._pending = [e for e in self._pending if e[2] != peer]
+            self._failures.pop(peer, None)
+        return any(not _completed(e[1]) for e in mine)
+
     @property
     def pending(self) -> int:
         """Watched works not completed yet: work that may still be queued on the device."""

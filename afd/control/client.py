@@ -43,7 +43,6 @@ class ControlClient:
         self.instance_id = uuid.uuid4().hex
         self.ref = pb.NodeRef(name=self.process, instance_id=self.instance_id)
         self._register_request = pb.RegisterRequest()
-        self._serving: Callable[[], tuple[int, bool]] = lambda: (0, False)
         self._stop = threading.Event()
 
     def _call(self, method, request, timeout: float, retry=_RETRYABLE):
@@ -105,68 +104,33 @@ class ControlClient:
             if time.monotonic() > deadline:
                 raise ControlError(f"startup timeout: nodes never registered: {', '.join(st.missing)}")
 
-    def await_formation(self, after: int, timeout: float) -> pb.ClusterStatus:
-        """The status once a data-plane generation past `after` can form; raises ControlError when none
-        does within `timeout` seconds (nobody replaced the failed node)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                st = self._call(
-                    self.stub.AwaitFormation,
-                    pb.FormationRequest(ref=self.ref, after=after, timeout_seconds=max(0.0, min(left, 10))),
-                    timeout=max(1.0, min(left, 10) + 5),
-                    retry=(*_RETRYABLE, grpc.StatusCode.NOT_FOUND),
-                )
-            except grpc.RpcError as e:
-                st = None
-                if e.code() == grpc.StatusCode.NOT_FOUND:  # a restarted coordinator, before our heartbeat said so
-                    self._register_again_quietly(after)
-                if time.monotonic() > deadline:
-                    raise ControlError(f"coordinator at {self.address} stopped answering: {e.details()}") from None
-            if st is not None and st.state == pb.ClusterStatus.SHUTDOWN:
-                raise ControlError(f"the cluster is shutting down: {st.message}")
-            if st is not None and st.generation > after and not st.forming and not st.lost:
-                return st
-            if time.monotonic() > deadline:
-                missing = ", ".join(sorted({*(st.forming if st else []), *(st.lost if st else [])})) or "?"
-                raise ControlError(f"no replacement joined within {timeout:.0f}s (waiting for: {missing})")
-            if st is None:
-                time.sleep(0.3)
-
     def report_ready(self) -> pb.ClusterStatus:
         return self._call(self.stub.ReportReady, self.ref, timeout=10)
 
-    def register_again(self, generation: int, ready: bool) -> None:
+    def register_again(self, ready: bool) -> None:
         """Registers this running instance with a coordinator that does not know it (restarted: its state
-        is soft), with the data-plane generation it serves and whether it reported ready."""
+        is soft), saying whether it reported ready."""
         req = pb.RegisterRequest()
         req.CopyFrom(self._register_request)
-        req.again, req.generation, req.ready = True, generation, ready
+        req.again, req.ready = True, ready
         self.stub.Register(req, metadata=call_metadata(), timeout=5)
-
-    def _register_again_quietly(self, generation: int) -> None:
-        log.warning("not registered with this coordinator (%s); registering again", self.address)
-        try:
-            self.register_again(generation, self._serving()[1])
-        except grpc.RpcError as e:
-            log.debug("registering again: %s", _line(e))
 
     def start_heartbeats(
         self,
-        on_status: Callable[[pb.ClusterStatus | None], None],
-        serving: Callable[[], tuple[int, bool]] = lambda: (0, False),
+        on_status: Callable[[pb.ClusterStatus | None, float], None],
+        ready: Callable[[], bool] = lambda: False,
     ) -> None:
-        """on_status(status) after each heartbeat; on_status(None) after each one that fails once the
+        """on_status(status, asked) after each heartbeat, `asked` when it was sent (time.monotonic());
+        on_status(None, asked) after each one that fails once the
         coordinator has been unreachable for longer than the heartbeat timeout. One line when it is lost,
         one when it is back; a coordinator that does not know this node (it restarted) is registered with
-        again, with `serving()`: (the data-plane generation this node serves, whether it reported ready)."""
+        again, with `ready()`: whether it reported ready."""
         interval, limit = self.cfg.cluster.heartbeat_interval, self.cfg.cluster.heartbeat_timeout
-        self._serving = serving
 
         def beat() -> None:
             last_ok, lost, refused = time.monotonic(), False, False
             while not self._stop.wait(interval):
+                asked = time.monotonic()
                 try:
                     st = self.stub.Heartbeat(self.ref, metadata=call_metadata(), timeout=max(1.0, interval))
                 except grpc.RpcError as e:
@@ -174,7 +138,7 @@ class ControlClient:
                         if not refused:
                             log.warning("not registered with this coordinator (%s); registering again", self.address)
                         try:
-                            self.register_again(*serving())
+                            self.register_again(ready())
                             refused = False
                             continue
                         except grpc.RpcError as again:  # e.g. another instance took the name meanwhile
@@ -185,13 +149,13 @@ class ControlClient:
                         if not lost:
                             log.error("coordinator at %s lost (no answer for %.0fs): %s", self.address, limit, _line(e))
                             lost = True
-                        on_status(None)
+                        on_status(None, asked)
                     continue
                 if lost:
                     log.warning("coordinator at %s is back", self.address)
                     lost = False
                 last_ok = time.monotonic()
-                on_status(st)
+                on_status(st, asked)
 
         threading.Thread(target=beat, name="afd-heartbeat", daemon=True).start()
 

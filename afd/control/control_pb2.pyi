@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -32,7 +32,7 @@ class StoreReply(_message.Message):
     def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ..., amount: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("name", "role", "address", "model_fingerprint", "version", "instance_id", "again", "generation", "ready")
+    __slots__ = ("name", "role", "address", "model_fingerprint", "version", "instance_id", "again", "ready")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -40,7 +40,6 @@ class RegisterRequest(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     AGAIN_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     name: str
     role: str
@@ -49,33 +48,26 @@ class RegisterRequest(_message.Message):
     version: str
     instance_id: str
     again: bool
-    generation: int
     ready: bool
-    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ..., again: _Optional[bool] = ..., generation: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ..., again: _Optional[bool] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("rank", "world_size", "master_addr", "master_port", "peer_ranks", "expert_lo", "expert_hi", "serves_zero_experts", "cluster_name", "generation")
+    __slots__ = ("rank", "world_size", "peer_ranks", "expert_lo", "expert_hi", "serves_zero_experts", "cluster_name")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
-    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
-    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
     PEER_RANKS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_LO_FIELD_NUMBER: _ClassVar[int]
     EXPERT_HI_FIELD_NUMBER: _ClassVar[int]
     SERVES_ZERO_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_NAME_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
-    master_addr: str
-    master_port: int
     peer_ranks: _containers.RepeatedScalarFieldContainer[int]
     expert_lo: int
     expert_hi: int
     serves_zero_experts: bool
     cluster_name: str
-    generation: int
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., expert_lo: _Optional[int] = ..., expert_hi: _Optional[int] = ..., serves_zero_experts: _Optional[bool] = ..., cluster_name: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., expert_lo: _Optional[int] = ..., expert_hi: _Optional[int] = ..., serves_zero_experts: _Optional[bool] = ..., cluster_name: _Optional[str] = ...) -> None: ...
 
 class NodeRef(_message.Message):
     __slots__ = ("name", "instance_id")
@@ -104,7 +96,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining", "generation", "formation", "forming")
+    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[ClusterStatus.State]
@@ -126,9 +118,6 @@ class ClusterStatus(_message.Message):
     LOST_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
-    GENERATION_FIELD_NUMBER: _ClassVar[int]
-    FORMATION_FIELD_NUMBER: _ClassVar[int]
-    FORMING_FIELD_NUMBER: _ClassVar[int]
     state: ClusterStatus.State
     missing: _containers.RepeatedScalarFieldContainer[str]
     registered: _containers.RepeatedScalarFieldContainer[str]
@@ -136,17 +125,24 @@ class ClusterStatus(_message.Message):
     lost: _containers.RepeatedScalarFieldContainer[str]
     message: str
     draining: _containers.RepeatedScalarFieldContainer[str]
-    generation: int
-    formation: str
-    forming: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ..., generation: _Optional[int] = ..., formation: _Optional[str] = ..., forming: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class FormationRequest(_message.Message):
-    __slots__ = ("ref", "after", "timeout_seconds")
-    REF_FIELD_NUMBER: _ClassVar[int]
-    AFTER_FIELD_NUMBER: _ClassVar[int]
+class PairRequest(_message.Message):
+    __slots__ = ("name", "instance_id", "rank", "key", "timeout_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    ref: NodeRef
-    after: int
+    name: str
+    instance_id: str
+    rank: int
+    key: str
     timeout_seconds: float
-    def __init__(self, ref: _Optional[_Union[NodeRef, _Mapping]] = ..., after: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., instance_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class PairReply(_message.Message):
+    __slots__ = ("rank",)
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    def __init__(self, rank: _Optional[int] = ...) -> None: ...

@@ -69,11 +69,6 @@ class CoordinatorStub:
                 request_serializer=afd_dot_control_dot_control__pb2.StatusRequest.SerializeToString,
                 response_deserializer=afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
                 _registered_method=True)
-        self.AwaitFormation = channel.unary_unary(
-                '/afd.control.Coordinator/AwaitFormation',
-                request_serializer=afd_dot_control_dot_control__pb2.FormationRequest.SerializeToString,
-                response_deserializer=afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
-                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -125,14 +120,6 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AwaitFormation(self, request, context):
-        """After a data-plane failure: blocks until a newer data-plane generation can form (every node of
-        the YAML registered, the failed one replaced), or the timeout passes.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -169,11 +156,6 @@ def add_CoordinatorServicer_to_server(servicer, server):
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
                     request_deserializer=afd_dot_control_dot_control__pb2.StatusRequest.FromString,
-                    response_serializer=afd_dot_control_dot_control__pb2.ClusterStatus.SerializeToString,
-            ),
-            'AwaitFormation': grpc.unary_unary_rpc_method_handler(
-                    servicer.AwaitFormation,
-                    request_deserializer=afd_dot_control_dot_control__pb2.FormationRequest.FromString,
                     response_serializer=afd_dot_control_dot_control__pb2.ClusterStatus.SerializeToString,
             ),
     }
@@ -376,8 +358,65 @@ class Coordinator:
             metadata,
             _registered_method=True)
 
+
+class PairsStub:
+    """On every FFN node's control port: an attention rank forms its data-plane pair with this FFN node (at
+    start-up, after a failure of its own, or as a replacement), while the FFN node's other pairs keep
+    stepping. The FFN node aborts the rank's old pair, forms the new one through its own Rendezvous
+    service under the request's key, proves the token over it and adopts it at its next step boundary.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.FormPair = channel.unary_unary(
+                '/afd.control.Pairs/FormPair',
+                request_serializer=afd_dot_control_dot_control__pb2.PairRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.PairReply.FromString,
+                _registered_method=True)
+
+
+class PairsServicer:
+    """On every FFN node's control port: an attention rank forms its data-plane pair with this FFN node (at
+    start-up, after a failure of its own, or as a replacement), while the FFN node's other pairs keep
+    stepping. The FFN node aborts the rank's old pair, forms the new one through its own Rendezvous
+    service under the request's key, proves the token over it and adopts it at its next step boundary.
+    """
+
+    def FormPair(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PairsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'FormPair': grpc.unary_unary_rpc_method_handler(
+                    servicer.FormPair,
+                    request_deserializer=afd_dot_control_dot_control__pb2.PairRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.PairReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'afd.control.Pairs', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('afd.control.Pairs', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Pairs:
+    """On every FFN node's control port: an attention rank forms its data-plane pair with this FFN node (at
+    start-up, after a failure of its own, or as a replacement), while the FFN node's other pairs keep
+    stepping. The FFN node aborts the rank's old pair, forms the new one through its own Rendezvous
+    service under the request's key, proves the token over it and adopts it at its next step boundary.
+    """
+
     @staticmethod
-    def AwaitFormation(request,
+    def FormPair(request,
             target,
             options=(),
             channel_credentials=None,
@@ -390,9 +429,9 @@ class Coordinator:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/afd.control.Coordinator/AwaitFormation',
-            afd_dot_control_dot_control__pb2.FormationRequest.SerializeToString,
-            afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
+            '/afd.control.Pairs/FormPair',
+            afd_dot_control_dot_control__pb2.PairRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.PairReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -405,7 +444,7 @@ class Coordinator:
 
 
 class RendezvousStub:
-    """torch.distributed's rendezvous store, on the control plane: behind the cluster token (and cluster.tls)
+    """torch.distributed's rendezvous store, on every node's control port: behind the cluster token (and cluster.tls)
     like every other call, so a process without the token reads no key and no address. Waits are
     bounded per call (timeout_seconds, a few seconds at most); the caller loops up to its own deadline.
     """
@@ -459,7 +498,7 @@ class RendezvousStub:
 
 
 class RendezvousServicer:
-    """torch.distributed's rendezvous store, on the control plane: behind the cluster token (and cluster.tls)
+    """torch.distributed's rendezvous store, on every node's control port: behind the cluster token (and cluster.tls)
     like every other call, so a process without the token reads no key and no address. Waits are
     bounded per call (timeout_seconds, a few seconds at most); the caller loops up to its own deadline.
     """
@@ -566,7 +605,7 @@ def add_RendezvousServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Rendezvous:
-    """torch.distributed's rendezvous store, on the control plane: behind the cluster token (and cluster.tls)
+    """torch.distributed's rendezvous store, on every node's control port: behind the cluster token (and cluster.tls)
     like every other call, so a process without the token reads no key and no address. Waits are
     bounded per call (timeout_seconds, a few seconds at most); the caller loops up to its own deadline.
     """

@@ -11,7 +11,6 @@ node's control port. All state is guarded by one condition variable; AwaitCluste
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 
@@ -35,15 +34,6 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.state = State.STARTING
         self.message = ""
         self.draining: set[str] = set()
-        self.generation = 0
-        """Data-plane generation: bumped when a node joins a serving cluster (a replacement, or the
-        coordinator's own node restarted) or a node's plane failed, so that every node re-forms."""
-        self.formed = -1
-        """The newest generation every node has asked to form: a node that joins while it is the current
-        one needs a newer one; one that joins while a newer one is still forming just forms that."""
-        self.formation = secrets.token_hex(16)
-        """The generation's store prefix: a process that reaches the store but not (with the token) the
-        coordinator cannot take a rank in the data plane."""
         self.resumed = False
         """Running nodes registered again (this coordinator restarted under a serving cluster): until every
         node is ready it reports DEGRADED, not STARTING, so that they keep taking requests."""
@@ -56,8 +46,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         limit = time.monotonic() - self.cfg.cluster.heartbeat_timeout
         return sorted(m.name for m in self.members.values() if m.last_seen < limit)
 
-    def _status(self, formation: bool = False) -> pb.ClusterStatus:
-        """formation: include the store prefix (only for the nodes forming the data plane)."""
+    def _status(self) -> pb.ClusterStatus:
         lost = self._lost()
         state = self.state
         if (state == State.READY and lost) or (state == State.STARTING and self.resumed):
@@ -70,29 +59,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             lost=lost,
             message=self.message,
             draining=sorted(self.draining),
-            generation=self.generation,
-            formation=self.formation if formation else "",
-            forming=self._forming(),
         )
-
-    def _forming(self) -> list[str]:
-        return [
-            n for n in self.cfg.process_names if n not in self.members or self.members[n].awaiting != self.generation
-        ]
-
-    def _awaiting(self, ref: pb.NodeRef, context) -> None:
-        m = self._member(ref, context)  # also: waiting counts as alive
-        if m.awaiting != self.generation:
-            m.awaiting = self.generation
-            if not self._forming():
-                self.formed = self.generation
-            self._cv.notify_all()
-
-    def _next_generation(self, why: str) -> None:
-        self.generation += 1
-        self.formation = secrets.token_hex(16)
-        log.warning("%s: data-plane generation %d", why, self.generation)
-        self._cv.notify_all()
 
     def _member(self, ref: pb.NodeRef, context) -> Member:
         m = self.members.get(ref.name)
@@ -149,12 +116,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 )
             if req.version != __version__:
                 log.warning("node %s runs afd %s, the coordinator %s", req.name, req.version, __version__)
-            if replacing:  # the old instance is gone; the new one opens a generation once loaded (AwaitCluster)
+            if replacing:  # the old instance is gone; the new one forms its own pairs of the data plane
                 self.draining.discard(req.name)
                 log.warning("%s replaced by a new instance from %s", req.name, req.address)
             member = Member(req.name, req.role, req.address, req.instance_id, req.model_fingerprint, time.monotonic())
-            if req.again:
-                self._registered_again(member, req, known=old is not None)
+            if req.again:  # a running node this coordinator does not know: it restarted (its state is soft)
+                member.ready = req.ready
+                self.resumed = self.resumed or req.ready
             self.members[req.name] = member
             log.info(
                 "registered %s (%s) from %s%s [%d/%d]",
@@ -167,19 +135,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             )
             self._maybe_ready()
             self._cv.notify_all()
-            reply = assignment(self.cfg, proc, self.n_routed)
-            reply.generation = self.generation
-        return reply
-
-    def _registered_again(self, member: Member, req: pb.RegisterRequest, known: bool) -> None:
-        """A running node that this coordinator does not know: the coordinator restarted, and its state
-        is soft, rebuilt from the survivors. Their data plane (generation `req.generation`) lost the
-        coordinator's node, whose new instance forms a newer one: the survivors move to it."""
-        member.ready, member.awaiting = req.ready, int(req.generation)
-        self.resumed = self.resumed or req.ready
-        if not known and req.generation >= self.generation:  # adopted, not bumped: that waits for the new node
-            self.generation, self.formed = int(req.generation), int(req.generation)
-            self.formation = secrets.token_hex(16)
+            return assignment(self.cfg, proc, self.n_routed)
 
     def _maybe_ready(self) -> None:
         if (
@@ -193,12 +149,12 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def AwaitCluster(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         deadline = self._started + self.cfg.cluster.startup_timeout
         with self._cv:
-            self._awaiting(ref, context)
+            self._member(ref, context)
             self._wait(
                 lambda: len(self.members) == len(self.cfg.processes) or self.state != State.STARTING,
                 deadline,
                 context,
-                on_wake=lambda: self._awaiting(ref, context),
+                on_wake=lambda: self._member(ref, context),  # waiting counts as alive
             )
             missing = [n for n in self.cfg.process_names if n not in self.members]
             if missing and time.monotonic() >= deadline and self.state == State.STARTING:
@@ -209,40 +165,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 )
                 log.error("%s", self.message)
                 self._cv.notify_all()
-            self._joins(ref)
-            return self._status(formation=True)
-
-    def _joins(self, ref: pb.NodeRef) -> None:
-        """A new instance, loaded, about to form: where the other nodes serve on a formed generation it
-        opens the next one, which they move to at their next step boundary. Opening it here, not at
-        Register, keeps the survivors stepping while the new node loads its weights."""
-        m = self.members.get(ref.name)
-        others = [o for o in self.members.values() if o is not m]
-        if m is None or m.ready or len(self.members) < len(self.cfg.processes):
-            return
-        if self.formed == self.generation and any(o.ready for o in others) and self.state != State.SHUTDOWN:
-            self._next_generation(f"{ref.name} joins the serving cluster")
-            m.awaiting = self.generation
-
-    def AwaitFormation(self, req: pb.FormationRequest, context) -> pb.ClusterStatus:
-        """Returns once the generation is past `req.after` and every node is registered and alive, or when
-        the timeout (or the call's deadline) passes: the caller compares the generation.
-
-        A caller whose generation failed while it is still the newest one (a peer timed out but lives
-        on) opens the next: the nodes still serving on the failed one see it in their heartbeats and
-        move."""
-        deadline = time.monotonic() + req.timeout_seconds
-        with self._cv:
-            self._member(req.ref, context)
-            if req.after == self.generation and self.state != State.SHUTDOWN:
-                self._next_generation(f"{req.ref.name} lost its data plane")
-            self._awaiting(req.ref, context)
-            formed = lambda: (
-                self.state == State.SHUTDOWN
-                or (self.generation > req.after and not self._forming() and not self._lost())
-            )
-            self._wait(formed, deadline, context, on_wake=lambda: self._awaiting(req.ref, context))
-            return self._status(formation=True)
+            return self._status()
 
     def ReportReady(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         with self._cv:

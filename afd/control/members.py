@@ -19,9 +19,6 @@ class Member:
     fingerprint: str
     last_seen: float
     ready: bool = False
-    awaiting: int = -1
-    """The newest generation this instance has asked to form (AwaitCluster, AwaitFormation): a dead
-    node never asks, so a generation forms only with the nodes that are really there."""
 
 
 def assignment(cfg: ClusterConfig, proc, n_routed: int) -> pb.RegisterReply:
@@ -29,12 +26,9 @@ def assignment(cfg: ClusterConfig, proc, n_routed: int) -> pb.RegisterReply:
     node's every attention node's every TP rank."""
     node = proc.node
     peers = [p.name for p in cfg.processes if p.node.role != node.role]
-    rank0 = cfg.attention_nodes[0]  # the rendezvous store: rank 0's control server (afd.control.kvstore)
     reply = pb.RegisterReply(
         rank=cfg.rank(proc.name),
         world_size=len(cfg.processes),
-        master_addr=rank0.host,
-        master_port=rank0.ports.control,
         peer_ranks=[cfg.rank(p) for p in peers],
         cluster_name=cfg.cluster.name,
     )

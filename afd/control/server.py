@@ -1,5 +1,5 @@
-"""Each node's gRPC server: the standard health service and the data plane's rendezvous store
-(afd.control.kvstore), plus the coordinator on the coordinator node."""
+"""Each node's gRPC server: the standard health service and the rendezvous store (afd.control.kvstore),
+plus the coordinator on the coordinator node and, on an FFN node, the Pairs service."""
 
 from __future__ import annotations
 
@@ -18,7 +18,14 @@ class ControlServer:
     """`set_serving(True)` flips the standard health status that probes and `grpc_health_probe` read."""
 
     def __init__(
-        self, host: str, port: int, tls: dict | None = None, coordinator=None, workers: int = 16, what: str = ""
+        self,
+        host: str,
+        port: int,
+        tls: dict | None = None,
+        coordinator=None,
+        workers: int = 16,
+        what: str = "",
+        pairs=None,
     ):
         """`what` names the port in the error when it is taken ("attention node attn0's ports.control")."""
         what = what or "the control port"
@@ -36,6 +43,8 @@ class ControlServer:
         pb_grpc.add_RendezvousServicer_to_server(RendezvousServicer(self.kv), self.server)
         if coordinator is not None:
             pb_grpc.add_CoordinatorServicer_to_server(coordinator, self.server)
+        if pairs is not None:  # an FFN node's (ffn_node/pairs.py)
+            pb_grpc.add_PairsServicer_to_server(pairs, self.server)
         creds = server_credentials(tls)
         addr = f"{host}:{port}"
         try:  # taken since the check: grpc raises RuntimeError (older versions return 0)

@@ -21,7 +21,6 @@ from afd.dataplane.protocol import (
     FLAG_IDLE,
     FLAG_LEAVE,
     FLAG_MTP,
-    FLAG_REFORM,
     FLAG_SHUTDOWN,
     HEADER_LEN,
     IDLE_ACK_LEN,
@@ -56,8 +55,8 @@ class MoEExchange(Protocol):
         """A step with no tokens (keeps FFN peers' steps going); returns how many attention nodes had work."""
         ...
 
-    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
-        """No more steps from this attention node (on this generation of the data plane, with `reform`)."""
+    def leave(self, shutdown: bool = False) -> None:
+        """No more steps from this attention node."""
         ...
 
 
@@ -93,7 +92,7 @@ class LocalMoE:
     def idle(self) -> int:
         return 0
 
-    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
+    def leave(self, shutdown: bool = False) -> None:
         pass
 
 
@@ -176,9 +175,8 @@ class RemoteMoE:
         busiest = torch.stack([buf[0] for buf in self._acks.values()]).max()
         return host_syncs.to_int(busiest)  # one read, not one per FFN node
 
-    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
-        """Tell every FFN node this attention node is done (with `shutdown`, that they exit; with
-        `reform`, that it moves to the next generation of the data plane)."""
-        flags = FLAG_REFORM if reform else FLAG_LEAVE | (FLAG_SHUTDOWN if shutdown else 0)
+    def leave(self, shutdown: bool = False) -> None:
+        """Tell every FFN node this attention node is done (with `shutdown`, that they exit)."""
+        flags = FLAG_LEAVE | (FLAG_SHUTDOWN if shutdown else 0)
         self._send_header(StepHeader(self.step_id, (), flags))
         self.end_step()

@@ -9,9 +9,8 @@ this order is the protocol):
         f -> a   y  [tokens_i, hidden]               (f's share of the MoE output)
 
 Both sides know every size from the header, so each message goes into a preallocated buffer and an
-FFN node needs no request state. A header with LEAVE says a has no more steps; SHUTDOWN stops f;
-REFORM says a moves to the next generation of the data plane (a node was replaced), where f is to
-follow once none of its peers is left on this one.
+FFN node needs no request state. A header with LEAVE says a has no more steps; SHUTDOWN stops f.
+Each pair's messages start afresh (step 0) whenever the pair forms (afd.dataplane.pairs).
 
 An attention node with nothing to run sends an IDLE header instead (it keeps its FFN peers' step
 going and tells them it is alive); f answers it, once the step is done, with an IdleAck:
@@ -46,8 +45,7 @@ FLAG_SHUTDOWN = 2
 """The FFN node exits after this header."""
 FLAG_IDLE = 4
 """No tokens this step: a heartbeat from an attention node with nothing to run."""
-FLAG_REFORM = 8
-"""The sender leaves this generation of the data plane for the next one (with a replaced node)."""
+# 8 was REFORM (a whole-plane generation change), retired with per-pair worlds; a header carrying it is refused
 FLAG_MTP = 16
 """The step runs only the MTP module's MoE layer (afd.model.mtp), not the decoder's MoE layers."""
 

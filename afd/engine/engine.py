@@ -133,10 +133,7 @@ class Engine:
             while not self._stop.is_set():
                 failed = None
                 try:
-                    if self.membership is not None and self._can_rejoin() and self.membership.superseded():
-                        self.runner.leave(reform=True)
-                        failed = "a node was replaced: moving to the next data-plane generation"
-                    elif self.step() is not None:
+                    if self.step() is not None:
                         backoff = 0.0
                         continue
                     else:
@@ -162,12 +159,12 @@ class Engine:
         return self.membership is not None and self.membership.rejoin is not None
 
     def _rejoin(self, e: str) -> None:
-        """A peer failed mid-step (or the plane is being re-formed): wait for the next generation, then
-        run the step again. Nothing is lost: the step's sampling never ran, and its KV writes land in the
-        same slots when it reruns."""
+        """A peer failed mid-step: form this node's pairs again (waiting for a dead FFN node's
+        replacement), then run the step again. Nothing is lost: the step's sampling never ran, and its KV
+        writes land in the same slots when it reruns."""
         self.paused = e
         log.warning("requests paused: %s", e)
-        self.runner.moe = None  # drop the exchange over the failed generation before it is torn down
+        self.runner.moe = None  # drop the exchange over the failed pairs before they are torn down
         rejoin = None if self.membership is None else self.membership.rejoin
         try:
             if rejoin is None:

@@ -14,12 +14,10 @@ from afd.dataplane.exchange import MoEExchange
 @dataclass
 class PlaneMembership:
     rejoin: Callable[[str], MoEExchange] | None
-    """Leaves the current generation of the data plane, waits up to `cluster.rejoin_timeout` for the
-    next one to form and returns the exchange over it; raises when none forms in time. None (with
-    `rejoin_timeout: 0`): the first data-plane error fails every request."""
-    superseded: Callable[[], bool]
-    """True once the cluster forms a newer generation (a node was replaced): the engine moves to it at
-    its next step boundary, telling its FFN peers so on the old one."""
+    """Ends this node's failed pairs of the data plane, forms new ones, waiting up to
+    `cluster.rejoin_timeout` for a dead FFN node's replacement, and returns the exchange over them;
+    raises when they do not form in time. None (with `rejoin_timeout: 0`): the first data-plane error
+    fails every request."""
     release: Callable[[], None]
     """Closes this node's end of the data plane when the engine stops for good, so that its FFN peers
     drop it at once rather than after `comm_timeout`."""

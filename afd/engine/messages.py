@@ -192,8 +192,6 @@ class IdleStep:
 @dataclass(frozen=True)
 class LeaveStep:
     shutdown: bool = False
-    reform: bool = False
-    """The node moves to the next data-plane generation rather than leaving for good."""
 
 
 @dataclass(frozen=True)

@@ -233,10 +233,10 @@ class ModelRunner:
             self.tp.send_step(IdleStep())
         return self.exchange().idle()
 
-    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
+    def leave(self, shutdown: bool = False) -> None:
         if self.tp.size > 1 and self.tp.is_leader:
-            self.tp.send_step(LeaveStep(shutdown, reform))
-        self.exchange().leave(shutdown=shutdown, reform=reform)
+            self.tp.send_step(LeaveStep(shutdown))
+        self.exchange().leave(shutdown=shutdown)
 
 
 def token_ids(seqs: list[StepSeq], device: torch.device) -> torch.Tensor:
@@ -273,7 +273,7 @@ def follow(runner: ModelRunner) -> LeaveStep:
         elif isinstance(msg, IdleStep):
             runner.exchange().idle()
         elif isinstance(msg, LeaveStep):
-            runner.exchange().leave(shutdown=msg.shutdown, reform=msg.reform)
+            runner.exchange().leave(shutdown=msg.shutdown)
             return msg
         else:
             raise TypeError(f"TP rank {runner.tp.rank}: unexpected message from the leader: {msg!r}")

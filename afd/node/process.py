@@ -27,9 +27,6 @@ class NodeProcess(Protocol):
     def serve(self) -> int:
         """Runs until the node is done; returns the exit code."""
 
-    def reform(self, why: str) -> object:
-        """After a data-plane failure: the next generation of the plane, with the failed node's replacement."""
-
     def stop(self) -> None:
         """From the signal thread: drain, leave, close (the process exits right after)."""
 

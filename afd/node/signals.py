@@ -3,11 +3,13 @@
 Python runs signal handlers only between bytecodes, so a process blocked in a data-plane wait would not
 notice SIGTERM until the wait timed out. Instead the signals are blocked in every thread and a watcher
 thread takes them with sigwait, runs the stop handler, and exits the process. `exit_on_signal` must run
-before anything starts a thread (torch and grpc do at import): threads inherit the blocked mask.
+before anything starts a thread (torch and grpc do at import): threads inherit the blocked mask. It also
+makes SIGUSR1 dump every thread's stack.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import signal
@@ -27,6 +29,9 @@ def set_stop_handler(fn: Callable[[int], None]) -> None:
 
 def exit_on_signal(code: int = 0) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    # `kill -USR1 PID` writes every thread's Python stack to the node's stderr, also while it is blocked
+    # inside a C++ wait: what a stuck node is doing, without a debugger
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     def watch() -> None:
         signum = signal.sigwait(_SIGNALS)

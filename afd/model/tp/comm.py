@@ -15,6 +15,7 @@ tensor, ReduceScatter and AllGather (G-1)/G of the full tensor, all_to_all (D-1)
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -68,15 +69,15 @@ class TPComm:
             self.connect()
 
     def connect(self) -> None:
-        """Makes the group's process groups in the current data plane: at start-up, and again after the
-        data plane re-forms (a node was replaced), when the old groups died with the old world. Layers
-        keep this object, so they follow."""
+        """Makes the group's process groups in the node's TP world: at start-up, and again after a failure
+        re-formed the node's pairs (`disconnect` ended the old groups). Layers keep this object, so they
+        follow."""
         cfg, rank = self.cfg, self.rank
         ordered = self.backend is not None and self.backend.stream_ordered_waits
         # With the watchdog holding the deadlines, the groups' own timeout is a backstop past it (as the data
         # plane's: afd.dataplane.transport); the object collectives' gloo group keeps the deadline itself.
         timeout = timedelta(seconds=self.timeout_s * 2 + 10 if ordered else self.timeout_s)
-        if self.deadlines is not None:  # a re-form: the old groups died with the old world
+        if self.deadlines is not None:  # a re-form: the old groups were ended
             self.deadlines.close()
         self.deadlines = Deadlines(self.timeout_s, self._abort, error=self._timed_out) if ordered else None
 
@@ -98,13 +99,23 @@ class TPComm:
             self.otp_group = group(next(g for g in otp if rank in g))
 
     def disconnect(self) -> None:
-        """Drops this rank's references to its groups before the data plane's world is torn down to re-form:
-        a gloo group's sockets close only once nothing holds it, and a rank of this node still blocked in
-        one of its collectives (it had not seen the failure yet) must fail at once, not at its timeout, or
-        the re-formation waits for it that long. `connect` makes new ones."""
+        """Ends this rank's groups when the node re-forms after a failure: a rank of this node still blocked
+        in one of their collectives (it had not seen the failure yet) must fail at once, not at its timeout,
+        or the re-formation waits for it that long. Each group is aborted (NCCL, HCCL: without waiting for
+        queued work) and forgotten by c10d without a shutdown; a gloo group's sockets close once nothing
+        holds it. `connect` makes new ones in the node's TP world (afd.node.tp_world)."""
         for name in ("group", "cpu_group", "kvp_group", "odp_group", "otp_group"):
-            if hasattr(self, name):
-                setattr(self, name, None)
+            group = getattr(self, name, None)
+            if group is None:
+                continue
+            setattr(self, name, None)
+            try:
+                if self.backend is not None and name != "cpu_group":
+                    self.backend.abort_group(group)
+                dist.distributed_c10d._abort_process_group(group)
+            except Exception as e:  # noqa: BLE001 (a dead rank can make teardown fail; re-forming matters more)
+                log.debug("TP group %s teardown: %s", name, e)
+        gc.collect()
 
     @property
     def is_leader(self) -> bool:

@@ -1,0 +1,107 @@
+"""The FFN node's `Pairs` service: an attention rank asks for a pair, this node forms its end on a thread of
+its own and hands the formed pair to the serving loop (ffn_node/server.py), which adopts it at its next
+step boundary. The loop never stops for a formation, so the other attention nodes keep stepping while a
+replaced or failed one forms its pairs (docs/architecture/dataplane.md, "Pairs").
+
+An attention node's TP ranks step in lockstep, driven by rank 0 (afd.engine.runner.follow), so their pairs
+are handed over together, once every rank of the node has formed one: a loop that served one rank of a
+node without the others would wait for a header that rank 0 sends only after that step."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import grpc
+
+from afd.backend import Backend
+from afd.cluster.config import ClusterConfig
+from afd.cluster.token import cluster_token
+from afd.control import control_pb2 as pb
+from afd.control import control_pb2_grpc as pb_grpc
+from afd.dataplane.pairs import FFN, PairLink, handshake
+from afd.dataplane.rendezvous import ControlStore
+from afd.dataplane.transport import DataPlane, PeerError
+
+log = logging.getLogger("afd.ffn")
+MAX_FORM_S = 120.0
+"""The longest a formation may wait for its attention end (a request's timeout_seconds is capped here)."""
+
+
+class PairAcceptor(pb_grpc.PairsServicer):
+    def __init__(self, cfg: ClusterConfig, name: str):
+        self.cfg, self.name = cfg, name
+        self.backend: Backend | None = None
+        self.rank = cfg.rank(name)
+        self.attention = {p.name: r for r, p in enumerate(cfg.processes) if p.node.role == "attention"}
+        self.node_of = {p.name: p.node.name for p in cfg.processes if p.node.role == "attention"}
+        self.formed: queue.SimpleQueue = queue.SimpleQueue()
+        """Lists of (attention rank, name, PairLink), every TP rank of one attention node: for the loop to adopt."""
+        self._forming: dict[str, dict[int, tuple[str, PairLink]]] = {}
+        """Per attention node, its ranks' pairs formed so far (the node's list goes once it is complete)."""
+        self.plane: DataPlane | None = None
+        """Set once the node is loaded: requests before then are answered UNAVAILABLE (tried again)."""
+        self._latest: dict[int, PairLink] = {}
+        self._mu = threading.Lock()
+        self._store: ControlStore | None = None
+
+    def accept(self, plane: DataPlane) -> None:
+        """The node is loaded and its plane made: pairs form from here on."""
+        self.backend = plane.backend
+        node = self.cfg.node(self.name)
+        # this node's own Rendezvous service, as the attention ends reach it
+        self._store = ControlStore(f"{node.host}:{node.ports.control}", MAX_FORM_S, self.cfg.cluster.tls)
+        self.plane = plane
+
+    def FormPair(self, req: pb.PairRequest, context) -> pb.PairReply:
+        plane = self.plane
+        if plane is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"FFN node {self.name} is still loading")
+        if self.attention.get(req.name) != req.rank or not req.key:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"FFN node {self.name}: {req.name!r} is not an attention rank of this cluster at data-plane rank "
+                f"{req.rank} (the cluster YAML's attention ranks: {', '.join(self.attention)})",
+            )
+        with self._mu:
+            old = self._latest.get(req.rank)
+        if old is not None:  # ends the loop's wait on the old pair at once (NCCL, HCCL; on gloo its sockets close)
+            plane.abort_link(req.rank, old, f"{req.name} forms a new pair")
+        timeout = min(max(req.timeout_seconds, 1.0), MAX_FORM_S)
+        threading.Thread(
+            target=self._form, args=(req.name, req.rank, req.key, timeout), name="afd-form-pair", daemon=True
+        ).start()
+        return pb.PairReply(rank=self.rank)
+
+    def _form(self, name: str, rank: int, key: str, timeout_s: float) -> None:
+        self.backend.bind_thread()
+        try:
+            link = PairLink(self.backend, self._store, key, FFN, timeout_s)
+        except Exception as e:  # noqa: BLE001 (the attention end gave up, or died: it asks again)
+            log.warning("pair with %s did not form: %s", name, _first_line(e))
+            return
+        try:
+            handshake(link, cluster_token(), timeout_s)
+        except PeerError as e:
+            log.warning("pair with %s refused: %s", name, e)
+            link.close(queued=True)
+            return
+        node = self.node_of[name]
+        with self._mu:
+            self._latest[rank] = link
+            forming = self._forming.setdefault(node, {})
+            stale = forming.get(rank)
+            forming[rank] = (name, link)
+            done = len(forming) == self.cfg.layout.attention_tp
+            if done:
+                del self._forming[node]
+        if stale is not None:  # the rank asked again before its node's other ranks formed theirs
+            stale[1].close(queued=True)
+        if done:
+            self.formed.put([(r, n, lk) for r, (n, lk) in sorted(forming.items())])
+
+
+def _first_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
