@@ -50,13 +50,16 @@ class AttentionNode:
 
     def reform(self, why: str) -> MoEExchange:
         """This rank's pairs of the data plane formed again (afd.node.runtime.NodeRuntime.reform); the
-        node's TP ranks, which meet the failure too, meet again in new TP groups."""
+        node's TP ranks, which meet the failure too, meet again in a new TP world (afd.node.tp_world)."""
         self.moe = None  # the old exchange's pairs go
-        if self.tp.size > 1:
-            # the old TP groups go first: a rank still blocked in one of their collectives fails at once
+        world = self.runtime.tp_world
+        if world is not None:
+            # the TP groups go first: a rank still blocked in one of their collectives fails at once
             self.tp.disconnect()
+            world.leave()
         self.runtime.reform(why)
-        if self.tp.size > 1:
+        if world is not None:
+            world.form(self.cfg.cluster.rejoin_timeout)
             self.tp.connect()
         self.moe = exchange(self.runtime, self.halves, self.dtype)
         return self.moe

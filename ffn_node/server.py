@@ -166,8 +166,9 @@ class FFNServer:
         self.active.append(r)
         self.names[r] = name
         self._next_step[r] = 0
-        if r not in self._headers:
-            self._headers[r] = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.backend.device)
+        if r in self._headers:  # the old pair's receive into it may have been aborted, not finished
+            self._retire(self._headers[r])
+        self._headers[r] = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.backend.device)
         log.info(
             "attention rank %d (%s) %s; serving %d peer(s)",
             r,

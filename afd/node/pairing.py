@@ -74,8 +74,8 @@ def form_pairs(plane: DataPlane, peers: list[FFNPeer], me: pb.NodeRef, deadline_
                     refused = f"FFN node {peer.name} at {peer.address} refused the pair: {e.details()}"
                     raise ControlError(refused) from None
                 why = e.details() or e.code().name
-            except PeerError as e:
-                why = str(e)
+            except (PeerError, RuntimeError) as e:  # RuntimeError: gloo's connect, the FFN end gave up
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if time.monotonic() > deadline:
                 raise ControlError(
                     f"no pair formed with FFN node {peer.name} within {deadline_s:.0f}s (last: {why})"

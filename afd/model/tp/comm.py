@@ -15,7 +15,6 @@ tensor, ReduceScatter and AllGather (G-1)/G of the full tensor, all_to_all (D-1)
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections import Counter
 from collections.abc import Iterator
@@ -69,9 +68,9 @@ class TPComm:
             self.connect()
 
     def connect(self) -> None:
-        """Makes the group's process groups in the node's TP world: at start-up, and again after a failure
-        re-formed the node's pairs (`disconnect` ended the old groups). Layers keep this object, so they
-        follow."""
+        """Makes the group's process groups in the node's TP world: at start-up, and again in the next world
+        after a failure re-formed the node's pairs (`disconnect` ended the old groups). Layers keep this
+        object, so they follow."""
         cfg, rank = self.cfg, self.rank
         ordered = self.backend is not None and self.backend.stream_ordered_waits
         # With the watchdog holding the deadlines, the groups' own timeout is a backstop past it (as the data
@@ -99,23 +98,20 @@ class TPComm:
             self.otp_group = group(next(g for g in otp if rank in g))
 
     def disconnect(self) -> None:
-        """Ends this rank's groups when the node re-forms after a failure: a rank of this node still blocked
-        in one of their collectives (it had not seen the failure yet) must fail at once, not at its timeout,
-        or the re-formation waits for it that long. Each group is aborted (NCCL, HCCL: without waiting for
-        queued work) and forgotten by c10d without a shutdown; a gloo group's sockets close once nothing
-        holds it. `connect` makes new ones in the node's TP world (afd.node.tp_world)."""
+        """Drops this rank's groups when the node re-forms after a failure, aborting their communicators
+        (NCCL, HCCL: without waiting for queued work); the node's TP world then goes with them
+        (afd.node.tp_world.TPWorld.leave), so a rank of this node still blocked in one of their collectives
+        fails at once, not at its timeout. `connect` makes new ones in the next world."""
         for name in ("group", "cpu_group", "kvp_group", "odp_group", "otp_group"):
             group = getattr(self, name, None)
             if group is None:
                 continue
             setattr(self, name, None)
-            try:
-                if self.backend is not None and name != "cpu_group":
+            if self.backend is not None and name != "cpu_group":
+                try:
                     self.backend.abort_group(group)
-                dist.distributed_c10d._abort_process_group(group)
-            except Exception as e:  # noqa: BLE001 (a dead rank can make teardown fail; re-forming matters more)
-                log.debug("TP group %s teardown: %s", name, e)
-        gc.collect()
+                except Exception as e:  # noqa: BLE001 (a dead rank can make an abort fail; re-forming matters more)
+                    log.debug("TP group %s abort: %s", name, e)
 
     @property
     def is_leader(self) -> bool:
