@@ -1,9 +1,13 @@
-"""The coordinator's generations, in process: when the data plane must re-form and with whom."""
+"""The coordinator in process: who is registered, ready, lost or draining; a replacement taken once the
+old instance is lost, without the survivors noticing; soft state learnt again after a restart. It
+plays no part in forming the data plane (each attention rank forms its pairs with the FFN nodes)."""
 
 from __future__ import annotations
 
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -13,6 +17,11 @@ from afd import __version__
 from afd.cluster.config import load
 from afd.control import control_pb2 as pb
 from afd.control.coordinator import Coordinator
+
+NODES = (("attn0", "attention"), ("attn1", "attention"), ("ffn0", "ffn"))
+HEARTBEAT_TIMEOUT = 1.0
+"""Long against the microseconds between the calls a test compares, so a survivor never goes lost
+between them on a loaded machine; short enough to wait out for a replacement."""
 
 
 class _Aborted(Exception):
@@ -32,91 +41,174 @@ class _Context:
         raise _Aborted(f"{code.name}: {details}")
 
 
-@pytest.fixture
-def coordinator(tmp_path):
-    cfg = load(str(cluster_yaml(tmp_path, str(tmp_path), 2, 1, cluster={"heartbeat_timeout": 0.3})))
-    c = Coordinator(cfg, "fp", n_routed=4)
-    for name, role in NODES:
-        c.Register(_register(name, role, "i0"), _Context())
-    for name, _ in NODES:  # the first formation
-        assert c.AwaitCluster(_ref(name), _Context(5)).generation == 0
-    for name, _ in NODES:
-        c.ReportReady(_ref(name), _Context())
-    return c
+def _new(tmp_path, heartbeat_timeout: float = HEARTBEAT_TIMEOUT) -> Coordinator:
+    cluster = {"heartbeat_timeout": heartbeat_timeout}
+    return Coordinator(load(str(cluster_yaml(tmp_path, str(tmp_path), 2, 1, cluster=cluster))), "fp", n_routed=4)
 
 
-NODES = (("attn0", "attention"), ("attn1", "attention"), ("ffn0", "ffn"))
-
-
-def _ref(name: str, instance: str = "i0") -> pb.NodeRef:
-    return pb.NodeRef(name=name, instance_id=instance)
-
-
-def _register(name: str, role: str, instance: str) -> pb.RegisterRequest:
+def _register(name: str, role: str, instance: str, **fields) -> pb.RegisterRequest:
     return pb.RegisterRequest(
-        name=name, role=role, address="127.0.0.1", instance_id=instance, model_fingerprint="fp", version=__version__
+        name=name,
+        role=role,
+        address="127.0.0.1",
+        instance_id=instance,
+        model_fingerprint=fields.pop("fingerprint", "fp"),
+        version=__version__,
+        **fields,
     )
 
 
-def _await(c: Coordinator, ref: pb.NodeRef, after: int, seconds: float = 3) -> pb.ClusterStatus:
-    return c.AwaitFormation(pb.FormationRequest(ref=ref, after=after, timeout_seconds=seconds), _Context(10))
+@pytest.fixture
+def serving(tmp_path):
+    """A READY cluster; `ids` are the instances' ids (uuid4 hex, as ControlClient makes them)."""
+    c, ids = _new(tmp_path), {name: uuid.uuid4().hex for name, _ in NODES}
+    for name, role in NODES:
+        c.Register(_register(name, role, ids[name]), _Context())
+    for name, _ in NODES:
+        c.ReportReady(pb.NodeRef(name=name, instance_id=ids[name]), _Context())
+    assert c.GetStatus(pb.StatusRequest(), _Context()).state == pb.ClusterStatus.READY
+    return SimpleNamespace(c=c, ids=ids, ref=lambda n: pb.NodeRef(name=n, instance_id=ids[n]))
 
 
-def test_a_replacement_opens_a_generation_that_forms_once_everyone_asks(coordinator):
-    c = coordinator
-    with pytest.raises(_Aborted, match="ALREADY_EXISTS: duplicate node name 'attn1'"):
-        c.Register(_register("attn1", "attention", "i1"), _Context())  # the old instance is alive
-    assert c.generation == 0
-    time.sleep(0.4)  # attn1's old instance misses its heartbeats
-    for n in ("attn0", "ffn0"):
-        c.Heartbeat(_ref(n), _Context())
-    formation = c.formation
-    c.Register(_register("attn1", "attention", "i1"), _Context())
-    assert c.generation == 0  # the survivors step on while the replacement loads its weights
-    st = c.AwaitCluster(_ref("attn1", "i1"), _Context(5))  # loaded: it opens the next generation
-    assert st.generation == c.generation == 1 and st.formation == c.formation != formation
-    assert st.forming == ["attn0", "ffn0"]
-    with ThreadPoolExecutor(2) as pool:  # the survivors see it in their heartbeats and move
-        sts = [st, *pool.map(lambda n: _await(c, _ref(n), 0), ("attn0", "ffn0"))]
-    assert {(st.generation, st.formation) for st in sts} == {(1, c.formation)}
-    assert not sts[1].forming and not sts[1].lost
+def _lose(s, name: str) -> None:
+    """`name`'s instance stops sending heartbeats; the others go on."""
+    time.sleep(HEARTBEAT_TIMEOUT + 0.2)
+    for other, _ in NODES:
+        if other != name:
+            s.c.Heartbeat(s.ref(other), _Context())
 
 
-def test_a_failed_generation_forms_again_only_with_the_nodes_that_ask(coordinator):
-    """attn0's data plane failed (its FFN peer died, say): the next generation opens at once, but it
-    forms only once every node asks for it; a dead node never does, so nothing forms without it."""
-    c = coordinator
+def test_startup_waits_for_every_node_and_is_ready_once_all_report(tmp_path):
+    c, ids = _new(tmp_path), {name: uuid.uuid4().hex for name, _ in NODES}
+
+    def ref(n: str) -> pb.NodeRef:
+        return pb.NodeRef(name=n, instance_id=ids[n])
+
+    for name, role in NODES[:2]:
+        c.Register(_register(name, role, ids[name]), _Context())
+    st = c.GetStatus(pb.StatusRequest(), _Context())
+    assert (st.state, list(st.missing)) == (pb.ClusterStatus.STARTING, ["ffn0"])
+    assert list(st.registered) == ["attn0", "attn1"]
+    with ThreadPoolExecutor(2) as pool:
+        waits = [pool.submit(c.AwaitCluster, ref(n), _Context(20)) for n in ("attn0", "attn1")]
+        time.sleep(0.3)
+        assert not any(w.done() for w in waits)  # ffn0 is missing: they wait
+        c.Register(_register("ffn0", "ffn", ids["ffn0"]), _Context())
+        sts = [w.result(timeout=10) for w in waits]
+    assert all(not st.missing and st.state == pb.ClusterStatus.STARTING for st in sts)
+    assert c.ReportReady(ref("ffn0"), _Context()).ready == ["ffn0"]
+    assert c.ReportReady(ref("attn0"), _Context()).state == pb.ClusterStatus.STARTING  # attn1 is not ready
+    st = c.ReportReady(ref("attn1"), _Context())
+    assert (st.state, list(st.ready), list(st.lost), st.message) == (
+        pb.ClusterStatus.READY,
+        ["attn0", "attn1", "ffn0"],
+        [],
+        "",
+    )
+
+
+@pytest.mark.parametrize(
+    "request_, refusal",
+    [
+        (_register("attn9", "attention", "x"), "NOT_FOUND: unknown node 'attn9': the cluster YAML names attn0, attn1"),
+        (_register("ffn0", "attention", "x"), "INVALID_ARGUMENT: node 'ffn0' registered as 'attention' but the YAML"),
+        (_register("ffn0", "ffn", "x", fingerprint="other"), "FAILED_PRECONDITION: node 'ffn0' has model fingerprint"),
+    ],
+    ids=["unknown", "wrong-role", "other-model"],
+)
+def test_a_node_that_does_not_fit_the_yaml_is_refused(tmp_path, request_, refusal):
+    c = _new(tmp_path)
+    with pytest.raises(_Aborted, match=f"^{refusal}"):
+        c.Register(request_, _Context())
+    assert not c.members
+
+
+def test_a_duplicate_name_is_refused_and_a_replacement_taken_once_the_old_instance_is_lost(serving):
+    s, c = serving, serving.c
+    with pytest.raises(_Aborted, match="ALREADY_EXISTS: duplicate node name 'attn1': already registered from"):
+        c.Register(_register("attn1", "attention", "new"), _Context())  # the old instance is alive
+    c.Drain(pb.DrainRequest(node="attn1"), _Context())
+    _lose(s, "attn1")
+    st = c.GetStatus(pb.StatusRequest(), _Context())
+    assert (st.state, list(st.lost), list(st.draining)) == (pb.ClusterStatus.DEGRADED, ["attn1"], ["attn1"])
+    c.Register(_register("attn1", "attention", "new"), _Context())
+    st = c.GetStatus(pb.StatusRequest(), _Context())
+    # the replacement is alive, not draining (that was its predecessor), and not ready until it says so
+    assert (st.state, list(st.lost), list(st.draining)) == (pb.ClusterStatus.READY, [], [])
+    assert (list(st.registered), list(st.ready)) == (["attn0", "attn1", "ffn0"], ["attn0", "ffn0"])
+    with pytest.raises(_Aborted, match="NOT_FOUND: node 'attn1' is not registered with this coordinator"):
+        c.Heartbeat(s.ref("attn1"), _Context())  # the old instance, back from a stall: its name is taken
+    assert c.ReportReady(pb.NodeRef(name="attn1", instance_id="new"), _Context()).ready == ["attn0", "attn1", "ffn0"]
+
+
+def test_a_replacement_awaits_nothing_in_a_serving_cluster_and_changes_nothing_for_the_others(serving):
+    """The replacement forms its own pairs with the FFN nodes; the coordinator only says the cluster is
+    whole, at once, and the survivors see the same status as before it asked (no generation to move to)."""
+    s, c = serving, serving.c
+    _lose(s, "attn1")
+    c.Register(_register("attn1", "attention", "new"), _Context())
+    before = {n: c.Heartbeat(s.ref(n), _Context()) for n in ("attn0", "ffn0")}
     t0 = time.monotonic()
-    st = _await(c, _ref("attn0"), 0, seconds=0.5)
-    assert time.monotonic() - t0 >= 0.45
-    assert st.generation == 1 and st.forming == ["attn1", "ffn0"]  # the client keeps waiting
-    with ThreadPoolExecutor(3) as pool:
-        done = [pool.submit(_await, c, _ref(n), 0) for n in ("attn0", "attn1", "ffn0")]
-        sts = [f.result() for f in done]
-    assert [st.generation for st in sts] == [1, 1, 1] and not any(st.forming for st in sts)  # one bump only
-    assert c.Heartbeat(_ref("attn0"), _Context()).formation == ""  # heartbeats never carry the store prefix
+    st = c.AwaitCluster(pb.NodeRef(name="attn1", instance_id="new"), _Context(20))
+    # returns without waiting: 1s is far above a lock and a message, far below the 20s it could block
+    assert time.monotonic() - t0 < 1.0
+    assert not st.missing and not st.lost and st.state == pb.ClusterStatus.READY
+    after = {n: c.Heartbeat(s.ref(n), _Context()) for n in ("attn0", "ffn0")}
+    assert after == before and st == before["attn0"]
+    assert {n: m.instance_id for n, m in c.members.items()} == {**s.ids, "attn1": "new"}
 
 
 def test_a_restarted_coordinator_learns_the_survivors_again(tmp_path):
     """Soft state: a fresh coordinator (its node restarted) takes the running nodes' registrations again,
-    with their generation and readiness; its own node's new instance forms a newer generation with them,
-    and the cluster is READY once that node reports ready."""
-    cfg = load(str(cluster_yaml(tmp_path, str(tmp_path), 2, 1, cluster={"heartbeat_timeout": 5})))
-    c = Coordinator(cfg, "fp", n_routed=4)
+    with their readiness; it reports DEGRADED (they keep taking requests) until its own node's new
+    instance is ready, then READY."""
+    c = _new(tmp_path, heartbeat_timeout=5)
     c.Register(_register("attn0", "attention", "new"), _Context())  # the restarted node registers with itself
     with pytest.raises(_Aborted, match="NOT_FOUND: node 'attn1' is not registered with this coordinator"):
-        c.Heartbeat(_ref("attn1"), _Context())  # a survivor's heartbeat, before it registers again
+        c.Heartbeat(pb.NodeRef(name="attn1", instance_id="i0"), _Context())  # before it registers again
     for name, role in NODES[1:]:
-        again = _register(name, role, "i0")
-        again.again, again.generation, again.ready = True, 3, True
-        c.Register(again, _Context())
-    st = c.AwaitCluster(_ref("attn0", "new"), _Context(5))
-    assert st.generation == 4 and st.formation and not st.missing  # newer than the survivors' 3
-    # attn0 is not ready yet, but the survivors serve on: DEGRADED (they take requests), not STARTING
-    assert c.GetStatus(pb.StatusRequest(), _Context()).state == pb.ClusterStatus.DEGRADED
-    assert _await(c, _ref("ffn0"), after=3, seconds=0.2).forming == ["attn1"]
-    assert _await(c, _ref("attn1"), after=3).generation == 4
-    assert c.ReportReady(_ref("attn0", "new"), _Context()).state == pb.ClusterStatus.READY
-    dup = _register("attn1", "attention", "other")  # the survivor is alive: its name is still taken
+        c.Register(_register(name, role, "i0", again=True, ready=True), _Context())
+    st = c.GetStatus(pb.StatusRequest(), _Context())
+    assert (st.state, list(st.ready), list(st.missing)) == (pb.ClusterStatus.DEGRADED, ["attn1", "ffn0"], [])
+    t0 = time.monotonic()
+    st = c.AwaitCluster(pb.NodeRef(name="attn0", instance_id="new"), _Context(20))
+    assert time.monotonic() - t0 < 1.0 and not st.missing  # everyone is back: nothing to wait for
+    assert c.Heartbeat(pb.NodeRef(name="ffn0", instance_id="i0"), _Context()).state == pb.ClusterStatus.DEGRADED
+    assert c.ReportReady(pb.NodeRef(name="attn0", instance_id="new"), _Context()).state == pb.ClusterStatus.READY
     with pytest.raises(_Aborted, match="ALREADY_EXISTS: duplicate node name"):
-        c.Register(dup, _Context())
+        c.Register(_register("attn1", "attention", "other"), _Context())  # the survivor is alive: name taken
+
+
+def test_a_survivor_that_had_not_reported_ready_is_learnt_as_not_ready(tmp_path):
+    c = _new(tmp_path, heartbeat_timeout=5)
+    c.Register(_register("attn0", "attention", "new"), _Context())
+    c.Register(_register("attn1", "attention", "i0", again=True, ready=False), _Context())
+    c.Register(_register("ffn0", "ffn", "i0", again=True, ready=False), _Context())
+    st = c.GetStatus(pb.StatusRequest(), _Context())
+    assert (st.state, list(st.ready)) == (pb.ClusterStatus.STARTING, [])  # nobody served: still starting up
+
+
+STATUS_FIELDS = {"state", "missing", "registered", "ready", "lost", "message", "draining"}
+
+
+def test_no_status_carries_a_secret(serving):
+    """What any caller with the token sees (heartbeats, the status CLI) names nodes and states only: no
+    store prefix, no key, no instance id (with one, a process could heartbeat as that node)."""
+    s, c = serving, serving.c
+    names = {n for n, _ in NODES}
+    sts = [c.Heartbeat(s.ref(n), _Context()) for n in names]
+    sts.append(c.Drain(pb.DrainRequest(node="attn0"), _Context()))
+    _lose(s, "attn1")
+    sts += [c.GetStatus(pb.StatusRequest(), _Context()), c.Heartbeat(s.ref("ffn0"), _Context())]
+    c.Register(_register("attn1", "attention", uuid.uuid4().hex), _Context())
+    sts.append(c.AwaitCluster(pb.NodeRef(name="attn1", instance_id=c.members["attn1"].instance_id), _Context(5)))
+    sts.append(c.Shutdown(pb.ShutdownRequest(reason="done"), _Context()))
+    assert {tuple(st.lost) for st in sts} == {(), ("attn1",)}  # the statuses span the lifecycle
+    secrets = [m.instance_id for m in c.members.values()] + list(s.ids.values())
+    for st in sts:
+        assert {f.name for f, _ in st.ListFields()} <= STATUS_FIELDS
+        for field in STATUS_FIELDS - {"state", "message"}:
+            assert set(getattr(st, field)) <= names
+        assert st.message in ("", "draining", "done")
+        wire = st.SerializeToString()
+        assert not any(secret.encode() in wire for secret in secrets)

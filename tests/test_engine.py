@@ -1,15 +1,18 @@
-"""The engine on its own (colocated, stepped by hand): one request's failure is its own, and the
-gauges follow aborts."""
+"""The engine on its own (colocated, stepped by hand): one request's failure is its own, the gauges
+follow aborts, and a data-plane failure mid-step is rejoined with nothing lost."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
 from hf_reference import PROMPTS
 
 import afd
+from afd.control.client import ControlError
 from afd.dataplane.exchange import LocalMoE
+from afd.dataplane.transport import PeerError
 from afd.engine.membership import PlaneMembership
 from afd.engine.request import Request
 from afd.engine.sampling import SamplingParams
@@ -61,19 +64,29 @@ def test_gauges_return_to_zero_after_aborts(llm):
 
 
 class _Recording(LocalMoE):
-    """The colocated exchange, recording what the engine tells its FFN peers; `fail` raises in submit."""
+    """The colocated exchange, recording what the engine tells its FFN peers; `fail` raises in submit,
+    once `fail_after` submits of the current step went through (mid-step: earlier layers ran)."""
 
-    def __init__(self, llm, fail: Exception | None = None):
+    def __init__(self, llm, fail: Exception | None = None, fail_after: int = 0):
         super().__init__(llm.ffn, llm.backend)
-        self.fail, self.left = fail, []
+        self.fail, self.fail_after, self.left = fail, fail_after, []
+        self.in_step = self.submits = 0
+        self.failed_at: list[int] = []
+
+    def begin_step(self, tokens_per_micro_batch, mtp=False):
+        self.in_step = 0
 
     def submit(self, layer, micro_batch, m):
-        if self.fail is not None:
-            raise self.fail
+        if self.fail is not None and self.in_step >= self.fail_after:
+            self.failed_at.append(self.in_step)
+            fail, self.fail = self.fail, None  # the exchange is dropped after its failure: it fails once
+            raise fail
+        self.in_step += 1
+        self.submits += 1
         return super().submit(layer, micro_batch, m)
 
-    def leave(self, shutdown: bool = False, reform: bool = False) -> None:
-        self.left.append("reform" if reform else "leave")
+    def leave(self, shutdown: bool = False) -> None:
+        self.left.append("shutdown" if shutdown else "leave")
 
 
 def _serve(engine, prompts, outs: dict) -> None:
@@ -86,38 +99,72 @@ def _serve(engine, prompts, outs: dict) -> None:
         time.sleep(0.01)
 
 
+def _tokens(outs: dict, rid: str) -> list[int]:
+    return [t for o in outs[rid] for t in o.new_token_ids]
+
+
 def test_an_engine_that_dies_of_a_bug_releases_its_data_plane(llm):
     """Its FFN peers must see it go at once (and serve the others), not wait out comm_timeout."""
     engine, outs, released = _engine(llm), {}, []
     engine.runner.moe = _Recording(llm, fail=KeyError("a bug"))
-    engine.membership = PlaneMembership(lambda why: pytest.fail(why), lambda: False, lambda: released.append(1))
+    engine.membership = PlaneMembership(lambda why: pytest.fail(why), lambda: released.append(1))
     _serve(engine, PROMPTS[:2], outs)
     engine.stop()
     assert engine.dead and "engine failed" in engine.dead and released == [1]
     assert all(o[-1].finished and "engine failed" in o[-1].error for o in outs.values())
 
 
-def test_a_superseded_generation_is_left_at_a_step_boundary_and_nothing_is_lost(llm):
-    engine, outs = _engine(llm), {}
+def test_a_peer_failing_mid_step_is_rejoined_and_the_step_reruns_with_nothing_lost(llm, caplog):
+    """A PeerError inside a step (an FFN peer died): the engine drops the exchange, forms its pairs again
+    through membership.rejoin and runs the step again; every request streams on, token for token what
+    it would have been, none twice or missing."""
+    engine, outs, rejoined = _engine(llm), {}, []
     old, new = _Recording(llm), _Recording(llm)
     engine.runner.moe = old
-    state = {"superseded": False, "rejoined": []}
 
     def rejoin(why):
-        state["rejoined"].append(why)
-        state["superseded"] = False
+        rejoined.append((why, engine.runner.moe, engine.paused))
         return new
 
-    engine.membership = PlaneMembership(rejoin, lambda: state["superseded"], lambda: None)
+    engine.membership = PlaneMembership(rejoin, lambda: pytest.fail("released"))
+    caplog.set_level(logging.INFO, "afd")
     engine.start()
-    engine.add_request(_request("0", PROMPTS[0], SamplingParams(), outs))
-    while not outs.get("0"):
-        time.sleep(0.001)
-    state["superseded"] = True  # a node was replaced: the coordinator announced the next generation
+    for i, p in enumerate(PROMPTS[:2]):
+        engine.add_request(_request(str(i), p, SamplingParams(), outs))
     deadline = time.monotonic() + 30
+    while not (outs.get("0") and outs.get("1")):  # both stream: the failure comes mid-stream
+        assert time.monotonic() < deadline and not engine.dead, engine.dead
+        time.sleep(0.001)
+    old.fail_after = 1
+    old.fail = PeerError("ffn0 (rank 2): recv timed out")
     while engine.num_unfinished():
-        assert time.monotonic() < deadline and not engine.dead
+        assert time.monotonic() < deadline and not engine.dead, engine.dead
         time.sleep(0.01)
     engine.stop()
-    assert old.left == ["reform"] and len(state["rejoined"]) == 1 and new.left == ["leave"]
-    assert [t for o in outs["0"] for t in o.new_token_ids] == llm.generate_ids([PROMPTS[0]], 8)[0]
+    assert old.failed_at == [1] and new.submits > 0  # failed after one layer of its step had run
+    why = "ffn0 (rank 2): recv timed out"
+    assert rejoined == [(why, None, why)]  # the failed exchange was dropped first; requests were paused
+    assert engine.paused is None and engine.dead is None
+    assert new.left == ["leave"] and old.left == []  # the failed pairs are never stepped on again
+    for i, p in enumerate(PROMPTS[:2]):
+        assert _tokens(outs, str(i)) == llm.generate_ids([p], 8)[0]
+        assert outs[str(i)][-1].finished and not outs[str(i)][-1].error
+    said = [r.getMessage() for r in caplog.records]
+    assert f"requests paused: {why}" in said and "data plane re-formed; 2 request(s) resume" in said
+
+
+def test_a_rejoin_that_fails_fails_the_requests_with_both_reasons(llm):
+    """No FFN node came back within rejoin_timeout: the requests fail with one line saying why, and the
+    engine releases its end of the data plane."""
+    engine, outs, released = _engine(llm), {}, []
+    engine.runner.moe = _Recording(llm, fail=PeerError("ffn0 (rank 2): recv timed out"), fail_after=1)
+
+    def rejoin(why):
+        raise ControlError("no pair formed with FFN node ffn0 within 1s (last: connection refused)")
+
+    engine.membership = PlaneMembership(rejoin, lambda: released.append(1))
+    _serve(engine, PROMPTS[:2], outs)
+    engine.stop()
+    reason = "ffn0 (rank 2): recv timed out; no pair formed with FFN node ffn0 within 1s (last: connection refused)"
+    assert engine.dead == reason and released == [1]
+    assert all(o[-1].finished and o[-1].error == reason for o in outs.values())

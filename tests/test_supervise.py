@@ -4,7 +4,9 @@ restart that waits for the dead process's ports."""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -151,15 +153,58 @@ def test_ports_still_taken_after_the_wait_fail_the_restart(tmp_path):
 
 
 def test_a_control_call_after_close_is_one_line_not_a_traceback():
-    """A node stopped by a signal closes its control channel while its main thread may be waiting for a
-    replacement (await_formation): that wait ends in a ControlError the node logs in one line."""
+    """A node stopped by a signal closes its control channel while its main thread may still be in a
+    control call (waiting for the cluster): that call ends in a ControlError the node logs in one line."""
     from afd.cluster.config import load
     from afd.control.client import ControlClient, ControlError
 
     client = ControlClient(load(str(ROOT / "deploy/2a1f.yaml")), "ffn0")
     client.close()
     with pytest.raises(ControlError, match="^ffn0 is stopping: its control channel is closed$"):
-        client.await_formation(0, 5)
+        client.await_cluster()
+
+
+def test_an_ffn_node_that_never_comes_back_is_one_line_not_a_traceback(tmp_path, caplog):
+    """An attention rank waits for a dead FFN node's replacement by forming its pair with it again and
+    again (afd.node.pairing.form_pairs); past the deadline that ends the node's start (or its requests)
+    with one line naming the FFN node, logged without a traceback, and exit code 1."""
+    from cluster_helpers import cluster_yaml
+
+    from afd.backend import get_backend
+    from afd.cluster.config import load
+    from afd.control.client import ControlClient
+    from afd.dataplane.transport import DataPlane
+    from afd.node.pairing import FFNPeer, form_pairs
+    from afd.node.process import run_node
+
+    cfg = load(str(cluster_yaml(tmp_path, str(tmp_path), 1, 1)))  # free ports: nothing serves ffn0's
+    backend = get_backend("cpu")
+    me = ControlClient(cfg, "attn0").ref
+    peer = FFNPeer(cfg, cfg.rank("ffn0"), timeout_s=5)
+
+    class Node:
+        def start(self):
+            form_pairs(DataPlane(backend, cfg.rank("attn0"), 5), [peer], me, 1.0, backend)
+
+        def serve(self):
+            pytest.fail("it never started")
+
+        def stop(self):
+            pass
+
+    caplog.set_level(logging.INFO, "afd.node")
+    t0 = time.monotonic()
+    try:
+        assert run_node(Node(), logging.getLogger("afd.test")) == 1
+    finally:
+        peer.close()
+    assert time.monotonic() - t0 >= 1.0  # it tried until its deadline
+    (failed,) = [r for r in caplog.records if r.name == "afd.test"]
+    said = failed.getMessage()
+    assert re.fullmatch(r"startup failed: no pair formed with FFN node ffn0 within 1s \(last: [^\n]+\)", said), said
+    assert failed.exc_info is None and "Traceback" not in caplog.text
+    waiting = [r.getMessage() for r in caplog.records if r.name == "afd.node"]
+    assert len(waiting) == 1 and waiting[0].startswith("waiting for FFN node ffn0 to form a pair: ")  # said once
 
 
 def test_the_policy_is_a_cluster_setting_with_flags():
