@@ -20,6 +20,7 @@ from afd.cluster.config import ClusterConfig
 from afd.cluster.token import cluster_token
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
+from afd.control.kvstore import KeyValues
 from afd.dataplane.pairs import FFN, PairLink, handshake
 from afd.dataplane.rendezvous import ControlStore
 from afd.dataplane.transport import DataPlane, PeerError
@@ -45,10 +46,12 @@ class PairAcceptor(pb_grpc.PairsServicer):
         self._latest: dict[int, PairLink] = {}
         self._mu = threading.Lock()
         self._store: ControlStore | None = None
+        self._kv: KeyValues | None = None
 
-    def accept(self, plane: DataPlane) -> None:
-        """The node is loaded and its plane made: pairs form from here on."""
-        self.backend = plane.backend
+    def accept(self, plane: DataPlane, kv: KeyValues) -> None:
+        """The node is loaded and its plane made: pairs form from here on. kv: this node's store, whose
+        keys of each formation are dropped once it ended (formed or not)."""
+        self.backend, self._kv = plane.backend, kv
         node = self.cfg.node(self.name)
         # this node's own Rendezvous service, as the attention ends reach it
         self._store = ControlStore(f"{node.host}:{node.ports.control}", MAX_FORM_S, self.cfg.cluster.tls)
@@ -77,15 +80,10 @@ class PairAcceptor(pb_grpc.PairsServicer):
     def _form(self, name: str, rank: int, key: str, timeout_s: float) -> None:
         self.backend.bind_thread()
         try:
-            link = PairLink(self.backend, self._store, key, FFN, timeout_s)
-        except Exception as e:  # noqa: BLE001 (the attention end gave up, or died: it asks again)
-            log.warning("pair with %s did not form: %s", name, _first_line(e))
-            return
-        try:
-            handshake(link, cluster_token(), timeout_s)
-        except PeerError as e:
-            log.warning("pair with %s refused: %s", name, e)
-            link.close(queued=True)
+            link = self._formed(name, key, timeout_s)
+        finally:  # both ends are past the store (the handshake needs both), or the formation failed
+            self._kv.drop_prefix(f"afd/pair/{key}/")
+        if link is None:
             return
         node = self.node_of[name]
         with self._mu:
@@ -100,6 +98,20 @@ class PairAcceptor(pb_grpc.PairsServicer):
             stale[1].close(queued=True)
         if done:
             self.formed.put([(r, n, lk) for r, (n, lk) in sorted(forming.items())])
+
+    def _formed(self, name: str, key: str, timeout_s: float) -> PairLink | None:
+        try:
+            link = PairLink(self.backend, self._store, key, FFN, timeout_s)
+        except Exception as e:  # noqa: BLE001 (the attention end gave up, or died: it asks again)
+            log.warning("pair with %s did not form: %s", name, _first_line(e))
+            return None
+        try:
+            handshake(link, cluster_token(), timeout_s)
+        except PeerError as e:
+            log.warning("pair with %s refused: %s", name, e)
+            link.close(queued=True)
+            return None
+        return link
 
 
 def _first_line(e: BaseException) -> str:

@@ -75,7 +75,7 @@ class CoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
-        """A node announces itself; the reply carries its data-plane rank and where the data plane meets.
+        """A node announces itself; the reply carries its data-plane rank, its peers and (FFN) its experts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -74,6 +74,10 @@ def form_pairs(plane: DataPlane, peers: list[FFNPeer], me: pb.NodeRef, deadline_
                     refused = f"FFN node {peer.name} at {peer.address} refused the pair: {e.details()}"
                     raise ControlError(refused) from None
                 why = e.details() or e.code().name
+            except ValueError as e:  # grpc's "Cannot invoke RPC on closed channel!": the node is stopping
+                if "closed channel" not in str(e):
+                    raise
+                raise ControlError(f"{me.name} is stopping: its channel to FFN node {peer.name} is closed") from None
             except (PeerError, RuntimeError) as e:  # RuntimeError: gloo's connect, the FFN end gave up
                 why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if time.monotonic() > deadline:

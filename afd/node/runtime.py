@@ -73,7 +73,7 @@ class NodeRuntime:
     def reform(self, why: str) -> DataPlane:
         """After a failure of this rank's data plane: ends its pairs (its FFN peers drop it) and forms new
         ones, waiting up to `cluster.rejoin_timeout` for an FFN node that is down to be replaced. No other
-        node takes part. Raises ControlError when an FFN node stays away (or the cluster shuts down)."""
+        node takes part. Raises ControlError when an FFN node stays away."""
         if self.plane is not None:
             self.plane.close()  # peers blocked on this rank see the failure at once, not after comm_timeout
             self.plane = None
@@ -168,7 +168,7 @@ def bring_up(
         load_model(rt)
         rt.client.await_cluster()
         if node.role == "ffn":
-            pairs.accept(rt.make_plane())
+            pairs.accept(rt.make_plane(), server.kv)
         else:
             if cfg.layout.attention_tp > 1:
                 rt.tp_world = TPWorld.join(cfg, name, tp_rank, backend, bind_host)
