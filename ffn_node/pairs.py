@@ -21,7 +21,7 @@ from afd.cluster.token import cluster_token
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
 from afd.control.kvstore import KeyValues
-from afd.dataplane.pairs import FFN, PairLink, handshake
+from afd.dataplane.pairs import FFN, PairLink, first_line, handshake
 from afd.dataplane.rendezvous import ControlStore
 from afd.dataplane.transport import DataPlane, PeerError
 
@@ -103,7 +103,7 @@ class PairAcceptor(pb_grpc.PairsServicer):
         try:
             link = PairLink(self.backend, self._store, key, FFN, timeout_s)
         except Exception as e:  # noqa: BLE001 (the attention end gave up, or died: it asks again)
-            log.warning("pair with %s did not form: %s", name, _first_line(e))
+            log.warning("pair with %s did not form: %s", name, first_line(e))
             return None
         try:
             handshake(link, cluster_token(), timeout_s)
@@ -112,8 +112,3 @@ class PairAcceptor(pb_grpc.PairsServicer):
             link.close(queued=True)
             return None
         return link
-
-
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return s[0] if s else type(e).__name__

@@ -59,7 +59,7 @@ class PairLink:
             try:
                 self.backend.abort_group(group)
             except Exception as e:  # an abort that fails leaves nothing worse than the failure it follows
-                log.warning("aborting a pair's group: %s", _first_line(e))
+                log.warning("aborting a pair's group: %s", first_line(e))
 
     def close(self, queued: bool) -> None:
         """Ends the pair. queued: work may still sit on its streams (an op not waited for, a failure): where
@@ -73,7 +73,7 @@ class PairLink:
                 try:
                     group.shutdown()
                 except Exception as e:  # a dead peer can make teardown fail; going on matters more
-                    log.debug("pair group shutdown: %s", _first_line(e))
+                    log.debug("pair group shutdown: %s", first_line(e))
         del self.to_ffn, self.to_attention
         # pending works in dropped frames keep a gloo group (and its sockets) alive until collected: the
         # peer, blocked on this end, notices only once they close
@@ -115,7 +115,7 @@ def handshake(link: PairLink, token: str | None, timeout_s: float) -> None:
         except RuntimeError as e:
             if e is late:
                 raise
-            raise PeerError(f"data plane: the pair's handshake failed ({_first_line(e)})") from None
+            raise PeerError(f"data plane: the pair's handshake failed ({first_line(e)})") from None
     host_syncs.note(theirs.device)
     if not hmac.compare_digest(bytes(theirs.cpu().tolist()), bytes(digest(link.peer, link.rank).cpu().tolist())):
         raise PeerError(
@@ -131,6 +131,7 @@ def _completed(work) -> bool:
         return True
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An error in one line (a gloo error runs to several)."""
     s = str(e).strip().splitlines()
     return s[0] if s else type(e).__name__

@@ -34,7 +34,7 @@ from afd.backend import Backend
 from afd.backend.base import PeerError  # noqa: F401 (re-exported: defined below the model's TP group too)
 from afd.backend.deadlines import Deadlines
 from afd.dataplane.deadlines import plane_error
-from afd.dataplane.pairs import PairLink
+from afd.dataplane.pairs import PairLink, first_line
 
 log = logging.getLogger("afd.dataplane.transport")
 
@@ -103,7 +103,7 @@ class DataPlane:
             work = getattr(link, name)(tensor)
         except RuntimeError as e:  # gloo refuses to post on a pair whose peer is already gone
             err = PeerError(
-                f"data plane: {name} to rank {peer} failed ({_first_line(e)}); the peer process is probably gone",
+                f"data plane: {name} to rank {peer} failed ({first_line(e)}); the peer process is probably gone",
                 peer,
             )
         else:
@@ -142,7 +142,7 @@ class DataPlane:
             work.wait()
         except RuntimeError as e:  # the watchdog's abort, or the communicator's own error
             self.deadlines.check(peer)  # a passed deadline raises its own error, which names the timeout
-            return PeerError(f"data plane: {what} with rank {peer} failed ({_first_line(e)})", peer)
+            return PeerError(f"data plane: {what} with rank {peer} failed ({first_line(e)})", peer)
         return None
 
     def _wait_blocking(self, work, peer: int, what: str) -> PeerError | None:
@@ -151,7 +151,7 @@ class DataPlane:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
             return PeerError(
-                f"data plane: {what} with rank {peer} failed ({_first_line(e)}); the peer process is probably gone",
+                f"data plane: {what} with rank {peer} failed ({first_line(e)}); the peer process is probably gone",
                 peer,
             )
         if ok is False:
@@ -201,8 +201,3 @@ class DataPlane:
             self.drop(peer)
         if self.deadlines is not None:
             self.deadlines.close()
-
-
-def _first_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return s[0] if s else type(e).__name__
