@@ -219,7 +219,7 @@ def test_one_attention_node_leaving_does_not_stop_the_others(tiny_checkpoint, re
         assert c.procs["ffn0"].poll() is None
         assert health(c.url("attn0")) == 200
         assert _greedy(c.url("attn0"), PROMPTS[0]) == reference[0]
-        assert "attention rank 1 left" in c.log("ffn0")
+        assert "attention rank 1 (attn1) left" in c.log("ffn0")
         status = subprocess.run(
             [sys.executable, "-m", "afd.cli", "status", str(path), "--json"],
             cwd=ROOT,

@@ -5,6 +5,7 @@ experts counted where they are applied."""
 from __future__ import annotations
 
 import argparse
+import queue
 import time
 
 import pytest
@@ -22,6 +23,12 @@ class _SlowPlane:
     """One attention peer's scripted step headers; every wait takes `wait_s`, as a peer still busy would."""
 
     generation = 0
+
+    def add(self, peer, link) -> None:  # the server adopts the scripted peer's pair
+        pass
+
+    def drop(self, peer) -> None:
+        pass
 
     def check(self) -> None:  # no deadline passes here
         pass
@@ -71,8 +78,10 @@ def test_ffn_compute_and_idle_add_up_to_the_serving_loop_wall_time():
         StepHeader(3, (), FLAG_LEAVE),
     ]
     metrics = FFNMetrics("ffn0", "m", 0, 2, num_layers=3)
+    formed: queue.SimpleQueue = queue.SimpleQueue()
+    formed.put([(0, "attn0", None)])  # attn0's pair, formed: the server adopts it at its first step boundary
     server = FFNServer(
-        _SlowFFN(3, 0.004), get_backend("cpu"), _SlowPlane(script, 0.002), [0], torch.float32, metrics=metrics
+        _SlowFFN(3, 0.004), get_backend("cpu"), _SlowPlane(script, 0.002), formed, torch.float32, metrics=metrics
     )
     t0 = time.perf_counter()
     assert server.serve() is ServeEnd.LEFT

@@ -263,9 +263,9 @@ def test_an_ffn_node_without_the_mtp_layer_drops_an_mtp_step():
 
     server = FFNServer.__new__(FFNServer)
     server.ffn = SimpleNamespace(mtp_layers=(), cfg=SimpleNamespace(moe_layers=(0, 1)))
-    server.active, server.gone, server._next_step = [0], {}, {0: 0}
+    server.active, server.gone, server._next_step, server.names = [0], {}, {0: 0}, {0: "attn0"}
     server.plane = SimpleNamespace(
-        generation=0, irecv=lambda t, r: None, wait=lambda w, r, what: None, check=lambda: None, abort=lambda *a: None
+        irecv=lambda t, r: None, wait=lambda w, r, what: None, check=lambda: None, abort=lambda *a: None
     )
     server._headers = {0: StepHeader(0, (3,), FLAG_MTP).encode()}
     server.metrics, server.timers = None, Timers()

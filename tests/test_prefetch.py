@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import queue
 import time
 import types
 
@@ -230,6 +231,12 @@ class _Plane:
     def __init__(self, headers: list, wait_s: float, landed: bool):
         self.headers, self.wait_s, self.landed = list(headers), wait_s, landed
 
+    def add(self, peer, link) -> None:  # the server adopts the scripted peer's pair
+        pass
+
+    def drop(self, peer) -> None:
+        pass
+
     def check(self) -> None:
         pass
 
@@ -281,7 +288,9 @@ def test_server_measures_each_layers_wait_for_the_prefetch_budget(ffn, landed):
     layers = len(ffn.cfg.moe_layers)
     gaps, metrics = _Gaps(), FFNMetrics("ffn0", "m", 0, ffn.expert_range[1], layers)
     plane = _Plane(script, 0.003, landed)
-    server = FFNServer(ffn, get_backend("cpu"), plane, [0], torch.float32, prefetch=gaps, metrics=metrics)
+    formed: queue.SimpleQueue = queue.SimpleQueue()
+    formed.put([(0, "attn0", None)])  # attn0's pair, formed: the server adopts it at its first step boundary
+    server = FFNServer(ffn, get_backend("cpu"), plane, formed, torch.float32, prefetch=gaps, metrics=metrics)
     server.serve()
     assert [g[0] for g in gaps.gaps] == list(ffn.cfg.moe_layers) * 2  # micro-batch 0 of each layer, per step
     if landed:  # the inputs were there before the hint ended: no gap to fill

@@ -255,7 +255,7 @@ def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
     assert events[-1] == "[DONE]", rest[-500:]
     err = json.loads(events[-2])["error"]
     assert err["code"] == 503 and "peer process is probably gone" in err["message"]
-    assert "no replacement joined within 2s" in err["message"]  # the stream waited for one, then gave up
+    assert "no pair formed with FFN node ffn0 within 2s" in err["message"]  # the stream waited for one, then gave up
 
 
 def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):

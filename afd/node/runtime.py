@@ -62,12 +62,19 @@ class NodeRuntime:
 
     def form_pairs(self, deadline_s: float) -> DataPlane:
         """An attention rank's pair with every FFN node (none in a cluster without FFN nodes)."""
-        plane = self.plane or self.make_plane()
+        plane, t0 = self.plane or self.make_plane(), time.monotonic()
         if not self.ffn_peers:
             timeout = role_timeout(self.cfg.cluster.comm_timeout, self.node.role)
             self.ffn_peers = [FFNPeer(self.cfg, r, timeout) for r in self.assignment.peer_ranks]
         form_pairs(plane, self.ffn_peers, self.client.ref, deadline_s, self.backend)
         self.formed_at = time.monotonic()
+        log.info(
+            "data plane up: rank %d, %d pair(s) over %s, in %.2fs",
+            plane.rank,
+            len(plane.peers),
+            self.backend.dist_backend,
+            self.formed_at - t0,
+        )
         return plane
 
     def reform(self, why: str) -> DataPlane:
@@ -169,6 +176,7 @@ def bring_up(
         rt.client.await_cluster()
         if node.role == "ffn":
             pairs.accept(rt.make_plane(), server.kv)
+            log.info("data plane up: rank %d over %s, taking pairs", a.rank, backend.dist_backend)
         else:
             if cfg.layout.attention_tp > 1:
                 rt.tp_world = TPWorld.join(cfg, name, tp_rank, backend, bind_host)
