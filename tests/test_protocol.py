@@ -310,8 +310,7 @@ def test_a_pair_with_work_queued_is_aborted_never_shut_down_where_teardown_waits
         calls: list = []
         backend = type("B", (), {"shutdown_waits_for_queued_work": waits})()
         backend.abort_group = lambda g: calls.append(f"abort {g.name}")
-        link = object.__new__(PairLink)
-        link.backend, link.to_ffn, link.to_attention = backend, Group("to-ffn", calls), Group("to-attention", calls)
+        link = _bare_link(PairLink, backend, Group("to-ffn", calls), Group("to-attention", calls))
         link.close(queued)
         assert not hasattr(link, "to_ffn"), "the groups are forgotten"
         return calls
@@ -319,6 +318,17 @@ def test_a_pair_with_work_queued_is_aborted_never_shut_down_where_teardown_waits
     assert close(queued=True, waits=True) == ["abort to-ffn", "abort to-attention"]
     assert close(queued=False, waits=True) == ["shutdown to-ffn", "shutdown to-attention"]
     assert close(queued=True, waits=False) == ["shutdown to-ffn", "shutdown to-attention"], "gloo's does not wait"
+
+
+def _bare_link(cls, backend, to_ffn, to_attention):
+    """A PairLink whose backend makes the given groups (no peer: the store is a local HashStore)."""
+    import torch.distributed as dist
+
+    groups = iter((to_ffn, to_attention))
+    backend.stream_ordered_waits = False
+    backend.comm_env = lambda: {}
+    backend.pair_group = lambda store, rank, timeout: next(groups)
+    return cls(backend, dist.HashStore(), "k", 0, 1.0)
 
 
 def test_ffn_drops_only_the_peer_that_failed():
@@ -335,3 +345,26 @@ def test_ffn_drops_only_the_peer_that_failed():
     server = _server(Plane({0: list(idle), 1: list(idle)}), [0, 1])
     assert list(server._recv_headers()) == [0]
     assert server.active == [0] and "timed out" in server.gone[1]
+
+
+def test_an_abort_that_meets_a_closed_pair_does_nothing():
+    """DataPlane._abort_pair aborts the pair outside its lock, so an abort from another thread (the heartbeat
+    thread, the Pairs service) can reach a pair that the owner dropped and closed meanwhile: it must neither
+    raise there (it would end that thread) nor act on groups already shut down or aborted."""
+    from afd.dataplane.pairs import PairLink
+
+    class Group:
+        def __init__(self, name: str, calls: list):
+            self.name, self.calls = name, calls
+
+        def shutdown(self):
+            self.calls.append(f"shutdown {self.name}")
+
+    calls: list = []
+    backend = type("B", (), {"shutdown_waits_for_queued_work": True})()
+    backend.abort_group = lambda g: calls.append(f"abort {g.name}")
+    link = _bare_link(PairLink, backend, Group("to-ffn", calls), Group("to-attention", calls))
+    link.close(queued=False)
+    link.abort()
+    link.close(queued=True)
+    assert calls == ["shutdown to-ffn", "shutdown to-attention"]
