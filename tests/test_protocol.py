@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -368,3 +370,39 @@ def test_an_abort_that_meets_a_closed_pair_does_nothing():
     link.abort()
     link.close(queued=True)
     assert calls == ["shutdown to-ffn", "shutdown to-attention"]
+
+
+def test_a_deadline_that_passed_on_a_replaced_pair_never_aborts_its_successor():
+    """The deadline watchdog (stream-ordered waits) aborts the peer of a work whose deadline passed: when
+    the owner replaces that pair meanwhile (add), the abort, still under way, must not land on the new pair."""
+    import threading
+
+    from afd.dataplane.transport import DataPlane
+
+    class Pending:  # a transfer that never completes: its peer is silent
+        def is_completed(self) -> bool:
+            return False
+
+        def wait(self) -> None:  # stream-ordered: the host goes on
+            pass
+
+    class Backend(_Backend):
+        stream_ordered_waits = True
+
+    log: list = []
+    plane = DataPlane(Backend(), 0, timeout_s=0.1)
+    plane.add(2, _Link("pair2", log))
+    expiring, expired = threading.Event(), plane.deadlines.on_expired
+
+    def slow_abort(peer: int) -> None:  # the watchdog's abort of the old pair, caught in its window
+        expiring.set()
+        time.sleep(0.5)
+        expired(peer)
+
+    plane.deadlines.on_expired = slow_abort
+    plane.wait(Pending(), 2, "step header receive")
+    assert expiring.wait(5), "the deadline never passed"
+    plane.add(2, _Link("pair2-new", log))
+    time.sleep(0.7)  # past the watchdog's abort
+    assert not plane.aborted(2) and "abort pair2-new" not in log, log
+    plane.close()
