@@ -1,7 +1,8 @@
 """Failure handling that matches HCCL, on the fake torch_npu (tests/fakes): tearing a group down waits for
 its queued work (so a dead peer's send hangs it), an abort does not, and afd's data plane never tears down
 a group with work queued on it: it aborts the failed pair only and serves the others on. And a
-communicator shared by a whole group (P2P_HCCL_BUFFSIZE=0) cannot deadlock the handshake.
+communicator shared by a whole group (P2P_HCCL_BUFFSIZE=0) cannot deadlock the handshake: no group of the
+data plane spans more than one pair (afd.dataplane.pairs).
 
 Each case runs its ranks as processes (the fake's "hccl" group moves bytes over gloo between them).
 """
@@ -37,7 +38,7 @@ _GROUPS = textwrap.dedent("""
     torch.npu.set_device(rank + 1)
     dist.init_process_group("hccl", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=30))
-    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])  # two pairs' groups, as afd's data plane makes them
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])  # two groups of two ranks each, as a pair's are
     buf = torch.zeros(4, device=torch.device("npu", rank + 1))
     if rank == 1:
         never = dist.irecv(torch.zeros(4, device=buf.device), 0, group=a)  # forms a's pair communicator
@@ -99,13 +100,33 @@ _PLANE = textwrap.dedent("""
     sys.path.insert(0, {fakes!r})
     import torch_npu
     from afd.backend import get_backend
-    from afd.dataplane.rendezvous import rendezvous_store
+    from afd.control.server import ControlServer
+    from afd.dataplane.pairs import ATTENTION, FFN, PairLink, handshake
+    from afd.dataplane.rendezvous import ControlStore
     from afd.dataplane.transport import DataPlane, PeerError
-    rank = int(sys.argv[1])
-    peers = [2] if rank < 2 else [0, 1]  # attention ranks 0 and 1, the FFN rank 2
-    store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
-    plane = DataPlane(get_backend("npu", rank + 1), rank, 3, store, timeout_s=20, formation="f", peers=peers)
-    plane.handshake(peers, None, "f")
+    rank = int(sys.argv[1])  # attention ranks 0 and 1, the FFN rank 2
+    server = ControlServer("127.0.0.1", {port}, workers=8) if rank == 2 else None  # the FFN node's store
+    store = ControlStore("127.0.0.1:{port}", 30)
+    backend = get_backend("npu", rank + 1)
+    plane = DataPlane(backend, rank, timeout_s=20)
+
+    def form(r, side):  # one pair: its own two-rank world, the handshake over it
+        backend.bind_thread()
+        link = PairLink(backend, store, f"attn{{r}}-ffn0", side, 20)
+        handshake(link, None, 20)
+        return link
+
+    if rank < 2:
+        plane.add(2, form(rank, ATTENTION))
+    else:  # each pair forms on a thread of its own, as ffn_node/pairs.py forms them
+        links = {{}}
+        threads = [threading.Thread(target=lambda r=r: links.update({{r: form(r, FFN)}})) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for r in (0, 1):
+            plane.add(r, links[r])
     dev = plane.backend.device
     if rank == 1:
         time.sleep(8)  # hangs, alive but silent: the FFN's send to it stays queued, its header never comes
@@ -140,12 +161,12 @@ _PLANE = textwrap.dedent("""
 
 @pytest.mark.slow  # multi-process runs that wait out a hang; `make test-slow`, which CI runs
 def test_data_plane_aborts_only_the_failed_pair_and_never_tears_down_queued_work():
-    """2A1F on the fake HCCL (the handshake with two attention ranks included): attention rank 1 hangs with
+    """2A1F on the fake HCCL (each pair formed and handshaken on its own): attention rank 1 hangs with
     the FFN's send to it queued. An abort of its pair from another thread (what a watchdog does on the
     control plane's word) ends the FFN's wait on it at once, well inside comm_timeout; the FFN serves
-    attention rank 0 on; and its teardown aborts instead of synchronizing streams (destroy_process_group
-    would hang on the queued send: see the first test), while rank 0, with nothing queued, is destroyed
-    as usual."""
+    attention rank 0 on; and its teardown aborts instead of synchronizing streams (a shutdown() would hang
+    on the queued send: see the first test), while rank 0, with nothing queued, shuts its pair down as
+    usual."""
     outs = _run(_PLANE.format(fakes=FAKES, port=free_ports(1)[0]), 3)
     attn, ffn = outs[0], outs[2]
     assert "attention 0 served: [14.0, 14.0, 14.0, 14.0]" in attn, attn
@@ -155,6 +176,7 @@ def test_data_plane_aborts_only_the_failed_pair_and_never_tears_down_queued_work
     assert "post refused:" in ffn and "refused: its pair was aborted" in ffn, ffn
     ffn_report = json.loads(ffn.split("report ")[1].splitlines()[0])
     assert ffn_report["shutdown_hangs"] == [], ffn
+    # rank 1's pair at the abort; rank 0's at close, since PeerErrors were made in the process after it formed
     assert ffn_report["aborts"] == 4, "each of the FFN's two pairs has two groups, each aborted once"
     attn_report = json.loads(attn.split("report ")[1].splitlines()[0])
     assert attn_report["shutdown_hangs"] == [] and attn_report["aborts"] == 0 and attn_report["shutdowns"] > 0, attn
@@ -182,18 +204,46 @@ _OLD_HANDSHAKE = textwrap.dedent("""
         print("HangError", e, flush=True)
 """)
 
-_NEW_HANDSHAKE = textwrap.dedent("""
-    import sys
+_PER_PAIR_HANDSHAKE = textwrap.dedent("""
+    import sys, threading, torch
     sys.path.insert(0, {fakes!r})
     from afd.backend import get_backend
-    from afd.dataplane.rendezvous import rendezvous_store
+    from afd.control.server import ControlServer
+    from afd.dataplane.pairs import ATTENTION, FFN, PairLink, handshake
+    from afd.dataplane.rendezvous import ControlStore
     from afd.dataplane.transport import DataPlane
-    rank = int(sys.argv[1])
-    peers = [2] if rank < 2 else [0, 1]
-    store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
-    plane = DataPlane(get_backend("npu", rank + 1), rank, 3, store, timeout_s=20, formation="f", peers=peers)
-    plane.handshake(peers, None, "f")
-    print("handshake done", flush=True)
+    rank = int(sys.argv[1])  # attention ranks 0 and 1, the FFN rank 2
+    server = ControlServer("127.0.0.1", {port}, workers=8) if rank == 2 else None  # the FFN node's store
+    store = ControlStore("127.0.0.1:{port}", 30)
+    backend = get_backend("npu", rank + 1)
+    plane = DataPlane(backend, rank, timeout_s=20)
+
+    def form(r, side):
+        backend.bind_thread()
+        link = PairLink(backend, store, f"attn{{r}}-ffn0", side, 20)
+        handshake(link, None, 20)
+        return link
+
+    if rank < 2:
+        if rank == 1:
+            store.get("attn0 served")  # absent until attn0's pair formed, handshook and exchanged
+        plane.add(2, form(rank, ATTENTION))
+        plane.wait(plane.isend(torch.full((4,), rank + 1.0, device=backend.device), 2), 2, "send")
+        print("handshake done", flush=True)
+    else:
+        links = {{}}
+        threads = [threading.Thread(target=lambda r=r: links.update({{r: form(r, FFN)}})) for r in (0, 1)]
+        for t in threads:
+            t.start()
+        for r, t in enumerate(threads):
+            t.join(30)
+            plane.add(r, links[r])
+            y = torch.zeros(4, device=backend.device)
+            plane.wait(plane.irecv(y, r), r, "receive")
+            print(f"attn{{r}} served", y.cpu().tolist(), "with attn1's pair formed:", 1 in links, flush=True)
+            if r == 0:
+                store.set("attn0 served", "1")
+        print("handshake done", flush=True)
     plane.close()
 """)
 
@@ -201,16 +251,19 @@ _NEW_HANDSHAKE = textwrap.dedent("""
 @pytest.mark.slow  # multi-process runs that wait out a hang; `make test-slow`, which CI runs
 def test_the_handshake_cannot_deadlock_on_a_group_wide_hccl_communicator():
     """N2 of issue 24: with P2P_HCCL_BUFFSIZE=0 HCCL forms one communicator per group, at the first op of
-    every rank. The old layout (two groups over every rank, each handshake op waited for at once) deadlocks
-    at 2 attention ranks: the FFN and attention rank 0 wait in the second group's formation for rank 1,
-    which waits for the FFN to take its message. The data plane's groups of one pair each, with every
-    handshake op posted before any wait, form and handshake."""
+    every rank of it. Groups over every rank (afd's layout before per-pair worlds), each handshake op waited
+    for at once, deadlock at 2 attention ranks: the FFN and attention rank 0 wait in the second group's
+    formation for rank 1, which waits for the FFN to take its message (the fake models that: the first half).
+    The data plane's groups span one pair each, so no communicator needs a third process: attention rank 0's
+    pair forms, handshakes and exchanges while rank 1 is not there at all, and rank 1's pair forms after."""
     env = {"P2P_HCCL_BUFFSIZE": "0", "HCCL_BLOCKING_WAIT": "1", "AFD_FAKE_HANG_S": "5"}
     old = _run(_OLD_HANDSHAKE.format(fakes=FAKES, port=free_ports(1)[0]), 3, **env)
     assert any("HangError" in o and "HcclCommInitRootInfo" in o for o in old), old
     env["HCCL_BLOCKING_WAIT"] = "0"  # the data plane's own setting (stream-ordered waits; it refuses "1")
-    new = _run(_NEW_HANDSHAKE.format(fakes=FAKES, port=free_ports(1)[0]), 3, **env)
+    new = _run(_PER_PAIR_HANDSHAKE.format(fakes=FAKES, port=free_ports(1)[0]), 3, **env)
     assert all("handshake done" in o for o in new), new
+    assert "attn0 served [1.0, 1.0, 1.0, 1.0] with attn1's pair formed: False" in new[2], new[2]
+    assert "attn1 served [2.0, 2.0, 2.0, 2.0] with attn1's pair formed: True" in new[2], new[2]
 
 
 _TP = textwrap.dedent("""

@@ -1,5 +1,5 @@
-"""The data-plane handshake, between two real processes over gloo: only holders of the cluster token
-get past it."""
+"""The data-plane handshake (afd.dataplane.pairs.handshake), between the two real processes of a pair over
+gloo: only holders of the cluster token get past it."""
 
 from __future__ import annotations
 
@@ -8,27 +8,33 @@ from cluster_helpers import free_ports
 from rank_processes import context
 
 
-def _member(rank: int, port: int, token: str, out) -> None:
+def _member(rank: int, port: int, token: str | None, out) -> None:
     from afd.backend import get_backend
+    from afd.dataplane.pairs import PairLink, handshake
     from afd.dataplane.rendezvous import rendezvous_store
-    from afd.dataplane.transport import DataPlane, PeerError
+    from afd.dataplane.transport import PeerError
 
     store, server = rendezvous_store(rank, "127.0.0.1", port, 20)
-    plane = DataPlane(get_backend("cpu"), rank, 2, store, 0, 20, "f0", "127.0.0.1")
+    link = PairLink(get_backend("cpu"), store, "attn0-ffn0-f0", rank, 20)  # rank 0: the attention end
     try:
-        plane.handshake([1 - rank], token, "f0")
+        handshake(link, token, 20)
         out.put((rank, "ok"))
     except PeerError as e:
         out.put((rank, str(e)))
-    plane.close()
+    link.close(queued=False)
+
+
+REFUSED = {0: "the ffn end of the pair failed the handshake", 1: "the attention end of the pair failed the handshake"}
 
 
 @pytest.mark.parametrize(
     "tokens,expect",
     [
         (("secret", "secret"), {0: "ok", 1: "ok"}),
-        (("secret", "forged"), {0: "rank 1 failed the handshake", 1: "rank 0 failed the handshake"}),
+        (("secret", "forged"), REFUSED),
+        (("secret", None), REFUSED),  # a process without the token, which knows the pair's key
     ],
+    ids=["token", "forged", "no-token"],
 )
 def test_only_token_holders_pass_the_handshake(tokens, expect):
     ctx = context()  # forked from a server that has torch imported (tests/rank_processes.py)
@@ -41,4 +47,4 @@ def test_only_token_holders_pass_the_handshake(tokens, expect):
     for p in procs:
         p.join(30)
     for r, text in expect.items():
-        assert text in got[r]
+        assert text in got[r], got

@@ -37,15 +37,25 @@ def test_attention_deadlines_are_longer_than_the_ffn_sides():
         assert attention >= comm + 2 and attention >= comm * 1.25
 
 
+class _Link:
+    def __init__(self, formed_at: float):
+        self.formed_at = formed_at
+
+
 class _Plane:
-    def __init__(self, generation: int, peers: list[int]):
-        self.generation, self.peers, self.aborts = generation, peers, []
+    """The FFN node's DataPlane as abort_lost_peers sees it: its pairs, when each formed, and the aborts."""
+
+    def __init__(self, formed_at: dict[int, float]):
+        self.links, self.aborts = {p: _Link(t) for p, t in formed_at.items()}, []
+
+    def link(self, peer: int) -> _Link | None:
+        return self.links.get(peer)
 
     def aborted(self, peer: int) -> bool:
-        return peer in [p for p, _ in self.aborts]
+        return peer in [p for p, _, _ in self.aborts]
 
-    def abort(self, peer: int, why: str) -> None:
-        self.aborts.append((peer, why))
+    def abort_link(self, peer: int, link: _Link, why: str) -> None:
+        self.aborts.append((peer, link, why))
 
 
 def _runtime(tmp_path, plane: _Plane) -> NodeRuntime:
@@ -54,18 +64,24 @@ def _runtime(tmp_path, plane: _Plane) -> NodeRuntime:
     return NodeRuntime(cfg, cfg.node("ffn0"), plane=plane, **fields)  # type: ignore[arg-type]
 
 
-def test_a_lost_peer_has_its_pair_aborted_once_and_only_in_its_generation(tmp_path):
-    plane = _Plane(generation=1, peers=[0, 1])
+def test_a_lost_peer_has_its_pair_aborted_once_and_only_if_the_report_is_newer_than_the_pair(tmp_path):
+    plane = _Plane({0: 10.0, 1: 20.0})  # attn0's pair formed at 10 s, attn1's (a replacement's) at 20 s
     rt = _runtime(tmp_path, plane)
-    rt.abort_lost_peers(pb.ClusterStatus(generation=0, lost=["attn1"]))
-    assert plane.aborts == [], "a report from before this generation formed names a rank a replacement may hold"
-    rt.abort_lost_peers(pb.ClusterStatus(generation=1, lost=["ffn0", "attn1"]))
-    rt.abort_lost_peers(pb.ClusterStatus(generation=2, lost=["attn1"]))
-    assert plane.aborts == [(1, "attn1 missed its heartbeats for 2s")], "itself is no peer; each pair once"
-    rt.abort_lost_peers(pb.ClusterStatus(generation=1, lost=["attn0"]))
-    assert [p for p, _ in plane.aborts] == [1, 0]
+    rt.abort_lost_peers(pb.ClusterStatus(lost=["attn1"]), asked=15.0)
+    assert plane.aborts == [], "a report asked for before the pair formed names a rank a replacement may hold"
+    rt.abort_lost_peers(pb.ClusterStatus(lost=["ffn0", "attn1", "nobody"]), asked=21.0)
+    rt.abort_lost_peers(pb.ClusterStatus(lost=["attn1"]), asked=22.0)
+    assert plane.aborts == [(1, plane.links[1], "attn1 missed its heartbeats for 2s")], (
+        "itself is no peer; each pair once"
+    )
+    rt.abort_lost_peers(pb.ClusterStatus(lost=["attn0"]), asked=15.0)
+    assert [(p, link) for p, link, _ in plane.aborts] == [(1, plane.links[1]), (0, plane.links[0])]
     rt.plane = None
-    rt.abort_lost_peers(pb.ClusterStatus(generation=1, lost=["attn0", "attn1"]))  # between generations
+    rt.abort_lost_peers(pb.ClusterStatus(lost=["attn0", "attn1"]), asked=30.0)  # no plane (yet, or any more)
+    del plane.links[0]
+    rt.plane = plane
+    rt.abort_lost_peers(pb.ClusterStatus(lost=["attn0"]), asked=30.0)  # a peer with no pair now (dropped)
+    assert len(plane.aborts) == 2
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +128,7 @@ def test_a_dead_attention_node_stalls_the_other_no_longer_than_the_heartbeat_tim
                 b.join()
         log = c.log("ffn0")
         assert not ticker.errors, ticker.errors
-        assert "attn1 missed its heartbeats" in log and "attention rank 1 dropped from generation 0" in log, log[-3000:]
+        assert "attn1 missed its heartbeats" in log and "attention rank 1 (attn1) dropped" in log, log[-3000:]
         step = max(ticker.gaps(0, killed))
         stall = max(ticker.gaps(killed, float("inf")))
         bound = CLUSTER["heartbeat_timeout"] + CLUSTER["heartbeat_interval"] + step + SLACK_S

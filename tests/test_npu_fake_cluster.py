@@ -97,12 +97,15 @@ _PAIR = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {fakes!r})
     from afd.backend import get_backend
+    from afd.dataplane.pairs import PairLink, handshake
     from afd.dataplane.rendezvous import rendezvous_store
     from afd.dataplane.transport import DataPlane, PeerError
-    rank = int(sys.argv[1])
+    rank = int(sys.argv[1])  # 0: the attention end, 1: the FFN end
     store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
-    plane = DataPlane(get_backend("npu", rank + 1), rank, 2, store, timeout_s={timeout})
-    plane.handshake([1 - rank], None, "f")  # the pair's communicators form (HCCL: at their first op)
+    plane = DataPlane(get_backend("npu", rank + 1), rank, timeout_s={timeout})
+    link = PairLink(plane.backend, store, "attn0-ffn0", rank, {timeout})
+    handshake(link, None, 30)  # the pair's communicators form (HCCL: at their first op)
+    plane.add(1 - rank, link)
     buf = torch.empty(4, device=plane.backend.device)
     if rank == 0:
         t0 = time.monotonic()

@@ -36,6 +36,9 @@ class Deadlines:
         self._pending: list[tuple[float, object, int, str]] = []
         self._failures: dict[int, PeerError] = {}
         self._mu = threading.Lock()
+        self._expiring = threading.Lock()
+        """Held by the watchdog from taking an expired work to the end of its on_expired: `forget` waits for
+        an abort under way, which would otherwise land on the pair that replaces the peer's."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="afd-deadlines", daemon=True)
         self._thread.start()
@@ -56,8 +59,9 @@ class Deadlines:
 
     def forget(self, peer: int) -> bool:
         """Stops watching `peer`'s works and drops its recorded failure (its pair is replaced or gone);
-        returns whether any of those works had not completed: work that may still be queued."""
-        with self._mu:
+        returns whether any of those works had not completed: work that may still be queued. Returns once
+        an abort that a passed deadline of the peer's started has ended."""
+        with self._expiring, self._mu:
             mine = [e for e in self._pending if e[2] == peer]
             self._pending = [e for e in self._pending if e[2] != peer]
             self._failures.pop(peer, None)
@@ -75,29 +79,33 @@ class Deadlines:
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):
-            now, expired = time.monotonic(), None
-            with self._mu:
-                live = []
-                for entry in self._pending:
-                    deadline, work, peer, what = entry
-                    if _completed(work):
-                        continue
-                    if expired is None and now > deadline:
-                        expired = entry
-                    else:
-                        live.append(entry)
-                if expired is not None:
-                    _, _, peer, what = expired
-                    live = [e for e in live if e[2] != peer]  # the abort fails the rest of that peer's work
-                    if peer not in self._failures:
-                        self._failures[peer] = self.error(what, peer, self.timeout_s)
-                self._pending = live
+            with self._expiring:
+                self._poll()
+
+    def _poll(self) -> None:
+        now, expired = time.monotonic(), None
+        with self._mu:
+            live = []
+            for entry in self._pending:
+                deadline, work, peer, what = entry
+                if _completed(work):
+                    continue
+                if expired is None and now > deadline:
+                    expired = entry
+                else:
+                    live.append(entry)
             if expired is not None:
-                log.warning("deadline passed: %s with rank %d; aborting its communicators", expired[3], expired[2])
-                try:
-                    self.on_expired(expired[2])
-                except Exception as e:  # the error is recorded either way; the abort is best effort
-                    log.warning("abort after a deadline failed: %s", e)
+                _, _, peer, what = expired
+                live = [e for e in live if e[2] != peer]  # the abort fails the rest of that peer's work
+                if peer not in self._failures:
+                    self._failures[peer] = self.error(what, peer, self.timeout_s)
+            self._pending = live
+        if expired is not None:
+            log.warning("deadline passed: %s with rank %d; aborting its communicators", expired[3], expired[2])
+            try:
+                self.on_expired(expired[2])
+            except Exception as e:  # the error is recorded either way; the abort is best effort
+                log.warning("abort after a deadline failed: %s", e)
 
 
 def _completed(work) -> bool:

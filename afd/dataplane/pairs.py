@@ -15,6 +15,7 @@ import gc
 import hashlib
 import hmac
 import logging
+import threading
 import time
 from datetime import timedelta
 
@@ -44,6 +45,10 @@ class PairLink:
         self._stores = [dist.PrefixStore(f"afd/pair/{key}/{d}/", store) for d in ("to-ffn", "to-attention")]
         self.to_ffn, self.to_attention = (backend.pair_group(s, rank, timedelta(seconds=group_s)) for s in self._stores)
         self.formed_at = time.monotonic()
+        self._mu = threading.Lock()
+        self._closed = False
+        """close() ran: an abort from another thread that comes after it (DataPlane aborts outside its lock)
+        finds nothing to act on."""
 
     def isend(self, tensor: torch.Tensor):
         group = self.to_ffn if self.rank == ATTENTION else self.to_attention
@@ -54,7 +59,13 @@ class PairLink:
         return group.recv([tensor], self.peer, 0)
 
     def abort(self) -> None:
-        """Both directions' communicators, without waiting for queued work (Backend.abort_group)."""
+        """Both directions' communicators, without waiting for queued work (Backend.abort_group); any thread.
+        Nothing once the pair is closed: its groups are shut down or aborted already."""
+        with self._mu:
+            if not self._closed:
+                self._abort_groups()
+
+    def _abort_groups(self) -> None:
         for group in (self.to_ffn, self.to_attention):
             try:
                 self.backend.abort_group(group)
@@ -65,16 +76,19 @@ class PairLink:
         """Ends the pair. queued: work may still sit on its streams (an op not waited for, a failure): where
         tearing a group down waits for that (NCCL, HCCL), the pair is aborted and its groups forgotten, never
         shut down; otherwise each group is shut down (NCCL's finalize flushes what is in flight)."""
-        abort = queued and self.backend.shutdown_waits_for_queued_work
-        if abort:
-            self.abort()
-        else:
-            for group in (self.to_ffn, self.to_attention):
-                try:
-                    group.shutdown()
-                except Exception as e:  # a dead peer can make teardown fail; going on matters more
-                    log.debug("pair group shutdown: %s", first_line(e))
-        del self.to_ffn, self.to_attention
+        with self._mu:
+            if self._closed:
+                return
+            self._closed = True
+            if queued and self.backend.shutdown_waits_for_queued_work:
+                self._abort_groups()
+            else:
+                for group in (self.to_ffn, self.to_attention):
+                    try:
+                        group.shutdown()
+                    except Exception as e:  # a dead peer can make teardown fail; going on matters more
+                        log.debug("pair group shutdown: %s", first_line(e))
+            del self.to_ffn, self.to_attention
         # pending works in dropped frames keep a gloo group (and its sockets) alive until collected: the
         # peer, blocked on this end, notices only once they close
         gc.collect()

@@ -1,6 +1,6 @@
 """Check `failure`: kill -9 of the FFN node of a 1A1F cluster on the device during a decode under concurrent
-streams, and the same command started again (issue 24). The attention node must pause, re-form with the
-replacement within rejoin_timeout and finish every stream with CPU fp32's tokens, never restarted; the
+streams, and the same command started again (issue 24). The attention node must pause, form its pair with
+the replacement within rejoin_timeout and finish every stream with CPU fp32's tokens, never restarted; the
 failure must never hang (NCCL's shutdown() waits on queued work, HCCL's syncs its streams: the node aborts
 its pairs instead). Every wait here has a deadline, so a hang is this row's failure, not the run's.
 
@@ -60,7 +60,10 @@ def judge(
     if figures.get("reform_s") is None:
         problems.append(f"the attention node did not re-form within rejoin_timeout {rejoin}s (/health 200)")
     if not log_ok:
-        problems.append("the attention node was restarted, or its log says no 'data plane re-formed' generation 1")
+        problems.append(
+            "the attention node was restarted, or its log does not say 'forming this rank's pairs again' and "
+            "then 'data plane re-formed'"
+        )
     errors = [e for r in results if r for e in r[1]]
     if errors:
         problems.append(f"{len(errors)} stream error(s), first: {errors[0][:200]}")
@@ -114,8 +117,8 @@ def check_failure(target: Target, ckpt: str, quick: bool) -> Result:
             log_ok = (
                 c.procs["attn0"].pid == attn_pid
                 and c.procs["attn0"].poll() is None
-                and "data plane re-formed" in attn_log
-                and "generation 1" in attn_log
+                and "forming this rank's pairs again" in attn_log
+                and "data plane re-formed" in attn_log[attn_log.index("forming this rank's pairs again") :]
             )
             result = judge(streams.results, ref, STREAMS, hung, figures, log_ok)
             if result.status == "fail":
