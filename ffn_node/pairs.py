@@ -43,7 +43,6 @@ class PairAcceptor(pb_grpc.PairsServicer):
         """Per attention node, its ranks' pairs formed so far (the node's list goes once it is complete)."""
         self.plane: DataPlane | None = None
         """Set once the node is loaded: requests before then are answered UNAVAILABLE (tried again)."""
-        self._latest: dict[int, PairLink] = {}
         self._mu = threading.Lock()
         self._store: ControlStore | None = None
         self._kv: KeyValues | None = None
@@ -67,10 +66,9 @@ class PairAcceptor(pb_grpc.PairsServicer):
                 f"FFN node {self.name}: {req.name!r} is not an attention rank of this cluster at data-plane rank "
                 f"{req.rank} (the cluster YAML's attention ranks: {', '.join(self.attention)})",
             )
-        with self._mu:
-            old = self._latest.get(req.rank)
-        if old is not None:  # ends the loop's wait on the old pair at once (NCCL, HCCL; on gloo its sockets close)
-            plane.abort_link(req.rank, old, f"{req.name} forms a new pair")
+        # the rank's end of every older pair is gone: the loop's wait on the one in use ends at once (NCCL, HCCL;
+        # on gloo its sockets close anyway)
+        plane.abort(req.rank, f"{req.name} forms a new pair")
         timeout = min(max(req.timeout_seconds, 1.0), MAX_FORM_S)
         threading.Thread(
             target=self._form, args=(req.name, req.rank, req.key, timeout), name="afd-form-pair", daemon=True
@@ -87,7 +85,6 @@ class PairAcceptor(pb_grpc.PairsServicer):
             return
         node = self.node_of[name]
         with self._mu:
-            self._latest[rank] = link
             forming = self._forming.setdefault(node, {})
             stale = forming.get(rank)
             forming[rank] = (name, link)

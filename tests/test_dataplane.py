@@ -163,7 +163,7 @@ def test_a_dead_peer_fails_fast_with_a_clear_error(tmp_path, victim, survivor, s
         rc = cluster.process(survivor).wait(timeout=15)
         assert time.monotonic() - t0 < 10
         assert rc == 1
-        log = _wait_for_log(cluster, survivor, "stopping: data plane:")
+        log = _wait_for_log(cluster, survivor, "stopping: ")
         assert "the peer process is probably gone" in log
         if signum == signal.SIGTERM:
             assert cluster.process(victim).wait(timeout=5) == 0
