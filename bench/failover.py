@@ -8,15 +8,16 @@ Every attention node serves `--streams` greedy streaming completions at once, ba
 set of prompts whose tokens are first recorded with no fault. Then, one node after another (`--kill`), the
 node's process is killed with SIGKILL while the load runs, and the script waits until it serves again.
 
-Per kill it reports: the largest gap between two chunks of one stream on every attention node that was not
-killed, while the node was down and rejoining (the "pause"); requests done and failed on each node (a
-killed attention node's own streams die with it: their connections are gone); whether every completed
-stream's tokens equal the fault-free ones; and the time from the kill until the node answered again and
-until `afd status` said READY.
+Per kill it reports: the largest gap between two chunks of one stream (its start counts as one) on every
+attention node that was not killed, while the node was down and rejoining (the "pause"); requests done and
+failed on each node (a killed attention node's own streams die with it: their connections are gone); whether
+every completed stream's tokens equal the fault-free ones; and the time from the kill until the node
+answered again and until `afd status` said READY.
 
     python bench/failover.py --launcher launch --output docs/bench/failover-launch.json
     python bench/failover.py --launcher hand --output docs/bench/failover-hand.json
     python bench/failover.py --kill "" --big-prompt 30 --output docs/bench/failover-big-prompt.json
+    python bench/failover.py --config deploy/1a2f.yaml --kill ffn1,ffn0 --output docs/bench/failover-1a2f.json
 
 With `--big-prompt MB`, a text prompt that large then goes to the last attention node while the others
 stream: its status, the others' largest gap, and the node's RSS before and a minute after.
@@ -191,12 +192,14 @@ class Load:
 
 def _summary(records: list[dict], refs: dict[int, list[int]], t0: float, t1: float, n: int) -> dict:
     """Requests that ran during [t0, t1]: done (all n tokens, no error), failed, tokens compared, and the
-    largest gap between two chunks inside it."""
+    largest gap between two chunks of one stream (or its start and first chunk) inside it."""
     during = [r for r in records if r["start"] < t1 and r["end"] > t0]
     refused = [r for r in during if not r["ids"] and any("Connection refused" in e for e in r["errors"])]
     during = [r for r in during if r not in refused]  # tries while nothing listened: not requests it took
     done = [r for r in during if not r["errors"] and len(r["ids"]) == n]
-    gaps = [b - a for r in during for a, b in zip(r["times"], r["times"][1:]) if b > t0 and a < t1]
+    # from the request's start: a stream sent while the plane was down waits for its first chunk, a stall too
+    ticks = [[r["start"], *r["times"]] for r in during]
+    gaps = [b - a for t in ticks for a, b in zip(t, t[1:]) if b > t0 and a < t1]
     return {
         "requests": len(during),
         "done": len(done),
