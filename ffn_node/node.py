@@ -73,6 +73,7 @@ class FFNNode:
             prefetch=prefetch,
             metrics=metrics,
             rejoin_timeout=cfg.cluster.rejoin_timeout,
+            current=self.pairs.current,
         )
         log.info("serving the pairs of %d attention rank(s)", len(a.peer_ranks))
 

@@ -43,6 +43,8 @@ class PairAcceptor(pb_grpc.PairsServicer):
         """Per attention node, its ranks' pairs formed so far (the node's list goes once it is complete)."""
         self.plane: DataPlane | None = None
         """Set once the node is loaded: requests before then are answered UNAVAILABLE (tried again)."""
+        self._asked: dict[int, str] = {}
+        """Per attention rank, the key of its latest request: a pair under an older key is stale (that end is gone)."""
         self._mu = threading.Lock()
         self._store: ControlStore | None = None
         self._kv: KeyValues | None = None
@@ -68,6 +70,8 @@ class PairAcceptor(pb_grpc.PairsServicer):
             )
         # the rank's end of every older pair is gone: the loop's wait on the one in use ends at once (NCCL, HCCL;
         # on gloo its sockets close anyway)
+        with self._mu:
+            self._asked[req.rank] = req.key
         plane.abort(req.rank, f"{req.name} forms a new pair")
         timeout = min(max(req.timeout_seconds, 1.0), MAX_FORM_S)
         threading.Thread(
@@ -83,18 +87,38 @@ class PairAcceptor(pb_grpc.PairsServicer):
             self._kv.drop_prefix(f"afd/pair/{key}/")
         if link is None:
             return
-        node = self.node_of[name]
+        self._hold([(rank, name, link)])
+
+    def _hold(self, formed: list) -> None:
+        """Holds formed pairs until every rank of their attention node has one, then hands the node's over."""
+        node = self.node_of[formed[0][1]]
         with self._mu:
             forming = self._forming.setdefault(node, {})
-            stale = forming.get(rank)
-            forming[rank] = (name, link)
+            older = [forming[r][1] for r, _, _ in formed if r in forming]
+            forming.update({r: (name, link) for r, name, link in formed})
             done = len(forming) == self.cfg.layout.attention_tp
             if done:
                 del self._forming[node]
-        if stale is not None:  # the rank asked again before its node's other ranks formed theirs
-            stale[1].close(queued=True)
+        for link in older:  # the rank asked again before its node's other ranks formed theirs
+            link.close(queued=True)
         if done:
             self.formed.put([(r, n, lk) for r, (n, lk) in sorted(forming.items())])
+
+    def current(self, group: list) -> bool:
+        """At adoption (the serving loop): True when every pair of the node's group is its rank's latest.
+        Otherwise a rank asked again meanwhile (its end of the older pair is gone): the stale pairs are
+        closed, and the others are held again until the rank's new pair completes the node's group."""
+        with self._mu:
+            stale = [x for x in group if self._asked.get(x[0]) != x[2].key]
+        if not stale:
+            return True
+        for _, name, link in stale:
+            log.info("pair with %s superseded before it was taken into use", name)
+            link.close(queued=True)
+        rest = [x for x in group if x not in stale]
+        if rest:
+            self._hold(rest)
+        return False
 
     def _formed(self, name: str, key: str, timeout_s: float) -> PairLink | None:
         try:

@@ -72,14 +72,16 @@ class FFNServer:
         prefetch: PrefetchSchedule | None = None,
         metrics: FFNMetrics | None = None,
         rejoin_timeout: float = 60.0,
+        current=lambda group: True,
     ):
         """formed: the pairs formed (ffn_node/pairs.py), to adopt: lists of (attention rank, name,
-        PairLink), every TP rank of one attention node, taken into use at one step boundary."""
+        PairLink), every TP rank of one attention node, taken into use at one step boundary; current(group)
+        says whether they are still their ranks' latest (ffn_node/pairs.py: a rank may have asked again)."""
         self.ffn, self.backend = ffn, backend
         self.hidden = ffn.cfg.hidden_size
         self.timers = timers or Timers()
         self.pool = BufferPool(backend.device, dtype)
-        self.plane, self.formed, self.rejoin_timeout = plane, formed, rejoin_timeout
+        self.plane, self.formed, self.rejoin_timeout, self.current = plane, formed, rejoin_timeout, current
         self.active: list[int] = []
         self.names: dict[int, str] = {}
         self.gone: dict[int, str] = {}
@@ -151,8 +153,9 @@ class FFNServer:
                 if self.gone and time.monotonic() - waiting_since > self.rejoin_timeout:
                     return ServeEnd.ABANDONED
                 continue
-            for r, name, link in ranks:
-                self._take(r, name, link)
+            if self.current(ranks):
+                for r, name, link in ranks:
+                    self._take(r, name, link)
             if self.formed.empty():
                 return None
 
