@@ -182,6 +182,66 @@ def test_data_plane_aborts_only_the_failed_pair_and_never_tears_down_queued_work
     assert attn_report["shutdown_hangs"] == [] and attn_report["aborts"] == 0 and attn_report["shutdowns"] > 0, attn
 
 
+_REPLACED_PEER = textwrap.dedent("""
+    import json, queue, sys, threading, time, torch
+    from types import SimpleNamespace
+    sys.path.insert(0, {fakes!r})
+    import torch_npu
+    from afd.backend import get_backend
+    from afd.dataplane.exchange import RemoteMoE
+    from afd.dataplane.pairs import PairLink, handshake
+    from afd.dataplane.rendezvous import rendezvous_store
+    from afd.dataplane.transport import DataPlane
+    from ffn_node.server import FFNServer
+    rank = int(sys.argv[1])  # 0: the attention node (the pair's rank 0), 1: the FFN node
+    store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
+    backend = get_backend("npu", rank + 1)
+
+    def link(key):
+        backend.bind_thread()
+        lk = PairLink(backend, store, key, rank, 20)
+        handshake(lk, None, 20)
+        return lk
+
+    if rank == 0:  # its first pair stays silent, as a dead node's does: the FFN's header receive never completes
+        first = link("old")
+        time.sleep(3)
+        first.close(queued=True)
+        plane = DataPlane(backend, 0, 20)
+        plane.add(1, link("new"))  # the replacement's pair
+        moe = RemoteMoE(plane, [1], 8, torch.float32, backend.device)
+        print("idle step answered:", moe.idle(), flush=True)
+        moe.leave()
+        sys.exit(0)
+    ffn = SimpleNamespace(cfg=SimpleNamespace(hidden_size=8, moe_layers=(1,)), mtp_layers=())
+    plane, formed = DataPlane(backend, 1, 20), queue.SimpleQueue()
+    formed.put([(0, "attn0", link("old"))])
+
+    def replaced():
+        time.sleep(1.0)
+        plane.abort(0, "attn0 missed its heartbeats")  # the heartbeat thread, on the control plane's word
+        formed.put([(0, "attn0", link("new"))])  # the replacement's pair, formed by the Pairs service's thread
+
+    threading.Thread(target=replaced).start()
+    srv = FFNServer(ffn, backend, plane, formed, torch.float32, rejoin_timeout=30)
+    print("served:", srv.serve().name, list(srv.gone.values()), flush=True)
+    print("report", json.dumps(torch_npu.report()["device"]["hazards"]), flush=True)
+""")
+
+
+@pytest.mark.slow  # two fake-NPU processes and a silent peer; `make test-slow`, which CI runs
+def test_an_ffn_node_receives_a_replaced_peer_s_headers_into_new_memory():
+    """An attention node dies while the FFN node waits for its step header: that receive never completes
+    (it stays on its stream). The FFN node receives the replacement's headers into a new buffer, not into the
+    one the dead peer's receive may still write (the fake device calls that a hazard; the FFN node then
+    dropped the replacement at its first step, every time it formed its pair: issue 26's intermittent
+    rejoin failure)."""
+    attn, ffn = _run(_REPLACED_PEER.format(fakes=FAKES, port=free_ports(1)[0]), 2, timeout=60, AFD_FAKE_HANG_S="10")
+    assert "served: LEFT []" in ffn, ffn
+    assert json.loads(ffn.split("report ")[1].splitlines()[0]) == [], ffn
+    assert "idle step answered: 0" in attn, attn
+
+
 _OLD_HANDSHAKE = textwrap.dedent("""
     import sys, torch, torch.distributed as dist
     from datetime import timedelta
