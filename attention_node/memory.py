@@ -1,6 +1,9 @@
 """Memory back to the system after a large request. A 30 MB body passes through several copies (bytes, the
 parsed str, its UTF-8 form for the byte bound); glibc serves blocks that size from its heaps once its mmap
-threshold has risen past them, and keeps the freed pages: without a trim the node's RSS stayed 5x higher."""
+threshold has risen past them, and keeps the freed pages: without a trim the node's RSS stayed 5x higher. Even
+trimmed, a heap that served such blocks from a worker thread's arena (the chat template renders there) kept
+about 2x the body (+60 MB for a 30 MB conversation, the second time one came), so the threshold is also fixed
+(MMAP_THRESHOLD): blocks that large are mapped on their own and go back to the system when freed."""
 
 from __future__ import annotations
 
@@ -13,6 +16,11 @@ log = logging.getLogger("afd.api")
 
 TRIM_ABOVE = 1 << 20
 """Bodies over this many bytes are followed by a trim (malloc_trim walks every heap: not for each request)."""
+MMAP_THRESHOLD = 4 << 20
+"""Blocks at least this large are mmapped (glibc's M_MMAP_THRESHOLD, fixed: no longer raised by each free of a
+mapped block, up to 32 MiB). Above a decode step's activations on the models afd serves on CPU, below a body
+worth trimming for."""
+_M_MMAP_THRESHOLD = -3  # glibc malloc.h
 
 
 def _malloc_trim():
@@ -27,6 +35,17 @@ def _malloc_trim():
 
 
 _TRIM = _malloc_trim()
+
+
+def fix_mmap_threshold(size: int = MMAP_THRESHOLD) -> bool:
+    """glibc's mallopt(M_MMAP_THRESHOLD, size); False where the C library is another (or refuses it)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return fn(_M_MMAP_THRESHOLD, size) == 1
 
 
 def trim() -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from afd.control import control_pb2 as pb
 from attention_node.api_server import ServerState
+from attention_node.memory import fix_mmap_threshold
 from attention_node.node import AttentionNode
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ class ServingNode(AttentionNode):
 
         cfg, args = self.cfg, self.args
         node = cfg.node(args.node)
+        fix_mmap_threshold()  # a huge body's memory goes back to the system once it is answered
         self.server = api_server(build_app(self.state), cfg.http, self.sock)
         self.state.engine.start()
         log.info(

@@ -133,6 +133,10 @@ class ControlClient:
                 asked = time.monotonic()
                 try:
                     st = self.stub.Heartbeat(self.ref, metadata=call_metadata(), timeout=max(1.0, interval))
+                except ValueError:  # grpc's "Cannot invoke RPC on closed channel!": close() ran meanwhile
+                    if self._stop.is_set():
+                        return
+                    raise
                 except grpc.RpcError as e:
                     if e.code() == grpc.StatusCode.NOT_FOUND:
                         if not refused:
