@@ -21,6 +21,8 @@ class LocalClusterSpec:
     overlap: bool = True
     micro_batches: int = 0
     """0: each attention node chooses from measured times (afd.dataplane.overlap)."""
+    exchange_dtype: str = "same"
+    """layout.exchange_dtype: how the MoE inputs cross to the FFN nodes (same, fp8 or int8)."""
     block_size: int = 16
     speculative_tokens: int = 0
     """MTP draft tokens per step (engine.speculative_tokens; 0 off)."""
@@ -63,6 +65,8 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
     from afd.cluster.local_config import local_config
 
     layout = {"overlap": spec.overlap, "micro_batches": spec.micro_batches, "graph_mode": spec.graph_mode}
+    if spec.exchange_dtype != "same":
+        layout["exchange_dtype"] = spec.exchange_dtype
     if spec.attention_tp > 1:
         layout |= {"attention_tp": spec.attention_tp, "tp_comm": spec.tp_comm, "kvp": spec.kvp}
         layout |= {"flashcomm2_otp": spec.flashcomm2_otp, "tp_comm_min_tokens": spec.tp_comm_min_tokens}
