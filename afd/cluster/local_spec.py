@@ -21,8 +21,6 @@ class LocalClusterSpec:
     overlap: bool = True
     micro_batches: int = 0
     """0: each attention node chooses from measured times (afd.dataplane.overlap)."""
-    exchange_dtype: str = "same"
-    """layout.exchange_dtype: how the MoE inputs cross to the FFN nodes (same, fp8 or int8)."""
     block_size: int = 16
     speculative_tokens: int = 0
     """MTP draft tokens per step (engine.speculative_tokens; 0 off)."""
@@ -46,6 +44,8 @@ class LocalClusterSpec:
     """cluster.max_restarts: restarts in a row of a node that fails (afd.cluster.supervise)."""
     restart_backoff: float = 1.0
     """cluster.restart_backoff: seconds before the first restart of a row."""
+    exchange_dtype: str = "same"
+    """layout.exchange_dtype: how the MoE inputs cross to the FFN nodes (same, fp8 or int8)."""
 
     def __post_init__(self):
         if self.attention_nodes < 1 or self.ffn_nodes < 0:
