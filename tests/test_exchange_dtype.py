@@ -175,3 +175,26 @@ def test_8bit_exchange_moves_the_logits_within_the_quantization_error(tiny_check
     i8, f8 = report["int8"], report["fp8"]
     assert i8["top1_agreement"] >= 0.9 and i8["max_logit_err"] < 0.02, report
     assert f8["top1_agreement"] >= 0.75 and f8["median_logit_err"] < 0.04 and f8["max_logit_err"] < 1.0, report
+
+
+def test_check_config_prints_the_formulas_bytes_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    from cluster_helpers import ROOT
+
+    from afd.model.demo_config import DEMO_CONFIG
+
+    path = cluster_yaml(tmp_path, "demo", layout={"exchange_dtype": "int8"})
+    code = (
+        f"import sys; from afd.cli import main; rc = main(['check-config', {str(path)!r}]); "
+        "print('torch imported' if 'torch' in sys.modules else 'torch-free'); sys.exit(rc)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[-1] == "torch-free"
+    assert any("layout.exchange_dtype int8" in line for line in lines)
+    row = next(line.split() for line in lines if line.strip().startswith("to_ffn per layer"))
+    assert DEMO_CONFIG["hidden_size"] == 256  # T * (256 + 4) bytes at T = 1, 16, 64, 512
+    assert row[5:] == ["260", "B", "4.1", "KiB", "16.2", "KiB", "130.0", "KiB"], row
