@@ -198,3 +198,110 @@ def test_check_config_prints_the_formulas_bytes_without_torch(tmp_path):
     row = next(line.split() for line in lines if line.strip().startswith("to_ffn per layer"))
     assert DEMO_CONFIG["hidden_size"] == 256  # T * (256 + 4) bytes at T = 1, 16, 64, 512
     assert row[5:] == ["260", "B", "4.1", "KiB", "16.2", "KiB", "130.0", "KiB"], row
+
+
+# ---- both ends in one process: RemoteMoE's message into FFNServer's buffers ------------------------------
+
+
+class _Loopback:
+    """A data plane between one attention rank (RemoteMoE) and an FFN server in this process: a send is queued
+    by its receiver's rank, a receive takes the oldest (at its wait, on the attention side, which receives
+    after the FFN node computed). `failing` ranks' receives fail as a dead peer's would."""
+
+    def __init__(self, failing=()):
+        from collections import defaultdict, deque
+
+        self.queues: dict = defaultdict(deque)
+        self.failing = set(failing)
+
+    def add(self, peer, link):
+        pass
+
+    def drop(self, peer):
+        pass
+
+    def abort(self, peer=None):
+        pass
+
+    def check(self):
+        pass
+
+    def isend(self, t, peer):
+        self.queues[peer].append(t.clone())
+        return ("send", peer, None)
+
+    def irecv(self, t, peer):
+        return ("recv", peer, t)
+
+    def wait(self, work, peer, what):
+        from afd.dataplane.transport import PeerError
+
+        kind, who, t = work
+        if kind == "recv":
+            if who in self.failing:
+                raise PeerError(f"data plane: {what} with rank {who} failed", who)
+            t.copy_(self.queues[who].popleft())
+
+
+class _IdentityFFN(torch.nn.Module):
+    """An FFN half that returns its input, recording it."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.cfg = type("Cfg", (), {"hidden_size": hidden, "moe_layers": (0,), "num_layers": 1})()
+        self.mtp_layers = ()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, backend, layer, x):
+        self.seen.append(x.clone())
+        return x.clone()
+
+
+def _ffn_server(plane, exchange_dtype: str, ranks=(0, 1)):
+    import queue
+
+    from afd.backend import get_backend
+    from ffn_node.server import FFNServer
+
+    formed: queue.SimpleQueue = queue.SimpleQueue()
+    formed.put([(r, f"attn{r}", None) for r in ranks])
+    ffn = _IdentityFFN(40)
+    server = FFNServer(ffn, get_backend("cpu"), plane, formed, torch.float32, exchange_dtype=exchange_dtype)
+    assert server._adopt() is None
+    return server, ffn
+
+
+@pytest.mark.parametrize("exchange_dtype", ["int8", "fp8"])
+def test_the_ffn_node_dequantizes_what_remote_moe_sent(exchange_dtype):
+    """RemoteMoE's message through FFNServer's receive buffer: the experts see the round trip of `m`, and `y`
+    comes back in the model dtype; the counter is the formula's."""
+    from afd.dataplane.exchange import RemoteMoE
+
+    plane = _Loopback()
+    server, ffn = _ffn_server(plane, exchange_dtype, ranks=(0,))
+    moe = RemoteMoE(plane, [7], 40, torch.float32, torch.device("cpu"), exchange_dtype=exchange_dtype)
+    m = _rows(torch.float32)
+    handle = moe.submit(0, 0, m)
+    # the FFN node's side of the same message (rank 0 there is the attention rank; 7 the FFN node here)
+    plane.queues[0].append(plane.queues.pop(7).popleft())
+    server._run_micro_batch(0, 0, [(0, 6)])
+    plane.queues[7].append(plane.queues.pop(0).popleft())
+    y = handle.wait()
+    want = dequantize(quantize(m, exchange_dtype), exchange_dtype, torch.empty_like(m))
+    assert torch.equal(ffn.seen[0], want) and torch.equal(y, want) and y.dtype == torch.float32
+    assert moe.exchange_bytes == exchange_bytes(6, 40, torch.float32, exchange_dtype)
+
+
+def test_a_failed_peers_rows_come_out_zero_and_its_quantized_buffer_is_retired():
+    plane = _Loopback(failing={1})
+    server, ffn = _ffn_server(plane, "int8")
+    m = _rows(torch.float32)[:4]
+    plane.queues[0].append(quantize(m, "int8"))
+    packed_buf = server.packed.get(0, 7, 44)
+    server._run_micro_batch(0, 0, [(0, 4), (1, 3)])
+    x = ffn.seen[0]
+    assert torch.equal(x[:4], dequantize(quantize(m, "int8"), "int8", torch.empty_like(m)))
+    assert (x[4:] == 0).all(), "the failed peer's rows are computed as zeros, never read uninitialised"
+    assert server.active == [0] and 1 in server.gone
+    assert any(t.data_ptr() == packed_buf.data_ptr() for t in server._retired), "the receive buffer is retired"
+    assert server.packed.get(0, 7, 44).data_ptr() != packed_buf.data_ptr()
