@@ -145,11 +145,11 @@ def _bits_dtype(exchange_dtype: str) -> torch.dtype:
 def quantize(m: torch.Tensor, exchange_dtype: str) -> torch.Tensor:
     """The message of MoE input `m` [T, H]: uint8 [T, H + 4], each row's elements divided by its scale
     (absmax / QMAX: dynamic, per token) in 8 bits, then the scale's float32 bytes. One message per
-    (layer, micro-batch) rather than the bits and the scales apart: no extra op (and wait, and per-op
-    latency, which dominates a decode step's few KiB) per layer, and the FFN node receives every peer's
-    rows into one buffer as before. uint8 on the wire on every backend: HCCL takes no float8 (the fake's
-    HCCL_DTYPES, as CANN's list), and gloo's send of float8_e4m3fn, which torch 2.13 accepts on CPU, would
-    only be the same bytes."""
+    (layer, micro-batch) rather than the bits and the scales apart: no extra op (and wait, and an op's fixed
+    cost, next to a decode step's few KiB) per layer, and the FFN node receives every peer's rows into one
+    buffer as before. uint8 on the wire on every backend: HCCL's dtypes as the fake models them
+    (HCCL_DTYPES) have no float8, and gloo's send of float8_e4m3fn, which it accepts on CPU (checked with
+    torch 2.13's gloo), would carry the same bytes."""
     import torch
 
     qmax = QMAX[exchange_dtype]
