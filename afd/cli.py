@@ -61,19 +61,28 @@ def _cmd_check_config(args) -> int:
     from afd.cluster.config import check_expert_layout, load
     from afd.cluster.topology import describe
     from afd.model.demo_config import DEMO_CONFIG
-    from afd.model.registry import load_config
+    from afd.model.registry import config_from_hf, load_config
 
     cfg = load(args.config)
-    n_routed = None
+    model_cfg = None
     if cfg.model.path == "demo":
-        n_routed = DEMO_CONFIG["n_routed_experts"]
+        model_cfg = config_from_hf(DEMO_CONFIG)
     elif os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        n_routed = load_config(cfg.model.path).n_routed_experts
+        model_cfg = load_config(cfg.model.path)
+    n_routed = model_cfg.n_routed_experts if model_cfg is not None else None
     if n_routed is not None:
         check_expert_layout(cfg, n_routed)
     print(describe(cfg, n_routed))
     if n_routed is None:
         print(f"(model {cfg.model.path} not readable here: default expert ranges resolve at startup)")
+    if not cfg.colocated and model_cfg is not None:  # the MoE exchange's bytes, by formula
+        from afd.dataplane.protocol import exchange_table
+
+        moe_layers = len(model_cfg.moe_layers)
+        lay = cfg.layout
+        print(
+            exchange_table(model_cfg.hidden_size, moe_layers, len(cfg.ffn_nodes), cfg.model.dtype, lay.exchange_dtype)
+        )
     if getattr(cfg.layout, "attention_tp", 1) > 1:  # bytes per TP rank and layer, by formula
         from afd.model.tp.volume import check_config_report
 

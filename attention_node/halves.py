@@ -69,4 +69,11 @@ def exchange(rt, built: Halves, dtype):
     """How this rank reaches the MoE on the current data plane: the FFN nodes, or its own experts."""
     if rt.cfg.colocated:
         return LocalMoE(built.ffn, rt.backend)
-    return RemoteMoE(rt.plane, list(rt.assignment.peer_ranks), rt.model_cfg.hidden_size, dtype, rt.backend.device)
+    return RemoteMoE(
+        rt.plane,
+        list(rt.assignment.peer_ranks),
+        rt.model_cfg.hidden_size,
+        dtype,
+        rt.backend.device,
+        exchange_dtype=rt.cfg.layout.exchange_dtype,
+    )

@@ -40,6 +40,8 @@ from afd.dataplane.protocol import (
     IDLE_ACK_LEN,
     ProtocolError,
     StepHeader,
+    dequantize,
+    packed_width,
 )
 from afd.dataplane.transport import DataPlane, PeerError
 from afd.observability.ffn_metrics import FFNMetrics
@@ -73,14 +75,19 @@ class FFNServer:
         metrics: FFNMetrics | None = None,
         rejoin_timeout: float = 60.0,
         current=lambda group: True,
+        exchange_dtype: str = "same",
     ):
         """formed: the pairs formed (ffn_node/pairs.py), to adopt: lists of (attention rank, name,
         PairLink), every TP rank of one attention node, taken into use at one step boundary; current(group)
-        says whether they are still their ranks' latest (ffn_node/pairs.py: a rank may have asked again)."""
+        says whether they are still their ranks' latest (ffn_node/pairs.py: a rank may have asked again).
+        exchange_dtype: layout.exchange_dtype, how the MoE inputs arrive (afd.dataplane.protocol)."""
         self.ffn, self.backend = ffn, backend
         self.hidden = ffn.cfg.hidden_size
         self.timers = timers or Timers()
         self.pool = BufferPool(backend.device, dtype)
+        self.exchange_dtype = exchange_dtype
+        self.packed = None if exchange_dtype == "same" else BufferPool(backend.device, torch.uint8)
+        """Receive buffers of quantized MoE inputs (uint8 rows: bits, then the scale), dequantized into `pool`'s."""
         self.plane, self.formed, self.rejoin_timeout, self.current = plane, formed, rejoin_timeout, current
         self.active: list[int] = []
         self.names: dict[int, str] = {}
@@ -293,7 +300,7 @@ class FFNServer:
         clean = torch.zeros(x.shape, dtype=x.dtype, device=x.device)  # not zeros_like: the fake NPU counts x as read
         for o, n in ok:
             clean[o : o + n].copy_(x[o : o + n])
-        self._retire(self.pool.retire(i))
+        self._retire((self.pool if self.packed is None else self.packed).retire(i))
         return clean
 
     def _retire(self, t: torch.Tensor) -> None:
@@ -305,6 +312,18 @@ class FFNServer:
     def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]]):
         total = sum(n for _, n in parts)
         x = self.pool.get(i, total, self.hidden)  # [T_all, H]: every peer's tokens, peer by peer
+        packed = x if self.packed is None else self.packed.get(i, total, packed_width(self.hidden, self.exchange_dtype))
+        x, gap = self._receive(layer, i, parts, packed)
+        if self.packed is not None:  # rows of a failed peer come out zeroed (_without_failed zeroed their bytes)
+            x = dequantize(x, self.exchange_dtype, self.pool.get(i, total, self.hidden))
+        self.time.idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
+        with torch.inference_mode():
+            y = self.time.compute(layer, gap, lambda: self.ffn(self.backend, layer, x))
+        return self._after_compute(layer, total, parts, y)
+
+    def _receive(self, layer: int, i: int, parts: list[tuple[int, int]], x: torch.Tensor):
+        """Every peer's rows of the micro-batch into `x` (a buffer of `pool`, or of `packed`), peer by peer, and
+        the prefetch's gap; a failed peer's rows zeroed."""
         recvs, off = [], 0
         for r, n in parts:
             recvs.append((r, off, n, self._post(self.plane.irecv, x[off : off + n], r)))
@@ -315,9 +334,9 @@ class FFNServer:
         ok = [(o, n) for r, o, n, w in recvs if self._wait(w, r, f"layer {layer} MoE input receive")]
         if len(ok) < len(recvs):
             x = self._without_failed(i, x, ok)
-        self.time.idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
-        with torch.inference_mode():
-            y = self.time.compute(layer, gap, lambda: self.ffn(self.backend, layer, x))
+        return x, gap
+
+    def _after_compute(self, layer: int, total: int, parts: list[tuple[int, int]], y: torch.Tensor):
         if self.prefetch is not None:
             self.prefetch.after_compute(layer)
             if self.metrics is not None:

@@ -322,6 +322,12 @@ MISTAKES = [
     ("zero-experts-not-ffn", layout(zero_experts="attn0"), "layout.zero_experts", "'attn0' is not an FFN node"),
     ("micro-batches", layout(micro_batches=7), "layout.micro_batches", "must be in 0..4 (0: automatic), got 7"),
     (
+        "exchange-dtype",
+        layout(exchange_dtype="fp4"),
+        "layout.exchange_dtype",
+        "expected same, fp8, int8, got 'fp4'",
+    ),
+    (
         "unknown-coordinator",
         lambda c: c["cluster"].update(coordinator="boss"),
         "cluster.coordinator",

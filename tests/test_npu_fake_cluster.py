@@ -46,8 +46,11 @@ def reference(families):
             marks=pytest.mark.slow,
         ),
         pytest.param(1, 1, 1, True, {"attention_tp": 2, "tp_comm": "allreduce", "kvp": 2}, marks=pytest.mark.slow),
+        # fp8 MoE inputs as uint8 messages over the fake HCCL (no float8 in HCCL_DTYPES); quantized tokens
+        # are not held to HF's (tests/test_exchange_dtype.py reports how far they move), the device rules are
+        pytest.param(1, 1, 2, True, {"exchange_dtype": "fp8"}, marks=pytest.mark.slow),
     ],
-    ids=["1A1F", "2A1F", "1A2F", "1A1F-tp2-flashcomm2", "1A1F-tp2-kvp2"],
+    ids=["1A1F", "2A1F", "1A2F", "1A1F-tp2-flashcomm2", "1A1F-tp2-kvp2", "1A1F-fp8-exchange"],
 )
 def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_path, A, F, micro_batches, overlap, tp):
     path = cluster_yaml(
@@ -72,7 +75,10 @@ def test_afd_decode_on_the_fake_npu_equals_hf(tiny_checkpoint, reference, tmp_pa
             )
         for (a, i), (code, body) in zip(jobs, answers):
             assert code == 200, body
-            assert body["choices"][0]["token_ids"] == reference[i], f"attn{a}, prompt {i}"
+            if "exchange_dtype" not in tp:
+                assert body["choices"][0]["token_ids"] == reference[i], f"attn{a}, prompt {i}"
+            else:  # served (an EOS may come early): the fake's device and HCCL rules below are what is checked
+                assert 0 < len(body["choices"][0]["token_ids"]) <= NEW, body
         # warm by now: one-time copies (rope tables) are not a step's
         check_one_host_sync_per_step(
             c.url("attn0"), snapshot(report, c), {n["name"]: n["role"] for n in c.doc["nodes"]}

@@ -51,6 +51,7 @@ ATTENTION_METRICS = (
     "afd_step_seconds_bucket",
     "afd_ffn_wait_seconds_bucket",
     "afd_a2f_bytes_total",
+    "afd_exchange_bytes_total",
     "afd_cluster_state",
     "afd_engine_dead",
     "afd_micro_batches",

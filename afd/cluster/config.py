@@ -17,6 +17,7 @@ import yaml
 from afd.cluster.fieldspec import byte_count
 from afd.cluster.schema import (  # noqa: F401 (re-exported: the names afd imports from here)
     DEVICES,
+    EXCHANGE_DTYPES,
     GRAPH_BATCH_SIZES,
     GRAPH_MODES,
     ROLES,
@@ -169,6 +170,8 @@ def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
         _fail(src, "layout.zero_experts", f"{layout.zero_experts!r} is not an FFN node ({', '.join(ffn)})")
     if not 0 <= layout.micro_batches <= 4:
         _fail(src, "layout.micro_batches", f"must be in 0..4 (0: automatic), got {layout.micro_batches}")
+    if layout.exchange_dtype not in EXCHANGE_DTYPES:
+        _fail(src, "layout.exchange_dtype", f"expected {', '.join(EXCHANGE_DTYPES)}, got {layout.exchange_dtype!r}")
     if layout.graph_mode is not None and layout.graph_mode not in GRAPH_MODES:
         _fail(src, "layout.graph_mode", f"expected eager or compile, got {layout.graph_mode!r}")
     if layout.experts is None:

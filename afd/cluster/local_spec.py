@@ -44,6 +44,8 @@ class LocalClusterSpec:
     """cluster.max_restarts: restarts in a row of a node that fails (afd.cluster.supervise)."""
     restart_backoff: float = 1.0
     """cluster.restart_backoff: seconds before the first restart of a row."""
+    exchange_dtype: str = "same"
+    """layout.exchange_dtype: how the MoE inputs cross to the FFN nodes (same, fp8 or int8)."""
 
     def __post_init__(self):
         if self.attention_nodes < 1 or self.ffn_nodes < 0:
@@ -63,6 +65,8 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
     from afd.cluster.local_config import local_config
 
     layout = {"overlap": spec.overlap, "micro_batches": spec.micro_batches, "graph_mode": spec.graph_mode}
+    if spec.exchange_dtype != "same":
+        layout["exchange_dtype"] = spec.exchange_dtype
     if spec.attention_tp > 1:
         layout |= {"attention_tp": spec.attention_tp, "tp_comm": spec.tp_comm, "kvp": spec.kvp}
         layout |= {"flashcomm2_otp": spec.flashcomm2_otp, "tp_comm_min_tokens": spec.tp_comm_min_tokens}

@@ -19,6 +19,8 @@ from afd.model.tp.config import TPConfig
 ROLES = ("attention", "ffn")
 DEVICES = ("cpu", "cuda", "npu")
 GRAPH_MODES = ("eager", "compile")
+EXCHANGE_DTYPES = ("same", "fp8", "int8")
+"""layout.exchange_dtype: how the MoE inputs cross to the FFN nodes (afd.dataplane.protocol)."""
 DTYPES = ("float32", "bfloat16", "float16")
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 SECTION_KEYS = ("cluster", "model", "layout", "engine", "prefetch", "http")
@@ -113,6 +115,9 @@ class Layout:
     once (the baseline)."""
     micro_batches: int = opt(0, "--micro-batches", parse=micro_batches_arg, metavar="{0..4}")
     """Ping-pong micro-batches (1-4); 0 chooses from measured times."""
+    exchange_dtype: str = opt("same", "--exchange-dtype", choices=EXCHANGE_DTYPES)
+    """How the MoE inputs cross to the FFN nodes: same (the model dtype), or fp8 (e4m3) or int8 with one
+    scale per token (dynamic absmax); the results come back in the model dtype (afd.dataplane.protocol)."""
     experts: dict | None = None
     """FFN node name -> [lo, hi) routed experts; default: an even split in node order."""
     zero_experts: str | None = None

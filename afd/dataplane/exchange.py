@@ -18,6 +18,7 @@ from afd.backend import Backend, host_syncs
 from afd.backend.base import copy_to_device
 from afd.dataplane.buffers import BufferPool
 from afd.dataplane.protocol import (
+    DIRECTIONS,
     FLAG_IDLE,
     FLAG_LEAVE,
     FLAG_MTP,
@@ -25,6 +26,7 @@ from afd.dataplane.protocol import (
     HEADER_LEN,
     IDLE_ACK_LEN,
     StepHeader,
+    quantize,
 )
 from afd.dataplane.transport import DataPlane
 from afd.observability.timing import Timers
@@ -126,8 +128,11 @@ class RemoteMoE:
         dtype: torch.dtype,
         device: torch.device,
         timers: Timers | None = None,
+        exchange_dtype: str = "same",
     ):
+        """exchange_dtype: layout.exchange_dtype, how the MoE inputs cross (afd.dataplane.protocol)."""
         self.plane, self.ffn_ranks, self.hidden = plane, ffn_ranks, hidden
+        self.exchange_dtype = exchange_dtype
         self.timers = timers or Timers()
         self.pool = BufferPool(device, dtype)
         self._header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
@@ -135,6 +140,8 @@ class RemoteMoE:
         self._acks = {f: torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=device) for f in ffn_ranks}
         self.step_id = 0
         self.bytes_sent = 0
+        self.exchange_bytes = dict.fromkeys(DIRECTIONS, 0)
+        """Bytes of MoE inputs sent and results received, over every FFN peer (afd_exchange_bytes_total)."""
 
     def _send_header(self, header: StepHeader) -> None:
         copy_to_device(self._header, header.encode())  # the last header's sends were waited for in end_step
@@ -145,7 +152,7 @@ class RemoteMoE:
         self.step_id += 1
 
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
-        m = m.contiguous()
+        m = m.contiguous() if self.exchange_dtype == "same" else quantize(m, self.exchange_dtype)
         T = m.shape[0]
         works, bufs = [], []
         for f in self.ffn_ranks:
@@ -153,7 +160,10 @@ class RemoteMoE:
             buf = self.pool.get((micro_batch, f), T, self.hidden)
             works.append((f, self.plane.irecv(buf, f), f"layer {layer} MoE output receive"))
             bufs.append(buf)
-        self.bytes_sent += m.numel() * m.element_size() * len(self.ffn_ranks)
+        sent = m.numel() * m.element_size() * len(self.ffn_ranks)
+        self.bytes_sent += sent
+        self.exchange_bytes["to_ffn"] += sent
+        self.exchange_bytes["to_attention"] += sum(b.numel() * b.element_size() for b in bufs)
         return _RemoteHandle(self, works, bufs, m)
 
     def end_step(self) -> None:

@@ -5,8 +5,14 @@ this order is the protocol):
 
     a -> f   StepHeader                              (HEADER_LEN int64)
     for layer in 0..L-1, for micro-batch i in 0..M-1 with tokens_i > 0:
-        a -> f   m  [tokens_i, hidden]               (MoE input, the model dtype)
-        f -> a   y  [tokens_i, hidden]               (f's share of the MoE output)
+        a -> f   m  [tokens_i, hidden]               (MoE input, the model dtype; layout.exchange_dtype
+                                                      fp8 or int8: uint8 [tokens_i, hidden + 4], see below)
+        f -> a   y  [tokens_i, hidden]               (f's share of the MoE output, the model dtype)
+
+With `layout.exchange_dtype` fp8 or int8 (every node reads it from the YAML), `m` crosses quantized, one
+message still: each row is the token's hidden bytes quantized (float8_e4m3fn bits, or symmetric int8)
+followed by the 4 bytes of its float32 scale, dequantized by the FFN node before the experts (`quantize`,
+`dequantize`). Bytes per layer and direction: `exchange_bytes`.
 
 Both sides know every size from the header, so each message goes into a preallocated buffer and an
 FFN node needs no request state. A header with LEAVE says a has no more steps; SHUTDOWN stops f.
@@ -30,10 +36,10 @@ names, so every pair still sees its messages in its own order.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from afd.backend import host_syncs
+if TYPE_CHECKING:  # torch is imported where tensors are made: `afd check-config` reads exchange_bytes without it
+    import torch
 
 MAGIC = 0xAFD0
 MAX_MICRO_BATCHES = 4
@@ -73,6 +79,8 @@ class StepHeader:
         return sum(self.tokens)
 
     def encode(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        import torch
+
         t = out if out is not None else torch.empty(HEADER_LEN, dtype=torch.int64)
         t.zero_()
         t[0], t[1], t[2], t[3] = MAGIC, self.step_id, self.flags, len(self.tokens)
@@ -82,6 +90,8 @@ class StepHeader:
 
     @classmethod
     def decode(cls, t: torch.Tensor, sender: int) -> StepHeader:
+        from afd.backend import host_syncs
+
         v = host_syncs.to_list(t)
         if v[0] != MAGIC:
             raise ProtocolError(f"rank {sender}: expected a step header, got magic {v[0]:#x}")
@@ -89,3 +99,104 @@ class StepHeader:
         if not 0 <= m <= MAX_MICRO_BATCHES or any(n < 0 for n in v[4 : 4 + m]):
             raise ProtocolError(f"rank {sender}: malformed step header {v}")
         return cls(step_id=v[1], tokens=tuple(v[4 : 4 + m]), flags=v[2])
+
+
+# ---- the MoE input's wire format (layout.exchange_dtype) ------------------------------------------------
+
+DIRECTIONS = ("to_ffn", "to_attention")
+"""afd_exchange_bytes_total's directions: the MoE inputs an attention rank sends, the results it receives."""
+SCALE_BYTES = 4
+"""A quantized row's scale: float32, after its hidden bytes."""
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+QMAX = {"int8": 127.0, "fp8": 448.0}
+"""The largest magnitude of each 8-bit format: symmetric int8 (-127..127), float8_e4m3fn (max normal 448)."""
+
+
+def element_bytes(dtype) -> int:
+    """Bytes per element of a model dtype: its name (float32, bfloat16, float16) or a torch.dtype."""
+    return _ELEMENT_BYTES[dtype] if isinstance(dtype, str) else dtype.itemsize
+
+
+def packed_width(hidden: int, exchange_dtype: str) -> int:
+    """Bytes per row of a quantized MoE input: one byte per hidden element, then the float32 scale."""
+    if exchange_dtype not in QMAX:
+        raise ValueError(f"layout.exchange_dtype: {exchange_dtype!r} is not quantized ({', '.join(QMAX)})")
+    return hidden + SCALE_BYTES
+
+
+def exchange_bytes(tokens: int, hidden: int, dtype, exchange_dtype: str = "same") -> dict[str, int]:
+    """Bytes one attention rank exchanges with one FFN node per MoE layer for `tokens` tokens, by direction
+    (DIRECTIONS): the MoE input T * H elements of the model dtype, or T * (H + 4) bytes quantized; the
+    result T * H elements of the model dtype. What RemoteMoE counts (afd_exchange_bytes_total)."""
+    b = element_bytes(dtype)
+    if exchange_dtype == "same":
+        to_ffn = tokens * hidden * b
+    else:
+        to_ffn = tokens * packed_width(hidden, exchange_dtype)
+    return {"to_ffn": to_ffn, "to_attention": tokens * hidden * b}
+
+
+def _bits_dtype(exchange_dtype: str) -> torch.dtype:
+    import torch
+
+    return {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[exchange_dtype]
+
+
+def quantize(m: torch.Tensor, exchange_dtype: str) -> torch.Tensor:
+    """The message of MoE input `m` [T, H]: uint8 [T, H + 4], each row's elements divided by its scale
+    (absmax / QMAX: dynamic, per token) in 8 bits, then the scale's float32 bytes. One message per
+    (layer, micro-batch) rather than the bits and the scales apart: no extra op (and wait, and an op's fixed
+    cost, next to a decode step's few KiB) per layer, and the FFN node receives every peer's rows into one
+    buffer as before. uint8 on the wire on every backend: HCCL's dtypes as the fake models them
+    (HCCL_DTYPES) have no float8, and gloo's send of float8_e4m3fn, which it accepts on CPU (checked with
+    torch 2.13's gloo), would carry the same bytes."""
+    import torch
+
+    qmax = QMAX[exchange_dtype]
+    x = m.to(torch.float32)
+    amax = x.abs().amax(dim=1, keepdim=True)
+    scale = amax.clamp(min=torch.finfo(torch.float32).tiny) / qmax  # an all-zero row: scale tiny, bits 0
+    y = (x / scale).clamp(-qmax, qmax)
+    bits = y.round().to(torch.int8) if exchange_dtype == "int8" else y.to(torch.float8_e4m3fn)
+    return torch.cat([bits.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+
+
+def dequantize(packed: torch.Tensor, exchange_dtype: str, out: torch.Tensor) -> torch.Tensor:
+    """`out` [T, H] (the model dtype) = the rows of a quantized MoE input `packed` [T, H + 4] times their
+    scales, computed in float32 and rounded once to out's dtype."""
+    import torch
+
+    hidden = out.shape[1]
+    bits = packed[:, :hidden].view(_bits_dtype(exchange_dtype))
+    scale = packed[:, hidden:].contiguous().view(torch.float32)  # [T, 1]; copied: a row's offset may not be 4-aligned
+    return torch.mul(bits.to(torch.float32), scale, out=out)
+
+
+EXCHANGE_TABLE_TOKENS = (1, 16, 64, 512)
+
+
+def exchange_table(
+    hidden: int, moe_layers: int, ffn_nodes: int, dtype: str, exchange_dtype: str, tokens=EXCHANGE_TABLE_TOKENS
+) -> str:
+    """What `afd check-config` prints for a disaggregated YAML: exchange_bytes per MoE layer and FFN node,
+    and per step (every MoE layer, every FFN node: each gets the whole input), for a few token counts."""
+
+    def human(n: int) -> str:
+        for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+            if n >= scale:
+                return f"{n / scale:.1f} {unit}"
+        return f"{n} B"
+
+    width = 12
+    lines = [
+        f"MoE exchange per attention rank (layout.exchange_dtype {exchange_dtype}, model {dtype}, hidden {hidden})",
+        "  bytes as afd_exchange_bytes_total counts them (afd.dataplane.protocol.exchange_bytes)",
+        f"    {'':<32}" + "".join(f"{'T=' + str(t):>{width}}" for t in tokens),
+    ]
+    for d in DIRECTIONS:
+        per_layer = [exchange_bytes(t, hidden, dtype, exchange_dtype)[d] for t in tokens]
+        lines.append(f"    {d + ' per layer and node':<32}" + "".join(f"{human(n):>{width}}" for n in per_layer))
+        step = [n * moe_layers * ffn_nodes for n in per_layer]
+        lines.append(f"    {d + ' per step':<32}" + "".join(f"{human(n):>{width}}" for n in step))
+    lines.append(f"  per step: {moe_layers} MoE layer(s) x {ffn_nodes} FFN node(s)")
+    return "\n".join(lines)

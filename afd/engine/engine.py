@@ -215,6 +215,7 @@ class Engine:
         decoding = [bool(s.request.output_ids) and s.request.num_tokens - s.start == 1 for s in plan]
         moe = self.runner.exchange()
         wait0, sent0 = moe.timers.total("ffn_wait"), getattr(moe, "bytes_sent", 0)
+        exchanged0 = dict(getattr(moe, "exchange_bytes", {}))  # RemoteMoE's, by direction
         t0 = time.perf_counter()
         out = self.runner.execute(plan.step_seqs())
         stats = StepStats(
@@ -229,6 +230,8 @@ class Engine:
             m.step(stats.phase).observe(stats.seconds)
             m.ffn_wait.observe(stats.ffn_wait)
             m.a2f_bytes.inc(stats.a2f_bytes)
+            for direction, n in getattr(moe, "exchange_bytes", {}).items():
+                m.exchange_bytes(direction).inc(n - exchanged0.get(direction, 0))
             m.micro_batches.set(out.micro_batches)
         return out, stats
 

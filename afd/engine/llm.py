@@ -246,6 +246,7 @@ def _cluster_spec(cfg: ClusterConfig) -> LocalClusterSpec:
         flashcomm2_otp=lay.flashcomm2_otp,
         tp_comm_min_tokens=lay.tp_comm_min_tokens,
         kvp=lay.kvp,
+        exchange_dtype=lay.exchange_dtype,
         max_restarts=cfg.cluster.max_restarts,
         restart_backoff=cfg.cluster.restart_backoff,
     )

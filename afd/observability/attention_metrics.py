@@ -105,6 +105,13 @@ class AttentionMetrics(NodeMetrics):
             buckets=FINE_BUCKETS,
         )
         self.a2f_bytes = self._make(c, "afd_a2f_bytes", "Bytes of hidden states sent to FFN nodes.")
+        self._exchange_bytes = self._make(
+            c,
+            "afd_exchange_bytes",
+            "Bytes of the MoE exchange with the FFN nodes, by direction: to_ffn the inputs as sent "
+            "(layout.exchange_dtype), to_attention the results.",
+            ("direction",),
+        )
         self.micro_batches = self._make(
             g, "afd_micro_batches", "Micro-batches the last step ran with (fixed, or MicroBatchTuner's choice)."
         )
@@ -113,6 +120,12 @@ class AttentionMetrics(NodeMetrics):
             self.labels(self._success, finished_reason=reason)  # dashboards show 0, not "no data"
         for phase in ("prefill", "decode", "mixed"):
             self.labels(self._step, phase=phase)
+        for direction in ("to_ffn", "to_attention"):
+            self.exchange_bytes(direction)
+
+    def exchange_bytes(self, direction: str):
+        """afd_exchange_bytes_total{direction}: to_ffn or to_attention (afd.dataplane.protocol.DIRECTIONS)."""
+        return self.labels(self._exchange_bytes, direction=direction)
 
     def success(self, reason: str):
         return self.labels(self._success, finished_reason=reason)
