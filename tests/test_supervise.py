@@ -207,6 +207,34 @@ def test_an_ffn_node_that_never_comes_back_is_one_line_not_a_traceback(tmp_path,
     assert len(waiting) == 1 and waiting[0].startswith("waiting for FFN node ffn0 to form a pair: ")  # said once
 
 
+def test_waiting_for_an_ffn_node_ends_when_the_cluster_shuts_down(tmp_path):
+    """A rank that waits for a dead FFN node's replacement stops waiting once the cluster shuts down (the
+    heartbeat thread sets the node's shutdown event), not after the whole deadline."""
+    import threading
+
+    from cluster_helpers import cluster_yaml
+
+    from afd.backend import get_backend
+    from afd.cluster.config import load
+    from afd.control.client import ControlClient, ControlError
+    from afd.dataplane.transport import DataPlane
+    from afd.node.pairing import FFNPeer, form_pairs
+
+    cfg = load(str(cluster_yaml(tmp_path, str(tmp_path), 1, 1)))  # free ports: nothing serves ffn0's
+    backend, stop = get_backend("cpu"), threading.Event()
+    peer = FFNPeer(cfg, cfg.rank("ffn0"), timeout_s=5)
+    threading.Timer(0.5, stop.set).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ControlError, match="the cluster is shutting down: no pair formed with FFN node ffn0"):
+            form_pairs(
+                DataPlane(backend, cfg.rank("attn0"), 5), [peer], ControlClient(cfg, "attn0").ref, 30, backend, stop
+            )
+    finally:
+        peer.close()
+    assert time.monotonic() - t0 < 5, "it waited on past the shutdown"
+
+
 def test_the_policy_is_a_cluster_setting_with_flags():
     import subprocess
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 
 import grpc
@@ -58,9 +59,17 @@ class FFNPeer:
         self._channel.close()
 
 
-def form_pairs(plane: DataPlane, peers: list[FFNPeer], me: pb.NodeRef, deadline_s: float, backend) -> None:
+def form_pairs(
+    plane: DataPlane,
+    peers: list[FFNPeer],
+    me: pb.NodeRef,
+    deadline_s: float,
+    backend,
+    stop: threading.Event | None = None,
+) -> None:
     """Forms `plane`'s pair with each FFN peer, trying a peer that is down or still loading again until
-    `deadline_s` seconds pass; raises ControlError naming the FFN nodes that never formed."""
+    `deadline_s` seconds pass, or until `stop` is set (the cluster shuts down); raises ControlError naming
+    the FFN node that never formed."""
     backend.bind_thread()
     deadline = time.monotonic() + deadline_s
     for peer in peers:
@@ -87,4 +96,7 @@ def form_pairs(plane: DataPlane, peers: list[FFNPeer], me: pb.NodeRef, deadline_
             if not said:
                 log.info("waiting for FFN node %s to form a pair: %s", peer.name, why)
                 said = True
-            time.sleep(0.3)
+            if stop is not None and stop.wait(0.3):
+                raise ControlError(f"the cluster is shutting down: no pair formed with FFN node {peer.name}")
+            if stop is None:
+                time.sleep(0.3)

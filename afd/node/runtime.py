@@ -66,7 +66,7 @@ class NodeRuntime:
         if not self.ffn_peers:
             timeout = role_timeout(self.cfg.cluster.comm_timeout, self.node.role)
             self.ffn_peers = [FFNPeer(self.cfg, r, timeout) for r in self.assignment.peer_ranks]
-        form_pairs(plane, self.ffn_peers, self.client.ref, deadline_s, self.backend)
+        form_pairs(plane, self.ffn_peers, self.client.ref, deadline_s, self.backend, self.shutdown)
         self.formed_at = time.monotonic()
         log.info(
             "data plane up: rank %d, %d pair(s) over %s, in %.2fs",
