@@ -17,7 +17,7 @@ from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
 from afd.control.auth import call_metadata, channel
 from afd.control.client import ControlError
-from afd.dataplane.pairs import ATTENTION, PairLink, handshake
+from afd.dataplane.pairs import ATTENTION, PairLink, first_line, handshake
 from afd.dataplane.rendezvous import ControlStore
 from afd.dataplane.transport import DataPlane, PeerError
 
@@ -88,7 +88,7 @@ def form_pairs(
                     raise
                 raise ControlError(f"{me.name} is stopping: its channel to FFN node {peer.name} is closed") from None
             except (PeerError, RuntimeError) as e:  # RuntimeError: gloo's connect, the FFN end gave up
-                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                why = first_line(e)
             if time.monotonic() > deadline:
                 raise ControlError(
                     f"no pair formed with FFN node {peer.name} within {deadline_s:.0f}s (last: {why})"
