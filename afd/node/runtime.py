@@ -51,8 +51,6 @@ class NodeRuntime:
     """ReportReady succeeded: a restarted coordinator that this node registers with again learns it."""
     shutdown: threading.Event = field(default_factory=threading.Event)
     tp_rank: int = 0
-    formed_at: float = 0.0
-    """When this rank's pairs last formed (monotonic): a lost-peer report older than them is not acted on."""
 
     def make_plane(self) -> DataPlane:
         a = self.assignment
@@ -67,13 +65,12 @@ class NodeRuntime:
             timeout = role_timeout(self.cfg.cluster.comm_timeout, self.node.role)
             self.ffn_peers = [FFNPeer(self.cfg, r, timeout) for r in self.assignment.peer_ranks]
         form_pairs(plane, self.ffn_peers, self.client.ref, deadline_s, self.backend, self.shutdown)
-        self.formed_at = time.monotonic()
         log.info(
             "data plane up: rank %d, %d pair(s) over %s, in %.2fs",
             plane.rank,
             len(plane.peers),
             self.backend.dist_backend,
-            self.formed_at - t0,
+            time.monotonic() - t0,
         )
         return plane
 
