@@ -74,6 +74,7 @@ class FFNNode:
             metrics=metrics,
             rejoin_timeout=cfg.cluster.rejoin_timeout,
             current=self.pairs.current,
+            attention_ranks=len(a.peer_ranks),
             exchange_dtype=cfg.layout.exchange_dtype,
         )
         log.info("serving the pairs of %d attention rank(s)", len(a.peer_ranks))

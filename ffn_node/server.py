@@ -75,6 +75,7 @@ class FFNServer:
         metrics: FFNMetrics | None = None,
         rejoin_timeout: float = 60.0,
         current=lambda group: True,
+        attention_ranks: int = 1,
         exchange_dtype: str = "same",
     ):
         """formed: the pairs formed (ffn_node/pairs.py), to adopt: lists of (attention rank, name,
@@ -89,6 +90,9 @@ class FFNServer:
         self.packed = None if exchange_dtype == "same" else BufferPool(backend.device, torch.uint8)
         """Receive buffers of quantized MoE inputs (uint8 rows: bits, then the scale), dequantized into `pool`'s."""
         self.plane, self.formed, self.rejoin_timeout, self.current = plane, formed, rejoin_timeout, current
+        self.attention_ranks = attention_ranks
+        """Every attention rank of the cluster: the loop ends as LEFT only once each has left, not when the
+        ones that joined so far did (another may still be forming its pairs)."""
         self.active: list[int] = []
         self.names: dict[int, str] = {}
         self.gone: dict[int, str] = {}
@@ -155,7 +159,7 @@ class FFNServer:
             except queue.Empty:
                 if self.active:
                     return None
-                if self.left and not self.gone:
+                if len(self.left) >= self.attention_ranks and not self.gone:
                     return ServeEnd.LEFT
                 if self.gone and time.monotonic() - waiting_since > self.rejoin_timeout:
                     return ServeEnd.ABANDONED
