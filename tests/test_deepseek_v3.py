@@ -95,7 +95,8 @@ def test_hub_style_config_keys_are_read():
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type 'linear'"),
         ({"num_key_value_heads": 1}, "'num_key_value_heads'"),
-        ({"quantization_config": {"quant_method": "fp8"}}, "'quantization_config'"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
+        ({"quantization_config": {"quant_method": "fp8"}}, "weight_block_size"),
     ]:
         with pytest.raises(ConfigError, match=needle):
             config_from_hf({**hub, **change})

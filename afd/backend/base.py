@@ -8,11 +8,15 @@ import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
 from afd.backend import host_syncs
 from afd.backend.devices import DeviceUnavailable  # noqa: F401 (the backends raise it)
+
+if TYPE_CHECKING:
+    from afd.quant.scheme import QuantSpec
 from afd.backend.mla_prolog import MLAProlog, MLAPrologWeights
 
 
@@ -24,6 +28,21 @@ def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torc
     for g, n in enumerate(host_syncs.to_list(group_sizes)):
         if n:
             torch.mm(x[start : start + n], w[g], out=out[start : start + n])
+            start += n
+    return out
+
+
+def quant_grouped_matmul_by_slices(x, q, scale, group_sizes, spec, matmul=None) -> torch.Tensor:
+    """grouped_matmul_by_slices with a quantized weight (q [G, N, K], scale [G, N, Kb]): `matmul(x, q[g],
+    scale[g], spec)` (default: afd.quant.reference's) per non-empty group; reads the sizes on the host."""
+    from afd.quant import reference
+
+    matmul = matmul or reference.quant_matmul
+    out = x.new_empty(x.shape[0], q.shape[1])
+    start = 0
+    for g, n in enumerate(host_syncs.to_list(group_sizes)):
+        if n:
+            out[start : start + n] = matmul(x[start : start + n], q[g], scale[g], spec)
             start += n
     return out
 
@@ -213,6 +232,26 @@ class Backend(ABC):
         (they stay there: a device backend never reads them on the host), summing to T or less. Returns
         [T, N], group g's rows times w[g]; rows past the groups are unspecified (the caller drops them: they
         let its shapes depend on T alone)."""
+
+    def quant_matmul(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+        """x [T, K] (the model dtype) @ the quantized weight (q [N, K] int8 or float8_e4m3fn, scale fp32 [N, Kb]:
+        afd.quant.formats)^T -> [T, N] in x's dtype, the activations quantized per token as `spec` says.
+        Default: afd.quant.reference (widen and multiply in fp32), which the fused kernels are held to."""
+        from afd.quant import reference
+
+        return reference.quant_matmul(x, q, scale, spec)
+
+    def quant_grouped_matmul(
+        self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_sizes: torch.Tensor, spec: QuantSpec
+    ) -> torch.Tensor:
+        """grouped_matmul's contract with a quantized weight: q [G, N, K], scale [G, N, Kb] (the experts'
+        checkpoint orientation). Default: quant_matmul per group, reading the sizes on the host."""
+        return quant_grouped_matmul_by_slices(x, q, scale, group_sizes, spec, self.quant_matmul)
+
+    def check_quantization(self, spec: QuantSpec) -> None:
+        """Refuse, naming the setting, a scheme this device cannot run (an FP8 checkpoint on a GPU without FP8,
+        a block size the kernel refuses); log once which kernel each GEMM takes. Default: the reference
+        kernels run anywhere."""
 
     def grouped_matmul_in_graph(self, w: torch.Tensor) -> bool:
         """Whether grouped_matmul(x, w, sizes) keeps the sizes on the device for x of w's dtype, so that a

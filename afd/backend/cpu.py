@@ -73,6 +73,16 @@ class CpuBackend(Backend):
         # torch._grouped_mm and has no alignment constraints.
         return grouped_matmul_by_slices(x, w, group_sizes)
 
+    def quant_matmul(self, x, q, scale, spec):
+        from afd.backend import cpu_quant
+
+        return cpu_quant.quant_matmul(x, q, scale, spec)
+
+    def check_quantization(self, spec) -> None:
+        from afd.backend.cpu_quant import cpu_quant_kernel, log
+
+        log.info("quantization %s; its GEMMs on CPU: %s", spec.describe(), cpu_quant_kernel(spec))
+
     graph_mode_default = "eager"
     """Measured with `afd bench-graph` (balanced scenario, one thread per process, on the shared 2-core machine
     that built this; docs/benchmarks.md section 7 has the full run): compiled / eager decode tokens/s was

@@ -23,6 +23,8 @@ from afd.model.halves import AttentionHalf, FFNHalf, LoadedModule
 from afd.model.meta import materialize, on_meta
 from afd.model.progress import Progress
 from afd.model.registry import family
+from afd.quant.formats import FP8, dequantize, expand_block_scale
+from afd.quant.scheme import CheckpointQuant, QuantSpec
 
 if TYPE_CHECKING:
     from afd.model.mtp import MTPLayer
@@ -63,6 +65,12 @@ class SafetensorsReader:
             self._where = dict(weight_map)
         self._safe_open = safe_open
         self.keys_read: list[str] = []
+        cfg: dict = {}
+        if os.path.isfile(cfg_path := os.path.join(path, "config.json")):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        self.fp8 = CheckpointQuant.from_config_json(cfg)
+        """The checkpoint's FP8 blocks (config.json's quantization_config), or None."""
 
     def _open(self, safe_open, fp: str):
         if fp not in self._handles:
@@ -74,17 +82,50 @@ class SafetensorsReader:
     def __contains__(self, key: str) -> bool:
         return key in self._where
 
-    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def _tensor(self, key: str, shape: tuple[int, ...] | None) -> torch.Tensor:
         if key not in self._where:
             raise CheckpointError(f"{self.path}: tensor '{key}' not found in the checkpoint")
         h = self._open(self._safe_open, os.path.join(self.path, self._where[key]))
         t = h.get_tensor(key)
-        if tuple(t.shape) != tuple(shape):
+        if shape is not None and tuple(t.shape) != tuple(shape):
             raise CheckpointError(
                 f"{self.path}: tensor '{key}' has shape {tuple(t.shape)}, config.json implies {tuple(shape)}"
             )
         self.keys_read.append(key)
         return t
+
+    def get_fp8(self, key: str, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(float8_e4m3fn [N, K], weight_scale_inv fp32 [ceil(N / bn), ceil(K / bk)]) of a tensor stored FP8
+        with its block scales; None for one stored in full precision (a module the config leaves out)."""
+        t = self._tensor(key, shape)
+        if t.dtype != FP8:
+            return None
+        if self.fp8 is None:
+            raise CheckpointError(
+                f"{self.path}: tensor '{key}' is float8_e4m3fn but config.json has no quantization_config"
+            )
+        skey = key.removesuffix("weight") + "weight_scale_inv"
+        (bn, bk), (N, K) = self.fp8.block, shape
+        blocks = (-(-N // bn), -(-K // bk))
+        if skey not in self._where:
+            raise CheckpointError(f"{self.path}: FP8 tensor '{key}' has no '{skey}' (its block scales)")
+        scale = self._tensor(skey, None)
+        if tuple(scale.shape) != blocks:
+            raise CheckpointError(
+                f"{self.path}: '{skey}' has shape {tuple(scale.shape)}; weight_block_size {[bn, bk]} on "
+                f"{tuple(shape)} implies {blocks}"
+            )
+        return t, scale.float()
+
+    def get(self, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor in its stored dtype, or in fp32 if it is stored FP8 (dequantized by its block scales)."""
+        t = self._tensor(key, shape)
+        if t.dtype != FP8:
+            return t
+        self.keys_read.pop()
+        q, scale_inv = self.get_fp8(key, shape)  # type: ignore[misc]  # FP8: never None
+        assert self.fp8 is not None
+        return dequantize(q, expand_block_scale(scale_inv, shape[0], self.fp8.block[0]), self.fp8.block[1])
 
     @property
     def total_bytes(self) -> int:
@@ -113,6 +154,9 @@ class DummyReader:
         std = 1e-3 if key.endswith("e_score_correction_bias") else self.std
         return torch.randn(shape, generator=g) * std
 
+    def get_fp8(self, key: str, shape: tuple[int, ...]) -> None:
+        return None  # full precision: quantized at load
+
     total_bytes = 0
 
 
@@ -133,6 +177,8 @@ class Weight:
     sources: tuple[tuple[str, tuple[int, ...]], ...]
     """(checkpoint key, shape config.json implies) of each source tensor."""
     combine: Callable[..., torch.Tensor] | None = None
+    scale: torch.Tensor | None = None
+    """A quantized destination's per-row scales (afd.model.quant_load); None: dest is in full precision."""
 
 
 def hub_named_weights(model: AttentionHalf) -> Iterator[Weight]:
@@ -151,19 +197,38 @@ def _gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.cat([gate, up], dim=0).t()
 
 
+def _rows(*parts: torch.Tensor) -> torch.Tensor:
+    return torch.cat(parts, dim=0)
+
+
 def per_expert_weights(experts: Experts, prefix: str, hidden: int, inter: int) -> Iterator[Weight]:
     """Stacked experts [lo, hi) (afd.model.experts.Experts) from the hub's per-expert keys
-    `{prefix}.{e}.{gate,up,down}_proj.weight`: w13[g] = [gate; up]^T, w2[g] = down^T of expert lo + g."""
+    `{prefix}.{e}.{gate,up,down}_proj.weight`: w13[g] = [gate; up]^T, w2[g] = down^T of expert lo + g
+    (quantized: [gate; up] and down, with their scales, in the checkpoint's orientation)."""
     H, I = hidden, inter
+    q = experts.quant is not None
     for g, e in enumerate(range(experts.lo, experts.hi)):
         x = f"{prefix}.{e}"
-        yield Weight(experts.w13[g], ((f"{x}.gate_proj.weight", (I, H)), (f"{x}.up_proj.weight", (I, H))), _gate_up)
-        yield Weight(experts.w2[g], ((f"{x}.down_proj.weight", (H, I)),), torch.t)
+        gate_up = ((f"{x}.gate_proj.weight", (I, H)), (f"{x}.up_proj.weight", (I, H)))
+        down = ((f"{x}.down_proj.weight", (H, I)),)
+        if q:
+            yield Weight(experts.w13[g], gate_up, _rows, experts.w13_scale[g])
+            yield Weight(experts.w2[g], down, None, experts.w2_scale[g])
+        else:
+            yield Weight(experts.w13[g], gate_up, _gate_up)
+            yield Weight(experts.w2[g], down, torch.t)
 
 
-def _load(weights: list[Weight], reader: Reader, desc: str) -> None:
+def _load(weights: list[Weight], reader: Reader, desc: str, quant: QuantSpec | None) -> None:
+    from afd.model.quant_load import load_quantized
+
     with Progress(len(weights), desc, "tensors", enabled=reader.total_bytes >= _PROGRESS_MIN_BYTES, every_s=5.0) as bar:
         for w in weights:
+            if w.scale is not None:
+                assert quant is not None
+                load_quantized(w.dest, w.scale, w.sources, w.combine, reader, quant)
+                bar.update()
+                continue
             srcs = [reader.get(key, shape) for key, shape in w.sources]
             src = w.combine(*srcs) if w.combine is not None else srcs[0]
             with torch.no_grad():
@@ -187,16 +252,18 @@ def kept_in_fp32(module: LoadedModule, dtype: torch.dtype) -> tuple[str, ...]:
 def _cast(module: LoadedModule, dtype: torch.dtype, device: torch.device) -> None:
     """Every floating tensor to `dtype` on `device`, but the kept ones to fp32 from the values as loaded:
     HF reads those from the checkpoint at full precision, so they must not pass through `dtype`."""
+    from afd.model.quant_load import is_quantized
+
     keep = kept_in_fp32(module, dtype)
     kept = {
-        name: t.detach().clone()
+        name: t.detach() if is_quantized(name, t) else t.detach().clone()
         for name, t in [*module.named_parameters(), *module.named_buffers()]
-        if keep and name.endswith(keep)
+        if (keep and name.endswith(keep)) or is_quantized(name, t)
     }
     module.to(device=device, dtype=dtype)
     tensors = dict([*module.named_parameters(), *module.named_buffers()])
     for name, t in kept.items():
-        tensors[name].data = t.to(device)
+        tensors[name].data = t.to(device)  # 8-bit values and their scales as loaded; the rest fp32
 
 
 def _build(
@@ -206,9 +273,14 @@ def _build(
     desc: str,
     dtype: torch.dtype,
     device: torch.device,
+    quant: QuantSpec | None = None,
 ) -> M:
+    if quant is not None:
+        from afd.model.quant_load import quantize_half
+
+        quantize_half(module, quant)  # on meta: the full-precision weights are never allocated
     module = materialize(module)  # fp32: every checkpoint dtype loads into it exactly
-    _load(list(weights(module)), reader, desc)
+    _load(list(weights(module)), reader, desc, quant)
     _cast(module, dtype, device)
     module = module.eval().requires_grad_(False)
     module.post_load()
@@ -236,16 +308,17 @@ def build_ffn_half(
     hi: int | None = None,
     serves_zero: bool = True,
     mtp: bool = False,
+    quant: QuantSpec | None = None,
 ) -> FFNHalf:
     """cfg's family's FFN half holding routed experts [lo, hi) (all by default); with `mtp`, also the
-    MTP module's MoE layer when it has one (afd.model.mtp)."""
+    MTP module's MoE layer when it has one (afd.model.mtp). With `quant`, the experts held 8-bit."""
     from afd.model.mtp import mtp_moe_layers
 
     kw = {"mtp": True} if mtp and mtp_moe_layers(cfg) else {}
     fam = family(cfg.model_type)
     with on_meta():
         model = fam.ffn_half(cfg, lo, hi, serves_zero, **kw)  # `mtp`: MTP families only
-    return _build(model, fam.name_map.ffn_weights, reader, "loading expert weights", dtype, device)
+    return _build(model, fam.name_map.ffn_weights, reader, "loading expert weights", dtype, device, quant)
 
 
 def build_mtp_layer(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> MTPLayer:

@@ -13,17 +13,26 @@ import torch.nn.functional as F
 from torch import nn
 
 from afd.backend import Backend
+from afd.quant.formats import FP8
+from afd.quant.scheme import FP8_BLOCK, QuantSpec
 
 
 class Experts(nn.Module):
     """Stacked weights of routed experts [lo, lo + G): w13 [G, H, 2I] (gate | up), w2 [G, I, H].
 
-    Router ids >= n_routed are identity experts; `serves_zero` says whether this holder adds them."""
+    Router ids >= n_routed are identity experts; `serves_zero` says whether this holder adds them.
+    Quantized (`quantize`, before the weights load), w13 and w2 hold 8-bit weights in the checkpoint's
+    orientation, w13 [G, 2I, H] and w2 [G, H, I], with fp32 scales w13_scale [G, 2I, Hb] and w2_scale
+    [G, H, Ib] per output channel and K-block (afd.quant.formats)."""
+
+    quant: QuantSpec | None = None
+    """The scheme of the quantized weights; None: w13 and w2 in the model dtype."""
 
     def __init__(self, hidden: int, inter: int, n_routed: int, lo: int, hi: int, serves_zero: bool):
         super().__init__()
         G, H, I = hi - lo, hidden, inter
         self.lo, self.hi, self.n_routed, self.serves_zero = lo, hi, n_routed, serves_zero
+        self.hidden, self.inter = H, I
         self.w13 = nn.Parameter(torch.empty(G, H, 2 * I))
         self.w2 = nn.Parameter(torch.empty(G, I, H))
         self.last_counts = torch.zeros(G, dtype=torch.int64)
@@ -38,6 +47,29 @@ class Experts(nn.Module):
         self.before_gemm: Callable[[torch.Tensor], None] | None = None
         """Called with the group sizes [G] once routing is known, before the grouped GEMMs: the FFN node's
         weight prefetch (afd.dataplane.prefetch) hints the chosen experts' slices there."""
+
+    def quantize(self, spec: QuantSpec) -> None:
+        """Hold the weights quantized as `spec` says: 8-bit storage replaces w13 and w2, which the loader
+        (afd.model.quant_load) fills with their scales. Called on a meta-built half, so the full-precision
+        weights are never allocated."""
+        G, H, I = self.hi - self.lo, self.hidden, self.inter
+        dtype = FP8 if spec.weights == FP8_BLOCK else torch.int8
+        device = self.w13.device
+
+        def blocks(k: int) -> int:
+            return -(-k // spec.block[1]) if spec.weights == FP8_BLOCK else 1
+
+        self.w13 = nn.Parameter(torch.empty(G, 2 * I, H, dtype=dtype, device=device), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(G, H, I, dtype=dtype, device=device), requires_grad=False)
+        self.register_buffer("w13_scale", torch.empty(G, 2 * I, blocks(H), device=device))
+        self.register_buffer("w2_scale", torch.empty(G, H, blocks(I), device=device))
+        self.quant = spec
+
+    def _gemm(self, backend: Backend, x: torch.Tensor, which: str, sizes: torch.Tensor) -> torch.Tensor:
+        w = getattr(self, which)
+        if self.quant is None:
+            return backend.grouped_matmul(x, w, sizes)
+        return backend.quant_grouped_matmul(x, w, getattr(self, which + "_scale"), sizes, self.quant)
 
     def forward(self, backend: Backend, x, weights, ids) -> torch.Tensor:
         """x [T, H], weights/ids [T, K] -> this holder's share of the MoE output [T, H].
@@ -60,8 +92,8 @@ class Experts(nn.Module):
         if self.before_gemm is not None:
             self.before_gemm(sizes)
         token = order // K  # [T*K]
-        gate, up = backend.grouped_matmul(x[token], self.w13, sizes).chunk(2, dim=-1)  # [T*K, I] each
-        y = backend.grouped_matmul(F.silu(gate) * up, self.w2, sizes)  # [T*K, H]
+        gate, up = self._gemm(backend, x[token], "w13", sizes).chunk(2, dim=-1)  # [T*K, I] each
+        y = self._gemm(backend, F.silu(gate) * up, "w2", sizes)  # [T*K, H]
         mine = local[order]  # [T*K]
         w = torch.where(mine, weights.reshape(-1)[order], 0.0)  # [T*K]
         y = torch.where(mine[:, None], y * w[:, None], 0.0)  # rows past the groups are unspecified: dropped

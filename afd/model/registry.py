@@ -96,8 +96,19 @@ def family(model_type: Any) -> Family:
     return FAMILIES[model_type]
 
 
+def checkpoint_quant(d: dict):
+    """config.json's quantization_config (afd.quant.scheme.CheckpointQuant), checked; None if absent."""
+    from afd.quant.scheme import CheckpointQuant, QuantConfigError
+
+    try:
+        return CheckpointQuant.from_config_json(d)
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
 def config_from_hf(d: dict) -> ModelConfig:
     cfg: ModelConfig = family(d.get("model_type")).config_class.from_hf_dict(d)
+    checkpoint_quant(d)  # a quantization_config afd cannot read is refused with the model's config
     return cfg
 
 

@@ -185,11 +185,6 @@ class DeepseekV3Config:
         for key, want in (("hidden_act", "silu"), *HUB_ONLY.items()):
             if d.get(key) not in (None, want):
                 raise ConfigError(f"config.json: unsupported {key} {d[key]!r}; afd supports {want!r}")
-        if d.get("quantization_config"):  # the hub's FP8 weights need their block scales applied
-            raise ConfigError(
-                "config.json: unsupported 'quantization_config'; afd loads unquantized weights "
-                "(dequantize the checkpoint to bf16 first)"
-            )
         nkv, heads = d.get("num_key_value_heads", 128), d.get("num_attention_heads", cls.num_attention_heads)
         if nkv is not None and nkv != heads:  # HF's default is 128 whatever the heads
             raise ConfigError(

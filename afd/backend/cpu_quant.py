@@ -1,0 +1,45 @@
+"""The CPU's quantized GEMMs: int8 x int8 on VNNI through torch._int_mm for w8a8; the reference
+(afd.quant.reference) for the rest, said once in the log.
+
+Measured on the development machine (AMD EPYC with AVX-512 VNNI and BF16, one thread, 1024 x 2816 weight,
+torch 2.13; /tmp probes, recorded in docs/benchmarks.md section 12): at 16 rows fp32 F.linear 1.42 ms,
+bf16 0.35 ms, torch._int_mm 0.21 ms (0.25 ms with the per-token quantization and rescale); at 1 row 162 /
+186 / 39 us. torch._scaled_mm has a CPU kernel but took 12-21 ms (no FP8 GEMM on this CPU), and widening
+FP8 to bf16 took 2.8 ms per weight (no vector conversion), so fp8 runs the fp32 reference here: it
+models an FP8 device's numerics, not its speed. torch._weight_int8pack_mm (int8 weight, bf16
+activations) segfaulted on a 7-column weight in torch 2.13, so w8a16 takes the reference too.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from afd.quant import reference
+from afd.quant.formats import quantize_rows_int8
+from afd.quant.scheme import INT8_CHANNEL, QuantSpec
+
+log = logging.getLogger("afd.backend")
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """w8a8: x [T, K] quantized per token, times q [N, K] int8 (per-channel scale [N, 1]) in int32 on VNNI.
+    torch._int_mm (aten _int_mm_out_cpu) takes int8 [T, K] @ int8 [K, N] -> int32 at any shape on CPU
+    (checked exact against an int32 matmul at odd sizes and at 0 rows); q.t() is column-major, the
+    layout its kernel reads fastest (39 against 109 us at one row)."""
+    xq, xs = quantize_rows_int8(x)
+    return (torch._int_mm(xq, q.t()).float() * xs * scale.t()).to(x.dtype)
+
+
+def cpu_quant_kernel(spec: QuantSpec) -> str:
+    """Which kernel the CPU runs for `spec`'s GEMMs (named in the log once)."""
+    if spec.activations == "int8" and spec.weights == INT8_CHANNEL:
+        return "torch._int_mm (int8 x int8 -> int32 on VNNI)"
+    return "the fp32 reference (afd.quant.reference): no faster CPU kernel for " + spec.method
+
+
+def quant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    if spec.activations == "int8" and spec.weights == INT8_CHANNEL:
+        return int8_matmul(x, q, scale)
+    return reference.quant_matmul(x, q, scale, spec)
