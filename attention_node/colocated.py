@@ -47,7 +47,7 @@ def run(args) -> int:
     from afd.cluster.topology import resolve_model_path, served_model_name
     from afd.dataplane.exchange import LocalMoE
     from afd.engine.factory import build_engine
-    from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
+    from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
     from afd.model.config import parse_dtype
     from afd.model.registry import load_config
     from afd.observability.attention_metrics import AttentionMetrics
@@ -74,10 +74,11 @@ def run(args) -> int:
     path = resolve_model_path(cfg.model.path)
     mcfg, dtype, backend = load_config(path), parse_dtype(cfg.model.dtype), get_backend(args.device)
     reader = open_reader(path, cfg.model.dummy_weights, cfg.model.seed)
-    attn = build_attention_half(mcfg, reader, dtype, backend.device)
+    quant = serving_quant(path, cfg.model.quantization, backend)
+    attn = build_attention_half(mcfg, reader, dtype, backend.device, quant)
     spec = cfg.engine.speculative_tokens
-    ffn = build_ffn_half(mcfg, reader, dtype, backend.device, mtp=spec > 0)
-    mtp = build_mtp_layer(mcfg, reader, dtype, backend.device) if spec else None
+    ffn = build_ffn_half(mcfg, reader, dtype, backend.device, mtp=spec > 0, quant=quant)
+    mtp = build_mtp_layer(mcfg, reader, dtype, backend.device, quant) if spec else None
     name = served_model_name(cfg.model.path, cfg.model.served_model_name)
     metrics = AttentionMetrics("colocated", name)
     metrics.watch_cluster_state(lambda: 3 if st.draining else 1)  # a cluster of one: READY (1), DRAINING (3)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from afd.dataplane.exchange import LocalMoE, RemoteMoE
-from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
+from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.model.tp.shard import shard_attention_half
 
@@ -35,12 +35,13 @@ def load_halves(rt, dtype) -> Halves:
     expert (the MTP layer's too)."""
     cfg = rt.cfg
     reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
-    built = Halves(build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device))
+    quant = serving_quant(rt.model_path, cfg.model.quantization, rt.backend)
+    built = Halves(build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device, quant))
     mtp = cfg.engine.speculative_tokens > 0
     if mtp:
-        built.mtp = build_mtp_layer(rt.model_cfg, reader, dtype, rt.backend.device)
+        built.mtp = build_mtp_layer(rt.model_cfg, reader, dtype, rt.backend.device, quant)
     if cfg.colocated:
-        built.ffn = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, mtp=mtp)
+        built.ffn = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, mtp=mtp, quant=quant)
     log.info(
         "attention half loaded from %s%s", rt.model_path, " with every expert (no FFN nodes)" if cfg.colocated else ""
     )

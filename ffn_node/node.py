@@ -13,7 +13,7 @@ from afd.cluster.config import ClusterConfig
 from afd.cluster.topology import served_model_name
 from afd.control import control_pb2 as pb
 from afd.dataplane.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
-from afd.model.checkpoint import build_ffn_half, open_reader
+from afd.model.checkpoint import build_ffn_half, open_reader, serving_quant
 from afd.model.config import parse_dtype
 from afd.model.ffn_graph import FFNGraph, wrap
 from afd.node.runtime import NodeRuntime, bring_up
@@ -91,6 +91,7 @@ class FFNNode:
             a.expert_hi,
             a.serves_zero_experts,
             mtp=self.cfg.engine.speculative_tokens > 0,
+            quant=serving_quant(rt.model_path, self.cfg.model.quantization, rt.backend),
         )
         # graph mode as the attention nodes read it; built here, before the data plane forms, so no peer waits
         eng = self.cfg.engine

@@ -36,6 +36,7 @@ from afd.cluster.schema import (  # noqa: F401 (re-exported: the names afd impor
     process_name,
 )
 from afd.model.tp.config import TPConfigError
+from afd.quant.scheme import METHODS as QUANT_METHODS
 
 # ---- loading and validation -------------------------------------------------------------------
 
@@ -263,6 +264,9 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     model_kw = _section(ModelSection, src, "model", raw["model"], required=("path",))
     if model_kw.get("dtype", "float32") not in ("float32", "bfloat16", "float16"):
         _fail(src, "model.dtype", f"expected float32, bfloat16 or float16, got {model_kw['dtype']!r}")
+    quant = model_kw.get("quantization")
+    if quant is not None and quant not in QUANT_METHODS:
+        _fail(src, "model.quantization", f"expected {', '.join(QUANT_METHODS)}, got {quant!r}")
     model = ModelSection(**model_kw)
     _positive(src, "model.max_model_len", model.max_model_len)
     layout = Layout(**_section(Layout, src, "layout", raw.get("layout")))

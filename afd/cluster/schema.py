@@ -15,6 +15,7 @@ from afd.cluster.http_section import HttpSection
 from afd.cluster.placement import ExpertShard, partition_experts
 from afd.model.tp.config import MODES as TP_MODES
 from afd.model.tp.config import TPConfig
+from afd.quant.scheme import METHODS as QUANT_METHODS
 
 ROLES = ("attention", "ffn")
 DEVICES = ("cpu", "cuda", "npu")
@@ -96,6 +97,10 @@ class ModelSection:
     made on first use."""
     dtype: str = opt("float32", "--dtype", choices=DTYPES)
     """Weights and activations."""
+    quantization: str | None = opt(None, "--quantization", choices=QUANT_METHODS)
+    """fp8 (FP8 weights per 128x128 block, FP8 activations per token), w8a8 (int8 weights per channel, int8
+    activations per token) or w8a16 (8-bit weights widened in the GEMM, activations in dtype); default: the
+    checkpoint's (fp8 for a released FP8 checkpoint, else none). A bf16/fp32 checkpoint is quantized at load."""
     dummy_weights: bool = opt(False, "--dummy-weights")
     """Seeded random weights: only the checkpoint's config.json is read."""
     seed: int = opt(0, "--weights-seed")

@@ -14,7 +14,9 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from afd.backend import get_backend
 from afd.backend.base import Backend
 from afd.cluster.schema import ClusterConfig, EngineSection
 from afd.dataplane.exchange import MoEExchange
@@ -28,6 +30,7 @@ from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import Tokenizer
 from afd.model.config import ModelConfig, parse_dtype
 from afd.model.mla import attach_backend
+from afd.model.quant_layers import quantize_linears
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.observability.attention_metrics import AttentionMetrics
 
@@ -40,6 +43,14 @@ class Job:
 
     prompts: list[list[int]]
     max_tokens: list[int]
+
+
+def quantize_attention_side(attn: AttentionHalf, mtp: MTPModule | None, backend: Backend) -> None:
+    """The linears of the attention half (cut for TP) and the MTP layer to their scheme's 8 bits, once."""
+    for half in (attn, mtp):
+        spec = half.quant if half is not None else None
+        if spec is not None and isinstance(half, nn.Module) and (n := quantize_linears(half, spec, backend)):
+            log.info("%s: %d linears quantized (%s)", type(half).__name__, n, spec.describe())
 
 
 def build_runner(
@@ -70,6 +81,7 @@ def build_runner(
         attach_backend(attn, backend)
         if mtp is not None:
             attach_backend(mtp, backend)
+    quantize_attention_side(attn, mtp, backend or get_backend(device.type))
     half = wrap(attn, kv, graph, tp, backend)
     if isinstance(half, GraphHalf) and half.backend.capture_at_warmup:
         if job is not None:  # a micro-batch holds at most every prompt; a sequence at most its own blocks

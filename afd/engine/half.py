@@ -12,6 +12,7 @@ from torch import nn
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.config import ModelConfig
 from afd.model.mtp import MTPLayer
+from afd.quant.scheme import QuantSpec
 
 
 class AttentionHalf(Protocol):
@@ -33,6 +34,8 @@ class AttentionHalf(Protocol):
     lm_head: nn.Module
 
     def prefetch_weights(self, i: int, phase: str) -> list[torch.Tensor]: ...
+
+    quant: QuantSpec | None
 
 
 MTPModule = MTPLayer

@@ -21,7 +21,7 @@ from afd.engine.factory import Job, build_engine
 from afd.engine.graph import graph_report
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import load_tokenizer
-from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader
+from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
 from afd.model.config import parse_dtype
 from afd.model.mtp import family_mtp
 from afd.model.registry import family, load_config
@@ -103,9 +103,10 @@ class LLM:
         self.backend = get_backend(device)
         reader = open_reader(model, dummy=self.config.model.dummy_weights, seed=self.config.model.seed)
         dev = self.backend.device
-        self.attn = build_attention_half(self.cfg, reader, self.dtype, dev)
-        self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev, mtp=self.speculative_tokens > 0)
-        self.mtp = build_mtp_layer(self.cfg, reader, self.dtype, dev) if self.speculative_tokens else None
+        quant = serving_quant(model, self.config.model.quantization, self.backend)
+        self.attn = build_attention_half(self.cfg, reader, self.dtype, dev, quant)
+        self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev, mtp=self.speculative_tokens > 0, quant=quant)
+        self.mtp = build_mtp_layer(self.cfg, reader, self.dtype, dev, quant) if self.speculative_tokens else None
 
     def generate(
         self,

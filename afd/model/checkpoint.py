@@ -283,6 +283,7 @@ def _build(
     _load(list(weights(module)), reader, desc, quant)
     _cast(module, dtype, device)
     module = module.eval().requires_grad_(False)
+    module.quant = quant
     module.post_load()
     if torch.device(device).type == "cpu":
         from afd.backend.cpu import column_major_linears
@@ -291,12 +292,27 @@ def _build(
     return module
 
 
-def build_attention_half(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> AttentionHalf:
-    """cfg's family's attention half, with its weights from `reader` (and no other tensor read)."""
+def serving_quant(path: str, method: str | None, backend) -> QuantSpec | None:
+    """The scheme the checkpoint at `path` serves with under model.quantization `method`
+    (afd.model.registry.quant_spec), checked against `backend` (Backend.check_quantization: refused,
+    naming the setting, where the device cannot run it)."""
+    from afd.model.registry import quant_spec
+
+    spec = quant_spec(path, method)
+    if spec is not None:
+        backend.check_quantization(spec)
+    return spec
+
+
+def build_attention_half(
+    cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device, quant: QuantSpec | None = None
+) -> AttentionHalf:
+    """cfg's family's attention half, with its weights from `reader` (and no other tensor read); with
+    `quant`, its linears are quantized once cut for TP (afd.model.quant_layers)."""
     fam = family(cfg.model_type)
     with on_meta():
         model = fam.attention_half(cfg)
-    return _build(model, fam.name_map.attention_weights, reader, "loading attention weights", dtype, device)
+    return _build(model, fam.name_map.attention_weights, reader, "loading attention weights", dtype, device, quant)
 
 
 def build_ffn_half(
@@ -321,7 +337,9 @@ def build_ffn_half(
     return _build(model, fam.name_map.ffn_weights, reader, "loading expert weights", dtype, device, quant)
 
 
-def build_mtp_layer(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device) -> MTPLayer:
+def build_mtp_layer(
+    cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device: torch.device, quant: QuantSpec | None = None
+) -> MTPLayer:
     """cfg's family's MTP module (afd.model.mtp.MTPLayer) on the attention side: everything of it but the
     routed experts, which the FFN half holds (build_ffn_half with `mtp`)."""
     from afd.model.mtp import family_mtp
@@ -329,4 +347,5 @@ def build_mtp_layer(cfg: ModelConfig, reader: Reader, dtype: torch.dtype, device
     mtp = family_mtp(cfg)
     with on_meta():
         model = mtp.build(cfg)
-    return _build(model, family(cfg.model_type).name_map.mtp_weights, reader, "loading MTP weights", dtype, device)
+    name_map = family(cfg.model_type).name_map
+    return _build(model, name_map.mtp_weights, reader, "loading MTP weights", dtype, device, quant)

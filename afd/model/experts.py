@@ -27,6 +27,8 @@ class Experts(nn.Module):
 
     quant: QuantSpec | None = None
     """The scheme of the quantized weights; None: w13 and w2 in the model dtype."""
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
 
     def __init__(self, hidden: int, inter: int, n_routed: int, lo: int, hi: int, serves_zero: bool):
         super().__init__()

@@ -27,6 +27,7 @@ from afd.model.tp.comm import SINGLE, TPComm
 
 if TYPE_CHECKING:
     from afd.backend import Backend
+    from afd.quant.scheme import QuantSpec
 
 Rope = tuple[torch.Tensor, ...]
 """The rotary tables `embed` makes once per step and every layer reads (cos, sin)."""
@@ -43,6 +44,11 @@ class LoadedModule(nn.Module, ABC):
     keep_in_fp32_strict: ClassVar[tuple[str, ...]] = ()
     """Name suffixes kept fp32, at the checkpoint's precision, in an fp16 or bf16 model (HF's
     `_keep_in_fp32_modules_strict`). Read by afd.model.checkpoint.kept_in_fp32."""
+
+    quant: QuantSpec | None = None
+    """The scheme the half serves with (afd.quant), set by afd.model.checkpoint's builders: an FFN half's
+    experts are 8-bit from the load; an attention half's or MTP layer's linears are quantized by
+    afd.engine.factory once the half is cut for TP (afd.model.quant_layers)."""
 
     def post_load(self) -> None:
         """Called by afd.model.checkpoint once the weights are loaded and cast, before the CPU layout is

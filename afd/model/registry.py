@@ -115,3 +115,14 @@ def config_from_hf(d: dict) -> ModelConfig:
 def load_config(path: str) -> ModelConfig:
     """The config of the checkpoint directory `path`, by its family."""
     return config_from_hf(read_config_json(path))
+
+
+def quant_spec(path: str, method: str | None):
+    """The scheme (afd.quant.scheme.QuantSpec) the checkpoint at `path` serves with under `--quantization
+    method` (model.quantization): its quantization_config's FP8 by default; None: unquantized."""
+    from afd.quant.scheme import QuantConfigError, resolve
+
+    try:
+        return resolve(method, checkpoint_quant(read_config_json(path)))
+    except QuantConfigError as e:
+        raise ConfigError(str(e)) from None
