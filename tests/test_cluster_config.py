@@ -328,6 +328,12 @@ MISTAKES = [
         "expected same, fp8, int8, got 'fp4'",
     ),
     (
+        "quantization",
+        lambda c: c["model"].update(quantization="int4"),
+        "model.quantization",
+        "expected fp8, w8a8, w8a16, got 'int4'",
+    ),
+    (
         "unknown-coordinator",
         lambda c: c["cluster"].update(coordinator="boss"),
         "cluster.coordinator",
