@@ -54,6 +54,7 @@ NUMERICS_MODULES = {
     "test_deepseek_v3",
     "test_engine",
     "test_families",
+    "test_fp8_checkpoint",
     "test_graph_mode",
     "test_kv_cache",
     "test_kvp",
@@ -61,6 +62,7 @@ NUMERICS_MODULES = {
     "test_model_vs_hf",
     "test_mtp",
     "test_mtp_sampling",
+    "test_quantization",
     "test_qwen3_moe",
 }
 """Modules that hold afd's numbers to HF's or to another path of afd's: `make test-avx2` runs them again with

@@ -118,21 +118,14 @@ def write_fp8_checkpoint(src: str, dst: str, block: tuple[int, int] = (128, 128)
 
 def hf_dequantized_model(path: str):
     """HF transformers' load of the FP8 checkpoint at `path`, dequantized to fp32 on CPU (the eager expert
-    loop: grouped_mm wants 16-byte aligned sizes).
-
-    transformers' FP8 quantizer refuses to start without the `accelerate` package
-    (FineGrainedFP8HfQuantizer.validate_environment), which afd's environment lacks; its dequantizing load
-    never calls into accelerate (it is the Fp8Dequantize weight conversion), so the check is waived here."""
-    from unittest import mock
-
-    import transformers.quantizers.quantizer_finegrained_fp8 as fp8_quantizer
+    loop: grouped_mm wants 16-byte aligned sizes). transformers' FP8 quantizer needs `accelerate` installed
+    (FineGrainedFP8HfQuantizer.validate_environment): the test extra names it."""
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
-    with mock.patch.object(fp8_quantizer, "is_accelerate_available", lambda: True):
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            quantization_config=FineGrainedFP8Config(dequantize=True),
-            dtype=torch.float32,
-            experts_implementation="eager",
-        )
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        quantization_config=FineGrainedFP8Config(dequantize=True),
+        dtype=torch.float32,
+        experts_implementation="eager",
+    )
     return model.eval()
