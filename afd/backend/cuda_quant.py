@@ -32,13 +32,16 @@ log = logging.getLogger("afd.backend")
 
 FP8_MIN_CAPABILITY = (8, 9)
 """pytorch aten/src/ATen/native/cuda/ScaledBlas.cpp (_scaled_mm_out_cuda): "torch._scaled_mm is only supported
-on CUDA devices with compute capability >= 9.0 or 8.9" (main at 0174dfab, 2026; unchanged since torch 2.1)."""
+on CUDA devices with compute capability >= 9.0 or 8.9" (pytorch/pytorch at 0174dfab, the copy the code index
+holds; the 2.13 tag itself was not read)."""
 BLOCKWISE_CUBLAS = (12, 9)
 """ScaledBlas.cpp (_check_deepseek_support): "DeepSeek style (1x128, 128x128) scaling only supported in CUDA for
-SM90" (dprops->major == 9) and "requires cublasLt >= 12.9"."""
+SM90" (dprops->major == 9: Blackwell falls back too) and "requires cublasLt >= 12.9" (same copy). torch.version.cuda
+stands in for the cuBLAS version, which Python cannot read."""
 INT_MM_MIN_ROWS = 17
 """pytorch aten/src/ATen/native/cuda/Blas.cpp (_int_mm_out_cuda): "self.size(0) needs to be greater than 16";
-K and N "greater than 0 and a multiple of 8" (torch 2.1-2.9 checked; the CPU kernel takes any shape)."""
+K and N "greater than 0 and a multiple of 8" (the same in every copy of Blas.cpp the code index holds; the
+2.13 tag itself was not read; the CPU kernel takes any shape)."""
 
 
 @dataclass(frozen=True)
