@@ -162,6 +162,28 @@ class CudaBackend(Backend):
             return torch._grouped_mm(x, w, offs=offs)
         return grouped_matmul_by_slices(x, w, group_sizes)
 
+    def quant_matmul(self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec) -> torch.Tensor:
+        # block-scaled FP8 / int8 GEMMs where their gates allow, else dequantized: afd/backend/cuda_quant.py
+        from afd.backend import cuda_quant
+
+        return cuda_quant.quant_matmul(x, q, scale, spec, self._quant_env())
+
+    # quant_grouped_matmul stays the base per-group loop (sizes read on the host): no fused grouped kernel takes
+    # afd's scales (cuda_quant's docstring); grouped_matmul_in_graph already says False for int8 / fp8 weights.
+
+    def check_quantization(self, spec) -> None:
+        from afd.backend import cuda_quant
+
+        cuda_quant.check_quantization(spec, self._quant_env())
+
+    def _quant_env(self):
+        # read once: a capability query per GEMM would cost microseconds on every linear of every step
+        if "_quant_env_cached" not in self.__dict__:
+            from afd.backend.cuda_quant import CudaQuantEnv
+
+            self._quant_env_cached = CudaQuantEnv.of(self._device)
+        return self._quant_env_cached
+
 
 class _CudaGraph:
     """fn as one CUDA graph: the first call warms up on a side stream (lazy cuBLAS and allocator set-up stay

@@ -15,6 +15,7 @@ from device_report import Result
 DEVICE_TESTS = (
     "tests/test_cuda.py",
     "tests/test_graph_cuda.py",
+    "tests/test_cuda_quant.py",
     "tests/test_backend_and_sampling.py::test_cuda_grouped_matmul",
     "tests/test_backend_and_sampling.py::test_npu_backend_fails_clearly_without_torch_npu",
     "tests/test_prefetch.py::test_npu_prefetch_for_real",
