@@ -200,16 +200,12 @@ def test_edge_blocks_read_as_the_format_defines(tmp_path):
 
 
 def _llm_w8a16(path: str):
-    """afd.LLM on an FP8 checkpoint serving w8a16. Until `quantization` is an option of afd.LLM (it is not at
-    38016ef), afd reads every FP8 tensor dequantized (SafetensorsReader.get): the same numbers."""
+    """afd.LLM on an FP8 checkpoint serving w8a16: the experts hold the stored FP8 bytes, widened in the GEMM."""
     import afd
 
-    try:
-        return afd.LLM(path, dtype="float32", block_size=4, quantization="w8a16")
-    except ValueError as e:
-        if "unknown option 'quantization'" not in str(e):
-            raise
-        return afd.LLM(path, dtype="float32", block_size=4)
+    llm = afd.LLM(path, dtype="float32", block_size=4, quantization="w8a16")
+    assert llm.ffn.layer(llm.cfg.moe_layers[0]).experts.w13.dtype == FP8
+    return llm
 
 
 def test_greedy_tokens_and_logits_match_hf_dequantized(fp8):
@@ -223,3 +219,46 @@ def test_greedy_tokens_and_logits_match_hf_dequantized(fp8):
     for i, (ref_ids, ref_logits) in enumerate(ref):
         assert ours[i] == ref_ids, f"prompt {i}"
         assert max_rel_err(logits[i], ref_logits) <= 1e-4, f"prompt {i}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "topology", [["--colocated"], ["--ffn-nodes", "1"], ["--ffn-nodes", "2"]], ids=lambda t: "".join(t)
+)
+def test_afd_serve_serves_the_fp8_checkpoint_with_hfs_tokens(fp8, topology, tmp_path):
+    """`afd serve` on the released layout as it is, colocated, at 1A1F and at 1A2F (the experts split across
+    two FFN nodes, each holding its share's FP8 blocks), --quantization w8a16: HF's greedy tokens."""
+    from cluster_helpers import post
+    from hf_reference import PROMPTS, greedy_with_logits
+    from serve_helpers import Served, free_port_run
+
+    want = [ids for ids, _ in greedy_with_logits(fp8.hf, PROMPTS[:2], 6)]
+    port = free_port_run(1)
+    url = f"http://127.0.0.1:{port}"
+    argv = [fp8.path, "--port", str(port), "--quantization", "w8a16", "--block-size", "4", *topology]
+    s = Served(argv, tmp_path / "serve.log", [url])
+    try:
+        s.wait_ready()
+        body = {"max_tokens": 6, "temperature": 0, "return_token_ids": True}
+        for prompt, ids in zip(PROMPTS[:2], want):
+            code, got = post(url, "/v1/completions", {**body, "prompt": prompt})
+            assert code == 200 and got["choices"][0]["token_ids"] == ids, got
+    finally:
+        assert s.stop() == 0
+    assert "quantization w8a16: weights FP8 per 16x8 block, the checkpoint's FP8 as stored" in s.log.read_text()
+
+
+def test_afd_generate_takes_the_flag(fp8, tmp_path, capsys):
+    """`afd generate --quantization w8a16` on the FP8 checkpoint: HF's greedy tokens (in this process)."""
+    from hf_reference import PROMPTS, greedy_with_logits
+
+    from afd.cli import main
+
+    want = [ids for ids, _ in greedy_with_logits(fp8.hf, PROMPTS[:2], 4)]
+    prompts = tmp_path / "p.json"
+    prompts.write_text(json.dumps(PROMPTS[:2]))
+    argv = ["generate", "--model", fp8.path, "--prompt-ids", str(prompts), "--max-tokens", "4"]
+    assert main([*argv, "--quantization", "w8a16", "--block-size", "4"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == want
+    assert main([*argv, "--quantization", "int4"]) == 2  # refused by argparse, naming the choices
+    assert "--quantization: invalid choice: 'int4'" in capsys.readouterr().err

@@ -190,17 +190,40 @@ def test_the_reader_dequantizes_fp8_tensors_and_hands_their_bytes_as_stored(tmp_
         _fp8_checkpoint(tmp_path / "badscale", scale_shape=(3, 3)).get("a.weight", (20, 8))
 
 
+def test_a_local_cluster_s_nodes_get_the_quantization():
+    from afd.cluster.local_spec import cluster_doc
+    from afd.engine.llm import _cluster_spec
+
+    import afd
+
+    llm = afd.LLM("demo", quantization="fp8", ffn_nodes=2, dummy_weights=True)
+    assert cluster_doc(_cluster_spec(llm.config))["model"]["quantization"] == "fp8"
+
+
 def test_a_served_model_quantizes_both_halves_and_1a1f_matches_colocated(families, llm_pool):
     import afd
 
     path = families.path("deepseek_v3", "grouped")
     assert quant_spec(path, None) is None and quant_spec(path, "w8a8").method == "w8a8"
     prompts = [[1, 5, 9, 3], [2, 7, 7, 4, 1]]
+
+    def run(llm) -> tuple[list, list]:
+        logits: list = []
+        return llm.generate_ids(prompts, 5, logits_out=logits), logits
+
+    plain = run(afd.LLM(path))
     llm = afd.LLM(path, quantization="w8a8")
-    colocated = [o.outputs[0].token_ids for o in llm.generate(prompts, max_tokens=5, use_tqdm=False)]
+    colocated = run(llm)
     assert llm.ffn.layer(llm.cfg.moe_layers[0]).experts.w13.dtype == torch.int8
     assert any(isinstance(m, QuantLinear) for m in llm.attn.modules())  # quantized by the engine factory
     assert not isinstance(llm.attn.lm_head, QuantLinear)
-    # the same kernels on the same CPU on both sides of the exchange: the same tokens
-    split = llm_pool.get(path, quantization="w8a8", ffn_nodes=1)
-    assert [o.outputs[0].token_ids for o in split.generate(prompts, max_tokens=5, use_tqdm=False)] == colocated
+    split = run(llm_pool.get(path, quantization="w8a8", ffn_nodes=1))
+    # the same kernels on the same CPU on both sides of the exchange: the same tokens; logits within fp32 sums
+    # done in other processes (1e-5 of the largest), while w8a8 moves them by far more than that from fp32
+    assert split[0] == colocated[0]
+    steps = [t for prompt in zip(split[1], colocated[1], plain[1]) for t in zip(*prompt)]
+    assert len(steps) == 10
+    for a, b, c in steps:
+        scale = c.abs().max()
+        assert (a - b).abs().max() <= 1e-5 * scale
+        assert (b - c).abs().max() >= 1e-3 * scale, "quantized and unquantized logits should differ"

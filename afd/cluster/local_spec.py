@@ -16,6 +16,8 @@ class LocalClusterSpec:
     attention_nodes: int = 1
     ffn_nodes: int = 1
     dtype: str = "float32"
+    quantization: str | None = None
+    """model.quantization (None: the checkpoint's own, afd.quant.scheme.resolve)."""
     dummy_weights: bool = False
     seed: int = 0
     overlap: bool = True
@@ -78,7 +80,8 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
     }
     sections = {
         "cluster": {"comm_timeout": spec.comm_timeout, "startup_timeout": STARTUP_TIMEOUT, "rejoin_timeout": 0.0},
-        "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights, "seed": spec.seed},
+        "model": {"path": spec.model, "dtype": spec.dtype, "dummy_weights": spec.dummy_weights, "seed": spec.seed}
+        | ({"quantization": spec.quantization} if spec.quantization else {}),
         "layout": {k: v for k, v in layout.items() if v is not None},
         "engine": {k: v for k, v in engine.items() if v is not None},
     }

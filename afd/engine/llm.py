@@ -233,6 +233,7 @@ def _cluster_spec(cfg: ClusterConfig) -> LocalClusterSpec:
         len(cfg.attention_nodes),
         len(cfg.ffn_nodes),
         m.dtype,
+        m.quantization,
         m.dummy_weights,
         m.seed,
         lay.overlap,
