@@ -288,8 +288,9 @@ def test_npu_check_quantization_refuses_fp8_and_names_the_setting():
         be.check_quantization(resolve("fp8", None))
     assert "w8a8" in str(e.value) and "w8a16" in str(e.value)
     fp8_ckpt = CheckpointQuant((128, 128))
-    with pytest.raises(QuantConfigError, match="--quantization fp8"):
+    with pytest.raises(QuantConfigError, match="--quantization fp8") as e:
         be.check_quantization(resolve(None, fp8_ckpt))  # an FP8 checkpoint serves as fp8 by default
+    assert "w8a8" in str(e.value) and "w8a16" not in str(e.value)  # w8a16 would keep its FP8 blocks
     with pytest.raises(QuantConfigError, match="--quantization w8a16 with an FP8 checkpoint") as e:
         be.check_quantization(resolve("w8a16", fp8_ckpt))
     assert "--quantization w8a8" in str(e.value)

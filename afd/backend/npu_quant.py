@@ -17,7 +17,9 @@ w8a16 (int8 weights per channel, activations in the model dtype):
   experts: npu_grouped_matmul's fake-quantization scenario, antiquant_scale [G, N] and a zero antiquant_offset
            [G, N] (the kernel refuses a null offset), both in x's dtype.
 fp8, and w8a16 on an FP8 checkpoint (fp8_block weights): refused. On Atlas A2/A3 these ops take int8 (int4)
-weights and int8 or float16/bfloat16 activations only; no FP8 matmul is documented there.
+weights and int8 or float16/bfloat16 activations only, and aclnnGroupedMatmulV5's constraints say so outright:
+"Atlas A2/A3: 不支持FLOAT8_E5M2、FLOAT8_E4M3FN、HIFLOAT8、FLOAT8_E8M0类型" (the FP8 types are listed for the newer
+"昇腾910_95 AI处理器" only, whose rules afd does not model: it refuses fp8 on every NPU).
 
 Where the ops' documented limits do not hold (float32 activations: npu_dynamic_quant and the antiquant ops take
 float16/bfloat16 only and no per-token row outputs float32; K or N past 65535; more than 1024 experts) the GEMM
@@ -27,7 +29,8 @@ sources: torch_npu.npu_dynamic_quant, npu_quant_matmul, npu_weight_quant_batchma
   https://github.com/Ascend/op-plugin/blob/7.1.0/docs/context/torch_npu-<op>.md (op-plugin 7.1.0) and
   .../blob/26.0.0/docs/en/custom_APIs/torch_npu/torch_npu-<op>.md (26.0.0); aclnnGroupedMatmulV4, CANN
   ops-transformer gmm/grouped_matmul (docs/aclnnGroupedMatmulV4.md, op_host/op_api/aclnn_grouped_matmul.cpp), read
-  at repo-mirror-test/ops-transformer @bfbbec8. The fakes in tests/fakes/torch_npu/ops_quant.py hold these rules.
+  at repo-mirror-test/ops-transformer @bfbbec8 (with docs/aclnnGroupedMatmulV5.md, the FP8 rule). The fakes in
+  tests/fakes/torch_npu/ops_quant.py hold these rules.
 Not done: the weights stay ND; the docs recommend FRACTAL_NZ (npu_format_cast(w, 29)) for speed, which needs a
 load-time hook in the Backend interface.
 """
@@ -54,10 +57,12 @@ Say = Callable[[str, str], None]
 def refusal(spec: QuantSpec) -> str | None:
     """Why Atlas A2/A3 cannot run `spec`, naming the setting; None when they can."""
     if spec.method == "fp8":
+        # an FP8 checkpoint keeps its FP8 blocks under w8a16 too (afd.quant.scheme.resolve): only w8a8 runs it
+        other = "" if spec.checkpoint is not None else " or w8a16 (int8 weights, bf16/fp16 activations)"
         return (
             "--quantization fp8: Atlas A2/A3 have no FP8 matmul (torch_npu's npu_quant_matmul and npu_grouped_matmul "
-            "take int8/int4 operands there, op-plugin 7.1.0 and 26.0.0 docs); use --quantization w8a8 (int8 "
-            "weights per channel, int8 activations per token) or w8a16 (int8 weights, bf16/fp16 activations)"
+            "take int8/int4 operands there; aclnnGroupedMatmulV5: no FLOAT8 types on A2/A3); use --quantization "
+            f"w8a8 (int8 weights per channel, int8 activations per token){other}"
         )
     if spec.weights != INT8_CHANNEL:
         return (

@@ -275,7 +275,8 @@ def _gmm_checks(x, weight, bias, scale, offset, antiquant_scale, antiquant_offse
         _fail("npu_grouped_matmul: with group_list_type 1 the group_list length cannot be 1")
 
     def per_group(name, ts, dtypes):
-        # aclnn CheckOptionalTensorList: one tensor per weight tensor; a single 3-D weight's is [g, n]
+        # aclnn CheckOptionalTensorList: one tensor per weight tensor; a single 3-D weight's is [g, n] (the torch_npu
+        # doc's "each tensor 1-D" is the multi-weight form, [n_i]; its own antiquant_scale text says [g, n])
         if ts is None or len(ts) != 1 or tuple(ts[0].shape) != (g, n):
             _fail(f"npu_grouped_matmul: {name} must be one tensor of shape ({g}, {n})")
         if ts[0].dtype not in dtypes:
