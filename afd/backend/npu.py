@@ -130,6 +130,22 @@ class NpuBackend(Backend):
         )
         return y
 
+    # --quantization w8a8 / w8a16 on torch_npu's quantized ops; fp8 refused (afd/backend/npu_quant.py, with sources).
+    def check_quantization(self, spec) -> None:
+        from afd.backend import npu_quant
+
+        log.info("quantization %s; its GEMMs on NPU: %s", spec.describe(), npu_quant.check(spec))
+
+    def quant_matmul(self, x, q, scale, spec):
+        from afd.backend import npu_quant
+
+        return npu_quant.quant_matmul(self._torch_npu, x, q, scale, spec, self._say_once)
+
+    def quant_grouped_matmul(self, x, q, scale, group_sizes, spec):
+        from afd.backend import npu_quant
+
+        return npu_quant.quant_grouped_matmul(self._torch_npu, x, q, scale, group_sizes, spec, self._say_once)
+
     def mm_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, world_size: int) -> torch.Tensor | None:
         op = self._mmrs_op()
         if op is None or not mmrs_fits(x, weight, world_size):
