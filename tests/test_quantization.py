@@ -191,10 +191,9 @@ def test_the_reader_dequantizes_fp8_tensors_and_hands_their_bytes_as_stored(tmp_
 
 
 def test_a_local_cluster_s_nodes_get_the_quantization():
+    import afd
     from afd.cluster.local_spec import cluster_doc
     from afd.engine.llm import _cluster_spec
-
-    import afd
 
     llm = afd.LLM("demo", quantization="fp8", ffn_nodes=2, dummy_weights=True)
     assert cluster_doc(_cluster_spec(llm.config))["model"]["quantization"] == "fp8"
