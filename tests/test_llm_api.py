@@ -44,3 +44,39 @@ def test_progress_writes_plain_lines_when_not_on_a_terminal(caplog):
             p.update()
     lines = [r.getMessage() for r in caplog.records]
     assert lines[-1].startswith("loading: 4/4 tensors (100%") and "\r" not in "".join(lines)
+
+
+# Fields an offline job's node processes do not need: the serving API's (name, template, context limit:
+# afd.LLM checks prompt lengths itself), the serving engine's limits (a job's cache and batch hold exactly
+# the job: afd.engine.factory), its shutdown grace, and the sampling seed (generate() takes its own).
+NOT_FOR_OFFLINE_NODES = {
+    "path",  # carried as LocalClusterSpec.model
+    "max_model_len",
+    "served_model_name",
+    "chat_template",
+    "kv_cache_bytes",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "shutdown_timeout",
+    "sampling_seed",
+    "experts",  # layout.experts / zero_experts: a local cluster takes the default placement
+    "zero_experts",
+}
+
+
+def test_every_model_layout_and_engine_field_reaches_a_local_cluster_s_nodes():
+    """afd.LLM hands its node processes a LocalClusterSpec copied field by field (afd.engine.llm._cluster_spec):
+    a new config field left out there is silently not applied by the nodes (model.quantization once was)."""
+    from dataclasses import fields
+
+    from afd.cluster.local_spec import LocalClusterSpec
+    from afd.cluster.schema import EngineSection, Layout, ModelSection
+
+    carried = {f.name for f in fields(LocalClusterSpec)}
+    missing = {
+        f"{cls.__name__}.{f.name}"
+        for cls in (ModelSection, Layout, EngineSection)
+        for f in fields(cls)
+        if f.name not in carried and f.name not in NOT_FOR_OFFLINE_NODES
+    }
+    assert not missing, f"carry these in LocalClusterSpec (and _cluster_spec, cluster_doc), or say why not: {missing}"
