@@ -126,6 +126,16 @@ def test_the_cpu_int8_gemm_is_the_reference_s_math():
     assert CpuBackend().quant_matmul(x, q, scale, spec).equal(got)  # the CPU backend takes it for w8a8
 
 
+def test_the_cpu_int8_grouped_gemm_is_its_per_group_gemm():
+    q, scale = zip(*(quantize_int8_channel(_weight(24, 40, seed=g)) for g in range(3)))
+    q, scale = torch.stack(q), torch.stack(scale)  # [G, N, K], [G, N, 1]
+    x, sizes = torch.randn(9, 40), torch.tensor([4, 0, 3])  # 2 rows past the groups
+    got = CpuBackend().quant_grouped_matmul(x, q, scale, sizes, resolve("w8a8", None))
+    # per-token quantization is per row, so quantizing once or per group is the same: bit-equal rows
+    assert torch.equal(got[:4], int8_matmul(x[:4], q[0], scale[0]))
+    assert torch.equal(got[4:7], int8_matmul(x[4:7], q[2], scale[2]))
+
+
 def _moe_config():
     from afd.model.longcat_flash.config import LongcatFlashConfig
 

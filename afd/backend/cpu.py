@@ -78,6 +78,11 @@ class CpuBackend(Backend):
 
         return cpu_quant.quant_matmul(x, q, scale, spec)
 
+    def quant_grouped_matmul(self, x, q, scale, group_sizes, spec):
+        from afd.backend import cpu_quant
+
+        return cpu_quant.quant_grouped_matmul(x, q, scale, group_sizes, spec)
+
     def check_quantization(self, spec) -> None:
         from afd.backend.cpu_quant import cpu_quant_kernel, log
 

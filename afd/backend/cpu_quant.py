@@ -16,6 +16,8 @@ import logging
 
 import torch
 
+from afd.backend import host_syncs
+from afd.backend.base import quant_grouped_matmul_by_slices
 from afd.quant import reference
 from afd.quant.formats import quantize_rows_int8
 from afd.quant.scheme import INT8_CHANNEL, QuantSpec
@@ -32,14 +34,39 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     return (torch._int_mm(xq, q.t()).float() * xs * scale.t()).to(x.dtype)
 
 
+def int8_grouped_matmul(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_sizes: torch.Tensor
+) -> torch.Tensor:
+    """w8a8 experts: x [T, K] sorted by group, quantized per token once (not per group: the same rows), then
+    torch._int_mm per non-empty group on q [G, N, K] (scale [G, N, 1]); rows past the groups are left as
+    they come. The sizes are a CPU tensor: reading them is no sync."""
+    xq, xs = quantize_rows_int8(x)
+    out = x.new_empty(x.shape[0], q.shape[1])
+    start = 0
+    for g, n in enumerate(host_syncs.to_list(group_sizes)):
+        if n:
+            rows = slice(start, start + n)
+            out[rows] = (torch._int_mm(xq[rows], q[g].t()).float() * xs[rows] * scale[g].t()).to(x.dtype)
+            start += n
+    return out
+
+
 def cpu_quant_kernel(spec: QuantSpec) -> str:
     """Which kernel the CPU runs for `spec`'s GEMMs (named in the log once)."""
-    if spec.activations == "int8" and spec.weights == INT8_CHANNEL:
+    if _int8(spec):
         return "torch._int_mm (int8 x int8 -> int32 on VNNI)"
     return "the fp32 reference (afd.quant.reference): no faster CPU kernel for " + spec.method
 
 
+def _int8(spec: QuantSpec) -> bool:
+    return spec.activations == "int8" and spec.weights == INT8_CHANNEL
+
+
 def quant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    if spec.activations == "int8" and spec.weights == INT8_CHANNEL:
-        return int8_matmul(x, q, scale)
-    return reference.quant_matmul(x, q, scale, spec)
+    return int8_matmul(x, q, scale) if _int8(spec) else reference.quant_matmul(x, q, scale, spec)
+
+
+def quant_grouped_matmul(x, q, scale, group_sizes, spec: QuantSpec) -> torch.Tensor:
+    if _int8(spec):
+        return int8_grouped_matmul(x, q, scale, group_sizes)
+    return quant_grouped_matmul_by_slices(x, q, scale, group_sizes, spec)
