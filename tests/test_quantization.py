@@ -236,3 +236,13 @@ def test_a_served_model_quantizes_both_halves_and_1a1f_matches_colocated(familie
         scale = c.abs().max()
         assert (a - b).abs().max() <= 1e-5 * scale
         assert (b - c).abs().max() >= 1e-3 * scale, "quantized and unquantized logits should differ"
+
+
+def test_graph_mode_runs_quantized_experts_eager(caplog):
+    from afd.model.ffn_graph import wrap
+
+    spec = resolve("w8a8", None)
+    half = build_ffn_half(_moe_config(), DummyReader(0), torch.float32, torch.device("cpu"), quant=spec)
+    with caplog.at_level("INFO", logger="afd.graph"):
+        assert wrap(half, CpuBackend(), "compile", (4,), 1) is half
+    assert "runs eager on cpu with quantized experts (w8a8)" in caplog.text
