@@ -8,6 +8,12 @@ bf16 0.35 ms, torch._int_mm 0.21 ms (0.25 ms with the per-token quantization and
 FP8 to bf16 took 2.8 ms per weight (no vector conversion), so fp8 runs the fp32 reference here: it
 models an FP8 device's numerics, not its speed. torch._weight_int8pack_mm (int8 weight, bf16
 activations) segfaulted on a 7-column weight in torch 2.13, so w8a16 takes the reference too.
+
+fbgemm's and oneDNN's dynamic quantized linear (torch.ao.nn.quantized.dynamic.Linear, prepacked per-channel
+int8 weights) measured faster still in one probe (137 against 343 us at 16 rows with the quantization, on
+the same machine under load), but they quantize the activations per tensor (uint8, asymmetric), not per
+token as w8a8 is defined, and sit on torch's quantized-tensor API, deprecated since torch 2.13
+(pytorch/pytorch#184982). torch._int_mm is the scheme's math on a current op.
 """
 
 from __future__ import annotations
