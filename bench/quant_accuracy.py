@@ -12,6 +12,11 @@ top-1 agreement, and the largest logit error over the vocabulary relative to HF'
 generates greedily (identical tokens asked). The same again on the fp32 checkpoint before FP8 (quantized at
 load by afd), against HF on those fp32 weights: there the error includes the weights' quantization.
 
+To tell the scheme's error from afd's, HF runs each scheme too, simulated in its F.linear from the formats'
+definitions (bench/quant_sim.py), and the share of (token, MoE layer) pairs whose experts the scheme changes is
+counted (`routes`), and the simulation runs again with HF's own routes replayed (the routes frozen): what
+the scheme moves besides the experts chosen. Weights N(0, 0.02) by default: HF's initializer_range.
+
 Every FP8 dimension is a multiple of 128 or a single block (kv_lora 96): HF 5.24 takes a tensor's block as its
 shape over its scale grid (transformers integrations/finegrained_fp8.py, Fp8Dequantize._dequantize_one).
 """
@@ -19,7 +24,6 @@ shape over its scale grid (transformers integrations/finegrained_fp8.py, Fp8Dequ
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -28,11 +32,11 @@ import tempfile
 import time
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 
 from fp8_checkpoint import hf_dequantized_model, write_fp8_checkpoint  # noqa: E402
+from quant_sim import routes, routing_changed, simulated  # noqa: E402
 
 METHODS = ("w8a16", "fp8", "w8a8")
 BLOCK = (128, 128)
@@ -126,28 +130,6 @@ def hf_teacher_forced(model, ps, ids) -> list[torch.Tensor]:
     return out
 
 
-@contextlib.contextmanager
-def routes(model, out: list):
-    """Appends every MoE layer's chosen experts per forward to `out`: [T, K] ids sorted per token (the router
-    modules, DeepSeek's mlp.gate and LongCat's mlp.router, return (logits, weights, ids))."""
-    routers = [m for n, m in model.named_modules() if n.endswith((".mlp.gate", ".mlp.router"))]
-    hooks = [
-        r.register_forward_hook(lambda m, i, o: out.append(o[2].reshape(-1, o[2].shape[-1]).sort(-1)[0]))
-        for r in routers
-    ]
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-def routing_changed(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    """The share of (token, MoE layer) pairs whose expert set differs between two captures of `routes`."""
-    diff = sum(int((x != y).any(-1).sum()) for x, y in zip(a, b))
-    return round(diff / sum(x.shape[0] for x in a), 4)
-
-
 def afd_teacher_forced(path: str, method: str, ps, ids) -> tuple[object, list[torch.Tensor]]:
     """afd colocated (fp32, --quantization method): the next-token logits after each prompt + ids[:k]."""
     import afd
@@ -204,6 +186,9 @@ def run_checkpoint(path: str, hf, ps, steps: int, stored_fp8: bool, hf32=None) -
             sim = hf_teacher_forced(hf, ps, ids)
         r["hf_simulated_vs_hf"] = agreement(sim, ref)
         r["hf_simulated_vs_hf"]["routing_changed"] = routing_changed(sim_routes, ref_routes)
+        if method != "w8a16":  # the scheme's error less its route changes: the same, routed as HF routed
+            with simulated(hf, method, stored_fp8), routes(hf, [], replay=ref_routes):
+                r["hf_simulated_routes_frozen_vs_hf"] = agreement(hf_teacher_forced(hf, ps, ids), ref)
         r["afd_vs_hf_simulated"] = agreement(got, sim)
         r["seconds"] = round(time.time() - t0, 1)
         rec["methods"][method] = r
@@ -211,53 +196,12 @@ def run_checkpoint(path: str, hf, ps, steps: int, stored_fp8: bool, hf32=None) -
     return rec
 
 
-def _int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., K] through int8 per row (absmax / 127, round to nearest) and back."""
-    s = x.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 127
-    return (x / s).round().clamp(-127, 127) * s
-
-
-def _fp8_groups(x: torch.Tensor, g: int = 128) -> torch.Tensor:
-    """x [..., K] through e4m3 per row and g-wide group (absmax / 448) and back."""
-    out = torch.empty_like(x)
-    for a in range(0, x.shape[-1], g):
-        c = x[..., a : a + g]
-        s = c.abs().amax(-1, keepdim=True).clamp(min=1e-30) / 448
-        out[..., a : a + g] = (c / s).to(torch.float8_e4m3fn).float() * s
-    return out
-
-
-@contextlib.contextmanager
-def simulated(model, method: str, stored_fp8: bool, block: tuple[int, int] = BLOCK):
-    """HF's model with `method` written out from the scheme's definition, not afd's code: every F.linear but
-    lm_head, the router and kv_b_proj (afd keeps those in dtype) takes its input through the per-token
-    quantizer (fp8: groups of block[1], as afd's act_quant), its weight through int8 per channel (w8a8; w8a16
-    on an unquantized checkpoint), FP8 `block`s (fp8 on an unquantized checkpoint; tests/fp8_checkpoint.py's
-    quantizer) or as it is (FP8 values already); under w8a16 only the routed experts' weights. HF's eager
-    experts and nn.Linear both call F.linear, looked up at call time."""
-    from fp8_checkpoint import block_values, quantize_blocks
-
-    keep = {model.lm_head.weight.data_ptr()}
-    keep |= {p.data_ptr() for n, p in model.named_parameters() if "kv_b_proj" in n or ".gate." in n or "router" in n}
-    experts = {p.untyped_storage().data_ptr() for n, p in model.named_parameters() if ".experts." in n}
-    linear = F.linear
-
-    def weight(w):
-        if method == "w8a8" or (method == "w8a16" and not stored_fp8):
-            return _int8_rows(w)
-        return w if stored_fp8 else block_values(*quantize_blocks(w, block), block)
-
-    def quantized(x, w, b=None):
-        if w.data_ptr() in keep or (method == "w8a16" and w.untyped_storage().data_ptr() not in experts):
-            return linear(x, w, b)  # w8a16 quantizes the routed experts alone (afd.model.quant_layers)
-        x = _int8_rows(x) if method == "w8a8" else _fp8_groups(x, block[1]) if method == "fp8" else x
-        return linear(x, weight(w), b)
-
-    F.linear = quantized
+def cpu_model() -> str:
     try:
-        yield
-    finally:
-        F.linear = linear
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.machine()
 
 
 def main(argv=None) -> dict:
@@ -276,7 +220,7 @@ def main(argv=None) -> dict:
         "command": "python bench/quant_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "machine": f"{platform.machine()}, {a.threads} threads",
+        "machine": f"{cpu_model()}, {a.threads} threads",
         "dtype": "float32 (afd and HF)",
         "weights": f"random, made by HF transformers: every weight N(0, {a.weight_std}), norms N(1, 0.1), "
         "e_score_correction_bias N(0, 0.05)",
