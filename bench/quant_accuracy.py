@@ -217,7 +217,7 @@ def main(argv=None) -> dict:
     import transformers
 
     report: dict = {
-        "command": "python bench/quant_accuracy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python bench/quant_accuracy.py", *(argv if argv is not None else sys.argv[1:])]),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "machine": f"{cpu_model()}, {a.threads} threads",

@@ -1,7 +1,7 @@
 """HF transformers running afd's quantization schemes, written from the formats' definitions
 (afd/quant/scheme.py's docstring, docs/architecture/quantization.md) rather than afd's code, and the experts
 HF's routers choose: what bench/quant_accuracy.py and tests/test_quant_accuracy.py hold afd's 8-bit logits
-to, and how they tell a changed route from a rounding error."""
+to, and how they tell a changed route from a rounding error. Needs tests/ on sys.path (fp8_checkpoint)."""
 
 from __future__ import annotations
 
