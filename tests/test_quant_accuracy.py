@@ -63,7 +63,6 @@ def test_afd_computes_the_schemes_numbers(tmp_path):
         assert v["afd_vs_sim"]["logit_err_max"] <= 0.1, (m, _brief(r))
 
 
-@pytest.mark.slow
 def test_8bit_activations_move_the_logits_within_the_schemes_error(fp8):
     """Both families, 20 prompts x 8 positions, against HF's dequantized model in fp32.
 
