@@ -23,9 +23,9 @@ import json
 import os
 import tempfile
 
+from afd.bench import quant_mem
 from afd.bench import quant_parts as parts
-from afd.bench.common import Colocated, interleaved, median, synthetic_prompts, write_config
-from afd.bench.step import BENCH_CONFIG
+from afd.bench.common import Colocated, interleaved, median, synthetic_prompts
 from afd.cluster.flags import DefaultsHelpFormatter
 
 MODES = {
@@ -39,10 +39,6 @@ MODES = {
 }
 DEFAULT_MODES = ("fp32", "bf16", "w8a8", "fp8")
 SECTIONS = ("decode", "gemm", "memory", "wire")
-MEMORY_CONFIG = {**BENCH_CONFIG, "hidden_size": 1024, "num_layers": 4, "n_routed_experts": 64,
-                 "expert_ffn_hidden_size": 1024}  # fmt: skip
-"""BENCH_CONFIG scaled until its experts (3.2 GB in fp32) dwarf a torch process's own few hundred MB."""
-EXCHANGE_DTYPES = ("same", "fp8", "int8")
 
 
 def add_parser(sub) -> None:
@@ -60,6 +56,7 @@ def add_parser(sub) -> None:
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     p.add_argument("--no-hf", action="store_true", help="leave HF transformers out")
+    p.add_argument("--hf-threads", default="1,2", help="torch threads HF generate runs on, one case each")
     p.add_argument("--gemm-tokens", type=int, default=16)
     p.add_argument("--memory-model", default=None, help="model dir for the memory section (default: MEMORY_CONFIG)")
     p.add_argument("--wire-mode", default="w8a8", help="the mode the wire section's 1A1F runs serve")
@@ -84,12 +81,6 @@ class _Colocated(Colocated):
         w13 = self.ffn.layer(self.cfg.moe_layers[0]).experts.w13
         n = sum(isinstance(m, QuantLinear) for m in self.attn.modules())
         return f"experts {str(w13.dtype).removeprefix('torch.')}, {n} quantized attention linears"
-
-
-def _tok_s(steps: list[dict], skip: int) -> dict:
-    d = steps[1 + skip :]  # past the prefill and the warm-up steps
-    seconds = sum(s["seconds"] for s in d)
-    return {"tok_s": sum(s["tokens"] for s in d) / seconds, "step_ms": 1e3 * seconds / len(d)}
 
 
 def _checkpoint(args, tmp: str) -> tuple[str, bool]:
@@ -123,21 +114,24 @@ def section_decode(args, path: str, dummy: bool, state: dict) -> dict:
         hf.generate(prompts[batches[0]], 2, 2)  # warm-up
 
     cases = {f"{t} {m} b={b}": (t, m, b) for t in topos for m in modes for b in batches}
-    cases |= {f"HF bf16 b={b}": ("HF", "bf16", b) for b in batches} if hf is not None else {}
+    threads = [int(t) for t in args.hf_threads.split(",")] if hf is not None else []
+    cases |= {f"HF bf16 {t}t b={b}": ("HF", t, b) for t in threads for b in batches}
 
     def one(name: str, r: int) -> dict:
         topo, mode, b = cases[name]
         if topo == "HF":
-            _, t_n = hf.generate(prompts[b], n, threads=2)
-            _, t_1 = hf.generate(prompts[b], 1, threads=2)
+            _, t_n = hf.generate(prompts[b], n, threads=mode)
+            _, t_1 = hf.generate(prompts[b], 1, threads=mode)
             return {"tok_s": b * (n - 1) / (t_n - t_1), "step_ms": 1e3 * (t_n - t_1) / (n - 1)}
         if topo == "colocated":
-            return _tok_s(state["colo"][mode].generate(prompts[b], n, threads=1).steps, args.warmup_steps)
+            return parts.tok_s(state["colo"][mode].generate(prompts[b], n, threads=1).steps, args.warmup_steps)
         _, reports = state["clusters"][mode].generate(prompts[b], n, ignore_eos=True)
-        return _tok_s(reports[0]["steps"], args.warmup_steps) | {"a2f_bytes": reports[0]["a2f_bytes"]}
+        return parts.tok_s(reports[0]["steps"], args.warmup_steps) | {"a2f_bytes": reports[0]["a2f_bytes"]}
 
     rounds = interleaved(list(cases), args.repeats, one, lambda s: print(f"  .. {s}", flush=True))
-    results = {k: {f: median(x[f] for x in v) for f in ("tok_s", "step_ms")} for k, v in rounds.items()}
+    results = {
+        k: {f: median(x.get(f, 0.0) for x in v) for f in ("tok_s", "step_ms", "ffn_wait")} for k, v in rounds.items()
+    }
     return {"results": results, "rounds": rounds, "quantization": evidence, "new_tokens": n}
 
 
@@ -148,46 +142,6 @@ def section_gemm(args, state: dict) -> dict:
         "tokens": args.gemm_tokens,
         "results_ms": {m: {k: 1e3 * median(x[k] for x in v) for k in v[0]} for m, v in rounds.items()},
     }
-
-
-def section_memory(args, path: str, dummy: bool, state: dict, tmp: str) -> dict:
-    big = args.memory_model or write_config(os.path.join(tmp, "memory-model"), MEMORY_CONFIG)
-    out = {}
-    for m in state["modes"]:
-        dtype, method = MODES[m]
-        print(f"  .. memory {m}", flush=True)
-        row = {"bench": parts.load_ffn_subprocess(path, dtype, method, dummy)}
-        if m in state["node_rss"]:
-            row["bench"] |= state["node_rss"][m]
-        row["large"] = parts.load_ffn_subprocess(big, dtype, method, True)
-        row["large"] |= parts.node_memory(big, dtype, method, True)
-        out[m] = row
-    return {"results": out, "large_model": json.load(open(os.path.join(big, "config.json")))}
-
-
-def section_wire(args, path: str, dummy: bool, state: dict) -> dict:
-    from afd.dataplane.protocol import exchange_bytes
-    from afd.model.registry import load_config
-
-    cfg = load_config(path)
-    dtype, method = MODES[args.wire_mode]
-    b = args.gemm_tokens
-    prompts = synthetic_prompts(b, args.prompt_len, cfg.vocab_size)
-    out = {}
-    for ex in EXCHANGE_DTYPES:
-        print(f"  .. wire {ex}", flush=True)
-        cluster = parts.start_cluster(path, dtype, method, dummy, exchange_dtype=ex)
-        try:
-            _, reports = cluster.generate(prompts, args.steps + args.warmup_steps + 1, ignore_eos=True)
-        finally:
-            cluster.close()
-        steps, L = reports[0]["steps"], len(cfg.moe_layers)
-        formula = sum(exchange_bytes(s["tokens"], cfg.hidden_size, dtype, ex)["to_ffn"] for s in steps) * L
-        per_step = {k: v * L for k, v in exchange_bytes(b, cfg.hidden_size, dtype, ex).items()}
-        per_step_bf16 = {k: v * L for k, v in exchange_bytes(b, cfg.hidden_size, "bfloat16", ex).items()}
-        out[ex] = {"counted_to_ffn": reports[0]["a2f_bytes"], "formula_to_ffn": formula, "per_step": per_step,
-                   "per_step_bf16_model": per_step_bf16} | _tok_s(steps, args.warmup_steps)  # fmt: skip
-    return {"mode": args.wire_mode, "dtype": dtype, "batch": b, "moe_layers": L, "results": out}
 
 
 def _setup(args, path: str, dummy: bool, sections: list[str]) -> dict:
@@ -207,7 +161,7 @@ def _setup(args, path: str, dummy: bool, sections: list[str]) -> dict:
             print(f"  .. starting 1A1F {m}", flush=True)
             state["clusters"][m] = cluster = parts.start_cluster(path, *MODES[m], dummy)
             cluster.generate([[3, 4, 5, 6]], 2, ignore_eos=True)  # loaded and warm
-            state["node_rss"][m] = {"node_rss": parts.rss(cluster.process("ffn0").pid)["rss"]}
+            state["node_rss"][m] = {"node_rss": quant_mem.rss(cluster.process("ffn0").pid)["rss"]}
     return state
 
 
@@ -228,9 +182,9 @@ def run(args) -> int:
         if "gemm" in sections:
             res["gemm"] = section_gemm(args, state)
         if "memory" in sections:
-            res["memory"] = section_memory(args, path, dummy, state, tmp)
+            res["memory"] = quant_mem.section_memory(args, path, dummy, state, tmp, MODES)
         if "wire" in sections:
-            res["wire"] = section_wire(args, path, dummy, state)
+            res["wire"] = parts.section_wire(args, path, dummy, MODES)
     quant_report.print_all(res, state)
     if args.output:
         with open(args.output, "w") as f:

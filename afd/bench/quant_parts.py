@@ -1,33 +1,13 @@
-"""What `afd bench-quant` (afd.bench.quant) measures besides decode speed: a 1A1F cluster under
-`--quantization`, the FFN node's resident memory, and per-GEMM times of each half at one batch.
-
-Memory is read from /proc/<pid>/status (VmRSS: resident now; VmHWM: the peak), in bytes. A torch process
-holds a few hundred MB before any weight (the runtime, MKL, oneDNN), which dominates on a small model, so
-the FFN half's own share is also measured as RSS after its load minus RSS before it, in one process that
-runs the FFN node's load path (FFNNode._load: open_reader, serving_quant, build_ffn_half) and nothing else.
-"""
+"""What `afd bench-quant` (afd.bench.quant) measures besides colocated decode: 1A1F clusters under
+`--quantization`, per-GEMM times of each half at one batch, and the bytes on the wire per
+layout.exchange_dtype. (The FFN node's memory: afd.bench.quant_mem.)"""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
 import time
 
-from afd.bench.common import median
-
-
-def rss(pid: int | str = "self") -> dict[str, int]:
-    """{"rss", "hwm"}: a process's resident bytes now and at its peak (Linux /proc)."""
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out["rss" if key == "VmRSS" else "hwm"] = int(value.split()[0]) * 1024
-    return out
+from afd.bench.common import median, synthetic_prompts
 
 
 @contextlib.contextmanager
@@ -70,61 +50,21 @@ def start_cluster(path: str, dtype: str, method: str | None, dummy: bool = False
     return cluster
 
 
+def tok_s(steps: list[dict], skip: int) -> dict:
+    """Decode tok/s, mean step and the share of it the attention side waited on the FFN node (0 colocated),
+    over the decode steps past the prefill and `skip` warm-up steps."""
+    d = steps[1 + skip :]
+    seconds = sum(s["seconds"] for s in d)
+    wait = sum(s["ffn_wait"] for s in d) / seconds
+    return {"tok_s": sum(s["tokens"] for s in d) / seconds, "step_ms": 1e3 * seconds / len(d), "ffn_wait": wait}
+
+
 def ffn_evidence(cluster) -> str:
     """What the FFN node said of its quantization (the backend's log line), or "none"."""
     for line in cluster.processes.log("ffn0").splitlines():
         if "quantization " in line and "GEMMs on" in line:
             return line.split("quantization ", 1)[1].strip()
     return "none"
-
-
-# ---- memory: the FFN node's load path in a process of its own ---------------------------------------------
-
-
-def load_ffn(path: str, dtype: str, method: str | None, dummy: bool) -> dict:
-    """RSS before and after loading the FFN half as an FFN node does, and the bytes its tensors hold."""
-    import torch
-
-    from afd.backend import get_backend
-    from afd.model.checkpoint import build_ffn_half, open_reader, serving_quant
-    from afd.model.config import parse_dtype
-    from afd.model.experts import Experts
-    from afd.model.registry import load_config
-
-    backend = get_backend("cpu")
-    cfg = load_config(path)
-    torch.ones(1) @ torch.ones(1, 1)  # the GEMM libraries' start-up, before the baseline
-    before = rss()
-    quant = serving_quant(path, method, backend)
-    ffn = build_ffn_half(cfg, open_reader(path, dummy), parse_dtype(dtype), backend.device, quant=quant)
-    after = rss()
-    experts = [m for m in ffn.modules() if isinstance(m, Experts)]
-    tensors = list(ffn.parameters()) + list(ffn.buffers())
-    return {
-        "rss_before": before["rss"],
-        "rss_after": after["rss"],
-        "hwm": after["hwm"],
-        "half_bytes": sum(t.numel() * t.element_size() for t in tensors),
-        "expert_bytes": sum(t.numel() * t.element_size() for e in experts for t in (*e.parameters(), *e.buffers())),
-        "expert_dtype": str(experts[0].w13.dtype),
-    }
-
-
-def load_ffn_subprocess(path: str, dtype: str, method: str | None, dummy: bool) -> dict:
-    argv = [sys.executable, "-m", "afd.bench.quant_parts", path, dtype, method or "none", "1" if dummy else "0"]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=900)
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def node_memory(path: str, dtype: str, method: str | None, dummy: bool) -> dict:
-    """The real FFN node's RSS after load and a one-token job (1A1F), and its evidence line."""
-    cluster = start_cluster(path, dtype, method, dummy)
-    try:
-        cluster.generate([[3, 4, 5, 6]], 2, ignore_eos=True)
-        mem = rss(cluster.process("ffn0").pid)
-        return {"node_rss": mem["rss"], "node_hwm": mem["hwm"], "ffn_quantization": ffn_evidence(cluster)}
-    finally:
-        cluster.close()
 
 
 # ---- per-GEMM times at one batch ------------------------------------------------------------------------------
@@ -192,7 +132,28 @@ def gemm_probes(llm, tokens: int, seed: int = 0) -> dict:
     return probes
 
 
-if __name__ == "__main__":  # python -m afd.bench.quant_parts PATH DTYPE METHOD|none DUMMY(0|1)
-    p, dt, q, d = sys.argv[1:5]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(json.dumps(load_ffn(p, dt, None if q == "none" else q, d == "1")))
+def section_wire(args, path: str, dummy: bool, modes: dict) -> dict:
+    """Bytes per step each layout.exchange_dtype puts on the wire: counted by the attention node (a2f_bytes,
+    the count afd_exchange_bytes_total{direction="to_ffn"} exports) against the formula."""
+    from afd.dataplane.protocol import exchange_bytes
+    from afd.model.registry import load_config
+
+    cfg = load_config(path)
+    dtype, method = modes[args.wire_mode]
+    b = args.gemm_tokens
+    prompts = synthetic_prompts(b, args.prompt_len, cfg.vocab_size)
+    out = {}
+    for ex in ("same", "fp8", "int8"):
+        print(f"  .. wire {ex}", flush=True)
+        cluster = start_cluster(path, dtype, method, dummy, exchange_dtype=ex)
+        try:
+            _, reports = cluster.generate(prompts, args.steps + args.warmup_steps + 1, ignore_eos=True)
+        finally:
+            cluster.close()
+        steps, L = reports[0]["steps"], len(cfg.moe_layers)
+        formula = sum(exchange_bytes(s["tokens"], cfg.hidden_size, dtype, ex)["to_ffn"] for s in steps) * L
+        per_step = {k: v * L for k, v in exchange_bytes(b, cfg.hidden_size, dtype, ex).items()}
+        per_step_bf16 = {k: v * L for k, v in exchange_bytes(b, cfg.hidden_size, "bfloat16", ex).items()}
+        out[ex] = {"counted_to_ffn": reports[0]["a2f_bytes"], "formula_to_ffn": formula, "per_step": per_step,
+                   "per_step_bf16_model": per_step_bf16} | tok_s(steps, args.warmup_steps)  # fmt: skip
+    return {"mode": args.wire_mode, "dtype": dtype, "batch": b, "moe_layers": L, "results": out}

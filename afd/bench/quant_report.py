@@ -11,6 +11,8 @@ def print_all(res: dict, state: dict) -> None:
         print_decode(res["decode"], state)
     if "gemm" in res:
         print_gemm(res["gemm"])
+        if "decode" in res:
+            print_bounds(res["decode"]["results"], res["gemm"])
     if "memory" in res:
         print_memory(res["memory"])
     if "wire" in res:
@@ -27,10 +29,12 @@ def print_decode(d: dict, state: dict) -> None:
     def tok(name: str) -> float | None:
         return r[name]["tok_s"] if name in r else None
 
-    hf = [tok(f"HF bf16 b={b}") for b in batches]
+    hf_threads = sorted({k.split()[2] for k in r if k.startswith("HF ")})
+    hf = [tok(f"HF bf16 {hf_threads[-1]} b={b}") for b in batches] if hf_threads else [None] * len(batches)
     cols = " | ".join(f"b={b}" for b in batches)
     print(f"\nDecode tok/s (median of interleaved rounds), {d['new_tokens']} tokens per sequence:\n")
-    print(f"| topology | mode | {cols} | vs fp32 (same topology) | vs HF bf16 |")
+    best = f"HF bf16 on {hf_threads[-1][:-1]} threads" if hf_threads else "HF"
+    print(f"| topology | mode | {cols} | vs fp32 (same topology) | vs {best} |")
     print("|---|---|" + "---|" * (len(batches) + 2))
     for t in state["topologies"]:
         for m in state["modes"]:
@@ -38,8 +42,10 @@ def print_decode(d: dict, state: dict) -> None:
             base = [tok(f"{t} fp32 b={b}") for b in batches]
             figs = " | ".join("-" if x is None else f"{x:.0f}" for x in xs)
             print(f"| {t} | {m} | {figs} | {_ratios(xs, base)} | {_ratios(xs, hf)} |")
-    if any(hf):
-        print("| HF generate, 2 threads | bf16 | " + " | ".join(f"{x:.0f}" for x in hf) + " | - | 1.00x |")
+    for t in hf_threads:
+        xs = [tok(f"HF bf16 {t} b={b}") for b in batches]
+        figs = " | ".join(f"{x:.0f}" for x in xs)
+        print(f"| HF generate, {t[:-1]} thread(s) | bf16 | {figs} | - | {_ratios(xs, hf)} |")
     print("\nQuantization each case ran with (colocated: the loaded half; 1A1F: the FFN node's log line):")
     for k, v in d["quantization"].items():
         print(f"- {k}: {v}")
@@ -57,6 +63,42 @@ def print_gemm(g: dict) -> None:
         figs = " | ".join(f"{r[m].get(k, float('nan')):.3f}" for m in modes)
         extra = f" | {r['fp32'][k] / r['w8a8'][k]:.2f}x" if ratio and k in r["w8a8"] else ""
         print(f"| {k} | {figs}{extra} |")
+
+
+def bounds(decode: dict, gemm: dict) -> dict:
+    """Per mode at the gemm section's batch T: the colocated step (one thread: A + F), F (the FFN half alone,
+    one thread), A = the rest, 1A1F's ideal max(A, F) (its halves overlapped on a core each, nothing else),
+    and the 1A1F step measured, with the share of it the attention node waited on the FFN node."""
+    T, out = gemm["tokens"], {}
+    for m, g in gemm["results_ms"].items():
+        colo, afd = decode.get(f"colocated {m} b={T}"), decode.get(f"1A1F {m} b={T}")
+        if colo is None:
+            continue
+        f = g["FFN half (all MoE layers)"]
+        a = colo["step_ms"] - f
+        out[m] = {"colocated": colo["step_ms"], "A": a, "F": f, "ideal_1a1f": max(a, f)}
+        if afd is not None:
+            out[m] |= {"1a1f": afd["step_ms"], "ffn_wait": afd["ffn_wait"]}
+    return out
+
+
+def print_bounds(decode: dict, gemm: dict) -> None:
+    b = bounds(decode, gemm)
+    if not b:
+        return
+    base = b.get("fp32")
+    print(f"\nStep bounds at batch {gemm['tokens']} (ms; A = colocated step - F):\n")
+    print("| mode | colocated (A + F) | F: FFN half alone | A | 1A1F ideal max(A, F) | 1A1F measured | waiting on FFN "
+          "| ideal vs fp32 | measured vs fp32 |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for m, x in b.items():
+        got = f"{x['1a1f']:.1f} | {100 * x['ffn_wait']:.0f}%" if "1a1f" in x else "- | -"
+        ideal = f"{base['ideal_1a1f'] / x['ideal_1a1f']:.2f}x" if base else "-"
+        meas = f"{base['1a1f'] / x['1a1f']:.2f}x" if base and "1a1f" in x and "1a1f" in base else "-"
+        print(
+            f"| {m} | {x['colocated']:.1f} | {x['F']:.1f} | {x['A']:.1f} | {x['ideal_1a1f']:.1f} | {got} | {ideal} "
+            f"| {meas} |"
+        )
 
 
 def print_memory(mem: dict) -> None:
