@@ -132,7 +132,19 @@ def section_decode(args, path: str, dummy: bool, state: dict) -> dict:
     results = {
         k: {f: median(x.get(f, 0.0) for x in v) for f in ("tok_s", "step_ms", "ffn_wait")} for k, v in rounds.items()
     }
-    return {"results": results, "rounds": rounds, "quantization": evidence, "new_tokens": n}
+    per_round = {  # each round's tok/s over fp32's in the same round, the same topology and batch
+        k: [x["tok_s"] / y["tok_s"] for x, y in zip(v, rounds[f"{t} fp32 b={b}"])]
+        for k, v in rounds.items()
+        for t, _, b in [cases[k]]
+        if f"{t} fp32 b={b}" in rounds
+    }
+    return {
+        "results": results,
+        "rounds": rounds,
+        "vs_fp32_per_round": per_round,
+        "quantization": evidence,
+        "new_tokens": n,
+    }
 
 
 def section_gemm(args, state: dict) -> dict:

@@ -128,6 +128,17 @@ def gemm_probes(llm, tokens: int, seed: int = 0) -> dict:
     probes[f"experts w2 grouped [{experts.hidden}x{experts.inter}]"] = lambda: experts._gemm(
         backend, inter, "w2", sizes
     )
+    # one group's call, at the layer's mean rows per routed expert: what the grouped GEMM repeats per expert
+    r = max(1, round(int(sizes.sum()) / max(1, int((sizes > 0).sum()))))
+    one = torch.zeros_like(sizes)
+    one[0] = r
+    probes[f"one expert's w13 call, {r} rows"] = lambda: experts._gemm(backend, xs[:r], "w13", one)
+    if experts.w13.dtype == torch.int8:  # its parts (afd.backend.cpu_quant.int8_matmul)
+        from afd.quant.formats import quantize_rows_int8
+
+        xq, _ = quantize_rows_int8(xs[:r])
+        probes[f"  of which per-token int8 quantization of {r} rows"] = lambda: quantize_rows_int8(xs[:r])
+        probes["  of which torch._int_mm alone"] = lambda: torch._int_mm(xq, experts.w13[0].t())
     probes["FFN half (all MoE layers)"] = lambda: [llm.ffn(backend, i, m) for i in cfg.moe_layers]
     return probes
 

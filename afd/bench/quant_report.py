@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from afd.bench.common import median
+
 MB = 1 << 20
 
 
@@ -46,6 +48,15 @@ def print_decode(d: dict, state: dict) -> None:
         xs = [tok(f"HF bf16 {t} b={b}") for b in batches]
         figs = " | ".join(f"{x:.0f}" for x in xs)
         print(f"| HF generate, {t[:-1]} thread(s) | bf16 | {figs} | - | {_ratios(xs, hf)} |")
+    pr = d.get("vs_fp32_per_round", {})
+    print("\nvs fp32 round by round (each round's tok/s over fp32's in the same round): median (min-max)\n")
+    print(f"| topology | mode | {cols} |")
+    print("|---|---|" + "---|" * len(batches))
+    for t in state["topologies"]:
+        for m in state["modes"]:
+            xs = [pr.get(f"{t} {m} b={b}") for b in batches]
+            figs = " | ".join("-" if not x else f"{median(x):.2f}x ({min(x):.2f}-{max(x):.2f})" for x in xs)
+            print(f"| {t} | {m} | {figs} |")
     print("\nQuantization each case ran with (colocated: the loaded half; 1A1F: the FFN node's log line):")
     for k, v in d["quantization"].items():
         print(f"- {k}: {v}")
@@ -54,14 +65,18 @@ def print_decode(d: dict, state: dict) -> None:
 def print_gemm(g: dict) -> None:
     r = g["results_ms"]
     modes = list(r)
-    names = list(r[modes[0]])
+    names = list(dict.fromkeys(k for m in modes for k in r[m]))  # every mode's probes, in order
     ratio = "fp32" in r and "w8a8" in r
     print(f"\nPer-GEMM ms at {g['tokens']} tokens, one thread (median of 30 calls, then of rounds):\n")
     print("| GEMM | " + " | ".join(modes) + (" | fp32 / w8a8 |" if ratio else " |"))
     print("|---|" + "---|" * (len(modes) + ratio))
     for k in names:
-        figs = " | ".join(f"{r[m].get(k, float('nan')):.3f}" for m in modes)
-        extra = f" | {r['fp32'][k] / r['w8a8'][k]:.2f}x" if ratio and k in r["w8a8"] else ""
+        figs = " | ".join(f"{r[m][k]:.3f}" if k in r[m] else "-" for m in modes)
+        extra = (
+            (f" | {r['fp32'][k] / r['w8a8'][k]:.2f}x" if k in r["fp32"] else " | -")
+            if ratio and k in r["w8a8"]
+            else (" | -" if ratio else "")
+        )
         print(f"| {k} | {figs}{extra} |")
 
 
