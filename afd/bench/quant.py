@@ -3,11 +3,12 @@
 Sections (--sections):
   decode  decode tok/s per mode (fp32, bf16, w8a8, fp8; --modes) at each batch, colocated (both halves in
           this process, one thread) and 1A1F (one thread per node), and HF transformers `generate` in bf16
-          on the same checkpoint (two threads: the cores 1A1F's two nodes get); interleaved rounds whose order
-          rotates, medians;
+          on the same checkpoint, on 1 and 2 threads (--hf-threads; two are the cores 1A1F's nodes get, but
+          HF's OpenMP threads stall when other work holds a core); interleaved rounds, order rotating, medians;
   gemm    per-GEMM times at one batch (--gemm-tokens) per mode: each linear of the attention half's first
-          layer, the head, the first MoE layer's grouped GEMMs, and the whole FFN half (afd.bench.quant_parts);
-  memory  the FFN node's resident memory per mode (afd.bench.quant_parts), on the bench model and on a model
+          layer, the head, the first MoE layer's grouped GEMMs, one expert's call, and the whole FFN half
+          (afd.bench.quant_parts); with decode, the step bounds A, F and max(A, F) (afd.bench.quant_report);
+  memory  the FFN node's resident memory per mode (afd.bench.quant_mem), on the bench model and on a model
           large enough that its weights dominate the runtime (MEMORY_CONFIG, dummy weights);
   wire    bytes per decode step on the wire for each layout.exchange_dtype, counted by the attention node
           (the count afd_exchange_bytes_total exports) against afd.dataplane.protocol.exchange_bytes.
