@@ -4,32 +4,9 @@ layout.exchange_dtype. (The FFN node's memory: afd.bench.quant_mem.)"""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 from afd.bench.common import median, synthetic_prompts
-
-
-@contextlib.contextmanager
-def _quantized_doc(method: str | None):
-    """The cluster YAML a LocalCluster writes, with model.quantization set. LocalClusterSpec has no such
-    field (afd.engine.llm._cluster_spec drops it, so `afd.LLM(..., quantization=Q, ffn_nodes=1)` serves
-    unquantized nodes: reported with the bench); the bench adds it to the YAML the nodes read."""
-    import afd.cluster.local as local
-
-    base = local.cluster_doc
-
-    def doc(spec):
-        d = base(spec)
-        if method is not None:
-            d["model"]["quantization"] = method
-        return d
-
-    local.cluster_doc = doc
-    try:
-        yield
-    finally:
-        local.cluster_doc = base
 
 
 def start_cluster(path: str, dtype: str, method: str | None, dummy: bool = False, exchange_dtype: str = "same"):
@@ -39,14 +16,18 @@ def start_cluster(path: str, dtype: str, method: str | None, dummy: bool = False
     from afd.cluster.local_spec import LocalClusterSpec
 
     spec = LocalClusterSpec(
-        path, 1, 1, dtype=dtype, dummy_weights=dummy, overlap=True, micro_batches=1, exchange_dtype=exchange_dtype
+        path,
+        1,
+        1,
+        dtype=dtype,
+        quantization=method,
+        dummy_weights=dummy,
+        overlap=True,
+        micro_batches=1,
+        exchange_dtype=exchange_dtype,
     )
-    carried = "quantization" in getattr(LocalClusterSpec, "__dataclass_fields__", {})  # once the spec has it
-    if carried:
-        spec.quantization = method  # type: ignore[attr-defined]
     cluster = LocalCluster(spec)
-    with contextlib.nullcontext() if carried else _quantized_doc(method):
-        cluster.start()
+    cluster.start()
     return cluster
 
 

@@ -260,6 +260,9 @@ def _cast(module: LoadedModule, dtype: torch.dtype, device: torch.device) -> Non
         for name, t in [*module.named_parameters(), *module.named_buffers()]
         if (keep and name.endswith(keep)) or is_quantized(name, t)
     }
+    for name, t in [*module.named_parameters(), *module.named_buffers()]:
+        if is_quantized(name, t):  # out of .to()'s way: it would convert float8 (a floating type) in full
+            t.data = t.data.new_empty(0)
     module.to(device=device, dtype=dtype)
     tensors = dict([*module.named_parameters(), *module.named_buffers()])
     for name, t in kept.items():
