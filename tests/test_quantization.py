@@ -115,25 +115,42 @@ def test_activations_quantize_per_token():
 
 
 def test_the_cpu_int8_gemm_is_the_reference_s_math():
+    from afd.backend.cpu_quant import int_mm_exact
+
     x, w = torch.randn(9, 72), _weight(40, 72, seed=1)
     q, scale = quantize_int8_channel(w)
     spec = resolve("w8a8", None)
-    got, want = int8_matmul(x, q, scale), reference.quant_matmul(x, q, scale, spec)
+    want = reference.quant_matmul(x, q, scale, spec)
     # the same quantized operands: torch._int_mm sums the int8 products exactly in int32, the reference
     # sums their fp32 widening (exact products, fp32 additions): they differ by K additions' rounding
     tol = 72 * torch.finfo(torch.float32).eps * (x.abs().amax() * w.abs().amax() * 72)
+    got = CpuBackend().quant_matmul(x, q, scale, spec)
     assert (got - want).abs().max() <= tol
-    assert CpuBackend().quant_matmul(x, q, scale, spec).equal(got)  # the CPU backend takes it for w8a8
+    if int_mm_exact():  # the CPU backend takes torch._int_mm where it sums exactly (VNNI)
+        assert got.equal(int8_matmul(x, q, scale))
+    else:  # held to AVX2: the reference, not the saturating kernel
+        assert got.equal(want)
+
+
+def test_w8a8_takes_the_reference_where_int_mm_saturates(monkeypatch):
+    from afd.backend import cpu_quant
+
+    monkeypatch.setattr(cpu_quant, "int_mm_exact", lambda: False)
+    q, scale = quantize_int8_channel(_weight(24, 40))
+    x, spec = torch.randn(5, 40), resolve("w8a8", None)
+    assert CpuBackend().quant_matmul(x, q, scale, spec).equal(reference.quant_matmul(x, q, scale, spec))
+    assert "saturates on this CPU" in cpu_quant.cpu_quant_kernel(spec)
 
 
 def test_the_cpu_int8_grouped_gemm_is_its_per_group_gemm():
     q, scale = zip(*(quantize_int8_channel(_weight(24, 40, seed=g)) for g in range(3)))
     q, scale = torch.stack(q), torch.stack(scale)  # [G, N, K], [G, N, 1]
-    x, sizes = torch.randn(9, 40), torch.tensor([4, 0, 3])  # 2 rows past the groups
-    got = CpuBackend().quant_grouped_matmul(x, q, scale, sizes, resolve("w8a8", None))
+    x, sizes, spec = torch.randn(9, 40), torch.tensor([4, 0, 3]), resolve("w8a8", None)  # 2 rows past the groups
+    be = CpuBackend()
+    got = be.quant_grouped_matmul(x, q, scale, sizes, spec)
     # per-token quantization is per row, so quantizing once or per group is the same: bit-equal rows
-    assert torch.equal(got[:4], int8_matmul(x[:4], q[0], scale[0]))
-    assert torch.equal(got[4:7], int8_matmul(x[4:7], q[2], scale[2]))
+    assert torch.equal(got[:4], be.quant_matmul(x[:4], q[0], scale[0], spec))
+    assert torch.equal(got[4:7], be.quant_matmul(x[4:7], q[2], scale[2], spec))
 
 
 def _moe_config():

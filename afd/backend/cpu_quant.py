@@ -18,6 +18,7 @@ token as w8a8 is defined, and sit on torch's quantized-tensor API, deprecated si
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -29,6 +30,17 @@ from afd.quant.formats import quantize_rows_int8
 from afd.quant.scheme import INT8_CHANNEL, QuantSpec
 
 log = logging.getLogger("afd.backend")
+
+
+@functools.cache
+def int_mm_exact() -> bool:
+    """Whether torch._int_mm sums int8 products exactly on this CPU. With VNNI (vpdpbusd) it does; held to
+    AVX2 (no VNNI: `make test-avx2`, or such a CPU), oneDNN's u8s8 path shifts the activations by 128 and
+    vpmaddubsw saturates each pair of products at int16: 127 x 127 summed over 64 measured 8160 for 1032256
+    (torch 2.13). The probe is that worst case; where it fails, w8a8 takes the fp32 reference (said once)."""
+    x = torch.full((1, 64), 127, dtype=torch.int8)
+    w = torch.full((8, 64), 127, dtype=torch.int8)
+    return torch.equal(torch._int_mm(x, w.t()), x.int() @ w.int().t())
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -59,13 +71,15 @@ def int8_grouped_matmul(
 
 def cpu_quant_kernel(spec: QuantSpec) -> str:
     """Which kernel the CPU runs for `spec`'s GEMMs (named in the log once)."""
+    if spec.activations == "int8" and not int_mm_exact():
+        return "the fp32 reference (afd.quant.reference): torch._int_mm saturates on this CPU (no VNNI)"
     if _int8(spec):
         return "torch._int_mm (int8 x int8 -> int32 on VNNI)"
     return "the fp32 reference (afd.quant.reference): no faster CPU kernel for " + spec.method
 
 
 def _int8(spec: QuantSpec) -> bool:
-    return spec.activations == "int8" and spec.weights == INT8_CHANNEL
+    return spec.activations == "int8" and spec.weights == INT8_CHANNEL and int_mm_exact()
 
 
 def quant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
