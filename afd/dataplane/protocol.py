@@ -152,12 +152,12 @@ def quantize(m: torch.Tensor, exchange_dtype: str) -> torch.Tensor:
     torch 2.13's gloo), would carry the same bytes."""
     import torch
 
-    qmax = QMAX[exchange_dtype]
-    x = m.to(torch.float32)
-    amax = x.abs().amax(dim=1, keepdim=True)
-    scale = amax.clamp(min=torch.finfo(torch.float32).tiny) / qmax  # an all-zero row: scale tiny, bits 0
-    y = (x / scale).clamp(-qmax, qmax)
-    bits = y.round().to(torch.int8) if exchange_dtype == "int8" else y.to(torch.float8_e4m3fn)
+    from afd.quant.formats import quantize_rows_fp8, quantize_rows_int8
+
+    if exchange_dtype == "int8":
+        bits, scale = quantize_rows_int8(m)
+    else:  # one group of the whole row: a scale per token
+        bits, scale = quantize_rows_fp8(m, m.shape[1])
     return torch.cat([bits.view(torch.uint8), scale.view(torch.uint8)], dim=1)
 
 
