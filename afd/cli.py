@@ -69,20 +69,16 @@ def _cmd_check_config(args) -> int:
         model_cfg = config_from_hf(DEMO_CONFIG)
     elif os.path.isfile(os.path.join(cfg.model.path, "config.json")):
         model_cfg = load_config(cfg.model.path)
-    n_routed = model_cfg.n_routed_experts if model_cfg is not None else None
-    if n_routed is not None:
-        check_expert_layout(cfg, n_routed)
-    print(describe(cfg, n_routed))
-    if n_routed is None:
-        print(f"(model {cfg.model.path} not readable here: default expert ranges resolve at startup)")
-    if not cfg.colocated and model_cfg is not None:  # the MoE exchange's bytes, by formula
-        from afd.dataplane.protocol import exchange_table
+    placement = None
+    if model_cfg is not None:
+        placement = check_expert_layout(cfg, model_cfg.n_routed_experts, model_cfg.expert_groups[0])
+    print(describe(cfg, placement))
+    if model_cfg is None:
+        print(f"(model {cfg.model.path} not readable here: the placement resolves at startup)")
+    if placement is not None and model_cfg is not None:  # the MoE exchange's bytes, by formula
+        from afd.dataplane.wire_cost import exchange_report
 
-        moe_layers = len(model_cfg.moe_layers)
-        lay = cfg.layout
-        print(
-            exchange_table(model_cfg.hidden_size, moe_layers, len(cfg.ffn_nodes), cfg.model.dtype, lay.exchange_dtype)
-        )
+        print(exchange_report(cfg, model_cfg, placement))
     if getattr(cfg.layout, "attention_tp", 1) > 1:  # bytes per TP rank and layer, by formula
         from afd.model.tp.volume import check_config_report
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from afd.dataplane.dispatch import RoutedMoE, RouteTable
 from afd.dataplane.exchange import LocalMoE, RemoteMoE
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
 from afd.model.tp.comm import SINGLE, TPComm
@@ -26,7 +27,8 @@ class Halves:
     mtp: nn.Module | None = None
     """The MTP module, with engine.speculative_tokens."""
     ffn: nn.Module | None = None
-    """Every expert, in a cluster without FFN nodes."""
+    """Every expert, in a cluster without FFN nodes; with layout.routing attention, the routers alone (an FFN
+    half holding no expert)."""
 
 
 def load_halves(rt, dtype) -> Halves:
@@ -42,6 +44,8 @@ def load_halves(rt, dtype) -> Halves:
         built.mtp = build_mtp_layer(rt.model_cfg, reader, dtype, rt.backend.device, quant)
     if cfg.colocated:
         built.ffn = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, mtp=mtp, quant=quant)
+    elif cfg.routing == "attention":
+        built.ffn = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, experts=(), mtp=mtp)
     log.info(
         "attention half loaded from %s%s", rt.model_path, " with every expert (no FFN nodes)" if cfg.colocated else ""
     )
@@ -68,8 +72,16 @@ def build_rank(rt, built: Halves, dtype):
 
 def exchange(rt, built: Halves, dtype):
     """How this rank reaches the MoE on the current data plane: the FFN nodes, or its own experts."""
-    if rt.cfg.colocated:
+    cfg, mcfg = rt.cfg, rt.model_cfg
+    if cfg.colocated:
         return LocalMoE(built.ffn, rt.backend)
+    if cfg.routing == "attention":
+        placement = cfg.placement(mcfg.n_routed_experts, mcfg.expert_groups[0])
+        ranks = {p: cfg.rank(p) for p in placement.nodes if cfg.rank(p) in rt.plane.peers}
+        table = RouteTable(placement, ranks, rt.backend.device)
+        return RoutedMoE(
+            rt.plane, built.ffn, rt.backend, table, mcfg.hidden_size, dtype, exchange_dtype=cfg.layout.exchange_dtype
+        )
     return RemoteMoE(
         rt.plane,
         list(rt.assignment.peer_ranks),

@@ -10,6 +10,7 @@ import os
 import torch
 
 from afd.cluster.config import ClusterConfig
+from afd.cluster.placement import format_experts
 from afd.cluster.topology import served_model_name
 from afd.control import control_pb2 as pb
 from afd.dataplane.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
@@ -50,8 +51,7 @@ class FFNNode:
         self.metrics = metrics = FFNMetrics(
             args.node,
             served_model_name(cfg.model.path, args.served_model_name),
-            a.expert_lo,
-            a.expert_hi,
+            self.ffn.held,
             rt.model_cfg.num_layers + len(mtp_layers),
         )
         metrics.watch_cluster_state(lambda: rt.cluster_state)
@@ -76,20 +76,23 @@ class FFNNode:
             current=self.pairs.current,
             attention_ranks=len(a.peer_ranks),
             exchange_dtype=cfg.layout.exchange_dtype,
+            routing=cfg.routing,
         )
         log.info("serving the pairs of %d attention rank(s)", len(a.peer_ranks))
 
     def _load(self, rt: NodeRuntime) -> None:
-        a = rt.assignment
+        a, cfg, name = rt.assignment, self.cfg, self.args.node
+        mcfg = rt.model_cfg
+        held = cfg.placement(mcfg.n_routed_experts, mcfg.expert_groups[0]).held_by(name)
+        serves_zero = cfg.serves_zero(name)
         reader = open_reader(rt.model_path, self.cfg.model.dummy_weights, self.cfg.model.seed)
         ffn = build_ffn_half(
-            rt.model_cfg,
+            mcfg,
             reader,
             self.dtype,
             rt.backend.device,
-            a.expert_lo,
-            a.expert_hi,
-            a.serves_zero_experts,
+            held,
+            serves_zero,
             mtp=self.cfg.engine.speculative_tokens > 0,
             quant=serving_quant(rt.model_path, self.cfg.model.quantization, rt.backend),
         )
@@ -99,11 +102,11 @@ class FFNNode:
             ffn, rt.backend, self.cfg.layout.graph_mode, eng.graph_batch_sizes, len(a.peer_ranks), eng.compile_cache_dir
         )
         log.info(
-            "experts [%d, %d) of %d loaded%s",
-            a.expert_lo,
-            a.expert_hi,
-            rt.model_cfg.n_routed_experts,
-            ", serving identity experts" if a.serves_zero_experts else "",
+            "experts %s of %d loaded (routing %s)%s",
+            format_experts(held),
+            mcfg.n_routed_experts,
+            cfg.routing,
+            ", serving identity experts" if serves_zero else "",
         )
 
     def _ready(self) -> bool:

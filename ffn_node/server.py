@@ -28,7 +28,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from afd.backend import Backend
+from afd.backend import Backend, host_syncs
 from afd.dataplane.buffers import BufferPool
 from afd.dataplane.prefetch import PrefetchSchedule
 from afd.dataplane.protocol import (
@@ -41,7 +41,10 @@ from afd.dataplane.protocol import (
     ProtocolError,
     StepHeader,
     dequantize,
+    hidden_bytes,
     packed_width,
+    row_bytes,
+    unpack_rows,
 )
 from afd.dataplane.transport import DataPlane, PeerError
 from afd.observability.ffn_metrics import FFNMetrics
@@ -52,6 +55,8 @@ log = logging.getLogger("afd.ffn")
 _GONE = FLAG_LEAVE
 _FAILED = object()
 """What _post hands back for an op that could not be posted (its peer is dropped)."""
+MAX_ROWS = 1 << 20
+"""More rows than any step holds: a count above it is a broken peer's, not a size to allocate."""
 RETIRED_KEPT = 64
 """Buffers a failed peer's aborted transfer may still touch, kept from reuse (the oldest go first)."""
 
@@ -77,17 +82,21 @@ class FFNServer:
         current=lambda group: True,
         attention_ranks: int = 1,
         exchange_dtype: str = "same",
+        routing: str = "ffn",
     ):
         """formed: the pairs formed (ffn_node/pairs.py), to adopt: lists of (attention rank, name,
         PairLink), every TP rank of one attention node, taken into use at one step boundary; current(group)
         says whether they are still their ranks' latest (ffn_node/pairs.py: a rank may have asked again).
-        exchange_dtype: layout.exchange_dtype, how the MoE inputs arrive (afd.dataplane.protocol)."""
+        exchange_dtype: layout.exchange_dtype, how the MoE inputs arrive (afd.dataplane.protocol).
+        routing: layout.routing, resolved: ffn (every token arrives, this node routes it) or attention (the
+        rows for this node's experts arrive with their ids and weights, after a count)."""
         self.ffn, self.backend = ffn, backend
         self.hidden = ffn.cfg.hidden_size
         self.timers = timers or Timers()
         self.pool = BufferPool(backend.device, dtype)
         self.exchange_dtype = exchange_dtype
-        self.packed = None if exchange_dtype == "same" else BufferPool(backend.device, torch.uint8)
+        self.routing = routing
+        self.packed = None if exchange_dtype == "same" and routing == "ffn" else BufferPool(backend.device, torch.uint8)
         """Receive buffers of quantized MoE inputs (uint8 rows: bits, then the scale), dequantized into `pool`'s."""
         self.plane, self.formed, self.rejoin_timeout, self.current = plane, formed, rejoin_timeout, current
         self.attention_ranks = attention_ranks
@@ -107,6 +116,8 @@ class FFNServer:
         """Hints weights while waiting for each layer's inputs, sized by the waits this loop measures."""
         self.metrics = metrics
         self._ack = torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=backend.device)
+        self._counts: dict[int, torch.Tensor] = {}
+        """Per attention peer, the receive buffer of its row count (routing attention)."""
         self.steps = 0
         self.tokens = 0
         self.time = LoopTime(backend, self.timers, metrics, prefetch)
@@ -180,6 +191,8 @@ class FFNServer:
         self.active.append(r)
         self.names[r] = name
         self._next_step[r] = 0
+        if r in self._counts:  # like the header's: the old pair's receive may still write into it
+            self._retire(self._counts.pop(r))
         if r in self._headers:  # the old pair's receive into it may have been aborted, not finished
             self._retire(self._headers[r])
         self._headers[r] = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.backend.device)
@@ -289,7 +302,8 @@ class FFNServer:
                 ]
                 if parts:
                     y, works = self._run_micro_batch(layer, i, parts)
-                    outputs.append(y)
+                    if y is not None:
+                        outputs.append(y)
                     sends += works
         if not all([self._wait(w, r, "MoE output send") for r, w in sends]):
             for y in outputs:
@@ -314,6 +328,8 @@ class FFNServer:
         self._retired.append(t)
 
     def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]]):
+        if self.routing == "attention":
+            return self._run_routed(layer, i, parts)
         total = sum(n for _, n in parts)
         x = self.pool.get(i, total, self.hidden)  # [T_all, H]: every peer's tokens, peer by peer
         packed = x if self.packed is None else self.packed.get(i, total, packed_width(self.hidden, self.exchange_dtype))
@@ -324,6 +340,48 @@ class FFNServer:
         with torch.inference_mode():
             y = self.time.compute(layer, gap, lambda: self.ffn(self.backend, layer, x))
         return self._after_compute(layer, total, parts, y)
+
+    def _run_routed(self, layer: int, i: int, parts: list[tuple[int, int]]):
+        """routing attention: each peer's count, then the rows it sends this node (their MoE inputs, expert
+        ids and weights) into one buffer; the experts alone run on them."""
+        recvs = []
+        for r, _ in parts:
+            buf = self._counts.setdefault(r, torch.empty(1, dtype=torch.int64, device=self.backend.device))
+            recvs.append((r, self._post(self.plane.irecv, buf, r)))
+        got = [r for r, w in recvs if self._wait(w, r, f"layer {layer} MoE count receive")]
+        sizes = self._read_counts(got)
+        rows = [(r, n) for r, n in sizes if n > 0]
+        if not rows:
+            return None, []
+        total = sum(n for _, n in rows)
+        K = self.ffn.cfg.experts_per_token
+        width = hidden_bytes(self.hidden, self.pool.dtype, self.exchange_dtype)
+        assert self.packed is not None
+        packed = self.packed.get(i, total, row_bytes(self.hidden, self.pool.dtype, K, self.exchange_dtype))
+        packed, gap = self._receive(layer, i, rows, packed)
+        xb, ids, weights = unpack_rows(packed, width, K)
+        if self.exchange_dtype == "same":
+            x = xb.contiguous().view(self.pool.dtype)
+        else:
+            x = dequantize(xb, self.exchange_dtype, self.pool.get(i, total, self.hidden))
+        self.time.idle(layer)
+        with torch.inference_mode():
+            y = self.time.compute(layer, gap, lambda: self.ffn.routed(self.backend, layer, x, weights, ids))
+        return self._after_compute(layer, total, rows, y)
+
+    def _read_counts(self, peers: list[int]) -> list[tuple[int, int]]:
+        """The counts received from `peers`, read on the host at once; a count no row buffer could hold (a
+        broken peer) drops that peer."""
+        if not peers:
+            return []
+        values = host_syncs.to_list(torch.cat([self._counts[r] for r in peers]))
+        out = []
+        for r, n in zip(peers, values):
+            if n < 0 or n > MAX_ROWS:
+                self._drop(r, f"data plane: rank {r} sent a row count of {n}", abort=True)
+                continue
+            out.append((r, n))
+        return out
 
     def _receive(self, layer: int, i: int, parts: list[tuple[int, int]], x: torch.Tensor):
         """Every peer's rows of the micro-batch into `x` (a buffer of `pool`, or of `packed`), peer by peer, and

@@ -42,7 +42,7 @@ def test_each_role_reads_only_its_tensors(tiny_checkpoint):
     cfg = load_config(tiny_checkpoint)
     ra, rf = SafetensorsReader(tiny_checkpoint), SafetensorsReader(tiny_checkpoint)
     build_attention_half(cfg, ra, torch.float32, CPU)
-    build_ffn_half(cfg, rf, torch.float32, CPU, lo=2, hi=4)
+    build_ffn_half(cfg, rf, torch.float32, CPU, experts=range(2, 4))
     assert ra.keys_read and not any(_is_ffn_key(k) for k in ra.keys_read)
     assert rf.keys_read and all(_is_ffn_key(k) for k in rf.keys_read)
     experts = {int(k.split(".experts.")[1].split(".")[0]) for k in rf.keys_read if ".experts." in k}
@@ -118,7 +118,7 @@ def test_missing_files_and_bad_model_type(tiny_checkpoint, tmp_path):
 def test_dummy_weights_agree_across_expert_partitions(tiny_checkpoint):
     cfg = load_config(tiny_checkpoint)
     whole = build_ffn_half(cfg, DummyReader(7), torch.float32, CPU)
-    part = build_ffn_half(cfg, DummyReader(7), torch.float32, CPU, lo=3, hi=5)
+    part = build_ffn_half(cfg, DummyReader(7), torch.float32, CPU, experts=range(3, 5))
     assert torch.equal(whole.layers[1].experts.w13[3:5], part.layers[1].experts.w13)
     other = build_ffn_half(cfg, DummyReader(8), torch.float32, CPU)
     assert not torch.equal(whole.layers[1].experts.w13, other.layers[1].experts.w13)

@@ -112,13 +112,11 @@ def test_examples_share_no_port():
                     seen[port] = where
 
 
-def test_1a2f_splits_the_demo_experts_explicitly():
+def test_1a2f_places_the_demo_experts_explicitly():
     cfg = load(str(DEPLOY / "1a2f.yaml"))
-    assert cfg.layout.experts is not None and cfg.layout.zero_experts in [n.name for n in cfg.ffn_nodes]
-    shards = [cfg.expert_shard(n.name) for n in cfg.ffn_nodes]
-    covered = sorted(e for s in shards for e in range(s.lo, s.hi))
-    assert covered == list(range(DEMO_CONFIG["n_routed_experts"]))
-    assert sum(s.serves_zero_experts for s in shards) == 1
+    p = cfg.placement(DEMO_CONFIG["n_routed_experts"])
+    assert p.held == (tuple(range(10)), tuple(range(10, 16)))
+    assert cfg.routing == "attention" and not any(cfg.serves_zero(n) for n in p.nodes)
 
 
 def test_device_examples():
@@ -283,42 +281,31 @@ MISTAKES = [
         "must be >= 0, got -1",
     ),
     (
-        "experts-without-ffn-nodes",
-        lambda c: c.update(nodes=c["nodes"][:1], layout={"experts": {"ffn0": [0, 16]}}),
-        "layout.experts",
+        "placement-without-ffn-nodes",
+        lambda c: c.update(nodes=c["nodes"][:1], layout={"placement": {"ffn0": "0-15"}}),
+        "layout.placement",
         "must name every FFN node exactly",
     ),
     ("no-attention-node", lambda c: c.update(nodes=c["nodes"][1:]), "nodes", "needs at least one attention node"),
     (
-        "experts-gap",
-        layout(experts={"ffn0": [0, 7], "ffn1": [8, 16]}),
-        "layout.experts.ffn1",
-        "[8, 16) leaves a gap before expert 7",
-    ),
-    (
-        "experts-overlap",
-        layout(experts={"ffn0": [0, 9], "ffn1": [8, 16]}),
-        "layout.experts.ffn1",
-        "[8, 16) overlaps expert 9",
-    ),
-    (
-        "experts-not-from-zero",
-        layout(experts={"ffn0": [1, 8], "ffn1": [8, 16]}),
-        "layout.experts.ffn0",
-        "leaves a gap before expert 0",
-    ),
-    (
-        "experts-unknown-node",
-        layout(experts={"ffn0": [0, 8], "ffn9": [8, 16]}),
-        "layout.experts",
+        "placement-unknown-node",
+        layout(placement={"ffn0": "0-7", "ffn9": "8-15"}),
+        "layout.placement",
         "must name every FFN node exactly (ffn0, ffn1)",
     ),
     (
-        "experts-bad-range",
-        layout(experts={"ffn0": [0, 8], "ffn1": [16, 8]}),
-        "layout.experts.ffn1",
-        "expected [lo, hi) with 0 <= lo < hi",
+        "placement-bad-range",
+        layout(placement={"ffn0": "0-7", "ffn1": "15-8"}),
+        "layout.placement.ffn1",
+        "range '15-8' ends before it starts",
     ),
+    (
+        "placement-not-an-id",
+        layout(placement={"ffn0": "0-7", "ffn1": [8, "x"]}),
+        "layout.placement.ffn1",
+        "'x' is not an expert id or a 'lo-hi' range",
+    ),
+    ("routing", layout(routing="everywhere"), "layout.routing", "expected attention, ffn, got 'everywhere'"),
     ("zero-experts-not-ffn", layout(zero_experts="attn0"), "layout.zero_experts", "'attn0' is not an FFN node"),
     ("micro-batches", layout(micro_batches=7), "layout.micro_batches", "must be in 0..4 (0: automatic), got 7"),
     (

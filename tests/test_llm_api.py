@@ -59,8 +59,7 @@ NOT_FOR_OFFLINE_NODES = {
     "max_num_batched_tokens",
     "shutdown_timeout",
     "sampling_seed",
-    "experts",  # layout.experts / zero_experts: a local cluster takes the default placement
-    "zero_experts",
+    "zero_experts",  # routing ffn's identity-expert holder: a local cluster's is its first FFN node
 }
 
 

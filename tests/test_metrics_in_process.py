@@ -77,7 +77,7 @@ def test_ffn_compute_and_idle_add_up_to_the_serving_loop_wall_time():
         StepHeader(2, (2,)),
         StepHeader(3, (), FLAG_LEAVE),
     ]
-    metrics = FFNMetrics("ffn0", "m", 0, 2, num_layers=3)
+    metrics = FFNMetrics("ffn0", "m", range(2), num_layers=3)
     formed: queue.SimpleQueue = queue.SimpleQueue()
     formed.put([(0, "attn0", None)])  # attn0's pair, formed: the server adopts it at its first step boundary
     server = FFNServer(
@@ -102,20 +102,20 @@ def test_ffn_compute_and_idle_add_up_to_the_serving_loop_wall_time():
 
 def test_cluster_state_gauge_reads_the_nodes_view_at_scrape_time():
     view = {"state": pb.ClusterStatus.READY}
-    metrics = FFNMetrics("ffn0", "m", 0, 1, num_layers=1)
+    metrics = FFNMetrics("ffn0", "m", range(1), num_layers=1)
     metrics.watch_cluster_state(lambda: view["state"])
     assert total(metrics.render().decode(), "afd_cluster_state") == pb.ClusterStatus.READY
     view["state"] = pb.ClusterStatus.DEGRADED
     assert total(metrics.render().decode(), "afd_cluster_state") == pb.ClusterStatus.DEGRADED
 
 
-def _demo_ffn(lo: int = 0, hi: int | None = None, serves_zero: bool = True):
+def _demo_ffn(experts=None, serves_zero: bool = True):
     from afd.model.longcat_flash.ffn import FFNHalf
     from afd.model.registry import config_from_hf
 
     cfg = config_from_hf(DEMO_CONFIG)
     torch.manual_seed(0)
-    ffn = FFNHalf(cfg, lo, hi, serves_zero)
+    ffn = FFNHalf(cfg, experts, serves_zero)
     for p in ffn.parameters():
         torch.nn.init.normal_(p, std=0.1)
     return cfg, ffn
@@ -125,7 +125,7 @@ def test_zero_expert_tokens_count_identity_assignments():
     from afd.backend import get_backend
 
     cfg, ffn = _demo_ffn()
-    metrics = FFNMetrics("ffn0", "m", 0, cfg.n_routed_experts, cfg.num_layers)
+    metrics = FFNMetrics("ffn0", "m", range(cfg.n_routed_experts), cfg.num_layers)
     want, T = 0, 32
     with torch.inference_mode():
         for layer in range(cfg.num_layers):
@@ -137,8 +137,8 @@ def test_zero_expert_tokens_count_identity_assignments():
     assert total(got, "afd_zero_expert_tokens_total") == want > 0
     assert want + total(got, "afd_expert_tokens_total") == T * cfg.moe_topk * cfg.num_layers  # every slot
     # An FFN node that does not apply identity experts counts none: the cluster's sum is not doubled.
-    _, other = _demo_ffn(0, 8, serves_zero=False)
-    metrics = FFNMetrics("ffn1", "m", 0, 8, cfg.num_layers)
+    _, other = _demo_ffn(range(0, 8), serves_zero=False)
+    metrics = FFNMetrics("ffn1", "m", range(8), cfg.num_layers)
     with torch.inference_mode():
         other(get_backend("cpu"), 0, torch.randn(T, cfg.hidden_size))
     metrics.add_routed(other.layers[0].experts)

@@ -156,7 +156,7 @@ def exported_sample_names() -> set[str]:
     """Sample names both roles' metrics objects render, as the nodes serve them."""
     attn = AttentionMetrics("a", "m")
     attn.step("decode")  # afd_step_seconds{phase} has a series once a step ran
-    ffn = FFNMetrics("f", "m", 0, 4, num_layers=2)
+    ffn = FFNMetrics("f", "m", range(4), num_layers=2)
     ffn.add_expert_tokens([1, 0, 0, 0])
     names = set()
     for m in (attn, ffn):

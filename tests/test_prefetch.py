@@ -286,7 +286,7 @@ def test_server_measures_each_layers_wait_for_the_prefetch_budget(ffn, landed):
 
     script = [StepHeader(0, (2, 1)), StepHeader(1, (1,)), StepHeader(2, (), FLAG_LEAVE)]
     layers = len(ffn.cfg.moe_layers)
-    gaps, metrics = _Gaps(), FFNMetrics("ffn0", "m", 0, ffn.expert_range[1], layers)
+    gaps, metrics = _Gaps(), FFNMetrics("ffn0", "m", ffn.held, layers)
     plane = _Plane(script, 0.003, landed)
     formed: queue.SimpleQueue = queue.SimpleQueue()
     formed.put([(0, "attn0", None)])  # attn0's pair, formed: the server adopts it at its first step boundary

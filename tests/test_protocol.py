@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 
-from afd.cluster.placement import partition_experts
 from afd.dataplane.overlap import MicroBatchTuner, micro_batches_rule
 from afd.dataplane.protocol import FLAG_LEAVE, HEADER_LEN, ProtocolError, StepHeader
 from afd.engine.runner import StepSeq, split_micro_batches
@@ -29,14 +28,6 @@ def test_header_rejects_garbage():
         StepHeader.decode(bad, sender=0)
     with pytest.raises(ValueError, match="at most 4"):
         StepHeader(0, (1, 1, 1, 1, 1))
-
-
-def test_partition_covers_every_expert_once():
-    shards = partition_experts(7, 3)
-    assert [(s.lo, s.hi) for s in shards] == [(0, 3), (3, 5), (5, 7)]
-    assert [s.serves_zero_experts for s in shards] == [True, False, False]
-    with pytest.raises(ValueError, match="some would hold none"):
-        partition_experts(2, 3)
 
 
 def test_micro_batch_rule():

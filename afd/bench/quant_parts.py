@@ -96,11 +96,9 @@ def gemm_probes(llm, tokens: int, seed: int = 0) -> dict:
         llm.ffn(backend, layer, m)  # the router's choice for these tokens: experts.last_ids
     ids = experts.last_ids
     T, K = ids.shape
-    flat = ids.reshape(-1)
-    local = (flat >= experts.lo) & (flat < experts.hi)
-    group = torch.where(local, flat - experts.lo, experts.hi - experts.lo)
+    group = experts._group(ids.reshape(-1))
     order = torch.argsort(group, stable=True)
-    sizes = torch.bincount(group, minlength=experts.hi - experts.lo + 1)[:-1]
+    sizes = torch.bincount(group, minlength=len(experts.held) + 1)[:-1]
     xs = m[order // K]
     inter = F.silu(experts._gemm(backend, xs, "w13", sizes).chunk(2, dim=-1)[0])
     probes[f"experts w13 grouped [{2 * experts.inter}x{experts.hidden}], {int(sizes.sum())} rows"] = lambda: (

@@ -15,12 +15,14 @@ from typing import Any
 import yaml
 
 from afd.cluster.fieldspec import byte_count
+from afd.cluster.placement import Placement, PlacementError, parse_experts
 from afd.cluster.schema import (  # noqa: F401 (re-exported: the names afd imports from here)
     DEVICES,
     EXCHANGE_DTYPES,
     GRAPH_BATCH_SIZES,
     GRAPH_MODES,
     ROLES,
+    ROUTINGS,
     SECTION_KEYS,
     ClusterConfig,
     ClusterConfigError,
@@ -175,42 +177,38 @@ def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
         _fail(src, "layout.exchange_dtype", f"expected {', '.join(EXCHANGE_DTYPES)}, got {layout.exchange_dtype!r}")
     if layout.graph_mode is not None and layout.graph_mode not in GRAPH_MODES:
         _fail(src, "layout.graph_mode", f"expected eager or compile, got {layout.graph_mode!r}")
-    if layout.experts is None:
-        return
-    if set(layout.experts) != set(ffn):
-        _fail(
-            src,
-            "layout.experts",
-            f"must name every FFN node exactly ({', '.join(ffn)}); got {', '.join(map(str, layout.experts))}",
-        )
-    spans = []
-    for name, span in layout.experts.items():
-        ok = isinstance(span, list) and len(span) == 2 and all(type(v) is int for v in span)
-        if not ok or not 0 <= span[0] < span[1]:
-            _fail(src, f"layout.experts.{name}", f"expected [lo, hi) with 0 <= lo < hi, got {span!r}")
-        spans.append((span[0], span[1], name))
-    spans.sort()
-    end = 0
-    for lo, hi, name in spans:
-        if lo != end:
-            what = "overlaps" if lo < end else "leaves a gap before"
-            _fail(src, f"layout.experts.{name}", f"[{lo}, {hi}) {what} expert {end}: ranges must tile [0, E)")
-        end = hi
-
-
-def check_expert_layout(cfg: ClusterConfig, n_routed: int) -> None:
-    """The expert layout against the model: explicit ranges must end at n_routed, an even split needs
-    at least one expert per FFN node."""
-    if cfg.layout.experts:
-        end = max(hi for _, hi in cfg.layout.experts.values())
-        if end != n_routed:
-            raise ClusterConfigError(
-                f"{cfg.source}: layout.experts: ranges cover [0, {end}) but the model has {n_routed} routed experts"
+    if layout.routing is not None and layout.routing not in ROUTINGS:
+        _fail(src, "layout.routing", f"expected {', '.join(ROUTINGS)}, got {layout.routing!r}")
+    if layout.placement is not None:
+        if not isinstance(layout.placement, dict) or set(layout.placement) != set(ffn):
+            got = (
+                ", ".join(map(str, layout.placement)) if isinstance(layout.placement, dict) else repr(layout.placement)
             )
-    elif len(cfg.ffn_nodes) > n_routed:
+            _fail(src, "layout.placement", f"must name every FFN node exactly ({', '.join(ffn)}); got {got}")
+        for name, spec in layout.placement.items():
+            try:
+                parse_experts(spec)
+            except PlacementError as e:
+                _fail(src, f"layout.placement.{name}", str(e))
+
+
+def check_expert_layout(cfg: ClusterConfig, n_routed: int, groups: int = 1) -> Placement | None:
+    """The placement against the model (every expert held, ids in range, a node for each); replicas only
+    under routing attention (routing ffn sends every token to every holder, which would add a replicated
+    expert's share twice). Returns it (None without FFN nodes)."""
+    if cfg.colocated:
+        return None
+    try:
+        p = cfg.placement(n_routed, groups)
+    except PlacementError as e:
+        where = "layout.placement" if cfg.layout.placement else "nodes"
+        raise ClusterConfigError(f"{cfg.source}: {where}: {e}") from None
+    if p.replicated and cfg.routing == "ffn":
         raise ClusterConfigError(
-            f"{cfg.source}: nodes: {len(cfg.ffn_nodes)} FFN nodes for {n_routed} routed experts: some would hold none"
+            f"{cfg.source}: layout.placement: replicated experts need layout.routing attention (routing ffn "
+            "sends every token to every holder of an expert)"
         )
+    return p
 
 
 def check_tp_layout(cfg: ClusterConfig, num_heads: int) -> None:

@@ -112,7 +112,7 @@ def check_startable(cfg: ClusterConfig, source: str) -> None:
         from afd.model.registry import load_config
 
         mcfg = load_config(cfg.model.path)
-        check_expert_layout(cfg, mcfg.n_routed_experts)
+        check_expert_layout(cfg, mcfg.n_routed_experts, mcfg.expert_groups[0])
         check_tp_layout(cfg, mcfg.num_attention_heads)
     from afd.backend import DeviceUnavailable, check_devices
 

@@ -48,6 +48,10 @@ class LocalClusterSpec:
     """cluster.restart_backoff: seconds before the first restart of a row."""
     exchange_dtype: str = "same"
     """layout.exchange_dtype: how the MoE inputs cross to the FFN nodes (same, fp8 or int8)."""
+    routing: str | None = None
+    """layout.routing (None: attention with more than one FFN node)."""
+    placement: dict | None = None
+    """layout.placement, by FFN node index ("0": "0-7"; the local nodes' names are made here); None: the default."""
 
     def __post_init__(self):
         if self.attention_nodes < 1 or self.ffn_nodes < 0:
@@ -69,6 +73,10 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
     layout = {"overlap": spec.overlap, "micro_batches": spec.micro_batches, "graph_mode": spec.graph_mode}
     if spec.exchange_dtype != "same":
         layout["exchange_dtype"] = spec.exchange_dtype
+    if spec.routing is not None:
+        layout["routing"] = spec.routing
+    if spec.placement is not None:
+        layout["placement"] = {f"ffn{int(k)}": v for k, v in spec.placement.items()}
     if spec.attention_tp > 1:
         layout |= {"attention_tp": spec.attention_tp, "tp_comm": spec.tp_comm, "kvp": spec.kvp}
         layout |= {"flashcomm2_otp": spec.flashcomm2_otp, "tp_comm_min_tokens": spec.tp_comm_min_tokens}

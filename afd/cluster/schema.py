@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from afd.cluster.fieldspec import count_arg, micro_batches_arg, opt, positive_int, size_arg, speculative_count
 from afd.cluster.http_section import HttpSection
-from afd.cluster.placement import ExpertShard, partition_experts
+from afd.cluster.placement import Placement, default_placement, from_yaml
 from afd.model.tp.config import MODES as TP_MODES
 from afd.model.tp.config import TPConfig
 from afd.quant.scheme import METHODS as QUANT_METHODS
@@ -20,6 +20,8 @@ from afd.quant.scheme import METHODS as QUANT_METHODS
 ROLES = ("attention", "ffn")
 DEVICES = ("cpu", "cuda", "npu")
 GRAPH_MODES = ("eager", "compile")
+ROUTINGS = ("attention", "ffn")
+"""layout.routing: where the router runs, and so which FFN nodes a token's hidden state goes to."""
 EXCHANGE_DTYPES = ("same", "fp8", "int8")
 """layout.exchange_dtype: how the MoE inputs cross to the FFN nodes (afd.dataplane.protocol)."""
 DTYPES = ("float32", "bfloat16", "float16")
@@ -123,10 +125,19 @@ class Layout:
     exchange_dtype: str = opt("same", "--exchange-dtype", choices=EXCHANGE_DTYPES)
     """How the MoE inputs cross to the FFN nodes: same (the model dtype), or fp8 (e4m3) or int8 with one
     scale per token (dynamic absmax); the results come back in the model dtype (afd.dataplane.protocol)."""
-    experts: dict | None = None
-    """FFN node name -> [lo, hi) routed experts; default: an even split in node order."""
+    routing: str | None = opt(None, "--routing", choices=ROUTINGS)
+    """Where the router runs. attention: on the attention nodes, which send each token only to the FFN nodes
+    holding its chosen experts (with the expert ids and weights), apply the identity experts themselves and
+    add the FFN nodes' weighted partials; ffn: every FFN node gets every token and routes it itself (the
+    broadcast). Default: attention with more than one FFN node (afd/dataplane/dispatch.py)."""
+    placement: dict | None = None
+    """FFN node name -> the routed experts it holds: ids and `lo-hi` ranges (ends included), a list or a
+    comma-separated string (`ffn0: "0-7,12"`). An expert held by several nodes is replicated: its tokens are
+    split across its live holders, and a holder's loss costs no pause (routing attention only). Default:
+    contiguous ranges in node order, cut at expert-group boundaries for a group-limited router
+    (afd/cluster/placement.py); `afd rebalance` writes one from measured loads."""
     zero_experts: str | None = None
-    """FFN node that applies the identity experts; default: the first FFN node."""
+    """FFN node that applies the identity experts under routing ffn; default: the first FFN node."""
     attention_tp: int = opt(1, "--attention-tp", parse=positive_int)
     """Ranks of every attention node: TP rank r of a node is its own process (`--tp-rank r`) on device
     index (the node's) + r, and exchanges its own rows with the FFN nodes (afd.model.tp)."""
@@ -291,16 +302,25 @@ class ClusterConfig:
         """No FFN nodes: every attention node runs the experts itself."""
         return not self.ffn_nodes
 
-    def expert_shard(self, name: str, n_routed: int | None = None) -> ExpertShard:
+    @property
+    def routing(self) -> str:
+        """layout.routing, resolved: attention by default with more than one FFN node."""
+        if self.layout.routing is not None:
+            return self.layout.routing
+        return "attention" if len(self.ffn_nodes) > 1 else "ffn"
+
+    def placement(self, n_routed: int, groups: int = 1) -> Placement:
+        """Which experts each FFN node holds (layout.placement, or the default split); `groups`: the
+        router's expert groups (ModelConfig.expert_groups), which the default cuts at."""
         ffn = [n.name for n in self.ffn_nodes]
-        zero = self.layout.zero_experts or ffn[0]
-        if self.layout.experts:
-            lo, hi = self.layout.experts[name]
-            return ExpertShard(lo, hi, name == zero)
-        if n_routed is None:
-            raise ValueError("n_routed is needed for the default expert split")
-        shard = partition_experts(n_routed, len(ffn))[ffn.index(name)]
-        return ExpertShard(shard.lo, shard.hi, name == zero)
+        if self.layout.placement:
+            return from_yaml(self.layout.placement, n_routed, ffn)
+        return default_placement(n_routed, ffn, groups)
+
+    def serves_zero(self, name: str) -> bool:
+        """Whether FFN node `name` applies the identity experts (routing ffn: one node does; routing
+        attention: the attention nodes do, and no FFN node)."""
+        return self.routing == "ffn" and name == (self.layout.zero_experts or self.ffn_nodes[0].name)
 
     def to_dict(self) -> dict:
         """The cluster YAML of this config (what `from_dict` reads back into an equal config): every value that

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from afd.cluster.config import ClusterConfig, Node
+from afd.cluster.placement import Placement, format_experts
 
 
 def resolve_model_path(path: str) -> str:
@@ -66,7 +67,7 @@ def _model_type(path: str) -> str | None:
         return None
 
 
-def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
+def describe(cfg: ClusterConfig, placement: Placement | None) -> str:
     coord = cfg.coordinator
     lines = [
         f"cluster {cfg.cluster.name}: {cfg.topology_name}, model {cfg.model.path} ({cfg.model.dtype})",
@@ -93,8 +94,8 @@ def describe(cfg: ClusterConfig, n_routed: int | None) -> str:
         else:
             if n.ports.metrics:
                 line += f", metrics http://{n.host}:{n.ports.metrics}/metrics"
-            if n_routed is not None or cfg.layout.experts:
-                s = cfg.expert_shard(n.name, n_routed)
-                line += f", experts [{s.lo}, {s.hi})" + (" + identity experts" if s.serves_zero_experts else "")
+            if placement is not None:
+                line += f", experts {format_experts(placement.held_by(n.name))}"
+                line += " + identity experts" if cfg.serves_zero(n.name) else ""
         lines.append(line)
     return "\n".join(lines)

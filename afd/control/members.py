@@ -32,8 +32,4 @@ def assignment(cfg: ClusterConfig, proc, n_routed: int) -> pb.RegisterReply:
         peer_ranks=[cfg.rank(p) for p in peers],
         cluster_name=cfg.cluster.name,
     )
-    if node.role == "ffn":
-        shard = cfg.expert_shard(node.name, n_routed)
-        reply.expert_lo, reply.expert_hi = shard.lo, shard.hi
-        reply.serves_zero_experts = shard.serves_zero_experts
-    return reply
+    return reply  # an FFN node's experts: the YAML's placement, which it reads (afd.cluster.placement)

@@ -9,6 +9,18 @@ this order is the protocol):
                                                       fp8 or int8: uint8 [tokens_i, hidden + 4], see below)
         f -> a   y  [tokens_i, hidden]               (f's share of the MoE output, the model dtype)
 
+With `layout.routing: attention` the attention rank runs the router and each (layer, micro-batch) is,
+for every FFN node f it exchanges with (afd.dataplane.dispatch):
+
+    a -> f   count  [1] int64                        (n: how many of the tokens_i rows go to f)
+    a -> f   rows   uint8 [n, row_bytes]             (if n > 0: each token's MoE input as above, then its
+                                                      K expert ids as int32 and K weights as float32; an id
+                                                      of -1 is a slot another node computes)
+    f -> a   y      [n, hidden]                      (if n > 0: f's weighted sum over the slots it got)
+
+so a token crosses only to the nodes holding one of its chosen experts; identity experts stay on the
+attention side. The FFN node learns n from the count before it posts the rows' receive.
+
 With `layout.exchange_dtype` fp8 or int8 (every node reads it from the YAML), `m` crosses quantized, one
 message still: each row is the token's hidden bytes quantized (float8_e4m3fn bits, or symmetric int8)
 followed by the 4 bytes of its float32 scale, dequantized by the FFN node before the experts (`quantize`,
@@ -170,6 +182,56 @@ def dequantize(packed: torch.Tensor, exchange_dtype: str, out: torch.Tensor) -> 
     bits = packed[:, :hidden].view(_bits_dtype(exchange_dtype))
     scale = packed[:, hidden:].contiguous().view(torch.float32)  # [T, 1]; copied: a row's offset may not be 4-aligned
     return torch.mul(bits.to(torch.float32), scale, out=out)
+
+
+# ---- layout.routing attention: the dispatched rows ---------------------------------------------------
+
+COUNT_BYTES = 8
+"""The per-(layer, micro-batch) count each FFN node gets before its rows: one int64."""
+ROUTE_BYTES = 8
+"""Per chosen expert of a dispatched row: its id (int32) and its weight (float32)."""
+
+
+def hidden_bytes(hidden: int, dtype, exchange_dtype: str = "same") -> int:
+    """Bytes of one token's MoE input on the wire: hidden elements of the model dtype, or packed (H + 4)."""
+    return hidden * element_bytes(dtype) if exchange_dtype == "same" else packed_width(hidden, exchange_dtype)
+
+
+def row_bytes(hidden: int, dtype, top_k: int, exchange_dtype: str = "same") -> int:
+    """Bytes of one dispatched row: the token's MoE input, then K ids and K weights."""
+    return hidden_bytes(hidden, dtype, exchange_dtype) + top_k * ROUTE_BYTES
+
+
+def dispatch_bytes(rows: list[int], hidden: int, dtype, top_k: int, exchange_dtype: str = "same") -> dict[str, int]:
+    """Bytes one attention rank exchanges in one (layer, micro-batch) under routing attention, by direction,
+    where rows[f] tokens go to FFN node f: a count to every node, each node's rows, and a result row back
+    per row sent. What RoutedMoE counts (afd_exchange_bytes_total)."""
+    n = sum(rows)
+    return {
+        "to_ffn": COUNT_BYTES * len(rows) + n * row_bytes(hidden, dtype, top_k, exchange_dtype),
+        "to_attention": n * hidden * element_bytes(dtype),
+    }
+
+
+def pack_rows(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One message of dispatched rows: x [n, *] (the MoE input, or its quantized bytes), ids [n, K]
+    (int32 on the wire), weights [n, K] (float32) -> uint8 [n, row_bytes]."""
+    import torch
+
+    parts = [x.contiguous().view(torch.uint8), ids.to(torch.int32).view(torch.uint8), weights.float().view(torch.uint8)]
+    return torch.cat(parts, dim=1)
+
+
+def unpack_rows(packed: torch.Tensor, width: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of pack_rows: (x bytes uint8 [n, width], ids int64 [n, K], weights float32 [n, K]); the
+    caller views x's bytes as the model dtype (or dequantizes them). Copied out: a column slice of a row
+    may not be aligned for a wider dtype."""
+    import torch
+
+    x = packed[:, :width]
+    ids = packed[:, width : width + 4 * top_k].contiguous().view(torch.int32).to(torch.int64)
+    w = packed[:, width + 4 * top_k :].contiguous().view(torch.float32)
+    return x, ids, w
 
 
 EXCHANGE_TABLE_TOKENS = (1, 16, 64, 512)

@@ -249,9 +249,19 @@ def _cluster_spec(cfg: ClusterConfig) -> LocalClusterSpec:
         tp_comm_min_tokens=lay.tp_comm_min_tokens,
         kvp=lay.kvp,
         exchange_dtype=lay.exchange_dtype,
+        routing=lay.routing,
+        placement=_by_index(lay.placement, cfg),
         max_restarts=cfg.cluster.max_restarts,
         restart_backoff=cfg.cluster.restart_backoff,
     )
+
+
+def _by_index(placement: dict | None, cfg: ClusterConfig) -> dict | None:
+    """layout.placement keyed by FFN node index, as a local cluster names its nodes anew."""
+    if placement is None:
+        return None
+    names = [n.name for n in cfg.ffn_nodes]
+    return {str(names.index(k)): v for k, v in placement.items()}
 
 
 def _add_counters(reports: list[dict]) -> dict:

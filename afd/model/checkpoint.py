@@ -202,12 +202,12 @@ def _rows(*parts: torch.Tensor) -> torch.Tensor:
 
 
 def per_expert_weights(experts: Experts, prefix: str, hidden: int, inter: int) -> Iterator[Weight]:
-    """Stacked experts [lo, hi) (afd.model.experts.Experts) from the hub's per-expert keys
-    `{prefix}.{e}.{gate,up,down}_proj.weight`: w13[g] = [gate; up]^T, w2[g] = down^T of expert lo + g
+    """Stacked experts `held` (afd.model.experts.Experts) from the hub's per-expert keys
+    `{prefix}.{e}.{gate,up,down}_proj.weight`: w13[g] = [gate; up]^T, w2[g] = down^T of expert held[g]
     (quantized: [gate; up] and down, with their scales, in the checkpoint's orientation)."""
     H, I = hidden, inter
     q = experts.quant is not None
-    for g, e in enumerate(range(experts.lo, experts.hi)):
+    for g, e in enumerate(experts.held):
         x = f"{prefix}.{e}"
         gate_up = ((f"{x}.gate_proj.weight", (I, H)), (f"{x}.up_proj.weight", (I, H)))
         down = ((f"{x}.down_proj.weight", (H, I)),)
@@ -323,20 +323,20 @@ def build_ffn_half(
     reader: Reader,
     dtype: torch.dtype,
     device: torch.device,
-    lo: int = 0,
-    hi: int | None = None,
+    experts=None,
     serves_zero: bool = True,
     mtp: bool = False,
     quant: QuantSpec | None = None,
 ) -> FFNHalf:
-    """cfg's family's FFN half holding routed experts [lo, hi) (all by default); with `mtp`, also the
-    MTP module's MoE layer when it has one (afd.model.mtp). With `quant`, the experts held 8-bit."""
+    """cfg's family's FFN half holding the routed experts `experts` (all by default; none, `()`: the
+    routers alone); with `mtp`, also the MTP module's MoE layer when it has one (afd.model.mtp). With
+    `quant`, the experts held 8-bit."""
     from afd.model.mtp import mtp_moe_layers
 
     kw = {"mtp": True} if mtp and mtp_moe_layers(cfg) else {}
     fam = family(cfg.model_type)
     with on_meta():
-        model = fam.ffn_half(cfg, lo, hi, serves_zero, **kw)  # `mtp`: MTP families only
+        model = fam.ffn_half(cfg, experts, serves_zero, **kw)  # `mtp`: MTP families only
     return _build(model, fam.name_map.ffn_weights, reader, "loading expert weights", dtype, device, quant)
 
 

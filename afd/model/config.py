@@ -53,6 +53,17 @@ class ModelConfig(Protocol):
     @property
     def n_routed_experts(self) -> int: ...
     @property
+    def experts_per_token(self) -> int:
+        """K: the experts the router picks per token (identity experts included)."""
+        ...
+
+    @property
+    def expert_groups(self) -> tuple[int, int]:
+        """(groups, groups kept per token) of a group-limited router (DeepSeek-V3's n_group, topk_group);
+        (1, 1) for a router without groups."""
+        ...
+
+    @property
     def num_attention_heads(self) -> int: ...
     @property
     def rms_norm_eps(self) -> float: ...

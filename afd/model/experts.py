@@ -18,9 +18,11 @@ from afd.quant.scheme import FP8_BLOCK, QuantSpec
 
 
 class Experts(nn.Module):
-    """Stacked weights of routed experts [lo, lo + G): w13 [G, H, 2I] (gate | up), w2 [G, I, H].
+    """Stacked weights of the G routed experts `held` (global ids, ascending; weight slot g holds expert
+    held[g]): w13 [G, H, 2I] (gate | up), w2 [G, I, H].
 
-    Router ids >= n_routed are identity experts; `serves_zero` says whether this holder adds them.
+    Router ids >= n_routed are identity experts; `serves_zero` says whether this holder adds them. An id
+    < 0 is a slot another holder computes (afd.dataplane.dispatch marks them so).
     Quantized (`quantize`, before the weights load), w13 and w2 hold 8-bit weights in the checkpoint's
     orientation, w13 [G, 2I, H] and w2 [G, H, I], with fp32 scales w13_scale [G, 2I, Hb] and w2_scale
     [G, H, Ib] per output channel and K-block (afd.quant.formats)."""
@@ -30,11 +32,13 @@ class Experts(nn.Module):
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
 
-    def __init__(self, hidden: int, inter: int, n_routed: int, lo: int, hi: int, serves_zero: bool):
+    def __init__(self, hidden: int, inter: int, n_routed: int, held, serves_zero: bool):
         super().__init__()
-        G, H, I = hi - lo, hidden, inter
-        self.lo, self.hi, self.n_routed, self.serves_zero = lo, hi, n_routed, serves_zero
+        self.held: tuple[int, ...] = tuple(held)
+        G, H, I = len(self.held), hidden, inter
+        self.n_routed, self.serves_zero = n_routed, serves_zero
         self.hidden, self.inter = H, I
+        self._slot: torch.Tensor | None = None
         self.w13 = nn.Parameter(torch.empty(G, H, 2 * I))
         self.w2 = nn.Parameter(torch.empty(G, I, H))
         self.last_counts = torch.zeros(G, dtype=torch.int64)
@@ -54,7 +58,7 @@ class Experts(nn.Module):
         """Hold the weights quantized as `spec` says: 8-bit storage replaces w13 and w2, which the loader
         (afd.model.quant_load) fills with their scales. Called on a meta-built half, so the full-precision
         weights are never allocated."""
-        G, H, I = self.hi - self.lo, self.hidden, self.inter
+        G, H, I = len(self.held), self.hidden, self.inter
         dtype = FP8 if spec.weights == FP8_BLOCK else torch.int8
         device = self.w13.device
 
@@ -81,12 +85,11 @@ class Experts(nn.Module):
         layer. The grouped GEMM computes only this holder's groups; the other slots sort last and are
         dropped."""
         T, K = ids.shape
-        G = self.hi - self.lo
+        G = len(self.held)
         self.last_ids = ids
         self.last_zero = (ids >= self.n_routed).sum() if self.serves_zero else None
-        flat = ids.reshape(-1)  # [T*K]
-        local = (flat >= self.lo) & (flat < self.hi)
-        group = torch.where(local, flat - self.lo, G)  # [T*K]: other holders' slots in group G, after ours
+        group = self._group(ids.reshape(-1))  # [T*K]: other holders' slots in group G, after ours
+        local = group < G
         order = torch.argsort(group, stable=True)  # [T*K] slots sorted by expert
         ones = torch.ones_like(group)
         sizes = torch.zeros(G + 1, dtype=torch.int64, device=x.device).index_add_(0, group, ones)[:G]  # [G]
@@ -105,12 +108,27 @@ class Experts(nn.Module):
             out += (x * zero_w).to(x.dtype)
         return out
 
+    def _group(self, ids: torch.Tensor) -> torch.Tensor:
+        """Each slot's weight slot: [0, G) for an expert held here, G for identity experts, other holders'
+        experts and the slots another holder computes (ids < 0)."""
+        routed = (ids >= 0) & (ids < self.n_routed)
+        return torch.where(routed, self.slot(ids.device)[ids.clamp(0, self.n_routed)], len(self.held))
+
+    def slot(self, device: torch.device) -> torch.Tensor:
+        """[E + 1]: expert id -> its weight slot, G where not held. Made on first use (not a buffer: the
+        loader materialises a meta-built module's buffers from the checkpoint, which has no such tensor)."""
+        if self._slot is None or self._slot.device != device:
+            G = len(self.held)
+            slot = torch.full((self.n_routed + 1,), G, dtype=torch.int64)
+            slot[list(self.held)] = torch.arange(G)
+            self._slot = slot.to(device)
+        return self._slot
+
     def counts(self, ids: torch.Tensor, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(last_counts, last_zero) of ids [T, K] counted over the rows where real [T] (bool) holds: a
         graph's padded rows go through the layer, not into the metrics."""
-        G = self.hi - self.lo
-        local = (ids >= self.lo) & (ids < self.hi) & real[:, None]  # [T, K]
-        group = torch.where(local, ids - self.lo, G).reshape(-1)  # [T*K]: the rest in group G, dropped
+        G = len(self.held)
+        group = torch.where(real[:, None], self._group(ids), G).reshape(-1)  # [T*K]: the rest in group G, dropped
         sizes = torch.zeros(G + 1, dtype=torch.int64, device=ids.device).index_add_(0, group, torch.ones_like(group))
         zero = ((ids >= self.n_routed) & real[:, None]).sum() if self.serves_zero else None
         return sizes[:G], zero

@@ -93,7 +93,7 @@ class FFNGraph(nn.Module):
         w = self._experts(self.layers[0]).w13
         # torchair finds a cached graph by module repr and method name alone and runs it unguarded: the name
         # carries what the graph's shapes depend on beyond (layer, P)
-        self._tag = hashlib.md5(repr((str(w.dtype), tuple(w.shape), ffn.expert_range)).encode()).hexdigest()[:8]
+        self._tag = hashlib.md5(repr((str(w.dtype), tuple(w.shape), ffn.held)).encode()).hexdigest()[:8]
         log.info("graph mode: FFN layers in graphs on %s, token buckets %s", backend.name, self.buckets)
 
     def __getattr__(self, name: str):

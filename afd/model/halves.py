@@ -108,20 +108,21 @@ class AttentionHalf(LoadedModule):
 
 
 class FFNHalf(LoadedModule):
-    """The routed experts [lo, hi) of every MoE layer, and the routers that pick them.
+    """The routed experts `held` of every MoE layer, and the routers that pick them.
 
     A family with an MoE MTP layer (DeepSeek-V3) takes `mtp` too: afd.model.checkpoint.build_ffn_half
     passes it only when the MTP module's MoE layers are to be held."""
 
-    def __init__(self, cfg: ModelConfig, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
-        """Routed experts [lo, hi) of cfg.n_routed_experts (all by default); `serves_zero`: this holder
-        also adds the identity ("zero") experts' share, in families that have them."""
+    def __init__(self, cfg: ModelConfig, experts=None, serves_zero: bool = True):
+        """The routed experts `experts` (ids of cfg.n_routed_experts, any order; all by default, none: an
+        empty tuple, the routers alone, as the attention side routes with them); `serves_zero`: this
+        holder also adds the identity ("zero") experts' share, in families that have them."""
         super().__init__()
         n = cfg.n_routed_experts
-        hi = n if hi is None else hi
-        if not 0 <= lo <= hi <= n:
-            raise ValueError(f"expert range [{lo}, {hi}) outside [0, {n})")
-        self.cfg, self.expert_range, self.serves_zero = cfg, (lo, hi), serves_zero
+        held = tuple(range(n)) if experts is None else tuple(sorted(set(experts)))
+        if any(not 0 <= e < n for e in held):
+            raise ValueError(f"experts {held} outside [0, {n})")
+        self.cfg, self.held, self.serves_zero = cfg, held, serves_zero
 
     mtp_layers: tuple[int, ...] = ()
     """MoE layers past the decoder's that this half also holds: the MTP module's (afd.model.mtp), which
@@ -130,6 +131,13 @@ class FFNHalf(LoadedModule):
     @abstractmethod
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
         """This node's share of layer i's MoE output on m [T, H]: the FFN server's one call per layer."""
+
+    def routed(
+        self, backend: Backend, i: int, m: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """This node's share of layer i's MoE output on m [T, H] routed by the attention side (weights [T, K]
+        fp32, ids [T, K], -1 where another node computes the slot): the experts alone, no router."""
+        return self.layer(i).experts(backend, m, weights, ids)
 
     @abstractmethod
     def layer(self, i: int) -> nn.Module:

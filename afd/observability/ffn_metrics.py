@@ -13,7 +13,8 @@ from afd.observability.metrics import BASE_LABELS, FINE_BUCKETS, Collector, Node
 
 
 class FFNMetrics(NodeMetrics):
-    def __init__(self, node: str, model_name: str, expert_lo: int, expert_hi: int, num_layers: int):
+    def __init__(self, node: str, model_name: str, experts, num_layers: int):
+        """experts: the routed experts this node holds (their weight slots' order: Experts.held)."""
         super().__init__("ffn", node, model_name)
         self.compute = self._make(
             Histogram,
@@ -30,8 +31,8 @@ class FFNMetrics(NodeMetrics):
         )
         self.tokens = self._make(Counter, "afd_ffn_tokens", "Tokens through this node's MoE layers.")
         self.prefetch_bytes = self._make(Counter, "afd_prefetch_bytes", "Expert weight bytes prefetched.")
-        self.expert_counts = torch.zeros(expert_hi - expert_lo, dtype=torch.int64)
-        self._lo = expert_lo
+        self.held = tuple(experts)
+        self.expert_counts = torch.zeros(len(self.held), dtype=torch.int64)
         # Seconds per layer: a bounded label (a model has a few dozen layers), kept in plain lists since
         # a labelled Prometheus child costs a lock and a dict lookup per observation on the hot path.
         self.layer_compute = [0.0] * num_layers
@@ -86,7 +87,7 @@ class FFNMetrics(NodeMetrics):
         )
         bind_device(self.expert_counts.device)  # the scrape thread reads a device tensor: bind first
         for i, n in enumerate(host_syncs.to_list(self.expert_counts)):
-            experts.add_metric(self._values(str(self._lo + i)), n)
+            experts.add_metric(self._values(str(self.held[i])), n)
         yield experts
         zero = CounterMetricFamily(
             "afd_zero_expert_tokens",

@@ -119,6 +119,14 @@ class DeepseekV3Config:
         return self.num_hidden_layers
 
     @property
+    def experts_per_token(self) -> int:
+        return self.num_experts_per_tok
+
+    @property
+    def expert_groups(self) -> tuple[int, int]:
+        return (self.n_group, self.topk_group)
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 

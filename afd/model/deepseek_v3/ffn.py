@@ -65,31 +65,28 @@ class Router(nn.Module):
 
 
 class FFNLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, lo: int, hi: int):
+    def __init__(self, cfg: DeepseekV3Config, held: tuple[int, ...]):
         super().__init__()
         self.router = Router(cfg)
         # DeepSeek has no identity experts: nothing for a holder to serve beyond its routed ones.
         self.experts = Experts(
-            cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, lo, hi, serves_zero=False
+            cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, held, serves_zero=False
         )
 
 
 class FFNHalf(halves.FFNHalf):
-    """The MoE layers of the model (cfg.moe_layers), holding routed experts [lo, hi) (all by default).
+    """The MoE layers of the model (cfg.moe_layers), holding the routed experts `experts` (all by default).
     With `mtp`, also the MTP module's MoE layer (afd.model.deepseek_v3.mtp), as layer num_hidden_layers."""
 
     cfg: DeepseekV3Config
     # HF's `_keep_in_fp32_modules_strict` (`gate.weight`, `e_score_correction_bias`): the whole router
     keep_in_fp32_strict = ("router.classifier.weight", "router.e_score_correction_bias")
 
-    def __init__(
-        self, cfg: DeepseekV3Config, lo: int = 0, hi: int | None = None, serves_zero: bool = True, mtp: bool = False
-    ):
-        super().__init__(cfg, lo, hi, serves_zero)
-        lo, hi = self.expert_range
+    def __init__(self, cfg: DeepseekV3Config, experts=None, serves_zero: bool = True, mtp: bool = False):
+        super().__init__(cfg, experts, serves_zero)
         self.mtp_layers = cfg.mtp_moe_layers if mtp else ()
         served = cfg.moe_layers + self.mtp_layers
-        self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi) for _ in served])
+        self.layers = nn.ModuleList([FFNLayer(cfg, self.held) for _ in served])
         self._index = {layer: k for k, layer in enumerate(served)}
 
     def layer(self, i: int) -> FFNLayer:

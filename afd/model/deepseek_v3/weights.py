@@ -2,7 +2,7 @@
 
 The attention half's parameters carry the hub's names under `model.` (lm_head aside), the shared
 experts included (`mlp.shared_experts.*`, on the attention side). The FFN half stacks each MoE layer's
-routed experts, so w13[g] = [gate_proj; up_proj]^T and w2[g] = down_proj^T of expert lo + g, read
+routed experts, so w13[g] = [gate_proj; up_proj]^T and w2[g] = down_proj^T of expert held[g], read
 from the per-expert layout that both DeepSeek's published checkpoints and transformers'
 save_pretrained write. The MTP module (afd.model.deepseek_v3.mtp) is decoder layer L = num_hidden_layers
 of the checkpoint, as vLLM's deepseek_mtp.py reads it: model.layers.{L}.{enorm,hnorm,eh_proj}.weight,

@@ -84,6 +84,14 @@ class LongcatFlashConfig:
         return self.n_routed_experts + self.zero_expert_num
 
     @property
+    def experts_per_token(self) -> int:
+        return self.moe_topk
+
+    @property
+    def expert_groups(self) -> tuple[int, int]:
+        return (1, 1)
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 

@@ -54,22 +54,21 @@ class Router(nn.Module):
 
 
 class FFNLayer(nn.Module):
-    def __init__(self, cfg: LongcatFlashConfig, lo: int, hi: int, serves_zero: bool):
+    def __init__(self, cfg: LongcatFlashConfig, held: tuple[int, ...], serves_zero: bool):
         super().__init__()
         self.router = Router(cfg)
-        self.experts = Experts(cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.n_routed_experts, lo, hi, serves_zero)
+        self.experts = Experts(cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.n_routed_experts, held, serves_zero)
 
 
 class FFNHalf(halves.FFNHalf):
-    """All MoE layers of the model, holding routed experts [lo, hi) (all of them by default)."""
+    """All MoE layers of the model, holding the routed experts `experts` (all of them by default)."""
 
     cfg: LongcatFlashConfig
     keep_in_fp32 = ("router.classifier.weight",)  # HF's `_keep_in_fp32_modules` (`classifier.weight`)
 
-    def __init__(self, cfg: LongcatFlashConfig, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
-        super().__init__(cfg, lo, hi, serves_zero)
-        lo, hi = self.expert_range
-        self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi, serves_zero) for _ in range(cfg.num_layers)])
+    def __init__(self, cfg: LongcatFlashConfig, experts=None, serves_zero: bool = True):
+        super().__init__(cfg, experts, serves_zero)
+        self.layers = nn.ModuleList([FFNLayer(cfg, self.held, serves_zero) for _ in range(cfg.num_layers)])
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""

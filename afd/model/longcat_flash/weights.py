@@ -1,7 +1,7 @@
 """LongCat-Flash's checkpoint name map: hub keys -> the tensors each half holds.
 
 The attention half's parameters carry the hub's names under `model.` (lm_head aside); the FFN half
-stacks each layer's experts, so w13[g] = [gate_proj; up_proj]^T and w2[g] = down_proj^T of expert lo + g.
+stacks each layer's experts, so w13[g] = [gate_proj; up_proj]^T and w2[g] = down_proj^T of expert held[g].
 The MTP module (afd.model.longcat_flash.mtp) lives under model.mtp.*: the names vLLM's
 longcat_flash_mtp.py and SGLang's longcat_flash_nextn.py map from the hub checkpoint (enorm and hnorm
 under `.m`, the MLP under `transformer_layer.mlp`, the final norm outside `layers.0`).

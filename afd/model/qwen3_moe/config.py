@@ -81,6 +81,14 @@ class Qwen3MoeConfig:
         return self.num_experts
 
     @property
+    def experts_per_token(self) -> int:
+        return self.num_experts_per_tok
+
+    @property
+    def expert_groups(self) -> tuple[int, int]:
+        return (1, 1)
+
+    @property
     def moe_layers(self) -> tuple[int, ...]:
         """HF's Qwen3MoeDecoderLayer rule; the other layers hold a dense MLP."""
         return tuple(

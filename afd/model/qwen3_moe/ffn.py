@@ -39,25 +39,24 @@ class Router(nn.Module):
 
 
 class FFNLayer(nn.Module):
-    def __init__(self, cfg: Qwen3MoeConfig, lo: int, hi: int):
+    def __init__(self, cfg: Qwen3MoeConfig, held: tuple[int, ...]):
         super().__init__()
         self.router = Router(cfg)
-        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, lo, hi, serves_zero=False)
+        self.experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, held, serves_zero=False)
 
 
 class FFNHalf(halves.FFNHalf):
-    """The sparse layers (cfg.moe_layers) of the model, holding experts [lo, hi) (all of them by default).
+    """The sparse layers (cfg.moe_layers) of the model, holding the routed experts `experts` (all by default).
 
     `serves_zero` is accepted for the family contract; Qwen3-MoE has no identity experts to serve."""
 
     cfg: Qwen3MoeConfig
 
-    def __init__(self, cfg: Qwen3MoeConfig, lo: int = 0, hi: int | None = None, serves_zero: bool = True):
-        super().__init__(cfg, lo, hi, serves_zero=False)
-        lo, hi = self.expert_range
+    def __init__(self, cfg: Qwen3MoeConfig, experts=None, serves_zero: bool = True):
+        super().__init__(cfg, experts, serves_zero=False)
         self.index = {layer: k for k, layer in enumerate(cfg.moe_layers)}
         """Decoder layer -> its position in `layers`: dense layers hold nothing here."""
-        self.layers = nn.ModuleList([FFNLayer(cfg, lo, hi) for _ in cfg.moe_layers])
+        self.layers = nn.ModuleList([FFNLayer(cfg, self.held) for _ in cfg.moe_layers])
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""

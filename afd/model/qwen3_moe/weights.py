@@ -2,7 +2,7 @@
 
 The attention half's parameters carry the hub's names under `model.` (lm_head aside; a dense layer's
 `mlp` is the hub's too). The FFN half stacks each sparse layer's experts, w13[g] = [gate_proj; up_proj]^T
-and w2[g] = down_proj^T of expert lo + g, from the per-expert keys save_pretrained and the hub write.
+and w2[g] = down_proj^T of expert held[g], from the per-expert keys save_pretrained and the hub write.
 """
 
 from __future__ import annotations
