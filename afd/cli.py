@@ -55,20 +55,26 @@ def _add_check_config(sub) -> None:
     p.set_defaults(func=_cmd_check_config)
 
 
-def _cmd_check_config(args) -> int:
+def _model_config(cfg):
+    """The YAML's model config where this host can read it (the demo's always), else None."""
     import os
 
-    from afd.cluster.config import check_expert_layout, load
-    from afd.cluster.topology import describe
     from afd.model.demo_config import DEMO_CONFIG
     from afd.model.registry import config_from_hf, load_config
 
-    cfg = load(args.config)
-    model_cfg = None
     if cfg.model.path == "demo":
-        model_cfg = config_from_hf(DEMO_CONFIG)
-    elif os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        model_cfg = load_config(cfg.model.path)
+        return config_from_hf(DEMO_CONFIG)
+    if os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        return load_config(cfg.model.path)
+    return None
+
+
+def _cmd_check_config(args) -> int:
+    from afd.cluster.config import check_expert_layout, load
+    from afd.cluster.topology import describe
+
+    cfg = load(args.config)
+    model_cfg = _model_config(cfg)
     placement = None
     if model_cfg is not None:
         placement = check_expert_layout(cfg, model_cfg.n_routed_experts, model_cfg.expert_groups[0])
@@ -120,8 +126,10 @@ def _cmd_status(args) -> int:
 
     cfg = load(args.config)
     st = _coordinator(cfg, "GetStatus", pb.StatusRequest())
+    unserved = _unserved_experts(cfg, set(st.lost) | set(st.missing))
     if args.json:
-        print(json.dumps(MessageToDict(st, always_print_fields_with_no_presence=True)))
+        doc = MessageToDict(st, always_print_fields_with_no_presence=True)
+        print(json.dumps({**doc, "unserved_experts": unserved}))
     else:
         print(
             f"cluster {cfg.cluster.name} ({cfg.topology_name}): {pb.ClusterStatus.State.Name(st.state)}"
@@ -129,7 +137,21 @@ def _cmd_status(args) -> int:
         )
         for key in ("registered", "ready", "missing", "lost", "draining"):
             print(f"  {key:<10} {', '.join(getattr(st, key)) or '-'}")
+        if unserved is not None:
+            from afd.cluster.placement import format_experts
+
+            print(f"  {'unserved':<10} {format_experts(unserved) or '-'} (routed experts no live FFN node holds)")
     return 0 if st.state in (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING) else 1
+
+
+def _unserved_experts(cfg, down: set[str]) -> list[int] | None:
+    """Routed experts that no FFN node outside `down` holds (their tokens wait for a replacement); None where
+    the cluster has no FFN nodes or the model is not readable here."""
+    model_cfg = None if cfg.colocated else _model_config(cfg)
+    if model_cfg is None:
+        return None
+    placement = cfg.placement(model_cfg.n_routed_experts, model_cfg.expert_groups[0])
+    return placement.unserved({n for n in down if n in placement.nodes})
 
 
 def _add_drain(sub) -> None:

@@ -76,15 +76,14 @@ def exchange(rt, built: Halves, dtype):
     if cfg.colocated:
         return LocalMoE(built.ffn, rt.backend)
     if cfg.routing == "attention":
-        placement = cfg.placement(mcfg.n_routed_experts, mcfg.expert_groups[0])
-        ranks = {p: cfg.rank(p) for p in placement.nodes if cfg.rank(p) in rt.plane.peers}
-        table = RouteTable(placement, ranks, rt.backend.device)
+        holdings = {r: rt.plane.link(r).experts for r in rt.plane.peers}  # what each FFN node said it holds
+        table = RouteTable(holdings, mcfg.n_routed_experts, rt.backend.device)
         return RoutedMoE(
             rt.plane, built.ffn, rt.backend, table, mcfg.hidden_size, dtype, exchange_dtype=cfg.layout.exchange_dtype
         )
     return RemoteMoE(
         rt.plane,
-        list(rt.assignment.peer_ranks),
+        rt.plane.peers,
         rt.model_cfg.hidden_size,
         dtype,
         rt.backend.device,

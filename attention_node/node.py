@@ -13,9 +13,11 @@ import logging
 import torch
 
 from afd.cluster.config import ClusterConfig
+from afd.dataplane.dispatch import RoutedMoE
 from afd.dataplane.exchange import MoEExchange
 from afd.model.config import parse_dtype
 from afd.model.tp.comm import SINGLE, TPComm
+from afd.node.adoption import Adopter
 from afd.node.runtime import NodeRuntime, bring_up
 from attention_node.halves import Halves, build_rank, exchange, load_halves
 
@@ -31,6 +33,8 @@ class AttentionNode:
         self.attn = None
         self.tp: TPComm = SINGLE
         self.moe: MoEExchange | None = None
+        self.adopter: Adopter | None = None
+        """Brings back FFN nodes the last re-formation left out (afd.node.adoption)."""
 
     def start(self) -> None:
         self.runtime = bring_up(
@@ -52,17 +56,50 @@ class AttentionNode:
         """This rank's pairs of the data plane formed again (afd.node.runtime.NodeRuntime.reform); the
         node's TP ranks, which meet the failure too, meet again in a new TP world (afd.node.tp_world)."""
         self.moe = None  # the old exchange's pairs go
-        world = self.runtime.tp_world
+        if self.adopter is not None:  # this re-formation tries every FFN node itself
+            for _, link in self.adopter.close():
+                link.close(queued=True)
+            self.adopter = None
+        rt = self.runtime
+        world = rt.tp_world
         if world is not None:
             # the TP groups go first: a rank still blocked in one of their collectives fails at once
             self.tp.disconnect()
             world.leave()
-        self.runtime.reform(why)
+        rt.reform(why, self._covered() if world is None else None)
         if world is not None:
             world.form(self.cfg.cluster.rejoin_timeout)
             self.tp.connect()
-        self.moe = exchange(self.runtime, self.halves, self.dtype)
+        self.moe = exchange(rt, self.halves, self.dtype)
+        if rt.left_out:
+            self.adopter = Adopter(rt.left_out, rt.client.ref, rt.plane.rank, rt.backend, rt.shutdown)
         return self.moe
+
+    def _covered(self):
+        """Under routing attention: whether the pairs formed so far hold every routed expert, so that an FFN
+        node that is down need not be waited for (its replicas take its tokens). None otherwise. Not under
+        attention TP, whose ranks form their pairs with an FFN node together (ffn_node/pairs.py)."""
+        if self.cfg.routing != "attention":
+            return None
+        n = self.runtime.model_cfg.n_routed_experts
+
+        def covered(plane) -> bool:
+            held = {e for r in plane.peers for e in plane.link(r).experts}
+            return len(held) == n
+
+        return covered
+
+    def adopt(self) -> MoEExchange | None:
+        """At a step boundary: pairs the adopter formed with FFN nodes that are back (a dead node's
+        replacement), taken into the plane and the exchange; the exchange when any was, else None."""
+        if self.adopter is None:
+            return None
+        formed = self.adopter.take()
+        assert isinstance(self.moe, RoutedMoE)  # only routing attention leaves a node out
+        for peer, link in formed:
+            self.runtime.plane.add(peer.rank, link)
+            self.moe.adopt(peer.rank, link.experts)
+        return self.moe if formed else None
 
     def serve(self) -> int:
         raise NotImplementedError

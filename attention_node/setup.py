@@ -46,7 +46,9 @@ def serving_state(node: AttentionNode) -> ServerState:
         metrics=metrics,
         tokenizer=tok,
     )
-    engine.membership = PlaneMembership(node.reform if cfg.cluster.rejoin_timeout > 0 else None, rt.release_plane)
+    engine.membership = PlaneMembership(
+        node.reform if cfg.cluster.rejoin_timeout > 0 else None, rt.release_plane, node.adopt
+    )
     return ServerState(
         engine,
         tok,

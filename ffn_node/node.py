@@ -85,6 +85,7 @@ class FFNNode:
         mcfg = rt.model_cfg
         held = cfg.placement(mcfg.n_routed_experts, mcfg.expert_groups[0]).held_by(name)
         serves_zero = cfg.serves_zero(name)
+        self.pairs.experts = held
         reader = open_reader(rt.model_path, self.cfg.model.dummy_weights, self.cfg.model.seed)
         ffn = build_ffn_half(
             mcfg,

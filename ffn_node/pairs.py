@@ -48,6 +48,9 @@ class PairAcceptor(pb_grpc.PairsServicer):
         self._mu = threading.Lock()
         self._store: ControlStore | None = None
         self._kv: KeyValues | None = None
+        self.experts: tuple[int, ...] = ()
+        """The routed experts this node holds (set once loaded): each pair's reply names them, so that an
+        attention rank routes to what the node really holds (a node restarted with a new layout.placement)."""
 
     def accept(self, plane: DataPlane, kv: KeyValues) -> None:
         """The node is loaded and its plane made: pairs form from here on. kv: this node's store, whose
@@ -77,7 +80,7 @@ class PairAcceptor(pb_grpc.PairsServicer):
         threading.Thread(
             target=self._form, args=(req.name, req.rank, req.key, timeout), name="afd-form-pair", daemon=True
         ).start()
-        return pb.PairReply(rank=self.rank)
+        return pb.PairReply(rank=self.rank, experts=self.experts)
 
     def _form(self, name: str, rank: int, key: str, timeout_s: float) -> None:
         self.backend.bind_thread()

@@ -142,7 +142,9 @@ class PairRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., instance_id: _Optional[str] = ..., rank: _Optional[int] = ..., key: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class PairReply(_message.Message):
-    __slots__ = ("rank",)
+    __slots__ = ("rank", "experts")
     RANK_FIELD_NUMBER: _ClassVar[int]
+    EXPERTS_FIELD_NUMBER: _ClassVar[int]
     rank: int
-    def __init__(self, rank: _Optional[int] = ...) -> None: ...
+    experts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., experts: _Optional[_Iterable[int]] = ...) -> None: ...

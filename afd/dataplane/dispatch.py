@@ -19,7 +19,6 @@ broadcast's bytes: docs/benchmarks.md, "Dispatch").
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,23 +28,25 @@ from afd.dataplane.protocol import dispatch_bytes, pack_rows, quantize
 from afd.dataplane.transport import DataPlane
 from afd.observability.timing import Timers
 
-if TYPE_CHECKING:  # the placement is the cluster YAML's, which the data plane does not import
-    from afd.cluster.placement import Placement
+
+class Unserved(ValueError):
+    """Some routed expert has no live holder: its tokens cannot be routed until a holder forms its pair."""
 
 
 class RouteTable:
     """Where each routed expert's slots go: its live holders, as positions in `ranks`."""
 
-    def __init__(self, placement: Placement, ranks: dict[str, int], device: torch.device):
-        """ranks: live FFN node name -> its data-plane rank (a node missing here is down)."""
-        live = [f for f, n in enumerate(placement.nodes) if n in ranks]
-        self.ranks = [ranks[placement.nodes[f]] for f in live]
-        """The live FFN nodes' data-plane ranks, in the placement's node order."""
-        E = placement.n_routed
-        holders = [[live.index(f) for f in placement.holders(e) if f in live] for e in range(E)]
-        unserved = [e for e in range(E) if not holders[e]]
-        if unserved:
-            raise ValueError(f"expert(s) {unserved} have no live holder")
+    def __init__(self, holdings: dict[int, tuple[int, ...]], n_routed: int, device: torch.device):
+        """holdings: live FFN node's data-plane rank -> the routed experts it holds (what it said when its
+        pair formed: PairLink.experts). Raises Unserved when an expert has no holder among them."""
+        self.ranks = sorted(holdings)
+        """The live FFN nodes' data-plane ranks, ascending: the order partials are added in."""
+        self.holdings = {r: tuple(holdings[r]) for r in self.ranks}
+        E = n_routed
+        holders = [[i for i, r in enumerate(self.ranks) if e in self.holdings[r]] for e in range(E)]
+        missing = [e for e in range(E) if not holders[e]]
+        if missing:
+            raise Unserved(f"routed expert(s) {_ids(missing)} have no live FFN node (live: ranks {self.ranks})")
         R = max(len(h) for h in holders)
         reps = torch.tensor([h + [h[0]] * (R - len(h)) for h in holders], dtype=torch.int64)  # [E, R]
         self.reps = reps.to(device)
@@ -61,6 +62,10 @@ class RouteTable:
         token = torch.arange(T, device=ids.device)[:, None] + offset  # [T, 1]
         j = token % self.count[e]  # [T, K]: which replica
         return torch.where(routed, self.reps[e, j], -1)
+
+
+def _ids(experts: list[int]) -> str:
+    return ", ".join(map(str, experts[:16])) + (f" and {len(experts) - 16} more" if len(experts) > 16 else "")
 
 
 class _RoutedHandle:
@@ -99,8 +104,16 @@ class RoutedMoE(RemoteMoE):
         super().__init__(plane, table.ranks, hidden, dtype, backend.device, timers, exchange_dtype)
         self.routers, self.backend, self.table, self.dtype = routers, backend, table, dtype
         self._calls = 0
-        self.rows_sent = [0] * len(table.ranks)
-        """Tokens sent to each live FFN node, over every layer (a token to two nodes counts in both)."""
+
+    def adopt(self, rank: int, experts: tuple[int, ...]) -> None:
+        """At a step boundary: a newly formed pair with FFN node `rank` (a dead node's replacement) takes its
+        share of the routing from the next step on; the other pairs' steps go on counting."""
+        holdings = {**self.table.holdings, rank: experts}
+        self.table = RouteTable(holdings, self.table.n_routed, self.pool.device)
+        self.ffn_ranks = self.table.ranks
+        self.step_ids.setdefault(rank, 0)
+        self._headers.setdefault(rank, torch.empty_like(next(iter(self._headers.values()))))
+        self._acks.setdefault(rank, torch.empty_like(next(iter(self._acks.values()))))
 
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
         m = m.contiguous()
@@ -132,7 +145,6 @@ class RoutedMoE(RemoteMoE):
             works.append((rank, self.plane.irecv(buf, rank), f"layer {layer} MoE output receive"))
             parts.append((rows, buf))
             keep.append(packed)
-            self.rows_sent[f] += n[f]
         sent = dispatch_bytes(n, self.hidden, self.dtype, K, self.exchange_dtype)
         self.bytes_sent += sent["to_ffn"]
         for d, b in sent.items():

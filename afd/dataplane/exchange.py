@@ -135,21 +135,26 @@ class RemoteMoE:
         self.exchange_dtype = exchange_dtype
         self.timers = timers or Timers()
         self.pool = BufferPool(device, dtype)
-        self._header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        self._headers = {f: torch.empty(HEADER_LEN, dtype=torch.int64, device=device) for f in ffn_ranks}
         self._header_sends: list = []
         self._acks = {f: torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=device) for f in ffn_ranks}
-        self.step_id = 0
+        self.step_ids = dict.fromkeys(ffn_ranks, 0)
+        """The next step id of each FFN peer: a pair counts from 0 from its formation, so a pair adopted later
+        (afd.dataplane.dispatch: a replacement FFN node) counts on its own."""
         self.bytes_sent = 0
         self.exchange_bytes = dict.fromkeys(DIRECTIONS, 0)
         """Bytes of MoE inputs sent and results received, over every FFN peer (afd_exchange_bytes_total)."""
 
-    def _send_header(self, header: StepHeader) -> None:
-        copy_to_device(self._header, header.encode())  # the last header's sends were waited for in end_step
-        self._header_sends = [(f, self.plane.isend(self._header, f), "step header send") for f in self.ffn_ranks]
+    def _send_header(self, tokens: tuple[int, ...], flags: int) -> None:
+        self._header_sends = []
+        for f in self.ffn_ranks:  # the last headers' sends were waited for in end_step
+            copy_to_device(self._headers[f], StepHeader(self.step_ids[f], tokens, flags).encode())
+            self._header_sends.append((f, self.plane.isend(self._headers[f], f), "step header send"))
 
     def begin_step(self, tokens_per_micro_batch: list[int], mtp: bool = False) -> None:
-        self._send_header(StepHeader(self.step_id, tuple(tokens_per_micro_batch), FLAG_MTP if mtp else 0))
-        self.step_id += 1
+        self._send_header(tuple(tokens_per_micro_batch), FLAG_MTP if mtp else 0)
+        for f in self.ffn_ranks:
+            self.step_ids[f] += 1
 
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
         m = m.contiguous() if self.exchange_dtype == "same" else quantize(m, self.exchange_dtype)
@@ -177,7 +182,7 @@ class RemoteMoE:
     def idle(self) -> int:
         """An empty step: tells the FFN nodes this node is alive; returns how many attention nodes had
         work in the FFN step this joined (0: the whole cluster is idle)."""
-        self._send_header(StepHeader(self.step_id, (), FLAG_IDLE))
+        self._send_header((), FLAG_IDLE)
         works = [(f, self.plane.irecv(self._acks[f], f)) for f in self.ffn_ranks]
         for f, w in works:
             self.plane.wait(w, f, "idle ack receive")
@@ -188,5 +193,5 @@ class RemoteMoE:
     def leave(self, shutdown: bool = False) -> None:
         """Tell every FFN node this attention node is done (with `shutdown`, that they exit)."""
         flags = FLAG_LEAVE | (FLAG_SHUTDOWN if shutdown else 0)
-        self._send_header(StepHeader(self.step_id, (), flags))
+        self._send_header((), flags)
         self.end_step()

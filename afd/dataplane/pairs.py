@@ -45,6 +45,8 @@ class PairLink:
         self._stores = [dist.PrefixStore(f"afd/pair/{key}/{d}/", store) for d in ("to-ffn", "to-attention")]
         self.to_ffn, self.to_attention = (backend.pair_group(s, rank, timedelta(seconds=group_s)) for s in self._stores)
         self.formed_at = time.monotonic()
+        self.experts: tuple[int, ...] = ()
+        """On an attention rank's end: the routed experts the FFN node said it holds when the pair formed."""
         self._mu = threading.Lock()
         self._closed = False
         """close() ran: an abort from another thread that comes after it (DataPlane aborts outside its lock)

@@ -132,6 +132,7 @@ class Engine:
             bind_device(self.runner.device)  # the current device is per thread; this one issues the device work
             while not self._stop.is_set():
                 failed = None
+                self._adopt()
                 try:
                     if self.step() is not None:
                         backoff = 0.0
@@ -154,6 +155,13 @@ class Engine:
         except Exception as e:  # a bug must not leave requests hanging
             log.exception("engine failed")
             self._die(f"engine failed: {e}")
+
+    def _adopt(self) -> None:
+        """Between steps: FFN nodes that are back take their share (PlaneMembership.adopt)."""
+        if self.membership is not None and self.membership.adopt is not None:
+            moe = self.membership.adopt()
+            if moe is not None:
+                self.runner.moe = moe
 
     def _can_rejoin(self) -> bool:
         return self.membership is not None and self.membership.rejoin is not None

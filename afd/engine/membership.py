@@ -21,3 +21,6 @@ class PlaneMembership:
     release: Callable[[], None]
     """Closes this node's end of the data plane when the engine stops for good, so that its FFN peers
     drop it at once rather than after `comm_timeout`."""
+    adopt: Callable[[], MoEExchange | None] | None = None
+    """At each step boundary: takes pairs formed in the background with FFN nodes that are back (a left-out
+    node's replacement, afd.node.adoption) into the exchange, returned when any was."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from afd.model.tp.comm import SINGLE, TPComm
 
 if TYPE_CHECKING:
     from afd.backend import Backend
+    from afd.model.experts import Experts
     from afd.quant.scheme import QuantSpec
 
 Rope = tuple[torch.Tensor, ...]
@@ -137,7 +138,8 @@ class FFNHalf(LoadedModule):
     ) -> torch.Tensor:
         """This node's share of layer i's MoE output on m [T, H] routed by the attention side (weights [T, K]
         fp32, ids [T, K], -1 where another node computes the slot): the experts alone, no router."""
-        return self.layer(i).experts(backend, m, weights, ids)
+        experts = cast("Experts", self.layer(i).experts)
+        return experts(backend, m, weights, ids)
 
     @abstractmethod
     def layer(self, i: int) -> nn.Module:

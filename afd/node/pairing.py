@@ -8,6 +8,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -45,8 +46,9 @@ class FFNPeer:
         req = pb.PairRequest(
             name=me.name, instance_id=me.instance_id, rank=my_rank, key=key, timeout_seconds=self.timeout_s
         )
-        self.stub.FormPair(req, metadata=call_metadata(), timeout=10)
+        reply = self.stub.FormPair(req, metadata=call_metadata(), timeout=10)
         link = PairLink(backend, self.store, key, ATTENTION, self.timeout_s)
+        link.experts = tuple(reply.experts)
         try:
             handshake(link, cluster_token(), self.timeout_s)
         except BaseException:
@@ -66,37 +68,66 @@ def form_pairs(
     deadline_s: float,
     backend,
     stop: threading.Event | None = None,
-) -> None:
+    covered: Callable[[DataPlane], bool] | None = None,
+) -> list[FFNPeer]:
     """Forms `plane`'s pair with each FFN peer, trying a peer that is down or still loading again until
     `deadline_s` seconds pass, or until `stop` is set (the cluster shuts down); raises ControlError naming
-    the FFN node that never formed."""
+    the FFN node that never formed. With `covered` (layout.routing attention, after a failure): once the
+    pairs formed serve every routed expert (covered(plane)), peers still down are left out and returned, for
+    a background formation to bring back (afd.node.adoption) while the others step on."""
     backend.bind_thread()
     deadline = time.monotonic() + deadline_s
-    for peer in peers:
-        said = False
-        while True:
-            try:
-                plane.add(peer.rank, peer.form(backend, me, plane.rank))
-                break
-            except grpc.RpcError as e:
-                if e.code() not in _NOT_YET:
-                    refused = f"FFN node {peer.name} at {peer.address} refused the pair: {e.details()}"
-                    raise ControlError(refused) from None
-                why = e.details() or e.code().name
-            except ValueError as e:  # grpc's "Cannot invoke RPC on closed channel!": the node is stopping
-                if "closed channel" not in str(e):
-                    raise
-                raise ControlError(f"{me.name} is stopping: its channel to FFN node {peer.name} is closed") from None
-            except (PeerError, RuntimeError) as e:  # RuntimeError: gloo's connect, the FFN end gave up
-                why = first_line(e)
-            if time.monotonic() > deadline:
-                raise ControlError(
-                    f"no pair formed with FFN node {peer.name} within {deadline_s:.0f}s (last: {why})"
-                ) from None
-            if not said:
-                log.info("waiting for FFN node %s to form a pair: %s", peer.name, why)
-                said = True
-            if stop is not None and stop.wait(0.3):
-                raise ControlError(f"the cluster is shutting down: no pair formed with FFN node {peer.name}")
-            if stop is None:
-                time.sleep(0.3)
+    waiting = list(peers)
+    said: set[str] = set()
+    while True:
+        down = []
+        for peer in waiting:
+            why = _try_form(plane, peer, me, backend)
+            if why is not None:
+                down.append((peer, why))
+        if not down:
+            return []
+        if covered is not None and covered(plane):
+            for peer, why in down:
+                log.warning("FFN node %s is down (%s): its experts' replicas take its tokens", peer.name, why)
+            return [peer for peer, _ in down]
+        peer, why = down[0]
+        if time.monotonic() > deadline:
+            raise ControlError(
+                f"no pair formed with FFN node {peer.name} within {deadline_s:.0f}s (last: {why})"
+            ) from None
+        for p, w in down:
+            if p.name not in said:
+                log.info("waiting for FFN node %s to form a pair: %s", p.name, w)
+                said.add(p.name)
+        if stop is not None and stop.wait(0.3):
+            raise ControlError(f"the cluster is shutting down: no pair formed with FFN node {peer.name}")
+        if stop is None:
+            time.sleep(0.3)
+        waiting = [p for p, _ in down]
+
+
+def _try_form(plane: DataPlane, peer: FFNPeer, me: pb.NodeRef, backend) -> str | None:
+    """One try at the pair with `peer`, added to `plane` when it forms; why not, when the peer is down or
+    still loading. Raises ControlError when the peer refuses (for good) or this node is stopping."""
+    link, why = try_pair(peer, me, plane.rank, backend)
+    if link is not None:
+        plane.add(peer.rank, link)
+    return why
+
+
+def try_pair(peer: FFNPeer, me: pb.NodeRef, my_rank: int, backend) -> tuple[PairLink | None, str | None]:
+    """One try at the pair with `peer`: (the pair, None), or (None, why not) when the peer is down or still
+    loading. Raises ControlError when the peer refuses (for good) or this node is stopping."""
+    try:
+        return peer.form(backend, me, my_rank), None
+    except grpc.RpcError as e:
+        if e.code() not in _NOT_YET:
+            raise ControlError(f"FFN node {peer.name} at {peer.address} refused the pair: {e.details()}") from None
+        return None, e.details() or e.code().name
+    except ValueError as e:  # grpc's "Cannot invoke RPC on closed channel!": the node is stopping
+        if "closed channel" not in str(e):
+            raise
+        raise ControlError(f"{me.name} is stopping: its channel to FFN node {peer.name} is closed") from None
+    except (PeerError, RuntimeError) as e:  # RuntimeError: gloo's connect, the FFN end gave up
+        return None, first_line(e)

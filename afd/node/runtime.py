@@ -43,6 +43,8 @@ class NodeRuntime:
     plane: DataPlane | None = None
     ffn_peers: list[FFNPeer] = field(default_factory=list)
     """An attention rank's FFN nodes, as it forms pairs with them."""
+    left_out: list[FFNPeer] = field(default_factory=list)
+    """FFN nodes the last formation left out (down, their experts held by others): afd.node.adoption."""
     tp_world: TPWorld | None = None
     """An attention node's TP ranks' own torch.distributed world (attention_tp > 1)."""
     bind_host: str | None = None
@@ -58,26 +60,31 @@ class NodeRuntime:
         self.plane = DataPlane(self.backend, a.rank, role_timeout(self.cfg.cluster.comm_timeout, self.node.role))
         return self.plane
 
-    def form_pairs(self, deadline_s: float) -> DataPlane:
-        """An attention rank's pair with every FFN node (none in a cluster without FFN nodes)."""
+    def form_pairs(self, deadline_s: float, covered=None) -> DataPlane:
+        """An attention rank's pair with every FFN node (none in a cluster without FFN nodes). With
+        `covered` (afd.node.pairing.form_pairs), FFN nodes that are down may be left out: `left_out`."""
         plane, t0 = self.plane or self.make_plane(), time.monotonic()
         if not self.ffn_peers:
             timeout = role_timeout(self.cfg.cluster.comm_timeout, self.node.role)
             self.ffn_peers = [FFNPeer(self.cfg, r, timeout) for r in self.assignment.peer_ranks]
-        form_pairs(plane, self.ffn_peers, self.client.ref, deadline_s, self.backend, self.shutdown)
+        self.left_out = form_pairs(
+            plane, self.ffn_peers, self.client.ref, deadline_s, self.backend, self.shutdown, covered
+        )
         log.info(
-            "data plane up: rank %d, %d pair(s) over %s, in %.2fs",
+            "data plane up: rank %d, %d pair(s) over %s, in %.2fs%s",
             plane.rank,
             len(plane.peers),
             self.backend.dist_backend,
             time.monotonic() - t0,
+            f"; left out (down): {', '.join(p.name for p in self.left_out)}" if self.left_out else "",
         )
         return plane
 
-    def reform(self, why: str) -> DataPlane:
+    def reform(self, why: str, covered=None) -> DataPlane:
         """After a failure of this rank's data plane: ends its pairs (its FFN peers drop it) and forms new
-        ones, waiting up to `cluster.rejoin_timeout` for an FFN node that is down to be replaced. No other
-        node takes part. Raises ControlError when an FFN node stays away."""
+        ones, waiting up to `cluster.rejoin_timeout` for an FFN node that is down to be replaced (with
+        `covered`, not when the others hold every expert: afd.node.pairing.form_pairs). No other node takes
+        part. Raises ControlError when an FFN node stays away."""
         if self.plane is not None:
             self.plane.close()  # peers blocked on this rank see the failure at once, not after comm_timeout
             self.plane = None
@@ -86,7 +93,7 @@ class NodeRuntime:
             why,
             self.cfg.cluster.rejoin_timeout,
         )
-        return self.form_pairs(self.cfg.cluster.rejoin_timeout)
+        return self.form_pairs(self.cfg.cluster.rejoin_timeout, covered)
 
     def abort_lost_peers(self, st: pb.ClusterStatus, asked: float) -> None:
         """Aborts the pair of every data-plane peer that the coordinator reports lost (no heartbeat for
