@@ -44,7 +44,7 @@ class FFNNode:
         cfg, args = self.cfg, self.args
         self.pairs = PairAcceptor(cfg, args.node)
         rt = self.runtime = bring_up(
-            cfg, args.node, args.bind_host, self._load, on_status=_exit_on_shutdown, pairs=self.pairs
+            cfg, args.node, args.bind_host, self._load, on_status=_on_status(args.node), pairs=self.pairs
         )
         a = rt.assignment
         mtp_layers = self.ffn.mtp_layers  # the MTP module's MoE layer: per-layer metrics too
@@ -173,8 +173,22 @@ def _describe(prefetch: PrefetchSchedule | None, pcfg: PrefetchConfig) -> str:
     return f"on, per layer min(bandwidth x measured gap, cache): {spec.source}"
 
 
-def _exit_on_shutdown(status) -> None:
-    if status is not None and status.state == pb.ClusterStatus.SHUTDOWN:
-        log.info("cluster shut down (%s); exiting", status.message)
-        logging.shutdown()
-        os._exit(0)
+RESTART_EXIT = 75
+"""The exit code of an FFN node asked to restart (Coordinator.Restart): non-zero, so that its supervisor starts
+it again (EX_TEMPFAIL: try again)."""
+
+
+def _on_status(name: str):
+    def on_status(status) -> None:
+        if status is None:
+            return
+        if status.state == pb.ClusterStatus.SHUTDOWN:
+            log.info("cluster shut down (%s); exiting", status.message)
+            logging.shutdown()
+            os._exit(0)
+        if name in status.restarting:  # its attention peers re-form without it (replicas) or wait for it
+            log.warning("asked to restart (afd rebalance --apply): exiting for the supervisor to start it again")
+            logging.shutdown()
+            os._exit(RESTART_EXIT)
+
+    return on_status

@@ -52,22 +52,16 @@ class RegisterRequest(_message.Message):
     def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., version: _Optional[str] = ..., instance_id: _Optional[str] = ..., again: _Optional[bool] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class RegisterReply(_message.Message):
-    __slots__ = ("rank", "world_size", "peer_ranks", "expert_lo", "expert_hi", "serves_zero_experts", "cluster_name")
+    __slots__ = ("rank", "world_size", "peer_ranks", "cluster_name")
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     PEER_RANKS_FIELD_NUMBER: _ClassVar[int]
-    EXPERT_LO_FIELD_NUMBER: _ClassVar[int]
-    EXPERT_HI_FIELD_NUMBER: _ClassVar[int]
-    SERVES_ZERO_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_NAME_FIELD_NUMBER: _ClassVar[int]
     rank: int
     world_size: int
     peer_ranks: _containers.RepeatedScalarFieldContainer[int]
-    expert_lo: int
-    expert_hi: int
-    serves_zero_experts: bool
     cluster_name: str
-    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., expert_lo: _Optional[int] = ..., expert_hi: _Optional[int] = ..., serves_zero_experts: _Optional[bool] = ..., cluster_name: _Optional[str] = ...) -> None: ...
+    def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., cluster_name: _Optional[str] = ...) -> None: ...
 
 class NodeRef(_message.Message):
     __slots__ = ("name", "instance_id")
@@ -96,7 +90,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining")
+    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining", "restarting")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[ClusterStatus.State]
@@ -118,6 +112,7 @@ class ClusterStatus(_message.Message):
     LOST_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    RESTARTING_FIELD_NUMBER: _ClassVar[int]
     state: ClusterStatus.State
     missing: _containers.RepeatedScalarFieldContainer[str]
     registered: _containers.RepeatedScalarFieldContainer[str]
@@ -125,7 +120,8 @@ class ClusterStatus(_message.Message):
     lost: _containers.RepeatedScalarFieldContainer[str]
     message: str
     draining: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ...) -> None: ...
+    restarting: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ..., restarting: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PairRequest(_message.Message):
     __slots__ = ("name", "instance_id", "rank", "key", "timeout_seconds")

@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=afd_dot_control_dot_control__pb2.DrainRequest.SerializeToString,
                 response_deserializer=afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
                 _registered_method=True)
+        self.Restart = channel.unary_unary(
+                '/afd.control.Coordinator/Restart',
+                request_serializer=afd_dot_control_dot_control__pb2.DrainRequest.SerializeToString,
+                response_deserializer=afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/afd.control.Coordinator/Shutdown',
                 request_serializer=afd_dot_control_dot_control__pb2.ShutdownRequest.SerializeToString,
@@ -75,7 +80,7 @@ class CoordinatorServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Register(self, request, context):
-        """A node announces itself; the reply carries its data-plane rank, its peers and (FFN) its experts.
+        """A node announces itself; the reply carries its data-plane rank and its peers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -104,6 +109,14 @@ class CoordinatorServicer:
 
     def Drain(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Restart(self, request, context):
+        """An FFN node (DrainRequest.node) exits, for its supervisor to start it again with the cluster YAML as it
+        now is (`afd rebalance --apply`: a new layout.placement); its new instance may register at once.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -145,6 +158,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
+                    request_deserializer=afd_dot_control_dot_control__pb2.DrainRequest.FromString,
+                    response_serializer=afd_dot_control_dot_control__pb2.ClusterStatus.SerializeToString,
+            ),
+            'Restart': grpc.unary_unary_rpc_method_handler(
+                    servicer.Restart,
                     request_deserializer=afd_dot_control_dot_control__pb2.DrainRequest.FromString,
                     response_serializer=afd_dot_control_dot_control__pb2.ClusterStatus.SerializeToString,
             ),
@@ -292,6 +310,33 @@ class Coordinator:
             request,
             target,
             '/afd.control.Coordinator/Drain',
+            afd_dot_control_dot_control__pb2.DrainRequest.SerializeToString,
+            afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Restart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/afd.control.Coordinator/Restart',
             afd_dot_control_dot_control__pb2.DrainRequest.SerializeToString,
             afd_dot_control_dot_control__pb2.ClusterStatus.FromString,
             options,

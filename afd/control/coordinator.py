@@ -34,6 +34,9 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         self.state = State.STARTING
         self.message = ""
         self.draining: set[str] = set()
+        self.restarting: set[str] = set()
+        """FFN nodes told to exit for their supervisor to start them again (Restart); a new instance of one
+        registers at once, without waiting for the old one to miss its heartbeats."""
         self.resumed = False
         """Running nodes registered again (this coordinator restarted under a serving cluster): until every
         node is ready it reports DEGRADED, not STARTING, so that they keep taking requests."""
@@ -59,6 +62,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             lost=lost,
             message=self.message,
             draining=sorted(self.draining),
+            restarting=sorted(self.restarting),
         )
 
     def _member(self, ref: pb.NodeRef, context) -> Member:
@@ -102,7 +106,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 )
             old = self.members.get(req.name)
             replacing = old is not None and old.instance_id != req.instance_id
-            if replacing and req.name not in self._lost():
+            if replacing and req.name not in self._lost() and req.name not in self.restarting:
                 context.abort(
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"duplicate node name {req.name!r}: already registered from {old.address} "
@@ -118,6 +122,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 log.warning("node %s runs afd %s, the coordinator %s", req.name, req.version, __version__)
             if replacing:  # the old instance is gone; the new one forms its own pairs of the data plane
                 self.draining.discard(req.name)
+                self.restarting.discard(req.name)
                 log.warning("%s replaced by a new instance from %s", req.name, req.address)
             member = Member(req.name, req.role, req.address, req.instance_id, req.model_fingerprint, time.monotonic())
             if req.again:  # a running node this coordinator does not know: it restarted (its state is soft)
@@ -197,6 +202,21 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 if self.state in (State.STARTING, State.READY, State.DEGRADED):
                     self.state = State.DRAINING
                     self.message = "draining"
+            return self._status()
+
+    def Restart(self, req: pb.DrainRequest, context) -> pb.ClusterStatus:
+        """FFN node `req.node` exits when it sees this in its next heartbeat, for its supervisor (afd launch,
+        afd serve, Kubernetes) to start it again with the YAML as it is now: how `afd rebalance --apply` has
+        each FFN node load its new layout.placement."""
+        ffn = [n.name for n in self.cfg.ffn_nodes]
+        if req.node not in ffn:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{req.node!r} is not an FFN node of this cluster ({', '.join(ffn) or 'none'})",
+            )
+        with self._cv:
+            self.restarting.add(req.node)
+            log.info("%s asked to restart", req.node)
             return self._status()
 
     def Shutdown(self, req: pb.ShutdownRequest, context) -> pb.ClusterStatus:
