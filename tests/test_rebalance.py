@@ -243,6 +243,8 @@ def test_bad_inputs_exit_2_naming_them(tmp_path, capsys):
     metrics = saved_metrics(tmp_path)
     assert main(["rebalance", cfg_path, "--metrics", str(tmp_path / "gone.txt")]) == 2
     assert "gone.txt" in capsys.readouterr().err
+    assert main(["rebalance", cfg_path, "--metrics", metrics[0]]) == 0  # ffn0's file only: the others count 0
+    assert "expert(s) 4-15 in no metrics, counted 0" in capsys.readouterr().out
     assert main(["rebalance", cfg_path, "--metrics", metrics[0], "--expert-slots", "3"]) == 2
     err = capsys.readouterr().err
     assert "12 expert slots" in err and "16 routed experts" in err

@@ -162,15 +162,18 @@ def read_loads(cfg, paths: list[str] | None, n_routed: int) -> tuple[list[float]
     else:
         texts = [(f"{n.name} ({_url(n)})", scrape(n, cfg.source)) for n in cfg.ffn_nodes]
         where = f"from {len(texts)} FFN nodes' /metrics"
-    loads = [0.0] * n_routed
+    loads, seen = [0.0] * n_routed, set()
     for name, text in texts:
         for e, count in expert_tokens(text, name, n_routed).items():
             loads[e] += count
+            seen.add(e)
     if sum(loads) <= 0:
         raise UserError(
             f"the metrics {where.removeprefix('from ')} count no expert tokens yet: serve some traffic first"
         )
-    return loads, f"{where} ({sum(loads):.0f} token-expert assignments)"
+    unseen = format_experts(set(range(n_routed)) - seen)
+    note = f"; expert(s) {unseen} in no metrics, counted 0" if unseen else ""
+    return loads, f"{where} ({sum(loads):.0f} token-expert assignments{note})"
 
 
 def _url(node) -> str:
