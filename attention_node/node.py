@@ -9,11 +9,13 @@ rank 0 sends (tp_rank.TPRankNode), or offline jobs (worker.OfflineNode).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
 from afd.cluster.config import ClusterConfig
-from afd.dataplane.dispatch import RoutedMoE
+from afd.control.client import ControlError
+from afd.dataplane.dispatch import RoutedMoE, Unserved
 from afd.dataplane.exchange import MoEExchange
 from afd.model.config import parse_dtype
 from afd.model.tp.comm import SINGLE, TPComm
@@ -22,6 +24,7 @@ from afd.node.runtime import NodeRuntime, bring_up
 from attention_node.halves import Halves, build_rank, exchange, load_halves
 
 log = logging.getLogger("afd.attention")
+UNSERVED_RETRY_S = 1.0
 
 
 class AttentionNode:
@@ -70,10 +73,29 @@ class AttentionNode:
         if world is not None:
             world.form(self.cfg.cluster.rejoin_timeout)
             self.tp.connect()
-        self.moe = exchange(rt, self.halves, self.dtype)
+        self.moe = self._exchange(why)
         if rt.left_out:
             self.adopter = Adopter(rt.left_out, rt.client.ref, rt.plane.rank, rt.backend, rt.shutdown)
         return self.moe
+
+    def _exchange(self, why: str) -> MoEExchange:
+        """The exchange over the pairs just formed. Every FFN node formed but some routed expert has no holder
+        among them: a placement change is under way (afd rebalance --apply restarts the FFN nodes one at a
+        time, and the one that will hold it has not yet), so the pairs form again until the experts are
+        served, within cluster.rejoin_timeout; requests stay paused, none fails."""
+        rt = self.runtime
+        deadline = time.monotonic() + self.cfg.cluster.rejoin_timeout
+        while True:
+            try:
+                return exchange(rt, self.halves, self.dtype)
+            except Unserved as e:
+                if time.monotonic() > deadline:
+                    raise ControlError(
+                        f"{e}, for {self.cfg.cluster.rejoin_timeout:g}s (cluster.rejoin_timeout)"
+                    ) from None
+                log.warning("%s: forming the pairs again until a node holds them", e)
+                time.sleep(UNSERVED_RETRY_S)
+                rt.reform(why)
 
     def _covered(self):
         """Under routing attention: whether the pairs formed so far hold every routed expert, so that an FFN

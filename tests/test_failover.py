@@ -63,6 +63,7 @@ def test_a_killed_ffn_node_whose_experts_are_replicated_costs_no_pause(tiny_chec
         assert code == 200 and tokens is not None and float(tokens.group(1)) > 0, "the replacement took no tokens back"
 
 
+@pytest.mark.slow  # ~20 s; CI runs it in make test-slow (tests/test_rejoin.py covers the wait by default)
 def test_without_a_replica_the_rejoin_wait_holds_and_status_names_the_unserved_experts(
     tiny_checkpoint, reference, tmp_path
 ):

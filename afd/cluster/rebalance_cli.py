@@ -7,7 +7,8 @@ is expert slots per FFN node: `--expert-slots`, or `--memory-budget` bytes over 
 every MoE layer (MTP layers left out), or by default the current placement's largest node plus a quarter
 of the even share (n_routed / F), rounded up, so that a few hot experts get a replica each.
 
-It edits the YAML only: the FFN nodes take a new placement when restarted, one at a time.
+It edits the YAML; with --apply it then restarts the FFN nodes one at a time to load it
+(afd/cluster/rebalance_apply.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def add_parser(sub) -> None:
     out = p.add_mutually_exclusive_group()
     out.add_argument("--write", action="store_true", help="rewrite FILE's layout.placement (its comments are not kept)")
     out.add_argument("--output", metavar="PATH", help="write the new YAML here instead")
+    out.add_argument(
+        "--apply",
+        action="store_true",
+        help="--write, then restart the FFN nodes one at a time through the coordinator to load it (their "
+        "supervisor starts each again; afd/cluster/rebalance_apply.py)",
+    )
     p.set_defaults(func=run)
 
 
@@ -98,12 +105,24 @@ def run(args) -> int:
         )
     if new == current:
         print("the current placement is already at least as even: nothing to change")
-        if args.write:
+        if args.write or args.apply:
             return 0  # FILE as it is, comments and all
-    if args.write or args.output:
-        path = args.config if args.write else args.output
+    if args.write or args.output or args.apply:
+        path = args.output or args.config
         write(cfg, new, path, n_routed, model_cfg.expert_groups[0])
         print(f"wrote {path}" + ("; layout.routing: attention (replicas need it)" if new.replicated else ""))
+    if args.apply:
+        from afd.cli import _coordinator
+        from afd.cluster.rebalance_apply import apply
+
+        try:
+            apply(load(path), current, new, lambda rpc, req: _coordinator(cfg, rpc, req))
+        except RuntimeError as e:
+            raise UserError(str(e)) from None
+        print(
+            f"applied: max/mean node load {imbalance(current, loads):.3f} -> {imbalance(new, loads):.3f} "
+            "(by the loads read)"
+        )
     return 0
 
 
