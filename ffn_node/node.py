@@ -99,9 +99,10 @@ class FFNNode:
         )
         # graph mode as the attention nodes read it; built here, before the data plane forms, so no peer waits
         eng = self.cfg.engine
-        self.ffn = wrap(
-            ffn, rt.backend, self.cfg.layout.graph_mode, eng.graph_batch_sizes, len(a.peer_ranks), eng.compile_cache_dir
-        )
+        # a graph holds a layer's router and experts; under routing attention the router runs on the attention
+        # side and the rows per node vary, so the experts run eager (docs/architecture/graph-mode.md)
+        mode = "eager" if cfg.routing == "attention" else cfg.layout.graph_mode
+        self.ffn = wrap(ffn, rt.backend, mode, eng.graph_batch_sizes, len(a.peer_ranks), eng.compile_cache_dir)
         log.info(
             "experts %s of %d loaded (routing %s)%s",
             format_experts(held),

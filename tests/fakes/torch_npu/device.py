@@ -360,8 +360,12 @@ class NpuTensor(torch.Tensor):
 
 
 _NO_CHECK = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+_TO_DEVICE = (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype_layout)
+"""Copies between the host and a device (aten.to.dtype_layout: what .to()/.cpu() dispatch under inference_mode,
+where they are not decomposed to _to_copy; it is a view op when it may alias, but across devices it copies)."""
 _TO_HOST = {
     torch.ops.aten._to_copy.default,
+    torch.ops.aten.to.dtype_layout,
     torch.ops.aten._local_scalar_dense.default,
     torch.ops.aten.is_nonzero.default,
     torch.ops.aten.equal.default,
@@ -496,7 +500,7 @@ def _run(func, args, kwargs):
             f"devices, npu:{min(devices)} and npu:{max(devices)}!"
         )
     host = [x for x in flat if not isinstance(x, NpuTensor) and x.dim() > 0]
-    if host and func not in (torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default):
+    if host and func not in (torch.ops.aten.copy_.default, *_TO_DEVICE):
         raise RuntimeError(
             f"{func}: Expected all tensors to be on the same device, but found at least two "
             f"devices, npu:{min(devices)} and cpu!"
@@ -512,12 +516,15 @@ def _run(func, args, kwargs):
 
     to_host = (
         func in _TO_HOST
-        and not (func is torch.ops.aten._to_copy.default and torch.device(kwargs.get("device") or "npu").type == "npu")
+        and not (
+            func in _TO_DEVICE
+            and torch.device(kwargs.get("device") or "npu").type == "npu"
+        )
         or func is torch.ops.aten.copy_.default
         and not isinstance(args[0], NpuTensor)
     )
     out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
-    if func in _NO_CHECK or func.is_view:  # views touch metadata only, never the data
+    if (func in _NO_CHECK or func.is_view) and not to_host:  # views touch metadata only, never the data
         return tree_map(lambda x: _wrap(x, index, npu), out)
     if getattr(_local, "device", None) != index and threading.current_thread() is not threading.main_thread():
         _note_unbound(f"{func.__name__} on npu:{index}")
