@@ -516,10 +516,7 @@ def _run(func, args, kwargs):
 
     to_host = (
         func in _TO_HOST
-        and not (
-            func in _TO_DEVICE
-            and torch.device(kwargs.get("device") or "npu").type == "npu"
-        )
+        and not (func in _TO_DEVICE and torch.device(kwargs.get("device") or "npu").type == "npu")
         or func is torch.ops.aten.copy_.default
         and not isinstance(args[0], NpuTensor)
     )
