@@ -301,3 +301,24 @@ def test_fc2_groups_follow_the_seed():
     assert fc2_batch_ids(4, 2) == [[0, 2], [1, 3]]  # vllm-ascend's example (docs/design/tp-communication.md#groups)
     assert fc2_groups(4, 2) == ([[0, 1], [2, 3]], [[0, 2], [1, 3]])
     assert fc2_groups(8, 2) == ([[0, 1, 2, 3], [4, 5, 6, 7]], [[0, 4], [1, 5], [2, 6], [3, 7]])
+
+
+@pytest.mark.slow  # a 4-process cluster; CI runs it in make test-slow
+def test_tp2_with_routing_on_the_attention_side_at_1a2f(ckpt, hf):
+    """layout.routing attention under attention TP: each rank routes and dispatches its own token shard (sp)
+    to the two FFN nodes, in two micro-batches."""
+    llm = afd.LLM(
+        ckpt,
+        block_size=4,
+        attention_tp=2,
+        tp_comm="sp",
+        tp_comm_min_tokens=1,
+        micro_batches=2,
+        ffn_nodes=2,
+        routing="attention",
+    )
+    logits: list = []
+    ids = llm.generate_ids(PROMPTS, MAX_TOKENS, logits_out=logits)
+    for i, (hf_ids, hf_logits) in enumerate(hf):
+        assert ids[i] == hf_ids, f"prompt {i}: tokens differ from HF"
+        assert max_rel_err(logits[i], hf_logits) <= 1e-4, f"prompt {i}: logits off HF"
