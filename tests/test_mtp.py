@@ -131,11 +131,12 @@ def test_rejected_drafts_roll_the_kv_cache_back(ckpts):
 
 @pytest.mark.slow  # CI runs it in make test-slow; a default case covers the same path
 @pytest.mark.multiprocess
-def test_afd_1a1f_speculates_across_the_data_plane(ckpts, refs):
-    """At 1A1F DeepSeek-V3's MTP block sends its MoE input to the FFN node (FLAG_MTP steps): HF's greedy
-    tokens, and the colocated run's acceptance counters."""
+@pytest.mark.parametrize("F", [1, 2], ids=["1A1F", "1A2F-routed"])
+def test_afd_speculates_across_the_data_plane(ckpts, refs, F):
+    """DeepSeek-V3's MTP block sends its MoE input to the FFN nodes (FLAG_MTP steps): HF's greedy tokens, and
+    the colocated run's acceptance counters; at 1A2F the attention node routes the MTP layer's tokens too."""
     _, hf_ids = refs("deepseek_v3")
-    llm = afd.LLM(ckpts["deepseek_v3"], attention_nodes=1, ffn_nodes=1, block_size=4, speculative_tokens=2)
+    llm = afd.LLM(ckpts["deepseek_v3"], attention_nodes=1, ffn_nodes=F, block_size=4, speculative_tokens=2)
     assert llm.generate_ids(PROMPTS, NEW_TOKENS) == hf_ids
     colocated = afd.LLM(ckpts["deepseek_v3"], block_size=4, speculative_tokens=2)
     colocated.generate_ids(PROMPTS, NEW_TOKENS)
