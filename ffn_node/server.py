@@ -28,7 +28,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from afd.backend import Backend, host_syncs
+from afd.backend import Backend
 from afd.dataplane.buffers import BufferPool
 from afd.dataplane.prefetch import PrefetchSchedule
 from afd.dataplane.protocol import (
@@ -41,22 +41,18 @@ from afd.dataplane.protocol import (
     ProtocolError,
     StepHeader,
     dequantize,
-    hidden_bytes,
     packed_width,
-    row_bytes,
-    unpack_rows,
 )
 from afd.dataplane.transport import DataPlane, PeerError
 from afd.observability.ffn_metrics import FFNMetrics
 from afd.observability.timing import Timers
 from ffn_node.loop_time import LoopTime
+from ffn_node.routed import RoutedRows
 
 log = logging.getLogger("afd.ffn")
 _GONE = FLAG_LEAVE
 _FAILED = object()
 """What _post hands back for an op that could not be posted (its peer is dropped)."""
-MAX_ROWS = 1 << 20
-"""More rows than any step holds: a count above it is a broken peer's, not a size to allocate."""
 RETIRED_KEPT = 64
 """Buffers a failed peer's aborted transfer may still touch, kept from reuse (the oldest go first)."""
 
@@ -67,7 +63,7 @@ class ServeEnd(enum.Enum):
     ABANDONED = "attention peers failed and none formed a pair again within cluster.rejoin_timeout"
 
 
-class FFNServer:
+class FFNServer(RoutedRows):
     def __init__(
         self,
         ffn: nn.Module,
@@ -340,48 +336,6 @@ class FFNServer:
         with torch.inference_mode():
             y = self.time.compute(layer, gap, lambda: self.ffn(self.backend, layer, x))
         return self._after_compute(layer, total, parts, y)
-
-    def _run_routed(self, layer: int, i: int, parts: list[tuple[int, int]]):
-        """routing attention: each peer's count, then the rows it sends this node (their MoE inputs, expert
-        ids and weights) into one buffer; the experts alone run on them."""
-        recvs = []
-        for r, _ in parts:
-            buf = self._counts.setdefault(r, torch.empty(1, dtype=torch.int64, device=self.backend.device))
-            recvs.append((r, self._post(self.plane.irecv, buf, r)))
-        got = [r for r, w in recvs if self._wait(w, r, f"layer {layer} MoE count receive")]
-        sizes = self._read_counts(got)
-        rows = [(r, n) for r, n in sizes if n > 0]
-        if not rows:
-            return None, []
-        total = sum(n for _, n in rows)
-        K = self.ffn.cfg.experts_per_token
-        width = hidden_bytes(self.hidden, self.pool.dtype, self.exchange_dtype)
-        assert self.packed is not None
-        packed = self.packed.get(i, total, row_bytes(self.hidden, self.pool.dtype, K, self.exchange_dtype))
-        packed, gap = self._receive(layer, i, rows, packed)
-        xb, ids, weights = unpack_rows(packed, width, K)
-        if self.exchange_dtype == "same":
-            x = xb.contiguous().view(self.pool.dtype)
-        else:
-            x = dequantize(xb, self.exchange_dtype, self.pool.get(i, total, self.hidden))
-        self.time.idle(layer)
-        with torch.inference_mode():
-            y = self.time.compute(layer, gap, lambda: self.ffn.routed(self.backend, layer, x, weights, ids))
-        return self._after_compute(layer, total, rows, y)
-
-    def _read_counts(self, peers: list[int]) -> list[tuple[int, int]]:
-        """The counts received from `peers`, read on the host at once; a count no row buffer could hold (a
-        broken peer) drops that peer."""
-        if not peers:
-            return []
-        values = host_syncs.to_list(torch.cat([self._counts[r] for r in peers]))
-        out = []
-        for r, n in zip(peers, values):
-            if n < 0 or n > MAX_ROWS:
-                self._drop(r, f"data plane: rank {r} sent a row count of {n}", abort=True)
-                continue
-            out.append((r, n))
-        return out
 
     def _receive(self, layer: int, i: int, parts: list[tuple[int, int]], x: torch.Tensor):
         """Every peer's rows of the micro-batch into `x` (a buffer of `pool`, or of `packed`), peer by peer, and
