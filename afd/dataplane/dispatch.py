@@ -18,8 +18,6 @@ broadcast's bytes: docs/benchmarks.md, "Dispatch").
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from afd.backend import Backend, host_syncs
@@ -73,11 +71,7 @@ class _RoutedHandle:
         self.owner, self.works, self.y0, self.parts, self.keep = owner, works, y0, parts, keep
 
     def wait(self) -> torch.Tensor:
-        o = self.owner
-        t0 = time.perf_counter()
-        for peer, work, what in self.works:
-            o.plane.wait(work, peer, what)
-        o.timers.add("ffn_wait", time.perf_counter() - t0)
+        self.owner.wait_all(self.works)
         self.keep = []
         y = self.y0
         for rows, buf in self.parts:  # FFN nodes' partials added in rank order

@@ -103,11 +103,7 @@ class _RemoteHandle:
         self.owner, self.works, self.recv_bufs, self.keep = owner, works, recv_bufs, keep
 
     def wait(self) -> torch.Tensor:
-        o = self.owner
-        t0 = time.perf_counter()
-        for peer, work, what in self.works:
-            o.plane.wait(work, peer, what)
-        o.timers.add("ffn_wait", time.perf_counter() - t0)
+        self.owner.wait_all(self.works)
         self.keep = None
         if len(self.recv_bufs) == 1:
             return self.recv_bufs[0]
@@ -150,6 +146,13 @@ class RemoteMoE:
         for f in self.ffn_ranks:  # the last headers' sends were waited for in end_step
             copy_to_device(self._headers[f], StepHeader(self.step_ids[f], tokens, flags).encode())
             self._header_sends.append((f, self.plane.isend(self._headers[f], f), "step header send"))
+
+    def wait_all(self, works: list) -> None:
+        """Waits for a handle's transfers ((peer, work, what) each), the time counted as ffn_wait."""
+        t0 = time.perf_counter()
+        for peer, work, what in works:
+            self.plane.wait(work, peer, what)
+        self.timers.add("ffn_wait", time.perf_counter() - t0)
 
     def begin_step(self, tokens_per_micro_batch: list[int], mtp: bool = False) -> None:
         self._send_header(tuple(tokens_per_micro_batch), FLAG_MTP if mtp else 0)
