@@ -61,6 +61,8 @@ def test_a_killed_ffn_node_whose_experts_are_replicated_costs_no_pause(tiny_chec
         code, text = get(f"http://127.0.0.1:{port}", "/metrics")
         tokens = re.search(rb"^afd_ffn_tokens_total\{[^}]*\} (\S+)", text, re.M)
         assert code == 200 and tokens is not None and float(tokens.group(1)) > 0, "the replacement took no tokens back"
+        zero = re.search(rb"^afd_zero_expert_tokens_total\{[^}]*\} (\S+)", get(c.url(), "/metrics")[1], re.M)
+        assert zero is not None and float(zero.group(1)) > 0, "the attention node applied no identity expert"
 
 
 @pytest.mark.slow  # ~20 s; CI runs it in make test-slow (tests/test_rejoin.py covers the wait by default)

@@ -98,6 +98,8 @@ class RoutedMoE(RemoteMoE):
         super().__init__(plane, table.ranks, hidden, dtype, backend.device, timers, exchange_dtype)
         self.routers, self.backend, self.table, self.dtype = routers, backend, table, dtype
         self._calls = 0
+        self.zero_slots = 0
+        """Token assignments to identity experts applied here (afd_zero_expert_tokens_total on this node)."""
 
     def adopt(self, rank: int, experts: tuple[int, ...]) -> None:
         """At a step boundary: a newly formed pair with FFN node `rank` (a dead node's replacement) takes its
@@ -122,8 +124,10 @@ class RoutedMoE(RemoteMoE):
         F = len(self.table.ranks)
         mine = node[None] == torch.arange(F, device=m.device)[:, None, None]  # [F, T, K]
         wanted = mine.any(dim=-1)  # [F, T]
-        counts = wanted.sum(dim=1)  # [F], on the device: what each node's count message carries
+        # [F + 1] on the device: each node's rows (what its count message carries), then the identity slots
+        counts = torch.cat([wanted.sum(dim=1), (ids >= E).sum().view(1)])
         n = host_syncs.to_list(counts)  # one read per layer and micro-batch: the messages' sizes
+        self.zero_slots += n[F]
         order = torch.argsort((~wanted).to(torch.int8), dim=1, stable=True)  # [F, T]: each node's rows first
         x = m if self.exchange_dtype == "same" else quantize(m, self.exchange_dtype)
         works, parts, keep = [], [], [counts]

@@ -224,6 +224,7 @@ class Engine:
         moe = self.runner.exchange()
         wait0, sent0 = moe.timers.total("ffn_wait"), getattr(moe, "bytes_sent", 0)
         exchanged0 = dict(getattr(moe, "exchange_bytes", {}))  # RemoteMoE's, by direction
+        zero0 = getattr(moe, "zero_slots", 0)  # RoutedMoE's: identity experts applied on this side
         t0 = time.perf_counter()
         out = self.runner.execute(plan.step_seqs())
         stats = StepStats(
@@ -240,6 +241,7 @@ class Engine:
             m.a2f_bytes.inc(stats.a2f_bytes)
             for direction, n in getattr(moe, "exchange_bytes", {}).items():
                 m.exchange_bytes(direction).inc(n - exchanged0.get(direction, 0))
+            m.zero_expert_tokens.inc(getattr(moe, "zero_slots", 0) - zero0)
             m.micro_batches.set(out.micro_batches)
         return out, stats
 

@@ -112,6 +112,12 @@ class AttentionMetrics(NodeMetrics):
             "(layout.exchange_dtype), to_attention the results.",
             ("direction",),
         )
+        self.zero_expert_tokens = self._make(
+            c,
+            "afd_zero_expert_tokens",
+            "Token assignments to zero-computation (identity) experts this node applied itself "
+            "(layout.routing attention; under routing ffn an FFN node counts them).",
+        )
         self.micro_batches = self._make(
             g, "afd_micro_batches", "Micro-batches the last step ran with (fixed, or MicroBatchTuner's choice)."
         )
