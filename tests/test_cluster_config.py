@@ -99,6 +99,18 @@ def test_check_config_accepts_every_example():
             assert node.name in r.stdout
 
 
+def test_check_config_prints_the_placement_fan_out_and_bytes():
+    r = afd_many({"1a2f": ["check-config", "deploy/1a2f.yaml"]})["1a2f"]
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "expert placement (16 routed experts, top-4, routing attention):" in out
+    assert "ffn0         10 experts: 0-9" in out and "ffn1          6 experts: 10-15" in out
+    # the demo's uniform fan-out: 2 - C(10,4)/C(16,4) - C(6,4)/C(16,4) = 2 - 210/1820 - 15/1820
+    assert "fan-out per token: 1.88 of 2 FFN nodes expected (uniform routing), at most 2" in out
+    assert "broadcast to_ffn               2048.0" in out  # 2 nodes x 256 float32
+    assert "dispatch to_ffn                1981.5" in out  # 1.876 x (1024 + 4 x 8)
+
+
 def test_examples_share_no_port():
     """So that any two examples run side by side on one machine."""
     seen: dict[int, str] = {}
