@@ -118,6 +118,20 @@ def _coordinator(cfg, rpc: str, request):
         client.close()
 
 
+def cluster_status(cfg):
+    """The coordinator's ClusterStatus of `cfg`'s cluster."""
+    from afd.control import control_pb2 as pb
+
+    return _coordinator(cfg, "GetStatus", pb.StatusRequest())
+
+
+def restart_node(cfg, node: str) -> None:
+    """Asks the coordinator to have FFN node `node` restart (Coordinator.Restart)."""
+    from afd.control import control_pb2 as pb
+
+    _coordinator(cfg, "Restart", pb.DrainRequest(node=node))
+
+
 def _cmd_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 

@@ -77,6 +77,7 @@ class FFNNode:
             attention_ranks=len(a.peer_ranks),
             exchange_dtype=cfg.layout.exchange_dtype,
             routing=cfg.routing,
+            join_timeout=cfg.cluster.startup_timeout,
         )
         log.info("serving the pairs of %d attention rank(s)", len(a.peer_ranks))
 

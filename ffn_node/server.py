@@ -79,13 +79,15 @@ class FFNServer(RoutedRows):
         attention_ranks: int = 1,
         exchange_dtype: str = "same",
         routing: str = "ffn",
+        join_timeout: float = 0.0,
     ):
         """formed: the pairs formed (ffn_node/pairs.py), to adopt: lists of (attention rank, name,
         PairLink), every TP rank of one attention node, taken into use at one step boundary; current(group)
         says whether they are still their ranks' latest (ffn_node/pairs.py: a rank may have asked again).
         exchange_dtype: layout.exchange_dtype, how the MoE inputs arrive (afd.dataplane.protocol).
         routing: layout.routing, resolved: ffn (every token arrives, this node routes it) or attention (the
-        rows for this node's experts arrive with their ids and weights, after a count)."""
+        rows for this node's experts arrive with their ids and weights, after a count). join_timeout: how long
+        the first step waits for every attention rank's pair (cluster.startup_timeout)."""
         self.ffn, self.backend = ffn, backend
         self.hidden = ffn.cfg.hidden_size
         self.timers = timers or Timers()
@@ -117,6 +119,12 @@ class FFNServer(RoutedRows):
         self.steps = 0
         self.tokens = 0
         self.time = LoopTime(backend, self.timers, metrics, prefetch)
+        self._joined = False
+        self._join_by = time.monotonic() + join_timeout
+        """Before its first step the loop waits, until then, for every attention rank's pair: each FFN node
+        then groups every attention rank's k-th header into its k-th step. An attention rank taken in later
+        at a different header on two FFN nodes could have its steps grouped with another's differently on
+        each, and two such work steps wait on each other (docs/architecture/dataplane.md, "A:F ratios")."""
 
     def serve(self) -> ServeEnd:
         """Runs until every attention peer left, one asks for shutdown, or failed peers stay away."""
@@ -161,11 +169,16 @@ class FFNServer(RoutedRows):
         says when to stop instead (every peer left for good, or failed ones stayed away too long)."""
         waiting_since = time.monotonic()
         while True:
+            if not self._joined and (len(self.active) >= self.attention_ranks or time.monotonic() > self._join_by):
+                self._joined = True
+            first = not self._joined
             try:
-                ranks = self.formed.get(timeout=0.2) if not self.active else self.formed.get_nowait()
+                ranks = self.formed.get(timeout=0.2) if not self.active or first else self.formed.get_nowait()
             except queue.Empty:
-                if self.active:
+                if self.active and not first:
                     return None
+                if self.active:
+                    continue
                 if len(self.left) >= self.attention_ranks and not self.gone:
                     return ServeEnd.LEFT
                 if self.gone and time.monotonic() - waiting_since > self.rejoin_timeout:

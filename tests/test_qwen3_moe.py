@@ -79,4 +79,4 @@ def test_check_config_names_the_family_and_the_expert_split(families, tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert "family: qwen3_moe" in r.stdout.splitlines()
-    assert "experts [0, 3)" in r.stdout and "experts [3, 6)" in r.stdout
+    assert "experts 0-2" in r.stdout and "experts 3-5" in r.stdout

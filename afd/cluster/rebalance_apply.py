@@ -39,19 +39,18 @@ def restart_order(current: Placement, new: Placement) -> list[str]:
     return order
 
 
-def apply(cfg, current: Placement, new: Placement, call, out=print) -> None:
-    """Restarts the FFN nodes of `cfg` (whose YAML already holds `new`) one at a time; `call(rpc, request)`
-    reaches the coordinator (afd.cli._coordinator). Raises RuntimeError naming a node that does not come back."""
-    from afd.control import control_pb2 as pb
-
+def apply(cfg, current: Placement, new: Placement, restart, status, out=print) -> None:
+    """Restarts the FFN nodes of `cfg` (whose YAML already holds `new`) one at a time: restart(node) asks the
+    coordinator, status() returns its ClusterStatus (afd.cli's coordinator calls). Raises RuntimeError
+    naming a node that does not come back."""
     moved = [n for n, a, b in zip(current.nodes, current.held, new.held) if a != b]
     timeout = cfg.cluster.startup_timeout + cfg.cluster.heartbeat_timeout + 30
     for name in [n for n in restart_order(current, new) if n in moved]:
         out(f"restarting {name} to load its new experts ...")
-        call("Restart", pb.DrainRequest(node=name))
+        restart(name)
         end = time.monotonic() + timeout
         while True:
-            st = call("GetStatus", pb.StatusRequest())
+            st = status()
             if name not in st.restarting and name in st.ready:
                 break
             if time.monotonic() > end:

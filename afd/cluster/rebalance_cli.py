@@ -112,11 +112,11 @@ def run(args) -> int:
         write(cfg, new, path, n_routed, model_cfg.expert_groups[0])
         print(f"wrote {path}" + ("; layout.routing: attention (replicas need it)" if new.replicated else ""))
     if args.apply:
-        from afd.cli import _coordinator
+        from afd.cli import cluster_status, restart_node
         from afd.cluster.rebalance_apply import apply
 
         try:
-            apply(load(path), current, new, lambda rpc, req: _coordinator(cfg, rpc, req))
+            apply(load(path), current, new, lambda n: restart_node(cfg, n), lambda: cluster_status(cfg))
         except RuntimeError as e:
             raise UserError(str(e)) from None
         print(

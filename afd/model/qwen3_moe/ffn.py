@@ -29,8 +29,9 @@ class Router(nn.Module):
     # weights, and it returns them in the logits' dtype, so renormalising its output would divide rounded bf16
     # values where HF divides the fp32 ones. Without norm_topk_prob it would fit (not wired: Qwen3-30B-A3B and
     # Qwen3-235B-A22B, the released Qwen3-MoE checkpoints, set it).
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> weights [T, K] (x's dtype), ids [T, K]."""
+    def forward(self, x: torch.Tensor, backend: Backend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> weights [T, K] (x's dtype), ids [T, K]. `backend`: the routers' common signature (the
+        attention side passes it, afd.dataplane.dispatch); unused, see above."""
         probs = F.linear(x, self.classifier.weight).softmax(dim=-1, dtype=torch.float32)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, K]
         if self.renormalise:
@@ -57,6 +58,12 @@ class FFNHalf(halves.FFNHalf):
         self.index = {layer: k for k, layer in enumerate(cfg.moe_layers)}
         """Decoder layer -> its position in `layers`: dense layers hold nothing here."""
         self.layers = nn.ModuleList([FFNLayer(cfg, self.held) for _ in cfg.moe_layers])
+
+    def routed(
+        self, backend: Backend, i: int, m: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        # the router's weights are in m's dtype (HF's): they cross as float32, exactly, and go back to it here
+        return super().routed(backend, i, m, weights.to(m.dtype), ids)
 
     def layer(self, i: int) -> FFNLayer:
         """Decoder layer i's MoE (router and experts): what metrics and weight prefetch read."""
