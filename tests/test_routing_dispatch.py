@@ -17,7 +17,7 @@ from metrics_text import samples, total
 import afd
 from afd.cluster.placement import default_placement
 from afd.cluster.processes import NodeExited
-from afd.dataplane.protocol import dispatch_bytes, exchange_bytes
+from afd.dataplane.protocol import dequantize, dispatch_bytes, exchange_bytes, quantize
 
 pytestmark = pytest.mark.multiprocess
 NEW_TOKENS = 12
@@ -78,6 +78,78 @@ def test_replicated_experts_equal_hf_and_reach_the_nodes(families, tiny_checkpoi
         assert llm.generate_ids(PROMPTS, NEW_TOKENS) == families.ref_ids("longcat_flash", "zero_experts", NEW_TOKENS)
         assert "experts 0-3 of 6 loaded (routing attention)" in _ffn_log(llm, 0)
         assert "experts 2-5 of 6 loaded (routing attention)" in _ffn_log(llm, 1)
+
+
+# ---- int8 under routing attention ------------------------------------------------------------------------
+
+TEACHER_STEPS = 8
+"""Positions per prompt where the logits are compared, each fed HF's greedy tokens before it."""
+
+
+class _RoutedQuantizedMoE:
+    """RoutedMoE's numbers in process: the router and the identity experts on the unquantized MoE input (the
+    attention side's), the routed experts on its int8 round trip (what crosses)."""
+
+    def __init__(self, llm, exchange_dtype: str):
+        from afd.dataplane.exchange import LocalMoE
+
+        self.inner, self.llm, self.exchange_dtype = LocalMoE(llm.ffn, llm.backend), llm, exchange_dtype
+        self.timers = self.inner.timers
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit(self, layer: int, micro_batch: int, m: torch.Tensor):
+        from afd.dataplane.exchange import Ready
+
+        ffn, backend, E = self.llm.ffn, self.llm.backend, self.llm.cfg.n_routed_experts
+        weights, ids = ffn.layer(layer).router(m, backend)  # [T, K]
+        zero_w = (weights * (ids >= E)).sum(dim=-1, keepdim=True)  # [T, 1]
+        x = dequantize(quantize(m, self.exchange_dtype), self.exchange_dtype, torch.empty_like(m))
+        y = ffn.routed(backend, layer, x, weights, torch.where(ids < E, ids, -1))
+        return Ready((m * zero_w).to(m.dtype) + y)
+
+
+def _logits(llm, seqs: list[list[int]], moe=None) -> list[torch.Tensor]:
+    """The next-token logits after each sequence: through the nodes, or in process over `moe`."""
+    from afd.engine import offline
+    from afd.engine.sampling import SamplingParams
+
+    logits: list = []
+    if moe is None:
+        llm.generate_ids(seqs, 1, ignore_eos=True, logits_out=logits)
+    else:
+        engine = llm.job_engine(seqs, [1] * len(seqs), moe=moe)
+        offline.generate(engine, seqs, [1] * len(seqs), SamplingParams(temperature=0.0), True, logits)
+    return [steps[0] for steps in logits]
+
+
+@SLOW
+def test_routed_int8_exchange_is_the_in_process_quantization_and_near_hf(llm_pool, families, tiny_checkpoint):
+    """As tests/test_exchange_dtype.py holds routing ffn's int8: the cluster computes what the same quantization
+    does in process (here routed on the unquantized input, as the attention node routes before quantizing), up
+    to fp32 sums elsewhere; and against HF's logits on HF's greedy tokens, int8's bounds there."""
+    ref = families.ref("longcat_flash", "zero_experts")
+    seqs, hf = [], []
+    for p, (ids, steps) in zip(PROMPTS, ref):
+        for k in range(min(TEACHER_STEPS, len(ids))):
+            seqs.append(p + ids[:k])
+            hf.append(steps[k])
+    llm = llm_pool.get(
+        tiny_checkpoint, ffn_nodes=2, routing="attention", exchange_dtype="int8", max_restarts=0, block_size=4
+    )
+    got = _logits(llm, seqs)
+    colocated = afd.LLM(tiny_checkpoint)
+    for a, b in zip(got, _logits(colocated, seqs, _RoutedQuantizedMoE(colocated, "int8"))):
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+    agree = sum(int(a.argmax() == b.argmax()) for a, b in zip(got, hf)) / len(hf)
+    errs = sorted(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got, hf))
+    same = llm.generate_ids(PROMPTS, NEW_TOKENS) == families.ref_ids("longcat_flash", "zero_experts", NEW_TOKENS)
+    print(
+        f"routed int8: top-1 {agree:.3f}, logit err median {errs[len(errs) // 2]:.4f} max {errs[-1]:.4f}; "
+        f"free-running tokens equal HF's: {same}"
+    )
+    assert agree >= 0.9 and errs[-1] < 0.02
 
 
 # ---- bytes: 1A4F, top-2 of 16 experts --------------------------------------------------------------------
