@@ -16,32 +16,23 @@ from metrics_text import samples, total
 
 import afd
 from afd.cluster.placement import default_placement
-from afd.cluster.processes import NodeExited
 from afd.dataplane.protocol import dequantize, dispatch_bytes, exchange_bytes, quantize
 
 pytestmark = pytest.mark.multiprocess
 NEW_TOKENS = 12
 SLOW = pytest.mark.slow  # the same paths as a default case; `make test-slow` (CI) runs them
-QWEN3_ROUTER = pytest.mark.xfail(
-    strict=True,
-    raises=NodeExited,
-    reason="RoutedMoE.submit calls router(m, backend) (afd/dataplane/dispatch.py:108); Qwen3's Router.forward "
-    "takes x alone (afd/model/qwen3_moe/ffn.py:32): the attention node raises a TypeError at its first MoE layer",
-)
 
 
 def _case(family: str, A: int, F: int, micro_batches: int, default: bool = False):
-    marks = [QWEN3_ROUTER] if family == "qwen3_moe" else []
-    return pytest.param(family, A, F, micro_batches, marks=marks if default else [*marks, SLOW])
+    return pytest.param(family, A, F, micro_batches, marks=[] if default else [SLOW])
 
 
 # Every family at 1A2F, 1A3F (the tiny checkpoints' 6, 6 and 8 routed experts: 2 or more per node) and 2A2F,
-# with ping-pong (2 micro-batches) and without. The default run: each family once, 1A3F once, ping-pong once.
-# 2A2F is slow-only for now: two attention and two FFN nodes can deadlock at their first job on a loaded machine,
-# under routing ffn too and before routing attention existed (84aa557): each FFN node takes newly formed pairs
-# at its own step boundary (ffn_node/server.py FFNServer._adopt), so the FFN nodes may join different steps of
-# the attention nodes into one FFN step, and each such step waits on the other attention node.
-DEFAULT = {("longcat_flash", 1, 3, 2), ("deepseek_v3", 1, 2, 1), ("qwen3_moe", 1, 2, 1)}
+# with ping-pong (2 micro-batches) and without. The default run: each family once, 1A3F and 2A2F once each,
+# ping-pong twice. (2A2F once hung at its first job on a loaded machine: two FFN nodes had taken the two
+# attention ranks' pairs at different headers and grouped their steps differently; an FFN node now waits for
+# every attention rank's pair before its first step, ffn_node/server.py FFNServer._adopt.)
+DEFAULT = {("longcat_flash", 1, 3, 2), ("deepseek_v3", 1, 2, 1), ("qwen3_moe", 1, 2, 1), ("qwen3_moe", 2, 2, 2)}
 CASES = [
     _case(family, A, F, mb, default=(family, A, F, mb) in DEFAULT)
     for family in FAMILIES
@@ -162,7 +153,7 @@ BYTES_MODEL = dict(
     seed=4, hidden_size=128, n_routed_experts=16, moe_topk=2, zero_expert_num=0, expert_ffn_hidden_size=16
 )
 """LongCat-Flash without identity experts: every slot crosses. H = 128 fp32 rows (512 bytes) against the 16
-bytes of a row's ids and weights. (Qwen3-MoE would be the plainer top-k router, but see QWEN3_ROUTER.)"""
+bytes of a row's ids and weights."""
 
 
 @pytest.fixture(scope="module")

@@ -143,7 +143,7 @@ class RoutedMoE(RemoteMoE):
             works.append((rank, self.plane.irecv(buf, rank), f"layer {layer} MoE output receive"))
             parts.append((rows, buf))
             keep.append(packed)
-        sent = dispatch_bytes(n, self.hidden, self.dtype, K, self.exchange_dtype)
+        sent = dispatch_bytes(n[:F], self.hidden, self.dtype, K, self.exchange_dtype)
         self.bytes_sent += sent["to_ffn"]
         for d, b in sent.items():
             self.exchange_bytes[d] += b
