@@ -103,9 +103,13 @@ def section_wire(args, path: str, dummy: bool, cfg) -> dict:
         figs = [parts.wire_figures(j, F, r, L, cfg.hidden_size, args.dtype, K, fan) for j in rounds[name]]
         keys = [k for k in figs[0] if k != "counted_equals_formula"]
         results[name] = {k: median(f[k] for f in figs) for k in keys}
+        base = rounds[f"F={F} broadcast"]  # the same round's broadcast case: the drift of a shared machine cancels
+        per_round = [j["step_ms"] / b["step_ms"] for j, b in zip(rounds[name], base)]
         results[name] |= {
             "counted_equals_formula": all(f["counted_equals_formula"] for f in figs),
             "step_ms": median(j["step_ms"] for j in rounds[name]),
+            "step_vs_broadcast_per_round": [median(per_round), min(per_round), max(per_round)],
+            "expert_skew": median(parts.max_mean(j["expert_loads"]) for j in rounds[name]),
             "ffn_nodes": F,
             "routing": r,
         }
@@ -138,14 +142,10 @@ def section_rebalance(args, path: str, dummy: bool, cfg) -> dict:
         for c in clusters.values():
             c.close()
 
-    def max_mean(xs: dict) -> float:
-        v = list(xs.values())
-        return max(v) / (sum(v) / len(v)) if sum(v) else 1.0
-
     measured = {
         k: {
-            "assignments_max_mean": median(max_mean(j["node_assignments"]) for j in v),
-            "rows_max_mean": median(max_mean(j["node_rows"]) for j in v),
+            "assignments_max_mean": median(parts.max_mean(j["node_assignments"].values()) for j in v),
+            "rows_max_mean": median(parts.max_mean(j["node_rows"].values()) for j in v),
             "step_ms": median(j["step_ms"] for j in v),
             "node_assignments": v[0]["node_assignments"],
             "node_rows": v[0]["node_rows"],

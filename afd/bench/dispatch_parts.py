@@ -184,3 +184,9 @@ def shape_figures(ffn_nodes: list[int], dtype: str = "bfloat16") -> dict:
 
 def medians(rounds: list[dict], keys) -> dict:
     return {k: median(r[k] for r in rounds) for k in keys}
+
+
+def max_mean(xs) -> float:
+    """max / mean: 1.0 is even (and when nothing was counted)."""
+    v = list(xs)
+    return max(v) / (sum(v) / len(v)) if sum(v) else 1.0

@@ -24,19 +24,20 @@ def print_wire(w: dict) -> None:
     )
     print(
         "| F | routing | counted B/token/layer | of which counts | fan-out measured | formula @ measured "
-        "| counted = formula | fan-out expected | formula @ expected | measured / expected | step ms "
-        "| vs broadcast: bytes | vs broadcast: step |"
+        "| counted = formula | fan-out expected | formula @ expected | measured / expected | expert load max/mean "
+        "| step ms | vs broadcast: bytes | vs broadcast: step (per round: median, range) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     res = w["results"]
     for r in res.values():
         base = res[f"F={r['ffn_nodes']} broadcast"]
+        mid, lo, hi = r["step_vs_broadcast_per_round"]
         print(
             f"| {r['ffn_nodes']} | {r['routing']} | {r['counted']:.1f} | {r['counts_share']:.2f} | {r['fanout']:.3f} "
             f"| {r['formula_measured_fanout']:.1f} | {'yes' if r['counted_equals_formula'] else 'NO'} "
             f"| {r['expected_fanout']:.3f} | {r['formula_expected_fanout']:.1f} "
-            f"| {r['formula_measured_fanout'] / r['formula_expected_fanout']:.3f} | {r['step_ms']:.2f} "
-            f"| {r['counted'] / base['counted']:.3f}x | {r['step_ms'] / base['step_ms']:.3f}x |"
+            f"| {r['formula_measured_fanout'] / r['formula_expected_fanout']:.3f} | {r['expert_skew']:.2f} "
+            f"| {r['step_ms']:.2f} | {r['counted'] / base['counted']:.3f}x | {mid:.2f}x ({lo:.2f}-{hi:.2f}) |"
         )
 
 
