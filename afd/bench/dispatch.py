@@ -25,6 +25,7 @@ The checkpoint: --model, or the demo model with 16 routed experts top-2 and no i
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 
 from afd.bench import dispatch_parts as parts
@@ -174,7 +175,7 @@ def run(args) -> int:
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         raise ValueError(f"unknown section(s) {bad}; choose from {', '.join(SECTIONS)}")
-    res: dict = {}
+    res: dict = {"load_average": {"start": os.getloadavg()}}  # the machine's other work: it moves the step times
     with tempfile.TemporaryDirectory() as tmp:
         path, dummy = parts.bench_checkpoint(args.model, tmp)
         cfg = load_config(path)
@@ -187,6 +188,7 @@ def run(args) -> int:
             res["shapes"] = parts.shape_figures([int(f) for f in args.shape_ffn_nodes.split(",")])
         if "rebalance" in sections:
             res["rebalance"] = section_rebalance(args, path, dummy, cfg)
+    res["load_average"]["end"] = os.getloadavg()
     dispatch_report.print_all(res)
     if args.output:
         with open(args.output, "w") as f:

@@ -9,6 +9,12 @@ def print_all(res: dict) -> None:
         f"\ncheckpoint: {res['checkpoint']}; hidden {m['hidden']}, {m['n_routed']} routed experts top-{m['top_k']}, "
         f"{m['moe_layers']} MoE layers, {m['dtype']}"
     )
+    la = res.get("load_average", {})
+    if la:
+        print(
+            "load average (1, 5, 15 min) at start / end: "
+            + " / ".join(", ".join(f"{x:.1f}" for x in v) for v in la.values())
+        )
     if "wire" in res:
         print_wire(res["wire"])
     if "shapes" in res:
