@@ -236,12 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_check_config(sub)
     _add_status(sub)
     _add_drain(sub)
-    from afd.bench import graph, mtp, paged, quant, serve, step, suite, tp
+    from afd.bench import dispatch, graph, mtp, paged, quant, serve, step, suite, tp
     from afd.cluster import launch, rebalance_cli
     from afd.cluster import serve as serve_model
     from afd.observability import prometheus_config
 
-    for module in (serve_model, launch, prometheus_config, serve, step, suite, tp, graph, mtp, paged, quant):
+    for module in (serve_model, launch, prometheus_config, serve, step, suite, tp, graph, mtp, paged, quant, dispatch):
         module.add_parser(sub)
     rebalance_cli.add_parser(sub)
     args = parser.parse_args(argv)
