@@ -187,7 +187,8 @@ class FFNServer(RoutedRows):
             if self.current(ranks):
                 for r, name, link in ranks:
                     self._take(r, name, link)
-            if self.formed.empty():
+            if self.formed.empty() and (self._joined or len(self.active) >= self.attention_ranks):
+                self._joined = True
                 return None
 
     def _take(self, r: int, name: str, link) -> None:
