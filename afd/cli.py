@@ -244,7 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     for module in (serve_model, launch, prometheus_config, serve, step, suite, tp, graph, mtp, paged, quant, dispatch):
         module.add_parser(sub)
     rebalance_cli.add_parser(sub)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # the subcommand's usage, not afd's, and vLLM's flags named with afd's equivalent
+        from afd.cluster.vllm_flags import refusal
+
+        sub.choices[args.command].error(refusal(extra))
     from afd.cluster.link import LinkError
     from afd.cluster.local import ClusterError  # light: no torch
 

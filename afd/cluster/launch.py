@@ -33,6 +33,7 @@ from afd.cluster.processes import MODULES, ClusterError, Command, NodeExited, No
 from afd.cluster.supervise import RestartPolicy
 from afd.cluster.token import TOKEN_ENV, TOKEN_FILE_ENV, cluster_token, launch_token_file
 from afd.cluster.topology import with_http_port
+from afd.cluster.vllm_flags import add_vllm_flags
 
 COMMANDS = {"attention": "afd-attention", "ffn": "afd-ffn"}
 
@@ -46,6 +47,7 @@ def add_parser(sub) -> None:
     p.add_argument("--print-commands", action="store_true", help="print the per-node commands, run nothing")
     p.add_argument("--curl-example", action="store_true", help="print a curl example once ready")
     add_config_flags(p)
+    add_vllm_flags(p)
     p.set_defaults(func=run)
 
 

@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 from afd.cluster.flags import DefaultsHelpFormatter, add_config_flags, add_flags, config_argv, overrides_of
+from afd.cluster.vllm_flags import add_vllm_flags
 
 
 def add_parser(sub) -> None:
@@ -23,6 +24,7 @@ def add_parser(sub) -> None:
     add_flags(p, "attention_nodes", "ffn_nodes", "colocated", "port", "device", "host", "api_key")
     p.add_argument("--print-config", action="store_true", help="print the cluster YAML, run nothing")
     add_config_flags(p, exclude=("model",))
+    add_vllm_flags(p)
     p.set_defaults(func=run)
 
 
