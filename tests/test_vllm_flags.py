@@ -48,3 +48,11 @@ def test_an_unknown_flag_is_refused_with_the_subcommands_usage(capsys):
         and "usage: afd serve " in err
         and "afd serve: error: unrecognized arguments: --foo-bar 1" in err
     )
+
+
+def test_dtype_takes_vllms_names(capsys):
+    assert _config(capsys, "--dtype", "half")["model"]["dtype"] == "float16"
+    assert _config(capsys, "--dtype", "float")["model"].get("dtype", "float32") == "float32"
+    with pytest.raises(SystemExit):
+        main(["serve", "demo", "--dtype", "auto"])
+    assert "auto (vLLM's: the checkpoint's torch_dtype) is not taken yet" in capsys.readouterr().err

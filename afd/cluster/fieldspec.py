@@ -111,3 +111,16 @@ def speculative_count(text: str) -> int:
     if value not in (0, 1, 2):
         raise ArgumentTypeError(f"must be 0 (off), 1 or 2, got {value}")
     return value
+
+
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's --dtype names for the dtypes afd names in full."""
+
+
+def dtype_arg(text: str) -> str:
+    """--dtype: float32, bfloat16, float16, or vLLM's half and float for the last and the first."""
+    if text == "auto":
+        raise ArgumentTypeError(
+            "auto (vLLM's: the checkpoint's torch_dtype) is not taken yet: give it (float32, bfloat16 or float16)"
+        )
+    return DTYPE_ALIASES.get(text, text)

@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from afd.cluster.fieldspec import count_arg, micro_batches_arg, opt, positive_int, size_arg, speculative_count
+from afd.cluster.fieldspec import (
+    count_arg,
+    dtype_arg,
+    micro_batches_arg,
+    opt,
+    positive_int,
+    size_arg,
+    speculative_count,
+)
 from afd.cluster.http_section import HttpSection
 from afd.cluster.placement import Placement, default_placement, from_yaml
 from afd.model.tp.config import MODES as TP_MODES
@@ -97,8 +105,8 @@ class ModelSection:
     path: str = opt(None, "--model")
     """Checkpoint directory (an HF checkpoint of a supported family), or `demo`: the built-in demo checkpoint,
     made on first use."""
-    dtype: str = opt("float32", "--dtype", choices=DTYPES)
-    """Weights and activations."""
+    dtype: str = opt("float32", "--dtype", choices=DTYPES, parse=dtype_arg)
+    """Weights and activations (the flag also takes vLLM's half and float)."""
     quantization: str | None = opt(None, "--quantization", choices=QUANT_METHODS)
     """fp8 (FP8 weights per 128x128 block, FP8 activations per token), w8a8 (int8 weights per channel, int8
     activations per token) or w8a16 (8-bit weights widened in the GEMM, activations in dtype); default: the
