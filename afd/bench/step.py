@@ -7,6 +7,7 @@ and then over rounds.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import tempfile
@@ -125,7 +126,7 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=24, help="decode steps per run")
+    p.add_argument("--steps", type=_steps, default=24, help="decode steps per run (at least 3: 2 warm up untimed)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--attention-nodes", type=int, default=1)
     p.add_argument("--ffn-nodes", type=int, default=1)
@@ -139,6 +140,13 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
+
+
+def _steps(text: str) -> int:
+    n = int(text)
+    if n < 3:  # _summarize skips the first 2 decode steps (warm-up): fewer leave no step to time
+        raise argparse.ArgumentTypeError(f"{n}: at least 3 (the first 2 decode steps warm up and are not timed)")
+    return n
 
 
 def _colocated(model: str, prompts, steps: int) -> list[dict]:

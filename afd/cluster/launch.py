@@ -209,11 +209,15 @@ class _Launcher:
         for u in urls:  # one line each, for scripts
             print(u, flush=True)
         if curl_example:
+            # the key itself is never printed: the example names where it is (an API key was set: --api-key,
+            # --api-key-file or $AFD_API_KEY, all handed to the nodes as AFD_API_KEY)
+            auth = ' -H "Authorization: Bearer $AFD_API_KEY"' if "AFD_API_KEY" in self.env else ""
             procs.say(
                 "try: curl "
                 + shlex.quote(f"{urls[0]}/v1/completions")
+                + auth
                 + ' -H \'Content-Type: application/json\' -d \'{"prompt": "Experts are", '
-                '"max_tokens": 16, "temperature": 0}\''
+                '"max_tokens": 16, "temperature": 0}\'' + (" (with the API key in $AFD_API_KEY)" if auth else "")
             )
 
 
