@@ -107,9 +107,7 @@ class RoutedMoE(RemoteMoE):
         holdings = {**self.table.holdings, rank: experts}
         self.table = RouteTable(holdings, self.table.n_routed, self.pool.device)
         self.ffn_ranks = self.table.ranks
-        self.step_ids.setdefault(rank, 0)
-        self._headers.setdefault(rank, torch.empty_like(next(iter(self._headers.values()))))
-        self._acks.setdefault(rank, torch.empty_like(next(iter(self._acks.values()))))
+        self._add_peer(rank)
 
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
         m = m.contiguous()

@@ -131,15 +131,24 @@ class RemoteMoE:
         self.exchange_dtype = exchange_dtype
         self.timers = timers or Timers()
         self.pool = BufferPool(device, dtype)
-        self._headers = {f: torch.empty(HEADER_LEN, dtype=torch.int64, device=device) for f in ffn_ranks}
         self._header_sends: list = []
-        self._acks = {f: torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=device) for f in ffn_ranks}
-        self.step_ids = dict.fromkeys(ffn_ranks, 0)
+        self._headers: dict[int, torch.Tensor] = {}
+        self._acks: dict[int, torch.Tensor] = {}
+        self.step_ids: dict[int, int] = {}
         """The next step id of each FFN peer: a pair counts from 0 from its formation, so a pair adopted later
         (afd.dataplane.dispatch: a replacement FFN node) counts on its own."""
+        for f in ffn_ranks:
+            self._add_peer(f)
         self.bytes_sent = 0
         self.exchange_bytes = dict.fromkeys(DIRECTIONS, 0)
         """Bytes of MoE inputs sent and results received, over every FFN peer (afd_exchange_bytes_total)."""
+
+    def _add_peer(self, f: int) -> None:
+        """A newly formed pair with FFN node f: its header and ack buffers, and its steps counted from 0."""
+        device = self.pool.device
+        self._headers[f] = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+        self._acks[f] = torch.empty(IDLE_ACK_LEN, dtype=torch.int64, device=device)
+        self.step_ids[f] = 0
 
     def _send_header(self, tokens: tuple[int, ...], flags: int) -> None:
         self._header_sends = []
