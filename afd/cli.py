@@ -55,26 +55,11 @@ def _add_check_config(sub) -> None:
     p.set_defaults(func=_cmd_check_config)
 
 
-def _model_config(cfg):
-    """The YAML's model config where this host can read it (the demo's always), else None."""
-    import os
-
-    from afd.model.demo_config import DEMO_CONFIG
-    from afd.model.registry import config_from_hf, load_config
-
-    if cfg.model.path == "demo":
-        return config_from_hf(DEMO_CONFIG)
-    if os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        return load_config(cfg.model.path)
-    return None
-
-
 def _cmd_check_config(args) -> int:
     from afd.cluster.config import check_expert_layout, load
-    from afd.cluster.topology import describe
+    from afd.cluster.topology import describe, local_model
 
-    cfg = load(args.config)
-    model_cfg = _model_config(cfg)
+    cfg, model_cfg = local_model(load(args.config))
     placement = None
     if model_cfg is not None:
         placement = check_expert_layout(cfg, model_cfg.n_routed_experts, model_cfg.expert_groups[0])
@@ -88,7 +73,7 @@ def _cmd_check_config(args) -> int:
     if getattr(cfg.layout, "attention_tp", 1) > 1:  # bytes per TP rank and layer, by formula
         from afd.model.tp.volume import check_config_report
 
-        print(check_config_report(cfg))
+        print(check_config_report(cfg, model_cfg))
     return 0
 
 
@@ -161,7 +146,9 @@ def _cmd_status(args) -> int:
 def _unserved_experts(cfg, down: set[str]) -> list[int] | None:
     """Routed experts that no FFN node outside `down` holds (their tokens wait for a replacement); None where
     the cluster has no FFN nodes or the model is not readable here."""
-    model_cfg = None if cfg.colocated else _model_config(cfg)
+    from afd.cluster.topology import local_model
+
+    model_cfg = None if cfg.colocated else local_model(cfg)[1]
     if model_cfg is None:
         return None
     placement = cfg.placement(model_cfg.n_routed_experts, model_cfg.expert_groups[0])
@@ -228,7 +215,8 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: printed as one line, exit code 2."""
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """`afd` and its subcommands' parsers."""
     parser = argparse.ArgumentParser(prog="afd", description="Attention-FFN Disaggregated MoE serving")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
@@ -244,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     for module in (serve_model, launch, prometheus_config, serve, step, suite, tp, graph, mtp, paged, quant, dispatch):
         module.add_parser(sub)
     rebalance_cli.add_parser(sub)
+    return parser, sub
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, sub = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's usage, not afd's, and vLLM's flags named with afd's equivalent
         from afd.cluster.vllm_flags import refusal

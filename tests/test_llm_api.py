@@ -51,10 +51,13 @@ def test_progress_writes_plain_lines_when_not_on_a_terminal(caplog):
 # the job: afd.engine.factory), its shutdown grace, and the sampling seed (generate() takes its own).
 NOT_FOR_OFFLINE_NODES = {
     "path",  # carried as LocalClusterSpec.model
+    "revision",  # a hub name's: afd.LLM hands its nodes the snapshot directory it resolved
+    "download_dir",
     "max_model_len",
     "served_model_name",
     "chat_template",
     "kv_cache_bytes",
+    "gpu_memory_utilization",
     "max_num_seqs",
     "max_num_batched_tokens",
     "shutdown_timeout",

@@ -13,6 +13,7 @@ import os
 import time
 from datetime import datetime
 
+from afd.bench.common import at_least, count_flag
 from afd.cluster.flags import DefaultsHelpFormatter
 
 # aiohttp, numpy and tqdm are imported where used: `afd --help` and the other subcommands should not pay for them.
@@ -30,19 +31,21 @@ def add_parser(sub) -> None:
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
     p.add_argument("--dataset-name", default="random", help="only `random` is supported")
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
+    count_flag(p, "--random-input-len", 1024)
+    count_flag(p, "--random-output-len", 128)
     p.add_argument(
         "--random-range-ratio", type=float, default=0.0, help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]"
     )
-    p.add_argument("--num-prompts", type=int, default=1000)
+    count_flag(p, "--num-prompts", 1000)
     p.add_argument(
         "--request-rate",
         type=float,
         default=math.inf,
         help="requests per second with Poisson arrivals; inf (default) sends all at once",
     )
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument(
+        "--max-concurrency", type=at_least(1), default=None, help="most requests in flight at once (at least 1)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentile-metrics", default=DEFAULT_METRICS)
     p.add_argument("--metric-percentiles", default="50,90,99")
@@ -52,10 +55,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="bearer token (default: $AFD_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument(
         "--vocab-size",
-        type=int,
+        type=at_least(1),
         default=None,
         help="prompt token ids are drawn from [0, vocab-size) (default: the --tokenizer's vocabulary, "
-        "else the vocab_size the server lists in GET /v1/models)",
+        "else the vocab_size the server lists in GET /v1/models; at least 1)",
     )
     p.add_argument(
         "--no-ignore-eos",

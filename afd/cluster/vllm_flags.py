@@ -25,7 +25,6 @@ ACCEPTED = {
 """vLLM flags (switches) that afd takes and that change nothing, and why."""
 
 REFUSED = {
-    "--gpu-memory-utilization": "--kv-cache-bytes (the KV cache's size in bytes, per attention rank)",
     "--pipeline-parallel-size": None,
     "-pp": None,
     "--data-parallel-size": "--attention-nodes (each attention node is a data-parallel replica of the attention half)",
@@ -36,8 +35,6 @@ REFUSED = {
     "--swap-space": None,
     "--cpu-offload-gb": None,
     "--tokenizer": None,
-    "--revision": None,
-    "--download-dir": None,
     "--num-speculative-tokens": "--speculative-tokens (MTP drafts from the checkpoint's own module)",
     "--speculative-config": "--speculative-tokens (MTP drafts from the checkpoint's own module)",
     "--enable-prefix-caching": None,

@@ -28,7 +28,7 @@ from afd.engine.kv_cache import CacheConfig, KVCache, blocks_needed
 from afd.engine.runner import ModelRunner
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import Tokenizer
-from afd.model.config import ModelConfig, parse_dtype
+from afd.model.config import ConfigError, ModelConfig, parse_dtype
 from afd.model.mla import attach_backend
 from afd.model.quant_layers import quantize_linears
 from afd.model.tp.comm import SINGLE, TPComm
@@ -73,6 +73,8 @@ def build_runner(
         need = (blocks_needed(len(p) + n, eng.block_size) for p, n in zip(job.prompts, job.max_tokens))
         blocks = N * max(1, sum(-(-b // N) for b in need)) + scratch_blocks(graph, tp, device)
     else:
+        if eng.gpu_memory_utilization is not None:
+            eng = dataclasses.replace(eng, kv_cache_bytes=memory_share(backend or get_backend(device.type), eng))
         budget = _without_mtp_layer(eng, mcfg, mtp if eng.speculative_tokens else None)
         per_rank = CacheConfig(block_size=eng.block_size, memory_budget_bytes=budget.kv_cache_bytes)
         blocks = N * per_rank.resolve_num_blocks(mcfg, dtype.itemsize)
@@ -149,6 +151,32 @@ def build_engine(
         metrics,
         eng.speculative_tokens,
     )
+
+
+def memory_share(backend: Backend, eng: EngineSection) -> int:
+    """KV-cache bytes under --gpu-memory-utilization u: what this rank may still take of u x its device's
+    memory once the weights are in, free - (1 - u) x total (every process's use counts: two ranks on one
+    device each given 0.5 share it instead of both claiming all of it)."""
+    u = eng.gpu_memory_utilization
+    assert u is not None
+    free, total = backend.memory_info()
+    budget = int(free - (1 - u) * total)
+    gib = 2**30
+    if budget <= 0:
+        raise ConfigError(
+            f"--gpu-memory-utilization {u:g}: {(total - free) / gib:.1f} of {total / gib:.1f} GiB of {backend.device} "
+            f"are in use after the weights loaded, at or above the {u:.0%} allowed: nothing is left for the KV "
+            "cache (raise it, or size the cache with --kv-cache-bytes)"
+        )
+    log.info(
+        "--gpu-memory-utilization %g: %.2f GiB for the KV cache (%.1f of %.1f GiB free on %s)",
+        u,
+        budget / gib,
+        free / gib,
+        total / gib,
+        backend.device,
+    )
+    return budget
 
 
 def _without_mtp_layer(eng: EngineSection, mcfg: ModelConfig, mtp: MTPModule | None) -> EngineSection:

@@ -13,7 +13,7 @@ from afd.cluster.flags import flat_overrides, with_overrides
 from afd.cluster.local import LocalCluster
 from afd.cluster.local_config import local_config
 from afd.cluster.local_spec import LocalClusterSpec, reports_logits
-from afd.cluster.topology import resolve_model_path
+from afd.cluster.topology import resolve_model_path, with_checkpoint_dtype
 from afd.dataplane.exchange import LocalMoE, MoEExchange
 from afd.engine import offline
 from afd.engine.engine import Engine
@@ -77,7 +77,7 @@ class LLM:
             colocated = attention_nodes is None and ffn_nodes is None
         A, F = attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes)
         sections = flat_overrides({"micro_batches": 1, **options, "path": resolve_model_path(model)})
-        self.config = local_config(A, F, sections, name="local-job", threads=1)
+        self.config = with_checkpoint_dtype(local_config(A, F, sections, name="local-job", threads=1))
         """The job's configuration (a cluster YAML's: afd.cluster.schema)."""
         model, lay, eng = self.config.model.path, self.config.layout, self.config.engine
         self.graph_report: dict | None = None
