@@ -25,7 +25,7 @@ from afd.engine.llm_inputs import Prompt, conversations_of, prompts_of, render, 
 from afd.engine.llm_nodes import _add_counters, _cluster_spec, run_on_nodes
 from afd.engine.llm_outputs import RequestOutput, completion_output
 from afd.engine.llm_params import SamplingParams as VLLMSamplingParams
-from afd.engine.llm_params import default_sampling_params, llm_options
+from afd.engine.llm_params import default_sampling_params, llm_options, per_prompt
 from afd.engine.offline import Completion, OfflineRequest
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import Tokenizer, load_tokenizer
@@ -44,20 +44,14 @@ class LLM:
     """
 
     def __init__(self, model: str, **options: Any):
-        """`options`: vLLM's LLM keywords (afd.engine.llm_params.llm_options: `tensor_parallel_size` is
-        attention_tp, `enforce_eager` graph_mode eager, `seed` the sampling seed of requests without their
-        own, `max_model_len`, `dtype`, `quantization`; the rest are accepted where they change nothing here
-        or refused naming afd's equivalent), where it runs, and any field of the configuration by name
-        (afd.cluster.schema; e.g. dummy_weights, weights_seed, block_size, overlap, micro_batches, tp_comm,
-        kvp, speculative_tokens, graph_mode, graph_batch_sizes, compile_cache_dir), checked as the cluster
-        YAML is.
-
-        Where it runs: `device` (cpu; colocated only), and colocated (both halves in this process) unless
-        `attention_nodes` or `ffn_nodes` is given (or `colocated=False`): then that many node processes on this
-        machine (afd.cluster.local), started by the first generate() and kept until close(), the end of a
-        `with` block, or the LLM's collection. With attention_tp > 1 every attention node is that
-        many processes (afd.model.tp); colocated, that is one attention node whose ranks each hold every
-        expert (a cluster without FFN nodes). Offline, micro_batches defaults to 1.
+        """`options`: vLLM's LLM keywords (afd.engine.llm_params.llm_options; README "Offline, in Python"),
+        any field of the configuration by name (afd.cluster.schema, checked as the cluster YAML is; the dummy
+        weights' seed is `weights_seed`), and where it runs: `device` (cpu; colocated only), and colocated
+        (both halves in this process) unless `attention_nodes` or `ffn_nodes` is given (or colocated=False):
+        then that many node processes on this machine (afd.cluster.local), started by the first generate()
+        and kept until close(), the end of a `with` block, or the LLM's collection. With attention_tp > 1
+        (tensor_parallel_size) every attention node is that many processes (afd.model.tp); colocated, one
+        attention node whose ranks each hold every expert. Offline, micro_batches defaults to 1.
         speculative_tokens: `spec_decode` then holds the last generate()'s acceptance counters. Colocated,
         each generate() builds its graphs anew (the KV cache is sized per job): a warm compile cache makes
         that reloads."""
@@ -165,17 +159,7 @@ class LLM:
     def _generate(self, prompts: list[Prompt], sampling_params, use_tqdm, lora_request, params) -> list[RequestOutput]:
         if lora_request is not None:
             raise ValueError("afd has no LoRA adapters (lora_request)")
-        if sampling_params is not None and params:
-            raise ValueError(f"give sampling_params or SamplingParams fields ({', '.join(params)}), not both")
-        if params:
-            try:
-                sampling_params = VLLMSamplingParams(**params)
-            except TypeError as e:
-                raise ValueError(f"generate(): {e} (SamplingParams' fields are vLLM's)") from None
-        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(sps) != len(prompts):
-            raise ValueError(f"{len(sps)} sampling_params for {len(prompts)} prompts")
-        sps = [sp if sp is not None else self.get_default_sampling_params() for sp in sps]
+        sps = per_prompt(sampling_params, params, len(prompts), self.get_default_sampling_params)
         requests, owner = requests_of(prompts, sps, self.max_model_len)
         offline.validate_prompts(self.cfg, [r.prompt_ids for r in requests], [r.max_tokens for r in requests])
         done = self._run(requests, bool(use_tqdm))
@@ -187,13 +171,8 @@ class LLM:
     def _run(self, requests: list[OfflineRequest], progress: bool) -> list[Completion]:
         """The completions of a job's sequences, on this process's engine (with the tokenizer: text, stop
         strings and its EOS ids, as a server's) or the node processes (afd.engine.llm_nodes)."""
-        prompts, per = [r.prompt_ids for r in requests], [r.max_tokens for r in requests]
         if not self.cluster:
-            engine = self.job_engine(prompts, per, tokenizer=self.tokenizer)
-            out = offline.run(engine, requests, progress=progress)
-            self.graph_report = graph_report(engine.runner.attn)
-            self.spec_decode = engine.spec.stats.report() if engine.spec else None
-            return out
+            return self._colocated(requests, self.tokenizer, None, progress)
         tok = self.tokenizer
         eos = tok.eos_token_ids if tok is not None and tok.eos_token_ids else tuple(self.cfg.eos_token_ids)
         return run_on_nodes(requests, self._on_nodes, tok, eos)
@@ -219,8 +198,13 @@ class LLM:
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         if self.cluster:
             return self._on_nodes(prompt_token_ids, per, params, ignore_eos, logits_out)
-        engine = self.job_engine(prompt_token_ids, per)
-        out = offline.generate(engine, prompt_token_ids, per, params, ignore_eos, logits_out, progress=progress)
+        requests = [OfflineRequest(p, n, params, ignore_eos=ignore_eos) for p, n in zip(prompt_token_ids, per)]
+        return [c.token_ids for c in self._colocated(requests, None, logits_out, progress)]
+
+    def _colocated(self, requests: list[OfflineRequest], tok: Tokenizer | None, logits_out, progress: bool):
+        """One job on this process's engine (afd.engine.offline.run)."""
+        engine = self.job_engine([r.prompt_ids for r in requests], [r.max_tokens for r in requests], tokenizer=tok)
+        out = offline.run(engine, requests, logits_out, progress=progress)
         self.graph_report = graph_report(engine.runner.attn)
         self.spec_decode = engine.spec.stats.report() if engine.spec else None
         return out

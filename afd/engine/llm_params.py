@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,27 @@ def default_sampling_params(model_dir: str) -> SamplingParams:
         with open(path) as fh:
             gen = json.load(fh)
     return SamplingParams(**{ours: gen[hf] for hf, ours in GENERATION_CONFIG_FIELDS.items() if hf in gen})
+
+
+def per_prompt(
+    sampling_params: SamplingParams | list[SamplingParams] | None,
+    fields: dict[str, Any],
+    num_prompts: int,
+    default: Callable[[], SamplingParams],
+) -> list[SamplingParams]:
+    """generate()'s sampling per prompt: one SamplingParams for all, one each, or `fields` (SamplingParams
+    fields as generate()'s keywords, afd's earlier form); None is `default()` (vLLM's defaults)."""
+    if sampling_params is not None and fields:
+        raise ValueError(f"give sampling_params or SamplingParams fields ({', '.join(fields)}), not both")
+    if fields:
+        try:
+            sampling_params = SamplingParams(**fields)
+        except TypeError as e:
+            raise ValueError(f"generate(): {e} (SamplingParams' fields are vLLM's)") from None
+    sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * num_prompts
+    if len(sps) != num_prompts:
+        raise ValueError(f"{len(sps)} sampling_params for {num_prompts} prompts")
+    return [sp if sp is not None else default() for sp in sps]
 
 
 # ---- LLM(...) keywords ------------------------------------------------------------------------------------
