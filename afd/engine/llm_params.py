@@ -11,10 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from argparse import ArgumentTypeError
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from afd.cluster.fieldspec import dtype_arg
 from afd.cluster.flags import SECTIONS
 from afd.engine import sampling
 
@@ -233,6 +235,11 @@ def llm_options(options: dict[str, Any]) -> dict[str, Any]:
             out["dummy_weights"] = True
         elif fmt not in ("auto", "safetensors"):
             raise ValueError(f"load_format {fmt!r}: afd reads safetensors (or 'dummy': seeded random weights)")
+    if "dtype" in out:  # vLLM's spellings (half, float, torch.bfloat16) as afd's flag takes them
+        try:
+            out["dtype"] = dtype_arg(str(out["dtype"]).removeprefix("torch."))
+        except ArgumentTypeError as e:
+            raise ValueError(f"dtype: {e}") from None
     if "served_model_name" in out and isinstance(out["served_model_name"], list):
         out["served_model_name"] = out["served_model_name"][0]
     if "seed" in out and "sampling_seed" in out and out["seed"] != out["sampling_seed"]:
