@@ -48,7 +48,8 @@ def test_progress_writes_plain_lines_when_not_on_a_terminal(caplog):
 
 # Fields an offline job's node processes do not need: the serving API's (name, template, context limit:
 # afd.LLM checks prompt lengths itself), the serving engine's limits (a job's cache and batch hold exactly
-# the job: afd.engine.factory), its shutdown grace, and the sampling seed (generate() takes its own).
+# the job: afd.engine.factory), its shutdown grace, and the sampling seed (LLM(seed=...): not carried yet, the
+# offline worker does not seed from it; requests with their own seed sample alike on nodes and colocated).
 NOT_FOR_OFFLINE_NODES = {
     "path",  # carried as LocalClusterSpec.model
     "max_model_len",

@@ -32,6 +32,8 @@ def run_on_nodes(
 ) -> list[Completion]:
     """The requests' completions, one node job (`job(prompts, max_tokens, params, ignore_eos, logits_out)`)
     per group of equal sampling; the steps' logits come back only where logprobs are asked for."""
+    if tok is None and any(r.stop for r in requests):
+        raise ValueError("stop strings need the model's tokenizer (tokenizer.json)")
     done: list[Completion | None] = [None] * len(requests)
     for group in groups(requests):
         first = requests[group[0]]

@@ -182,6 +182,9 @@ _ACCEPTED = {
     "enable_prefix_caching": "afd has no prefix cache yet",
     "tokenizer_mode": "afd reads tokenizer.json",
     "disable_custom_all_reduce": "afd's TP collectives are torch.distributed's",
+    "enable_chunked_prefill": "afd always chunks prompts (an offline job's in one step)",
+    "max_seq_len_to_capture": "graph mode buckets by batch size: graph_batch_sizes",
+    "disable_async_output_proc": "outputs are processed on the engine thread",
 }
 """vLLM keywords that change nothing in an afd.LLM, and why (any value is taken)."""
 
@@ -198,6 +201,8 @@ _REFUSED = {
     "speculative_config": (None, "speculative_tokens (MTP drafts from the checkpoint's own module)"),
     "compilation_config": (None, "graph_mode and graph_batch_sizes"),
     "hf_overrides": (None, None),
+    "generation_config": ("auto", None),
+    "skip_tokenizer_init": (False, "give prompts as token ids; outputs' text is empty without tokenizer.json"),
 }
 """vLLM keywords afd cannot honour -> (the value it takes, afd's equivalent or None)."""
 
