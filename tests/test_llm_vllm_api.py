@@ -227,3 +227,13 @@ def test_on_node_processes_as_colocated(llm):
         if a.logprobs:
             assert [sorted(d) for d in a.logprobs] == [sorted(d) for d in b.logprobs]
             assert a.cumulative_logprob == pytest.approx(b.cumulative_logprob, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_size_2_runs_as_colocated(llm):
+    """vLLM's tensor_parallel_size=2: one attention node of two TP ranks (every expert on each), greedy
+    tokens as colocated's."""
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+    with LLM("demo", tensor_parallel_size=2) as tp:
+        assert [o.outputs[0].token_ids for o in tp.generate(PROMPTS, sp)] == want
