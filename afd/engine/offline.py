@@ -1,4 +1,6 @@
-"""Offline generation on the serving engine: a batch of prompts in, their generated ids out.
+"""Offline generation on the serving engine: a batch of requests in (each with its own sampling and stop
+strings: `run`), their completions out (ids, text, finish and stop reasons, logprobs); `generate` is the
+ids-only form with one sampling for all.
 
 `afd.LLM` (colocated), the attention node's offline worker (what `afd generate --attention-nodes A`
 and `afd.LLM(attention_nodes=A)` start) and the benchmarks all run here, on the engine that serves
