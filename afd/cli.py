@@ -35,6 +35,10 @@ def _cmd_generate(args) -> int:
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--prompt-ids {args.prompt_ids}: {e}") from None
     options = {k: v for values in overrides_of(args).values() for k, v in values.items() if k != "path"}
+    # --seed seeds sampling, as in serve (engine.sampling_seed); --weights-seed the dummy weights (model.seed)
+    if "seed" in options:
+        options["weights_seed"] = options.pop("seed")
+    seed = options.get("sampling_seed")
     if not args.colocated:  # node processes: the micro-batch count is measured unless given (colocated: 1)
         A, F = args.attention_nodes or 1, 1 if args.ffn_nodes is None else args.ffn_nodes
         options = {"micro_batches": 0, **options, "attention_nodes": A, "ffn_nodes": F}
@@ -42,8 +46,9 @@ def _cmd_generate(args) -> int:
     from afd.engine.llm import LLM
 
     llm = LLM(args.model, device=args.device, **options)
+    # every prompt's sampling seeded with --seed, as a request's own seed: the same tokens colocated or on nodes
     out = llm.generate_ids(
-        prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos, progress=True
+        prompts, args.max_tokens, temperature=args.temperature, seed=seed, ignore_eos=args.ignore_eos, progress=True
     )
     print(json.dumps(out))
     return 0

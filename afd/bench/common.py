@@ -93,7 +93,7 @@ class Colocated:
     def __init__(self, model_dir: str, dummy_weights: bool = False, seed: int = 0):
         from afd.engine.llm import LLM
 
-        self.llm = LLM(model_dir, dummy_weights=dummy_weights, seed=seed)
+        self.llm = LLM(model_dir, dummy_weights=dummy_weights, weights_seed=seed)
         self.cfg, self.backend, self.attn, self.ffn = self.llm.cfg, self.llm.backend, self.llm.attn, self.llm.ffn
 
     def generate(self, prompts: list[list[int]], new_tokens: int, threads: int, graph=None) -> Run:
