@@ -128,8 +128,9 @@ STRUCTURED = {
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True,),
-    # vLLM's names before `structured_outputs` (gone from its models since 0.12; the structured-output work
-    # takes them as the issue asks, so until then they are refused, not ignored as vLLM 0.33 ignores them)
+    # vLLM's older names for structured outputs: vLLM 0.33's models no longer have them and it ignores them with a
+    # warning (_REMOVED_GUIDED_FIELDS, vllm/entrypoints/serve/engine/protocol.py); the structured-output work
+    # takes them, as the issue asks, so until then they are refused rather than ignored
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
