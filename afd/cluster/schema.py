@@ -209,6 +209,10 @@ class EngineSection:
     every node reads it (FFN nodes then hold the MTP layer's experts too)."""
     sampling_seed: int | None = opt(None, "--seed")
     """Seed of the random sampling of requests that bring no seed of their own (vLLM's --seed)."""
+    enable_log_requests: bool = opt(False, "--enable-log-requests")
+    """One log line per request on the attention node, vLLM's "Received request ID: params: ..." (the prompt
+    and its token ids at DEBUG). Off by default as in vLLM, whose engine argument it is (AsyncEngineArgs);
+    vLLM's older --disable-log-requests is taken for off."""
 
 
 @dataclass(frozen=True)

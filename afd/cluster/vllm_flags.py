@@ -17,7 +17,6 @@ ALIASES = {
 
 ACCEPTED = {
     "--trust-remote-code": "afd runs no code from a checkpoint: its families are afd's own",
-    "--disable-log-requests": "afd logs no request",
     "--disable-log-stats": "afd logs no periodic stats: its metrics are on /metrics",
     "--enable-chunked-prefill": "afd always chunks prompts to --max-num-batched-tokens",
     "--no-enable-prefix-caching": "afd has no prefix cache yet",
@@ -57,6 +56,13 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         action="store_const",
         const="eager",
         help="= --graph-mode eager",
+    )
+    g.add_argument(  # vLLM dropped it when it made request logging opt-in; its scripts still pass it
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        default=None,
+        help="= --no-enable-log-requests (vLLM's older flag; request logging is off by default)",
     )
     for name, why in ACCEPTED.items():
         g.add_argument(name, dest=f"vllm_{name[2:].replace('-', '_')}", action="store_true", help=f"accepted: {why}")
