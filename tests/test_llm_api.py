@@ -62,7 +62,7 @@ NOT_FOR_OFFLINE_NODES = {
     "max_num_seqs",
     "max_num_batched_tokens",
     "shutdown_timeout",
-    "sampling_seed",
+    "enable_log_requests",  # an offline job's nodes open no API
     "zero_experts",  # routing ffn's identity-expert holder: a local cluster's is its first FFN node
 }
 

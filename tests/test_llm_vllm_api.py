@@ -237,3 +237,18 @@ def test_tensor_parallel_size_2_runs_as_colocated(llm):
     want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
     with LLM("demo", tensor_parallel_size=2) as tp:
         assert [o.outputs[0].token_ids for o in tp.generate(PROMPTS, sp)] == want
+
+
+@pytest.mark.slow
+def test_the_llms_seed_reaches_node_processes():
+    """LLM(seed=...) seeds the attention node's default generator: requests without a seed of their own sample
+    the same tokens from a new LLM with the same seed, and others from another seed."""
+    sp = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+
+    def sampled(seed: int) -> list:
+        with LLM("demo", attention_nodes=1, ffn_nodes=1, seed=seed) as nodes:
+            return [o.outputs[0].token_ids for o in nodes.generate(PROMPTS, sp)]
+
+    first = sampled(5)
+    assert sampled(5) == first
+    assert sampled(6) != first

@@ -213,7 +213,7 @@ def test_the_api_refuses_counts_and_logs(caplog, log_requests):
         assert received == []
 
 
-def test_request_logging_is_vllms_opt_in_flag_and_its_older_opt_out_is_taken(capsys):
+def test_requests_are_logged_unless_vllms_opt_out_flags_say_not(capsys):
     import yaml
 
     from afd.cli import main
@@ -222,9 +222,9 @@ def test_request_logging_is_vllms_opt_in_flag_and_its_older_opt_out_is_taken(cap
         assert main(["serve", "demo", "--print-config", *argv]) == 0
         return yaml.safe_load(capsys.readouterr().out).get("engine", {})
 
-    assert engine().get("enable_log_requests", False) is False  # off by default, as in vLLM 0.33
-    assert engine("--enable-log-requests")["enable_log_requests"] is True
-    assert engine("--enable-log-requests", "--disable-log-requests")["enable_log_requests"] is False
+    assert engine().get("enable_log_requests", True) is True  # on, as the issue asks (vLLM 0.33 made it opt-in)
+    assert engine("--no-enable-log-requests")["enable_log_requests"] is False
+    assert engine("--disable-log-requests")["enable_log_requests"] is False
 
 
 def test_the_big_body_check_says_truncation_does_not_reach_it():

@@ -209,10 +209,11 @@ class EngineSection:
     every node reads it (FFN nodes then hold the MTP layer's experts too)."""
     sampling_seed: int | None = opt(None, "--seed")
     """Seed of the random sampling of requests that bring no seed of their own (vLLM's --seed)."""
-    enable_log_requests: bool = opt(False, "--enable-log-requests")
+    enable_log_requests: bool = opt(True, "--enable-log-requests")
     """One log line per request on the attention node, vLLM's "Received request ID: params: ..." (the prompt
-    and its token ids at DEBUG). Off by default as in vLLM, whose engine argument it is (AsyncEngineArgs);
-    vLLM's older --disable-log-requests is taken for off."""
+    and its token ids at DEBUG). On by default, as vLLM had it before 0.33 made it opt-in: a server that never
+    logs a request left newcomers blind (issue 29). Off: --no-enable-log-requests, or vLLM's older
+    --disable-log-requests."""
 
 
 @dataclass(frozen=True)

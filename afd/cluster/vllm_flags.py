@@ -57,12 +57,12 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         const="eager",
         help="= --graph-mode eager",
     )
-    g.add_argument(  # vLLM dropped it when it made request logging opt-in; its scripts still pass it
+    g.add_argument(  # vLLM 0.33 dropped it when it made request logging opt-in; scripts still pass it
         "--disable-log-requests",
         dest="enable_log_requests",
         action="store_false",
         default=None,
-        help="= --no-enable-log-requests (vLLM's older flag; request logging is off by default)",
+        help="= --no-enable-log-requests (vLLM's older flag)",
     )
     for name, why in ACCEPTED.items():
         g.add_argument(name, dest=f"vllm_{name[2:].replace('-', '_')}", action="store_true", help=f"accepted: {why}")

@@ -105,6 +105,7 @@ def _cluster_spec(cfg: ClusterConfig) -> LocalClusterSpec:
         lay.micro_batches,
         eng.block_size,
         speculative_tokens=eng.speculative_tokens,
+        sampling_seed=eng.sampling_seed,
         graph_mode=lay.graph_mode,
         graph_batch_sizes=eng.graph_batch_sizes,
         compile_cache_dir=eng.compile_cache_dir,
