@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -74,7 +75,8 @@ def build_runner(
         blocks = N * max(1, sum(-(-b // N) for b in need)) + scratch_blocks(graph, tp, device)
     else:
         if eng.gpu_memory_utilization is not None:
-            eng = dataclasses.replace(eng, kv_cache_bytes=memory_share(backend or get_backend(device.type), eng))
+            dev = backend or get_backend(device.type)
+            eng = dataclasses.replace(eng, kv_cache_bytes=memory_share(dev, eng, _sharing(cfg, device)))
         budget = _without_mtp_layer(eng, mcfg, mtp if eng.speculative_tokens else None)
         per_rank = CacheConfig(block_size=eng.block_size, memory_budget_bytes=budget.kv_cache_bytes)
         blocks = N * per_rank.resolve_num_blocks(mcfg, dtype.itemsize)
@@ -153,14 +155,25 @@ def build_engine(
     )
 
 
-def memory_share(backend: Backend, eng: EngineSection) -> int:
+def _sharing(cfg: ClusterConfig, device: torch.device) -> int:
+    """The KV caches that size themselves from one memory at once: a device's is its rank's alone; on CPU every
+    attention rank of a host takes its RAM, so the share is split among the most a host runs (exact on one
+    host, where local clusters live; conservative for a CPU cluster spread unevenly)."""
+    if device.type != "cpu":
+        return 1
+    ranks = Counter(p.node.host for p in cfg.processes if p.node.role == "attention" and p.node.device_type == "cpu")
+    return max(ranks.values(), default=1)
+
+
+def memory_share(backend: Backend, eng: EngineSection, sharing: int = 1) -> int:
     """KV-cache bytes under --gpu-memory-utilization u: what this rank may still take of u x its device's
     memory once the weights are in, free - (1 - u) x total (every process's use counts: two ranks on one
-    device each given 0.5 share it instead of both claiming all of it)."""
+    device each given 0.5 share it instead of both claiming all of it), split among the `sharing` ranks that
+    size their caches from the same memory (CPU: afd.engine.factory._sharing)."""
     u = eng.gpu_memory_utilization
     assert u is not None
     free, total = backend.memory_info()
-    budget = int(free - (1 - u) * total)
+    budget = int(free - (1 - u) * total) // sharing
     gib = 2**30
     if budget <= 0:
         raise ConfigError(
@@ -169,12 +182,13 @@ def memory_share(backend: Backend, eng: EngineSection) -> int:
             "cache (raise it, or size the cache with --kv-cache-bytes)"
         )
     log.info(
-        "--gpu-memory-utilization %g: %.2f GiB for the KV cache (%.1f of %.1f GiB free on %s)",
+        "--gpu-memory-utilization %g: %.2f GiB for the KV cache (%.1f of %.1f GiB free on %s; %d rank(s) share it)",
         u,
         budget / gib,
         free / gib,
         total / gib,
         backend.device,
+        sharing,
     )
     return budget
 
