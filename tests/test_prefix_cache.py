@@ -1,0 +1,233 @@
+"""Automatic prefix caching (afd.engine.prefix_cache): the allocator's reference counts and per-pool LRU
+eviction, the scheduler's hits, misses and preemptions, and greedy tokens unchanged with the cache on for
+every family's cache kind and with MTP, while fewer tokens are computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_scheduler import _req, _run, _sched
+
+import afd
+from afd.engine.kv_cache import BlockAllocator
+from afd.engine.prefix_cache import block_hash
+from afd.engine.request import Request, Status
+from afd.engine.sampling import SamplingParams
+from afd.model import latent_cache
+
+# ---- the allocator ---------------------------------------------------------------------------------------
+
+
+def test_shared_blocks_go_back_with_the_last_holder_and_cached_ones_stay_until_needed():
+    a = BlockAllocator(4)
+    x, y = a.allocate(2)
+    assert a.cached.register(x, b"x") and a.cached.register(y, b"y")
+    assert not a.cached.register(a.allocate(1)[0], b"x")  # the same content twice: the second stays private
+    a.share([x])
+    a.free([x, y])
+    assert a.num_free == 2 and a.cached.evictable[0] == {y: None}  # x is still held, y cached and evictable
+    a.free([x])
+    assert a.num_free == 3 and a.cached.by_hash == {b"x": x, b"y": y}
+    assert a.allocate(1) == [3]  # the free list first: cached blocks are evicted only under pressure
+    a.share([x])  # a hit takes x back from the evictable ones
+    assert a.num_free == 1 and a.can_allocate(0, 1) and not a.can_allocate(0, 1, reuse=[y])
+    assert a.allocate(1) == [y] and a.cached.by_hash == {b"x": x}  # evicted: its hash is forgotten
+
+
+def test_the_tail_of_a_sequence_is_evicted_first():
+    a = BlockAllocator(3)
+    table = a.allocate(3)
+    for g in table:
+        a.cached.register(g, bytes([g]))
+    a.free(table)
+    assert a.allocate(1) == [table[2]] and a.allocate(1) == [table[1]]
+
+
+def test_eviction_is_per_pool_and_keeps_a_blocks_position():
+    """KVP: block g lives on pool g % N; a table's i-th block must come from pool i % N, also when the
+    pool's free list is empty and a cached block of that pool is evicted."""
+    a = BlockAllocator(4, pools=2)
+    table = a.allocate(4)  # [0, 1, 2, 3]: pools 0, 1, 0, 1
+    a.cached.register(table[0], b"p0")
+    a.cached.register(table[1], b"p1")
+    a.free(table[:2])
+    assert a.pool_usage() == [0.5, 0.5]
+    assert not a.can_allocate(0, 1, reuse=[table[0]])  # pool 0's only available block is the one reused
+    assert a.can_allocate(1, 1, reuse=[table[0]])  # index 1 comes from pool 1
+    assert a.allocate(1, have=1) == [table[1]] and a.cached.by_hash == {b"p0": table[0]}
+
+
+def test_hashes_chain():
+    h = block_hash(b"", [1, 2])
+    assert block_hash(h, [3, 4]) != block_hash(block_hash(b"", [9, 2]), [3, 4]) and len(h) == 32
+
+
+# ---- the scheduler --------------------------------------------------------------------------------------
+
+
+def _finish(s, req) -> None:
+    while req.status is not Status.FINISHED:
+        plan = s.schedule()
+        _run(s, plan)
+        if len(req.output_ids) >= 2:
+            s.finish(req)
+
+
+def _prompt(req, ids) -> Request:
+    req.prompt_ids = list(ids)
+    return req
+
+
+def test_a_shared_prefix_hits_and_leaves_the_last_token_to_compute():
+    s = _sched_with_cache()  # blocks of 4 tokens
+    a = _prompt(_req("a", 0), range(10))
+    s.add(a)
+    _finish(s, a)  # 10 prompt + 2 output tokens, 11 computed: blocks 0, 1 cached (the third is not full)
+    assert s.kv.allocator.num_free == 16 and len(s.kv.allocator.cached.by_hash) == 2
+    b = _prompt(_req("b", 0), [*range(8), 50, 51])
+    c = _prompt(_req("c", 0), range(8))  # all 8 cached, yet its last token must run for its logits
+    d = _prompt(_req("d", 0), [9, *range(1, 10)])  # differs in its first token: a miss
+    for r in (b, c, d):
+        s.add(r)
+    plan = s.schedule()
+    assert [(e.request.request_id, e.start, e.num_tokens) for e in plan] == [("b", 8, 2), ("c", 4, 4), ("d", 0, 10)]
+    assert b.block_table[:2] == a_blocks(s, range(8)) and c.block_table[0] == b.block_table[0]
+    assert (s.prefix.queries, s.prefix.hits) == (10 + 10 + 8 + 10, 8 + 4)
+
+
+def _sched_with_cache(blocks: int = 16, budget: int = 32, lookahead: int = 0):
+    s = _sched(blocks=blocks, budget=budget)
+    from afd.engine.prefix_cache import PrefixCache
+
+    s.prefix = PrefixCache(s.kv.allocator.cached, s.kv.block_size, lookahead)
+    return s
+
+
+def a_blocks(s, ids) -> list[int]:
+    """The cached blocks of `ids` (whole blocks)."""
+    h, out = b"", []
+    ids = list(ids)
+    for k in range(len(ids) // 4):
+        h = block_hash(h, ids[4 * k : 4 * k + 4])
+        out.append(s.kv.allocator.cached.by_hash[h])
+    return out
+
+
+def test_a_preempted_request_recomputes_from_its_own_cached_blocks():
+    s = _sched_with_cache(blocks=6, budget=100)
+    a, b = _prompt(_req("a", 0), range(11)), _prompt(_req("b", 0), range(20, 32))
+    s.add(a)
+    s.add(b)
+    _run(s, s.schedule())  # a: 3 blocks, b: 3 blocks, all used
+    _run(s, s.schedule())  # a decodes; b's 13th token needs a 4th block: b, the newest, is preempted
+    assert s.num_preemptions == 1 and b.status is Status.WAITING and not b.block_table
+    s.finish(a)
+    plan = s.schedule()  # b: 13 tokens; its first 3 blocks (12 tokens) were cached at the preemption
+    (e,) = plan.seqs
+    assert (e.start, e.num_tokens) == (12, 1) and s.prefix.hits == 12
+
+
+def test_with_mtp_a_block_waits_for_the_token_after_it_and_for_the_drafting():
+    """lookahead 1: a block's hash covers the next token, and a block is registered only once the MTP
+    module ran over it, so not from the step a request finishes in (it drafts nothing)."""
+    s = _sched_with_cache(lookahead=1)
+    a = _prompt(_req("a", 0), range(8))
+    s.add(a)
+    _run(s, s.schedule())  # 8 computed, a token sampled, then finished before any drafting
+    s.finish(a)
+    assert not s.kv.allocator.cached.by_hash
+    b = _prompt(_req("b", 0), range(9))
+    s.add(b)
+    _run(s, s.schedule())
+    s.schedule()  # b's drafting ran: blocks 0 and 1, whose next tokens (4 and 8) are known
+    assert len(s.kv.allocator.cached.by_hash) == 2
+    c = _prompt(_req("c", 0), [*range(8), 99, 5])  # token 8 differs: block 1 is not c's
+    s.add(c)
+    s.schedule()
+    assert c.num_computed == 4
+
+
+# ---- the engine: greedy tokens with the cache on and off ---------------------------------------------------
+
+SHARED = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49]  # 3 blocks of 4
+GROUPS = [[SHARED + [50, 51, 52]], [SHARED + [53, 54], SHARED + [55], SHARED + [50, 51, 52]]]
+"""The first request runs alone; then three that share its prefix (the last: its whole prompt)."""
+NEW = 6
+
+
+def mtp_kv(engine, rid: str = "1") -> torch.Tensor | None:
+    """The MTP layer's cache at the computed positions of running request `rid` [positions, C + R]."""
+    req = next((r for r in engine.scheduler.running if r.request_id == rid), None)
+    if req is None:
+        return None
+    kv = engine.runner.mtp_kv  # [blocks, block_size, C + R] as MLA's two planes (afd.model.latent_cache)
+    c, k_rot = latent_cache.read(kv, engine.runner.attn.cfg.kv_lora_rank, torch.tensor(req.block_table))
+    return torch.cat([c, k_rot], dim=-1)[: req.num_computed]
+
+
+def generate(llm, on: bool, **options) -> tuple[list[list[int]], int, tuple[int, int], dict | None, list]:
+    """Each group's requests after the last group's finished: (tokens, tokens computed, (queries, hits),
+    spec-decode counters, the MTP layer's cache of request 1 after each step it ran)."""
+    prompts = [p for g in GROUPS for p in g]
+    engine = llm.job_engine(prompts, [NEW] * len(prompts), enable_prefix_caching=on, **options)
+    out: list[list[int]] = [[] for _ in prompts]
+    computed, i, seen = 0, 0, []
+    for group in GROUPS:
+        for p in group:
+            on_output = lambda o, i=i: out[i].extend(o.new_token_ids)  # noqa: E731
+            engine.add_request(Request(str(i), list(p), SamplingParams(), NEW, on_output, ignore_eos=True))
+            i += 1
+        while engine.has_unfinished():
+            stats = engine.step()
+            computed += stats.num_tokens if stats else 0
+            if engine.spec is not None and (kv := mtp_kv(engine)) is not None:
+                seen.append(kv)
+    p, spec = engine.scheduler.prefix, engine.spec.stats.report() if engine.spec else None
+    return out, computed, (p.queries, p.hits) if p else (0, 0), spec, seen
+
+
+@pytest.mark.parametrize(
+    "family,config", [("longcat_flash", "zero_experts"), ("deepseek_v3", "grouped"), ("qwen3_moe", "sparse_step")]
+)
+def test_greedy_tokens_are_the_same_with_the_cache_and_fewer_are_computed(families, family, config):
+    """MLA latents (LongCat-Flash, DeepSeek-V3) and GQA K/V (Qwen3-MoE)."""
+    llm = afd.LLM(families.path(family, config), block_size=4)
+    off, computed_off, *_ = generate(llm, False)
+    on, computed_on, (queries, hits), *_ = generate(llm, True)
+    assert on == off and all(len(t) == NEW for t in on)
+    assert hits == 3 * 12 and queries == sum(len(p) for g in GROUPS for p in g)  # each later prompt: 3 blocks
+    assert computed_on == computed_off - hits
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(families, tmp_path_factory) -> str:
+    from hf_mtp import add_mtp
+
+    path = str(tmp_path_factory.mktemp("prefix_mtp") / "longcat_mtp")
+    return add_mtp(families.path("longcat_flash", "zero_experts"), path, "longcat_flash", noise=0.1, damp=0.1)
+
+
+def test_with_mtp_tokens_and_drafts_are_the_same_with_the_cache(mtp_ckpt):
+    """The MTP layer's KV lives in the same blocks: a hit must bring the KV the MTP layer computes without
+    the cache (at a block's last position it depends on the token after the block), so its cache and the
+    drafts (and so what was accepted) equal those without it."""
+    llm = afd.LLM(mtp_ckpt, block_size=4, speculative_tokens=2)
+    off, computed_off, _, spec_off, kv_off = generate(llm, False)
+    on, computed_on, (_, hits), spec_on, kv_on = generate(llm, True)
+    assert on == off and spec_on == spec_off and spec_on["num_accepted_tokens"] > 0
+    assert len(kv_on) == len(kv_off) > 0
+    for a, b in zip(kv_on, kv_off):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    # the shared prefix's last block ends before a different token in two of the three: 2 blocks, then 3
+    assert hits == 8 + 8 + 12 and computed_on < computed_off
+
+
+def test_the_flag_turns_it_off(tiny_checkpoint):
+    from afd.cluster.flags import config_flags
+
+    flag = config_flags()["enable_prefix_caching"]
+    assert flag.name == "--enable-prefix-caching" and flag.key == "engine.enable_prefix_caching"
+    llm = afd.LLM(tiny_checkpoint)
+    assert llm.config.engine.enable_prefix_caching  # on by default, as vLLM's
+    assert llm.job_engine([[1, 2]], [1], enable_prefix_caching=False).scheduler.prefix is None
+    assert llm.job_engine([[1, 2]], [1]).scheduler.prefix is not None
