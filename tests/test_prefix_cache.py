@@ -231,3 +231,57 @@ def test_the_flag_turns_it_off(tiny_checkpoint):
     assert llm.config.engine.enable_prefix_caching  # on by default, as vLLM's
     assert llm.job_engine([[1, 2]], [1], enable_prefix_caching=False).scheduler.prefix is None
     assert llm.job_engine([[1, 2]], [1]).scheduler.prefix is not None
+
+
+def test_bench_prompts_share_a_prefix():
+    from test_bench_serve import _parse
+
+    from afd.bench import serve as bench_serve
+
+    argv = ["--num-prompts", "8", "--random-input-len", "5", "--vocab-size", "100", "--random-output-len", "2"]
+    plain = bench_serve.sample_requests(_parse(argv))
+    reqs = bench_serve.sample_requests(_parse([*argv, "--shared-prefix-len", "16"]))
+    assert all(p[:16] == reqs[0][0][:16] and p[16:] == q for (p, _), (q, _) in zip(reqs, plain))
+    assert len({tuple(p[16:]) for p, _ in reqs}) == 8
+    with pytest.raises(ValueError, match="shared-prefix-len"):
+        bench_serve.run(_parse([*argv, "--shared-prefix-len", "-1"]))
+
+
+@pytest.mark.slow  # an `afd serve` of two TP ranks; CI runs test-slow
+def test_served_with_attention_tp_and_kvp_hits_and_keeps_hfs_tokens(families, tmp_path):
+    """`afd serve --colocated --attention-tp 2 --kvp 2`: block tables reach the follower rank with each step,
+    and with KVP a cached block serves only at its own position (pool i % 2): HF's greedy tokens on every
+    request, hits counted on /metrics."""
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster_helpers import post
+    from hf_families import FAMILIES
+    from metrics_text import total
+    from serve_helpers import Served, free_port_run
+
+    path = families.path("longcat_flash", "zero_experts")
+    prompts = [p for g in GROUPS for p in g]
+    want = [ids[:NEW] for ids, _ in FAMILIES["longcat_flash"].greedy(path, prompts, NEW)]
+    url = f"http://127.0.0.1:{(port := free_port_run(1))}"
+    argv = [path, "--port", str(port), "--colocated", "--attention-tp", "2", "--kvp", "2", "--block-size", "4"]
+    s = Served(argv, tmp_path / "serve.log", [url])
+
+    def complete(p):
+        body = {"prompt": p, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        code, out = post(url, "/v1/completions", body)
+        assert code == 200, out
+        return out["choices"][0]["token_ids"]
+
+    try:
+        s.wait_ready()
+        got = [complete(GROUPS[0][0])]
+        with ThreadPoolExecutor(len(GROUPS[1])) as pool:
+            got += list(pool.map(complete, GROUPS[1]))
+        with urllib.request.urlopen(f"{url}/metrics") as r:
+            metrics = r.read().decode()
+    finally:
+        assert s.stop() == 0
+    assert got == want
+    assert total(metrics, "afd_prefix_cache_hits_total") == 3 * 12
+    assert total(metrics, "afd_prefix_cache_queries_total") == sum(len(p) for p in prompts)
