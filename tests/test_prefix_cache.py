@@ -14,6 +14,7 @@ from afd.engine.prefix_cache import block_hash
 from afd.engine.request import Request, Status
 from afd.engine.sampling import SamplingParams
 from afd.model import latent_cache
+from afd.observability.attention_metrics import AttentionMetrics
 
 # ---- the allocator ---------------------------------------------------------------------------------------
 
@@ -170,6 +171,7 @@ def generate(llm, on: bool, **options) -> tuple[list[list[int]], int, tuple[int,
     spec-decode counters, the MTP layer's cache of request 1 after each step it ran)."""
     prompts = [p for g in GROUPS for p in g]
     engine = llm.job_engine(prompts, [NEW] * len(prompts), enable_prefix_caching=on, **options)
+    engine.metrics = metrics = AttentionMetrics("attn0", "m")
     out: list[list[int]] = [[] for _ in prompts]
     computed, i, seen = 0, 0, []
     for group in GROUPS:
@@ -182,8 +184,9 @@ def generate(llm, on: bool, **options) -> tuple[list[list[int]], int, tuple[int,
             computed += stats.num_tokens if stats else 0
             if engine.spec is not None and (kv := mtp_kv(engine)) is not None:
                 seen.append(kv)
-    p, spec = engine.scheduler.prefix, engine.spec.stats.report() if engine.spec else None
-    return out, computed, (p.queries, p.hits) if p else (0, 0), spec, seen
+    spec = engine.spec.stats.report() if engine.spec else None
+    counted = (metrics.prefix_cache_queries._value.get(), metrics.prefix_cache_hits._value.get())  # what /metrics shows
+    return out, computed, counted, spec, seen
 
 
 @pytest.mark.parametrize(
@@ -192,8 +195,9 @@ def generate(llm, on: bool, **options) -> tuple[list[list[int]], int, tuple[int,
 def test_greedy_tokens_are_the_same_with_the_cache_and_fewer_are_computed(families, family, config):
     """MLA latents (LongCat-Flash, DeepSeek-V3) and GQA K/V (Qwen3-MoE)."""
     llm = afd.LLM(families.path(family, config), block_size=4)
-    off, computed_off, *_ = generate(llm, False)
+    off, computed_off, counted_off, *_ = generate(llm, False)
     on, computed_on, (queries, hits), *_ = generate(llm, True)
+    assert counted_off == (0, 0)
     assert on == off and all(len(t) == NEW for t in on)
     assert hits == 3 * 12 and queries == sum(len(p) for g in GROUPS for p in g)  # each later prompt: 3 blocks
     assert computed_on == computed_off - hits

@@ -3,6 +3,7 @@ token (MLA latents, or K and V heads) is the model family's `kv_cache_shape`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,7 @@ class BlockAllocator:
             need[i % self.pools] += 1
         return need
 
-    def can_allocate(self, have: int, n: int, reuse: list[int] = ()) -> bool:
+    def can_allocate(self, have: int, n: int, reuse: Sequence[int] = ()) -> bool:
         """Whether a table of `have` blocks can grow by n; `reuse`: cached blocks it is about to take
         (`share`), which then are no longer there to evict."""
         need = self._need(have, n)

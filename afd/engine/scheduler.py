@@ -90,7 +90,7 @@ class Scheduler:
             if not self.kv.allocator.can_allocate(len(req.block_table) + len(hit), more, hit):
                 break
             self.waiting.popleft()
-            if self.prefix is not None:
+            if self.prefix is not None and not req.block_table:  # nothing computed: it looked its prefix up
                 self.kv.allocator.share(hit)
                 req.block_table, req.num_computed = list(hit), cached
                 self.prefix.admitted(req, hit)
@@ -125,8 +125,9 @@ class Scheduler:
             return False
 
     def _lookup(self, req: Request) -> list[int]:
-        """The cached blocks a waiting request starts from (none without prefix caching)."""
-        if self.prefix is None or req.num_computed or req.block_table:
+        """The cached blocks a waiting request starts from (none without prefix caching). A waiting request
+        has nothing computed: new, or preempted (its blocks freed)."""
+        if self.prefix is None or req.block_table:
             return []
         return self.prefix.lookup(req)
 
