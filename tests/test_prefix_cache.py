@@ -13,6 +13,7 @@ from afd.engine.kv_cache import BlockAllocator
 from afd.engine.prefix_cache import block_hash
 from afd.engine.request import Request, Status
 from afd.engine.sampling import SamplingParams
+from afd.engine.scheduler import Scheduler
 from afd.model import latent_cache
 from afd.observability.attention_metrics import AttentionMetrics
 
@@ -201,6 +202,33 @@ def test_greedy_tokens_are_the_same_with_the_cache_and_fewer_are_computed(famili
     assert on == off and all(len(t) == NEW for t in on)
     assert hits == 3 * 12 and queries == sum(len(p) for g in GROUPS for p in g)  # each later prompt: 3 blocks
     assert computed_on == computed_off - hits
+
+
+def test_under_memory_pressure_evictions_and_preemptions_keep_the_tokens(tiny_checkpoint):
+    """Six prompts sharing a prefix in a cache of 10 blocks, 4 at a time: cached blocks are evicted and
+    requests preempted (and recomputed from what is still cached), with the tokens of the cache off."""
+    llm = afd.LLM(tiny_checkpoint, block_size=4)
+    prompts = [SHARED + [60 + i, 70 + i] for i in range(6)]  # 14 tokens, 20 with their output: 5 blocks
+
+    def run(on: bool):
+        engine = llm.job_engine([[1] * 36], [4], enable_prefix_caching=on)  # 40 tokens: 10 blocks
+        engine.scheduler = engine.processor.scheduler = s = Scheduler(engine.runner.kv, 4, 64, on)
+        out: list[list[int]] = [[] for _ in prompts]
+        for i, p in enumerate(prompts):
+            on_output = lambda o, i=i: out[i].extend(o.new_token_ids)  # noqa: E731
+            engine.add_request(Request(str(i), list(p), SamplingParams(), NEW, on_output, ignore_eos=True))
+        evicted = 0
+        while engine.has_unfinished():
+            cached = set(s.kv.allocator.cached.by_hash.values())
+            engine.step()
+            evicted += len(cached - set(s.kv.allocator.cached.by_hash.values()))
+        assert s.kv.allocator.num_free == s.kv.allocator.num_blocks
+        return out, s.num_preemptions, s.prefix.hits if s.prefix else 0, evicted
+
+    off, *_ = run(False)
+    on, preempted, hits, evicted = run(True)
+    assert on == off and all(len(t) == NEW for t in on)
+    assert hits > 0 and evicted > 0 and preempted > 0  # the hits let more in at once: decodes then preempt
 
 
 @pytest.fixture(scope="module")
