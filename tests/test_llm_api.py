@@ -63,6 +63,7 @@ NOT_FOR_OFFLINE_NODES = {
     "max_num_batched_tokens",
     "shutdown_timeout",
     "enable_log_requests",  # an offline job's nodes open no API
+    "enable_prefix_caching",  # a job prefills every prompt in its first step: there is nothing to reuse
     "zero_experts",  # routing ffn's identity-expert holder: a local cluster's is its first FFN node
 }
 

@@ -207,6 +207,10 @@ class EngineSection:
     speculative_tokens: int = opt(0, "--speculative-tokens", parse=speculative_count, metavar="N")
     """MTP speculative decoding: draft tokens per step from the checkpoint's MTP module (0 off, 1 or 2);
     every node reads it (FFN nodes then hold the MTP layer's experts too)."""
+    enable_prefix_caching: bool = opt(True, "--enable-prefix-caching")
+    """Automatic prefix caching, as vLLM's: a prompt reuses the KV blocks of the same tokens an earlier prompt
+    computed (full blocks, chained hashes), kept until the cache needs the room; --no-enable-prefix-caching
+    turns it off."""
     sampling_seed: int | None = opt(None, "--seed")
     """Seed of the random sampling of requests that bring no seed of their own (vLLM's --seed)."""
     enable_log_requests: bool = opt(True, "--enable-log-requests")

@@ -19,9 +19,9 @@ ACCEPTED = {
     "--trust-remote-code": "afd runs no code from a checkpoint: its families are afd's own",
     "--disable-log-stats": "afd logs no periodic stats: its metrics are on /metrics",
     "--enable-chunked-prefill": "afd always chunks prompts to --max-num-batched-tokens",
-    "--no-enable-prefix-caching": "afd has no prefix cache yet",
 }
-"""vLLM flags (switches) that afd takes and that change nothing, and why."""
+"""vLLM flags (switches) that afd takes and that change nothing, and why. (vLLM's --enable-prefix-caching and
+--no-enable-prefix-caching are afd's own config flag of that name: engine.enable_prefix_caching.)"""
 
 REFUSED = {
     "--pipeline-parallel-size": None,
@@ -36,7 +36,6 @@ REFUSED = {
     "--tokenizer": None,
     "--num-speculative-tokens": "--speculative-tokens (MTP drafts from the checkpoint's own module)",
     "--speculative-config": "--speculative-tokens (MTP drafts from the checkpoint's own module)",
-    "--enable-prefix-caching": None,
     "--max-num-partial-prefills": None,
     "--uvicorn-log-level": None,
     "--compilation-config": "--graph-mode and --graph-batch-sizes",

@@ -127,12 +127,13 @@ def build_engine(
     eng = cfg.engine
     runner = build_runner(cfg, attn, moe, device, tp=tp, mtp=mtp, backend=backend, job=job, metrics=metrics)
     kv = runner.kv
+    prefix = (eng.enable_prefix_caching, int(runner.mtp is not None))  # MTP: a block's hash covers the next token
     if job is not None:
         tokens = max(1, sum(len(p) for p in job.prompts), len(job.prompts) * (1 + eng.speculative_tokens))
-        scheduler = Scheduler(kv, max(1, len(job.prompts)), tokens)
+        scheduler = Scheduler(kv, max(1, len(job.prompts)), tokens, *prefix)
         max_len = mcfg.max_position_embeddings
     else:
-        scheduler = Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens)
+        scheduler = Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens, *prefix)
         num_blocks = kv.allocator.num_free  # what requests can have (graph mode's scratch block is taken)
         max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
         log.info(

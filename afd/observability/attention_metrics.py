@@ -102,6 +102,13 @@ class AttentionMetrics(NodeMetrics):
         self.generation_tokens = self._make(c, "afd_generation_tokens", "Generated tokens.")
         self._success = self._make(c, "afd_request_success", "Finished requests by reason.", ("finished_reason",))
         self.preemptions = self._make(c, "afd_num_preemptions", "Requests preempted for lack of KV blocks.")
+        # vLLM's vllm:prefix_cache_queries / _hits: their ratio is the hit rate (0 with prefix caching off)
+        self.prefix_cache_queries = self._make(
+            c, "afd_prefix_cache_queries", "Prefix cache queries, in tokens: each admitted request's tokens."
+        )
+        self.prefix_cache_hits = self._make(
+            c, "afd_prefix_cache_hits", "Prefix cache hits, in tokens: those found in cached KV blocks."
+        )
         self._step = self._make(h, "afd_step_seconds", "Forward step time.", ("phase",), buckets=FINE_BUCKETS)
         self.ffn_wait = self._make(
             h,
