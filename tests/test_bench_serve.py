@@ -125,9 +125,7 @@ def test_sampling_is_seeded_and_in_range():
     [
         ["--dataset-name", "sharegpt"],
         ["--random-range-ratio", "1.5"],
-        ["--num-prompts", "0"],
         ["--request-rate", "0"],
-        ["--max-concurrency", "0"],
         ["--percentile-metrics", "ttft,foo"],
         ["--metric-percentiles", "50,x"],
     ],
@@ -135,6 +133,12 @@ def test_sampling_is_seeded_and_in_range():
 def test_bad_flags_raise_value_error(argv):
     with pytest.raises(ValueError):
         bench_serve.run(_parse(argv))
+
+
+@pytest.mark.parametrize("argv", [["--num-prompts", "0"], ["--max-concurrency", "0"]])
+def test_counts_below_their_minimum_are_refused_as_parsed(argv):
+    with pytest.raises(SystemExit):
+        _parse(argv)
 
 
 # --- end to end against a small streaming server -----------------------------------------------------
