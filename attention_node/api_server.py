@@ -17,10 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from afd import __version__
 from afd.engine import request as rq
 from afd.engine.engine import Engine, EngineDead
+from afd.engine.grammar import Grammar, GrammarCompiler
 from afd.engine.tokenizer import Tokenizer
 from afd.observability.attention_metrics import AttentionMetrics
 from afd.observability.metrics import CONTENT_TYPE
-from attention_node import prompts
+from attention_node import prompts, structured
 from attention_node.body_check import CheckLargeBodies
 from attention_node.http_guard import Guard
 from attention_node.memory import TrimAfterLargeBodies
@@ -58,12 +59,16 @@ class ServerState:
     draining: bool = False
     max_body_bytes: int = 32 << 20
     """Larger request bodies get 413 before they are read."""
+    grammars: GrammarCompiler | None = None
+    """Structured outputs' compiler, made on the first constrained request (attention_node/structured.py)."""
 
 
 class _Generation:
     """The n choices of one prompt, running in the engine; outputs arrive on an asyncio queue."""
 
-    def __init__(self, st: ServerState, prompt_ids: list[int], body, max_tokens: int, index0: int):
+    def __init__(
+        self, st: ServerState, prompt_ids: list[int], body, max_tokens: int, index0: int, grammar: Grammar | None
+    ):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_ids, self.st, self.ids = prompt_ids, st, []
@@ -78,6 +83,7 @@ class _Generation:
                 lambda out, i=index0 + j: loop.call_soon_threadsafe(self.queue.put_nowait, (i, out)),
                 stop=stop_strings(body),
                 ignore_eos=body.ignore_eos,
+                grammar=None if grammar is None else grammar.copy(),  # each choice advances its own
             )
             st.engine.add_request(r)
 
@@ -244,14 +250,16 @@ async def _serve(st: ServerState, body, prompt_ids: list[list[int]], request: Re
     sampling_params(body, 0, st.limits)  # surfaces a bad n or sampling parameter as 400 before anything runs
     if stop_strings(body) and st.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has no tokenizer.json.", "stop")
+    constraint = structured.constraint_of(body, chat)
+    grammar = None if constraint is None else await structured.compile_for(st, constraint)  # on a worker thread
     try:
-        gens = [_Generation(st, ids, body, mt, k * body.n) for k, (ids, mt) in enumerate(plan)]
+        gens = [_Generation(st, ids, body, mt, k * body.n, grammar) for k, (ids, mt) in enumerate(plan)]
     except EngineDead as e:
         raise ApiError(503, f"The cluster is not serving: {e}.") from None
     from attention_node import responses
 
     if body.stream:
         return StreamingResponse(
-            responses.stream(st, body, gens, _outputs(gens), request, chat), media_type="text/event-stream"
+            responses.stream(st, body, gens, _outputs(gens), request, chat, constraint), media_type="text/event-stream"
         )
-    return await responses.full(st, body, gens, _outputs(gens), request, chat)
+    return await responses.full(st, body, gens, _outputs(gens), request, chat, constraint)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,9 +42,6 @@ MAX_N = 128
 UNSUPPORTED = {
     "suffix": ("",),
     "prompt_logprobs": (0,),
-    "guided_json": ({},),
-    "response_format": ({"type": "text"},),
-    "tools": ([],),
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),
     "min_p": (0, 0.0),
@@ -72,6 +70,14 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool = False
+    # structured outputs (attention_node/structured.py checks them)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -125,6 +131,9 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
