@@ -117,7 +117,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]):
         self._args = (tokenizer_json, vocab_size, list(eos_ids))
         self.vocab_size = vocab_size
-        self._tok = None
+        self._tok: Any = None
         self._lock = threading.Lock()
 
     def tokenizer(self):
@@ -146,22 +146,26 @@ class GrammarCompiler:
         return Grammar(matcher)
 
 
-_executor = None
+_executor: Any = None
 _executor_lock = threading.Lock()
 
 
 def fill_masks(grammars: list[Grammar], vocab_size: int) -> torch.Tensor:
     """The next token's allowed set for each grammar: int32 [len(grammars), ceil(V / 32)] on the host, bit
-    t % 32 of word t // 32 set where token t may come, filled by llguidance in one call for the batch."""
+    t % 32 of word t // 32 set where token t may come, filled by llguidance in one call for the batch (what
+    llguidance.torch.fill_next_token_bitmask_par does; that module is not imported, as its torch.compile
+    decorator loads torch's compiler stack)."""
     global _executor
-    import llguidance.torch as lt
     from llguidance import LLExecutor
 
     with _executor_lock:
         if _executor is None:
             _executor = LLExecutor()
-    mask = torch.full(lt.get_bitmask_shape(len(grammars), vocab_size), -1, dtype=torch.int32)
-    lt.fill_next_token_bitmask_par(_executor, [(g.matcher, i) for i, g in enumerate(grammars)], mask)
+    words = (vocab_size + 31) // 32
+    mask = torch.full((len(grammars), words), -1, dtype=torch.int32)
+    _executor.unsafe_compute_mask_ptr(
+        [(g.matcher, i) for i, g in enumerate(grammars)], mask.data_ptr(), 4 * words, len(grammars)
+    )
     for g in grammars:
         if g.matcher.is_error():
             raise GrammarError(g.matcher.get_error())
