@@ -170,7 +170,8 @@ def _tools(body) -> Constraint | None:
         if getattr(body, "parallel_tool_calls", None) is False:
             schema["maxItems"] = 1
         return Constraint(GrammarSpec("json", schema), "tool_choice", tool="")
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str):
         raise ApiError(
             400,
