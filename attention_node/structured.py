@@ -188,8 +188,8 @@ async def compile_for(st, c: Constraint) -> Grammar:
     if st.tokenizer is None:
         raise ApiError(400, "Structured outputs need a tokenizer; this model has no tokenizer.json.", c.param)
     if getattr(st, "grammars", None) is None:
-        with open(os.path.join(st.model_path, "tokenizer.json"), encoding="utf-8") as f:
-            st.grammars = GrammarCompiler(f.read(), st.limits.vocab_size, st.engine.eos_ids)
+        path = os.path.join(st.model_path, "tokenizer.json")
+        st.grammars = GrammarCompiler(path, st.limits.vocab_size, st.engine.eos_ids)
     try:
         return await asyncio.to_thread(st.grammars.compile, c.spec)
     except GrammarError as e:

@@ -28,8 +28,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def demo():
     path = ensure_demo_checkpoint()
-    with open(os.path.join(path, "tokenizer.json"), encoding="utf-8") as f:
-        return GrammarCompiler(f.read(), V, (EOS,)), Tokenizer(path)
+    return GrammarCompiler(os.path.join(path, "tokenizer.json"), V, (EOS,)), Tokenizer(path)
 
 
 def _row(grammar=None, draft=None, p=None):

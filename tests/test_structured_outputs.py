@@ -115,6 +115,20 @@ def test_required_tool_choice_and_none(demo):
     assert call.function.name in ("get_weather", "get_time")
     if call.function.name == "get_weather":
         jsonschema.validate(args, WEATHER)
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=HI,
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=MAX,
+            stream=True,
+        )
+    )
+    (streamed,) = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]  # one delta, at the end
+    assert chunks[-1].choices[0].finish_reason == "tool_calls" and streamed.function.name in ("get_weather", "get_time")
+    json.loads(streamed.function.arguments)
     r = client.chat.completions.create(model=model, messages=HI, tools=TOOLS, tool_choice="none", max_tokens=4)
     assert not r.choices[0].message.tool_calls
 

@@ -111,12 +111,12 @@ class Grammar:
 
 
 class GrammarCompiler:
-    """Compiles specs for one model: its tokenizer.json, its logits' width V and its EOS ids. Building the
-    vocabulary's token trie takes up to a second for a large vocabulary: done once, on first use."""
+    """Compiles specs for one model: its tokenizer.json, its logits' width V and its EOS ids. Reading the
+    tokenizer and building the vocabulary's token trie take up to a second for a large vocabulary: done once,
+    in the first compile (so on the worker thread that runs it)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_ids: tuple[int, ...]):
-        self._args = (tokenizer_json, vocab_size, list(eos_ids))
-        self.vocab_size = vocab_size
+    def __init__(self, tokenizer_path: str, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.path, self.vocab_size, self.eos_ids = tokenizer_path, vocab_size, list(eos_ids)
         self._tok: Any = None
         self._lock = threading.Lock()
 
@@ -125,8 +125,9 @@ class GrammarCompiler:
             if self._tok is None:
                 from llguidance import LLTokenizer
 
-                text, n, eos = self._args
-                self._tok = LLTokenizer(text, n_vocab=n, eos_token=eos or None)
+                with open(self.path, encoding="utf-8") as f:
+                    text = f.read()
+                self._tok = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
             return self._tok
 
     def compile(self, spec: GrammarSpec) -> Grammar:
