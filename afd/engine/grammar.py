@@ -127,7 +127,10 @@ class GrammarCompiler:
 
                 with open(self.path, encoding="utf-8") as f:
                     text = f.read()
-                self._tok = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
+                try:
+                    self._tok = LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
+                except ValueError as e:  # e.g. a tokenizer with more tokens than the model's logits
+                    raise GrammarError(f"this model's tokenizer cannot constrain its output: {e}") from None
             return self._tok
 
     def compile(self, spec: GrammarSpec) -> Grammar:
