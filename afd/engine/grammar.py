@@ -138,13 +138,13 @@ class GrammarCompiler:
         call it off the engine thread and the event loop (llguidance releases the GIL while it works)."""
         from llguidance import LLMatcher
 
-        try:
-            text = spec.llguidance()
-        except (TypeError, ValueError) as e:
+        tok = self.tokenizer()
+        try:  # the spec is the client's: whatever it makes llguidance raise is the client's 400
+            matcher = LLMatcher(tok, spec.llguidance(), log_level=0)
+            if not matcher.is_error():
+                matcher.compute_bitmask()
+        except Exception as e:
             raise GrammarError(str(e)) from None
-        matcher = LLMatcher(self.tokenizer(), text, log_level=0)
-        if not matcher.is_error():
-            matcher.compute_bitmask()
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
         return Grammar(matcher)

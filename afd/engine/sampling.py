@@ -10,7 +10,8 @@ its logprobs when asked) in one tensor. That read is the attention node's one ho
 
 Speculative decoding and grammars: a constrained request's MTP drafts are never kept (its row 0 is sampled
 under the mask and emits the one token), since the mask of the row after a draft depends on the draft's value,
-which only the device knows until the step's read. Its output is what decoding without drafts gives."""
+which only the device knows until the step's read. Greedy, it emits what decoding without drafts emits;
+sampled, the same distribution (a seeded one's stream differs: the discarded rows draw from its generator too)."""
 
 from __future__ import annotations
 
