@@ -72,3 +72,22 @@ def test_a_row_without_a_draft_draws_from_its_distribution_in_a_drafting_batch()
     hot, s = SamplingParams(temperature=1.0), Sampler()
     tokens = Counter(s.draw(logits, [_row(draft=0, p=hot), _row(p=hot)], torch.tensor([5]))[1].token for _ in range(50))
     assert tokens == {5: 50}
+
+
+def test_a_step_with_drafts_emits_one_token_for_a_constrained_request_and_all_kept_for_others(demo):
+    """sample_step over a plan where both requests verify 2 drafts that are every row's argmax: the
+    unconstrained one keeps both (3 tokens), the constrained one emits its masked row 0's token alone."""
+    from afd.engine.messages import ScheduledSeq, StepPlan
+    from afd.engine.request import Request
+    from afd.engine.sampling import sample_step
+
+    compiler, _ = demo
+    g = compiler.compile(GrammarSpec("choice", ["ab"]))
+    reqs = [Request(r, [1, 5], SamplingParams(), 8, lambda out: None, grammar=gr) for r, gr in (("c", g), ("u", None))]
+    drafts = torch.tensor([7, 7])
+    plan = StepPlan(tuple(ScheduledSeq(r, 2, 3, 2, True, drafts) for r in reqs))
+    logits = torch.zeros(6, V)
+    logits[:, 7] = 50.0
+    out = sample_step(Sampler((EOS,)), plan, logits, lambda req, e: pytest.fail(str(e)))
+    assert len(out.tokens[0]) == 1 and out.tokens[0][0] != 7 and out.tokens[1] == [7, 7, 7]
+    g.advance(out.tokens[0][0])  # the token fits the grammar (advance raises if not)
