@@ -2,12 +2,12 @@
 Lark / GBNF grammar) compiled by llguidance (https://github.com/guidance-ai/llguidance) into a matcher that
 says which tokens may come next, as a bitmask, and advances with each token the request emits.
 
-Why llguidance: docs/benchmarks.md, "Structured outputs" (measured against xgrammar, which vLLM also uses).
+Why llguidance: docs/benchmarks.md §15 (measured against xgrammar, which vLLM also uses).
 
 Who does what: the API compiles a `GrammarSpec` on a worker thread (`GrammarCompiler.compile`, which also
 computes the first mask, so that an invalid schema is a 400 before the request enters the engine and no
 grammar is built on the engine thread); the sampler fills one bitmask [Rc, ceil(V / 32)] for the step's
-constrained rows (`fill_masks`, one llguidance call for the batch, the GIL released) and applies it on the
+constrained rows (`fill_masks`, one llguidance call for the batch) and applies it on the
 logits' device (afd.engine.sample_ops.apply_bitmask); the output processor advances the matcher with each
 token and ends the request when the grammar is complete (`Grammar.advance`). EOS is in the mask only where
 the grammar may end, so a constrained request ends by completing it, or at max_tokens (finish_reason
