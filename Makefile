@@ -19,11 +19,15 @@ PYTEST_WORKERS ?= 2
 
 setup: $(STAMP)
 
+# The first install takes a minute or two: each step says what it does, and pip names each package it takes.
 $(STAMP): pyproject.toml
+	@echo "setup 1/3: the venv in $(VENV) (once; then every command of the README runs as $(BIN)/afd, or after source $(BIN)/activate)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "setup 2/3: $(TORCH_SPEC) (the largest package)"
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	@echo "setup 3/3: afd and what it and its tests use (pyproject.toml); pip names each package"
+	$(BIN)/python -m pip install --progress-bar off -e ".[test]"
 	touch $(STAMP)
 
 test: setup lint typecheck

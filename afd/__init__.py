@@ -2,14 +2,23 @@
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "LLM": "afd.engine.llm",
+    "SamplingParams": "afd.engine.llm_params",
+    "RequestOutput": "afd.engine.llm_outputs",
+    "CompletionOutput": "afd.engine.llm_outputs",
+    "Logprob": "afd.engine.llm_outputs",
+}
+"""vLLM's offline names (`from afd import LLM, SamplingParams`), each from where it lives."""
+
 
 def __getattr__(name):
     # Lazy so that `import afd` (the CLI, the node commands) does not pay for torch before it needs it.
-    if name == "LLM":
-        from afd.engine.llm import LLM
+    if name in _LAZY:
+        import importlib
 
-        return LLM
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]

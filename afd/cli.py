@@ -35,6 +35,10 @@ def _cmd_generate(args) -> int:
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"--prompt-ids {args.prompt_ids}: {e}") from None
     options = {k: v for values in overrides_of(args).values() for k, v in values.items() if k != "path"}
+    # --seed seeds sampling, as in serve (engine.sampling_seed); --weights-seed the dummy weights (model.seed)
+    if "seed" in options:
+        options["weights_seed"] = options.pop("seed")
+    seed = options.get("sampling_seed")
     if not args.colocated:  # node processes: the micro-batch count is measured unless given (colocated: 1)
         A, F = args.attention_nodes or 1, 1 if args.ffn_nodes is None else args.ffn_nodes
         options = {"micro_batches": 0, **options, "attention_nodes": A, "ffn_nodes": F}
@@ -42,8 +46,9 @@ def _cmd_generate(args) -> int:
     from afd.engine.llm import LLM
 
     llm = LLM(args.model, device=args.device, **options)
+    # every prompt's sampling seeded with --seed, as a request's own seed: the same tokens colocated or on nodes
     out = llm.generate_ids(
-        prompts, args.max_tokens, temperature=args.temperature, ignore_eos=args.ignore_eos, progress=True
+        prompts, args.max_tokens, temperature=args.temperature, seed=seed, ignore_eos=args.ignore_eos, progress=True
     )
     print(json.dumps(out))
     return 0
@@ -55,26 +60,11 @@ def _add_check_config(sub) -> None:
     p.set_defaults(func=_cmd_check_config)
 
 
-def _model_config(cfg):
-    """The YAML's model config where this host can read it (the demo's always), else None."""
-    import os
-
-    from afd.model.demo_config import DEMO_CONFIG
-    from afd.model.registry import config_from_hf, load_config
-
-    if cfg.model.path == "demo":
-        return config_from_hf(DEMO_CONFIG)
-    if os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        return load_config(cfg.model.path)
-    return None
-
-
 def _cmd_check_config(args) -> int:
     from afd.cluster.config import check_expert_layout, load
-    from afd.cluster.topology import describe
+    from afd.cluster.topology import describe, local_model
 
-    cfg = load(args.config)
-    model_cfg = _model_config(cfg)
+    cfg, model_cfg = local_model(load(args.config))
     placement = None
     if model_cfg is not None:
         placement = check_expert_layout(cfg, model_cfg.n_routed_experts, model_cfg.expert_groups[0])
@@ -88,7 +78,7 @@ def _cmd_check_config(args) -> int:
     if getattr(cfg.layout, "attention_tp", 1) > 1:  # bytes per TP rank and layer, by formula
         from afd.model.tp.volume import check_config_report
 
-        print(check_config_report(cfg))
+        print(check_config_report(cfg, model_cfg))
     return 0
 
 
@@ -161,7 +151,9 @@ def _cmd_status(args) -> int:
 def _unserved_experts(cfg, down: set[str]) -> list[int] | None:
     """Routed experts that no FFN node outside `down` holds (their tokens wait for a replacement); None where
     the cluster has no FFN nodes or the model is not readable here."""
-    model_cfg = None if cfg.colocated else _model_config(cfg)
+    from afd.cluster.topology import local_model
+
+    model_cfg = None if cfg.colocated else local_model(cfg)[1]
     if model_cfg is None:
         return None
     placement = cfg.placement(model_cfg.n_routed_experts, model_cfg.expert_groups[0])
@@ -228,7 +220,8 @@ class UserError(Exception):
     """A mistake in the command line or its inputs: printed as one line, exit code 2."""
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    """`afd` and its subcommands' parsers."""
     parser = argparse.ArgumentParser(prog="afd", description="Attention-FFN Disaggregated MoE serving")
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True)
@@ -244,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     for module in (serve_model, launch, prometheus_config, serve, step, suite, tp, graph, mtp, paged, quant, dispatch):
         module.add_parser(sub)
     rebalance_cli.add_parser(sub)
+    return parser, sub
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, sub = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # the subcommand's usage, not afd's, and vLLM's flags named with afd's equivalent
         from afd.cluster.vllm_flags import refusal

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -15,14 +13,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from afd import __version__
-from afd.engine import request as rq
 from afd.engine.engine import Engine, EngineDead
-from afd.engine.grammar import Grammar, GrammarCompiler
+from afd.engine.grammar import GrammarCompiler
 from afd.engine.tokenizer import Tokenizer
 from afd.observability.attention_metrics import AttentionMetrics
 from afd.observability.metrics import CONTENT_TYPE
-from attention_node import prompts, structured
+from attention_node import prompts, request_fields, request_log, structured
 from attention_node.body_check import CheckLargeBodies
+from attention_node.generation import Generation, outputs
 from attention_node.http_guard import Guard
 from attention_node.memory import TrimAfterLargeBodies
 from attention_node.openai_protocol import (
@@ -59,62 +57,10 @@ class ServerState:
     draining: bool = False
     max_body_bytes: int = 32 << 20
     """Larger request bodies get 413 before they are read."""
+    log_requests: bool = False
+    """One log line per request, vLLM's (http.enable_log_requests, --enable-log-requests)."""
     grammars: GrammarCompiler | None = None
     """Structured outputs' compiler, made on the first constrained request (attention_node/structured.py)."""
-
-
-class _Generation:
-    """The n choices of one prompt, running in the engine; outputs arrive on an asyncio queue."""
-
-    def __init__(
-        self, st: ServerState, prompt_ids: list[int], body, max_tokens: int, index0: int, grammar: Grammar | None
-    ):
-        loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.prompt_ids, self.st, self.ids = prompt_ids, st, []
-        for j in range(body.n):
-            rid = uuid.uuid4().hex
-            self.ids.append(rid)
-            r = rq.Request(
-                rid,
-                prompt_ids,
-                sampling_params(body, j, st.limits),
-                max_tokens,
-                lambda out, i=index0 + j: loop.call_soon_threadsafe(self.queue.put_nowait, (i, out)),
-                stop=stop_strings(body),
-                ignore_eos=body.ignore_eos,
-                grammar=None if grammar is None else grammar.copy(),  # each choice advances its own
-            )
-            st.engine.add_request(r)
-
-    def abort(self) -> None:
-        for rid in self.ids:
-            self.st.engine.abort(rid)
-
-
-async def _outputs(gens: list[_Generation]) -> AsyncIterator[tuple[int, rq.RequestOutput]]:
-    """Merged outputs of every choice until all finished."""
-    q: asyncio.Queue = asyncio.Queue()
-
-    async def pump(g: _Generation):
-        left = len(g.ids)
-        while left:
-            item = await g.queue.get()
-            left -= item[1].finished
-            await q.put(item)
-
-    tasks = [asyncio.create_task(pump(g)) for g in gens]
-    left = sum(len(g.ids) for g in gens)
-    try:
-        while left:
-            i, out = await q.get()
-            left -= out.finished
-            yield i, out
-    finally:
-        for t in tasks:
-            t.cancel()
-        for g in gens:
-            g.abort()
 
 
 def build_app(st: ServerState) -> FastAPI:
@@ -177,12 +123,14 @@ def build_app(st: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _admit(st, body.model)
+        rid = _fields(st, body, request, chat=False)
         ids = await prompts.completion_prompts(st.tokenizer, body.prompt, st.limits)
-        return await _serve(st, body, ids, request, chat=False)
+        return await _serve(st, body, ids, request, chat=False, rid=rid)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request):
         _admit(st, body.model)
+        rid = _fields(st, body, request, chat=True)
         if st.tokenizer is None:
             raise ApiError(
                 400,
@@ -192,7 +140,7 @@ def build_app(st: ServerState) -> FastAPI:
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         ids = await prompts.chat_ids(st.tokenizer, body.messages, body.add_generation_prompt, st.limits)
-        return await _serve(st, body, [ids], request, chat=True)
+        return await _serve(st, body, [ids], request, chat=True, rid=rid)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -241,9 +189,18 @@ def _admit(st: ServerState, model: str | None) -> None:
         raise ApiError(503, f"The cluster is not serving: {st.engine.dead or 'not ready'}.")
 
 
-async def _serve(st: ServerState, body, prompt_ids: list[list[int]], request: Request, chat: bool):
+def _fields(st: ServerState, body, request: Request, chat: bool) -> str:
+    """The request's id (vLLM's cmpl-ID or chatcmpl-ID), after the check of every field vLLM's request models
+    have (a 400 for one afd refuses) and a warning and count for each field afd ignores."""
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{request_log.base_id(request.headers, body)}"
+    request_log.warn_ignored(rid, request_fields.check(body, chat), st.metrics)
+    return rid
+
+
+async def _serve(st: ServerState, body, prompt_ids: list[list[int]], request: Request, chat: bool, rid: str):
     plan = []
-    for ids in prompt_ids:
+    for k, ids in enumerate(prompt_ids):
+        prompt_ids[k] = ids = request_fields.truncate(ids, body, st.limits.max_model_len)
         check_prompt(ids, st.limits)
         default = None if chat else COMPLETION_MAX_TOKENS
         plan.append((ids, resolve_max_tokens(body.max_tokens, len(ids), st.limits, default)))
@@ -252,14 +209,26 @@ async def _serve(st: ServerState, body, prompt_ids: list[list[int]], request: Re
         raise ApiError(400, "stop strings need a tokenizer; this model has no tokenizer.json.", "stop")
     constraint = structured.constraint_of(body, chat)
     grammar = None if constraint is None else await structured.compile_for(st, constraint)  # on a worker thread
+    if st.log_requests:
+        _log(st, body, plan, rid, chat)
     try:
-        gens = [_Generation(st, ids, body, mt, k * body.n, grammar) for k, (ids, mt) in enumerate(plan)]
+        gens = [Generation(st, ids, body, mt, k * body.n, chat, grammar) for k, (ids, mt) in enumerate(plan)]
     except EngineDead as e:
         raise ApiError(503, f"The cluster is not serving: {e}.") from None
     from attention_node import responses
 
     if body.stream:
         return StreamingResponse(
-            responses.stream(st, body, gens, _outputs(gens), request, chat, constraint), media_type="text/event-stream"
+            responses.stream(st, body, gens, outputs(gens), request, chat, constraint), media_type="text/event-stream"
         )
-    return await responses.full(st, body, gens, _outputs(gens), request, chat, constraint)
+    return await responses.full(st, body, gens, outputs(gens), request, chat, constraint)
+
+
+def _log(st: ServerState, body, plan: list[tuple[list[int], int]], rid: str, chat: bool) -> None:
+    """vLLM's line per prompt: a completion's i-th prompt is cmpl-ID-i, as vLLM names it."""
+    sp, stop = sampling_params(body, 0, st.limits), stop_strings(body)
+    prompt = None if chat else body.prompt
+    texts = [prompt] if isinstance(prompt, str) else prompt if prompt and isinstance(prompt[0], str) else []
+    for k, (ids, max_tokens) in enumerate(plan):
+        params = request_log.params_text(sp, body.n, max_tokens, stop, body.ignore_eos)
+        request_log.log_request(rid if chat else f"{rid}-{k}", texts[k] if k < len(texts) else None, ids, params)

@@ -26,7 +26,8 @@ _HEADER = struct.Struct("<QQ")
 
 def verdict(body: bytes, max_model_len: int) -> dict | None:
     """The error body for a completion whose token-id prompt (or one of its prompts) cannot fit the context,
-    in vLLM's words (as openai_protocol.check_prompt words it); None for anything else."""
+    in vLLM's words (as openai_protocol.check_prompt words it); None for anything else. Even with
+    truncate_prompt_tokens: truncating would have the node parse the whole body, which this check avoids."""
     try:
         doc = json.loads(body)
     except ValueError:
@@ -39,6 +40,8 @@ def verdict(body: bytes, max_model_len: int) -> dict | None:
                 f"This model's maximum context length is {max_model_len} tokens. However, your request has "
                 f"{len(p)} input tokens. Please reduce the length of the input messages."
             )
+            if doc.get("truncate_prompt_tokens") is not None:  # the node would parse it all to cut it
+                message += f" truncate_prompt_tokens does not apply to token ids in a body over {CHECK_ABOVE} bytes."
             return {"error": {"message": message, "type": "BadRequestError", "param": "input_tokens", "code": 400}}
     return None
 

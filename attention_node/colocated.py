@@ -44,7 +44,7 @@ def run(args) -> int:
     import torch
 
     from afd.backend import get_backend
-    from afd.cluster.topology import resolve_model_path, served_model_name
+    from afd.cluster.topology import model_dir, served_model_name, with_checkpoint_dtype
     from afd.dataplane.exchange import LocalMoE
     from afd.engine.factory import build_engine
     from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
@@ -71,7 +71,12 @@ def run(args) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    path = resolve_model_path(cfg.model.path)
+    try:
+        path = model_dir(cfg)
+        cfg = with_checkpoint_dtype(cfg)
+    except ValueError as e:  # ConfigError: a hub name not found, an unreadable config.json
+        print(f"afd-attention colocated: error: {e}", file=sys.stderr)
+        return 2
     mcfg, dtype, backend = load_config(path), parse_dtype(cfg.model.dtype), get_backend(args.device)
     reader = open_reader(path, cfg.model.dummy_weights, cfg.model.seed)
     quant = serving_quant(path, cfg.model.quantization, backend)
@@ -96,6 +101,7 @@ def run(args) -> int:
         ready=lambda: True,
         api_key=key,
         max_body_bytes=cfg.http.max_body_bytes,
+        log_requests=cfg.engine.enable_log_requests,
     )
     server = api_server(build_app(st), cfg.http, sock)
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -37,18 +37,12 @@ class StreamOptions(BaseModel):
 
 MAX_N = 128
 """Choices per prompt: each is a sequence in the engine, so n is bounded like the batch."""
-# Fields OpenAI / vLLM clients send that afd does not implement, with the value that means "off":
-# anything else is refused naming the field, never silently ignored.
-UNSUPPORTED = {
-    "suffix": ("",),
-    "prompt_logprobs": (0,),
-    "use_beam_search": (False,),
-    "length_penalty": (1, 1.0),
-    "min_p": (0, 0.0),
-}
 
 
 class _Sampling(BaseModel):
+    """The fields afd implements; every other field of vLLM's models is accepted, refused or counted by
+    attention_node.request_fields (extra="allow": vLLM's models allow extra fields too)."""
+
     # Non-finite floats are refused at validation, as vLLM does (JSON parsers accept NaN and Infinity).
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     model: str | None = None
@@ -69,15 +63,15 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    return_token_ids: bool = False
-    # structured outputs (attention_node/structured.py checks them)
+    return_token_ids: bool | None = False
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
+    truncation_side: Literal["left", "right"] | None = None
+    request_id: str | None = None
+    # structured outputs: attention_node/structured.py reads them (and vLLM's older guided_* names, which vLLM
+    # 0.33's models no longer declare, from the extra fields)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
-    guided_json: str | dict[str, Any] | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
-    guided_whitespace_pattern: str | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -129,6 +123,8 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     add_generation_prompt: bool = True
+    echo: bool = False
+    """The last message's content first, when it has the response's role (vLLM's)."""
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -197,10 +193,6 @@ def sampling_params(req: _Sampling, choice: int, limits: Limits | None = None) -
         raise ApiError(400, f"n must be at most {MAX_N}, got {req.n}.", "n")
     if req.best_of not in (None, req.n):
         raise ApiError(400, f"best_of ({req.best_of}) other than n is not supported by this server.", "best_of")
-    extra = req.model_extra or {}
-    for name, off in UNSUPPORTED.items():
-        if extra.get(name) is not None and extra[name] not in off:
-            raise ApiError(400, f"{name} is not supported by this server.", name)
     vocab = limits.vocab_size if limits else None
     bias = _token_map(req.logit_bias or {}, vocab)
     stop_ids = list(req.stop_token_ids or [])

@@ -20,6 +20,8 @@ import threading
 import time
 from collections import Counter
 
+import torch
+
 from afd.backend import host_syncs
 from afd.cluster.jobs import STOP, jobs_of
 from afd.control.client import ControlError
@@ -55,6 +57,8 @@ class OfflineNode(AttentionNode):
 
     def serve(self) -> int:
         self.serving = True
+        if self.cfg.engine.sampling_seed is not None:  # once, as vLLM seeds its engine (and afd serve --seed)
+            torch.manual_seed(self.cfg.engine.sampling_seed)
         try:
             if self.tp_rank > 0:
                 self._follow()

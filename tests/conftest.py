@@ -62,6 +62,7 @@ NUMERICS_MODULES = {
     "test_model_vs_hf",
     "test_mtp",
     "test_mtp_sampling",
+    "test_prefix_cache_engine",
     "test_quant_accuracy",
     "test_quantization",
     "test_qwen3_moe",

@@ -131,4 +131,4 @@ def test_demo_checkpoint_loads_like_dummy_weights(tmp_path):
     path = write_checkpoint(str(tmp_path / "demo"), cfg, seed=3)
     prompts = [[1, 2, 3], [4, 5]]
     from_disk = afd.LLM(path).generate_ids(prompts, 6, ignore_eos=True)
-    assert from_disk == afd.LLM(path, dummy_weights=True, seed=3).generate_ids(prompts, 6, ignore_eos=True)
+    assert from_disk == afd.LLM(path, dummy_weights=True, weights_seed=3).generate_ids(prompts, 6, ignore_eos=True)

@@ -206,7 +206,7 @@ MISTAKES = [
         "nodes[0].ports.htp",
         "unknown key (known: control, data, http, metrics)",
     ),
-    ("unknown-section-key", lambda c: c["model"].update(revision="main"), "model.revision", "unknown key"),
+    ("unknown-section-key", lambda c: c["model"].update(branch="main"), "model.branch", "unknown key"),
     (
         "wrong-type-int",
         lambda c: c.update(engine={"block_size": "16"}),
@@ -279,7 +279,7 @@ MISTAKES = [
     ("node-without-host", lambda c: node(1)(c).pop("host"), "nodes[1].host", "required key is missing"),
     ("missing-model-path", lambda c: c["model"].pop("path"), "model.path", "required key is missing"),
     ("missing-nodes", lambda c: c.pop("nodes"), "nodes", "required key is missing"),
-    ("bad-dtype", lambda c: c["model"].update(dtype="int8"), "model.dtype", "expected float32, bfloat16 or float16"),
+    ("bad-dtype", lambda c: c["model"].update(dtype="int8"), "model.dtype", "expected auto, float32, bfloat16"),
     (
         "bad-kv-cache-bytes",
         lambda c: c.update(engine={"kv_cache_bytes": "lots"}),

@@ -26,6 +26,7 @@ from cluster_helpers import post
 from conftest import REF_TOKENS
 from hf_families import FAMILIES
 from hf_reference import PROMPTS, max_rel_err
+from hub_cache import lay_out
 from serve_helpers import Served, free_port_run
 
 import afd
@@ -166,7 +167,12 @@ def served(request, families, tmp_path_factory) -> tuple[str, list]:
     port = free_port_run(1)
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    s = Served([families.path(family, FAMILIES[family].multi), "--port", str(port)], log, [url])
+    model, env = families.path(family, FAMILIES[family].multi), {}
+    if family == "qwen3_moe":  # served by a hub name, from a cache laid out as the hub does, offline (issue 29)
+        cache = log.parent / "hub"
+        lay_out(cache, "afd-tests/tiny-qwen3-moe", model)
+        model, env = "afd-tests/tiny-qwen3-moe", {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}
+    s = Served([model, "--port", str(port)], log, [url], env)
     try:
         s.wait_ready()
         body = {"max_tokens": REF_TOKENS, "temperature": 0, "return_token_ids": True, "logprobs": TOP_LOGPROBS}

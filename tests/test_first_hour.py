@@ -1,5 +1,6 @@
 """What a newcomer meets in the first hour (issue 29): the printed curl example carries the Authorization header
-when the API needs a key (never the key itself), and `afd bench-step --steps 1` is refused with why."""
+when the API needs a key (never the key itself), `afd bench-step --steps 1` is refused with why, and `demo` is
+served as `demo`."""
 
 from __future__ import annotations
 
@@ -36,3 +37,37 @@ def test_bench_step_refuses_too_few_steps_to_time(capsys):
     with pytest.raises(SystemExit):
         main(["bench-step", "--steps", "1"])
     assert "at least 3 (the first 2 decode steps warm up and are not timed)" in capsys.readouterr().err
+
+
+def test_demo_is_served_under_the_name_it_was_given():
+    from afd.cluster.topology import served_model_name
+
+    assert served_model_name("demo") == "demo"  # a client that followed `afd serve demo` sends model="demo"
+    assert served_model_name("demo", "m") == "m" and served_model_name("/ckpt/x") == "/ckpt/x"
+
+
+def _bench_parsers():
+    from afd.cli import build_parser
+
+    _, sub = build_parser()
+    return {name: p for name, p in sub.choices.items() if name.startswith("bench")}
+
+
+SIGNED = {"--seed"}
+"""Int flags of the benchmarks with no minimum: a seed may be any integer."""
+
+
+def test_every_benchmark_count_says_and_checks_its_minimum(capsys):
+    for name, p in _bench_parsers().items():
+        for action in p._actions:
+            if not action.option_strings or action.type is None or action.option_strings[0] in SIGNED:
+                continue
+            flag = action.option_strings[0]
+            assert action.type is not int, f"afd {name} {flag}: an int with no minimum"
+            minimum = getattr(action.type, "minimum", None)
+            if minimum is None:
+                continue
+            assert f"at least {minimum}" in (action.help or ""), f"afd {name} {flag}: the help hides the minimum"
+            with pytest.raises(SystemExit):
+                p.parse_args([flag, str(minimum - 1)])
+            assert f"{minimum - 1}: at least {minimum}" in capsys.readouterr().err

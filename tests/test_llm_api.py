@@ -17,7 +17,7 @@ def demo_llm():
 
 def test_generate_takes_text_and_returns_text_and_ids(demo_llm):
     tok = demo_llm.tokenizer
-    out = demo_llm.generate(["Experts are", "Attention is"], max_tokens=6, ignore_eos=True)
+    out = demo_llm.generate(["Experts are", "Attention is"], max_tokens=6, ignore_eos=True, temperature=0)
     assert [o.prompt for o in out] == ["Experts are", "Attention is"]
     for o in out:
         c = o.outputs[0]
@@ -27,8 +27,8 @@ def test_generate_takes_text_and_returns_text_and_ids(demo_llm):
 
 
 def test_generate_takes_one_prompt_or_ids_and_defaults_to_16_tokens(demo_llm):
-    (one,) = demo_llm.generate("Experts are", ignore_eos=True)
-    (ids,) = demo_llm.generate([one.prompt_token_ids], ignore_eos=True)
+    (one,) = demo_llm.generate("Experts are", ignore_eos=True, temperature=0)
+    (ids,) = demo_llm.generate([one.prompt_token_ids], ignore_eos=True, temperature=0)
     assert ids.prompt is None and ids.outputs[0].token_ids == one.outputs[0].token_ids
     assert len(one.outputs[0].token_ids) == 16
 
@@ -48,17 +48,22 @@ def test_progress_writes_plain_lines_when_not_on_a_terminal(caplog):
 
 # Fields an offline job's node processes do not need: the serving API's (name, template, context limit:
 # afd.LLM checks prompt lengths itself), the serving engine's limits (a job's cache and batch hold exactly
-# the job: afd.engine.factory), its shutdown grace, and the sampling seed (generate() takes its own).
+# the job: afd.engine.factory), its shutdown grace, and the sampling seed (LLM(seed=...): not carried yet, the
+# offline worker does not seed from it; requests with their own seed sample alike on nodes and colocated).
 NOT_FOR_OFFLINE_NODES = {
     "path",  # carried as LocalClusterSpec.model
+    "revision",  # a hub name's: afd.LLM hands its nodes the snapshot directory it resolved
+    "download_dir",
     "max_model_len",
     "served_model_name",
     "chat_template",
     "kv_cache_bytes",
+    "gpu_memory_utilization",
     "max_num_seqs",
     "max_num_batched_tokens",
     "shutdown_timeout",
-    "sampling_seed",
+    "enable_log_requests",  # an offline job's nodes open no API
+    "enable_prefix_caching",  # a job prefills every prompt in its first step: there is nothing to reuse
     "zero_experts",  # routing ffn's identity-expert holder: a local cluster's is its first FFN node
 }
 

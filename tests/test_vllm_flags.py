@@ -30,13 +30,13 @@ def test_vllm_names_set_what_afds_own_set(capsys):
 @pytest.mark.parametrize("command", [["serve", "demo"], ["launch", "deploy/local.yaml"]])
 def test_a_vllm_flag_afd_cannot_honour_names_the_equivalent(capsys, command):
     with pytest.raises(SystemExit) as e:
-        main([*command, "--gpu-memory-utilization", "0.9", "--swap-space=4"])
+        main([*command, "--num-speculative-tokens", "1", "--swap-space=4"])
     err = capsys.readouterr().err
     assert e.value.code == 2
     assert f"usage: afd {command[0]} " in err  # the subcommand's usage, not the top-level one
-    assert f"afd {command[0]}: error: --gpu-memory-utilization is vLLM's; afd's equivalent: --kv-cache-bytes" in err
+    assert f"afd {command[0]}: error: --num-speculative-tokens is vLLM's; afd's equivalent: --speculative-tokens" in err
     assert "--swap-space is vLLM's; afd has none" in err
-    assert REFUSED["--gpu-memory-utilization"].startswith("--kv-cache-bytes")
+    assert REFUSED["--num-speculative-tokens"].startswith("--speculative-tokens")
 
 
 def test_an_unknown_flag_is_refused_with_the_subcommands_usage(capsys):
@@ -52,7 +52,8 @@ def test_an_unknown_flag_is_refused_with_the_subcommands_usage(capsys):
 
 def test_dtype_takes_vllms_names(capsys):
     assert _config(capsys, "--dtype", "half")["model"]["dtype"] == "float16"
-    assert _config(capsys, "--dtype", "float")["model"].get("dtype", "float32") == "float32"
+    assert _config(capsys, "--dtype", "float")["model"]["dtype"] == "float32"
+    assert _config(capsys, "--dtype", "auto")["model"].get("dtype", "auto") == "auto"  # vLLM's default, afd's too
     with pytest.raises(SystemExit):
-        main(["serve", "demo", "--dtype", "auto"])
-    assert "auto (vLLM's: the checkpoint's torch_dtype) is not taken yet" in capsys.readouterr().err
+        main(["serve", "demo", "--dtype", "double"])
+    assert "invalid choice: 'double'" in capsys.readouterr().err

@@ -41,9 +41,10 @@ class CpuBackend(Backend):
         return torch.device("cpu")
 
     def memory_info(self) -> tuple[int, int]:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return free, total
+        """(available, total) RAM of this process: afd.backend.cpu_memory."""
+        from afd.backend.cpu_memory import memory_info
+
+        return memory_info()
 
     def prefetch(
         self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None, offset: int = 0

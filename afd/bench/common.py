@@ -3,12 +3,36 @@ process, with a chosen torch thread count) or disaggregated (a LocalCluster) on 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+
+def at_least(minimum: int):
+    """An argparse type: an int no smaller than `minimum` (every count flag of the benchmarks says its
+    minimum in its help, and a smaller value is refused before anything starts)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < minimum:
+            raise argparse.ArgumentTypeError(f"{n}: at least {minimum}")
+        return n
+
+    parse.minimum = minimum  # type: ignore[attr-defined]
+    return parse
+
+
+def count_flag(p: argparse.ArgumentParser, name: str, default: int, minimum: int = 1, help: str = "") -> None:
+    """An int flag with its minimum checked and said in the help."""
+    text = f"{help} (at least {minimum})" if help else f"at least {minimum}"
+    p.add_argument(name, type=at_least(minimum), default=default, help=text)
 
 
 def interleaved(
@@ -69,7 +93,7 @@ class Colocated:
     def __init__(self, model_dir: str, dummy_weights: bool = False, seed: int = 0):
         from afd.engine.llm import LLM
 
-        self.llm = LLM(model_dir, dummy_weights=dummy_weights, seed=seed)
+        self.llm = LLM(model_dir, dummy_weights=dummy_weights, weights_seed=seed)
         self.cfg, self.backend, self.attn, self.ffn = self.llm.cfg, self.llm.backend, self.llm.attn, self.llm.ffn
 
     def generate(self, prompts: list[list[int]], new_tokens: int, threads: int, graph=None) -> Run:

@@ -29,7 +29,7 @@ import os
 import tempfile
 
 from afd.bench import dispatch_parts as parts
-from afd.bench.common import interleaved, median, synthetic_prompts
+from afd.bench.common import at_least, count_flag, interleaved, median, synthetic_prompts
 from afd.cluster.flags import DefaultsHelpFormatter
 
 SECTIONS = ("wire", "shapes", "rebalance")
@@ -45,17 +45,20 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir (default: 16 experts top-2, random weights)")
     p.add_argument("--dtype", default="float32", help="model.dtype of the clusters")
     p.add_argument("--ffn-nodes", default="1,2,3,4", help="FFN node counts of the wire section")
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--steps", type=int, default=12, help="decode steps measured per job (after --warmup-steps)")
-    p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    count_flag(p, "--batch", 16)
+    count_flag(p, "--prompt-len", 16)
+    count_flag(p, "--steps", 12, 1, "decode steps measured per job (after --warmup-steps)")
+    count_flag(p, "--warmup-steps", 2, 0)
+    count_flag(p, "--repeats", 3, 1, "interleaved rounds")
     p.add_argument("--shape-ffn-nodes", default="8,16,32", help="FFN node counts of the shapes section")
-    p.add_argument("--rebalance-ffn-nodes", type=int, default=4)
-    p.add_argument("--skewed-prompts", type=int, default=24, help="prompts of the rebalance section's job")
-    p.add_argument("--distinct-prompts", type=int, default=3, help="distinct prompts among them (repeated)")
+    count_flag(p, "--rebalance-ffn-nodes", 4, 2)
+    count_flag(p, "--skewed-prompts", 24, 1, "prompts of the rebalance section's job")
+    count_flag(p, "--distinct-prompts", 3, 1, "distinct prompts among them (repeated)")
     p.add_argument(
-        "--expert-slots", type=int, default=None, help="per FFN node; default as `afd rebalance`: largest + 25%%"
+        "--expert-slots",
+        type=at_least(1),
+        default=None,
+        help="per FFN node; default as `afd rebalance`: largest + 25%% (at least 1)",
     )
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))
     p.add_argument("--output", default=None, help="write the results as JSON here")

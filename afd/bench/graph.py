@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from afd.bench.common import Colocated, interleaved, median, synthetic_prompts, write_config
+from afd.bench.common import Colocated, count_flag, interleaved, median, synthetic_prompts, write_config
 from afd.bench.step import SCENARIOS, add_model_args
 from afd.cluster.flags import DefaultsHelpFormatter
 
@@ -40,9 +40,9 @@ def add_parser(sub) -> None:
     add_model_args(p)
     p.add_argument("--batch-sizes", default="1,4,16,64", help="decode batches (each its own graph bucket)")
     p.add_argument("--topologies", default="colocated,1A1F", help="comma-separated subset of: colocated, 1A1F")
-    p.add_argument("--prompt-len", type=int, default=70, help="70 + steps: block tables of 8 blocks of 16 throughout")
-    p.add_argument("--steps", type=int, default=24, help="measured decode steps per run")
-    p.add_argument("--repeats", type=int, default=3)
+    count_flag(p, "--prompt-len", 70, 1, "70 + steps: block tables of 8 blocks of 16 throughout")
+    count_flag(p, "--steps", 24, 1, "measured decode steps per run")
+    count_flag(p, "--repeats", 3)
     p.add_argument("--no-compile-time", action="store_true", help="skip the cold/warm compile-time runs")
     p.add_argument("--vs-hf", action="store_true", help="also AFD 1A1F eager/compiled vs HF generate, batch 16")
     p.add_argument(

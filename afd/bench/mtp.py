@@ -26,7 +26,7 @@ import statistics
 import tempfile
 import zlib
 
-from afd.bench.common import interleaved, synthetic_prompts
+from afd.bench.common import count_flag, interleaved, synthetic_prompts
 from afd.bench.step import BENCH_CONFIG
 from afd.cluster.flags import DefaultsHelpFormatter
 
@@ -50,13 +50,13 @@ def add_parser(sub) -> None:
         help="config.json of the LongCat-Flash model to build (default: afd.bench.step's BENCH_CONFIG)",
     )
     p.add_argument("--batch-sizes", default="1,8", help="comma-separated decode batch sizes B")
-    p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens L")
-    p.add_argument("--decode-tokens", type=int, default=128, help="new tokens S per prompt")
+    count_flag(p, "--prompt-len", 32, 1, "prompt tokens L")
+    count_flag(p, "--decode-tokens", 128, 1, "new tokens S per prompt")
     p.add_argument("--speculative-tokens", default="0,1,2", help="comma-separated N (0: MTP off, the baseline)")
     p.add_argument(
         "--placements", default=",".join(PLACEMENTS), help="comma-separated subset of: " + ", ".join(PLACEMENTS)
     )
-    p.add_argument("--repeats", type=int, default=3)
+    count_flag(p, "--repeats", 3)
     p.add_argument("--noise", type=float, default=0.03, help="built checkpoint: the MTP module's random share")
     p.add_argument(
         "--damp",

@@ -17,7 +17,7 @@ import random
 import tempfile
 import time
 
-from afd.bench.common import interleaved, median
+from afd.bench.common import count_flag, interleaved, median
 from afd.bench.step import add_model_args, model_of
 from afd.cluster.flags import DefaultsHelpFormatter
 
@@ -30,10 +30,10 @@ def add_parser(sub) -> None:
     )
     add_model_args(p)
     p.add_argument("--contexts", default="256,1024,4096", help="comma-separated context lengths (tokens)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--steps", type=int, default=5, help="decode steps timed per round")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--threads", type=int, default=1)
+    count_flag(p, "--batch-size", 8)
+    count_flag(p, "--steps", 5, 1, "decode steps timed per round")
+    count_flag(p, "--repeats", 5)
+    count_flag(p, "--threads", 1)
     p.add_argument(
         "--chunks",
         default=None,

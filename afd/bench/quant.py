@@ -26,7 +26,7 @@ import tempfile
 
 from afd.bench import quant_mem
 from afd.bench import quant_parts as parts
-from afd.bench.common import Colocated, interleaved, median, synthetic_prompts
+from afd.bench.common import Colocated, count_flag, interleaved, median, synthetic_prompts
 from afd.cluster.flags import DefaultsHelpFormatter
 
 MODES = {
@@ -52,13 +52,13 @@ def add_parser(sub) -> None:
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of: " + ", ".join(MODES))
     p.add_argument("--topologies", default="colocated,1A1F", help="comma-separated subset of: colocated, 1A1F")
     p.add_argument("--batches", default="1,16,64")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=16, help="decode steps measured per run (after --warmup-steps)")
-    p.add_argument("--warmup-steps", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    count_flag(p, "--prompt-len", 32)
+    count_flag(p, "--steps", 16, 1, "decode steps measured per run (after --warmup-steps)")
+    count_flag(p, "--warmup-steps", 2, 0)
+    count_flag(p, "--repeats", 3, 1, "interleaved rounds")
     p.add_argument("--no-hf", action="store_true", help="leave HF transformers out")
     p.add_argument("--hf-threads", default="1,2", help="torch threads HF generate runs on, one case each")
-    p.add_argument("--gemm-tokens", type=int, default=16)
+    count_flag(p, "--gemm-tokens", 16)
     p.add_argument("--memory-model", default=None, help="model dir for the memory section (default: MEMORY_CONFIG)")
     p.add_argument("--wire-mode", default="w8a8", help="the mode the wire section's 1A1F runs serve")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))

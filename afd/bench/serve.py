@@ -13,6 +13,7 @@ import os
 import time
 from datetime import datetime
 
+from afd.bench.common import at_least, count_flag
 from afd.cluster.flags import DefaultsHelpFormatter
 
 # aiohttp, numpy and tqdm are imported where used: `afd --help` and the other subcommands should not pay for them.
@@ -30,19 +31,30 @@ def add_parser(sub) -> None:
     p.add_argument("--endpoint", default="/v1/completions")
     p.add_argument("--model", default=None, help="model name to send (default: the first id of GET /v1/models)")
     p.add_argument("--dataset-name", default="random", help="only `random` is supported")
-    p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
+    count_flag(p, "--random-input-len", 1024)
+    count_flag(p, "--random-output-len", 128)
+    p.add_argument(
+        "--shared-prefix-len",
+        "--random-prefix-len",
+        dest="shared_prefix_len",
+        type=at_least(0),
+        default=0,
+        help="every prompt starts with the same N random tokens, then its own --random-input-len ones "
+        "(vLLM's --random-prefix-len; a prefix-caching workload; at least 0)",
+    )
     p.add_argument(
         "--random-range-ratio", type=float, default=0.0, help="lengths are drawn uniformly from [len*(1-r), len*(1+r)]"
     )
-    p.add_argument("--num-prompts", type=int, default=1000)
+    count_flag(p, "--num-prompts", 1000)
     p.add_argument(
         "--request-rate",
         type=float,
         default=math.inf,
         help="requests per second with Poisson arrivals; inf (default) sends all at once",
     )
-    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument(
+        "--max-concurrency", type=at_least(1), default=None, help="most requests in flight at once (at least 1)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--percentile-metrics", default=DEFAULT_METRICS)
     p.add_argument("--metric-percentiles", default="50,90,99")
@@ -52,10 +64,10 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default=None, help="bearer token (default: $AFD_API_KEY, else $OPENAI_API_KEY)")
     p.add_argument(
         "--vocab-size",
-        type=int,
+        type=at_least(1),
         default=None,
         help="prompt token ids are drawn from [0, vocab-size) (default: the --tokenizer's vocabulary, "
-        "else the vocab_size the server lists in GET /v1/models)",
+        "else the vocab_size the server lists in GET /v1/models; at least 1)",
     )
     p.add_argument(
         "--no-ignore-eos",
@@ -82,6 +94,8 @@ def _validated(args) -> tuple[list[str], list[float]]:
     for flag in ("num_prompts", "random_input_len", "random_output_len", "vocab_size"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if getattr(args, "shared_prefix_len", 0) < 0:
+        raise ValueError(f"--shared-prefix-len must be at least 0, got {args.shared_prefix_len}")
     if not 0.0 <= args.random_range_ratio < 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if not args.request_rate > 0:
@@ -119,6 +133,10 @@ def sample_requests(args) -> list[tuple[list[int], int]]:
     in_lens = _lengths(rng, args.random_input_len, args.random_range_ratio, args.num_prompts)
     out_lens = _lengths(rng, args.random_output_len, args.random_range_ratio, args.num_prompts)
     reqs = [(rng.integers(0, args.vocab_size, size=n).tolist(), o) for n, o in zip(in_lens, out_lens)]
+    shared = getattr(args, "shared_prefix_len", 0)
+    if shared:  # a generator of its own, so that each prompt's own tokens do not change with the prefix
+        prefix = np.random.default_rng([args.seed, 2]).integers(0, args.vocab_size, size=shared).tolist()
+        reqs = [(prefix + ids, o) for ids, o in reqs]
     if not getattr(args, "tokenizer", None):
         return reqs
     from afd.engine.tokenizer import load_tokenizer

@@ -13,7 +13,7 @@ import statistics
 import tempfile
 import time
 
-from afd.bench.common import write_config
+from afd.bench.common import count_flag, write_config
 from afd.cluster.flags import DefaultsHelpFormatter
 
 BENCH_CONFIG = {
@@ -124,12 +124,12 @@ def add_parser(sub) -> None:
         formatter_class=DefaultsHelpFormatter,
     )
     add_model_args(p)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=64)
+    count_flag(p, "--batch-size", 32)
+    count_flag(p, "--prompt-len", 64)
     p.add_argument("--steps", type=_steps, default=24, help="decode steps per run (at least 3: 2 warm up untimed)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--attention-nodes", type=int, default=1)
-    p.add_argument("--ffn-nodes", type=int, default=1)
+    count_flag(p, "--repeats", 3)
+    count_flag(p, "--attention-nodes", 1)
+    count_flag(p, "--ffn-nodes", 1)
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of: " + ", ".join(MODES))
     p.add_argument(
         "--link",

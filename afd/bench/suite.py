@@ -15,7 +15,7 @@ import os
 import tempfile
 import time
 
-from afd.bench.common import Colocated, interleaved, median, run_afd, synthetic_prompts, write_config
+from afd.bench.common import Colocated, count_flag, interleaved, median, run_afd, synthetic_prompts, write_config
 from afd.bench.gemm import _print_gemm, section_gemm
 from afd.bench.step import BENCH_CONFIG, _summarize
 from afd.cluster.flags import DefaultsHelpFormatter
@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
         help="grouped GEMM, decode throughput vs HF transformers, AFD scaling",
         formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds per comparison")
+    count_flag(p, "--repeats", 3, 1, "interleaved rounds per comparison")
     p.add_argument("--quick", action="store_true", help="fewer steps and sizes (a smoke test)")
     p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of: " + ", ".join(SECTIONS))
     p.add_argument("--output", default=None, help="write the results as JSON here")

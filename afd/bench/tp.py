@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import time
 
-from afd.bench.common import synthetic_prompts
+from afd.bench.common import at_least, count_flag, synthetic_prompts
 from afd.bench.step import SCENARIOS, model_of
 from afd.cluster.flags import DefaultsHelpFormatter
 from afd.model.tp.config import MODES
@@ -36,20 +36,22 @@ def add_parser(sub) -> None:
         choices=[s for s in SCENARIOS if s != "qwen3-moe"],
         help="built-in model size when --model is not given (MLA families: TP cuts their heads)",
     )
-    p.add_argument("--attention-tp", type=int, default=2, help="TP ranks G of the attention node")
-    p.add_argument("--ffn-nodes", type=int, default=1, help="0: a colocated cluster (the ranks hold every expert)")
+    count_flag(p, "--attention-tp", 2, 1, "TP ranks G of the attention node")
+    count_flag(p, "--ffn-nodes", 1, 0, "0: a colocated cluster (the ranks hold every expert)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of: " + ", ".join(MODES))
-    p.add_argument("--flashcomm2-otp", type=int, default=None, help="flashcomm2's P (default G / 2)")
+    p.add_argument(
+        "--flashcomm2-otp", type=at_least(1), default=None, help="flashcomm2's P (default G / 2; at least 1)"
+    )
     p.add_argument(
         "--tp-comm-min-tokens",
-        type=int,
+        type=at_least(1),
         default=1,
-        help="micro-batches below this run as allreduce (1: every mode shards every step)",
+        help="micro-batches below this run as allreduce (1: every mode shards every step; at least 1)",
     )
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=24, help="decode steps per run")
-    p.add_argument("--repeats", type=int, default=3)
+    count_flag(p, "--batch-size", 32)
+    count_flag(p, "--prompt-len", 64)
+    count_flag(p, "--steps", 24, 1, "decode steps per run")
+    count_flag(p, "--repeats", 3)
     p.add_argument("--output", default=None, help="write the results as JSON here")
     p.set_defaults(func=run)
 

@@ -18,6 +18,7 @@ from afd.cluster.fieldspec import byte_count
 from afd.cluster.placement import Placement, PlacementError, parse_experts
 from afd.cluster.schema import (  # noqa: F401 (re-exported: the names afd imports from here)
     DEVICES,
+    DTYPES,
     EXCHANGE_DTYPES,
     GRAPH_BATCH_SIZES,
     GRAPH_MODES,
@@ -260,8 +261,8 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     for k in ("rejoin_timeout", "max_restarts", "restart_backoff"):
         _positive(src, f"cluster.{k}", getattr(cluster, k), allow_zero=True)
     model_kw = _section(ModelSection, src, "model", raw["model"], required=("path",))
-    if model_kw.get("dtype", "float32") not in ("float32", "bfloat16", "float16"):
-        _fail(src, "model.dtype", f"expected float32, bfloat16 or float16, got {model_kw['dtype']!r}")
+    if model_kw.get("dtype", "auto") not in DTYPES:
+        _fail(src, "model.dtype", f"expected auto, float32, bfloat16 or float16, got {model_kw['dtype']!r}")
     quant = model_kw.get("quantization")
     if quant is not None and quant not in QUANT_METHODS:
         _fail(src, "model.quantization", f"expected {', '.join(QUANT_METHODS)}, got {quant!r}")
@@ -277,6 +278,8 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     for k in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         _positive(src, f"engine.{k}", getattr(engine, k))
     _positive(src, "engine.shutdown_timeout", engine.shutdown_timeout, allow_zero=True)
+    if engine.gpu_memory_utilization is not None and not 0 < engine.gpu_memory_utilization <= 1:
+        _fail(src, "engine.gpu_memory_utilization", f"must be in (0, 1], got {engine.gpu_memory_utilization}")
     pf_raw = dict(raw.get("prefetch") or {})
     if pf_raw.get("budget_bytes") is not None:
         pf_raw["budget_bytes"] = parse_bytes(src, "prefetch.budget_bytes", pf_raw["budget_bytes"])

@@ -117,10 +117,16 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 """vLLM's --dtype names for the dtypes afd names in full."""
 
 
+def fraction_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def dtype_arg(text: str) -> str:
-    """--dtype: float32, bfloat16, float16, or vLLM's half and float for the last and the first."""
-    if text == "auto":
-        raise ArgumentTypeError(
-            "auto (vLLM's: the checkpoint's torch_dtype) is not taken yet: give it (float32, bfloat16 or float16)"
-        )
+    """--dtype: auto, float32, bfloat16, float16, or vLLM's half and float for the last and the first."""
     return DTYPE_ALIASES.get(text, text)

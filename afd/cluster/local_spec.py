@@ -26,6 +26,8 @@ class LocalClusterSpec:
     block_size: int = 16
     speculative_tokens: int = 0
     """MTP draft tokens per step (engine.speculative_tokens; 0 off)."""
+    sampling_seed: int | None = None
+    """engine.sampling_seed: the nodes' default generator, for requests that bring no seed (afd.LLM's seed)."""
     threads: int = 1
     comm_timeout: float = 60.0
     attention_host: str = "127.0.0.1"
@@ -83,6 +85,7 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
     engine = {
         "block_size": spec.block_size,
         "speculative_tokens": spec.speculative_tokens,
+        "sampling_seed": spec.sampling_seed,
         "graph_batch_sizes": spec.graph_batch_sizes,
         "compile_cache_dir": spec.compile_cache_dir,
     }

@@ -70,6 +70,7 @@ def run(args) -> int:
     from afd.cli import UserError
     from afd.cluster.config import check_expert_layout, load
     from afd.cluster.rebalance import imbalance, node_loads, rebalance
+    from afd.cluster.topology import local_model
 
     cfg = load(args.config)
     if cfg.colocated:
@@ -78,7 +79,8 @@ def run(args) -> int:
     n_routed = model_cfg.n_routed_experts
     current = check_expert_layout(cfg, n_routed, model_cfg.expert_groups[0])
     loads, source = read_loads(cfg, args.metrics, n_routed)
-    slots, why = budget_of(args, cfg, current, model_cfg, quantized)
+    # model.dtype auto: the checkpoint's, for the bytes of an expert (the YAML written keeps `auto`)
+    slots, why = budget_of(args, local_model(cfg)[0], current, model_cfg, quantized)
     try:
         new = rebalance(loads, current.nodes, slots, current)
     except ValueError as e:
@@ -129,6 +131,8 @@ def run(args) -> int:
 def model_of(cfg):
     """(the model's config, whether its experts' weights are 8-bit), read as `afd check-config` reads them."""
     from afd.cli import UserError
+    from afd.cluster.topology import model_dir
+    from afd.model.config import ConfigError
     from afd.model.demo_config import DEMO_CONFIG
     from afd.model.registry import config_from_hf, load_config, quant_spec
     from afd.quant.scheme import resolve
@@ -136,6 +140,10 @@ def model_of(cfg):
     path = cfg.model.path
     if path == "demo":
         return config_from_hf(DEMO_CONFIG), resolve(cfg.model.quantization, None) is not None
+    try:
+        path = model_dir(cfg, download=False)
+    except ConfigError as e:
+        raise UserError(f"model.path: {e}: rebalance needs the model's expert count") from None
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UserError(f"model.path {path}: no config.json here: rebalance needs the model's expert count")
     return load_config(path), quant_spec(path, cfg.model.quantization) is not None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from afd.cluster.fieldspec import (
     count_arg,
     dtype_arg,
+    fraction_arg,
     micro_batches_arg,
     opt,
     positive_int,
@@ -32,7 +33,7 @@ ROUTINGS = ("attention", "ffn")
 """layout.routing: where the router runs, and so which FFN nodes a token's hidden state goes to."""
 EXCHANGE_DTYPES = ("same", "fp8", "int8")
 """layout.exchange_dtype: how the MoE inputs cross to the FFN nodes (afd.dataplane.protocol)."""
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 SECTION_KEYS = ("cluster", "model", "layout", "engine", "prefetch", "http")
 """The YAML's sections besides `nodes`."""
@@ -103,10 +104,12 @@ def process_name(node: str, tp_rank: int) -> str:
 @dataclass(frozen=True)
 class ModelSection:
     path: str = opt(None, "--model")
-    """Checkpoint directory (an HF checkpoint of a supported family), or `demo`: the built-in demo checkpoint,
+    """Checkpoint directory (an HF checkpoint of a supported family), a Hugging Face hub name (Qwen/Qwen3-30B-A3B:
+    the local cache first, then a download unless HF_HUB_OFFLINE=1), or `demo`: the built-in demo checkpoint,
     made on first use."""
-    dtype: str = opt("float32", "--dtype", choices=DTYPES, parse=dtype_arg)
-    """Weights and activations (the flag also takes vLLM's half and float)."""
+    dtype: str = opt("auto", "--dtype", choices=DTYPES, parse=dtype_arg)
+    """Weights and activations: auto (vLLM's default) takes the checkpoint's config.json dtype, float32 where it
+    names none (the flag also takes vLLM's half and float)."""
     quantization: str | None = opt(None, "--quantization", choices=QUANT_METHODS)
     """fp8 (FP8 weights per 128x128 block, FP8 activations per token), w8a8 (int8 weights per channel, int8
     activations per token) or w8a16 (8-bit weights widened in the GEMM, activations in dtype); default: the
@@ -117,6 +120,10 @@ class ModelSection:
     """Seed of the dummy weights (every node draws the same tensors from it)."""
     max_model_len: int | None = opt(None, "--max-model-len", parse=positive_int)
     """Context limit of a request; default: the model's max_position_embeddings (or what the KV cache holds)."""
+    revision: str | None = opt(None, "--revision")
+    """A hub name's branch, tag or commit (default: main); ignored for a local directory."""
+    download_dir: str | None = opt(None, "--download-dir")
+    """Where a hub name's files are looked up and downloaded (default: the Hugging Face cache, HF_HUB_CACHE)."""
     served_model_name: str | None = opt(None, "--served-model-name")
     """The model's name in the API and in metrics labels; default: the model path as given."""
     chat_template: str | None = opt(None, "--chat-template")
@@ -177,6 +184,11 @@ class EngineSection:
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = opt(256 << 20, "--kv-cache-bytes", parse=size_arg)
     """KV-cache budget of each attention rank (the YAML takes 268435456, 256MiB, 1GiB)."""
+    gpu_memory_utilization: float | None = opt(None, "--gpu-memory-utilization", parse=fraction_arg)
+    """vLLM's: the share of its device's memory an attention rank may fill; its KV cache takes what the weights
+    leave of it, measured once they are loaded (free - (1 - share) x total: what other processes use counts).
+    On CPU the memory is the RAM this process may still take (MemAvailable, within the cgroup's limit). Set,
+    it replaces kv_cache_bytes."""
     max_num_seqs: int = opt(64, "--max-num-seqs", parse=positive_int)
     """Sequences per step."""
     max_num_batched_tokens: int = opt(512, "--max-num-batched-tokens", parse=positive_int)
@@ -195,8 +207,17 @@ class EngineSection:
     speculative_tokens: int = opt(0, "--speculative-tokens", parse=speculative_count, metavar="N")
     """MTP speculative decoding: draft tokens per step from the checkpoint's MTP module (0 off, 1 or 2);
     every node reads it (FFN nodes then hold the MTP layer's experts too)."""
+    enable_prefix_caching: bool = opt(True, "--enable-prefix-caching")
+    """Automatic prefix caching, as vLLM's: a prompt reuses the KV blocks of the same tokens an earlier prompt
+    computed (full blocks, chained hashes), kept until the cache needs the room; --no-enable-prefix-caching
+    turns it off."""
     sampling_seed: int | None = opt(None, "--seed")
     """Seed of the random sampling of requests that bring no seed of their own (vLLM's --seed)."""
+    enable_log_requests: bool = opt(True, "--enable-log-requests")
+    """One log line per request on the attention node, vLLM's "Received request ID: params: ..." (the prompt
+    and its token ids at DEBUG). On by default, as vLLM had it before 0.33 made it opt-in: a server that never
+    logs a request left newcomers blind (issue 29). Off: --no-enable-log-requests, or vLLM's older
+    --disable-log-requests."""
 
 
 @dataclass(frozen=True)

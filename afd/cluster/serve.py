@@ -51,7 +51,11 @@ def run(args) -> int:
     if args.colocated and (args.attention_nodes or args.ffn_nodes is not None):
         raise ValueError("--colocated runs both halves in one process; it takes no --attention-nodes or --ffn-nodes")
     if args.model != "demo" and not os.path.isfile(os.path.join(args.model, "config.json")):
-        raise ValueError(f"{args.model}: not a checkpoint directory (no config.json), and not `demo`")
+        from afd.model.hub import checkpoint_dir, is_hub_name
+
+        if not is_hub_name(args.model) or os.path.exists(args.model):
+            raise ValueError(f"{args.model}: not a checkpoint directory (no config.json), and not `demo`")
+        checkpoint_dir(args.model, args.revision, args.download_dir)  # fetched once here, found by every node
     from afd.backend import check_device
 
     check_device(args.device)

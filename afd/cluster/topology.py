@@ -3,18 +3,65 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from afd.cluster.config import ClusterConfig, Node
 from afd.cluster.placement import Placement, format_experts
 
 
-def resolve_model_path(path: str) -> str:
-    """`demo` is the built-in demo checkpoint, made into the cache on first use."""
+def resolve_model_path(path: str, revision: str | None = None, download_dir: str | None = None) -> str:
+    """The checkpoint directory `model.path` names: `demo` is the built-in demo checkpoint, made into the
+    cache on first use; a directory is itself; anything else is a Hugging Face hub name (afd.model.hub)."""
     if path == "demo":
         from afd.model.demo import ensure_demo_checkpoint
 
         return ensure_demo_checkpoint()
-    return path
+    from afd.model.hub import checkpoint_dir
+
+    return checkpoint_dir(path, revision, download_dir)
+
+
+def model_dir(cfg: ClusterConfig, download: bool = True) -> str:
+    """resolve_model_path of the config's model section (download False: a hub name only from the cache)."""
+    if cfg.model.path != "demo" and not download:
+        from afd.model.hub import checkpoint_dir
+
+        return checkpoint_dir(cfg.model.path, cfg.model.revision, cfg.model.download_dir, download=False)
+    return resolve_model_path(cfg.model.path, cfg.model.revision, cfg.model.download_dir)
+
+
+def local_model(cfg: ClusterConfig):
+    """(cfg with its dtype resolved, the model's config) where this host reads the checkpoint without a
+    download (the demo's always), else (cfg, None): what the offline reports (check-config, rebalance) need."""
+    from afd.model.config import ConfigError
+    from afd.model.demo_config import DEMO_CONFIG
+    from afd.model.registry import config_from_hf, load_config
+
+    if cfg.model.path == "demo":
+        return with_checkpoint_dtype(cfg), config_from_hf(DEMO_CONFIG)
+    try:
+        path = model_dir(cfg, download=False)
+    except ConfigError:
+        return cfg, None
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return cfg, None
+    return with_checkpoint_dtype(cfg), load_config(path)
+
+
+def with_checkpoint_dtype(cfg: ClusterConfig) -> ClusterConfig:
+    """`cfg` with model.dtype `auto` (vLLM's default) made the checkpoint's own dtype. Every process reads
+    the same config.json, so every node of a cluster settles on the same dtype."""
+    from afd.model.config import AUTO_DTYPE, checkpoint_dtype, read_config_json
+
+    if cfg.model.dtype != AUTO_DTYPE:
+        return cfg
+    if cfg.model.path == "demo":
+        from afd.model.demo_config import DEMO_CONFIG
+
+        d = DEMO_CONFIG
+    else:
+        d = read_config_json(model_dir(cfg))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=checkpoint_dtype(d)))
 
 
 def cpu_threads(cfg: ClusterConfig, name: str) -> int:
@@ -34,10 +81,9 @@ def cpu_threads(cfg: ClusterConfig, name: str) -> int:
 
 def served_model_name(model_path: str, override: str | None = None) -> str:
     """The model's name in the API and in every node's metrics labels: `model.served_model_name`
-    (`--served-model-name`), else the model path as given (the demo's own name for `demo`)."""
-    if override:
-        return override
-    return "demo-longcat-flash" if model_path == "demo" else model_path
+    (`--served-model-name`), else the model path as given, as vLLM names it (`demo` for the demo: what a
+    client that followed `afd serve demo` sends)."""
+    return override or model_path
 
 
 def with_http_port(cfg: ClusterConfig, http_port: int | None, node: str | None = None) -> ClusterConfig:
@@ -61,8 +107,10 @@ def _model_type(path: str) -> str | None:
 
     if path == "demo":
         return DEMO_CONFIG["model_type"]
+    from afd.model.hub import checkpoint_dir
+
     try:
-        return read_config_json(path).get("model_type")
+        return read_config_json(checkpoint_dir(path, download=False)).get("model_type")
     except ConfigError:
         return None
 

@@ -17,15 +17,13 @@ ALIASES = {
 
 ACCEPTED = {
     "--trust-remote-code": "afd runs no code from a checkpoint: its families are afd's own",
-    "--disable-log-requests": "afd logs no request",
     "--disable-log-stats": "afd logs no periodic stats: its metrics are on /metrics",
     "--enable-chunked-prefill": "afd always chunks prompts to --max-num-batched-tokens",
-    "--no-enable-prefix-caching": "afd has no prefix cache yet",
 }
-"""vLLM flags (switches) that afd takes and that change nothing, and why."""
+"""vLLM flags (switches) that afd takes and that change nothing, and why. (vLLM's --enable-prefix-caching and
+--no-enable-prefix-caching are afd's own config flag of that name: engine.enable_prefix_caching.)"""
 
 REFUSED = {
-    "--gpu-memory-utilization": "--kv-cache-bytes (the KV cache's size in bytes, per attention rank)",
     "--pipeline-parallel-size": None,
     "-pp": None,
     "--data-parallel-size": "--attention-nodes (each attention node is a data-parallel replica of the attention half)",
@@ -36,11 +34,8 @@ REFUSED = {
     "--swap-space": None,
     "--cpu-offload-gb": None,
     "--tokenizer": None,
-    "--revision": None,
-    "--download-dir": None,
     "--num-speculative-tokens": "--speculative-tokens (MTP drafts from the checkpoint's own module)",
     "--speculative-config": "--speculative-tokens (MTP drafts from the checkpoint's own module)",
-    "--enable-prefix-caching": None,
     "--max-num-partial-prefills": None,
     "--uvicorn-log-level": None,
     "--compilation-config": "--graph-mode and --graph-batch-sizes",
@@ -60,6 +55,13 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
         action="store_const",
         const="eager",
         help="= --graph-mode eager",
+    )
+    g.add_argument(  # vLLM 0.33 dropped it when it made request logging opt-in; scripts still pass it
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        default=None,
+        help="= --no-enable-log-requests (vLLM's older flag)",
     )
     for name, why in ACCEPTED.items():
         g.add_argument(name, dest=f"vllm_{name[2:].replace('-', '_')}", action="store_true", help=f"accepted: {why}")

@@ -74,6 +74,7 @@ class Engine:
         """Serving sets it (afd.node.runtime); offline generation runs without."""
         self._thread = threading.Thread(target=self._loop, name="afd-engine", daemon=True)
         self._preemptions_seen = 0
+        self._prefix_seen = (0, 0)
 
     # ---- called from other threads ----------------------------------------------------------------
 
@@ -268,3 +269,8 @@ class Engine:
             self.metrics.engine_dead.set(self.dead is not None)
             self.metrics.preemptions.inc(s.num_preemptions - self._preemptions_seen)
             self._preemptions_seen = s.num_preemptions
+            if s.prefix is not None:
+                queries, hits = self._prefix_seen
+                self.metrics.prefix_cache_queries.inc(s.prefix.queries - queries)
+                self.metrics.prefix_cache_hits.inc(s.prefix.hits - hits)
+                self._prefix_seen = (s.prefix.queries, s.prefix.hits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from afd.engine.kv_cache import CacheConfig, KVCache, blocks_needed
 from afd.engine.runner import ModelRunner
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import Tokenizer
-from afd.model.config import ModelConfig, parse_dtype
+from afd.model.config import ConfigError, ModelConfig, parse_dtype
 from afd.model.mla import attach_backend
 from afd.model.quant_layers import quantize_linears
 from afd.model.tp.comm import SINGLE, TPComm
@@ -73,6 +74,9 @@ def build_runner(
         need = (blocks_needed(len(p) + n, eng.block_size) for p, n in zip(job.prompts, job.max_tokens))
         blocks = N * max(1, sum(-(-b // N) for b in need)) + scratch_blocks(graph, tp, device)
     else:
+        if eng.gpu_memory_utilization is not None:
+            dev = backend or get_backend(device.type)
+            eng = dataclasses.replace(eng, kv_cache_bytes=memory_share(dev, eng, _sharing(cfg, device)))
         budget = _without_mtp_layer(eng, mcfg, mtp if eng.speculative_tokens else None)
         per_rank = CacheConfig(block_size=eng.block_size, memory_budget_bytes=budget.kv_cache_bytes)
         blocks = N * per_rank.resolve_num_blocks(mcfg, dtype.itemsize)
@@ -123,12 +127,13 @@ def build_engine(
     eng = cfg.engine
     runner = build_runner(cfg, attn, moe, device, tp=tp, mtp=mtp, backend=backend, job=job, metrics=metrics)
     kv = runner.kv
+    prefix = (eng.enable_prefix_caching, int(runner.mtp is not None))  # MTP: a block's hash covers the next token
     if job is not None:
         tokens = max(1, sum(len(p) for p in job.prompts), len(job.prompts) * (1 + eng.speculative_tokens))
-        scheduler = Scheduler(kv, max(1, len(job.prompts)), tokens)
+        scheduler = Scheduler(kv, max(1, len(job.prompts)), tokens, *prefix)
         max_len = mcfg.max_position_embeddings
     else:
-        scheduler = Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens)
+        scheduler = Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens, *prefix)
         num_blocks = kv.allocator.num_free  # what requests can have (graph mode's scratch block is taken)
         max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
         log.info(
@@ -149,6 +154,44 @@ def build_engine(
         metrics,
         eng.speculative_tokens,
     )
+
+
+def _sharing(cfg: ClusterConfig, device: torch.device) -> int:
+    """The KV caches that size themselves from one memory at once: a device's is its rank's alone; on CPU every
+    attention rank of a host takes its RAM, so the share is split among the most a host runs (exact on one
+    host, where local clusters live; conservative for a CPU cluster spread unevenly)."""
+    if device.type != "cpu":
+        return 1
+    ranks = Counter(p.node.host for p in cfg.processes if p.node.role == "attention" and p.node.device_type == "cpu")
+    return max(ranks.values(), default=1)
+
+
+def memory_share(backend: Backend, eng: EngineSection, sharing: int = 1) -> int:
+    """KV-cache bytes under --gpu-memory-utilization u: what this rank may still take of u x its device's
+    memory once the weights are in, free - (1 - u) x total (every process's use counts: two ranks on one
+    device each given 0.5 share it instead of both claiming all of it), split among the `sharing` ranks that
+    size their caches from the same memory (CPU: afd.engine.factory._sharing)."""
+    u = eng.gpu_memory_utilization
+    assert u is not None
+    free, total = backend.memory_info()
+    budget = int(free - (1 - u) * total) // sharing
+    gib = 2**30
+    if budget <= 0:
+        raise ConfigError(
+            f"--gpu-memory-utilization {u:g}: {(total - free) / gib:.1f} of {total / gib:.1f} GiB of {backend.device} "
+            f"are in use after the weights loaded, at or above the {u:.0%} allowed: nothing is left for the KV "
+            "cache (raise it, or size the cache with --kv-cache-bytes)"
+        )
+    log.info(
+        "--gpu-memory-utilization %g: %.2f GiB for the KV cache (%.1f of %.1f GiB free on %s; %d rank(s) share it)",
+        u,
+        budget / gib,
+        free / gib,
+        total / gib,
+        backend.device,
+        sharing,
+    )
+    return budget
 
 
 def _without_mtp_layer(eng: EngineSection, mcfg: ModelConfig, mtp: MTPModule | None) -> EngineSection:

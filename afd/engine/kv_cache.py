@@ -3,10 +3,12 @@ token (MLA latents, or K and V heads) is the model family's `kv_cache_shape`."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from afd.engine.prefix_cache import CachedBlocks
 from afd.model.config import ConfigError, ModelConfig
 
 
@@ -15,25 +17,37 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """Free-list allocator of block ids [0, num_blocks).
+    """Free-list allocator of block ids [0, num_blocks), with reference counts: a block in several
+    block tables (a shared prefix, afd.engine.prefix_cache) goes back only when the last one lets go.
 
     With `pools` N > 1 (KVP) block g lives on KV-parallel rank g % N (as local block g // N), and the
     i-th block of a sequence comes from pool i % N: every rank holds its round-robin share of every
-    sequence, so a sequence may be N times longer than one rank's cache."""
+    sequence, so a sequence may be N times longer than one rank's cache. A cached block is reused only at
+    the position it was computed at, so it keeps that rule.
+
+    A block no table holds is free: on its pool's free list, or, when it holds a cached prefix, evictable
+    (`cached`). Allocation takes the free list first and evicts the pool's least recently used cached
+    block only when that is empty: caching costs no request a block."""
 
     def __init__(self, num_blocks: int, pools: int = 1):
         self.num_blocks, self.pools = num_blocks - num_blocks % pools, pools
         # pop() hands out low ids first
         self._free = [list(range(self.num_blocks - self.pools + p, -1, -self.pools)) for p in range(pools)]
+        self._refs = [0] * self.num_blocks
+        self.cached = CachedBlocks(pools)
+
+    def _available(self, pool: int) -> int:
+        return len(self._free[pool]) + len(self.cached.evictable[pool])
 
     @property
     def num_free(self) -> int:
-        return sum(len(f) for f in self._free)
+        """Blocks a request can get: free ones and evictable cached ones."""
+        return sum(self._available(p) for p in range(self.pools))
 
     def pool_usage(self) -> list[float]:
         """Fraction of each KV-parallel rank's blocks in use."""
         per = self.num_blocks // self.pools
-        return [1.0 - len(f) / per for f in self._free]
+        return [1.0 - self._available(p) / per for p in range(self.pools)]
 
     def _need(self, have: int, n: int) -> list[int]:
         """Blocks each pool gives a table of `have` blocks that grows by `n`."""
@@ -42,18 +56,43 @@ class BlockAllocator:
             need[i % self.pools] += 1
         return need
 
-    def can_allocate(self, have: int, n: int) -> bool:
-        return all(k <= len(f) for k, f in zip(self._need(have, n), self._free))
+    def can_allocate(self, have: int, n: int, reuse: Sequence[int] = ()) -> bool:
+        """Whether a table of `have` blocks can grow by n; `reuse`: cached blocks it is about to take
+        (`share`), which then are no longer there to evict."""
+        need = self._need(have, n)
+        for g in reuse:
+            if self._refs[g] == 0:
+                need[g % self.pools] += 1
+        return all(k <= self._available(p) for p, k in enumerate(need))
 
     def allocate(self, n: int, have: int = 0) -> list[int]:
         """n more blocks for a table that holds `have`."""
         if not self.can_allocate(have, n):
             raise OutOfBlocks(f"need {n} KV blocks, {self.num_free} free of {self.num_blocks}")
-        return [self._free[i % self.pools].pop() for i in range(have, have + n)]
+        out = []
+        for i in range(have, have + n):
+            pool = i % self.pools
+            g = self._free[pool].pop() if self._free[pool] else self.cached.evict(pool)
+            assert g is not None  # can_allocate counted it
+            self._refs[g] = 1
+            out.append(g)
+        return out
+
+    def share(self, blocks: list[int]) -> None:
+        """One more table holds these (cached) blocks."""
+        for g in blocks:
+            if self._refs[g] == 0:
+                self.cached.unpark(g)
+            self._refs[g] += 1
 
     def free(self, blocks: list[int]) -> None:
+        """A table lets go of its blocks. The last block first: among a sequence's cached blocks, the
+        tail ones are evicted first (vLLM's order), and the head ones, which more prompts share, last."""
         for g in reversed(blocks):
-            self._free[g % self.pools].append(g)
+            assert self._refs[g] > 0, f"KV block {g} freed more often than it was taken"
+            self._refs[g] -= 1
+            if self._refs[g] == 0 and not self.cached.park(g):
+                self._free[g % self.pools].append(g)
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:

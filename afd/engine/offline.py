@@ -1,4 +1,6 @@
-"""Offline generation on the serving engine: a batch of prompts in, their generated ids out.
+"""Offline generation on the serving engine: a batch of requests in (each with its own sampling and stop
+strings: `run`), their completions out (ids, text, finish and stop reasons, logprobs); `generate` is the
+ids-only form with one sampling for all.
 
 `afd.LLM` (colocated), the attention node's offline worker (what `afd generate --attention-nodes A`
 and `afd.LLM(attention_nodes=A)` start) and the benchmarks all run here, on the engine that serves
@@ -10,9 +12,11 @@ is preempted, as a static batch would run.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from afd.backend.base import bind_device
 from afd.engine.engine import Engine, StepStats
+from afd.engine.messages import Logprob
 from afd.engine.request import Request, RequestOutput
 from afd.engine.sampling import SamplingParams
 from afd.model.config import ModelConfig
@@ -42,25 +46,51 @@ def validate_prompts(cfg: ModelConfig, prompts, max_tokens) -> list[int]:
     return per
 
 
-def generate(
+@dataclass
+class OfflineRequest:
+    """One sequence of a job: its prompt, length limit, sampling and stops."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    """Stop strings (they need the engine's tokenizer)."""
+    ignore_eos: bool = False
+
+
+@dataclass
+class Completion:
+    """What a sequence generated: its ids (the token that stopped it kept), its text (ending before a stop
+    string; empty without a tokenizer), why it ended, and its tokens' logprobs when asked."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[Logprob] | None = None
+
+
+def run(
     engine: Engine,
-    prompts: list[list[int]],
-    max_tokens: list[int],
-    params: SamplingParams,
-    ignore_eos: bool = False,
+    requests: list[OfflineRequest],
     logits_out: list | None = None,
     on_step: Callable[[StepStats], None] | None = None,
     progress: bool = False,
-) -> list[list[int]]:
-    """Generated ids per prompt (an EOS token, when hit, is the last one kept). `logits_out`, if
-    given, receives each prompt's list of per-step fp32 logits. `progress`: a bar on a terminal,
-    periodic lines in a log, counting prompts done."""
-    outputs: list[list[int]] = [[] for _ in prompts]
+) -> list[Completion]:
+    """Each request's completion. `logits_out`, if given, receives each request's list of per-step fp32
+    logits. `progress`: a bar on a terminal, periodic lines in a log, counting requests done."""
+    outputs = [Completion(logprobs=[] if r.params.logprobs is not None else None) for r in requests]
     errors: list[str] = []
 
     def collect(i: int) -> Callable[[RequestOutput], None]:
         def on_output(out: RequestOutput) -> None:
-            outputs[i].extend(out.new_token_ids)
+            c = outputs[i]
+            c.token_ids.extend(out.new_token_ids)
+            c.text += out.new_text
+            if c.logprobs is not None and out.logprobs:
+                c.logprobs.extend(out.logprobs)
+            if out.finished:
+                c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
             if out.error:
                 errors.append(f"prompt {i}: {out.error}")
 
@@ -68,10 +98,19 @@ def generate(
 
     reqs = [
         Request(
-            str(i), list(p), params, n, collect(i), ignore_eos=ignore_eos, logits=[] if logits_out is not None else None
+            str(i),
+            list(r.prompt_ids),
+            r.params,
+            r.max_tokens,
+            collect(i),
+            stop=list(r.stop),
+            ignore_eos=r.ignore_eos,
+            logits=[] if logits_out is not None else None,
         )
-        for i, (p, n) in enumerate(zip(prompts, max_tokens))
+        for i, r in enumerate(requests)
     ]
+    if any(r.stop for r in reqs) and engine.tokenizer is None:
+        raise ValueError("stop strings need the model's tokenizer (tokenizer.json)")
     for req in reqs:
         engine.add_request(req)
     bind_device(engine.runner.device)  # steps run in the caller's thread, maybe not the one that made the backend
@@ -91,3 +130,19 @@ def generate(
     if logits_out is not None:
         logits_out.extend(r.logits for r in reqs)
     return outputs
+
+
+def generate(
+    engine: Engine,
+    prompts: list[list[int]],
+    max_tokens: list[int],
+    params: SamplingParams,
+    ignore_eos: bool = False,
+    logits_out: list | None = None,
+    on_step: Callable[[StepStats], None] | None = None,
+    progress: bool = False,
+) -> list[list[int]]:
+    """Generated ids per prompt, every prompt sampled with `params` (an EOS token, when hit, is the last one
+    kept): `run` for ids alone."""
+    requests = [OfflineRequest(p, n, params, ignore_eos=ignore_eos) for p, n in zip(prompts, max_tokens)]
+    return [c.token_ids for c in run(engine, requests, logits_out, on_step, progress)]

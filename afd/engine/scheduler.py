@@ -10,6 +10,10 @@ The plan (afd.engine.messages.StepPlan) says per request how many tokens run and
 them the step verifies (speculative decoding): decided here, once. After the step `update` moves each
 request's cached tokens past what the step kept and gives back the KV blocks that held only rejected
 drafts; the MTP module asks `reserve` for the room its chained drafts write.
+
+With prefix caching (afd.engine.prefix_cache) a request admitted with nothing computed, new or preempted,
+starts from the cached blocks of its longest known prefix; blocks are registered once their KV is final:
+a running request's at each schedule, a finishing one's when it finishes.
 """
 
 from __future__ import annotations
@@ -19,13 +23,24 @@ from collections.abc import Sequence
 
 from afd.engine.kv_cache import KVCache, OutOfBlocks, blocks_needed
 from afd.engine.messages import ScheduledSeq, StepPlan
+from afd.engine.prefix_cache import PrefixCache
 from afd.engine.request import Request, Status
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        kv: KVCache,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        prefix_caching: bool = False,
+        lookahead: int = 0,
+    ):
+        """prefix_caching: reuse cached blocks of earlier prompts (engine.enable_prefix_caching); lookahead:
+        1 with an MTP module, whose KV at a block's end depends on the next token (afd.engine.prefix_cache)."""
         self.kv = kv
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefix = PrefixCache(kv.allocator.cached, kv.block_size, lookahead) if prefix_caching else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -49,6 +64,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.max_tokens
         out: list[ScheduledSeq] = []
+        if self.prefix is not None:
+            for req in self.running:
+                self.prefix.scheduled(req)
         for req in list(self.running):
             if budget == 0:
                 break
@@ -65,10 +83,17 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_uncomputed, budget)
-            if not self._fits(req, n):
+            hit = self._lookup(req)
+            cached = len(hit) * self.kv.block_size
+            n = min(req.num_uncomputed - cached, budget)
+            more = blocks_needed(req.num_computed + cached + n, self.kv.block_size) - len(req.block_table) - len(hit)
+            if not self.kv.allocator.can_allocate(len(req.block_table) + len(hit), more, hit):
                 break
             self.waiting.popleft()
+            if self.prefix is not None and not req.block_table:  # nothing computed: it looked its prefix up
+                self.kv.allocator.share(hit)
+                req.block_table, req.num_computed = list(hit), cached
+                self.prefix.admitted(req, hit)
             self.kv.grow(req.block_table, req.num_computed + n)
             req.status = Status.RUNNING
             self.running.append(req)
@@ -99,11 +124,21 @@ class Scheduler:
         except OutOfBlocks:
             return False
 
+    def _lookup(self, req: Request) -> list[int]:
+        """The cached blocks a waiting request starts from (none without prefix caching). A waiting request
+        has nothing computed: new, or preempted (its blocks freed)."""
+        if self.prefix is None or req.block_table:
+            return []
+        return self.prefix.lookup(req)
+
     def finish(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.prefix is not None:
+            self.prefix.register(req, req.num_computed)
+            self.prefix.forget(req)
         self.kv.allocator.free(req.block_table)
         req.block_table, req.status = [], Status.FINISHED
 

@@ -18,15 +18,32 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+AUTO_DTYPE = "auto"
+"""model.dtype's default, as vLLM's --dtype: the checkpoint's own (config.json's dtype / torch_dtype)."""
 
 
 def parse_dtype(name: str):
-    """The torch dtype of a config's dtype name."""
+    """The torch dtype of a config's dtype name (`auto` is resolved against the checkpoint first:
+    afd.cluster.topology.with_checkpoint_dtype)."""
     import torch
 
+    if name == AUTO_DTYPE:
+        raise ValueError("model.dtype auto names no dtype until read from the checkpoint's config.json")
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; expected one of {', '.join(DTYPES)}")
     return getattr(torch, name)
+
+
+def checkpoint_dtype(d: dict) -> str:
+    """config.json's dtype (transformers 5 writes `dtype`, earlier ones `torch_dtype`); float32 when it names
+    none, as transformers loads such a checkpoint. A released FP8 checkpoint names its activations' bfloat16."""
+    name = d.get("dtype", d.get("torch_dtype")) or "float32"
+    name = {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(name, name)
+    if name not in DTYPES:
+        raise ConfigError(
+            f"config.json's dtype {name!r} is not one afd serves in ({', '.join(DTYPES)}): give model.dtype (--dtype)"
+        )
+    return name
 
 
 class ModelConfig(Protocol):

@@ -46,7 +46,9 @@ def start_cluster_node(args, role: str):
 
     prog = "afd-attention" if role == "attention" else "afd-ffn"
     try:
-        cfg = load_cluster_args(args, role)
+        from afd.cluster.topology import with_checkpoint_dtype
+
+        cfg = with_checkpoint_dtype(load_cluster_args(args, role))
         err = _insecure_start(cfg, args.node) or _device_missing(cfg, args.node, getattr(args, "tp_rank", 0) or 0)
     except ValueError as e:  # ClusterConfigError, or an unreadable --api-key-file
         err = str(e)

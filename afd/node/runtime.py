@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from afd.backend import Backend, get_backend
 from afd.cluster.config import ClusterConfig, Node, check_tp_layout, process_name
 from afd.cluster.fingerprint import model_fingerprint
-from afd.cluster.topology import resolve_model_path
+from afd.cluster.topology import model_dir
 from afd.control import control_pb2 as pb
 from afd.control.client import ControlClient
 from afd.control.coordinator import Coordinator
@@ -149,7 +149,7 @@ def bring_up(
     (ffn_node/pairs.PairAcceptor), which starts accepting once the node is loaded."""
     node = cfg.node(name)
     proc = cfg.process(process_name(name, tp_rank))
-    path = resolve_model_path(cfg.model.path)
+    path = model_dir(cfg)
     mcfg = load_config(path)
     check_tp_layout(cfg, mcfg.num_attention_heads)
     fp = model_fingerprint(path, cfg.model.dtype, cfg.model.dummy_weights, cfg.model.seed)

@@ -3,6 +3,8 @@ the exchange seen from the attention side."""
 
 from __future__ import annotations
 
+import re
+
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -76,6 +78,9 @@ REQUEST_BUCKETS = (
     1920.0,
     7680.0,
 )
+MAX_FIELD_LABELS = 32
+"""Distinct field names afd_ignored_request_fields_total keeps a series for; later names count as other."""
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 class AttentionMetrics(NodeMetrics):
@@ -97,6 +102,13 @@ class AttentionMetrics(NodeMetrics):
         self.generation_tokens = self._make(c, "afd_generation_tokens", "Generated tokens.")
         self._success = self._make(c, "afd_request_success", "Finished requests by reason.", ("finished_reason",))
         self.preemptions = self._make(c, "afd_num_preemptions", "Requests preempted for lack of KV blocks.")
+        # vLLM's vllm:prefix_cache_queries / _hits: their ratio is the hit rate (0 with prefix caching off)
+        self.prefix_cache_queries = self._make(
+            c, "afd_prefix_cache_queries", "Prefix cache queries, in tokens: each admitted request's tokens."
+        )
+        self.prefix_cache_hits = self._make(
+            c, "afd_prefix_cache_hits", "Prefix cache hits, in tokens: those found in cached KV blocks."
+        )
         self._step = self._make(h, "afd_step_seconds", "Forward step time.", ("phase",), buckets=FINE_BUCKETS)
         self.ffn_wait = self._make(
             h,
@@ -122,6 +134,9 @@ class AttentionMetrics(NodeMetrics):
             g, "afd_micro_batches", "Micro-batches the last step ran with (fixed, or MicroBatchTuner's choice)."
         )
         self.engine_dead = self._make(g, "afd_engine_dead", "1 once the engine stopped for good (/health is 503).")
+        doc = f"Request fields ignored: in no vLLM request model, unknown to afd (past {MAX_FIELD_LABELS}: other)."
+        self._ignored = self._make(c, "afd_ignored_request_fields", doc, ("field",))
+        self._ignored_names: set[str] = set()
         for reason in ("stop", "length", "abort"):  # exported at 0 before the first request, so
             self.labels(self._success, finished_reason=reason)  # dashboards show 0, not "no data"
         for phase in ("prefill", "decode", "mixed"):
@@ -132,6 +147,15 @@ class AttentionMetrics(NodeMetrics):
     def exchange_bytes(self, direction: str):
         """afd_exchange_bytes_total{direction}: to_ffn or to_attention (afd.dataplane.protocol.DIRECTIONS)."""
         return self.labels(self._exchange_bytes, direction=direction)
+
+    def ignored_field(self, name: str) -> None:
+        """Counts one ignored field. The names come from clients, and each label value is a series kept for
+        good (here and in Prometheus): a client sending random names must not grow them without bound."""
+        if name not in self._ignored_names:
+            if len(self._ignored_names) >= MAX_FIELD_LABELS or not _FIELD_NAME.fullmatch(name):
+                name = "other"
+            self._ignored_names.add(name)
+        self.labels(self._ignored, field=name).inc()
 
     def success(self, reason: str):
         return self.labels(self._success, finished_reason=reason)

@@ -248,14 +248,10 @@ def volume_table(cfg, tp: TPConfig, dtype: str = "float32", tokens: tuple[int, .
     return "\n".join(head + lines + notes)
 
 
-def check_config_report(cluster) -> str | None:
-    """The table for a loaded cluster YAML (afd.cluster.config.ClusterConfig) whose attention nodes have
-    attention_tp > 1; None when there is none, or a line saying why not when the model is not readable."""
-    import os
-
-    from afd.model.demo_config import DEMO_CONFIG
-    from afd.model.registry import config_from_hf, load_config
-
+def check_config_report(cluster, model_cfg) -> str | None:
+    """The table for a loaded cluster YAML (afd.cluster.config.ClusterConfig, its dtype resolved) whose
+    attention nodes have attention_tp > 1; None when there is none, or a line saying why not when the model
+    (`model_cfg`) is not readable here."""
     layout = cluster.layout
     size = getattr(layout, "attention_tp", 1)
     if size <= 1:
@@ -267,11 +263,6 @@ def check_config_report(cluster) -> str | None:
         getattr(layout, "tp_comm_min_tokens", None),
         getattr(layout, "kvp", 1),
     )
-    path = cluster.model.path
-    if path == "demo":
-        cfg = config_from_hf(DEMO_CONFIG)
-    elif os.path.isfile(os.path.join(path, "config.json")):
-        cfg = load_config(path)
-    else:
-        return f"(model {path} not readable here: no TP communication volume to show)"
-    return volume_table(cfg, tp, getattr(cluster.model, "dtype", "float32"))
+    if model_cfg is None:
+        return f"(model {cluster.model.path} not readable here: no TP communication volume to show)"
+    return volume_table(model_cfg, tp, cluster.model.dtype)
