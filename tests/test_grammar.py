@@ -91,3 +91,20 @@ def test_a_step_with_drafts_emits_one_token_for_a_constrained_request_and_all_ke
     out = sample_step(Sampler((EOS,)), plan, logits, lambda req, e: pytest.fail(str(e)))
     assert len(out.tokens[0]) == 1 and out.tokens[0][0] != 7 and out.tokens[1] == [7, 7, 7]
     g.advance(out.tokens[0][0])  # the token fits the grammar (advance raises if not)
+
+
+def test_request_fields_take_the_structured_fields_and_the_guided_names():
+    from attention_node import request_fields
+    from attention_node.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest
+
+    msgs = {"messages": [{"role": "user", "content": "hi"}]}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    chat = ChatCompletionRequest.model_validate(
+        {**msgs, "tools": tools, "tool_choice": "required", "guided_regex": "a", "response_format": {"type": "text"}}
+    )
+    assert request_fields.check(chat, chat=True) == []  # taken, none counted as unknown
+    text = CompletionRequest.model_validate({"prompt": "x", "guided_choice": ["a"], "structured_outputs": {}})
+    assert request_fields.check(text, chat=False) == []
+    for field in ({"tools": tools}, {"structural_tag": "{}"}, {"guided_decoding_backend": "xgrammar"}):
+        with pytest.raises(ApiError, match=next(iter(field))):
+            request_fields.check(CompletionRequest.model_validate({"prompt": "x", **field}), chat=False)
