@@ -14,10 +14,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from afd import __version__
 from afd.engine.engine import Engine, EngineDead
+from afd.engine.grammar import GrammarCompiler
 from afd.engine.tokenizer import Tokenizer
 from afd.observability.attention_metrics import AttentionMetrics
 from afd.observability.metrics import CONTENT_TYPE
-from attention_node import prompts, request_fields, request_log
+from attention_node import prompts, request_fields, request_log, structured
 from attention_node.body_check import CheckLargeBodies
 from attention_node.generation import Generation, outputs
 from attention_node.http_guard import Guard
@@ -58,6 +59,8 @@ class ServerState:
     """Larger request bodies get 413 before they are read."""
     log_requests: bool = False
     """One log line per request, vLLM's (http.enable_log_requests, --enable-log-requests)."""
+    grammars: GrammarCompiler | None = None
+    """Structured outputs' compiler, made on the first constrained request (attention_node/structured.py)."""
 
 
 def build_app(st: ServerState) -> FastAPI:
@@ -204,19 +207,21 @@ async def _serve(st: ServerState, body, prompt_ids: list[list[int]], request: Re
     sampling_params(body, 0, st.limits)  # surfaces a bad n or sampling parameter as 400 before anything runs
     if stop_strings(body) and st.tokenizer is None:
         raise ApiError(400, "stop strings need a tokenizer; this model has no tokenizer.json.", "stop")
+    constraint = structured.constraint_of(body, chat)
+    grammar = None if constraint is None else await structured.compile_for(st, constraint)  # on a worker thread
     if st.log_requests:
         _log(st, body, plan, rid, chat)
     try:
-        gens = [Generation(st, ids, body, mt, k * body.n, chat) for k, (ids, mt) in enumerate(plan)]
+        gens = [Generation(st, ids, body, mt, k * body.n, chat, grammar) for k, (ids, mt) in enumerate(plan)]
     except EngineDead as e:
         raise ApiError(503, f"The cluster is not serving: {e}.") from None
     from attention_node import responses
 
     if body.stream:
         return StreamingResponse(
-            responses.stream(st, body, gens, outputs(gens), request, chat), media_type="text/event-stream"
+            responses.stream(st, body, gens, outputs(gens), request, chat, constraint), media_type="text/event-stream"
         )
-    return await responses.full(st, body, gens, outputs(gens), request, chat)
+    return await responses.full(st, body, gens, outputs(gens), request, chat, constraint)
 
 
 def _log(st: ServerState, body, plan: list[tuple[list[int], int]], rid: str, chat: bool) -> None:

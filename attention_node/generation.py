@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from afd.engine import request as rq
+from afd.engine.grammar import Grammar
 from attention_node.openai_protocol import sampling_params, stop_strings
 from attention_node.request_fields import OutputEdit, chat_echo
 
@@ -16,7 +17,9 @@ class Generation:
     """The n choices of one prompt, running in the engine; outputs arrive on an asyncio queue, each edited
     first by the choice's OutputEdit (chat echo, include_stop_str_in_output)."""
 
-    def __init__(self, st, prompt_ids: list[int], body, max_tokens: int, index0: int, chat: bool):
+    def __init__(
+        self, st, prompt_ids: list[int], body, max_tokens: int, index0: int, chat: bool, grammar: Grammar | None = None
+    ):
         loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.prompt_ids, self.st, self.ids = prompt_ids, st, []
@@ -33,6 +36,9 @@ class Generation:
                 lambda out, i=index0 + j, e=edit: loop.call_soon_threadsafe(self.queue.put_nowait, (i, e(out))),
                 stop=stop_strings(body),
                 ignore_eos=body.ignore_eos,
+                grammar=None
+                if grammar is None
+                else grammar.copy(),  # each choice advances its own (structured outputs)
             )
             st.engine.add_request(r)
 

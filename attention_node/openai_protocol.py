@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,6 +68,10 @@ class _Sampling(BaseModel):
     truncate_prompt_tokens: int | None = Field(None, ge=-1, le=INT64_MAX)
     truncation_side: Literal["left", "right"] | None = None
     request_id: str | None = None
+    # structured outputs: attention_node/structured.py reads them (and vLLM's older guided_* names, which vLLM
+    # 0.33's models no longer declare, from the extra fields)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -123,6 +127,9 @@ class ChatCompletionRequest(_Sampling):
     """The last message's content first, when it has the response's role (vLLM's)."""
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

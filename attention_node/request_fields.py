@@ -122,24 +122,27 @@ CHAT = {
     "mm_processor_kwargs": _refused(_MM, {}),
 }
 
+_SO = "structured outputs (attention_node/structured.py)"
+COMMON |= {"response_format": _impl(_SO), "structured_outputs": _impl(_SO)}
+CHAT |= {
+    "tools": _impl("constrained calls: tool_choice required or a named function (auto is refused)"),
+    "tool_choice": _impl("none, required or a named function; auto is refused: there is no tool parser"),
+    "parallel_tool_calls": _impl("false: tool_choice required makes one call"),
+}
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern")
+"""vLLM's older names for structured outputs: vLLM 0.33's models no longer have them and it ignores them with a
+warning (_REMOVED_GUIDED_FIELDS, vllm/entrypoints/serve/engine/protocol.py); afd takes them, as the issue asks
+(attention_node/structured.py reads them from the extra fields), on either endpoint."""
+
 STRUCTURED = {
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
+    # chat's tool fields on /v1/completions (vLLM's completion model has none of them)
     "tools": ([],),
     "tool_choice": ("none",),
     "parallel_tool_calls": (True,),
-    # vLLM's older names for structured outputs: vLLM 0.33's models no longer have them and it ignores them with a
-    # warning (_REMOVED_GUIDED_FIELDS, vllm/entrypoints/serve/engine/protocol.py); the structured-output work
-    # takes them, as the issue asks, so until then they are refused rather than ignored
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
-    "guided_whitespace_pattern": (),
+    "guided_decoding_backend": (),  # afd has one grammar engine (llguidance) and no choice of another
     "structural_tag": (),
 }
-"""Structured outputs and tools, refused until they are built (on either endpoint): field -> its off values."""
+"""Structured-output fields refused where the endpoint does not implement them: field -> its off values."""
 
 RULES = {"completion": {**COMMON, **COMPLETION}, "chat": {**COMMON, **CHAT}}
 """Per endpoint, every field afd knows but the structured ones."""
@@ -168,6 +171,8 @@ def check(body, chat: bool) -> list[str]:
     fields neither vLLM's model nor afd knows (for the caller to log and count)."""
     rules = RULES["chat" if chat else "completion"]
     for name, off in STRUCTURED.items():
+        if name in rules:  # implemented on this endpoint
+            continue
         value = _value(body, name)
         if not _is_off(value, off):
             raise ApiError(400, f"{name} is not supported by this server yet.", name)
@@ -178,7 +183,7 @@ def check(body, chat: bool) -> list[str]:
     if opts is not None and opts.continuous_usage_stats:
         param = "stream_options.continuous_usage_stats"
         raise ApiError(400, f"{param} is not supported by this server: usage comes in the last chunk only.", param)
-    return [k for k in (body.model_extra or {}) if k not in rules and k not in STRUCTURED]
+    return [k for k in (body.model_extra or {}) if k not in rules and k not in STRUCTURED and k not in GUIDED]
 
 
 # ---- the effects of the fields implemented here (the others are read where they act) ----------------------

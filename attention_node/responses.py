@@ -1,4 +1,7 @@
-"""Response bodies and SSE streams for completions and chat completions, in OpenAI / vLLM shape."""
+"""Response bodies and SSE streams for completions and chat completions, in OpenAI / vLLM shape; a chat answer
+constrained to a tool call (attention_node/structured.py) comes back as OpenAI `tool_calls`, as vLLM returns it
+(vllm/entrypoints/openai/serving_chat.py): content "", finish_reason "tool_calls" for tool_choice "required" and
+"stop" for a named function."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from attention_node import structured
 from attention_node.openai_protocol import ApiError
 
 
@@ -75,15 +79,15 @@ async def _abort_on_disconnect(request, gens) -> None:
         g.abort()
 
 
-async def full(st, body, gens, outputs: AsyncIterator, request, chat: bool) -> dict:
+async def full(st, body, gens, outputs: AsyncIterator, request, chat: bool, constraint=None) -> dict:
     watch = asyncio.create_task(_abort_on_disconnect(request, gens))
     try:
-        return await _collect(st, body, gens, outputs, chat)
+        return await _collect(st, body, gens, outputs, chat, constraint)
     finally:
         watch.cancel()
 
 
-async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
+async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool, constraint) -> dict:
     n = body.n
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
@@ -102,14 +106,19 @@ async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
     for i in sorted(ends):
         text = "".join(texts.get(i, []))
         c = {"index": i}
+        finish = ends[i][0]
         if chat:
             c["message"] = {"role": "assistant", "content": text}
+            calls = None if constraint is None else structured.tool_calls(constraint, text)
+            if calls is not None:
+                c["message"] = {"role": "assistant", "content": "", "tool_calls": calls}
+                finish = "tool_calls" if constraint.tool == "" and finish == "stop" else finish
         else:
             c["text"] = _echo(st, body, gens, i) + text
         want = body.num_logprobs() is not None
         c.update(
             logprobs=_logprobs(st, ids.get(i, []), lps.get(i, []), chat) if want else None,
-            finish_reason=ends[i][0],
+            finish_reason=finish,
             stop_reason=ends[i][1],
         )
         if body.return_token_ids:
@@ -121,24 +130,28 @@ async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool) -> dict:
     return resp
 
 
-async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool) -> AsyncIterator[str]:
+async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool, constraint=None) -> AsyncIterator[str]:
     head = _head(st, chat)
     if chat:
         head["object"] = "chat.completion.chunk"
     n, started, produced = body.n, set(), 0
     want = body.num_logprobs() is not None
     offsets: dict[int, int] = {}
+    calls = _StreamedCalls(constraint) if chat and constraint is not None and constraint.tool is not None else None
     try:
         async for i, out in outputs:
             if out.error:
                 yield _sse(ApiError(out.error_code, f"The request failed: {out.error}").body())
                 break
             produced += len(out.new_token_ids)
+            finish = out.finish_reason
             if chat:
                 delta = {}
                 if i not in started:
                     delta["role"] = "assistant"
-                if out.new_text or i not in started:
+                if calls is not None:
+                    finish = calls.delta(delta, i, i not in started, out.new_text, out.finished, finish)
+                elif out.new_text or i not in started:
                     delta["content"] = out.new_text
                 choice = {"index": i, "delta": delta}
             else:
@@ -149,7 +162,7 @@ async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool) ->
                 lp = _logprobs(st, out.new_token_ids, out.logprobs or [], chat, offsets.get(i, 0))
                 if not chat and lp["tokens"]:
                     offsets[i] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            choice.update(logprobs=lp, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            choice.update(logprobs=lp, finish_reason=finish, stop_reason=out.stop_reason)
             if body.return_token_ids:
                 choice["token_ids"] = out.new_token_ids
                 if i not in started:
@@ -162,3 +175,33 @@ async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool) ->
         yield "data: [DONE]\n\n"
     finally:
         await outputs.aclose()  # a client that went away aborts its requests
+
+
+class _StreamedCalls:
+    """Tool calls as streamed deltas, as vLLM streams them: a named function's arguments as they come (the
+    first delta carries its id and name); tool_choice "required"'s calls in one delta once the array is whole
+    (each call's name is known only after its arguments began), or the text as content if max_tokens cut it."""
+
+    def __init__(self, constraint):
+        self.c = constraint
+        self.text: dict[int, str] = {}
+
+    def delta(self, delta: dict, i: int, first: bool, text: str, finished: bool, finish: str | None) -> str | None:
+        """Fills choice i's delta; returns its finish_reason."""
+        if self.c.tool:
+            fn = {"arguments": text}
+            if first:
+                call = structured.tool_call(self.c.tool, text)
+                delta["tool_calls"] = [{"index": 0, **call}]
+            elif text:
+                delta["tool_calls"] = [{"index": 0, "function": fn}]
+            return finish
+        self.text[i] = self.text.get(i, "") + text
+        if not finished:
+            return finish
+        calls = structured.tool_calls(self.c, self.text[i])
+        if calls is None:
+            delta["content"] = self.text[i]
+            return finish
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+        return "tool_calls" if finish == "stop" else finish

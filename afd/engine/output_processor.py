@@ -1,6 +1,7 @@
 """From sampled tokens to what each request's caller receives: the output processor.
 
-Per token a request emits it appends the token, checks the stops that need no text (EOS unless
+Per token a request emits it appends the token, advances the request's grammar (structured outputs: a
+complete grammar ends the request, finish_reason stop), checks the stops that need no text (EOS unless
 ignore_eos, stop_token_ids, max_tokens and the context length), detokenizes incrementally, looks for
 stop strings (cutting the text before one), holds back the text a stop string may still start with, and
 hands a `RequestOutput` delta to the request's `on_output`. A finished request leaves the scheduler and
@@ -123,6 +124,8 @@ class OutputProcessor:
         req.last_token_time = now
         req.output_ids.append(tok)
         stop = self._token_stop(req, tok)
+        if req.grammar is not None and stop.reason != "stop" and req.grammar.advance(tok):
+            stop = _Stop("stop")  # complete (before max_tokens, or at it: the text is whole, so not length)
         stop, text = self._text(req, stop)
         self._emit(req, [tok], text, stop, counts, logprobs=None if logprob is None else [logprob])
 

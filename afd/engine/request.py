@@ -9,6 +9,7 @@ from enum import Enum
 
 import torch
 
+from afd.engine.grammar import Grammar
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import IncrementalDetokenizer
 
@@ -70,6 +71,9 @@ class Request:
     """Speculative decoding: the tokens [d] the MTP module proposed to follow the last one, which the next
     step runs with it and verifies (afd.engine.speculative). They stay on the device: the host learns the
     kept ones with the next step's sampled tokens."""
+    grammar: Grammar | None = None
+    """Structured outputs: the grammar its tokens follow, compiled before the request came (afd.engine.grammar);
+    the sampler masks its logits with it and the output processor advances it and ends the request with it."""
 
     @property
     def all_ids(self) -> list[int]:

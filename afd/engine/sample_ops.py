@@ -1,7 +1,7 @@
-"""The sampler's device ops, over a batch of logits rows [R, V] (R rows, V the vocabulary): temperature,
-top-k / top-p, the draw, speculative decoding's rejection rule and log-probabilities. Nothing here reads
-a value on the host: per-row parameters come in as device tensors, and the sampler reads the result once
-(afd.engine.sampling).
+"""The sampler's device ops, over a batch of logits rows [R, V] (R rows, V the vocabulary): structured
+outputs' token bitmask, temperature, top-k / top-p, the draw, speculative decoding's rejection rule and
+log-probabilities. Nothing here reads a value on the host: per-row parameters come in as device tensors, and
+the sampler reads the result once (afd.engine.sampling).
 """
 
 from __future__ import annotations
@@ -38,6 +38,15 @@ def probs(
     return p
 
 
+def apply_bitmask(x: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> None:
+    """Structured outputs: in x [R, V], the logits of the tokens a row's grammar forbids become -inf, in place.
+    rows [Rc] (int64) are the constrained rows, mask [Rc, ceil(V / 32)] int32 their allowed tokens (bit t % 32
+    of word t // 32; afd.engine.grammar.fill_masks), both on x's device; the other rows are not touched."""
+    bits = torch.arange(32, device=x.device, dtype=torch.int32)
+    allowed = ((mask[:, :, None] >> bits) & 1).bool().flatten(1)[:, : x.shape[1]]  # [Rc, V]
+    x[rows] = x[rows].masked_fill(~allowed, float("-inf"))
+
+
 def noise(shape: tuple[int, ...], device: torch.device, gens: dict[int, torch.Generator]) -> torch.Tensor:
     """Exponential(1) noise [R, ...]: row i from gens[i] when it has a generator (a seeded request), the
     others from the device's default generator, in one op."""
@@ -70,7 +79,8 @@ def rejection_sample(p: torch.Tensor, q: torch.Tensor, draft: torch.Tensor, u: t
     min(1, p(x) / q(x)), else draw from normalize(max(0, p - q)). Each token returned is distributed as p,
     whatever q is. Returns (token [R], kept [R] bool)."""
     px, qx = p.gather(1, draft[:, None])[:, 0], q.gather(1, draft[:, None])[:, 0]
-    kept = u * qx < px
+    # a row without a draft (q all zero) keeps nothing: u * 0 < p(x) would keep its placeholder token
+    kept = (u * qx < px) & (qx > 0)
     residual = (p - q).clamp_min(0)
     # an all-zero residual comes only from rounding (a rejection needs p(x) < q(x), so p > q somewhere)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)

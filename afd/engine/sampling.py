@@ -1,10 +1,17 @@
-"""Token sampling: penalties, logit bias and min_tokens (afd.engine.logits), then greedy or temperature
-with top-k / top-p, each request with its own optional seed; speculative decoding's verification.
+"""Token sampling: penalties, logit bias and min_tokens (afd.engine.logits), structured outputs' grammar
+mask (afd.engine.grammar), then greedy or temperature with top-k / top-p, each request with its own optional
+seed; speculative decoding's verification.
 
 A step's logits rows are sampled as one batch on their device (afd.engine.sample_ops), every sampling
 field included, and the host reads the result once: each row's token (and whether its draft was kept, and
 its logprobs when asked) in one tensor. That read is the attention node's one host sync of a decode step
-(docs/architecture/backends.md)."""
+(docs/architecture/backends.md). A constrained request's mask is computed on the host before the device ops
+(the grammar's state is the host's: the tokens it has read) and staged like every other per-row value.
+
+Speculative decoding and grammars: a constrained request's MTP drafts are never kept (its row 0 is sampled
+under the mask and emits the one token), since the mask of the row after a draft depends on the draft's value,
+which only the device knows until the step's read. Greedy, it emits what decoding without drafts emits;
+sampled, the same distribution (a seeded one's stream differs: the discarded rows draw from its generator too)."""
 
 from __future__ import annotations
 
@@ -18,10 +25,12 @@ import torch
 from afd.backend import host_syncs
 from afd.backend.base import to_device
 from afd.engine import sample_ops as ops
+from afd.engine.grammar import fill_masks
 from afd.engine.logits import History, apply_penalties
 from afd.engine.messages import Logprob, SampledStep
 
 if TYPE_CHECKING:
+    from afd.engine.grammar import Grammar
     from afd.engine.messages import ScheduledSeq, StepPlan
     from afd.engine.request import Request
 
@@ -106,6 +115,8 @@ class Row:
     """Prompt and output before this row's token (with drafts: the drafts before it too)."""
     draft: int | None = None
     """Where the draft this row verifies is in the batch's draft tokens (None: no draft)."""
+    grammar: Grammar | None = None
+    """Structured outputs: the tokens the row may emit (its draft, if any, is then never kept)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,12 +146,17 @@ class Sampler:
         x = logits
         if any(p.processes_logits for p in params):
             x = apply_penalties(logits, params, [r.history for r in rows], self.eos_ids)
+        constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+        if constrained:  # -inf where the grammar forbids: after the penalties, which keep -inf
+            mask = fill_masks([rows[i].grammar for i in constrained], V)  # type: ignore[misc]
+            x = x.clone() if x is logits else x
+            ops.apply_bitmask(x, to_device(torch.tensor(constrained), dev), to_device(mask, dev))
         tok = x.argmax(dim=-1)  # [R] greedy: a draft is kept iff it is the argmax
         kept = torch.zeros_like(tok, dtype=torch.bool)
-        drafting = drafts is not None and any(r.draft is not None for r in rows)
+        drafting = drafts is not None and any(r.draft is not None and r.grammar is None for r in rows)
         if drafting:
             assert drafts is not None
-            has = to_device(torch.tensor([r.draft is not None for r in rows]), dev)
+            has = to_device(torch.tensor([r.draft is not None and r.grammar is None for r in rows]), dev)
             draft = drafts[to_device(torch.tensor([r.draft or 0 for r in rows]), dev)] * has  # [R], 0 where none
             kept = has & (tok == draft)
         hot = [p.temperature >= GREEDY_BELOW for p in params]
@@ -279,8 +295,11 @@ def _rows(s: ScheduledSeq, first: int) -> list[Row]:
     """The rows an entry samples; its drafts are at `first` in the step's draft tokens."""
     req, h = s.request, History(s.request.prompt_ids, s.request.output_ids)
     if s.drafts is None:
-        return [Row(req.params, req.request_id, h)]
-    return verify_rows(s.drafts, first, req.params, req.request_id, h)
+        return [Row(req.params, req.request_id, h, grammar=req.grammar)]
+    rows = verify_rows(s.drafts, first, req.params, req.request_id, h)
+    if req.grammar is not None:  # row 0 under the mask keeps no draft, so the rows after it emit nothing
+        rows[0] = Row(req.params, req.request_id, h, rows[0].draft, req.grammar)
+    return rows
 
 
 def _take_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
