@@ -94,7 +94,10 @@ class Speculator:
             seqs.append(StepSeq(req.all_ids[before + 1 : after + 1], before, req.block_table))
             rows.extend(range(q, q + after - before))
             left = min(req.max_tokens - len(req.output_ids), max_model_len - req.num_tokens) - 1
-            want.append(min(self.n, left) if after == req.num_tokens - 1 else 0)
+            # a constrained request drafts nothing: the sampler would discard every draft the grammar did not
+            # check (afd.engine.sampling); its MTP-layer KV is still written here, as for any request
+            drafts = req.grammar is None and after == req.num_tokens - 1
+            want.append(min(self.n, left) if drafts else 0)
         if not seqs:
             return
         if hidden is None:
