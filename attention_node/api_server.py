@@ -124,7 +124,7 @@ def build_app(st: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         _admit(st, body.model)
         rid = _fields(st, body, request, chat=False)
-        ids = await prompts.completion_prompts(st.tokenizer, body.prompt, st.limits)
+        ids = await prompts.completion_prompts(st.tokenizer, body.prompt, st.limits, body.add_special_tokens)
         return await _serve(st, body, ids, request, chat=False, rid=rid)
 
     @app.post("/v1/chat/completions")
@@ -139,7 +139,16 @@ def build_app(st: ServerState) -> FastAPI:
             )
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        ids = await prompts.chat_ids(st.tokenizer, body.messages, body.add_generation_prompt, st.limits)
+        tools = body.tools if body.tool_choice != "none" else None  # as vLLM: the template lists what may be called
+        ids = await prompts.chat_ids(
+            st.tokenizer,
+            body.messages,
+            body.add_generation_prompt,
+            st.limits,
+            add_special_tokens=body.add_special_tokens,
+            template_kwargs=body.chat_template_kwargs,
+            tools=tools,
+        )
         return await _serve(st, body, [ids], request, chat=True, rid=rid)
 
     @app.post("/tokenize")
@@ -219,9 +228,10 @@ async def _serve(st: ServerState, body, prompt_ids: list[list[int]], request: Re
 
     if body.stream:
         return StreamingResponse(
-            responses.stream(st, body, gens, outputs(gens), request, chat, constraint), media_type="text/event-stream"
+            responses.stream(st, body, gens, outputs(gens), request, chat, constraint, rid),
+            media_type="text/event-stream",
         )
-    return await responses.full(st, body, gens, outputs(gens), request, chat, constraint)
+    return await responses.full(st, body, gens, outputs(gens), request, chat, constraint, rid)
 
 
 def _log(st: ServerState, body, plan: list[tuple[list[int], int]], rid: str, chat: bool) -> None:

@@ -76,6 +76,8 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    add_special_tokens: bool = True
+    """A text prompt tokenized with the tokenizer's special tokens (BOS), as vLLM's default."""
     echo: bool = False
     logprobs: int | None = None
     """Top logprobs per generated token (OpenAI's legacy completions shape)."""
@@ -130,6 +132,10 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    add_special_tokens: bool = False
+    """Special tokens added when the rendered conversation is tokenized; off, as vLLM's: the template writes them."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (say Qwen3's enable_thinking), as vLLM passes them."""
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:

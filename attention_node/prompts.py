@@ -47,20 +47,41 @@ async def text_ids(tok: Tokenizer, text: str, limits: Limits, add_special_tokens
     return await tokenize(lambda: tok.encode(text, add_special_tokens), "prompt")
 
 
+TEMPLATE_OWN = ("messages", "add_generation_prompt", "tools", "bos_token", "eos_token")
+"""Template variables a request's chat_template_kwargs may not set: the server sets them."""
+
+
 async def chat_ids(
-    tok: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool, limits: Limits
+    tok: Tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    limits: Limits,
+    *,
+    add_special_tokens: bool = False,
+    template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
 ) -> list[int]:
     """The conversation through the chat template, then tokenized. The bound is checked on the rendered text:
-    a template may leave content out (e.g. an earlier turn's reasoning), so the messages' size says nothing."""
+    a template may leave content out (e.g. an earlier turn's reasoning), so the messages' size says nothing.
+    `tools` reach the template as HF's apply_chat_template hands them (OpenAI's tool objects), so that the model
+    sees the functions it may call; `template_kwargs` are the request's own variables."""
     msgs = [m.for_template(tok.chat_template or "") for m in messages]
+    extra = dict(template_kwargs or {})
+    clash = sorted(k for k in extra if k in TEMPLATE_OWN)
+    if clash:
+        raise ApiError(
+            400, f"chat_template_kwargs may not set {', '.join(clash)}: the server sets it.", "chat_template_kwargs"
+        )
+    if tools:
+        extra["tools"] = tools
 
     def render() -> str:
-        return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
 
     text = await _render(render)
     check_text(text, tok, limits, "messages")
-    # the rendered template carries its own BOS
-    return await tokenize(lambda: tok.encode(text, add_special_tokens=False), "messages")
+    # the rendered template carries its own BOS: special tokens only when the request asks for them
+    return await tokenize(lambda: tok.encode(text, add_special_tokens=add_special_tokens), "messages")
 
 
 async def _render(fn: Callable[[], str]) -> str:
@@ -72,7 +93,9 @@ async def _render(fn: Callable[[], str]) -> str:
         raise ApiError(400, f"The messages could not be tokenized: {e}", "messages") from None
 
 
-async def completion_prompts(tok: Tokenizer | None, prompt, limits: Limits) -> list[list[int]]:
+async def completion_prompts(
+    tok: Tokenizer | None, prompt, limits: Limits, add_special_tokens: bool = True
+) -> list[list[int]]:
     """/v1/completions' `prompt` (a text, ids, or a list of either) -> each prompt's ids."""
     items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
     out = []
@@ -80,7 +103,7 @@ async def completion_prompts(tok: Tokenizer | None, prompt, limits: Limits) -> l
         if isinstance(p, str):
             if tok is None:
                 raise ApiError(400, "This model has no tokenizer.json: send the prompt as token ids.", "prompt")
-            out.append(await text_ids(tok, p, limits))
+            out.append(await text_ids(tok, p, limits, add_special_tokens))
         else:
             out.append(p)
     return out

@@ -19,9 +19,16 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _head(st, chat: bool) -> dict:
+def _head(st, chat: bool, rid: str | None = None) -> dict:
+    """The response's id is the request's (vLLM's cmpl-ID / chatcmpl-ID: X-Request-Id, else the body's
+    request_id, else a new one), the id its log line names."""
     kind = ("chatcmpl-", "chat.completion") if chat else ("cmpl-", "text_completion")
-    return {"id": kind[0] + uuid.uuid4().hex, "object": kind[1], "created": int(time.time()), "model": st.model_name}
+    return {
+        "id": rid or kind[0] + uuid.uuid4().hex,
+        "object": kind[1],
+        "created": int(time.time()),
+        "model": st.model_name,
+    }
 
 
 def _usage(gens, completion_tokens: int) -> dict:
@@ -79,15 +86,15 @@ async def _abort_on_disconnect(request, gens) -> None:
         g.abort()
 
 
-async def full(st, body, gens, outputs: AsyncIterator, request, chat: bool, constraint=None) -> dict:
+async def full(st, body, gens, outputs: AsyncIterator, request, chat: bool, constraint=None, rid=None) -> dict:
     watch = asyncio.create_task(_abort_on_disconnect(request, gens))
     try:
-        return await _collect(st, body, gens, outputs, chat, constraint)
+        return await _collect(st, body, gens, outputs, chat, constraint, rid)
     finally:
         watch.cancel()
 
 
-async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool, constraint) -> dict:
+async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool, constraint, rid=None) -> dict:
     n = body.n
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
@@ -101,7 +108,7 @@ async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool, constrain
         lps.setdefault(i, []).extend(out.logprobs or [])
         if out.finished:
             ends[i] = (out.finish_reason, out.stop_reason)
-    resp = _head(st, chat)
+    resp = _head(st, chat, rid)
     choices = []
     for i in sorted(ends):
         text = "".join(texts.get(i, []))
@@ -130,8 +137,10 @@ async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool, constrain
     return resp
 
 
-async def stream(st, body, gens, outputs: AsyncIterator, request, chat: bool, constraint=None) -> AsyncIterator[str]:
-    head = _head(st, chat)
+async def stream(
+    st, body, gens, outputs: AsyncIterator, request, chat: bool, constraint=None, rid=None
+) -> AsyncIterator[str]:
+    head = _head(st, chat, rid)
     if chat:
         head["object"] = "chat.completion.chunk"
     n, started, produced = body.n, set(), 0

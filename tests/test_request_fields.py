@@ -202,6 +202,7 @@ def test_the_api_refuses_counts_and_logs(caplog, log_requests):
         assert code == 400 and body["error"]["param"] == "min_p" and "min_p" in body["error"]["message"]
         code, body = _post(port, {"prompt": [1, 2, 3], "foo_bar": 1, "max_tokens": 1}, {"X-Request-Id": "abc"})
         assert code == 200 and body["choices"][0]["finish_reason"] == "length"
+        assert body["id"] == "cmpl-abc"  # the response names the request as its log line does
         assert 'afd_ignored_request_fields_total{field="foo_bar"' in _get(port, "/metrics")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "cmpl-abc" in warnings[0] and "'foo_bar'" in warnings[0]
@@ -234,3 +235,31 @@ def test_the_big_body_check_says_truncation_does_not_reach_it():
     assert "truncate_prompt_tokens does not apply" in verdict(body, 64)["error"]["message"]
     plain = verdict(json.dumps({"prompt": list(range(70))}).encode(), 64)
     assert "truncate_prompt_tokens" not in plain["error"]["message"]
+
+
+def _demo_tokenizer():
+    from afd.engine.tokenizer import load_tokenizer
+    from afd.model.demo import ensure_demo_checkpoint
+
+    return load_tokenizer(ensure_demo_checkpoint())
+
+
+def test_add_special_tokens_and_the_templates_own_variables():
+    import asyncio
+
+    from attention_node import prompts
+    from attention_node.openai_protocol import ChatMessage
+
+    tok = _demo_tokenizer()
+    limits = Limits(max_model_len=4096, vocab_size=tok.vocab_size)
+    with_bos = asyncio.run(prompts.completion_prompts(tok, "Experts are", limits))[0]
+    plain = asyncio.run(prompts.completion_prompts(tok, "Experts are", limits, add_special_tokens=False))[0]
+    assert with_bos == tok.encode("Experts are", True) and plain == with_bos[1:]  # the demo's BOS, or not
+    tok.chat_template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{{ flavour | default('') }}"
+    tok._compiled_template = None
+    msgs = [ChatMessage(role="user", content="hi")]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    ids = asyncio.run(prompts.chat_ids(tok, msgs, True, limits, template_kwargs={"flavour": "salty"}, tools=tools))
+    assert tok.decode(ids) == "[get_weather]salty"  # the model sees the functions it may call, as in vLLM
+    with pytest.raises(ApiError, match="chat_template_kwargs may not set messages"):
+        asyncio.run(prompts.chat_ids(tok, msgs, True, limits, template_kwargs={"messages": []}))
