@@ -50,6 +50,7 @@ class _Sampling(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
     n: int = 1
@@ -213,6 +214,7 @@ def sampling_params(req: _Sampling, choice: int, limits: Limits | None = None) -
             temperature=temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=0 if req.top_k in (None, -1) else req.top_k,  # -1: vLLM's "off"
+            min_p=req.min_p or 0.0,
             seed=None if req.seed is None else req.seed + choice,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,

@@ -75,7 +75,7 @@ COMMON = {
     "mm_payload": _ignored(_NO_RENDER),
     "return_mm_kwargs": _ignored(_NO_RENDER),
     "use_beam_search": _refused("beam search is not implemented", False),
-    "min_p": _refused("min-p sampling is not implemented yet", 0),
+    "min_p": _impl(),
     "watermarking": _refused("there is no watermarking", False),
     "length_penalty": _refused("only beam search uses it, and there is none", 1),
     "skip_special_tokens": _refused("the detokenizer always skips special tokens", True),

@@ -138,7 +138,6 @@ def test_max_model_len_cuts_the_output_and_refuses_a_prompt_past_it():
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("min_p", 0.1),
         ("best_of", 3),
         ("prompt_logprobs", 1),
         ("include_stop_str_in_output", True),

@@ -198,8 +198,8 @@ def test_the_api_refuses_counts_and_logs(caplog, log_requests):
     st = ServerState(_Engine(), None, "m", "/m", LIMITS, metrics, ready=lambda: True, log_requests=log_requests)
     caplog.set_level(logging.INFO, logger="afd.api")
     with running(HttpSection(), build_app(st)) as port:
-        code, body = _post(port, {"prompt": [1, 2], "min_p": 0.5})
-        assert code == 400 and body["error"]["param"] == "min_p" and "min_p" in body["error"]["message"]
+        code, body = _post(port, {"prompt": [1, 2], "priority": 5})
+        assert code == 400 and body["error"]["param"] == "priority" and "priority" in body["error"]["message"]
         code, body = _post(port, {"prompt": [1, 2, 3], "foo_bar": 1, "max_tokens": 1}, {"X-Request-Id": "abc"})
         assert code == 200 and body["choices"][0]["finish_reason"] == "length"
         assert body["id"] == "cmpl-abc"  # the response names the request as its log line does

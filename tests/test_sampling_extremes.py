@@ -99,3 +99,25 @@ def test_a_zero_noise_value_never_draws_a_token_of_probability_zero():
     p = torch.tensor([[0.0, 0.7, 0.3], [0.5, 0.0, 0.5]])
     e = torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 2.0]])
     assert draw(p, e).tolist() == [1, 0]
+
+
+def test_min_p_drops_the_tokens_below_its_share_of_the_top_one():
+    """vLLM's min-p: after temperature, a token less likely than min_p x the most likely one is never drawn;
+    the others keep their relative odds; min_p 1 leaves the top token alone; 0 cuts nothing."""
+    from afd.engine import sample_ops as ops
+
+    x = torch.tensor([[3.0, 2.0, 1.0, -1.0, -4.0]])
+    one = torch.ones(1)
+    p = torch.softmax(x, -1)[0]
+    cut = ops.probs(x, one, None, 0, None, torch.tensor([0.2]))[0]
+    keep = p >= 0.2 * p.max()
+    assert torch.equal(cut > 0, keep) and torch.allclose(cut[keep], p[keep] / p[keep].sum())
+    assert torch.equal(ops.probs(x, one, None, 0, None, torch.ones(1))[0] > 0, torch.tensor([1, 0, 0, 0, 0]).bool())
+    assert torch.allclose(ops.probs(x, one, None, 0, None, torch.zeros(1)), torch.softmax(x, -1))
+    draws = {
+        Sampler().sample(x, [SamplingParams(temperature=1.0, min_p=0.2, seed=s)], ["r"], [HISTORY])[0]
+        for s in range(200)
+    }
+    assert draws == set(keep.nonzero().flatten().tolist())
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)

@@ -23,7 +23,6 @@ from afd.engine import sampling
 _UNSUPPORTED = {
     # field: (its default, what to do instead); a non-default value is refused
     "best_of": (None, "ask for n samples"),
-    "min_p": (0.0, "use top_p or top_k"),
     "prompt_logprobs": (None, None),
     "include_stop_str_in_output": (False, None),
     "skip_special_tokens": (True, None),
@@ -111,6 +110,7 @@ class SamplingParams:
         """The engine's sampling parameters of one output, sampled with `seed`."""
         return sampling.SamplingParams(
             temperature=self.temperature,
+            min_p=self.min_p,
             top_p=self.top_p,
             top_k=self.top_k,
             seed=seed,
@@ -131,11 +131,11 @@ GENERATION_CONFIG_FIELDS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",
+    "min_p": "min_p",
     "repetition_penalty": "repetition_penalty",
     "max_new_tokens": "max_tokens",
 }
-"""generation_config.json's sampling defaults as vLLM reads them (its generation_config="auto"; min_p is
-not implemented here)."""
+"""generation_config.json's sampling defaults as vLLM reads them (its generation_config="auto")."""
 
 
 def default_sampling_params(model_dir: str) -> SamplingParams:

@@ -12,14 +12,23 @@ F32_MAX = torch.finfo(torch.float32).max
 
 
 def probs(
-    logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor | None, k_max: int, top_p: torch.Tensor | None
+    logits: torch.Tensor,
+    temp: torch.Tensor,
+    top_k: torch.Tensor | None,
+    k_max: int,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits [R, V] fp32, temp [R] (> 0), top_k [R] int64 (0: no cut; None when no row cuts) whose largest
-    is k_max, top_p [R] (1: no cut; None likewise) -> the distributions [R, V] to draw from, each summing to 1."""
+    is k_max, top_p [R] (1: no cut; None likewise), min_p [R] (0: no cut; None likewise) -> the distributions
+    [R, V] to draw from, each summing to 1. The order is vLLM's: temperature, min-p, then top-k and top-p."""
     # An extreme repetition penalty (1e-270) or a small temperature can overflow a logit to +inf, and
     # softmax over +inf is NaN; the largest finite float keeps the limit (those tokens tie).
     logits = (logits / temp[:, None]).clamp(max=F32_MAX)
     V = logits.shape[-1]
+    if min_p is not None:  # the most likely token always stays (its p is the max): a row is never emptied
+        p0 = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(p0 < min_p[:, None] * p0.amax(-1, keepdim=True), float("-inf"))
     if top_k is not None:
         k_max = min(k_max, V)
         kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(1, k_max) - 1)[:, None])

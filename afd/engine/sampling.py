@@ -49,6 +49,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     """0 means no top-k cut."""
+    min_p: float = 0.0
+    """vLLM's: after temperature, tokens less likely than min_p x the most likely one are dropped (0: off)."""
     seed: int | None = None
     presence_penalty: float = 0.0
     """OpenAI: subtracted from the logit of every token the output already holds (-2..2)."""
@@ -75,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:  # NaN fails this too
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -164,11 +168,13 @@ class Sampler:
             # a temperature past fp32's range would be inf, and inf / inf (a logit a penalty sent to inf) NaN;
             # a top_k past the vocabulary is no cut (and past int64 would not even make a tensor)
             temp = [min(p.temperature, ops.F32_MAX) if h else 1.0 for p, h in zip(params, hot)]
-            knobs = to_device(torch.tensor([temp, [p.top_p for p in params]], dtype=torch.float32), dev)
+            rows_knobs = [temp, [p.top_p for p in params], [p.min_p for p in params]]
+            knobs = to_device(torch.tensor(rows_knobs, dtype=torch.float32), dev)
             ks = [min(p.top_k, V) for p in params]
             top_k = to_device(torch.tensor(ks), dev) if any(ks) else None
             top_p = knobs[1] if any(p.top_p < 1 for p in params) else None
-            probs = ops.probs(x, knobs[0], top_k, max(ks), top_p)
+            min_p = knobs[2] if any(p.min_p > 0 for p in params) else None
+            probs = ops.probs(x, knobs[0], top_k, max(ks), top_p, min_p)
             gens = {i: self._generator(r, dev) for i, r in enumerate(rows) if hot[i] and r.params.seed is not None}
             e = ops.noise((R, V), dev, gens)
             if drafting:
