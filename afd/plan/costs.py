@@ -1,0 +1,117 @@
+"""The cost model every part of afd.plan shares: times of one MoE layer's pieces as linear functions of the
+tokens they carry, and the link's latency and bandwidth. `afd profile` fits them from measurements on this
+machine (afd.plan.profile); a hardware spec makes them from a roofline for a device that is not here
+(afd.plan.hardware); the simulator (afd.plan.simulate) and `afd plan` read them.
+
+Units: seconds, tokens, bytes. Every fit keeps its error, so that a plan built on it can say how far to
+trust it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class Linear:
+    """t(x) = slope * x + intercept, as fitted (least squares) or derived; `rel_err` is the fit's largest
+    relative error over the points it was fitted to (0 for a derived model)."""
+
+    slope: float
+    intercept: float
+    rel_err: float = 0.0
+    points: int = 0
+    """How many measurements it was fitted to (0: derived from a hardware spec)."""
+
+    def __call__(self, x: float) -> float:
+        return max(0.0, self.slope * x + self.intercept) if x > 0 else 0.0
+
+    def __post_init__(self):
+        if self.slope < 0 or self.intercept < 0:
+            raise ValueError(f"a time model must not be negative: slope {self.slope}, intercept {self.intercept}")
+
+
+def fit(xs: list[float], ts: list[float]) -> Linear:
+    """Least-squares line through (x, t), clipped so that neither coefficient is negative (a negative
+    intercept from noise would predict negative times at small x)."""
+    n = len(xs)
+    if n < 2 or len(set(xs)) < 2:
+        raise ValueError(f"a line needs at least two distinct x, got {sorted(set(xs))}")
+    mx, mt = sum(xs) / n, sum(ts) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = max(0.0, sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx)
+    intercept = max(0.0, mt - slope * mx)
+    err = max(abs(slope * x + intercept - t) / t for x, t in zip(xs, ts) if t > 0) if any(ts) else 0.0
+    return Linear(slope, intercept, err, n)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One attention <-> FFN path: t(bytes) = latency + bytes / bandwidth."""
+
+    latency: float
+    """Seconds for a message of no bytes (the transport's per-message cost included)."""
+    bandwidth: float
+    """Bytes per second."""
+    rel_err: float = 0.0
+
+    def __call__(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth if nbytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """One decoder layer's times, per micro-batch.
+
+    Attention side (per attention rank, x = tokens of the micro-batch on that rank): `attn_pre` is what runs
+    before the MoE inputs can be sent (attention, the router under routing `attention`), `attn_window` what
+    runs while they are away and does not need the MoE's result (LongCat-Flash's shortcut branch, DeepSeek's
+    shared experts: the ScMoE window), `attn_post` what needs it (combine, residual). A dense layer has only
+    `attn_pre`. FFN side (per FFN node, x = token-expert rows it computes): `ffn`."""
+
+    attn_pre: Linear
+    attn_window: Linear = field(default_factory=lambda: Linear(0.0, 0.0))
+    attn_post: Linear = field(default_factory=lambda: Linear(0.0, 0.0))
+    ffn: Linear = field(default_factory=lambda: Linear(0.0, 0.0))
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What the simulator needs of a model on some hardware. `source` says where it came from: "profile
+    FILE" (measured here) or "hardware NAME" (a roofline)."""
+
+    source: str
+    model: str
+    """The model's name (its config.json path or hub name) the costs are for."""
+    dtype: str
+    moe_layer: LayerCosts
+    """Every MoE layer costs the same (the families afd serves repeat one MoE layer shape)."""
+    dense_layer: Linear
+    """A dense layer's attention-side time (DeepSeek-V3's first layers, Qwen3's mlp_only_layers)."""
+    step_overhead: Linear
+    """Per decode step and attention rank, outside the layers: embed, logits, sampling, scheduling (x =
+    sequences in the step)."""
+    link: Link
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> CostModel:
+        d = json.loads(text)
+
+        def lin(v: dict) -> Linear:
+            return Linear(**v)
+
+        layer = d["moe_layer"]
+        return cls(
+            d["source"],
+            d["model"],
+            d["dtype"],
+            LayerCosts(*(lin(layer[k]) for k in ("attn_pre", "attn_window", "attn_post", "ffn"))),
+            lin(d["dense_layer"]),
+            lin(d["step_overhead"]),
+            Link(**d["link"]),
+            tuple(d.get("notes", ())),
+        )
