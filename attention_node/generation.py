@@ -36,6 +36,7 @@ class Generation:
                 lambda out, i=index0 + j, e=edit: loop.call_soon_threadsafe(self.queue.put_nowait, (i, e(out))),
                 stop=stop_strings(body),
                 ignore_eos=body.ignore_eos,
+                skip_special_tokens=body.skip_special_tokens is not False,
                 grammar=None
                 if grammar is None
                 else grammar.copy(),  # each choice advances its own (structured outputs)

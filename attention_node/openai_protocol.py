@@ -62,6 +62,8 @@ class _Sampling(BaseModel):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool | None = True
+    """False: the text shows special tokens too (vLLM's field; null is its default, true)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False

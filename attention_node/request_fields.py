@@ -68,8 +68,8 @@ COMMON = {
     "user": _ignored("OpenAI's end-user id for abuse monitoring; vLLM ignores it too"),
     "session_id": _ignored("an identity shared by related requests, for routers and KV connectors; afd has neither"),
     "spaces_between_special_tokens": _ignored(
-        "it matters only when special tokens are kept, which afd refuses (skip_special_tokens); vLLM's fast "
-        "detokenizer ignores it then too (vllm/v1/engine/detokenizer.py)"
+        "afd decodes with the fast (Rust) tokenizer, whose decode has no such option; vLLM's fast detokenizer "
+        "ignores it too (vllm/v1/engine/detokenizer.py)"
     ),
     "return_token_offsets": _ignored(_NO_RENDER),
     "mm_payload": _ignored(_NO_RENDER),
@@ -78,7 +78,7 @@ COMMON = {
     "min_p": _impl(),
     "watermarking": _refused("there is no watermarking", False),
     "length_penalty": _refused("only beam search uses it, and there is none", 1),
-    "skip_special_tokens": _refused("the detokenizer always skips special tokens", True),
+    "skip_special_tokens": _impl(),
     "allowed_token_ids": _refused("restricting sampling to a set of tokens is not implemented"),
     "prompt_logprobs": _refused("prompt logprobs are not computed"),
     "logprob_token_ids": _refused("logprobs of chosen token ids are not returned"),

@@ -263,3 +263,20 @@ def test_add_special_tokens_and_the_templates_own_variables():
     assert tok.decode(ids) == "[get_weather]salty"  # the model sees the functions it may call, as in vLLM
     with pytest.raises(ApiError, match="chat_template_kwargs may not set messages"):
         asyncio.run(prompts.chat_ids(tok, msgs, True, limits, template_kwargs={"messages": []}))
+
+
+def test_skip_special_tokens_false_keeps_them_in_the_text():
+    """vLLM's skip_special_tokens: the request's text shows special tokens only when it is false (the ids
+    keep them either way)."""
+    from afd.engine.output_processor import OutputProcessor
+    from afd.engine.request import Request
+    from afd.engine.sampling import SamplingParams
+
+    tok = _demo_tokenizer()
+    body = CompletionRequest.model_validate({"prompt": [42], "skip_special_tokens": False})
+    texts = {}
+    for skip in (True, False):
+        req = Request(str(skip), [42], SamplingParams(), 4, lambda o: None, skip_special_tokens=skip)
+        OutputProcessor(None, None, tok, (2,), 64).add(req)  # type: ignore[arg-type]
+        texts[skip] = "".join(req.detok.push(t) for t in (1, 93))
+    assert texts == {True: "x", False: "<s>x"} and body.skip_special_tokens is False

@@ -108,6 +108,10 @@ def requests_of(
         max_tokens = min(sp.max_tokens or max_model_len, max_model_len - len(p.ids))
         for j in range(sp.n):
             seed = None if sp.seed is None else sp.seed + j
-            requests.append(OfflineRequest(p.ids, max_tokens, sp.engine_params(seed), sp.stop_strings, sp.ignore_eos))
+            requests.append(
+                OfflineRequest(
+                    p.ids, max_tokens, sp.engine_params(seed), sp.stop_strings, sp.ignore_eos, sp.skip_special_tokens
+                )
+            )
             owner.append((i, j))
     return requests, owner

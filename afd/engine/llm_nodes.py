@@ -59,7 +59,7 @@ def complete(
     """What the engine with a tokenizer would have returned for `ids`, the tokens a node generated: the
     same per-token stops, text and stop strings as afd.engine.output_processor (EOS, stop ids, length, then
     a stop string found in the text so far), and logprobs from the steps' logits."""
-    detok = IncrementalDetokenizer(tok, req.prompt_ids) if tok is not None else None
+    detok = IncrementalDetokenizer(tok, req.prompt_ids, req.skip_special_tokens) if tok is not None else None
     out = Completion()
     text = None
     for t in ids:

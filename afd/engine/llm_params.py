@@ -25,7 +25,6 @@ _UNSUPPORTED = {
     "best_of": (None, "ask for n samples"),
     "prompt_logprobs": (None, None),
     "include_stop_str_in_output": (False, None),
-    "skip_special_tokens": (True, None),
     "spaces_between_special_tokens": (True, None),
     "logits_processors": (None, "use logit_bias"),
     "truncate_prompt_tokens": (None, "cut the prompt's token ids before generate()"),

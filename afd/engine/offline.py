@@ -56,6 +56,7 @@ class OfflineRequest:
     stop: list[str] = field(default_factory=list)
     """Stop strings (they need the engine's tokenizer)."""
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
 
 
 @dataclass
@@ -105,6 +106,7 @@ def run(
             collect(i),
             stop=list(r.stop),
             ignore_eos=r.ignore_eos,
+            skip_special_tokens=r.skip_special_tokens,
             logits=[] if logits_out is not None else None,
         )
         for i, r in enumerate(requests)

@@ -74,7 +74,7 @@ class OutputProcessor:
         self.requests[req.request_id] = req
         try:
             if self.tokenizer is not None:
-                req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids)
+                req.detok = IncrementalDetokenizer(self.tokenizer, req.prompt_ids, req.skip_special_tokens)
         except Exception as e:
             self.fail(req, e)
             return False

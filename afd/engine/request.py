@@ -52,6 +52,8 @@ class Request:
     """Called from the engine thread with each delta (the API layer hands it to its event loop)."""
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    """The text leaves special tokens out (vLLM's default); the token ids keep them either way."""
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
