@@ -1,0 +1,174 @@
+"""A discrete-event simulation of one decode step of an AFD cluster (issue 30, item 3): what `afd plan`
+predicts a layout's TPOT and waits from.
+
+The step is a DAG of tasks on resources that each run one task at a time: every attention rank's compute,
+every FFN node's compute, and each direction of each (attention rank, FFN node) link. A task starts when
+its inputs are ready and its resource is free (start = max(ready, free)), in the order afd issues it; one
+pass over the tasks in that order (list scheduling) is the whole simulation. Per MoE layer and micro-batch:
+
+    attention rank   attn_pre ─ send ──▶ link a→f ─▶ FFN node (once every rank's rows are in) ─▶ link f→a
+                     ... attn_window (other micro-batches' work) ... wait for y ─ attn_post
+
+in afd.engine.runner's order: `for l: for i: finish(l-1, i); start(l, i)`, with start = attn_pre + send
+(+ the wait, without overlap) and finish = attn_window + wait + attn_post. A dense layer is one
+attention-side task. Times come from the CostModel (afd.plan.costs), sizes from afd.plan.shape.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+from afd.plan.shape import Scenario
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One decode step, predicted. Busy and wait times are per resource (one attention rank, one FFN node,
+    one link direction: the busiest of each kind; under uniform routing they are all alike)."""
+
+    step_time: float
+    """Seconds from the step's start to the last attention rank's last task: the TPOT in decode."""
+    attention_busy: float
+    """One attention rank's compute, step overhead included."""
+    attention_wait: float
+    """Time that rank's compute stood idle waiting for the MoE's result."""
+    ffn_busy: float
+    link_busy: float
+    bytes_to_ffn: float
+    """Bytes the whole cluster sends to the FFN nodes in the step (counts included under dispatch)."""
+    bytes_to_attention: float
+    tokens: int
+    """Tokens the step produces: one per sequence on every attention node."""
+    devices: int
+    """Attention ranks plus FFN nodes."""
+
+    @property
+    def tpot(self) -> float:
+        return self.step_time
+
+    @property
+    def ffn_idle_share(self) -> float:
+        return 1.0 - self.ffn_busy / self.step_time if self.step_time else 0.0
+
+    @property
+    def bottleneck(self) -> str:
+        """The resource kind with the most busy time: what a faster one of would shorten the step most."""
+        busy = {"attention": self.attention_busy, "ffn": self.ffn_busy, "link": self.link_busy}
+        return max(busy, key=busy.__getitem__)
+
+    @property
+    def tokens_per_s_per_device(self) -> float:
+        return self.tokens / self.step_time / self.devices if self.step_time else 0.0
+
+    def to_dict(self) -> dict:
+        extra = ("tpot", "ffn_idle_share", "bottleneck", "tokens_per_s_per_device")
+        return asdict(self) | {k: getattr(self, k) for k in extra}
+
+
+class Timeline:
+    """Resources that each run one task at a time, in the order the tasks are given."""
+
+    def __init__(self):
+        self.free: dict = defaultdict(float)
+        self.busy: dict = defaultdict(float)
+        self.idle: dict = defaultdict(float)
+        """Time each resource stood waiting for a task's inputs while it had nothing else to do."""
+
+    def run(self, resource, ready: float, duration: float) -> float:
+        """Runs a task of `duration` on `resource` once `ready`; returns its end."""
+        start = max(ready, self.free[resource])
+        self.idle[resource] += start - self.free[resource]
+        self.free[resource] = start + duration
+        self.busy[resource] += duration
+        return start + duration
+
+
+def program(scenario: Scenario) -> list[tuple[str, int, int]]:
+    """One attention rank's tasks, (kind, layer, micro-batch), in the order afd.engine.runner issues them.
+    `wait` is the wait for the MoE's result (no time of its own); `pre` sends when it ends."""
+    moe, lay = set(scenario.shape.moe_layers), scenario.layout
+
+    def start(layer: int, i: int) -> list[tuple[str, int, int]]:
+        if layer not in moe:
+            return [("dense", layer, i)]
+        return [("pre", layer, i)] if lay.overlap else [("pre", layer, i), ("wait", layer, i)]
+
+    def finish(layer: int, i: int) -> list[tuple[str, int, int]]:
+        if layer not in moe:
+            return []
+        wait = [("wait", layer, i)] if lay.overlap else []
+        return [("window", layer, i), *wait, ("post", layer, i)]
+
+    out: list[tuple[str, int, int]] = []
+    last = scenario.shape.num_layers - 1
+    for layer in range(last + 1):
+        for i in range(lay.micro_batches):
+            out += (finish(layer - 1, i) if layer else []) + start(layer, i)
+    for i in range(lay.micro_batches):
+        out += finish(last, i)
+    return out
+
+
+def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
+    """The step's timeline. Under uniform routing every attention rank and every FFN node runs the same
+    tasks at the same times, so by default one of each stands for all (each FFN task still waits for the
+    rows of every rank, which arrive together); `explicit` simulates every rank, node and link (the
+    same answer, at A·G·F times the cost: the tests hold them equal)."""
+    lay, c = scenario.layout, scenario.costs
+    ranks = range(lay.attention_ranks if explicit else 1)
+    nodes = range(lay.ffn_nodes if explicit else 1)
+    rows = [scenario.ffn_rows(i) for i in range(lay.micro_batches)]
+    msgs = [scenario.messages(i) for i in range(lay.micro_batches)]
+    attention = {
+        "pre": c.moe_layer.attn_pre,
+        "window": c.moe_layer.attn_window,
+        "post": c.moe_layer.attn_post,
+        "dense": c.dense_layer,
+    }
+
+    tl = Timeline()
+    for r in ranks:
+        tl.run(("attention", r), 0.0, c.step_overhead(lay.batch))
+    y: dict[tuple[int, int, int], float] = {}
+    """(layer, micro-batch, rank) -> when the last FFN node's result has reached the rank."""
+    to_ffn = to_attention = 0.0
+    for kind, layer, i in program(scenario):
+        if kind == "wait":
+            for r in ranks:
+                tl.run(("attention", r), y.pop((layer, i, r)), 0.0)
+            continue
+        ends = [tl.run(("attention", r), 0.0, attention[kind](lay.tokens(i))) for r in ranks]
+        if kind != "pre":
+            continue
+        sizes, back = msgs[i]
+        arrived = defaultdict(float)  # FFN node -> when every rank's rows are in
+        for r, end in zip(ranks, ends):
+            for f in nodes:
+                t = end
+                for size in sizes:  # dispatch: the count, then the rows, one after the other
+                    t = tl.run(("a2f", r, f), t, c.link(size))
+                arrived[f] = max(arrived[f], t)
+        for f in nodes:
+            done = tl.run(("ffn", f), arrived[f], c.moe_layer.ffn(rows[i]))
+            for r in ranks:
+                home = tl.run(("f2a", f, r), done, c.link(back))
+                y[layer, i, r] = max(y.get((layer, i, r), 0.0), home)
+        to_ffn += sum(sizes)
+        to_attention += back
+
+    def most(kind: str, what: dict) -> float:
+        return max((v for k, v in what.items() if k[0] == kind), default=0.0)
+
+    pairs = lay.attention_ranks * lay.ffn_nodes
+    return StepPrediction(
+        step_time=max(tl.free.values()),
+        attention_busy=most("attention", tl.busy),
+        attention_wait=most("attention", tl.idle),
+        ffn_busy=most("ffn", tl.busy),
+        link_busy=max(most("a2f", tl.busy), most("f2a", tl.busy)),
+        bytes_to_ffn=to_ffn * pairs,
+        bytes_to_attention=to_attention * pairs,
+        tokens=lay.attention_nodes * lay.batch,
+        devices=lay.devices,
+    )
