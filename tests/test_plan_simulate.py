@@ -3,6 +3,7 @@ FFN-bound cluster; the inputs' checks; bytes against the data plane's formulas. 
 
 from __future__ import annotations
 
+import json
 from math import comb
 
 import pytest
@@ -139,6 +140,13 @@ def test_identity_picks_cross_nowhere():
     want = sum(comb(16, k) * comb(4, 4 - k) / comb(20, 4) * expected_fanout(p, k) for k in range(5))
     assert s.fanout == pytest.approx(want)
     assert s.ffn_rows(0) == pytest.approx(10 * 4 * 16 / 20 / 2)
+
+
+def test_a_shape_from_a_checkpoint_directory(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(DEMO_CONFIG | {"dtype": "bfloat16"}))
+    shape = ModelShape.from_model(str(tmp_path))
+    assert shape == ModelShape(4, (0, 1, 2, 3), 256, 4, 16, 4, (1, 1), "bfloat16", str(tmp_path))
+    assert ModelShape.from_model(str(tmp_path), dtype="float32").dtype == "float32"
 
 
 def test_quantized_exchange_shrinks_what_goes_to_the_ffn_only():

@@ -97,6 +97,13 @@ class ModelShape:
 
         return cls.from_config(config_from_hf(d), dtype or checkpoint_dtype(d), name)
 
+    @classmethod
+    def from_model(cls, path: str, dtype: str | None = None) -> ModelShape:
+        """From a checkpoint directory's config.json (`afd plan --model DIR`), named by the directory."""
+        from afd.model.config import read_config_json
+
+        return cls.from_hf(read_config_json(path), dtype, path)
+
     @property
     def routed_per_token(self) -> float:
         """Expected routed (non-identity) picks per token: the token-expert rows it brings the FFN nodes."""
