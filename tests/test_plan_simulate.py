@@ -11,7 +11,8 @@ import pytest
 from afd.cluster.placement import default_placement, expected_fanout
 from afd.model.demo_config import DEMO_CONFIG
 from afd.plan.costs import CostModel, LayerCosts, Linear, Link
-from afd.plan.shape import Layout, ModelShape, Scenario
+from afd.plan.scenario import Scenario
+from afd.plan.shape import Layout, ModelShape
 from afd.plan.simulate import program, simulate
 
 # 3 MoE layers, hidden 256 in float32, top-4 of 16 routed experts, no identity experts

@@ -1,24 +1,15 @@
-"""What the decode-step simulator (afd.plan.simulate) is asked about: the model's shape, the cluster's layout,
-and what one (layer, micro-batch) moves and computes under them, by the data plane's own formulas.
+"""What the decode-step simulator (afd.plan.simulate) is asked about: the model's shape and the cluster's
+layout, validated on construction so that a search over layouts fails on the field it got wrong.
 
-Pure Python (no torch): `afd plan` searches many layouts, and `afd check-config` style callers read it.
-
-Expected values under uniform routing throughout: a token's K picks are a uniformly random K-subset of
-the routed and identity experts (afd.cluster.placement.miss_probability), experts placed by
-default_placement, no replicas. A real router's skew raises the busiest FFN node's rows above the mean;
-the simulator does not model that.
+Pure Python (no torch): `afd plan` builds many of these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
-from afd.cluster.placement import Placement, default_placement, miss_probability
-from afd.dataplane.protocol import COUNT_BYTES, MAX_MICRO_BATCHES, QMAX
-from afd.dataplane.wire_cost import per_token
+from afd.dataplane.protocol import MAX_MICRO_BATCHES, QMAX
 from afd.model.config import DTYPES
-from afd.plan.costs import CostModel
 
 ROUTINGS = ("ffn", "attention")
 """layout.routing: `ffn` broadcasts every token to every FFN node, `attention` dispatches each token to
@@ -153,54 +144,15 @@ class Layout:
         base, extra = divmod(self.batch, self.micro_batches)
         return base + (1 if i < extra else 0)
 
-
-@dataclass(frozen=True)
-class Scenario:
-    """A model on a layout, with the cost model its times come from: what `simulate` takes."""
-
-    shape: ModelShape
-    layout: Layout
-    costs: CostModel
-
-    def __post_init__(self):
-        F, E = self.layout.ffn_nodes, self.shape.n_routed_experts
-        if F > E:
-            raise ValueError(f"{F} FFN nodes for {E} routed experts: some would hold none")
-
-    def placement(self) -> Placement:
-        """The default placement, with the identity experts held by one more, phantom, node that stands for
-        the attention side: a pick there crosses to no FFN node."""
-        s, F = self.shape, self.layout.ffn_nodes
-        p = default_placement(s.n_routed_experts, [f"ffn{f}" for f in range(F)], s.expert_groups[0])
-        if not s.identity_experts:
-            return p
-        total = s.n_routed_experts + s.identity_experts
-        return Placement(total, (*p.nodes, "identity"), (*p.held, tuple(range(s.n_routed_experts, total))))
-
-    @cached_property
-    def fanout(self) -> float:
-        """Expected FFN nodes a token is dispatched to (uniform routing; identity picks cross nowhere)."""
-        s, p = self.shape, self.placement()
-        return sum(
-            1.0 - miss_probability(p, f, s.experts_per_token, *s.expert_groups) for f in range(self.layout.ffn_nodes)
-        )
-
-    def ffn_rows(self, i: int) -> float:
-        """Token-expert rows one FFN node computes for micro-batch i: every attention node's tokens, their
-        routed picks spread evenly over the F nodes (both routings: broadcast sends more, computes the same)."""
-        lay = self.layout
-        return lay.attention_nodes * lay.tokens(i) * self.shape.routed_per_token / lay.ffn_nodes
-
-    def messages(self, i: int) -> tuple[tuple[float, ...], float]:
-        """(the messages' bytes to the FFN node, in order; the bytes back) between one attention rank and one
-        FFN node for micro-batch i of a MoE layer, by afd.dataplane.wire_cost.per_token. Broadcast is one
-        message; dispatch a count, then the rows (afd.dataplane.protocol). Under attention TP a rank sends
-        only its 1/G of the rows (docs/architecture/tensor-parallel.md, the MoE boundary)."""
-        s, lay = self.shape, self.layout
-        F = lay.ffn_nodes
-        fan = self.fanout if lay.routing == "attention" else 0.0  # broadcast's bytes do not depend on it
-        cost = per_token(s.hidden_size, s.dtype, s.experts_per_token, lay.exchange_dtype, F, fan)
-        rank_tokens = lay.tokens(i) / lay.attention_tp
-        if lay.routing == "ffn":
-            return (rank_tokens * cost["broadcast to_ffn"] / F,), rank_tokens * cost["broadcast to_attention"] / F
-        return (COUNT_BYTES, rank_tokens * cost["dispatch to_ffn"] / F), rank_tokens * cost["dispatch to_attention"] / F
+    @classmethod
+    def from_cluster(cls, cfg, batch: int, micro_batches: int | None = None) -> Layout:
+        """A cluster YAML's layout (afd.cluster.schema.ClusterConfig) at `batch` sequences per attention node;
+        `micro_batches` overrides the YAML's, and must be given where it leaves them to the tuner (0)."""
+        if cfg.colocated:
+            raise ValueError(f"{cfg.source}: no FFN nodes (colocated), so nothing crosses to simulate")
+        lay = cfg.layout
+        m = micro_batches or lay.micro_batches
+        if not m:
+            raise ValueError(f"{cfg.source}: layout.micro_batches is 0 (chosen at run time): give micro_batches")
+        attention, ffn = len(cfg.attention_nodes), len(cfg.ffn_nodes)
+        return cls(attention, ffn, batch, m, lay.attention_tp, lay.overlap, cfg.routing, lay.exchange_dtype)

@@ -11,7 +11,7 @@ pass over the tasks in that order (list scheduling) is the whole simulation. Per
 
 in afd.engine.runner's order: `for l: for i: finish(l-1, i); start(l, i)`, with start = attn_pre + send
 (+ the wait, without overlap) and finish = attn_window + wait + attn_post. A dense layer is one
-attention-side task. Times come from the CostModel (afd.plan.costs), sizes from afd.plan.shape.
+attention-side task. Times come from the CostModel (afd.plan.costs), sizes from afd.plan.scenario.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 
-from afd.plan.shape import Scenario
+from afd.plan.scenario import Scenario
 
 
 @dataclass(frozen=True)
@@ -111,15 +111,17 @@ def program(scenario: Scenario) -> list[tuple[str, int, int]]:
 
 
 def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
-    """The step's timeline. Under uniform routing every attention rank and every FFN node runs the same
-    tasks at the same times, so by default one of each stands for all (each FFN task still waits for the
-    rows of every rank, which arrive together); `explicit` simulates every rank, node and link (the
-    same answer, at A·G·F times the cost: the tests hold them equal)."""
+    """The step's timeline. Every attention rank runs the same tasks at the same times, and so does every
+    FFN node when the placement gives each the same share, so by default one of each stands for all (each
+    FFN task still waits for the rows of every rank, which arrive together); `explicit` simulates every
+    rank, node and link (the same answer, at up to A·G·F times the cost: the tests hold them equal)."""
     lay, c = scenario.layout, scenario.costs
+    F, M = lay.ffn_nodes, lay.micro_batches
+    rows = [[scenario.ffn_rows(i, f) for i in range(M)] for f in range(F)]  # [F][M]
+    msgs = [[scenario.messages(i, f) for i in range(M)] for f in range(F)]  # [F][M]
+    alike = all(rows[f] == rows[0] and msgs[f] == msgs[0] for f in range(F))
     ranks = range(lay.attention_ranks if explicit else 1)
-    nodes = range(lay.ffn_nodes if explicit else 1)
-    rows = [scenario.ffn_rows(i) for i in range(lay.micro_batches)]
-    msgs = [scenario.messages(i) for i in range(lay.micro_batches)]
+    nodes = range(F if explicit or not alike else 1)
     attention = {
         "pre": c.moe_layer.attn_pre,
         "window": c.moe_layer.attn_window,
@@ -141,34 +143,32 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
         ends = [tl.run(("attention", r), 0.0, attention[kind](lay.tokens(i))) for r in ranks]
         if kind != "pre":
             continue
-        sizes, back = msgs[i]
         arrived = defaultdict(float)  # FFN node -> when every rank's rows are in
         for r, end in zip(ranks, ends):
             for f in nodes:
                 t = end
-                for size in sizes:  # dispatch: the count, then the rows, one after the other
+                for size in msgs[f][i][0]:  # dispatch: the count, then the rows, one after the other
                     t = tl.run(("a2f", r, f), t, c.link(size))
                 arrived[f] = max(arrived[f], t)
         for f in nodes:
-            done = tl.run(("ffn", f), arrived[f], c.moe_layer.ffn(rows[i]))
+            done = tl.run(("ffn", f), arrived[f], c.moe_layer.ffn(rows[f][i]))
             for r in ranks:
-                home = tl.run(("f2a", f, r), done, c.link(back))
+                home = tl.run(("f2a", f, r), done, c.link(msgs[f][i][1]))
                 y[layer, i, r] = max(y.get((layer, i, r), 0.0), home)
-        to_ffn += sum(sizes)
-        to_attention += back
+        to_ffn += sum(sum(msgs[f][i][0]) for f in range(F))  # one rank's, to every node
+        to_attention += sum(msgs[f][i][1] for f in range(F))
 
     def most(kind: str, what: dict) -> float:
         return max((v for k, v in what.items() if k[0] == kind), default=0.0)
 
-    pairs = lay.attention_ranks * lay.ffn_nodes
     return StepPrediction(
         step_time=max(tl.free.values()),
         attention_busy=most("attention", tl.busy),
         attention_wait=most("attention", tl.idle),
         ffn_busy=most("ffn", tl.busy),
         link_busy=max(most("a2f", tl.busy), most("f2a", tl.busy)),
-        bytes_to_ffn=to_ffn * pairs,
-        bytes_to_attention=to_attention * pairs,
+        bytes_to_ffn=to_ffn * lay.attention_ranks,
+        bytes_to_attention=to_attention * lay.attention_ranks,
         tokens=lay.attention_nodes * lay.batch,
         devices=lay.devices,
     )
