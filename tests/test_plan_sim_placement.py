@@ -1,5 +1,6 @@
-"""afd.plan.simulate on a placement that is not even, and on a cluster YAML's layout: the busiest FFN node
-sets an FFN-bound step, and deploy/1a2f.yaml's 10/6 split is the one simulated. Pure Python, fast."""
+"""afd.plan.simulate on a placement that is not even, on a cluster YAML's layout and on the released
+models' shapes: the busiest FFN node sets an FFN-bound step, deploy/1a2f.yaml's 10/6 split is the one
+simulated, a group-limited router bounds the fan-out. Pure Python, fast."""
 
 from __future__ import annotations
 
@@ -53,3 +54,17 @@ def test_a_cluster_yaml_is_simulated_as_written():
     with pytest.raises(ValueError, match="layout.micro_batches is 0"):
         Layout.from_cluster(cfg, batch=8)
     assert simulate(s).step_time > 0
+
+
+@pytest.mark.parametrize(
+    "model_type, moe, groups",
+    [("deepseek_v3", 58, (8, 4)), ("qwen3_moe", 24, (1, 1)), ("longcat_flash", 28, (1, 1))],
+)
+def test_released_shapes_from_their_families_defaults(model_type, moe, groups):
+    """HF's defaults per family (afd/model/<family>/config.py): DeepSeek-V3's first 3 layers are dense and
+    its router keeps 4 of 8 groups, so at 8 FFN nodes (a group each) a token reaches at most 4 of them."""
+    shape = ModelShape.from_hf({"model_type": model_type, "vocab_size": 1000, "dtype": "bfloat16"})
+    assert (len(shape.moe_layers), shape.expert_groups, shape.routed_per_token) == (moe, groups, 8.0)
+    s = Scenario(shape, Layout(1, 8, 16, routing="attention"), costs())
+    assert 1 < s.fanout <= (4 if groups[0] > 1 else 8)
+    assert simulate(s).bytes_to_ffn < simulate(Scenario(shape, Layout(1, 8, 16), costs())).bytes_to_ffn

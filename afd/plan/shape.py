@@ -65,8 +65,8 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, cfg, dtype: str | None = None, name: str = "") -> ModelShape:
-        """From any family's ModelConfig (afd.model.config); `dtype` defaults to float32 when the config
-        names none (afd.model.config.checkpoint_dtype's rule)."""
+        """From any family's ModelConfig (afd.model.config). A ModelConfig does not carry the checkpoint's
+        dtype: give `dtype` (from_hf reads it), else float32, afd.model.config.checkpoint_dtype's default."""
         return cls(
             num_layers=cfg.num_layers,
             moe_layers=tuple(cfg.moe_layers),
