@@ -13,7 +13,7 @@ from afd.bench import dispatch, dispatch_parts
 from afd.bench.common import write_config
 from afd.cli import main
 from afd.cluster.local_spec import LocalClusterSpec
-from afd.cluster.placement import default_placement, expected_fanout
+from afd.cluster.placement import default_placement, expected_fanout, routed_fanout
 from afd.dataplane.protocol import COUNT_BYTES
 from tests.bench_helpers import TINY_LONGCAT, bench_args
 
@@ -42,8 +42,8 @@ def test_shapes_by_formula():
 
 def test_routed_fanout_without_identity_experts_is_the_placements():
     p = default_placement(16, ["ffn0", "ffn1", "ffn2", "ffn3"])
-    assert dispatch_parts.routed_fanout(p, 2, (1, 1), 0) == expected_fanout(p, 2)
-    assert dispatch_parts.routed_fanout(p, 2, (1, 1), 16) < expected_fanout(p, 2)
+    assert routed_fanout(p, 2, 1, 1, 0) == expected_fanout(p, 2)
+    assert routed_fanout(p, 2, 1, 1, 16) < expected_fanout(p, 2)
 
 
 def _job(rows: int, tokens: int, steps: int, to_ffn: int) -> dict:

@@ -82,7 +82,7 @@ def _start(path: str, dummy: bool, dtype: str, F: int, routing: str, placement: 
 
 
 def section_wire(args, path: str, dummy: bool, cfg) -> dict:
-    from afd.cluster.placement import default_placement
+    from afd.cluster.placement import default_placement, routed_fanout
 
     Fs = [int(f) for f in args.ffn_nodes.split(",")]
     L, K, E = len(cfg.moe_layers), cfg.experts_per_token, cfg.n_routed_experts
@@ -103,7 +103,7 @@ def section_wire(args, path: str, dummy: bool, cfg) -> dict:
     results = {}
     for name, (F, r) in cases.items():
         p = default_placement(E, [f"ffn{i}" for i in range(F)], cfg.expert_groups[0])
-        fan = parts.routed_fanout(p, K, cfg.expert_groups, getattr(cfg, "zero_expert_num", 0))
+        fan = routed_fanout(p, K, *cfg.expert_groups, cfg.identity_experts)
         figs = [parts.wire_figures(j, F, r, L, cfg.hidden_size, args.dtype, K, fan) for j in rounds[name]]
         keys = [k for k in figs[0] if k != "counted_equals_formula"]
         results[name] = {k: median(f[k] for f in figs) for k in keys}

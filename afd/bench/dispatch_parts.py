@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import urllib.request
-from math import comb
 from unittest import mock
 
 from afd.bench.common import median
 from afd.bench.quant_parts import tok_s
 from afd.cluster.local import LocalCluster
-from afd.cluster.placement import default_placement, expected_fanout, max_fanout
+from afd.cluster.placement import default_placement, expected_fanout, max_fanout, routed_fanout
 from afd.dataplane.protocol import COUNT_BYTES
 from afd.dataplane.wire_cost import per_token
 from afd.model.demo_config import DEMO_CONFIG
@@ -150,21 +149,11 @@ def skewed_prompts(n: int, length: int, vocab: int, distinct: int) -> list[list[
     return [[ids[i % distinct]] * length for i in range(n)]
 
 
-def routed_fanout(p, top_k: int, groups: tuple[int, int], zero: int) -> float:
-    """Expected fan-out when a token's top_k picks are uniform over routed + `zero` identity experts: the
-    number of routed picks is hypergeometric, and only those cross (afd.dataplane.dispatch)."""
-    E = p.n_routed
-    if zero == 0:
-        return expected_fanout(p, top_k, *groups)
-    total = comb(E + zero, top_k)
-    return sum(comb(E, k) * comb(zero, top_k - k) / total * expected_fanout(p, k, *groups) for k in range(top_k + 1))
-
-
 def shape_figures(ffn_nodes: list[int], dtype: str = "bfloat16") -> dict:
     """wire_cost.per_token on real model shapes at each FFN node count, default placement, bf16, no
-    exchange quantization: broadcast vs dispatch, at the expected fan-out of uniform routing (identity
-    experts counted as crossing, as `afd check-config` prints it) and, with identity experts, at the fan-out
-    of only the routed picks crossing."""
+    exchange quantization: broadcast vs dispatch, at the expected fan-out of uniform routing with identity
+    picks counted as crossing and, with identity experts, at the fan-out of only the routed picks crossing
+    (what crosses, and what `afd check-config` prints)."""
     out: dict = {}
     for name, s in SHAPES.items():
         rows = {}
@@ -175,7 +164,7 @@ def shape_figures(ffn_nodes: list[int], dtype: str = "bfloat16") -> dict:
             row = {"fanout": fan, "max_fanout": max_fanout(p, s["top_k"], *s["groups"])} | cost
             row["ratio"] = cost["dispatch to_ffn"] / cost["broadcast to_ffn"]
             if s["zero"]:
-                fz = routed_fanout(p, s["top_k"], s["groups"], s["zero"])
+                fz = routed_fanout(p, s["top_k"], *s["groups"], s["zero"])
                 row |= {"fanout_routed_only": fz, "ratio_routed_only": fz * row["ratio"] / fan}
             rows[str(F)] = row
         out[name] = {"shape": s, "by_ffn_nodes": rows}

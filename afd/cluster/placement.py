@@ -184,6 +184,19 @@ def expected_fanout(p: Placement, top_k: int, groups: int = 1, topk_group: int =
     return sum(1.0 - miss_probability(p, f, top_k, groups, topk_group) for f in range(len(p.nodes)))
 
 
+def routed_fanout(p: Placement, top_k: int, groups: int = 1, topk_group: int = 1, identity: int = 0) -> float:
+    """expected_fanout when a token's top_k picks are uniform over the routed and `identity` experts: only the
+    routed picks cross (afd.dataplane.dispatch), and how many there are is hypergeometric. Group-limited
+    routing has no identity experts (DeepSeek-V3's), so the two never mix."""
+    if identity == 0:
+        return expected_fanout(p, top_k, groups, topk_group)
+    E, total = p.n_routed, comb(p.n_routed + identity, top_k)
+    return sum(
+        comb(E, k) * comb(identity, top_k - k) / total * expected_fanout(p, k, groups, topk_group)
+        for k in range(top_k + 1)
+    )
+
+
 def max_fanout(p: Placement, top_k: int, groups: int = 1, topk_group: int = 1) -> int:
     """At most this many FFN nodes per token: top_k, the node count, and with a group-limited router the
     nodes the topk_group most spread groups span."""

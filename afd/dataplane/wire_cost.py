@@ -32,7 +32,7 @@ def per_token(hidden: int, dtype, top_k: int, exchange_dtype: str, nodes: int, f
 
 def exchange_report(cfg, model_cfg, placement: Placement) -> str:
     """The placement, each token's fan-out and the bytes per token per layer, for the YAML's routing."""
-    from afd.cluster.placement import expected_fanout, format_experts, max_fanout
+    from afd.cluster.placement import format_experts, max_fanout, routed_fanout
 
     lay = cfg.layout
     groups, keep = model_cfg.expert_groups
@@ -47,11 +47,12 @@ def exchange_report(cfg, model_cfg, placement: Placement) -> str:
         lines.append("  every token goes to every FFN node (broadcast)")
         lines.append(exchange_table(H, len(model_cfg.moe_layers), F, cfg.model.dtype, lay.exchange_dtype))
         return "\n".join(lines)
-    fan = expected_fanout(placement, K, groups, keep)
+    fan = routed_fanout(placement, K, groups, keep, model_cfg.identity_experts)  # identity picks stay home
     bound = max_fanout(placement, K, groups, keep)
     lines.append(
         f"  fan-out per token: {fan:.2f} of {F} FFN nodes expected (uniform routing), at most {bound}"
         + (f" (topk_group {keep} of {groups} groups)" if groups > 1 and keep < groups else "")
+        + (" (identity picks stay on the attention side)" if model_cfg.identity_experts else "")
     )
     cost = per_token(H, cfg.model.dtype, K, lay.exchange_dtype, F, fan)
     lines.append(

@@ -75,6 +75,12 @@ class ModelConfig(Protocol):
         ...
 
     @property
+    def identity_experts(self) -> int:
+        """Zero-computation experts the router may pick besides the routed ones (LongCat-Flash's): their
+        picks return the token as it is and never leave the attention side."""
+        ...
+
+    @property
     def expert_groups(self) -> tuple[int, int]:
         """(groups, groups kept per token) of a group-limited router (DeepSeek-V3's n_group, topk_group);
         (1, 1) for a router without groups."""

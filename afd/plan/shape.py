@@ -74,7 +74,7 @@ class ModelShape:
             experts_per_token=cfg.experts_per_token,
             n_routed_experts=cfg.n_routed_experts,
             # not in the ModelConfig protocol: LongCat-Flash's alone (as afd/bench/dispatch.py reads it)
-            identity_experts=getattr(cfg, "zero_expert_num", 0),
+            identity_experts=cfg.identity_experts,
             expert_groups=tuple(cfg.expert_groups),
             dtype=dtype or "float32",
             name=name or cfg.model_type,

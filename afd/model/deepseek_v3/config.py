@@ -123,6 +123,10 @@ class DeepseekV3Config:
         return self.num_experts_per_tok
 
     @property
+    def identity_experts(self) -> int:
+        return 0
+
+    @property
     def expert_groups(self) -> tuple[int, int]:
         return (self.n_group, self.topk_group)
 

@@ -88,6 +88,10 @@ class LongcatFlashConfig:
         return self.moe_topk
 
     @property
+    def identity_experts(self) -> int:
+        return self.zero_expert_num
+
+    @property
     def expert_groups(self) -> tuple[int, int]:
         return (1, 1)
 

@@ -85,6 +85,10 @@ class Qwen3MoeConfig:
         return self.num_experts_per_tok
 
     @property
+    def identity_experts(self) -> int:
+        return 0
+
+    @property
     def expert_groups(self) -> tuple[int, int]:
         return (1, 1)
 
