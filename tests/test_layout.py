@@ -66,6 +66,8 @@ def test_afd_folders_form_no_cycle():
     for n in sorted(folders):
         visit(n, [])
     assert "bench" not in set().union(*edges.values()), "only afd/cli.py may import afd.bench"
+    planners = {src for src, deps in edges.items() if "plan" in deps}
+    assert planners <= {"bench"}, f"only afd/cli.py and afd.bench may import afd.plan, not afd.{planners}"
 
 
 def test_top_level_of_afd_is_small():
