@@ -28,6 +28,8 @@ PIECES = ("attn_pre", "attn_window", "attn_post", "ffn", "dense", "step")
 
 
 def precision(spec: HardwareSpec, dtype: str, quantization: str | None) -> Precision:
+    """Bytes and compute keys of `dtype` under `quantization`; SpecError if the device cannot run them (fp8
+    on a3)."""
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"roofline dtype {dtype!r}: expected one of {', '.join(MODEL_DTYPES)}")
     key, act = MODEL_DTYPES[dtype]
@@ -156,6 +158,8 @@ def roofline(
     it is sent), by default as afd resolves it (attention with more than one FFN node)."""
     if context < 0 or attn_tp < 1 or ffn_nodes < 1:
         raise ValueError(f"context >= 0, attn_tp >= 1, ffn_nodes >= 1; got {context}, {attn_tp}, {ffn_nodes}")
+    if not (0 < compute_eff <= 1 and 0 < memory_eff <= 1) or (launch is not None and launch < 0):
+        raise ValueError(f"efficiencies in (0, 1], launch >= 0; got {compute_eff}, {memory_eff}, {launch}")
     spec.link(fabric)
     p = precision(spec, dtype, quantization)
     E, K = cfg.n_routed_experts, cfg.experts_per_token
