@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from afd.model.config import ModelConfig
+from afd.model.longcat_flash.config import LongcatFlashConfig
 from afd.plan.costs import CostModel, LayerCosts, Linear, Link, fit
 from afd.plan.hardware import HardwareSpec, SpecError
 from afd.plan.roofline_ops import Op, Precision, attention_pieces, ffn_ops, router, step_ops
@@ -95,14 +96,16 @@ class Roofline:
     def cost_model(self, tokens: Sequence[float] = DEFAULT_TOKENS, rows: Sequence[float] | None = None) -> CostModel:
         """The CostModel over `tokens` per attention rank (and sequences per step) and `rows` per FFN node
         (default: the rows those tokens put on one node, tokens * rows_per_token)."""
-        rows = rows if rows is not None else [max(1.0, t * self.rows_per_token) for t in tokens]
-        layer = LayerCosts(
-            *(self._line(p, tokens) for p in ("attn_pre", "attn_window", "attn_post")), self._line("ffn", rows)
-        )
+        rows = rows if rows is not None else [t * self.rows_per_token for t in tokens]
+        pre, win, post = (self._line(p, tokens) for p in ("attn_pre", "attn_window", "attn_post"))
+        layer_lines = (pre, win, post, self._line("ffn", rows))
+        layer = LayerCosts(*layer_lines)
         link = self.spec.link(self.fabric)
         fits = (
-            f"fitted over tokens {list(tokens)} and rows {[round(r) for r in rows]}; largest relative errors: "
-            + ", ".join(f"{n} {getattr(layer, n).rel_err:.1%}" for n in ("attn_pre", "attn_window", "attn_post", "ffn"))
+            f"fitted over tokens {list(tokens)} and rows {[round(r, 2) for r in rows]}; largest relative errors: "
+            + ", ".join(
+                f"{n} {v.rel_err:.1%}" for n, v in zip(("attn_pre", "attn_window", "attn_post", "ffn"), layer_lines)
+            )
         )
         return CostModel(
             source=f"hardware {self.spec.name}",
@@ -122,10 +125,10 @@ class Roofline:
         )
         lines = [head]
         for t in tokens:
-            r = max(1.0, t * self.rows_per_token)
+            r = t * self.rows_per_token
             cells = [(p, t) for p in ("attn_pre", "attn_window", "attn_post")] + [("ffn", r)]
             lines.append(
-                f"{t:>7g} {r:>7.0f} "
+                f"{t:>7g} {r:>7.4g} "
                 + " ".join(f"{self.time(p, x) * 1e6:>10.1f} {self.bound(p, x)[:3]:>7}" for p, x in cells)
             )
         return "\n".join(lines)
@@ -164,7 +167,7 @@ def roofline(
     p = precision(spec, dtype, quantization)
     E, K = cfg.n_routed_experts, cfg.experts_per_token
     if routed_per_token is None:
-        total = getattr(cfg, "num_experts_total", E)
+        total = cfg.num_experts_total if isinstance(cfg, LongcatFlashConfig) else E
         routed_per_token = K * E / total
     e_local = math.ceil(E / ffn_nodes)
     rows_per_token = routed_per_token * e_local / E

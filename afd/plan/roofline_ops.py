@@ -11,8 +11,11 @@ runs every expert it holds that a row picked (afd/model/experts.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from afd.model.config import ModelConfig
+from afd.model.deepseek_v3.config import DeepseekV3Config
+from afd.model.longcat_flash.config import LongcatFlashConfig
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,7 @@ def attention_pieces(cfg: ModelConfig, p: Precision, context: int, tp: int) -> d
     H = cfg.hidden_size
     attn = kind(cfg, p, context, tp)
     post = [elementwise("residual_add", p, H, passes=3)]
-    if cfg.model_type == "longcat_flash":
+    if isinstance(cfg, LongcatFlashConfig):
         # pre: attn0, ln_post0 (the MoE input); window: mlp0, attn1, mlp1 (afd/model/longcat_flash/attention.py)
         win = (
             mlp("mlp0", p, H, cfg.ffn_hidden_size, tp)[1:]
@@ -138,7 +141,7 @@ def attention_pieces(cfg: ModelConfig, p: Precision, context: int, tp: int) -> d
             + mlp("mlp1", p, H, cfg.ffn_hidden_size, tp)
         )
         return {"attn_pre": attn + [elementwise("moe_norm", p, H)], "attn_window": win, "attn_post": post, "dense": []}
-    if cfg.model_type == "deepseek_v3":
+    if isinstance(cfg, DeepseekV3Config):
         shared = mlp("shared", p, H, cfg.n_shared_experts * cfg.moe_intermediate_size, tp)[1:]
         dense = attn + mlp("mlp", p, H, cfg.intermediate_size, tp)
         return {
@@ -147,14 +150,16 @@ def attention_pieces(cfg: ModelConfig, p: Precision, context: int, tp: int) -> d
             "attn_post": post,
             "dense": dense,
         }
-    dense = attn + mlp("mlp", p, H, cfg.intermediate_size, tp)
+    q: Any = cfg  # Qwen3MoeConfig
+    dense = attn + mlp("mlp", p, H, q.intermediate_size, tp)
     return {"attn_pre": attn + [elementwise("moe_norm", p, H)], "attn_window": [], "attn_post": post, "dense": dense}
 
 
 def router(cfg: ModelConfig, p: Precision, tokens_per_x: float = 1.0) -> Op:
     """Scores of every router output for each token (in the model dtype, as afd.quant.scheme keeps it)."""
     H = cfg.hidden_size
-    E = getattr(cfg, "num_experts_total", cfg.n_routed_experts)  # LongCat-Flash scores its identity experts too
+    # LongCat-Flash scores its identity experts too
+    E = cfg.num_experts_total if isinstance(cfg, LongcatFlashConfig) else cfg.n_routed_experts
     t = tokens_per_x
     return Op("router", p.model_key, 2.0 * H * E * t, H * E * p.act, (H + E) * p.act * t)
 
@@ -164,7 +169,8 @@ def ffn_ops(cfg: ModelConfig, p: Precision, e_local: int, tokens_per_row: float 
     (`tokens_per_row` given) the router, as every node scores every token it is sent; the experts' gate/up
     and down GEMMs (weights of the experts touched only), SwiGLU, and the weighted combine."""
     H = cfg.hidden_size
-    inter = getattr(cfg, "moe_intermediate_size", None) or cfg.expert_ffn_hidden_size
+    c: Any = cfg  # DeepseekV3Config, Qwen3MoeConfig: moe_intermediate_size
+    inter = cfg.expert_ffn_hidden_size if isinstance(cfg, LongcatFlashConfig) else c.moe_intermediate_size
     ops = [] if tokens_per_row is None else [router(cfg, p, tokens_per_row)]
     return ops + [
         Op(
