@@ -167,6 +167,30 @@ def test_fit_errors_are_honest():
     assert cm.moe_layer.attn_pre.rel_err < 0.01  # weights and KV reads: linear in tokens
 
 
+@pytest.mark.parametrize("family", [LONGCAT_FLASH, DEEPSEEK_V3])
+def test_tp_collectives_send_tp_volume_bytes(family):
+    """Attention TP's all-reduces and gathers carry afd.model.tp.volume's bytes (tp_comm allreduce)."""
+    from afd.model.tp.config import TPConfig
+    from afd.model.tp.volume import volume
+
+    cfg, T, G = config_from_hf(family), 64, 8
+    rf = roofline(load_spec("a3"), cfg, attn_tp=G)
+    v = volume(cfg, TPConfig(size=G), T, 2)
+
+    def sent(pieces):
+        return sum(op.link_bytes_per_x * T for piece in pieces for op in rf.pieces[piece])
+
+    assert sent(("attn_pre", "attn_window", "attn_post")) == pytest.approx(sum(v.moe_layer.values()))
+    if cfg.moe_layers[0] > 0:
+        assert sent(("dense",)) == pytest.approx(sum(v.dense_layer.values()))
+    step = volume(cfg, TPConfig(size=G), T, 2, seqs=T).step  # decode: every token a sequence's last
+    assert sent(("step",)) == pytest.approx(sum(step.values()))
+    hop = next(op for op in rf.pieces["attn_pre"] if op.link_hops)
+    assert rf.op_time(hop, T) == (hop.link_bytes_per_x * T / 196e9 + 14 * 1e-6 + 10e-6, "link")
+    with pytest.raises(ValueError, match="GQA half has no TP"):
+        roofline(load_spec("a3"), config_from_hf({"model_type": "qwen3_moe"}), attn_tp=2)
+
+
 def test_gqa_family():
     cfg = config_from_hf({"model_type": "qwen3_moe", "mlp_only_layers": [0]})
     rf = roofline(load_spec("h200"), cfg, context=1024)

@@ -4,9 +4,12 @@ of a layer (attention before the exchange, the ScMoE window, after it; the FFN n
 kernels (afd.plan.roofline_ops lists them). The sums are exact at any x (`Roofline.time`); the CostModel is
 their least-squares line over the x a plan will use, each with its largest relative error, as a profile's.
 
+Attention TP (tp_comm allreduce, afd's default) adds its collectives as ops on the spec's intra-node fabric,
+with afd.model.tp.volume's bytes: a ring's bytes over the bandwidth plus a latency per hop.
+
 What a roofline leaves out, so what makes it a lower bound on time: peaks no kernel reaches (scale them with
-`compute_eff`, `memory_eff`), kernels not overlapping, caches, the TP collectives (their bytes are
-afd.model.tp.volume's), and the exchange (the link is the spec's fabric, for the simulator to apply)."""
+`compute_eff`, `memory_eff`), kernels not overlapping, caches, the sharded TP modes (sp, flashcomm), and the
+exchange (the link is the spec's fabric, for the simulator to apply)."""
 
 from __future__ import annotations
 
@@ -63,10 +66,13 @@ class Roofline:
     notes: tuple[str, ...] = ()
 
     def op_time(self, op: Op, x: float) -> tuple[float, str]:
-        """(seconds, what bounds it: compute or memory) of one kernel at x."""
+        """(seconds, what bounds it: compute, memory, or link for a TP collective) of one kernel at x."""
+        launch = self.spec.launch_overhead if self.launch is None else self.launch
+        if op.link_hops:  # a TP collective over the node's own fabric
+            ln = self.spec.intra_node
+            return op.link_bytes_per_x * x / ln.bandwidth + op.link_hops * ln.latency + launch, "link"
         tc = op.flops(x) / (self.spec.flops(op.compute) * self.compute_eff)
         tm = op.nbytes(x) / (self.spec.memory_bandwidth * self.memory_eff)
-        launch = self.spec.launch_overhead if self.launch is None else self.launch
         return max(tc, tm) + launch, ("compute" if tc > tm else "memory")
 
     def time(self, piece: str, x: float) -> float:
@@ -76,8 +82,8 @@ class Roofline:
         return sum(self.op_time(op, x)[0] for op in self.pieces[piece])
 
     def bound(self, piece: str, x: float) -> str:
-        """Which of compute and memory the piece's time is mostly spent on at x."""
-        t = {"compute": 0.0, "memory": 0.0}
+        """Which of compute, memory and link the piece's time is mostly spent on at x."""
+        t = {"compute": 0.0, "memory": 0.0, "link": 0.0}
         for op in self.pieces[piece]:
             s, b = self.op_time(op, x)
             t[b] += s
@@ -185,7 +191,7 @@ def roofline(
         + (f", quantization {quantization}" if quantization else "")
         + f", efficiency compute {compute_eff:g} memory {memory_eff:g}"
         + f", launch {(spec.launch_overhead if launch is None else launch) * 1e6:g} us per kernel",
-        "a lower bound: peaks, no overlap between kernels, no TP collectives, uniform routing",
+        "a lower bound: peaks, no overlap between kernels, uniform routing; TP collectives as tp_comm allreduce",
     )
     return Roofline(
         spec,

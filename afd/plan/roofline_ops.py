@@ -46,6 +46,10 @@ class Op:
     """Activations in and out, KV cache reads: per token (or row)."""
     experts: int = 0
     """The experts `weight_bytes` is spread over (0: a dense weight)."""
+    link_bytes_per_x: float = 0.0
+    """Bytes one rank sends over the intra-node fabric per token: a TP collective (then flops and bytes 0)."""
+    link_hops: int = 0
+    """Latencies the collective pays in sequence (a ring all-reduce over G ranks: 2 (G - 1))."""
 
     def flops(self, x: float) -> float:
         return self.flops_per_x * x
@@ -76,6 +80,21 @@ def elementwise(name: str, p: Precision, width: float, passes: int = 2) -> Op:
     return Op(name, p.model_key, 0.0, 0.0, width * passes * p.act)
 
 
+def all_reduce(name: str, p: Precision, width: float, tp: int) -> list[Op]:
+    """TP's all-reduce of [x, width] after a row-parallel GEMM (tp_comm allreduce, afd's default): a ring
+    sends 2 (G - 1) / G of it per rank, afd.model.tp.volume's 2 * share(T*H*b, G). None without TP."""
+    if tp <= 1:
+        return []
+    return [Op(name, p.model_key, link_bytes_per_x=2 * (tp - 1) / tp * width * p.act, link_hops=2 * (tp - 1))]
+
+
+def all_gather(name: str, p: Precision, width: float, tp: int) -> list[Op]:
+    """TP's all-gather of [x, width] rows: (G - 1) / G of it per rank (share(Tp*X*b, G))."""
+    if tp <= 1:
+        return []
+    return [Op(name, p.model_key, link_bytes_per_x=(tp - 1) / tp * width * p.act, link_hops=tp - 1)]
+
+
 def mla(cfg, p: Precision, context: int, tp: int) -> list[Op]:
     """Multi-head latent attention, decode, absorbed (DeepSeek-V3, LongCat-Flash): heads split over `tp`
     ranks, the latent down-projections replicated. Per token: q_lat = q_nope @ W_UK (NH/tp x nope x C),
@@ -93,14 +112,16 @@ def mla(cfg, p: Precision, context: int, tp: int) -> list[Op]:
     ops.append(Op("attend", p.model_key, 2 * nh * context * (2 * C + rope), 0.0, context * (C + rope) * p.act))
     ops.append(Op("absorb_uv", p.model_key, 2 * nh * C * v, nh * C * v * p.act, nh * (C + v) * p.act))
     ops.append(gemm("o_proj", p, nh * v, H))
-    return ops
+    return ops + all_reduce("o_proj_all_reduce", p, H, tp)
 
 
 def gqa(cfg, p: Precision, context: int, tp: int) -> list[Op]:
     """Grouped-query attention, decode (Qwen3-MoE): q, k, v in one GEMM, q/k norms and rotary, then scores
-    and values over context positions of NKV heads of D each (K and V), heads split over `tp` ranks."""
+    and values over context positions of NKV heads of D each (K and V). afd's GQA half has no TP."""
+    if tp > 1:
+        raise ValueError("attention TP: afd cuts MLA families only (Qwen3-MoE's GQA half has no TP)")
     H, D = cfg.hidden_size, cfg.head_dim
-    nh, nkv = cfg.num_attention_heads / tp, max(cfg.num_key_value_heads / tp, 1)
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
     return [
         elementwise("attn_norm", p, H),
         gemm("qkv", p, H, (nh + 2 * nkv) * D),
@@ -118,6 +139,7 @@ def mlp(name: str, p: Precision, H: int, inter: int, tp: int = 1) -> list[Op]:
         gemm(f"{name}_gate_up", p, H, 2 * i),
         elementwise(f"{name}_act", p, 1.5 * i),
         gemm(f"{name}_down", p, i, H),
+        *all_reduce(f"{name}_all_reduce", p, H, tp),
     ]
 
 
@@ -132,7 +154,8 @@ def attention_pieces(cfg: ModelConfig, p: Precision, context: int, tp: int) -> d
         raise ValueError(f"no roofline for model_type {cfg.model_type!r}; it knows {', '.join(ATTENTION)}")
     H = cfg.hidden_size
     attn = kind(cfg, p, context, tp)
-    post = [elementwise("residual_add", p, H, passes=3)]
+    # allreduce mode: each rank sent its slice of the MoE rows; the ranks gather the results
+    post = all_gather("moe_all_gather", p, H, tp) + [elementwise("residual_add", p, H, passes=3)]
     if isinstance(cfg, LongcatFlashConfig):
         # pre: attn0, ln_post0 (the MoE input); window: mlp0, attn1, mlp1 (afd/model/longcat_flash/attention.py)
         win = (
@@ -195,12 +218,15 @@ def ffn_ops(cfg: ModelConfig, p: Precision, e_local: int, tokens_per_row: float 
 
 
 def step_ops(cfg: ModelConfig, p: Precision, tp: int) -> list[Op]:
-    """Per decode step outside the layers, x = sequences: embedding rows, final norm, lm_head (kept in the
-    model dtype, vocabulary split over tp), and the sampler's pass over fp32 logits."""
+    """Per decode step outside the layers, x = sequences: embedding rows (the vocabulary-parallel
+    embedding's reduce under TP), final norm, lm_head (kept in the model dtype, vocabulary split over tp,
+    the slices gathered), and the sampler's pass over fp32 logits."""
     H, V = cfg.hidden_size, cfg.vocab_size
     return [
         elementwise("embed", p, H, passes=2),
+        *all_reduce("embed_all_reduce", p, H, tp),
         elementwise("final_norm", p, H),
         gemm("lm_head", p, H, V / tp, quantized=False),
+        *all_gather("logits_all_gather", p, V, tp),
         Op("sample", p.model_key, 0.0, 0.0, V * 4 * 3),
     ]
