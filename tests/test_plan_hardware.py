@@ -219,3 +219,19 @@ def test_deepseek_v3_on_h200_large_batch(capsys):
         print(rf.describe([64, 256, 1024]))
     assert rf.bound("attn_pre", 1024) == "compute"
     assert rf.bound("ffn", 256) == "memory" and rf.bound("ffn", 8 * 400) == "compute"
+
+
+def test_the_simulator_takes_a_roofline_cost_model():
+    """A spec-derived CostModel stands where a profiled one does: LongCat-Flash on a3, 2 attention nodes of TP8
+    and 32 FFN dies, 16 sequences each in 2 micro-batches, fitted around the sizes that layout gives."""
+    from afd.plan.scenario import Scenario
+    from afd.plan.shape import Layout, ModelShape
+    from afd.plan.simulate import simulate
+
+    cfg = config_from_hf(LONGCAT_FLASH)
+    rf = roofline(load_spec("a3"), cfg, quantization="w8a8", ffn_nodes=32, attn_tp=8, launch=1e-6)
+    b, rows = 8, 2 * 8 * rf.rows_per_token  # tokens per micro-batch; rows per FFN die: A * b * rows_per_token
+    cm = rf.cost_model(tokens=(b / 2, b, 2 * b), rows=(rows / 2, rows, 2 * rows))
+    p = simulate(Scenario(ModelShape.from_config(cfg), Layout(2, 32, 16, 2, 8, routing="attention"), cm))
+    per_layer = sum(rf.time(piece, b) for piece in ("attn_pre", "attn_window", "attn_post"))
+    assert p.step_time >= p.attention_busy >= 2 * cfg.num_layers * per_layer * 0.9
