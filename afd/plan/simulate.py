@@ -143,7 +143,7 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
         ends = [tl.run(("attention", r), 0.0, attention[kind](lay.tokens(i))) for r in ranks]
         if kind != "pre":
             continue
-        arrived = defaultdict(float)  # FFN node -> when every rank's rows are in
+        arrived: defaultdict[int, float] = defaultdict(float)  # FFN node -> when every rank's rows are in
         for r, end in zip(ranks, ends):
             for f in nodes:
                 t = end
