@@ -237,6 +237,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     for module in (serve_model, launch, prometheus_config, serve, step, suite, tp, graph, mtp, paged, quant, dispatch):
         module.add_parser(sub)
     rebalance_cli.add_parser(sub)
+    from afd.plan import commands as plan_commands
+
+    plan_commands.add_parsers(sub)
     return parser, sub
 
 

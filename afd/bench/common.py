@@ -11,22 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-
-def at_least(minimum: int):
-    """An argparse type: an int no smaller than `minimum` (every count flag of the benchmarks says its
-    minimum in its help, and a smaller value is refused before anything starts)."""
-
-    def parse(text: str) -> int:
-        try:
-            n = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if n < minimum:
-            raise argparse.ArgumentTypeError(f"{n}: at least {minimum}")
-        return n
-
-    parse.minimum = minimum  # type: ignore[attr-defined]
-    return parse
+from afd.cluster.fieldspec import at_least
 
 
 def count_flag(p: argparse.ArgumentParser, name: str, default: int, minimum: int = 1, help: str = "") -> None:

@@ -92,6 +92,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+def at_least(minimum: int):
+    """An argparse type: an int no smaller than `minimum` (the benchmarks' and the planner's count flags say
+    their minimum in their help, and a smaller value is refused before anything starts)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if n < minimum:
+            raise ArgumentTypeError(f"{n}: at least {minimum}")
+        return n
+
+    parse.minimum = minimum  # type: ignore[attr-defined]
+    return parse
+
+
 def count_arg(text: str) -> int:
     value = int(text)
     if value < 0:

@@ -73,7 +73,6 @@ class ModelShape:
             hidden_size=cfg.hidden_size,
             experts_per_token=cfg.experts_per_token,
             n_routed_experts=cfg.n_routed_experts,
-            # not in the ModelConfig protocol: LongCat-Flash's alone (as afd/bench/dispatch.py reads it)
             identity_experts=cfg.identity_experts,
             expert_groups=tuple(cfg.expert_groups),
             dtype=dtype or "float32",

@@ -1,0 +1,189 @@
+"""`afd simulate` and `afd plan`: the simulator and the search on a measured profile (`afd profile`'s JSON)
+or on a hardware spec's roofline (`--hardware a3|h200|FILE`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+from afd.cluster.fieldspec import at_least
+from afd.cluster.flags import DefaultsHelpFormatter
+
+HEADROOM = 0.9
+"""Share of a device's memory weights and KV cache may fill: the rest is activations, buffers, the runtime."""
+DEVICE_OF = {"a3": "npu", "h200": "cuda"}
+"""The device type of a shipped spec's cluster YAML (another spec file's: cuda)."""
+
+
+def _add_source(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", help="a cost model measured by `afd profile` (JSON)")
+    src.add_argument("--hardware", help="a hardware spec: a3, h200, or a spec file (afd/plan/specs/)")
+    p.add_argument("--context", type=at_least(0), default=4096, help="KV positions per sequence (--hardware)")
+    p.add_argument("--quantization", default=None, help="fp8, w8a8 or w8a16 weights (--hardware)")
+    p.add_argument(
+        "--launch-us",
+        type=float,
+        default=None,
+        help="seconds per kernel launch, in us (graph mode: ~1; default: the spec's eager launch)",
+    )
+
+
+def add_parsers(sub) -> None:
+    s = sub.add_parser("simulate", help="predict a cluster YAML's decode step", formatter_class=DefaultsHelpFormatter)
+    s.add_argument("config", help="cluster YAML")
+    _add_source(s)
+    s.add_argument("--batch", type=at_least(1), required=True, help="sequences per attention node (at least 1)")
+    s.add_argument("--micro-batches", type=at_least(1), default=None, help="default: the YAML's (at least 1)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=run_simulate)
+    p = sub.add_parser(
+        "plan",
+        help="search AFD layouts for the most tokens/s per device under a TPOT SLO",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="checkpoint directory, hub name or `demo`")
+    _add_source(p)
+    p.add_argument("--tpot-slo", type=float, required=True, help="time per output token, in ms")
+    p.add_argument("--devices", type=at_least(2), default=8, help="devices at most (at least 2)")
+    p.add_argument("--dtype", default=None, help="default: the checkpoint's")
+    p.add_argument("--top", type=at_least(1), default=10, help="plans printed (at least 1)")
+    p.add_argument("--output", default=None, help="write the best plan as a cluster YAML here")
+    p.set_defaults(func=run_plan)
+
+
+class _Source:
+    """The cost model of a layout: the profile's (one measured model) or the spec's roofline (per layout)."""
+
+    def __init__(self, args, model_cfg, model: str, dtype: str):
+        from afd.plan.costs import CostModel
+
+        if args.hardware and dtype == "float32":  # tensor peaks are for 16 bits: a device serves it in bf16
+            print(f"({model}: float32 checkpoint, costed in bfloat16 on the device)")
+            dtype = "bfloat16"
+        self.args, self.model_cfg, self.model, self.dtype = args, model_cfg, model, dtype
+        self.profile = CostModel.from_json(Path(args.profile).read_text()) if args.profile else None
+        self.spec = None
+        if args.hardware:
+            from afd.plan.hardware import load_spec
+
+            self.spec = load_spec(args.hardware)
+        self._rooflines: dict = {}
+
+    def roofline(self, tp: int, f: int, routing: str):
+        from afd.plan.roofline import roofline
+
+        key = (tp, f, routing)
+        if key not in self._rooflines:
+            launch = None if self.args.launch_us is None else self.args.launch_us * 1e-6
+            self._rooflines[key] = roofline(
+                self.spec,
+                self.model_cfg,
+                model=self.model,
+                dtype=self.dtype,
+                quantization=self.args.quantization,
+                context=self.args.context,
+                attn_tp=tp,
+                ffn_nodes=f,
+                routing=routing,
+                launch=launch,
+            )
+        return self._rooflines[key]
+
+    def costs(self, tp: int, f: int, routing: str):
+        if self.profile is not None:
+            return self.profile
+        return self.roofline(tp, f, routing).cost_model()
+
+    def memory(self, layout) -> dict[str, float] | None:
+        """Bytes per device by role, None when they exceed the spec's capacity; {} for a profile (the machine it
+        was measured on held the model)."""
+        if self.spec is None:
+            return {}
+        r = self.roofline(layout.attention_tp, layout.ffn_nodes, layout.routing)
+        cfg = self.model_cfg
+        moe, dense = len(cfg.moe_layers), cfg.num_layers - len(cfg.moe_layers)
+        attn_w = moe * sum(r.held_bytes(p) for p in ("attn_pre", "attn_window", "attn_post"))
+        attn_w += dense * r.held_bytes("dense") + r.held_bytes("step")
+        per_token = math.prod(cfg.kv_cache_shape(1, 1)) * (4 if self.dtype == "float32" else 2)
+        kv = layout.batch * self.args.context * per_token  # every rank keeps its sequences' whole KV (MLA latents)
+        need = {"attention": attn_w + kv, "ffn": moe * r.held_bytes("ffn")}
+        cap = HEADROOM * self.spec.memory_capacity
+        return need if max(need.values()) <= cap else None
+
+
+def _model(path: str, dtype: str | None):
+    from afd.cluster.topology import resolve_model_path
+    from afd.model.config import checkpoint_dtype, read_config_json
+    from afd.model.registry import config_from_hf
+
+    d = read_config_json(resolve_model_path(path))
+    return config_from_hf(d), dtype or checkpoint_dtype(d)
+
+
+def run_simulate(args) -> int:
+    from afd.cluster.config import load
+    from afd.plan.scenario import Scenario
+    from afd.plan.shape import ModelShape
+    from afd.plan.simulate import simulate
+
+    cfg = load(args.config)
+    model_cfg, dtype = _model(cfg.model.path, None if cfg.model.dtype == "auto" else cfg.model.dtype)
+    shape = ModelShape.from_config(model_cfg, dtype, cfg.model.path)
+    src = _Source(args, model_cfg, cfg.model.path, dtype)
+    costs = src.costs(cfg.layout.attention_tp, len(cfg.ffn_nodes), cfg.routing)
+    pred = simulate(Scenario.from_cluster(cfg, shape, costs, args.batch, args.micro_batches))
+    out = pred.to_dict() | {"source": costs.source}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{args.config} at {args.batch} sequences per attention node ({costs.source}):")
+        for k in ("step_time", "attention_busy", "attention_wait", "ffn_busy", "link_busy"):
+            print(f"  {k:<24} {out[k] * 1e3:>10.3f} ms")
+        print(f"  {'bottleneck':<24} {out['bottleneck']:>10}")
+        print(f"  {'tokens/s per device':<24} {out['tokens_per_s_per_device']:>10.1f}")
+    return 0
+
+
+def run_plan(args) -> int:
+    from afd.cli import UserError
+    from afd.plan.search import Space, no_plan, search, table
+    from afd.plan.shape import ModelShape
+
+    if not args.tpot_slo > 0:
+        raise UserError(f"--tpot-slo {args.tpot_slo}: a time per output token in ms, above 0")
+    model_cfg, dtype = _model(args.model, args.dtype)
+    shape = ModelShape.from_config(model_cfg, dtype, args.model)
+    src = _Source(args, model_cfg, args.model, dtype)
+    tp = (1,) if src.profile is not None else tuple(t for t in (1, 2, 4, 8) if model_cfg.num_attention_heads % t == 0)
+    xd = ("same",) if src.profile is not None or args.quantization is None else ("same", "fp8")
+    space = Space(args.devices, tp_sizes=tp, exchange_dtypes=xd)
+    plans, misses = search(shape, src.costs, space, args.tpot_slo * 1e-3, src.memory)
+    if not plans:
+        raise UserError(no_plan(misses, args.tpot_slo * 1e-3))
+    source = src.profile.source if src.profile is not None else f"hardware {src.spec.name} (roofline: a lower bound)"
+    print(f"{args.model} on at most {args.devices} devices, TPOT <= {args.tpot_slo:g} ms; costs: {source}")
+    print(table(plans, args.top))
+    if src.profile is not None:
+        print("(memory per device not checked: a profile's costs come from a machine that held the model)")
+    if args.output:
+        _write(plans[0], args, src)
+        print(f"best plan written to {args.output} (afd check-config {args.output})")
+    return 0
+
+
+def _write(plan, args, src) -> None:
+    from afd.cluster.local_config import local_config
+
+    lay = plan.layout
+    device = "cpu" if src.profile is not None else DEVICE_OF.get(src.spec.name, "cuda")
+    layout = {"attention_tp": lay.attention_tp, "micro_batches": lay.micro_batches, "routing": lay.routing}
+    if lay.exchange_dtype != "same":
+        layout["exchange_dtype"] = lay.exchange_dtype
+    model = {"path": args.model} | ({"dtype": args.dtype} if args.dtype else {})
+    model |= {"quantization": args.quantization} if args.quantization else {}
+    sections = {"model": model, "layout": layout, "engine": {"max_num_seqs": lay.batch}}
+    cfg = local_config(lay.attention_nodes, lay.ffn_nodes, sections, name="planned", device=device)
+    Path(args.output).write_text(cfg.to_yaml())
