@@ -12,6 +12,7 @@ import pytest
 
 from afd.plan.costs import CostModel
 from afd.plan.profile import _sizes, add_parser, profile
+from afd.plan.profile_check import ffn_counters
 from afd.plan.profile_fit import (
     Measurements,
     cost_model,
@@ -77,6 +78,23 @@ def test_noisy_fit_keeps_its_error_and_no_negative_coefficient():
     # a link whose time falls with size (noise) fits a flat line: bandwidth capped, not infinite or negative
     flat = fit_link([LinkSample(64, 2e-4), LinkSample(1 << 20, 1e-4)])
     assert flat.latency > 0 and math.isfinite(flat.bandwidth) and flat.bandwidth > 0
+
+
+def test_ffn_fit_prefers_the_ffn_nodes_counters():
+    m = _synthetic(batches=(1, 2, 4))
+    cluster = [{"batch": b, "step": 1e-3, "wait_fraction": 0.1, "ffn_rows": 3.0 * b, "ffn_seconds": 9e-6 * 3 * b + 1e-4}
+               for b in (1, 2, 4)]  # fmt: skip
+    model = cost_model(Measurements(**{**m.__dict__, "cluster": cluster}))
+    assert model.moe_layer.ffn.slope == pytest.approx(9e-6) and model.moe_layer.ffn.intercept == pytest.approx(1e-4)
+    assert any("FFN node's compute" in n for n in model.notes)
+    text = (
+        "# TYPE afd_ffn_layer_compute_seconds_total counter\n"
+        'afd_ffn_layer_compute_seconds_total{layer="0"} 0.5\nafd_ffn_layer_compute_seconds_total{layer="1"} 0.25\n'
+        "# TYPE afd_ffn_tokens_total counter\nafd_ffn_tokens_total 40.0\n"
+        "# TYPE afd_expert_tokens_total counter\n"
+        'afd_expert_tokens_total{expert="0"} 100.0\nafd_expert_tokens_total{expert="3"} 20.0\n'
+    )
+    assert ffn_counters(text) == {"compute": 0.75, "tokens": 40.0, "rows": 120.0}
 
 
 def test_split_steps_per_layer_and_overhead():
@@ -178,9 +196,12 @@ def test_profile_demo(tmp_path):
 
 @pytest.mark.slow
 def test_profile_demo_1a1f_cluster_check():
-    """With the cluster check: the demo's nodes at 1A1F ran each batch size, and the prediction from the
-    in-process step and the link is finite."""
+    """With the cluster: the demo's nodes at 1A1F ran each batch size, the FFN fit comes from the FFN node's
+    counters, and the prediction from the in-process step and the link is finite."""
     m, model = _profile_demo(cluster=True)
     assert [c["batch"] for c in m.cluster] == [1, 2, 4] and all(c["step"] > 0 for c in m.cluster)
     assert all(0 <= c["wait_fraction"] <= 1 for c in m.cluster)
+    # the FFN node's own counters: routed rows per pass between 0 and batch x top-k (identity slots stay out)
+    assert all(0 < c["ffn_rows"] <= c["batch"] * m.experts_per_token and c["ffn_seconds"] > 0 for c in m.cluster)
+    assert model.moe_layer.ffn.points == 3 and any("FFN node's compute" in n for n in model.notes)
     assert all(math.isfinite(predicted_cluster_step(m, s, model.link)) for s in m.steps)

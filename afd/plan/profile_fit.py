@@ -53,19 +53,25 @@ def fit_link(samples: list[LinkSample]) -> Link:
 
 def cost_model(m: Measurements) -> CostModel:
     """Attention pieces against tokens per attention rank (= batch: one rank, one micro-batch); the FFN half
-    against token-expert rows on its node (batch x experts_per_token: one FFN node, identity experts' slots
-    included); the step overhead against sequences; the link against bytes."""
+    against token-expert rows on its node: measured on the cluster's FFN node when the cluster ran (routed
+    rows, identity experts' not), else in process (batch x experts_per_token); the step overhead against
+    sequences; the link against bytes."""
     b = [float(s.batch) for s in m.steps]
-    rows = [x * m.experts_per_token for x in b]
+    if m.cluster and all(c.get("ffn_rows", 0) > 0 for c in m.cluster):
+        ffn = fit([c["ffn_rows"] for c in m.cluster], [c["ffn_seconds"] for c in m.cluster])
+        where = "the FFN node's compute per layer pass at 1A1F against the routed token-expert rows it computed"
+    else:
+        ffn = fit([x * m.experts_per_token for x in b], [s.moe for s in m.steps])
+        where = "the FFN half in process against tokens x experts_per_token (identity experts' slots included)"
     layer = LayerCosts(
         attn_pre=fit(b, [s.pre for s in m.steps]),
         attn_window=_fit_or_zero(b, [s.window for s in m.steps]),
         attn_post=_fit_or_zero(b, [s.combine for s in m.steps]),
-        ffn=fit(rows, [s.moe for s in m.steps]),
+        ffn=ffn,
     )
     notes = (
         f"context {m.context} tokens per sequence; batch sizes {sorted({s.batch for s in m.steps})}",
-        "ffn x = tokens x experts_per_token on the one FFN node (identity experts' slots included)",
+        f"ffn: {where}",
         *m.notes,
     )
     return CostModel(
