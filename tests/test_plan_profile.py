@@ -60,7 +60,7 @@ def test_json_round_trips_with_measurements():
     assert CostModel.from_json(text) == model
     d = json.loads(text)
     assert [s["batch"] for s in d["measurements"]["steps"]] == [1, 2, 4, 8, 16, 32]
-    assert d["measurements"]["link"][0] == {"nbytes": 64, "seconds": pytest.approx(50e-6 + 64 / 4e9)}
+    assert d["measurements"]["link"][0] == {"nbytes": 64, "seconds": pytest.approx(50e-6 + 64 / 4e9), "fastest": 0.0}
     lines = table(model).splitlines()
     assert len(lines) == 2 + 6 + 1 and "link" in lines[-1] and "4.00 GB/s" in lines[-1]
     assert len(steps_table(m, model).splitlines()) == 2 + 6
@@ -187,6 +187,7 @@ def test_profile_demo(tmp_path):
         assert f.points == 3 and math.isfinite(f.slope) and math.isfinite(f.intercept) and math.isfinite(f.rel_err)
         assert f.slope >= 0 and f.intercept >= 0 and f.rel_err >= 0 and f(4) > 0
     assert model.link.latency > 0 and 0 < model.link.bandwidth < float("inf") and model.link.rel_err >= 0
+    assert all(0 < s.fastest <= s.seconds for s in m.link)
     assert all(s.pre > 0 and s.window > 0 and s.moe > 0 and s.execute > 0 for s in m.steps) and m.cluster == []
     assert m.moe_layers == 4 and m.message_bytes_per_token == 256 * 4  # the demo: hidden 256, float32
     out = tmp_path / "profile.json"

@@ -140,6 +140,8 @@ def run(args) -> int:
         f.write(profile_json(model, m))
     print(f"\n{m.model} ({m.dtype}), context {m.context}, median of {args.steps} steps x {args.repeats} runs")
     print(table(model))
+    for n in model.notes:
+        print(f"note: {n}")
     print()
     print(steps_table(m, model))
     print(f"wrote {args.output}")

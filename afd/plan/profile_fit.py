@@ -69,11 +69,19 @@ def cost_model(m: Measurements) -> CostModel:
         attn_post=_fit_or_zero(b, [s.combine for s in m.steps]),
         ffn=ffn,
     )
-    notes = (
+    link = fit_link(m.link)
+    notes = [
         f"context {m.context} tokens per sequence; batch sizes {sorted({s.batch for s in m.steps})}",
         f"ffn: {where}",
-        *m.notes,
-    )
+        f"link: median one-way times, {len(m.link)} sizes {m.link[0].nbytes}-{m.link[-1].nbytes} B",
+    ]
+    if all(s.fastest > 0 for s in m.link):
+        fast = fit_link([LinkSample(s.nbytes, s.fastest) for s in m.link])
+        notes.append(
+            f"link on the fastest times instead: latency {1e6 * fast.latency:.1f} us, bandwidth "
+            f"{fast.bandwidth / 1e9:.2f} GB/s, error {100 * fast.rel_err:.0f}% (the median carries a busy "
+            "machine's wake-up latency)"
+        )
     return CostModel(
         source=f"profile {m.config}",
         model=m.model,
@@ -81,8 +89,8 @@ def cost_model(m: Measurements) -> CostModel:
         moe_layer=layer,
         dense_layer=_fit_or_zero(b, [s.dense for s in m.steps]),
         step_overhead=fit(b, [s.overhead for s in m.steps]),
-        link=fit_link(m.link),
-        notes=notes,
+        link=link,
+        notes=(*notes, *m.notes),
     )
 
 

@@ -29,6 +29,9 @@ class LinkSample:
     nbytes: int
     seconds: float
     """Median one-way time (half the round trip)."""
+    fastest: float = 0.0
+    """The fastest one-way time: on a busy machine the median carries the wait for a core to wake the
+    receiver (milliseconds on 2 shared cores), the fastest does not."""
 
 
 def _pair(store, rank: int, timeout_s: float):
@@ -90,7 +93,7 @@ def _ping_pong(pair, sizes: tuple[int, ...], rounds: int) -> list[LinkSample]:
             to_attention.recv([buf], 1, 0).wait()
             if r >= 2:
                 ts.append((time.perf_counter() - t0) / 2)
-    return [LinkSample(n, statistics.median(ts)) for n, ts in zip(sizes, times)]
+    return [LinkSample(n, statistics.median(ts), min(ts)) for n, ts in zip(sizes, times)]
 
 
 if __name__ == "__main__":  # the FFN end: python -m afd.plan.profile_link HOST PORT SIZES ROUNDS TIMEOUT
