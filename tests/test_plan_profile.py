@@ -131,6 +131,7 @@ def test_flags():
     add_parser(p.add_subparsers())
     args = p.parse_args(["profile", "deploy/local.yaml", "--batch-sizes", "4,1,2,2"])
     assert args.batch_sizes == (1, 2, 4) and args.output == "profile.json" and args.repeats == 2
+    assert p.parse_args(["profile", "x.yaml"]).batch_sizes == (1, 2, 4, 8, 16, 32)
     for bad in ("1", "0,2", "a,b"):
         with pytest.raises(argparse.ArgumentTypeError):
             _sizes(bad)

@@ -33,14 +33,18 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--batch-sizes",
         type=_sizes,
-        default=DEFAULT_BATCH_SIZES,
+        default=",".join(map(str, DEFAULT_BATCH_SIZES)),
         help="comma-separated decode batch sizes per attention rank (at least two distinct, each at least 1)",
     )
     _count(p, "--context", 64, "prompt tokens per sequence before the timed decode steps")
     _count(p, "--steps", 8, "timed decode steps per run (2 more warm up)")
     _count(p, "--repeats", 2, "runs per batch size (medians over steps and runs)")
     _count(p, "--link-repeats", 20, "messages per size on the link")
-    p.add_argument("--no-cluster", action="store_true", help="skip running the cluster at 1A1F to check the sum")
+    p.add_argument(
+        "--no-cluster",
+        action="store_true",
+        help="do not run the cluster at 1A1F: the FFN half is then timed in process, and no cluster step is measured",
+    )
     p.add_argument("--output", default="profile.json", help="where to write the cost model (JSON)")
     p.set_defaults(func=run)
 
@@ -112,7 +116,7 @@ def profile(
     m = Measurements(
         path,
         mod.path,
-        str(mod.dtype),
+        str(llm.config.model.dtype),
         context,
         cfg.experts_per_token,
         medians,
