@@ -36,7 +36,7 @@ def _synthetic(batches=(1, 2, 4, 8, 16, 32), k=4) -> Measurements:
         for b in batches
     ]
     link = [LinkSample(n, 50e-6 + n / 4e9) for n in (64, 1024, 65536, 1 << 20)]
-    return Measurements("x.yaml", "demo", "float32", 64, k, steps, link, moe_layers=4, message_bytes_per_token=1024)
+    return Measurements("x.yaml", "demo", "float32", 64, k, steps, link, moe_layers=4, bytes_per_token=(1024, 1024))
 
 
 def test_fits_recover_synthetic_lines():
@@ -190,7 +190,7 @@ def test_profile_demo(tmp_path):
     assert model.link.latency > 0 and 0 < model.link.bandwidth < float("inf") and model.link.rel_err >= 0
     assert all(0 < s.fastest <= s.seconds for s in m.link)
     assert all(s.pre > 0 and s.window > 0 and s.moe > 0 and s.execute > 0 for s in m.steps) and m.cluster == []
-    assert m.moe_layers == 4 and m.message_bytes_per_token == 256 * 4  # the demo: hidden 256, float32
+    assert m.moe_layers == 4 and m.bytes_per_token == (256 * 4, 256 * 4)  # the demo: hidden 256, float32
     out = tmp_path / "profile.json"
     out.write_text(profile_json(model, m))
     assert CostModel.from_json(out.read_text()) == model

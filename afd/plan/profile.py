@@ -90,6 +90,7 @@ def profile(
 ) -> tuple[Measurements, object]:
     """Measures and fits; returns (measurements, CostModel)."""
     from afd.cluster.config import load
+    from afd.dataplane.protocol import exchange_bytes
     from afd.engine.llm import LLM
 
     config = load(path)
@@ -113,6 +114,7 @@ def profile(
 
         checked = cluster_steps(llm.config, batch_sizes, context, steps, log)
     cfg = llm.cfg
+    wire = exchange_bytes(1, cfg.hidden_size, llm.dtype, config.layout.exchange_dtype)  # per token, each way
     m = Measurements(
         path,
         mod.path,
@@ -124,7 +126,7 @@ def profile(
         tuple(notes),
         checked,
         len(cfg.moe_layers),
-        cfg.hidden_size * llm.dtype.itemsize,
+        (wire["to_ffn"], wire["to_attention"]),
         config.layout.overlap,
     )
     return m, cost_model(m)

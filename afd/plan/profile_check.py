@@ -1,5 +1,6 @@
 """The cluster itself (`afd profile` without --no-cluster): the YAML's model at 1A1F on this machine
-(afd.cluster.local, the nodes `afd launch` starts), overlap as the YAML says and one micro-batch. Per batch
+(afd.cluster.local, the nodes `afd launch` starts), overlap, exchange dtype and routing as the YAML says and
+one micro-batch. Per batch
 size it measures
 
 - the decode step of attention node 0 (its step reports: seconds, ffn_wait), to hold the fitted pieces and
@@ -80,6 +81,8 @@ def cluster_steps(config, batch_sizes, context: int, steps: int, log=print) -> l
         seed=mod.seed,
         overlap=config.layout.overlap,
         micro_batches=1,
+        exchange_dtype=config.layout.exchange_dtype,
+        routing=config.layout.routing,
         block_size=config.engine.block_size,
     )
     vocab = load_config(mod.path).vocab_size

@@ -32,8 +32,9 @@ class Measurements:
     cluster: list[dict] = field(default_factory=list)
     """The cluster's own decode step per batch size (afd.plan.profile_check), when it was run."""
     moe_layers: int = 0
-    message_bytes_per_token: int = 0
-    """Bytes of one token's MoE input (and output) on the wire: hidden size x the model dtype's bytes."""
+    bytes_per_token: tuple[int, int] = (0, 0)
+    """Bytes of one token's MoE input and of its output on the wire (afd.dataplane.protocol.exchange_bytes at
+    the YAML's exchange_dtype)."""
     overlap: bool = True
     """The YAML's layout.overlap, which the cluster check ran with."""
 
@@ -105,7 +106,7 @@ def profile_json(model: CostModel, m: Measurements) -> str:
         "link": [asdict(s) for s in m.link],
         "cluster": m.cluster,
         "moe_layers": m.moe_layers,
-        "message_bytes_per_token": m.message_bytes_per_token,
+        "bytes_per_token": list(m.bytes_per_token),
         "overlap": m.overlap,
     }
     return json.dumps(d, indent=2)
@@ -136,7 +137,8 @@ def predicted_cluster_step(m: Measurements, s: StepSample, link: Link) -> float:
     """The runner's step at 1A1F from the in-process one at the same batch: each MoE layer's FFN half, run in
     process there, becomes the wait for it over the link (two messages of T rows, the FFN half between),
     less what the window hides under overlap. A check of the link and the window, not the simulator."""
-    rt = 2 * link(s.batch * m.message_bytes_per_token) + s.moe
+    to_ffn, back = m.bytes_per_token
+    rt = link(s.batch * to_ffn) + s.moe + link(s.batch * back)
     wait = max(0.0, rt - s.window) if m.overlap else rt
     return s.execute + m.moe_layers * (wait - s.moe)
 
