@@ -28,6 +28,7 @@ from afd.engine.messages import DraftOutput, IdleStep, LeaveStep, RunnerOutput, 
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.model.tp.config import ShardPlan
+from afd.observability.timing import LayerTimes
 
 __all__ = ["ModelRunner", "StepSeq", "follow", "split_micro_batches"]
 
@@ -90,6 +91,8 @@ class ModelRunner:
             )
         )
         """The MTP block's own KV cache layer, addressed by the main model's block tables."""
+        self.layer_times: LayerTimes | None = None
+        """Opt-in per-piece timing of each layer (`afd profile`); None (the default) times nothing."""
 
     @property
     def micro_batches(self) -> int:
@@ -171,9 +174,14 @@ class ModelRunner:
         return hi - lo
 
     def _start(self, layer: int, mb: _MicroBatch) -> None:
+        timed = self.layer_times
+        t0 = time.perf_counter() if timed is not None else 0.0
         with self.tp.plan(mb.plan):
             mb.h, mb.m = self.attn.pre_moe(layer, mb.x, mb.rope, mb.meta, self.kv.layer(layer))
             lo, hi = self.tp.moe_rows()
+        if timed is not None:
+            t1 = time.perf_counter()
+            timed.add("dense" if mb.m is None else "pre", layer, mb.meta.num_tokens, t1 - t0)
         if mb.m is None:  # a dense layer: nothing crosses (the FFN nodes skip it too: cfg.moe_layers)
             return
         if hi == lo:  # under TP, a rank with no rows of this micro-batch sends nothing (its header said 0)
@@ -182,12 +190,28 @@ class ModelRunner:
         mb.pending = self.exchange().submit(layer, mb.index, mb.m[lo:hi])
         if not self.overlap:
             mb.pending = Ready(mb.pending.wait())
+        if timed is not None:
+            timed.add("moe", layer, hi - lo, time.perf_counter() - t1)
 
     def _finish(self, layer: int, mb: _MicroBatch) -> None:
         assert mb.h is not None  # _start ran first
+        timed = self.layer_times
+        t0 = time.perf_counter() if timed is not None else 0.0
         with self.tp.plan(mb.plan):
             h = self.attn.post_moe(layer, mb.h, mb.m, mb.rope, mb.meta, self.kv.layer(layer))
-            mb.x = h if mb.pending is None else h + self.tp.moe_output(mb.pending.wait())
+            if timed is not None:  # a dense layer's post_moe counts as the dense layer's
+                timed.add(
+                    "dense" if mb.pending is None else "window", layer, mb.meta.num_tokens, time.perf_counter() - t0
+                )
+                if mb.pending is None:
+                    mb.x = h
+                else:
+                    y = mb.pending.wait()  # the wait is the exchange's (ffn_wait), not the combine's
+                    t0 = time.perf_counter()
+                    mb.x = h + self.tp.moe_output(y)
+                    timed.add("combine", layer, mb.meta.num_tokens, time.perf_counter() - t0)
+            else:
+                mb.x = h if mb.pending is None else h + self.tp.moe_output(mb.pending.wait())
         mb.h = mb.m = mb.pending = None
 
     # ---- the MTP module's forward (speculative decoding) --------------------------------------------

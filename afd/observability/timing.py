@@ -27,3 +27,19 @@ class Timers:
     def total(self, name: str) -> float:
         t = self.timers.get(name)
         return t.total if t else 0.0
+
+
+@dataclass
+class LayerTimes:
+    """Per-call seconds of the attention side's pieces of each layer, kept only when a runner is given one
+    (`afd profile`: afd.plan.profile_measure); the serving path keeps none. Pieces: `pre` (pre_moe, up to the
+    MoE input), `window` (post_moe: what runs while the MoE input is away), `combine` (adding the MoE output),
+    `dense` (a dense layer's pre_moe, which has no MoE input), and `moe` (the exchange's submit: the FFN half
+    itself under the in-process exchange). Host clock: on a device backend a piece's time is its launches,
+    not its kernels, unless the caller synchronizes."""
+
+    samples: list[tuple[str, int, int, float]] = field(default_factory=list)
+    """(piece, layer, tokens, seconds) per call, in call order."""
+
+    def add(self, piece: str, layer: int, tokens: int, seconds: float) -> None:
+        self.samples.append((piece, layer, tokens, seconds))

@@ -1,0 +1,154 @@
+"""`afd profile FILE`: measure the cost model (afd.plan.costs) of a cluster YAML's model on this machine.
+
+Per batch size (sequences per attention rank, one micro-batch) it times decode steps of the YAML's model on
+afd's engine (afd.plan.profile_measure: the attention side's pieces per layer, the FFN half per MoE layer,
+the step outside the layers), the data plane's messages between two processes against their size
+(afd.plan.profile_link), and optionally the cluster itself at 1A1F (afd.plan.profile_check) to hold the sum
+against; then fits one line per piece (afd.plan.costs.fit) and writes the CostModel JSON with each fit's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import time
+
+from afd.cluster.fieldspec import positive_int
+from afd.plan.profile_fit import Measurements, cost_model, profile_json, steps_table, table
+from afd.plan.profile_link import DEFAULT_SIZES, measure_link
+from afd.plan.profile_measure import measure_batch, median_sample
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def add_parser(sub) -> None:
+    from afd.cluster.flags import DefaultsHelpFormatter
+
+    p = sub.add_parser(
+        "profile",
+        help="measure the cost model (attention, FFN, link) of a cluster YAML's model here",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    p.add_argument("config", metavar="FILE", help="cluster YAML (its model, dtype and addresses)")
+    p.add_argument(
+        "--batch-sizes",
+        type=_sizes,
+        default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+        help="comma-separated decode batch sizes per attention rank (at least two distinct, each at least 1)",
+    )
+    _count(p, "--context", 64, "prompt tokens per sequence before the timed decode steps")
+    _count(p, "--steps", 8, "timed decode steps per run (2 more warm up)")
+    _count(p, "--repeats", 2, "runs per batch size (medians over steps and runs)")
+    _count(p, "--link-repeats", 20, "messages per size on the link")
+    p.add_argument(
+        "--no-cluster",
+        action="store_true",
+        help="do not run the cluster at 1A1F: the FFN half is then timed in process, and no cluster step is measured",
+    )
+    p.add_argument("--output", default="profile.json", help="where to write the cost model (JSON)")
+    p.set_defaults(func=run)
+
+
+def _count(p, name: str, default: int, help: str) -> None:
+    """A count flag with its minimum checked and said, as the benchmarks' (afd.bench.common.count_flag, which
+    afd.plan may not import: tests/test_layout.py)."""
+    p.add_argument(name, type=positive_int, default=default, help=f"{help} (at least 1)")
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({positive_int(t.strip()) for t in text.split(",") if t.strip()}))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+    if len(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least two distinct batch sizes (a line needs two points)")
+    return sizes
+
+
+def _link_host(config) -> tuple[str, tuple[str, ...]]:
+    """The attention node's address when it is this machine's loopback, else loopback with a note: both ends
+    run here, so a remote address cannot be measured."""
+    host = next(n.host for n in config.nodes if n.role == "attention")
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return host, ()
+    except ValueError:
+        pass
+    return "127.0.0.1", (f"link measured on loopback here, not on {host}",)
+
+
+def profile(
+    path: str,
+    batch_sizes=DEFAULT_BATCH_SIZES,
+    context: int = 64,
+    steps: int = 8,
+    repeats: int = 2,
+    link_repeats: int = 20,
+    cluster: bool = True,
+    link_sizes=DEFAULT_SIZES,
+    log=print,
+) -> tuple[Measurements, object]:
+    """Measures and fits; returns (measurements, CostModel)."""
+    from afd.cluster.config import load
+    from afd.dataplane.protocol import exchange_bytes
+    from afd.engine.llm import LLM
+
+    config = load(path)
+    mod = config.model
+    options = dict(dtype=mod.dtype, dummy_weights=mod.dummy_weights, weights_seed=mod.seed)
+    options |= {"quantization": mod.quantization} if mod.quantization else {}
+    llm = LLM(mod.path, block_size=config.engine.block_size, **options)
+    rounds: dict[int, list] = {b: [] for b in batch_sizes}
+    for r in range(repeats):
+        for b in batch_sizes if r % 2 == 0 else tuple(reversed(batch_sizes)):  # machine drift hits all alike
+            t0 = time.perf_counter()
+            rounds[b] += measure_batch(llm, b, context, steps, offset=r * 1000 + b)
+            log(f"round {r + 1}/{repeats} batch {b}: {time.perf_counter() - t0:.1f}s")
+    medians = [median_sample(rounds[b]) for b in batch_sizes]
+    host, notes = _link_host(config)
+    link = measure_link(host, tuple(link_sizes), link_repeats)
+    log(f"link: {len(link)} sizes on {host}")
+    checked: list[dict] = []
+    if cluster:
+        from afd.plan.profile_check import cluster_steps
+
+        checked = cluster_steps(llm.config, batch_sizes, context, steps, log)
+    cfg = llm.cfg
+    wire = exchange_bytes(1, cfg.hidden_size, llm.dtype, config.layout.exchange_dtype)  # per token, each way
+    m = Measurements(
+        path,
+        mod.path,
+        str(llm.config.model.dtype),
+        context,
+        cfg.experts_per_token,
+        medians,
+        link,
+        tuple(notes),
+        checked,
+        len(cfg.moe_layers),
+        (wire["to_ffn"], wire["to_attention"]),
+        config.layout.overlap,
+    )
+    return m, cost_model(m)
+
+
+def run(args) -> int:
+    m, model = profile(
+        args.config,
+        args.batch_sizes,
+        args.context,
+        args.steps,
+        args.repeats,
+        args.link_repeats,
+        cluster=not args.no_cluster,
+    )
+    with open(args.output, "w") as f:
+        f.write(profile_json(model, m))
+    print(f"\n{m.model} ({m.dtype}), context {m.context}, median of {args.steps} steps x {args.repeats} runs")
+    print(table(model))
+    for n in model.notes:
+        print(f"note: {n}")
+    print()
+    print(steps_table(m, model))
+    print(f"wrote {args.output}")
+    return 0

@@ -1,0 +1,160 @@
+"""From `afd profile`'s measurements to the shared cost model (afd.plan.costs): one least-squares line per
+piece, the link's latency and bandwidth, and the JSON that keeps the measurements beside the fits."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from afd.plan.costs import CostModel, LayerCosts, Linear, Link, fit
+from afd.plan.profile_link import LinkSample
+from afd.plan.profile_measure import StepSample
+
+MIN_BANDWIDTH_SLOPE = 1e-15
+"""Seconds per byte below which a fitted slope is taken as noise (a link faster than 1 PB/s): the bandwidth
+is then capped there rather than infinite, which JSON cannot hold."""
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What one `afd profile` run measured: a median StepSample per batch size, the link's samples, and the
+    setting they were measured at."""
+
+    config: str
+    model: str
+    dtype: str
+    context: int
+    """Prompt tokens per sequence before the timed decode steps (the KV each decode step reads, +/- steps)."""
+    experts_per_token: int
+    steps: list[StepSample]
+    link: list[LinkSample]
+    notes: tuple[str, ...] = ()
+    cluster: list[dict] = field(default_factory=list)
+    """The cluster's own decode step per batch size (afd.plan.profile_check), when it was run."""
+    moe_layers: int = 0
+    bytes_per_token: tuple[int, int] = (0, 0)
+    """Bytes of one token's MoE input and of its output on the wire (afd.dataplane.protocol.exchange_bytes at
+    the YAML's exchange_dtype)."""
+    overlap: bool = True
+    """The YAML's layout.overlap, which the cluster check ran with."""
+
+
+def _fit_or_zero(xs: list[float], ts: list[float]) -> Linear:
+    """A line, or Linear(0, 0) with no points where nothing of that kind was measured (a model with no dense
+    layer) or the times are all zero."""
+    if not any(ts):
+        return Linear(0.0, 0.0)
+    return fit(xs, ts)
+
+
+def fit_link(samples: list[LinkSample]) -> Link:
+    line = fit([float(s.nbytes) for s in samples], [s.seconds for s in samples])
+    return Link(line.intercept, 1.0 / max(line.slope, MIN_BANDWIDTH_SLOPE), line.rel_err)
+
+
+def cost_model(m: Measurements) -> CostModel:
+    """Attention pieces against tokens per attention rank (= batch: one rank, one micro-batch); the FFN half
+    against token-expert rows on its node: measured on the cluster's FFN node when the cluster ran (routed
+    rows, identity experts' not), else in process (batch x experts_per_token); the step overhead against
+    sequences; the link against bytes."""
+    b = [float(s.batch) for s in m.steps]
+    if m.cluster and all(c.get("ffn_rows", 0) > 0 for c in m.cluster):
+        ffn = fit([c["ffn_rows"] for c in m.cluster], [c["ffn_seconds"] for c in m.cluster])
+        where = "the FFN node's compute per layer pass at 1A1F against the routed token-expert rows it computed"
+    else:
+        ffn = fit([x * m.experts_per_token for x in b], [s.moe for s in m.steps])
+        where = "the FFN half in process against tokens x experts_per_token (identity experts' slots included)"
+    layer = LayerCosts(
+        attn_pre=fit(b, [s.pre for s in m.steps]),
+        attn_window=_fit_or_zero(b, [s.window for s in m.steps]),
+        attn_post=_fit_or_zero(b, [s.combine for s in m.steps]),
+        ffn=ffn,
+    )
+    link = fit_link(m.link)
+    notes = [
+        f"context {m.context} tokens per sequence; batch sizes {sorted({s.batch for s in m.steps})}",
+        f"ffn: {where}",
+        f"link: median one-way times, {len(m.link)} sizes {m.link[0].nbytes}-{m.link[-1].nbytes} B",
+    ]
+    if all(s.fastest > 0 for s in m.link):
+        fast = fit_link([LinkSample(s.nbytes, s.fastest) for s in m.link])
+        notes.append(
+            f"link on the fastest times instead: latency {1e6 * fast.latency:.1f} us, bandwidth "
+            f"{fast.bandwidth / 1e9:.2f} GB/s, error {100 * fast.rel_err:.0f}% (the median carries a busy "
+            "machine's wake-up latency)"
+        )
+    return CostModel(
+        source=f"profile {m.config}",
+        model=m.model,
+        dtype=m.dtype,
+        moe_layer=layer,
+        dense_layer=_fit_or_zero(b, [s.dense for s in m.steps]),
+        step_overhead=fit(b, [s.overhead for s in m.steps]),
+        link=link,
+        notes=(*notes, *m.notes),
+    )
+
+
+def profile_json(model: CostModel, m: Measurements) -> str:
+    """The CostModel's JSON (CostModel.from_json reads it back) with the measurements under `measurements`,
+    which from_json ignores."""
+    d = json.loads(model.to_json())
+    d["measurements"] = {
+        "context": m.context,
+        "experts_per_token": m.experts_per_token,
+        "steps": [asdict(s) for s in m.steps],
+        "link": [asdict(s) for s in m.link],
+        "cluster": m.cluster,
+        "moe_layers": m.moe_layers,
+        "bytes_per_token": list(m.bytes_per_token),
+        "overlap": m.overlap,
+    }
+    return json.dumps(d, indent=2)
+
+
+def table(model: CostModel) -> str:
+    """The fits, one line each: slope, intercept, worst relative error, points."""
+    rows = [
+        ("attn_pre (per token)", model.moe_layer.attn_pre),
+        ("attn_window (per token)", model.moe_layer.attn_window),
+        ("attn_post (per token)", model.moe_layer.attn_post),
+        ("ffn (per token-expert row)", model.moe_layer.ffn),
+        ("dense layer (per token)", model.dense_layer),
+        ("step overhead (per sequence)", model.step_overhead),
+    ]
+    out = ["| piece | slope (us) | intercept (us) | fit error | points |", "|---|---|---|---|---|"]
+    for name, f in rows:
+        out.append(f"| {name} | {1e6 * f.slope:.3f} | {1e6 * f.intercept:.1f} | {100 * f.rel_err:.1f}% | {f.points} |")
+    link = model.link
+    out.append(
+        f"| link | {1e6 / link.bandwidth:.6f} us/B ({link.bandwidth / 1e9:.2f} GB/s) | {1e6 * link.latency:.1f} "
+        f"| {100 * link.rel_err:.1f}% | - |"
+    )
+    return "\n".join(out)
+
+
+def predicted_cluster_step(m: Measurements, s: StepSample, link: Link) -> float:
+    """The runner's step at 1A1F from the in-process one at the same batch: each MoE layer's FFN half, run in
+    process there, becomes the wait for it over the link (two messages of T rows, the FFN half between),
+    less what the window hides under overlap. A check of the link and the window, not the simulator."""
+    to_ffn, back = m.bytes_per_token
+    rt = link(s.batch * to_ffn) + s.moe + link(s.batch * back)
+    wait = max(0.0, rt - s.window) if m.overlap else rt
+    return s.execute + m.moe_layers * (wait - s.moe)
+
+
+def steps_table(m: Measurements, model: CostModel) -> str:
+    """Per batch size: the in-process runner step and its noise; with the cluster check, the 1A1F runner step,
+    its wait on the FFN node and what the in-process step and the link predict for it."""
+    head = "| batch | in-process runner step (ms) | step spread (IQR) |"
+    out = [head + (" 1A1F runner step (ms) | its wait | predicted (ms) |" if m.cluster else "")]
+    out.append("|---" * (6 if m.cluster else 3) + "|")
+    cluster = {c["batch"]: c for c in m.cluster}
+    for s in m.steps:
+        line = f"| {s.batch} | {1e3 * s.execute:.2f} | {100 * s.spread:.0f}% |"
+        c = cluster.get(s.batch)
+        if c is not None:
+            pred = predicted_cluster_step(m, s, model.link)
+            line += f" {1e3 * c['step']:.2f} | {100 * c['wait_fraction']:.0f}% | {1e3 * pred:.2f} |"
+        out.append(line)
+    return "\n".join(out)

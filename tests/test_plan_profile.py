@@ -1,0 +1,209 @@
+"""`afd profile` (afd.plan.profile*): the step split and the fits on synthetic measurements, the flags, and one
+real profile of the demo at 1A1F."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import pytest
+
+from afd.plan.costs import CostModel
+from afd.plan.profile import _sizes, add_parser, profile
+from afd.plan.profile_check import ffn_counters
+from afd.plan.profile_fit import (
+    Measurements,
+    cost_model,
+    fit_link,
+    predicted_cluster_step,
+    profile_json,
+    steps_table,
+    table,
+)
+from afd.plan.profile_link import LinkSample
+from afd.plan.profile_measure import StepSample, median_sample, split_steps
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _synthetic(batches=(1, 2, 4, 8, 16, 32), k=4) -> Measurements:
+    """Pieces on known lines (seconds): pre 10us/token + 300us, window 50us/token + 500us, combine 1us,
+    FFN 8us/row + 200us, overhead 20us/seq + 400us; link 50us + bytes / 4 GB/s."""
+    steps = [
+        StepSample(b, 10e-6 * b + 300e-6, 50e-6 * b + 500e-6, 1e-6, 8e-6 * b * k + 200e-6, 0.0, 0.0, 20e-6 * b + 400e-6)
+        for b in batches
+    ]
+    link = [LinkSample(n, 50e-6 + n / 4e9) for n in (64, 1024, 65536, 1 << 20)]
+    return Measurements("x.yaml", "demo", "float32", 64, k, steps, link, moe_layers=4, bytes_per_token=(1024, 1024))
+
+
+def test_fits_recover_synthetic_lines():
+    model = cost_model(_synthetic())
+    layer = model.moe_layer
+    assert layer.attn_pre.slope == pytest.approx(10e-6) and layer.attn_pre.intercept == pytest.approx(300e-6)
+    assert layer.attn_window.slope == pytest.approx(50e-6) and layer.attn_window.intercept == pytest.approx(500e-6)
+    assert layer.attn_post.slope == pytest.approx(0.0, abs=1e-12) and layer.attn_post.intercept == pytest.approx(1e-6)
+    assert layer.ffn.slope == pytest.approx(8e-6) and layer.ffn.intercept == pytest.approx(200e-6)
+    assert model.step_overhead.slope == pytest.approx(20e-6) and model.step_overhead.points == 6
+    assert model.dense_layer.points == 0 and model.dense_layer(8) == 0.0  # no dense layer measured
+    assert model.link.latency == pytest.approx(50e-6) and model.link.bandwidth == pytest.approx(4e9, rel=1e-6)
+    assert layer.ffn.rel_err == pytest.approx(0.0, abs=1e-9)
+    assert model.source == "profile x.yaml" and any("context 64" in n for n in model.notes)
+
+
+def test_json_round_trips_with_measurements():
+    m = _synthetic()
+    model = cost_model(m)
+    text = profile_json(model, m)
+    assert CostModel.from_json(text) == model
+    d = json.loads(text)
+    assert [s["batch"] for s in d["measurements"]["steps"]] == [1, 2, 4, 8, 16, 32]
+    assert d["measurements"]["link"][0] == {"nbytes": 64, "seconds": pytest.approx(50e-6 + 64 / 4e9), "fastest": 0.0}
+    lines = table(model).splitlines()
+    assert len(lines) == 2 + 6 + 1 and "link" in lines[-1] and "4.00 GB/s" in lines[-1]
+    assert len(steps_table(m, model).splitlines()) == 2 + 6
+    checked = Measurements(**{**m.__dict__, "cluster": [{"batch": 1, "step": 2e-3, "wait_fraction": 0.25}]})
+    rows = steps_table(checked, model).splitlines()
+    assert rows[0].count("|") == 7 and "| 2.00 | 25% |" in rows[2] and rows[3].count("|") == 4
+
+
+def test_noisy_fit_keeps_its_error_and_no_negative_coefficient():
+    m = _synthetic(batches=(1, 2, 4))
+    noisy = [StepSample(s.batch, s.pre * (1.3 if s.batch == 2 else 1.0), *[getattr(s, f) for f in
+             ("window", "combine", "moe", "dense", "step", "overhead")]) for s in m.steps]  # fmt: skip
+    model = cost_model(Measurements(**{**m.__dict__, "steps": noisy}))
+    assert model.moe_layer.attn_pre.rel_err > 0.05
+    # a link whose time falls with size (noise) fits a flat line: bandwidth capped, not infinite or negative
+    flat = fit_link([LinkSample(64, 2e-4), LinkSample(1 << 20, 1e-4)])
+    assert flat.latency > 0 and math.isfinite(flat.bandwidth) and flat.bandwidth > 0
+
+
+def test_ffn_fit_prefers_the_ffn_nodes_counters():
+    m = _synthetic(batches=(1, 2, 4))
+    cluster = [{"batch": b, "step": 1e-3, "wait_fraction": 0.1, "ffn_rows": 3.0 * b, "ffn_seconds": 9e-6 * 3 * b + 1e-4}
+               for b in (1, 2, 4)]  # fmt: skip
+    model = cost_model(Measurements(**{**m.__dict__, "cluster": cluster}))
+    assert model.moe_layer.ffn.slope == pytest.approx(9e-6) and model.moe_layer.ffn.intercept == pytest.approx(1e-4)
+    assert any("FFN node's compute" in n for n in model.notes)
+    text = (
+        "# TYPE afd_ffn_layer_compute_seconds_total counter\n"
+        'afd_ffn_layer_compute_seconds_total{layer="0"} 0.5\nafd_ffn_layer_compute_seconds_total{layer="1"} 0.25\n'
+        "# TYPE afd_ffn_tokens_total counter\nafd_ffn_tokens_total 40.0\n"
+        "# TYPE afd_expert_tokens_total counter\n"
+        'afd_expert_tokens_total{expert="0"} 100.0\nafd_expert_tokens_total{expert="3"} 20.0\n'
+    )
+    assert ffn_counters(text) == {"compute": 0.75, "tokens": 40.0, "rows": 120.0}
+
+
+def test_split_steps_per_layer_and_overhead():
+    # prefill (8 tokens), then 3 decode steps of 2 tokens; 2 MoE layers, 1 dense layer, 1 warm-up step skipped
+    samples: list = []
+    marks = [(1.0, 0, 8, 0.5)]
+    for step in range(3):
+        samples += [("pre", 0, 2, 0.1), ("moe", 0, 2, 0.2), ("window", 0, 2, 0.3), ("combine", 0, 2, 0.01)]
+        samples += [("pre", 1, 2, 0.1), ("moe", 1, 2, 0.2), ("window", 1, 2, 0.3), ("combine", 1, 2, 0.01)]
+        samples += [("dense", 2, 2, 0.05), ("dense", 2, 2, 0.05)]
+        marks.append((2.0 + 2 * step, len(samples), 2, 1.5))
+    out = split_steps(samples, marks, batch=2, moe_layers=2, dense_layers=1, warmup=1)
+    assert len(out) == 2
+    s = out[0]
+    assert (s.pre, s.moe, s.window, s.combine, s.dense) == pytest.approx((0.1, 0.2, 0.3, 0.01, 0.1))
+    assert s.step == pytest.approx(2.0) and s.overhead == pytest.approx(2.0 - 2 * 0.61 - 0.1)
+    assert s.execute == 1.5 and median_sample(out) == s
+    with pytest.raises(ValueError, match="no decode step"):
+        median_sample([])
+
+
+def test_predicted_cluster_step_swaps_ffn_for_the_wait():
+    m = _synthetic(batches=(1, 2))
+    s = StepSample(2, 1e-4, 5e-4, 0.0, 2e-4, 0.0, 0.0, 0.0, execute=5e-3)
+    link = cost_model(m).link
+    hidden = predicted_cluster_step(m, s, link)  # round trip 2 x (50us + 2KiB / 4GB/s) + 200us < the window
+    assert hidden == pytest.approx(5e-3 - 4 * 2e-4)
+    exposed = predicted_cluster_step(Measurements(**{**m.__dict__, "overlap": False}), s, link)
+    assert exposed == pytest.approx(5e-3 + 4 * 2 * link(2 * 1024))
+
+
+def test_flags():
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers())
+    args = p.parse_args(["profile", "deploy/local.yaml", "--batch-sizes", "4,1,2,2"])
+    assert args.batch_sizes == (1, 2, 4) and args.output == "profile.json" and args.repeats == 2
+    assert p.parse_args(["profile", "x.yaml"]).batch_sizes == (1, 2, 4, 8, 16, 32)
+    for bad in ("1", "0,2", "a,b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _sizes(bad)
+    with pytest.raises(SystemExit):
+        p.parse_args(["profile", "x.yaml", "--repeats", "0"])
+
+
+def test_runner_timing_is_opt_in_and_changes_no_token():
+    """ModelRunner.layer_times: None by default; set, it records every piece of every MoE layer per
+    micro-batch and the tokens are the same as untimed."""
+    from afd.engine import offline
+    from afd.engine.llm import LLM
+    from afd.engine.sampling import SamplingParams
+    from afd.observability.timing import LayerTimes
+
+    llm = LLM("demo")
+    prompts, per = [[5, 6, 7, 8], [9, 10, 11]], [4, 4]
+    outs = []
+    for timed in (False, True):
+        engine = llm.job_engine(prompts, per, micro_batches=2)
+        assert engine.runner.layer_times is None
+        times = LayerTimes() if timed else None
+        engine.runner.layer_times = times
+        outs.append(offline.generate(engine, prompts, per, SamplingParams(), ignore_eos=True))
+    assert outs[0] == outs[1]
+    assert times is not None
+    L = llm.cfg.num_layers
+    steps = 4  # the prefill and 3 decode steps, 2 micro-batches each
+    for piece in ("pre", "moe", "window", "combine"):
+        assert sum(1 for p, *_ in times.samples if p == piece) == steps * 2 * L
+    assert all(seconds >= 0 for *_, seconds in times.samples)
+
+
+def _profile_demo(cluster: bool):
+    return profile(
+        os.path.join(ROOT, "deploy", "local.yaml"),
+        (1, 2, 4),
+        context=16,
+        steps=3,
+        repeats=1,
+        link_repeats=5,
+        cluster=cluster,
+        link_sizes=(64, 4096, 262144),
+        log=lambda _: None,
+    )
+
+
+def test_profile_demo(tmp_path):
+    """The demo, a tiny sweep, without the cluster check: every fit finite and non-negative, errors kept, the
+    file loads, and the runner timed every MoE piece."""
+    m, model = _profile_demo(cluster=False)
+    lines = [model.moe_layer.attn_pre, model.moe_layer.attn_window, model.moe_layer.attn_post, model.moe_layer.ffn]
+    for f in [*lines, model.step_overhead]:
+        assert f.points == 3 and math.isfinite(f.slope) and math.isfinite(f.intercept) and math.isfinite(f.rel_err)
+        assert f.slope >= 0 and f.intercept >= 0 and f.rel_err >= 0 and f(4) > 0
+    assert model.link.latency > 0 and 0 < model.link.bandwidth < float("inf") and model.link.rel_err >= 0
+    assert all(0 < s.fastest <= s.seconds for s in m.link)
+    assert all(s.pre > 0 and s.window > 0 and s.moe > 0 and s.execute > 0 for s in m.steps) and m.cluster == []
+    assert m.moe_layers == 4 and m.bytes_per_token == (256 * 4, 256 * 4)  # the demo: hidden 256, float32
+    out = tmp_path / "profile.json"
+    out.write_text(profile_json(model, m))
+    assert CostModel.from_json(out.read_text()) == model
+
+
+@pytest.mark.slow
+def test_profile_demo_1a1f_cluster_check():
+    """With the cluster: the demo's nodes at 1A1F ran each batch size, the FFN fit comes from the FFN node's
+    counters, and the prediction from the in-process step and the link is finite."""
+    m, model = _profile_demo(cluster=True)
+    assert [c["batch"] for c in m.cluster] == [1, 2, 4] and all(c["step"] > 0 for c in m.cluster)
+    assert all(0 <= c["wait_fraction"] <= 1 for c in m.cluster)
+    # the FFN node's own counters: routed rows per pass between 0 and batch x top-k (identity slots stay out)
+    assert all(0 < c["ffn_rows"] <= c["batch"] * m.experts_per_token and c["ffn_seconds"] > 0 for c in m.cluster)
+    assert model.moe_layer.ffn.points == 3 and any("FFN node's compute" in n for n in model.notes)
+    assert all(math.isfinite(predicted_cluster_step(m, s, model.link)) for s in m.steps)
