@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 
 from afd.cluster.fieldspec import at_least
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.cluster.flags import DefaultsHelpFormatter, config_flags
 
 HEADROOM = 0.9
 """Share of a device's memory weights and KV cache may fill: the rest is activations, buffers, the runtime."""
@@ -22,7 +22,7 @@ def _add_source(p: argparse.ArgumentParser) -> None:
     src.add_argument("--profile", help="a cost model measured by `afd profile` (JSON)")
     src.add_argument("--hardware", help="a hardware spec: a3, h200, or a spec file (afd/plan/specs/)")
     p.add_argument("--context", type=at_least(0), default=4096, help="KV positions per sequence (--hardware)")
-    p.add_argument("--quantization", default=None, help="fp8, w8a8 or w8a16 weights (--hardware)")
+    config_flags()["quantization"].add_to(p, help="fp8, w8a8 or w8a16 weights (--hardware)")
     p.add_argument(
         "--launch-us",
         type=float,
@@ -32,11 +32,15 @@ def _add_source(p: argparse.ArgumentParser) -> None:
 
 
 def add_parsers(sub) -> None:
+    """`afd profile`, `afd simulate`, `afd plan`."""
+    from afd.plan import profile
+
+    profile.add_parser(sub)
     s = sub.add_parser("simulate", help="predict a cluster YAML's decode step", formatter_class=DefaultsHelpFormatter)
     s.add_argument("config", help="cluster YAML")
     _add_source(s)
     s.add_argument("--batch", type=at_least(1), required=True, help="sequences per attention node (at least 1)")
-    s.add_argument("--micro-batches", type=at_least(1), default=None, help="default: the YAML's (at least 1)")
+    config_flags()["micro_batches"].add_to(s, help="1..4; default: the YAML's")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=run_simulate)
     p = sub.add_parser(
@@ -44,11 +48,11 @@ def add_parsers(sub) -> None:
         help="search AFD layouts for the most tokens/s per device under a TPOT SLO",
         formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument("--model", required=True, help="checkpoint directory, hub name or `demo`")
+    config_flags()["model"].add_to(p, required=True, help="checkpoint directory, hub name or `demo`")
     _add_source(p)
     p.add_argument("--tpot-slo", type=float, required=True, help="time per output token, in ms")
     p.add_argument("--devices", type=at_least(2), default=8, help="devices at most (at least 2)")
-    p.add_argument("--dtype", default=None, help="default: the checkpoint's")
+    config_flags()["dtype"].add_to(p, help="default: the checkpoint's")
     p.add_argument("--top", type=at_least(1), default=10, help="plans printed (at least 1)")
     p.add_argument("--output", default=None, help="write the best plan as a cluster YAML here")
     p.set_defaults(func=run_plan)
@@ -78,6 +82,7 @@ class _Source:
         key = (tp, f, routing)
         if key not in self._rooflines:
             launch = None if self.args.launch_us is None else self.args.launch_us * 1e-6
+            assert self.spec is not None
             self._rooflines[key] = roofline(
                 self.spec,
                 self.model_cfg,
@@ -134,7 +139,7 @@ def run_simulate(args) -> int:
     shape = ModelShape.from_config(model_cfg, dtype, cfg.model.path)
     src = _Source(args, model_cfg, cfg.model.path, dtype)
     costs = src.costs(cfg.layout.attention_tp, len(cfg.ffn_nodes), cfg.routing)
-    pred = simulate(Scenario.from_cluster(cfg, shape, costs, args.batch, args.micro_batches))
+    pred = simulate(Scenario.from_cluster(cfg, shape, costs, args.batch, args.micro_batches or None))
     out = pred.to_dict() | {"source": costs.source}
     if args.json:
         print(json.dumps(out, indent=2))
@@ -154,6 +159,7 @@ def run_plan(args) -> int:
 
     if not args.tpot_slo > 0:
         raise UserError(f"--tpot-slo {args.tpot_slo}: a time per output token in ms, above 0")
+    args.dtype = None if args.dtype == "auto" else args.dtype
     model_cfg, dtype = _model(args.model, args.dtype)
     shape = ModelShape.from_config(model_cfg, dtype, args.model)
     src = _Source(args, model_cfg, args.model, dtype)
@@ -163,7 +169,8 @@ def run_plan(args) -> int:
     plans, misses = search(shape, src.costs, space, args.tpot_slo * 1e-3, src.memory)
     if not plans:
         raise UserError(no_plan(misses, args.tpot_slo * 1e-3))
-    source = src.profile.source if src.profile is not None else f"hardware {src.spec.name} (roofline: a lower bound)"
+    spec_name = src.spec.name if src.spec is not None else ""
+    source = src.profile.source if src.profile is not None else f"hardware {spec_name} (roofline: a lower bound)"
     print(f"{args.model} on at most {args.devices} devices, TPOT <= {args.tpot_slo:g} ms; costs: {source}")
     print(table(plans, args.top))
     if src.profile is not None:
@@ -178,7 +185,7 @@ def _write(plan, args, src) -> None:
     from afd.cluster.local_config import local_config
 
     lay = plan.layout
-    device = "cpu" if src.profile is not None else DEVICE_OF.get(src.spec.name, "cuda")
+    device = "cpu" if src.spec is None else DEVICE_OF.get(src.spec.name, "cuda")
     layout = {"attention_tp": lay.attention_tp, "micro_batches": lay.micro_batches, "routing": lay.routing}
     if lay.exchange_dtype != "same":
         layout["exchange_dtype"] = lay.exchange_dtype

@@ -14,6 +14,7 @@ import ipaddress
 import time
 
 from afd.cluster.fieldspec import positive_int
+from afd.plan.costs import CostModel
 from afd.plan.profile_fit import Measurements, cost_model, profile_json, steps_table, table
 from afd.plan.profile_link import DEFAULT_SIZES, measure_link
 from afd.plan.profile_measure import measure_batch, median_sample
@@ -87,7 +88,7 @@ def profile(
     cluster: bool = True,
     link_sizes=DEFAULT_SIZES,
     log=print,
-) -> tuple[Measurements, object]:
+) -> tuple[Measurements, CostModel]:
     """Measures and fits; returns (measurements, CostModel)."""
     from afd.cluster.config import load
     from afd.dataplane.protocol import exchange_bytes
