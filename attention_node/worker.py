@@ -32,6 +32,7 @@ from afd.engine.factory import Job, build_engine
 from afd.engine.graph import graph_report
 from afd.engine.messages import IdleStep, LeaveStep, RunJob, RunStep
 from afd.engine.sampling import SamplingParams
+from afd.observability.timing import LayerTimes
 from attention_node.node import AttentionNode
 
 JOB_WAIT_BACKOFF_MAX = 0.25
@@ -111,6 +112,9 @@ class OfflineNode(AttentionNode):
         return self.moe.idle()
 
     def _run(self, job: dict) -> dict:
+        """One job's result. A job may ask for `logits` and for `layer_times` (the runner's per-piece times of
+        each layer and a mark per step, for `afd profile` to time the attention side where it runs); neither
+        costs anything unless asked."""
         prompts = job["prompts"]
         per = offline.validate_prompts(self.runtime.model_cfg, prompts, job["max_tokens"]) if prompts else []
         if self.tp.size > 1:
@@ -119,6 +123,15 @@ class OfflineNode(AttentionNode):
         before = _counters(self.moe, self.tp)
         steps: list[dict] = []
         logits: list | None = [] if job.get("logits") else None
+        times = LayerTimes() if job.get("layer_times") else None
+        engine.runner.layer_times = times  # None, the default: the runner times nothing
+        marks: list[tuple[float, int]] = []
+
+        def on_step(s) -> None:
+            steps.append(s.report())
+            if times is not None:  # the step's end and the samples by then: afd.plan.profile_measure.split_steps
+                marks.append((time.perf_counter(), len(times.samples)))
+
         out = offline.generate(
             engine,
             prompts,
@@ -126,7 +139,7 @@ class OfflineNode(AttentionNode):
             SamplingParams(**job.get("sampling", {})),
             job.get("ignore_eos", False),
             logits,
-            on_step=lambda s: steps.append(s.report()),
+            on_step=on_step,
             progress=True,
         )
         a2f, tp_bytes, tp_fallbacks = _since(before, _counters(self.moe, self.tp))
@@ -141,6 +154,7 @@ class OfflineNode(AttentionNode):
             "spec_decode": engine.spec.stats.report() if engine.spec else None,
             "graph": graph_report(engine.runner.attn),
             "logits": [[host_syncs.to_list(t) for t in p] for p in logits] if logits is not None else None,
+            "layer_times": {"samples": times.samples, "marks": marks} if times is not None else None,
         }
 
     def _engine(self, prompts: list[list[int]], per: list[int]) -> Engine:

@@ -1,5 +1,6 @@
-"""`afd profile` (afd.plan.profile*): the step split and the fits on synthetic measurements, the flags, and one
-real profile of the demo at 1A1F."""
+"""`afd profile` (afd.plan.profile*): the step split and the fits on synthetic measurements, the flags, the
+attention TP a cost model holds at, FFN metrics ports on a local cluster, and one real profile of the demo
+at 1A1F (the attention side timed inside the attention node)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from afd.plan.profile_fit import (
     table,
 )
 from afd.plan.profile_link import LinkSample
-from afd.plan.profile_measure import StepSample, median_sample, split_steps
+from afd.plan.profile_measure import StepSample, median_sample, node_samples, split_steps
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +67,8 @@ def test_json_round_trips_with_measurements():
     assert len(steps_table(m, model).splitlines()) == 2 + 6
     checked = Measurements(**{**m.__dict__, "cluster": [{"batch": 1, "step": 2e-3, "wait_fraction": 0.25}]})
     rows = steps_table(checked, model).splitlines()
-    assert rows[0].count("|") == 7 and "| 2.00 | 25% |" in rows[2] and rows[3].count("|") == 4
+    assert rows[0].count("|") == 6 and "attention node 0" in rows[0] and "| 25% |" in rows[2]
+    assert rows[3].count("|") == 4
 
 
 def test_noisy_fit_keeps_its_error_and_no_negative_coefficient():
@@ -100,30 +102,96 @@ def test_ffn_fit_prefers_the_ffn_nodes_counters():
 def test_split_steps_per_layer_and_overhead():
     # prefill (8 tokens), then 3 decode steps of 2 tokens; 2 MoE layers, 1 dense layer, 1 warm-up step skipped
     samples: list = []
-    marks = [(1.0, 0, 8, 0.5)]
+    marks = [(1.0, 0, 8, 0.5, 0.0)]
     for step in range(3):
         samples += [("pre", 0, 2, 0.1), ("moe", 0, 2, 0.2), ("window", 0, 2, 0.3), ("combine", 0, 2, 0.01)]
         samples += [("pre", 1, 2, 0.1), ("moe", 1, 2, 0.2), ("window", 1, 2, 0.3), ("combine", 1, 2, 0.01)]
         samples += [("dense", 2, 2, 0.05), ("dense", 2, 2, 0.05)]
-        marks.append((2.0 + 2 * step, len(samples), 2, 1.5))
+        marks.append((2.0 + 2 * step, len(samples), 2, 1.5, 0.125))
     out = split_steps(samples, marks, batch=2, moe_layers=2, dense_layers=1, warmup=1)
     assert len(out) == 2
     s = out[0]
     assert (s.pre, s.moe, s.window, s.combine, s.dense) == pytest.approx((0.1, 0.2, 0.3, 0.01, 0.1))
-    assert s.step == pytest.approx(2.0) and s.overhead == pytest.approx(2.0 - 2 * 0.61 - 0.1)
-    assert s.execute == 1.5 and median_sample(out) == s
+    # the wait on the FFN node (ffn_wait) lies outside every piece under overlap, inside `moe` without it
+    assert s.step == pytest.approx(2.0) and s.overhead == pytest.approx(2.0 - 2 * 0.61 - 0.1 - 0.125)
+    assert s.execute == 1.5 and s.wait == 0.125 and median_sample(out) == s
+    inside = split_steps(samples, marks, batch=2, moe_layers=2, dense_layers=1, warmup=1, wait_in_moe=True)
+    assert inside[0].overhead == pytest.approx(2.0 - 2 * 0.61 - 0.1)
     with pytest.raises(ValueError, match="no decode step"):
         median_sample([])
+    # an attention node's job result (attention_node/worker.py with layer_times): the same split, from JSON
+    steps = [{"tokens": t, "seconds": e, "ffn_wait": w} for _, _, t, e, w in marks]
+    result = {"steps": steps, "layer_times": {"samples": [list(x) for x in samples], "marks": [m[:2] for m in marks]}}
+    assert node_samples(result, 2, 2, 1, overlap=True) == out[1:]  # 2 warm-up steps there
+    assert node_samples(result, 2, 2, 1, overlap=False)[0].overhead == pytest.approx(inside[0].overhead)
+    with pytest.raises(ValueError, match="no layer times"):
+        node_samples({"steps": steps, "layer_times": None}, 2, 2, 1, overlap=True)
 
 
-def test_predicted_cluster_step_swaps_ffn_for_the_wait():
+def test_predicted_cluster_step_swaps_the_exchange_for_the_fitted_one():
     m = _synthetic(batches=(1, 2))
-    s = StepSample(2, 1e-4, 5e-4, 0.0, 2e-4, 0.0, 0.0, 0.0, execute=5e-3)
-    link = cost_model(m).link
-    hidden = predicted_cluster_step(m, s, link)  # round trip 2 x (50us + 2KiB / 4GB/s) + 200us < the window
-    assert hidden == pytest.approx(5e-3 - 4 * 2e-4)
-    exposed = predicted_cluster_step(Measurements(**{**m.__dict__, "overlap": False}), s, link)
-    assert exposed == pytest.approx(5e-3 + 4 * 2 * link(2 * 1024))
+    model = cost_model(m)  # FFN 8us/row + 200us; link 50us + bytes / 4 GB/s
+    link, ffn = model.link, model.moe_layer.ffn
+    # the node's step: 4 MoE layers, each submit 10us, 1ms of wait per step under overlap
+    s = StepSample(2, 1e-4, 5e-4, 0.0, 1e-5, 0.0, 0.0, 0.0, execute=5e-3, wait=1e-3)
+    rt = 2 * link(2 * 1024) + ffn(6)  # round trip at 6 rows: 2 x (50us + 2KiB / 4GB/s) + 248us, under the window?
+    hidden = predicted_cluster_step(m, s, model, rows=6)
+    assert hidden == pytest.approx(5e-3 - 4 * 1e-5 - 1e-3 + 4 * max(0.0, rt - 5e-4))
+    exposed = predicted_cluster_step(Measurements(**{**m.__dict__, "overlap": False}), s, model, rows=6)
+    assert exposed == pytest.approx(5e-3 - 4 * 1e-5 + 4 * rt)  # without overlap the submit holds the wait
+
+
+def test_cost_model_keeps_its_attention_tp(tmp_path):
+    """The TP the attention side was measured at: in the profile's JSON, read back (1 when absent: a file
+    from before the field), in a roofline's cost model, and the only TP `afd plan` searches on a profile."""
+    from argparse import Namespace
+
+    from afd.cli import UserError
+    from afd.model.registry import config_from_hf
+    from afd.plan.commands import _Source
+    from afd.plan.hardware import load_spec
+    from afd.plan.roofline import roofline
+
+    m = _synthetic(batches=(1, 2))
+    model = cost_model(Measurements(**{**m.__dict__, "attention_tp": 2}))
+    assert model.attention_tp == 2 and cost_model(m).attention_tp == 1
+    text = profile_json(model, m)
+    assert json.loads(text)["attention_tp"] == 2 and CostModel.from_json(text) == model
+    old = json.loads(text)
+    del old["attention_tp"]
+    assert CostModel.from_json(json.dumps(old)).attention_tp == 1
+    cfg = config_from_hf({"model_type": "deepseek_v3"})
+    assert roofline(load_spec("h200"), cfg, context=0, attn_tp=4).cost_model().attention_tp == 4
+    assert roofline(load_spec("h200"), cfg, context=0).cost_model().attention_tp == 1
+    path = tmp_path / "profile.json"
+    path.write_text(text)
+    src = _Source(Namespace(hardware=None, profile=str(path)), cfg, "demo", "float32")
+    assert src.tp_sizes() == (2,) and src.costs(2, 1, "ffn") == model
+    with pytest.raises(UserError, match="measured at attention_tp 2"):
+        src.costs(1, 1, "ffn")
+
+
+def test_ffn_metrics_gives_ffn_nodes_a_metrics_port():
+    """LocalClusterSpec.ffn_metrics: every FFN node of the local cluster's YAML gets a free metrics port
+    (off by default), and LocalCluster.metrics_urls names them."""
+    from afd.cluster.local import LocalCluster
+    from afd.cluster.local_spec import LocalClusterSpec, cluster_doc
+
+    assert all("metrics" not in n["ports"] for n in cluster_doc(LocalClusterSpec("demo", 1, 2))["nodes"])
+    doc = cluster_doc(LocalClusterSpec("demo", 1, 2, ffn_metrics=True))
+    ffn = [n for n in doc["nodes"] if n["role"] == "ffn"]
+    assert len(ffn) == 2 and all(n["ports"]["metrics"] for n in ffn)
+    ports = [p for n in doc["nodes"] for p in n["ports"].values()]
+    assert len(ports) == len(set(ports))
+    cluster = LocalCluster(LocalClusterSpec("demo", 1, 2, ffn_metrics=True))
+    cluster.processes.start_all = lambda commands: None  # no node processes: the YAML is what is checked
+    try:
+        assert cluster.metrics_urls == {}
+        cluster.start()
+        urls = cluster.metrics_urls
+    finally:
+        cluster.stop()
+    assert sorted(urls) == ["ffn0", "ffn1"] and all(u.startswith("http://127.0.0.1:") for u in urls.values())
 
 
 def test_flags():
@@ -198,12 +266,22 @@ def test_profile_demo(tmp_path):
 
 @pytest.mark.slow
 def test_profile_demo_1a1f_cluster_check():
-    """With the cluster: the demo's nodes at 1A1F ran each batch size, the FFN fit comes from the FFN node's
-    counters, and the prediction from the in-process step and the link is finite."""
+    """With the cluster: the demo's nodes at 1A1F ran each batch size, the attention side's pieces came from
+    attention node 0's own runner (its job asked for layer_times), the FFN fit from the FFN node's counters,
+    and the prediction from the fitted exchange is finite."""
     m, model = _profile_demo(cluster=True)
     assert [c["batch"] for c in m.cluster] == [1, 2, 4] and all(c["step"] > 0 for c in m.cluster)
     assert all(0 <= c["wait_fraction"] <= 1 for c in m.cluster)
+    # the node's pieces: the same decode steps as its step reports, with its wait on the FFN node (0 in process)
+    for s, c in zip(m.steps, m.cluster):
+        assert s.batch == c["batch"] and s.execute == pytest.approx(c["step"])
+        assert s.pre > 0 and s.window > 0 and s.combine > 0 and s.moe > 0 and s.step >= s.execute
+    assert any(s.wait > 0 for s in m.steps)
+    assert any("attention node 0" in n for n in model.notes) and model.attention_tp == 1
+    lines = [model.moe_layer.attn_pre, model.moe_layer.attn_window, model.moe_layer.attn_post, model.step_overhead]
+    assert all(f.points == 3 and math.isfinite(f.slope) and f(4) > 0 for f in lines)
     # the FFN node's own counters: routed rows per pass between 0 and batch x top-k (identity slots stay out)
     assert all(0 < c["ffn_rows"] <= c["batch"] * m.experts_per_token and c["ffn_seconds"] > 0 for c in m.cluster)
     assert model.moe_layer.ffn.points == 3 and any("FFN node's compute" in n for n in model.notes)
-    assert all(math.isfinite(predicted_cluster_step(m, s, model.link)) for s in m.steps)
+    assert all(math.isfinite(predicted_cluster_step(m, s, model, c["ffn_rows"])) for s, c in zip(m.steps, m.cluster))
+    assert "attention node 0" in steps_table(m, model).splitlines()[0]

@@ -4,13 +4,14 @@ formula on real model shapes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import urllib.request
-from unittest import mock
 
 from afd.bench.common import median
 from afd.bench.quant_parts import tok_s
 from afd.cluster.local import LocalCluster
+from afd.cluster.local_spec import LocalClusterSpec
 from afd.cluster.placement import default_placement, expected_fanout, max_fanout, routed_fanout
 from afd.dataplane.protocol import COUNT_BYTES
 from afd.dataplane.wire_cost import per_token
@@ -30,30 +31,11 @@ SHAPES = {
 
 
 class MetricsCluster(LocalCluster):
-    """A LocalCluster whose FFN nodes also serve /metrics on free ports: LocalClusterSpec has no field for
-    it, so the cluster YAML the nodes start from gets a ports.metrics per FFN node added here."""
+    """A LocalCluster whose FFN nodes also serve /metrics on free ports (LocalClusterSpec.ffn_metrics), read
+    before and after each job (`metrics_urls`: FFN node name -> its /metrics URL, once started)."""
 
-    metrics_urls: dict[str, str]
-    """FFN node name -> its /metrics URL."""
-
-    def start(self, *args, **kwargs) -> None:
-        from afd.cluster import local
-        from afd.cluster.host import free_ports
-
-        plain = local.cluster_doc
-
-        def with_metrics(spec):
-            doc = plain(spec)
-            used = {p for n in doc["nodes"] for p in n["ports"].values()}
-            ffn = [n for n in doc["nodes"] if n["role"] == "ffn"]
-            ports = [p for p in free_ports(len(ffn) + len(used)) if p not in used][: len(ffn)]
-            for node, port in zip(ffn, ports):
-                node["ports"]["metrics"] = port
-            self.metrics_urls = {n["name"]: f"http://{n['host']}:{n['ports']['metrics']}/metrics" for n in ffn}
-            return doc
-
-        with mock.patch.object(local, "cluster_doc", with_metrics):
-            super().start(*args, **kwargs)
+    def __init__(self, spec: LocalClusterSpec):
+        super().__init__(dataclasses.replace(spec, ffn_metrics=True))
 
     def scrape(self) -> dict[str, dict]:
         """Per FFN node: {"rows": afd_ffn_tokens_total, "experts": {expert: afd_expert_tokens_total}}."""

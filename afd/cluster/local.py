@@ -47,6 +47,8 @@ class LocalCluster:
         self._pending: tuple[int, int] | None = None
         """(job number, prompts) of the job submitted and not yet collected."""
         self._closed = False
+        self.doc: dict | None = None
+        """The cluster YAML (as a dict) the nodes started from; None before `start`."""
 
     def __enter__(self) -> LocalCluster:
         return self
@@ -58,13 +60,21 @@ class LocalCluster:
     def running(self) -> bool:
         return bool(self.processes.procs) and not self._closed
 
-    def start(self, prompts=None, max_tokens=None, params=None, ignore_eos: bool = False, logits: bool = False) -> None:
+    def start(
+        self,
+        prompts=None,
+        max_tokens=None,
+        params=None,
+        ignore_eos: bool = False,
+        logits: bool = False,
+        layer_times: bool = False,
+    ) -> None:
         """Starts every node; with `prompts`, submits them as the first job (collect it with `wait`)."""
         import yaml
 
         spec = self.spec
         config = os.path.join(self.dir, "cluster.yaml")
-        doc = cluster_doc(spec)
+        doc = self.doc = cluster_doc(spec)
         with open(config, "w") as fh:
             yaml.safe_dump(doc, fh, sort_keys=False)
         ports = {n["name"]: tuple(n["ports"].values()) for n in doc["nodes"]}
@@ -91,12 +101,34 @@ class LocalCluster:
             ]
         self.processes.start_all(commands)
         if prompts is not None:
-            self.submit(prompts, max_tokens, params, ignore_eos, logits)
+            self.submit(prompts, max_tokens, params, ignore_eos, logits, layer_times)
 
-    def submit(self, prompts, max_tokens, params=None, ignore_eos: bool = False, logits: bool = False) -> None:
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        """FFN node name -> its /metrics URL; empty unless the spec asks for them (ffn_metrics) and the
+        cluster has started."""
+        nodes = self.doc["nodes"] if self.doc is not None else []
+        return {
+            n["name"]: f"http://{n['host']}:{n['ports']['metrics']}/metrics"
+            for n in nodes
+            if n["role"] == "ffn" and n["ports"].get("metrics")
+        }
+
+    def submit(
+        self,
+        prompts,
+        max_tokens,
+        params=None,
+        ignore_eos: bool = False,
+        logits: bool = False,
+        layer_times: bool = False,
+    ) -> None:
         """Deals the prompts round-robin to the attention nodes as the next job. params: the SamplingParams
         of every prompt (greedy by default). logits: each node's report carries every prompt's per-step
-        logits (`reports_logits`)."""
+        logits (`reports_logits`). layer_times: each node's report carries its runner's per-piece times of
+        each layer (afd.observability.timing.LayerTimes) under "layer_times": {"samples": [[piece, layer,
+        tokens, seconds], ...], "marks": [[perf_counter at the step's end, samples by then], ...] one per
+        step}, what `afd profile` reads (afd.plan.profile_check); off, the runner times nothing."""
         import dataclasses
 
         if self._pending is not None:
@@ -111,6 +143,7 @@ class LocalCluster:
                 "sampling": dataclasses.asdict(params) if params is not None else {},
                 "ignore_eos": ignore_eos,
                 "logits": logits,
+                "layer_times": layer_times,
             }
             box.submit(self._jobs, job)
         self._pending = (self._jobs, len(prompts))
@@ -143,9 +176,18 @@ class LocalCluster:
                 outputs[i] = out
         return outputs, reports
 
-    def generate(self, prompts, max_tokens, params=None, ignore_eos=False, logits=False, timeout_s: float = 600.0):
+    def generate(
+        self,
+        prompts,
+        max_tokens,
+        params=None,
+        ignore_eos=False,
+        logits=False,
+        timeout_s: float = 600.0,
+        layer_times: bool = False,
+    ):
         """One job on the running cluster: (ids per prompt, attention nodes' reports)."""
-        self.submit(prompts, max_tokens, params, ignore_eos, logits)
+        self.submit(prompts, max_tokens, params, ignore_eos, logits, layer_times)
         return self.results(timeout_s)
 
     def wait(self, timeout_s: float = 600.0) -> tuple[list[list[int]], list[dict]]:

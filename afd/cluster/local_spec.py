@@ -54,6 +54,9 @@ class LocalClusterSpec:
     """layout.routing (None: attention with more than one FFN node)."""
     placement: dict | None = None
     """layout.placement, by FFN node index ("0": "0-7"; the local nodes' names are made here); None: the default."""
+    ffn_metrics: bool = False
+    """Give every FFN node a free metrics port (its /metrics: LocalCluster.metrics_urls), for what reads the
+    FFN nodes' own counters (`afd profile`, `afd bench-dispatch`). Not a config field: where a node serves."""
 
     def __post_init__(self):
         if self.attention_nodes < 1 or self.ffn_nodes < 0:
@@ -104,6 +107,7 @@ def cluster_doc(spec: LocalClusterSpec) -> dict:
         host=spec.attention_host,
         ffn_host=spec.ffn_host,
         threads=spec.threads,
+        metrics_ports=spec.ffn_metrics,
     )
     return cfg.to_dict()
 

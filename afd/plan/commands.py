@@ -97,8 +97,22 @@ class _Source:
             )
         return self._rooflines[key]
 
+    def tp_sizes(self) -> tuple[int, ...]:
+        """Attention TP sizes to search: a profile's own (its attention costs were measured at that TP only),
+        else each that divides the heads."""
+        if self.profile is not None:
+            return (self.profile.attention_tp,)
+        return tuple(t for t in (1, 2, 4, 8) if self.model_cfg.num_attention_heads % t == 0)
+
     def costs(self, tp: int, f: int, routing: str):
         if self.profile is not None:
+            if tp != self.profile.attention_tp:
+                from afd.cli import UserError
+
+                raise UserError(
+                    f"attention_tp {tp}: the profile ({self.profile.source}) was measured at attention_tp "
+                    f"{self.profile.attention_tp}; profile a cluster at {tp} or use --hardware"
+                )
             return self.profile
         return self.roofline(tp, f, routing).cost_model()
 
@@ -163,7 +177,7 @@ def run_plan(args) -> int:
     model_cfg, dtype = _model(args.model, args.dtype)
     shape = ModelShape.from_config(model_cfg, dtype, args.model)
     src = _Source(args, model_cfg, args.model, dtype)
-    tp = (1,) if src.profile is not None else tuple(t for t in (1, 2, 4, 8) if model_cfg.num_attention_heads % t == 0)
+    tp = src.tp_sizes()
     xd = ("same",) if src.profile is not None or args.quantization is None else ("same", "fp8")
     space = Space(args.devices, tp_sizes=tp, exchange_dtypes=xd)
     plans, misses = search(shape, src.costs, space, args.tpot_slo * 1e-3, src.memory)

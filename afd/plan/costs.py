@@ -93,6 +93,9 @@ class CostModel:
     sequences in the step)."""
     link: Link
     notes: tuple[str, ...] = ()
+    attention_tp: int = 1
+    """Ranks one attention node's heads were split over where the attention-side costs were measured or derived:
+    they hold only at that TP (`afd plan` searches no other with a profile)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -114,4 +117,5 @@ class CostModel:
             lin(d["step_overhead"]),
             Link(**d["link"]),
             tuple(d.get("notes", ())),
+            int(d.get("attention_tp", 1)),  # a cost model written before the field: TP 1
         )

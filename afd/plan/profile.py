@@ -1,10 +1,11 @@
 """`afd profile FILE`: measure the cost model (afd.plan.costs) of a cluster YAML's model on this machine.
 
-Per batch size (sequences per attention rank, one micro-batch) it times decode steps of the YAML's model on
-afd's engine (afd.plan.profile_measure: the attention side's pieces per layer, the FFN half per MoE layer,
-the step outside the layers), the data plane's messages between two processes against their size
-(afd.plan.profile_link), and optionally the cluster itself at 1A1F (afd.plan.profile_check) to hold the sum
-against; then fits one line per piece (afd.plan.costs.fit) and writes the CostModel JSON with each fit's error.
+Per batch size (sequences per attention rank, one micro-batch) it times decode steps of the YAML's model: on
+the cluster itself at 1A1F (afd.plan.profile_check: the attention side's pieces per layer inside attention
+node 0, the FFN node's compute from its own counters, the step they should add up to), or with --no-cluster
+in this process (afd.plan.profile_measure: the FFN half in process too); and the data plane's messages
+between two processes against their size (afd.plan.profile_link). Then it fits one line per piece
+(afd.plan.costs.fit) and writes the CostModel JSON with each fit's error and the attention TP it holds at.
 """
 
 from __future__ import annotations
@@ -98,22 +99,31 @@ def profile(
     mod = config.model
     options = dict(dtype=mod.dtype, dummy_weights=mod.dummy_weights, weights_seed=mod.seed)
     options |= {"quantization": mod.quantization} if mod.quantization else {}
-    llm = LLM(mod.path, block_size=config.engine.block_size, **options)
-    rounds: dict[int, list] = {b: [] for b in batch_sizes}
-    for r in range(repeats):
-        for b in batch_sizes if r % 2 == 0 else tuple(reversed(batch_sizes)):  # machine drift hits all alike
-            t0 = time.perf_counter()
-            rounds[b] += measure_batch(llm, b, context, steps, offset=r * 1000 + b)
-            log(f"round {r + 1}/{repeats} batch {b}: {time.perf_counter() - t0:.1f}s")
-    medians = [median_sample(rounds[b]) for b in batch_sizes]
+    # with the cluster, the LLM only resolves the model (path, checkpoint dtype): its nodes are never started
+    where = dict(attention_nodes=1, ffn_nodes=1) if cluster else {}
+    llm = LLM(mod.path, block_size=config.engine.block_size, **options, **where)
+    tp = config.layout.attention_tp
     host, notes = _link_host(config)
-    link = measure_link(host, tuple(link_sizes), link_repeats)
-    log(f"link: {len(link)} sizes on {host}")
     checked: list[dict] = []
     if cluster:
         from afd.plan.profile_check import cluster_steps
 
-        checked = cluster_steps(llm.config, batch_sizes, context, steps, log)
+        medians, checked = cluster_steps(llm.config.model, config, batch_sizes, context, steps, repeats, log)
+        notes += (f"attention side: timed in attention node 0 of the cluster at 1A1F, attention_tp {tp}",)
+    else:
+        rounds: dict[int, list] = {b: [] for b in batch_sizes}
+        for r in range(repeats):
+            for b in batch_sizes if r % 2 == 0 else tuple(reversed(batch_sizes)):  # machine drift hits all alike
+                t0 = time.perf_counter()
+                rounds[b] += measure_batch(llm, b, context, steps, offset=r * 1000 + b)
+                log(f"round {r + 1}/{repeats} batch {b}: {time.perf_counter() - t0:.1f}s")
+        medians = [median_sample(rounds[b]) for b in batch_sizes]
+        notes += ("attention side: timed in this process (--no-cluster), attention_tp 1",)
+        if tp > 1:
+            notes += (f"the YAML's attention_tp {tp} is not measured in process: profile with the cluster",)
+            tp = 1
+    link = measure_link(host, tuple(link_sizes), link_repeats)
+    log(f"link: {len(link)} sizes on {host}")
     cfg = llm.cfg
     wire = exchange_bytes(1, cfg.hidden_size, llm.dtype, config.layout.exchange_dtype)  # per token, each way
     m = Measurements(
@@ -129,6 +139,7 @@ def profile(
         len(cfg.moe_layers),
         (wire["to_ffn"], wire["to_attention"]),
         config.layout.overlap,
+        tp,
     )
     return m, cost_model(m)
 

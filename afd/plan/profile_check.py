@@ -1,17 +1,18 @@
 """The cluster itself (`afd profile` without --no-cluster): the YAML's model at 1A1F on this machine
-(afd.cluster.local, the nodes `afd launch` starts), overlap, exchange dtype and routing as the YAML says and
-one micro-batch. Per batch
-size it measures
+(afd.cluster.local, the nodes `afd launch` starts), with the YAML's overlap, exchange dtype, routing and
+attention TP and one micro-batch. Per batch size it measures
 
-- the decode step of attention node 0 (its step reports: seconds, ffn_wait), to hold the fitted pieces and
-  the link against the step they should add up to;
+- the attention side where it runs: attention node 0's runner times each layer's pieces (the job asks for
+  `layer_times`: afd.plan.profile_measure.node_samples) and reports each step (seconds, ffn_wait): the
+  attention-side fits, and the step the fitted FFN half and link are held against;
 - the FFN node's compute per MoE layer pass against the token-expert rows it computed, from its own
   per-layer counters (afd_ffn_layer_compute_seconds_total{layer}, afd_expert_tokens_total, afd_ffn_tokens_total
-  on its /metrics) read before and after a job of one-token prompts: every forward step of that job,
-  the prefill included, is a pass of exactly `batch` rows, so no prefill has to be subtracted (the FFN half's
-  cost does not depend on the context).
+  on its /metrics, served as LocalClusterSpec.ffn_metrics asks) read before and after a job of one-token
+  prompts: every forward step of that job, the prefill included, is a pass of exactly `batch` rows, so no
+  prefill has to be subtracted (the FFN half's cost does not depend on the context).
 
-The nodes are started once and take an untimed warm-up job, then two jobs per batch size.
+The nodes are started once and take an untimed warm-up job, then two jobs per batch size and round, the
+batch sizes swept in alternating order (machine drift hits all alike).
 """
 
 from __future__ import annotations
@@ -40,59 +41,48 @@ def ffn_counters(text: str) -> dict[str, float]:
     return out
 
 
-def _with_metrics_port(cluster_doc):
-    """cluster_doc, with a free metrics port on every FFN node (a local cluster's have none): as
-    afd.bench.dispatch_parts.MetricsCluster does it."""
-    from afd.cluster.host import free_ports
-
-    def doc(spec):
-        d = cluster_doc(spec)
-        used = {p for n in d["nodes"] for p in n["ports"].values() if p}
-        ffn = [n for n in d["nodes"] if n["role"] == "ffn"]
-        for node, port in zip(ffn, [p for p in free_ports(len(ffn) + len(used)) if p not in used]):
-            node["ports"]["metrics"] = port
-        return d
-
-    return doc
-
-
-def cluster_steps(config, batch_sizes, context: int, steps: int, log=print) -> list[dict]:
-    """[{batch, step, wait_fraction, ffn_seconds, ffn_rows}] per batch size: the median decode step (seconds,
-    after 2 warm-up steps) of attention node 0 and the share of it spent waiting on the FFN node; the FFN
-    node's compute seconds and routed rows per MoE layer pass. config: an afd.LLM's resolved configuration
-    (its model path resolved, its dtype the checkpoint's)."""
-    from unittest import mock
-
-    import yaml
-
-    from afd.cluster import local
+def cluster_steps(
+    model, config, batch_sizes, context: int, steps: int, repeats: int = 1, log=print
+) -> tuple[list, list[dict]]:
+    """(the node's median StepSample per batch size, [{batch, step, wait_fraction, ffn_seconds, ffn_rows}] per
+    batch size): attention node 0's pieces per layer and decode step (after 2 warm-up steps) over `steps`
+    steps x `repeats` runs, the runner's median step, the share of it spent waiting on the FFN node; the FFN
+    node's compute seconds and routed rows per MoE layer pass. model: an afd.LLM's resolved model section
+    (its path resolved, its dtype the checkpoint's); config: the YAML's ClusterConfig (layout, block size)."""
+    from afd.cluster.local import LocalCluster
     from afd.cluster.local_spec import LocalClusterSpec
     from afd.model.registry import load_config
-    from afd.plan.profile_measure import synthetic_prompts
+    from afd.plan.profile_measure import median_sample, node_samples, synthetic_prompts
 
-    mod = config.model
+    lay = config.layout
     spec = LocalClusterSpec(
-        mod.path,
+        model.path,
         1,
         1,
-        dtype=str(mod.dtype),
-        quantization=mod.quantization,
-        dummy_weights=mod.dummy_weights,
-        seed=mod.seed,
-        overlap=config.layout.overlap,
+        dtype=str(model.dtype),
+        quantization=model.quantization,
+        dummy_weights=model.dummy_weights,
+        seed=model.seed,
+        overlap=lay.overlap,
         micro_batches=1,
-        exchange_dtype=config.layout.exchange_dtype,
-        routing=config.layout.routing,
+        exchange_dtype=lay.exchange_dtype,
+        routing=lay.routing,
         block_size=config.engine.block_size,
+        attention_tp=lay.attention_tp,
+        tp_comm=lay.tp_comm,
+        flashcomm2_otp=lay.flashcomm2_otp,
+        tp_comm_min_tokens=lay.tp_comm_min_tokens,
+        kvp=lay.kvp,
+        ffn_metrics=True,
     )
-    vocab = load_config(mod.path).vocab_size
-    out = []
-    with local.LocalCluster(spec) as cluster:
-        with mock.patch.object(local, "cluster_doc", _with_metrics_port(local.cluster_doc)):
-            cluster.start()
-        with open(f"{cluster.dir}/cluster.yaml") as fh:
-            ffn = next(n for n in yaml.safe_load(fh)["nodes"] if n["role"] == "ffn")
-        url = f"http://{ffn['host']}:{ffn['ports']['metrics']}/metrics"
+    cfg = load_config(model.path)
+    vocab, moe = cfg.vocab_size, len(cfg.moe_layers)
+    samples: dict[int, list] = {b: [] for b in batch_sizes}
+    decode: dict[int, list[dict]] = {b: [] for b in batch_sizes}
+    ffn: dict[int, dict[str, float]] = {b: {"compute": 0.0, "tokens": 0.0, "rows": 0.0} for b in batch_sizes}
+    with LocalCluster(spec) as cluster:
+        cluster.start()
+        (url,) = cluster.metrics_urls.values()
 
         def scrape() -> dict[str, float]:
             with urllib.request.urlopen(url, timeout=10) as r:
@@ -100,25 +90,31 @@ def cluster_steps(config, batch_sizes, context: int, steps: int, log=print) -> l
 
         # untimed: the nodes' first job pays for their first-use costs (allocator, lazy inits)
         cluster.generate(synthetic_prompts(max(batch_sizes), context, vocab, offset=40_000), 4, ignore_eos=True)
-        for b in batch_sizes:
-            t0 = time.perf_counter()
-            _, reports = cluster.generate(synthetic_prompts(b, context, vocab, 50_000 + b), steps + 3, ignore_eos=True)
-            decode = [s for s in reports[0]["steps"][1:] if s["tokens"] == b][2:]
-            total = sum(s["seconds"] for s in decode)
-            before = scrape()
-            cluster.generate(synthetic_prompts(b, 1, vocab, 60_000 + b), steps + 3, ignore_eos=True)
-            after = scrape()
-            d = {k: after[k] - before[k] for k in after}
-            passes = d["tokens"] / b  # layer passes: each carried the job's b one-token sequences
-            out.append(
-                {
-                    "batch": b,
-                    "step": statistics.median(s["seconds"] for s in decode),
-                    "wait_fraction": sum(s["ffn_wait"] for s in decode) / total if total else 0.0,
-                    "ffn_seconds": d["compute"] / passes if passes else 0.0,
-                    "ffn_rows": d["rows"] / passes if passes else 0.0,
-                }
-            )
-            log(f"cluster 1A1F batch {b}: {time.perf_counter() - t0:.1f}s")
+        for r in range(repeats):
+            for b in batch_sizes if r % 2 == 0 else tuple(reversed(batch_sizes)):
+                t0 = time.perf_counter()
+                prompts = synthetic_prompts(b, context, vocab, 50_000 + r * 1000 + b)
+                _, reports = cluster.generate(prompts, steps + 3, ignore_eos=True, layer_times=True)
+                samples[b] += node_samples(reports[0], b, moe, cfg.num_layers - moe, lay.overlap)
+                decode[b] += [s for s in reports[0]["steps"][1:] if s["tokens"] == b][2:]
+                before = scrape()
+                cluster.generate(synthetic_prompts(b, 1, vocab, 60_000 + r * 1000 + b), steps + 3, ignore_eos=True)
+                after = scrape()
+                for k in after:
+                    ffn[b][k] += after[k] - before[k]
+                log(f"cluster 1A1F round {r + 1}/{repeats} batch {b}: {time.perf_counter() - t0:.1f}s")
         cluster.close()
-    return out
+    out = []
+    for b in batch_sizes:
+        total = sum(s["seconds"] for s in decode[b])
+        passes = ffn[b]["tokens"] / b  # layer passes: each carried the job's b one-token sequences
+        out.append(
+            {
+                "batch": b,
+                "step": statistics.median(s["seconds"] for s in decode[b]),
+                "wait_fraction": sum(s["ffn_wait"] for s in decode[b]) / total if total else 0.0,
+                "ffn_seconds": ffn[b]["compute"] / passes if passes else 0.0,
+                "ffn_rows": ffn[b]["rows"] / passes if passes else 0.0,
+            }
+        )
+    return [median_sample(samples[b]) for b in batch_sizes], out

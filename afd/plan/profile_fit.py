@@ -36,7 +36,9 @@ class Measurements:
     """Bytes of one token's MoE input and of its output on the wire (afd.dataplane.protocol.exchange_bytes at
     the YAML's exchange_dtype)."""
     overlap: bool = True
-    """The YAML's layout.overlap, which the cluster check ran with."""
+    """The YAML's layout.overlap, which the cluster ran with."""
+    attention_tp: int = 1
+    """The attention TP the attention side was measured at (the YAML's with the cluster; 1 in process)."""
 
 
 def _fit_or_zero(xs: list[float], ts: list[float]) -> Linear:
@@ -53,7 +55,8 @@ def fit_link(samples: list[LinkSample]) -> Link:
 
 
 def cost_model(m: Measurements) -> CostModel:
-    """Attention pieces against tokens per attention rank (= batch: one rank, one micro-batch); the FFN half
+    """Attention pieces (attention node 0's with the cluster, else in process) against tokens per attention
+    rank (= batch: one node, one micro-batch; every TP rank computes each token's heads share); the FFN half
     against token-expert rows on its node: measured on the cluster's FFN node when the cluster ran (routed
     rows, identity experts' not), else in process (batch x experts_per_token); the step overhead against
     sequences; the link against bytes."""
@@ -92,6 +95,7 @@ def cost_model(m: Measurements) -> CostModel:
         step_overhead=fit(b, [s.overhead for s in m.steps]),
         link=link,
         notes=(*notes, *m.notes),
+        attention_tp=m.attention_tp,
     )
 
 
@@ -133,28 +137,32 @@ def table(model: CostModel) -> str:
     return "\n".join(out)
 
 
-def predicted_cluster_step(m: Measurements, s: StepSample, link: Link) -> float:
-    """The runner's step at 1A1F from the in-process one at the same batch: each MoE layer's FFN half, run in
-    process there, becomes the wait for it over the link (two messages of T rows, the FFN half between),
-    less what the window hides under overlap. A check of the link and the window, not the simulator."""
+def predicted_cluster_step(m: Measurements, s: StepSample, model: CostModel, rows: float) -> float:
+    """Attention node 0's runner step with its measured exchange (each MoE layer's submit, and the wait on the
+    FFN node) replaced by the fitted one: the MoE input and its result over the link, the FFN fit at `rows`
+    token-expert rows per pass between, less what the window hides under overlap. A check of the link, the
+    FFN fit and the window against the real exchange, not the simulator."""
     to_ffn, back = m.bytes_per_token
-    rt = link(s.batch * to_ffn) + s.moe + link(s.batch * back)
+    link = model.link
+    rt = link(s.batch * to_ffn) + model.moe_layer.ffn(rows) + link(s.batch * back)
     wait = max(0.0, rt - s.window) if m.overlap else rt
-    return s.execute + m.moe_layers * (wait - s.moe)
+    measured = m.moe_layers * s.moe + (s.wait if m.overlap else 0.0)  # without overlap the submit holds the wait
+    return s.execute - measured + m.moe_layers * wait
 
 
 def steps_table(m: Measurements, model: CostModel) -> str:
-    """Per batch size: the in-process runner step and its noise; with the cluster check, the 1A1F runner step,
-    its wait on the FFN node and what the in-process step and the link predict for it."""
-    head = "| batch | in-process runner step (ms) | step spread (IQR) |"
-    out = [head + (" 1A1F runner step (ms) | its wait | predicted (ms) |" if m.cluster else "")]
-    out.append("|---" * (6 if m.cluster else 3) + "|")
+    """Per batch size: the runner step (attention node 0's with the cluster, else in process) and its noise;
+    with the cluster, its wait on the FFN node and what the fitted exchange predicts for it."""
+    where = "attention node 0" if m.cluster else "in-process"
+    head = f"| batch | {where} runner step (ms) | step spread (IQR) |"
+    out = [head + (" its wait | predicted (ms) |" if m.cluster else "")]
+    out.append("|---" * (5 if m.cluster else 3) + "|")
     cluster = {c["batch"]: c for c in m.cluster}
     for s in m.steps:
         line = f"| {s.batch} | {1e3 * s.execute:.2f} | {100 * s.spread:.0f}% |"
         c = cluster.get(s.batch)
         if c is not None:
-            pred = predicted_cluster_step(m, s, model.link)
-            line += f" {1e3 * c['step']:.2f} | {100 * c['wait_fraction']:.0f}% | {1e3 * pred:.2f} |"
+            pred = predicted_cluster_step(m, s, model, c.get("ffn_rows", 0.0))
+            line += f" {100 * c['wait_fraction']:.0f}% | {1e3 * pred:.2f} |"
         out.append(line)
     return "\n".join(out)

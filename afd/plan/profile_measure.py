@@ -1,12 +1,17 @@
 """The compute part of `afd profile`: per decode step, the attention side's pieces of each layer, the FFN half
 of each MoE layer and what the step spends outside the layers, at one batch size.
 
-It runs the YAML's model on the engine afd.LLM builds (afd.engine.llm.LLM.job_engine: the scheduler, runner
-and sampler the nodes run), in this process on one torch thread (as each local node gets), with the
-in-process exchange: `submit` runs the FFN half synchronously, so the runner's opt-in timer
-(afd.observability.timing.LayerTimes) splits each layer into pre_moe, the window (post_moe), the combine and
-the FFN half itself, with no transfer or wait between them. What a transfer costs is the link's part
-(afd.plan.profile_link), measured apart; the cluster's own step time checks the sum (afd.plan.profile_check).
+Two sources, one split (`split_steps`) of the runner's opt-in timer (afd.observability.timing.LayerTimes:
+pre_moe, the window post_moe, the combine, and the exchange's submit):
+
+- attention node 0 of the profiled cluster (`node_samples`, the default of `afd profile`): a job asked with
+  `layer_times` (afd.cluster.local.LocalCluster.submit) returns its runner's samples and each step's end;
+  the wait on the FFN nodes is the step report's ffn_wait (afd.plan.profile_check runs the jobs);
+- in this process (`measure_batch`, `--no-cluster`): the YAML's model on the engine afd.LLM builds
+  (afd.engine.llm.LLM.job_engine: the scheduler, runner and sampler the nodes run) on one torch thread, as
+  each local node gets, with the in-process exchange: `submit` runs the FFN half synchronously, so `moe` is
+  the FFN half itself, with no transfer or wait. What a transfer costs is then the link's part
+  (afd.plan.profile_link), measured apart.
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ class StepSample:
     overhead: float
     execute: float = 0.0
     """The runner's part of the step (StepStats.seconds: what the cluster's step reports hold)."""
+    wait: float = 0.0
+    """Seconds of the step blocked on the FFN nodes (StepStats.ffn_wait; 0 in process). On a node, `moe` is
+    the exchange's submit: the send, and without overlap also this wait."""
     spread: float = 0.0
     """Of a median over steps (median_sample): the steps' interquartile range over their median, how noisy
     the machine was (a busy machine's pieces move together, so the medians need not add up to the step's)."""
@@ -44,20 +52,23 @@ class StepSample:
 
 def split_steps(
     samples: list[tuple[str, int, int, float]],
-    marks: list[tuple[float, int, int, float]],
+    marks: list[tuple[float, int, int, float, float]],
     batch: int,
     moe_layers: int,
     dense_layers: int,
     warmup: int = 2,
+    wait_in_moe: bool = False,
 ) -> list[StepSample]:
     """Per decode step of `batch` tokens (after `warmup` of them) from the runner's samples and the step marks
-    [(time at the step's end, samples recorded by then, tokens, the runner's seconds)]. The first mark's step
-    is the prefill; a step's wall time is from the previous mark to its own."""
+    [(time at the step's end, samples recorded by then, tokens, the runner's seconds, its ffn_wait)]. The first
+    mark's step is the prefill; a step's wall time is from the previous mark to its own. The overhead is what
+    the step spent outside every piece and outside the wait: under overlap the wait lies between the window and
+    the combine, untimed; without it (`wait_in_moe`) inside the submit, so in `moe` already."""
     out: list[StepSample] = []
     seen = 0
     for i in range(1, len(marks)):
         t_prev, n_prev = marks[i - 1][:2]
-        t, n, tokens, execute = marks[i]
+        t, n, tokens, execute, wait = marks[i]
         if tokens != batch:
             continue
         seen += 1
@@ -69,9 +80,20 @@ def split_steps(
         step = t - t_prev
         per = {p: total[p] / moe_layers if moe_layers else 0.0 for p in ("pre", "window", "combine", "moe")}
         dense = total["dense"] / dense_layers if dense_layers else 0.0
-        overhead = max(0.0, step - sum(total.values()))
-        out.append(StepSample(batch, dense=dense, step=step, overhead=overhead, execute=execute, **per))
+        overhead = max(0.0, step - sum(total.values()) - (0.0 if wait_in_moe else wait))
+        out.append(StepSample(batch, dense=dense, step=step, overhead=overhead, execute=execute, wait=wait, **per))
     return out
+
+
+def node_samples(result: dict, batch: int, moe_layers: int, dense_layers: int, overlap: bool) -> list[StepSample]:
+    """split_steps of an attention node's job result asked with layer_times (attention_node/worker.py: its
+    "layer_times" {"samples", "marks": [(time, samples by then)] one per step} beside its step reports)."""
+    lt = result["layer_times"]
+    if lt is None or len(lt["marks"]) != len(result["steps"]):
+        raise ValueError("the attention node's job result carries no layer times, one mark per step")
+    samples = [tuple(s) for s in lt["samples"]]
+    marks = [(t, n, s["tokens"], s["seconds"], s["ffn_wait"]) for (t, n), s in zip(lt["marks"], result["steps"])]
+    return split_steps(samples, marks, batch, moe_layers, dense_layers, wait_in_moe=not overlap)
 
 
 def measure_batch(llm, batch: int, context: int, steps: int, offset: int = 0) -> list[StepSample]:
@@ -88,7 +110,7 @@ def measure_batch(llm, batch: int, context: int, steps: int, offset: int = 0) ->
     engine = llm.job_engine(prompts, per, micro_batches=1)
     times = LayerTimes()
     engine.runner.layer_times = times
-    marks: list[tuple[float, int, int, float]] = []
+    marks: list[tuple[float, int, int, float, float]] = []
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -98,7 +120,7 @@ def measure_batch(llm, batch: int, context: int, steps: int, offset: int = 0) ->
             per,
             SamplingParams(),
             ignore_eos=True,
-            on_step=lambda s: marks.append((time.perf_counter(), len(times.samples), s.num_tokens, s.seconds)),
+            on_step=lambda s: marks.append((time.perf_counter(), len(times.samples), s.num_tokens, s.seconds, 0.0)),
         )
     finally:
         torch.set_num_threads(before)
@@ -111,7 +133,7 @@ def median_sample(samples: list[StepSample]) -> StepSample:
     the overhead is each step's own remainder, not the medians' difference."""
     if not samples:
         raise ValueError("no decode step was timed")
-    fields = ("pre", "window", "combine", "moe", "dense", "step", "overhead", "execute")
+    fields = ("pre", "window", "combine", "moe", "dense", "step", "overhead", "execute", "wait")
     med = {f: statistics.median(getattr(s, f) for s in samples) for f in fields}
     steps = [s.step for s in samples]
     q = statistics.quantiles(steps, n=4) if len(steps) > 1 else [steps[0]] * 3

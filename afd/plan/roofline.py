@@ -64,6 +64,8 @@ class Roofline:
     launch: float | None = None
     """Seconds per kernel launch; None: the spec's (an eager launch; graph mode takes less)."""
     notes: tuple[str, ...] = ()
+    attn_tp: int = 1
+    """Attention ranks per attention node its pieces are for (the CostModel's attention_tp)."""
 
     def op_time(self, op: Op, x: float) -> tuple[float, str]:
         """(seconds, what bounds it: compute, memory, or link for a TP collective) of one kernel at x."""
@@ -122,6 +124,7 @@ class Roofline:
             step_overhead=self._line("step", tokens),
             link=Link(link.latency, link.bandwidth),
             notes=(*self.notes, f"link: {self.fabric} ({link.fabric})", fits),
+            attention_tp=self.attn_tp,
         )
 
     def describe(self, tokens: Sequence[float]) -> str:
@@ -204,4 +207,5 @@ def roofline(
         memory_eff,
         launch,
         notes,
+        attn_tp,
     )
