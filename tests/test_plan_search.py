@@ -91,3 +91,12 @@ def test_the_search_space_stays_within_the_devices():
     assert BATCHES[0] == 1 and tuple(sorted(BATCHES)) == BATCHES
     with pytest.raises(ValueError, match="at least 2"):
         Space(1)
+
+
+def test_a_family_without_attention_tp_is_planned_at_tp_1(tmp_path, capsys):
+    from hf_qwen3 import BASE
+
+    (tmp_path / "config.json").write_text(json.dumps({**BASE, "model_type": "qwen3_moe"}))
+    assert main(["plan", "--model", str(tmp_path), "--hardware", "h200", "--tpot-slo", "5", "--devices", "4"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert rows and {r[1] for r in rows} == {"1"}  # afd cuts MLA families only

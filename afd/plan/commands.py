@@ -102,6 +102,10 @@ class _Source:
         else each that divides the heads."""
         if self.profile is not None:
             return (self.profile.attention_tp,)
+        from afd.model.registry import family
+
+        if not family(self.model_cfg.model_type).attention_half.supports_tp:  # Qwen3-MoE's GQA half
+            return (1,)
         return tuple(t for t in (1, 2, 4, 8) if self.model_cfg.num_attention_heads % t == 0)
 
     def costs(self, tp: int, f: int, routing: str):
