@@ -64,16 +64,16 @@ class _Source:
     def __init__(self, args, model_cfg, model: str, dtype: str):
         from afd.plan.costs import CostModel
 
-        if args.hardware and dtype == "float32":  # tensor peaks are for 16 bits: a device serves it in bf16
-            print(f"({model}: float32 checkpoint, costed in bfloat16 on the device)")
-            dtype = "bfloat16"
-        self.args, self.model_cfg, self.model, self.dtype = args, model_cfg, model, dtype
         self.profile = CostModel.from_json(Path(args.profile).read_text()) if args.profile else None
         self.spec = None
         if args.hardware:
             from afd.plan.hardware import load_spec
 
             self.spec = load_spec(args.hardware)
+            if dtype == "float32" and not any(d == "fp32" for d, _ in self.spec.compute):
+                print(f"({model}: float32 checkpoint, costed in bfloat16: {self.spec.name} has no fp32 peak)")
+                dtype = "bfloat16"  # an accelerator serves it in 16 bits
+        self.args, self.model_cfg, self.model, self.dtype = args, model_cfg, model, dtype
         self._rooflines: dict = {}
 
     def roofline(self, tp: int, f: int, routing: str):

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 SPECS_DIR = Path(__file__).parent / "specs"
-COMPUTE_DTYPES = ("bf16", "fp16", "fp8", "int8")
+COMPUTE_DTYPES = ("bf16", "fp16", "fp8", "int8", "fp32")
+"""fp32: what a CPU serves in (the measured `cpu` spec has it); accelerator specs leave it out."""
 LINK_KEYS = ("intra_node", "inter_node")
 
 
@@ -64,7 +65,7 @@ class HardwareSpec:
     """The file it was read from."""
 
     def flops(self, dtype: str) -> float:
-        """Peak FLOP/s in `dtype` (bf16, fp16, fp8, int8); SpecError if the device has none."""
+        """Peak FLOP/s in `dtype` (bf16, fp16, fp8, int8, fp32); SpecError if the device has none."""
         for d, v in self.compute:
             if d == dtype:
                 return v
@@ -78,8 +79,8 @@ class HardwareSpec:
 
 
 def available_specs() -> list[str]:
-    """The names `load_spec` takes, from the shipped spec files."""
-    return sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
+    """The names `load_spec` takes: the shipped spec files, and `cpu` (measured by `afd profile`)."""
+    return sorted({p.stem for p in SPECS_DIR.glob("*.yaml")} | {"cpu"})
 
 
 def load_spec(name_or_path: str) -> HardwareSpec:
@@ -87,7 +88,13 @@ def load_spec(name_or_path: str) -> HardwareSpec:
     .yaml / .yml suffix, or an existing file)."""
     p = Path(name_or_path)
     is_path = os.sep in name_or_path or p.suffix in (".yaml", ".yml") or p.is_file()
-    if not is_path:
+    if not is_path and name_or_path == "cpu":
+        from afd.plan.cpu_hardware import cache_path
+
+        p = cache_path()
+        if not p.is_file():
+            raise SpecError(f"no measured cpu spec at {p}: `afd profile FILE` measures this CPU and writes it")
+    elif not is_path:
         p = SPECS_DIR / f"{name_or_path}.yaml"
         if not p.is_file():
             raise SpecError(

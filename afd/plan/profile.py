@@ -163,4 +163,8 @@ def run(args) -> int:
     print()
     print(steps_table(m, model))
     print(f"wrote {args.output}")
+    from afd.plan.cpu_hardware import measure, write
+
+    spec = write(measure(link=model.link))  # this CPU's figures, for `afd plan --hardware cpu`
+    print(f"wrote this CPU's hardware spec to {spec} (afd plan --hardware cpu)")
     return 0

@@ -23,7 +23,7 @@ from afd.plan.costs import CostModel, LayerCosts, Linear, Link, fit
 from afd.plan.hardware import HardwareSpec, SpecError
 from afd.plan.roofline_ops import Op, Precision, attention_pieces, ffn_ops, router, step_ops
 
-MODEL_DTYPES = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2)}
+MODEL_DTYPES = {"bfloat16": ("bf16", 2), "float16": ("fp16", 2), "float32": ("fp32", 4)}
 QUANT_GEMM = {"fp8": "fp8", "w8a8": "int8", "w8a16": None}
 """--quantization's methods (afd.quant.scheme) -> the compute their GEMMs run at (None: the model dtype's);
 each stores weights in 1 byte."""
