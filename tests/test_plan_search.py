@@ -100,3 +100,35 @@ def test_a_family_without_attention_tp_is_planned_at_tp_1(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path), "--hardware", "h200", "--tpot-slo", "5", "--devices", "4"]) == 0
     rows = _rows(capsys.readouterr().out)
     assert rows and {r[1] for r in rows} == {"1"}  # afd cuts MLA families only
+
+
+@pytest.mark.slow  # starts the planned cluster: node processes, > 10 s
+@pytest.mark.multiprocess
+def test_a_plan_on_a_cpu_profile_launches_here_and_serves(tmp_path, capsys):
+    """Issue 30's done-when: the YAML `afd plan` writes from a CPU profile is one `afd launch` starts on this
+    machine, and its API answers."""
+    import os
+    import sys
+
+    from cluster_helpers import ROOT, post, stop_launcher
+
+    from afd.cluster.processes import Command, NodeProcesses
+
+    out_yaml = tmp_path / "plan.yaml"
+    argv = ["plan", "--model", "demo", "--profile", str(_profile(tmp_path)), "--tpot-slo", "50", "--devices", "2"]
+    assert main([*argv, "--output", str(out_yaml)]) == 0
+    assert load(str(out_yaml)).topology_name == "1A1F"  # two devices: one of each
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    procs = NodeProcesses(str(tmp_path), cwd=ROOT)
+    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd.cli", "launch", str(out_yaml))), env=env)
+    try:
+
+        def urls() -> list[str]:
+            return [ln for ln in procs.log("afd-launch").splitlines() if ln.startswith("http://")]
+
+        procs.wait_until(urls, 120, "afd launch to print its URL")
+        code, body = post(urls()[0], "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0})
+        assert code == 200 and body["choices"][0]["finish_reason"] in ("length", "stop"), body
+    finally:
+        stop_launcher(launcher, procs)
