@@ -25,6 +25,7 @@ from afd.plan.profile_fit import (
 )
 from afd.plan.profile_link import LinkSample
 from afd.plan.profile_measure import StepSample, median_sample, node_samples, split_steps
+from afd.plan.shape import Layout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -166,9 +167,9 @@ def test_cost_model_keeps_its_attention_tp(tmp_path):
     path = tmp_path / "profile.json"
     path.write_text(text)
     src = _Source(Namespace(hardware=None, profile=str(path)), cfg, "demo", "float32")
-    assert src.tp_sizes() == (2,) and src.costs(2, 1, "ffn") == model
+    assert src.tp_sizes() == (2,) and src.costs(Layout(1, 1, 8, attention_tp=2)) == model
     with pytest.raises(UserError, match="measured at attention_tp 2"):
-        src.costs(1, 1, "ffn")
+        src.costs(Layout(1, 1, 8))
 
 
 def test_ffn_metrics_gives_ffn_nodes_a_metrics_port():

@@ -75,6 +75,7 @@ class _Source:
                 dtype = "bfloat16"  # an accelerator serves it in 16 bits
         self.args, self.model_cfg, self.model, self.dtype = args, model_cfg, model, dtype
         self._rooflines: dict = {}
+        self._models: dict = {}
 
     def roofline(self, tp: int, f: int, routing: str):
         from afd.plan.roofline import roofline
@@ -108,7 +109,10 @@ class _Source:
             return (1,)
         return tuple(t for t in (1, 2, 4, 8) if self.model_cfg.num_attention_heads % t == 0)
 
-    def costs(self, tp: int, f: int, routing: str):
+    def costs(self, layout):
+        """The layout's cost model: the profile's, or the roofline linearised at the layout's own tokens per
+        micro-batch and the rows they put on one FFN node (half to twice each)."""
+        tp, f, routing = layout.attention_tp, layout.ffn_nodes, layout.routing
         if self.profile is not None:
             if tp != self.profile.attention_tp:
                 from afd.cli import UserError
@@ -118,7 +122,13 @@ class _Source:
                     f"{self.profile.attention_tp}; profile a cluster at {tp} or use --hardware"
                 )
             return self.profile
-        return self.roofline(tp, f, routing).cost_model()
+        r = self.roofline(tp, f, routing)
+        t = max(1.0, layout.batch / layout.micro_batches)
+        rows = layout.attention_nodes * t * r.rows_per_token  # every attention node's rows reach each FFN node
+        key = (tp, f, routing, layout.attention_nodes, t)
+        if key not in self._models:
+            self._models[key] = r.cost_model(tokens=(t / 2, t, 2 * t), rows=(rows / 2, rows, 2 * rows))
+        return self._models[key]
 
     def memory(self, layout) -> dict[str, float] | None:
         """Bytes per device by role, None when they exceed the spec's capacity; {} for a profile (the machine it
@@ -149,14 +159,15 @@ def _model(path: str, dtype: str | None):
 def run_simulate(args) -> int:
     from afd.cluster.config import load
     from afd.plan.scenario import Scenario
-    from afd.plan.shape import ModelShape
+    from afd.plan.shape import Layout, ModelShape
     from afd.plan.simulate import simulate
 
     cfg = load(args.config)
     model_cfg, dtype = _model(cfg.model.path, None if cfg.model.dtype == "auto" else cfg.model.dtype)
     shape = ModelShape.from_config(model_cfg, dtype, cfg.model.path)
     src = _Source(args, model_cfg, cfg.model.path, dtype)
-    costs = src.costs(cfg.layout.attention_tp, len(cfg.ffn_nodes), cfg.routing)
+    layout = Layout.from_cluster(cfg, args.batch, args.micro_batches or None)
+    costs = src.costs(layout)
     pred = simulate(Scenario.from_cluster(cfg, shape, costs, args.batch, args.micro_batches or None))
     out = pred.to_dict() | {"source": costs.source}
     if args.json:

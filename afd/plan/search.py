@@ -58,8 +58,10 @@ class Plan:
     """Bytes per device by role ("attention", "ffn"), where the cost source knows them."""
 
 
-Costs = Callable[[int, int, str], CostModel]
-"""(attention TP, FFN nodes, routing) -> the cost model of that layout (a roofline differs per layout)."""
+Costs = Callable[[Layout], CostModel]
+"""A layout -> its cost model. A roofline differs per layout (E_local, TP, routing) and is linearised at the
+layout's own tokens and rows: an FFN node's time bends where the experts it holds are all touched, and a line
+fitted elsewhere misses it by up to 3x (what afd plan's Step-3 check found)."""
 Fits = Callable[[Layout], dict[str, float] | None]
 """A layout -> its bytes per device by role when they fit the devices, None when they do not."""
 
@@ -70,7 +72,6 @@ def search(shape: ModelShape, costs: Costs, space: Space, tpot_slo: float, fits:
     plans: list[Plan] = []
     misses = {"tpot": 0, "memory": 0, "fastest_tpot": float("inf")}
     for a, f, tp, m, routing, xd in space.layouts(shape.n_routed_experts):
-        cm = costs(tp, f, routing)
         best = None
         lo, hi = 0, len(BATCHES) - 1
         while lo <= hi:  # the largest B in BATCHES (>= m) whose TPOT meets the SLO and whose memory fits
@@ -85,7 +86,7 @@ def search(shape: ModelShape, costs: Costs, space: Space, tpot_slo: float, fits:
                 misses["memory"] += 1
                 hi = mid - 1
                 continue
-            pred = simulate(Scenario(shape, layout, cm))
+            pred = simulate(Scenario(shape, layout, costs(layout)))
             misses["fastest_tpot"] = min(misses["fastest_tpot"], pred.tpot)
             if pred.tpot <= tpot_slo:
                 best = Plan(layout, pred, memory)
