@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from afd.cluster.fieldspec import at_least
+from afd.plan.profile_measure import synthetic_prompts  # noqa: F401 (the benchmarks' prompts: one definition)
 
 
 def count_flag(p: argparse.ArgumentParser, name: str, default: int, minimum: int = 1, help: str = "") -> None:
@@ -38,11 +39,6 @@ def interleaved(
 
 def median(xs) -> float:
     return statistics.median(list(xs))
-
-
-def synthetic_prompts(n: int, length: int, vocab: int, offset: int = 0) -> list[list[int]]:
-    """n distinct, deterministic prompts of equal length over ids [3, vocab) (0-2 are special)."""
-    return [[3 + ((i + offset) * 7 + j * 13) % (vocab - 3) for j in range(length)] for i in range(n)]
 
 
 def write_config(path: str, config: dict) -> str:

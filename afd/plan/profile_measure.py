@@ -141,6 +141,6 @@ def median_sample(samples: list[StepSample]) -> StepSample:
 
 
 def synthetic_prompts(n: int, length: int, vocab: int, offset: int = 0) -> list[list[int]]:
-    """n distinct, deterministic prompts over ids [3, vocab) (0-2 are special), as the benchmarks make them
-    (afd.bench.common, which afd.plan may not import); distinct offsets keep runs off each other's prefixes."""
+    """n distinct, deterministic prompts of equal length over ids [3, vocab) (0-2 are special): the profile's
+    and the benchmarks' (afd.bench.common re-exports it); distinct offsets keep runs off each other's prefixes."""
     return [[3 + ((i + offset) * 7 + j * 13) % (vocab - 3) for j in range(length)] for i in range(n)]
