@@ -93,6 +93,10 @@ class CostModel:
     sequences in the step)."""
     link: Link
     notes: tuple[str, ...] = ()
+    host_cores: int = 0
+    """CPU cores of the one host every node process of a plan on these costs shares (a CPU profile's machine:
+    its plans run there, afd.plan.commands writes them for one host); 0: each node has a device of its own.
+    The simulator then runs every compute task on one of these cores as well as on its node."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -114,4 +118,5 @@ class CostModel:
             lin(d["step_overhead"]),
             Link(**d["link"]),
             tuple(d.get("notes", ())),
+            int(d.get("host_cores", 0)),
         )
