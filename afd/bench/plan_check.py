@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -91,10 +92,38 @@ def measure(case: Case, batch: int, prompt_len: int, steps: int, link) -> dict:
     with LocalCluster(spec) as cluster:
         cluster.start()
         doc = yaml.safe_load(Path(cluster.dir, "cluster.yaml").read_text())
+        ours = [os.getpid(), *(cluster.process(n).pid for n in cluster.processes.procs)]
+        before = _cpu(ours)
         _, reports = cluster.generate(prompts, steps + 3, ignore_eos=True)
+        others = other_cores(before, _cpu(ours))
         cluster.close()
     decode = _decode(reports[0], batch)
-    return {"steps": [[s["seconds"], s["ffn_wait"]] for s in decode], "cluster": doc}
+    return {"steps": [[s["seconds"], s["ffn_wait"]] for s in decode], "cluster": doc, "other_cores": others}
+
+
+def _cpu(pids: list[int]) -> tuple[float, int, int]:
+    """(now, the host's busy jiffies: every state but idle and iowait, steal included, this job's processes'
+    jiffies) from /proc (https://man7.org/linux/man-pages/man5/proc_stat.5.html, proc_pid_stat.5)."""
+    t = time.perf_counter()
+    with open("/proc/stat") as f:
+        user, nice, system, idle, iowait, *rest = (int(x) for x in f.readline().split()[1:9])
+    ours = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ours += int(fields[11]) + int(fields[12])  # utime, stime: every thread of the process
+        except (OSError, IndexError, ValueError):
+            pass
+    return t, user + nice + system + sum(rest), ours
+
+
+def other_cores(before: tuple[float, int, int], after: tuple[float, int, int]) -> float:
+    """Cores' worth of CPU the host spent on other work between two _cpu readings: what the machine's other
+    users took from the job's node processes."""
+    wall = after[0] - before[0]
+    busy = (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, busy / os.sysconf("SC_CLK_TCK") / wall) if wall > 0 else 0.0
 
 
 def _profile(tmp: str, steps: int, log) -> tuple[dict, dict]:

@@ -64,17 +64,32 @@ def rows_of(doc: dict) -> list[Row]:
     from afd.plan.costs import CostModel, Linear
 
     costs = CostModel.from_json(json.dumps(doc["profile"]))
-    costs = dataclasses.replace(costs, host_cores=doc["setting"].get("host_cores", 0))  # the nodes shared them
+    cores = doc["setting"].get("host_cores", 0)
     outside = Linear(**doc["outside_runner"])
     batch = doc["setting"]["batch"]
     rows = []
     for r in doc["runs"]:
         case = Case(**r["case"])
         spec = LinkSpec.parse(case.link) if case.link else None
+        preds = [
+            predict(case, rnd, _mine(costs, cores, rnd), outside, batch, spec, doc["setting"].get("link_qdisc", ""))
+            for rnd in r["rounds"]
+        ]
         secs = [s for rnd in r["rounds"] for s in rnd["steps"]]
-        step, wait, neck = predict(
-            case, r["rounds"][0], costs, outside, batch, spec, doc["setting"].get("link_qdisc", "")
-        )
         m_step, m_wait = median(s[0] for s in secs), median(s[1] for s in secs)
-        rows.append(Row(case, 1e3 * m_step, 1e3 * step, 1e3 * m_wait, 1e3 * wait, len(r["rounds"]), neck))
+        step, wait = median(p[0] for p in preds), median(p[1] for p in preds)
+        rows.append(Row(case, 1e3 * m_step, 1e3 * step, 1e3 * m_wait, 1e3 * wait, len(preds), preds[0][2]))
     return rows
+
+
+def available_cores(cores: int, other: float) -> int:
+    """The host's cores left to the nodes while others' work took `other` cores' worth, to the nearest whole
+    core (the simulator's cores run whole tasks) and at least one."""
+    return max(1, round(cores - other))
+
+
+def _mine(costs, cores: int, rnd: dict):
+    """The CostModel with the cores the nodes had in that round: the host's, less what other work took then."""
+    if not cores:
+        return costs
+    return dataclasses.replace(costs, host_cores=available_cores(cores, rnd.get("other_cores", 0.0)))
