@@ -88,3 +88,25 @@ def test_count_flags_are_checked():
     with pytest.raises(SystemExit):
         p.parse_args(["bench-plan", "--repeats", "0"])
     assert p.parse_args(["bench-plan", "--steps", "3"]).steps == 3
+
+
+def test_cores_left_by_other_work():
+    from afd.bench.plan_check_predict import available_cores
+
+    assert [available_cores(2, x) for x in (0.0, 0.4, 0.6, 1.0, 1.9)] == [2, 2, 1, 1, 1]
+
+
+def test_a_token_bucket_under_its_rate_delays_nothing():
+    from afd.bench.plan_check_predict import _shaped
+    from afd.plan.scenario import Scenario
+    from afd.plan.shape import Layout
+    from afd.plan.simulate import simulate
+    from tests.test_plan_simulate import SHAPE
+
+    sc = Scenario(SHAPE, Layout(1, 1, 8, overlap=False), costs(bandwidth=5e9))
+    pred = simulate(sc)
+    tbf = "tbf rate 200mbit burst 250000 latency 50ms"
+    assert _shaped(sc, pred, 25e6, tbf) is None  # ~KB per step against 25 MB/s, every message under the burst
+    slow = _shaped(sc, pred, 1e3, tbf)  # 1 kB/s: the traffic exceeds the rate
+    assert slow is not None and slow.costs.link.bandwidth == 1e3
+    assert _shaped(sc, pred, 25e6, "netem rate 200mbit").costs.link.bandwidth == 25e6  # netem: every message
