@@ -92,33 +92,43 @@ def measure(case: Case, batch: int, prompt_len: int, steps: int, link) -> dict:
     with LocalCluster(spec) as cluster:
         cluster.start()
         doc = yaml.safe_load(Path(cluster.dir, "cluster.yaml").read_text())
-        ours = [os.getpid(), *(cluster.process(n).pid for n in cluster.processes.procs)]
+        # untimed: the nodes' first job pays their first-use costs (as afd.plan.profile_check's warm-up)
+        cluster.generate(synthetic_prompts(batch * case.attention_nodes, prompt_len, 512, 40_000), 3, ignore_eos=True)
+        nodes = {n: cluster.process(n).pid for n in cluster.processes.procs}
+        ours = [os.getpid(), *nodes.values()]
         before = _cpu(ours)
         _, reports = cluster.generate(prompts, steps + 3, ignore_eos=True)
-        others = other_cores(before, _cpu(ours))
+        after = _cpu(ours)
         cluster.close()
-    decode = _decode(reports[0], batch)
-    return {"steps": [[s["seconds"], s["ffn_wait"]] for s in decode], "cluster": doc, "other_cores": others}
+    forward = len(reports[0]["steps"])  # the prefill's and every decode step's
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu = {n: (after[3][pid] - before[3][pid]) / tick / forward for n, pid in nodes.items()}
+    return {
+        "steps": [[s["seconds"], s["ffn_wait"]] for s in _decode(reports[0], batch)],
+        "cluster": doc,
+        "other_cores": other_cores(before, after),
+        "cpu_per_step": cpu,
+    }
 
 
-def _cpu(pids: list[int]) -> tuple[float, int, int]:
+def _cpu(pids: list[int]) -> tuple[float, int, int, dict[int, int]]:
     """(now, the host's busy jiffies: every state but idle and iowait, steal included, this job's processes'
-    jiffies) from /proc (https://man7.org/linux/man-pages/man5/proc_stat.5.html, proc_pid_stat.5)."""
+    jiffies, each one's) from /proc (https://man7.org/linux/man-pages/man5/proc_stat.5.html, proc_pid_stat.5)."""
     t = time.perf_counter()
     with open("/proc/stat") as f:
         user, nice, system, idle, iowait, *rest = (int(x) for x in f.readline().split()[1:9])
-    ours = 0
+    each = {}
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            ours += int(fields[11]) + int(fields[12])  # utime, stime: every thread of the process
+            each[pid] = int(fields[11]) + int(fields[12])  # utime, stime: every thread of the process
         except (OSError, IndexError, ValueError):
-            pass
-    return t, user + nice + system + sum(rest), ours
+            each[pid] = 0
+    return t, user + nice + system + sum(rest), sum(each.values()), each
 
 
-def other_cores(before: tuple[float, int, int], after: tuple[float, int, int]) -> float:
+def other_cores(before: tuple, after: tuple) -> float:
     """Cores' worth of CPU the host spent on other work between two _cpu readings: what the machine's other
     users took from the job's node processes."""
     wall = after[0] - before[0]
