@@ -145,7 +145,7 @@ def _profile(tmp: str, steps: int, log) -> tuple[dict, dict]:
     cfg = local_config(1, 1, {"model": {"path": "demo", "dtype": "float32"}, "layout": {"overlap": False}})
     path = Path(tmp, "profile.yaml")
     path.write_text(cfg.to_yaml())
-    m, costs = profile(str(path), (4, 8, 16), context=32, steps=steps, repeats=1, link_repeats=10, log=log)
+    m, costs = profile(str(path), (4, 8, 16), context=32, steps=steps, repeats=3, link_repeats=10, log=log)
     outside = fit([float(s.batch) for s in m.steps], [max(0.0, s.step - s.execute) for s in m.steps])
     return json.loads(costs.to_json()), dataclasses.asdict(outside)
 
