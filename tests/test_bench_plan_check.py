@@ -110,3 +110,12 @@ def test_a_token_bucket_under_its_rate_delays_nothing():
     slow = _shaped(sc, pred, 1e3, tbf)  # 1 kB/s: the traffic exceeds the rate
     assert slow is not None and slow.costs.link.bandwidth == 1e3
     assert _shaped(sc, pred, 25e6, "netem rate 200mbit").costs.link.bandwidth == 25e6  # netem: every message
+
+
+def test_other_work_is_the_hosts_busy_time_less_the_jobs(monkeypatch):
+    monkeypatch.setattr(plan_check.os, "sysconf", lambda name: 100)  # 100 jiffies a second
+    # 2 s: the host was busy 300 jiffies, 100 of them the job's -> 200 / 100 / 2 = 1 core of other work
+    assert plan_check.other_cores((0.0, 1000, 50, {}), (2.0, 1300, 150, {})) == pytest.approx(1.0)
+    assert plan_check.other_cores((0.0, 1000, 50, {}), (2.0, 1100, 150, {})) == 0.0  # never negative
+    now = plan_check._cpu([plan_check.os.getpid()])
+    assert now[2] == sum(now[3].values()) and now[1] >= now[2]
