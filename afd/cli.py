@@ -229,12 +229,26 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     _add_check_config(sub)
     _add_status(sub)
     _add_drain(sub)
-    from afd.bench import dispatch, graph, mtp, paged, quant, serve, step, suite, tp
+    from afd.bench import dispatch, graph, mtp, paged, plan_check, quant, serve, step, suite, tp
     from afd.cluster import launch, rebalance_cli
     from afd.cluster import serve as serve_model
     from afd.observability import prometheus_config
 
-    for module in (serve_model, launch, prometheus_config, serve, step, suite, tp, graph, mtp, paged, quant, dispatch):
+    for module in (
+        serve_model,
+        launch,
+        prometheus_config,
+        serve,
+        step,
+        suite,
+        tp,
+        graph,
+        mtp,
+        paged,
+        quant,
+        dispatch,
+        plan_check,
+    ):
         module.add_parser(sub)
     rebalance_cli.add_parser(sub)
     from afd.plan import commands as plan_commands

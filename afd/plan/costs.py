@@ -96,6 +96,10 @@ class CostModel:
     attention_tp: int = 1
     """Ranks one attention node's heads were split over where the attention-side costs were measured or derived:
     they hold only at that TP (`afd plan` searches no other with a profile)."""
+    host_cores: int = 0
+    """CPU cores of the one host every node process of a plan on these costs shares (a CPU profile's machine:
+    its plans run there, afd.plan.commands writes them for one host); 0: each node has a device of its own.
+    The simulator then runs every compute task on one of these cores as well as on its node."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -118,4 +122,5 @@ class CostModel:
             Link(**d["link"]),
             tuple(d.get("notes", ())),
             int(d.get("attention_tp", 1)),  # a cost model written before the field: TP 1
+            int(d.get("host_cores", 0)),
         )

@@ -67,21 +67,47 @@ class StepPrediction:
 
 
 class Timeline:
-    """Resources that each run one task at a time, in the order the tasks are given."""
+    """Resources that each run one task at a time, in the order the tasks are given; with `cores`, compute
+    tasks also need one of that many host cores (CostModel.host_cores: node processes sharing one CPU)."""
 
-    def __init__(self):
+    def __init__(self, cores: int = 0):
         self.free: dict = defaultdict(float)
         self.busy: dict = defaultdict(float)
         self.idle: dict = defaultdict(float)
         """Time each resource stood waiting for a task's inputs while it had nothing else to do."""
+        self.queued: dict = defaultdict(float)
+        """Time each resource's tasks were ready but waited for a host core (not for their inputs)."""
+        self.cores: list[list[tuple[float, float]]] = [[] for _ in range(cores)]
+        """Per host core, its busy intervals, in time order."""
 
-    def run(self, resource, ready: float, duration: float) -> float:
-        """Runs a task of `duration` on `resource` once `ready`; returns its end."""
+    def run(self, resource, ready: float, duration: float, core: bool = False) -> float:
+        """Runs a task of `duration` on `resource` once `ready` (and, for a compute task with host cores, once
+        a core has a gap that long: the earliest, so a task issued late may still take an early gap); returns
+        its end."""
         start = max(ready, self.free[resource])
         self.idle[resource] += start - self.free[resource]
+        if core and self.cores and duration > 0:
+            slot = self._core_slot(start, duration)
+            self.queued[resource] += slot - start
+            start = slot
         self.free[resource] = start + duration
         self.busy[resource] += duration
         return start + duration
+
+    def _core_slot(self, t: float, d: float) -> float:
+        best, best_core, best_at = float("inf"), 0, 0
+        for c, spans in enumerate(self.cores):
+            at, i = t, 0
+            while i < len(spans) and spans[i][1] <= at:  # spans ending before t cannot be in the way
+                i += 1
+            j = i
+            while j < len(spans) and spans[j][0] < at + d:  # overlaps [at, at + d): start after it
+                at = max(at, spans[j][1])
+                j += 1
+            if at < best:
+                best, best_core, best_at = at, c, j
+        self.cores[best_core].insert(best_at, (best, best + d))
+        return best
 
 
 def program(scenario: Scenario) -> list[tuple[str, int, int]]:
@@ -120,6 +146,8 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
     rows = [[scenario.ffn_rows(i, f) for i in range(M)] for f in range(F)]  # [F][M]
     msgs = [[scenario.messages(i, f) for i in range(M)] for f in range(F)]  # [F][M]
     alike = all(rows[f] == rows[0] and msgs[f] == msgs[0] for f in range(F))
+    shared = 0 < c.host_cores < lay.attention_ranks + F  # more node processes than the host's cores
+    explicit = explicit or bool(shared)  # the nodes then slow each other: no one of them stands for all
     ranks = range(lay.attention_ranks if explicit else 1)
     nodes = range(F if explicit or not alike else 1)
     attention = {
@@ -129,9 +157,9 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
         "dense": c.dense_layer,
     }
 
-    tl = Timeline()
+    tl = Timeline(c.host_cores if shared else 0)
     for r in ranks:
-        tl.run(("attention", r), 0.0, c.step_overhead(lay.batch))
+        tl.run(("attention", r), 0.0, c.step_overhead(lay.batch), core=True)
     y: dict[tuple[int, int, int], float] = {}
     """(layer, micro-batch, rank) -> when the last FFN node's result has reached the rank."""
     to_ffn = to_attention = 0.0
@@ -140,7 +168,7 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
             for r in ranks:
                 tl.run(("attention", r), y.pop((layer, i, r)), 0.0)
             continue
-        ends = [tl.run(("attention", r), 0.0, attention[kind](lay.tokens(i))) for r in ranks]
+        ends = [tl.run(("attention", r), 0.0, attention[kind](lay.tokens(i)), core=True) for r in ranks]
         if kind != "pre":
             continue
         arrived: defaultdict[int, float] = defaultdict(float)  # FFN node -> when every rank's rows are in
@@ -151,7 +179,7 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
                     t = tl.run(("a2f", r, f), t, c.link(size))
                 arrived[f] = max(arrived[f], t)
         for f in nodes:
-            done = tl.run(("ffn", f), arrived[f], c.moe_layer.ffn(rows[f][i]))
+            done = tl.run(("ffn", f), arrived[f], c.moe_layer.ffn(rows[f][i]), core=True)
             for r in ranks:
                 home = tl.run(("f2a", f, r), done, c.link(msgs[f][i][1]))
                 y[layer, i, r] = max(y.get((layer, i, r), 0.0), home)

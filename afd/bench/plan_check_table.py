@@ -1,0 +1,84 @@
+"""`afd bench-plan`'s table and JSON from its measurements and predictions (pure: no torch, no cluster), so
+that tests can build them from synthetic numbers and `--replay` can re-predict a stored run."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+BAR = 0.20
+"""Issue 30's bar: the predicted decode step within 20 % of the measured one."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration: A attention and F FFN nodes, overlap, m micro-batches, routing, and the
+    emulated link's rate (None: loopback)."""
+
+    attention_nodes: int
+    ffn_nodes: int
+    overlap: bool
+    micro_batches: int
+    routing: str = "ffn"
+    link: str | None = None
+
+    @property
+    def name(self) -> str:
+        m = self.micro_batches
+        mode = "no overlap" if not self.overlap else (f"overlap m={m}" if m == 1 else f"ping-pong m={m}")
+        route = f", routing {self.routing}" if self.ffn_nodes > 1 else ""
+        link = f", link {self.link}" if self.link else ""
+        return f"{self.attention_nodes}A{self.ffn_nodes}F {mode}{route}{link}"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table, in milliseconds: the measured runner step (median over decode steps and rounds)
+    and its wait on the FFN side, beside the simulator's."""
+
+    case: Case
+    measured_ms: float
+    predicted_ms: float
+    wait_measured_ms: float
+    wait_predicted_ms: float
+    rounds: int = 1
+    bottleneck: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted_ms / self.measured_ms if self.measured_ms else float("nan")
+
+    @property
+    def within_bar(self) -> bool:
+        return abs(self.ratio - 1.0) <= BAR
+
+
+def table(rows: list[Row]) -> str:
+    """The markdown table the report prints and docs/benchmarks.md holds."""
+    out = [
+        "| config | measured step (ms) | predicted (ms) | predicted / measured | attention wait measured / "
+        "predicted (ms) | bottleneck (predicted) | within 20 % |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.case.name} | {r.measured_ms:.2f} | {r.predicted_ms:.2f} | {r.ratio:.2f} | "
+            f"{r.wait_measured_ms:.2f} / {r.wait_predicted_ms:.2f} | {r.bottleneck or '-'} | "
+            f"{'yes' if r.within_bar else 'no'} |"
+        )
+    hits = sum(r.within_bar for r in rows)
+    out.append(f"\n{hits} of {len(rows)} configurations within {BAR:.0%}.")
+    return "\n".join(out)
+
+
+def to_json(rows: list[Row], setting: dict) -> dict:
+    """What docs/bench/plan_check.json holds: the setting (weights, batch, machine) and one dict per row."""
+    return {
+        "setting": setting,
+        "rows": [asdict(r) | {"name": r.case.name, "ratio": r.ratio, "within_bar": r.within_bar} for r in rows],
+    }
+
+
+def rows_from_json(doc: dict) -> list[Row]:
+    """The rows of a to_json document (the predictions as they were stored)."""
+    keep = ("measured_ms", "predicted_ms", "wait_measured_ms", "wait_predicted_ms", "rounds", "bottleneck")
+    return [Row(Case(**r["case"]), **{k: r[k] for k in keep}) for r in doc["rows"]]
