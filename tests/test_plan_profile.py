@@ -5,6 +5,7 @@ at 1A1F (the attention side timed inside the attention node)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +56,24 @@ def test_fits_recover_synthetic_lines():
     assert model.source == "profile x.yaml" and any("context 64" in n for n in model.notes)
 
 
+def test_submit_is_the_exchange_piece_per_routing():
+    """With the cluster, each MoE layer's submit (the node's `moe` piece, less its share of the wait without
+    overlap) is fitted under routing ffn, and under routing attention from the second run."""
+    m = _synthetic()
+    assert cost_model(m).submit(8) == 0.0  # in process the exchange is a call: nothing is posted
+    steps = [dataclasses.replace(s, moe=5e-6 * s.batch + 100e-6, wait=4 * 1e-3) for s in m.steps]
+    routed = [dataclasses.replace(s, moe=9e-6 * s.batch + 300e-6) for s in m.steps]
+    cluster = [{"batch": s.batch, "step": s.step, "wait_fraction": 0.0} for s in m.steps]
+    on = dataclasses.replace(m, steps=steps, dispatch_steps=routed, cluster=cluster)
+    model = cost_model(on)
+    assert model.submit.slope == pytest.approx(5e-6) and model.submit.intercept == pytest.approx(100e-6)
+    assert model.submit_dispatch.slope == pytest.approx(9e-6) and model.submit_dispatch.intercept == pytest.approx(
+        300e-6
+    )
+    held = [dataclasses.replace(s, moe=s.moe + 1e-3) for s in steps]  # without overlap: + the step's wait / 4 layers
+    assert cost_model(dataclasses.replace(on, steps=held, overlap=False)).submit.intercept == pytest.approx(100e-6)
+
+
 def test_json_round_trips_with_measurements():
     m = _synthetic()
     model = cost_model(m)
@@ -64,7 +83,7 @@ def test_json_round_trips_with_measurements():
     assert [s["batch"] for s in d["measurements"]["steps"]] == [1, 2, 4, 8, 16, 32]
     assert d["measurements"]["link"][0] == {"nbytes": 64, "seconds": pytest.approx(50e-6 + 64 / 4e9), "fastest": 0.0}
     lines = table(model).splitlines()
-    assert len(lines) == 2 + 6 + 1 and "link" in lines[-1] and "4.00 GB/s" in lines[-1]
+    assert len(lines) == 2 + 8 + 1 and "link" in lines[-1] and "4.00 GB/s" in lines[-1]
     assert len(steps_table(m, model).splitlines()) == 2 + 6
     checked = Measurements(**{**m.__dict__, "cluster": [{"batch": 1, "step": 2e-3, "wait_fraction": 0.25}]})
     rows = steps_table(checked, model).splitlines()
@@ -260,6 +279,7 @@ def test_profile_demo(tmp_path):
     assert all(0 < s.fastest <= s.seconds for s in m.link)
     assert all(s.pre > 0 and s.window > 0 and s.moe > 0 and s.execute > 0 for s in m.steps) and m.cluster == []
     assert m.moe_layers == 4 and m.bytes_per_token == (256 * 4, 256 * 4)  # the demo: hidden 256, float32
+    assert model.host_cores == 0 and model.message_cpu == 0.0 and model.submit(4) == 0.0  # nothing crossed
     out = tmp_path / "profile.json"
     out.write_text(profile_json(model, m))
     assert CostModel.from_json(out.read_text()) == model
@@ -286,3 +306,8 @@ def test_profile_demo_1a1f_cluster_check():
     assert model.moe_layer.ffn.points == 3 and any("FFN node's compute" in n for n in model.notes)
     assert all(math.isfinite(predicted_cluster_step(m, s, model, c["ffn_rows"])) for s, c in zip(m.steps, m.cluster))
     assert "attention node 0" in steps_table(m, model).splitlines()[0]
+    # routing attention measured too: its submit routes and groups, so it costs at least the plain one's posts
+    assert [s.batch for s in m.dispatch_steps] == [1, 2, 4] and model.submit_dispatch.points == 3
+    assert model.submit_dispatch(4) > 0 and model.submit(4) > 0
+    # every node ran on this CPU: the host's cores and the messages' CPU beyond the model (0 or more)
+    assert model.host_cores >= 1 and all(c["cpu_per_step"] > 0 for c in m.cluster) and model.message_cpu >= 0

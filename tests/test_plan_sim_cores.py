@@ -4,13 +4,15 @@ process on one host, so more processes than cores slow each other. Pure Python, 
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 
-from afd.plan.costs import CostModel
+from afd.plan.costs import CostModel, LayerCosts, Linear
+from afd.plan.profile_fit import message_cpu
 from afd.plan.shape import Layout
 from afd.plan.simulate import Timeline
-from tests.test_plan_simulate import costs, run
+from tests.test_plan_simulate import SHAPE, costs, run
 
 
 def with_cores(c: CostModel, n: int) -> CostModel:
@@ -20,7 +22,8 @@ def with_cores(c: CostModel, n: int) -> CostModel:
 def test_enough_cores_change_nothing():
     c = costs(window=(2e-6, 3e-4), overhead=(1e-6, 2e-3))
     for lay in (Layout(1, 1, 8, overlap=False), Layout(2, 1, 8, micro_batches=2), Layout(1, 2, 8)):
-        assert run(lay, with_cores(c, 3)) == run(lay, c)  # 3 processes, 3 cores
+        shared = dataclasses.replace(run(lay, with_cores(c, 3)), host_cpu=0.0, host_cores=0)
+        assert shared == run(lay, c)  # 3 processes, 3 cores, no message CPU: the timeline is the bound
 
 
 def test_one_core_serializes_every_compute_task():
@@ -53,3 +56,35 @@ def test_host_cores_round_trip_json_and_default():
     c = with_cores(costs(), 2)
     assert CostModel.from_json(c.to_json()).host_cores == 2
     assert CostModel.from_json(costs().to_json()).host_cores == 0
+    c = dataclasses.replace(c, message_cpu=1e-4)
+    assert CostModel.from_json(c.to_json()).message_cpu == 1e-4
+
+
+def test_the_hosts_cpu_bounds_the_step():
+    """Every process's CPU of a step must come from the host's cores: compute (attention ranks, FFN nodes) plus
+    the messages' CPU, one message each way per MoE layer, micro-batch and (rank, node) pair."""
+    c = costs(window=(2e-6, 3e-4))
+    lay = Layout(1, 2, 8, overlap=True, micro_batches=2)
+    free = run(lay, with_cores(c, 3))
+    moe = len(SHAPE.moe_layers)
+    assert free.host_cpu == pytest.approx(free.attention_busy + 2 * free.ffn_busy)
+    busy = run(lay, with_cores(dataclasses.replace(c, message_cpu=1e-3), 3))
+    messages = moe * 2 * 2 * 2  # layers x micro-batches x FFN nodes x both ways
+    assert busy.host_cpu == pytest.approx(free.host_cpu + messages * 1e-3)
+    assert busy.step_time == pytest.approx(busy.host_cpu / 3) and busy.step_time > free.step_time
+    assert busy.bottleneck == "host CPU"
+    device = run(lay, dataclasses.replace(c, message_cpu=1e-3))  # no shared host: the messages' CPU is free
+    assert device.host_cpu == 0.0 and device.step_time == free.step_time
+
+
+def test_message_cpu_is_what_the_processes_spent_beyond_the_model():
+    """afd profile's measure: CPU per step less what the cost model charges, over the step's messages."""
+    layer = LayerCosts(Linear(0.0, 1e-3), Linear(0.0, 2e-3), Linear(0.0, 0.0))
+    overhead = Linear(0.0, 1e-3)
+    charged = 1e-3 + 2 * 3e-3 + 2 * 0.5e-3  # overhead, 2 MoE layers of attention, 2 FFN passes
+    cluster = [{"batch": b, "ffn_seconds": 0.5e-3, "cpu_per_step": charged + 4 * x} for b, x in ((4, 1e-4), (8, 2e-4))]
+    cluster.append({"batch": 16, "ffn_seconds": 0.5e-3, "cpu_per_step": charged + 4 * 3e-4})
+    m = types.SimpleNamespace(cluster=cluster, moe_layers=2, dense_layers=0, attention_tp=1)
+    assert message_cpu(m, layer, overhead, Linear(0.0, 0.0)) == pytest.approx(2e-4)  # the median of three
+    m.cluster = [dict(cluster[0], cpu_per_step=charged / 2)]
+    assert message_cpu(m, layer, overhead, Linear(0.0, 0.0)) == 0.0  # never negative

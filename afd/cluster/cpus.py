@@ -63,3 +63,14 @@ def _read(path: Path) -> str | None:
         return path.read_text().strip()
     except OSError:
         return None
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds process `pid` has run, every thread of it, user and system (utime + stime of /proc/PID/stat,
+    https://man7.org/linux/man-pages/man5/proc_pid_stat.5.html); 0.0 once it is gone or off Linux."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0

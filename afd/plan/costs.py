@@ -96,10 +96,22 @@ class CostModel:
     attention_tp: int = 1
     """Ranks one attention node's heads were split over where the attention-side costs were measured or derived:
     they hold only at that TP (`afd plan` searches no other with a profile)."""
+    submit: Linear = field(default_factory=lambda: Linear(0.0, 0.0))
+    """Attention-side time to submit one micro-batch's exchange under routing `ffn` (x = tokens): posting its
+    sends and receives, after attn_pre. A roofline counts it in the kernels' launches (0 here)."""
+    submit_dispatch: Linear = field(default_factory=lambda: Linear(0.0, 0.0))
+    """The same under routing `attention`, where the submit also routes the tokens and groups them by FFN node
+    (afd.dataplane.dispatch). A roofline has the router in attn_pre already (0 here)."""
     host_cores: int = 0
     """CPU cores of the one host every node process of a plan on these costs shares (a CPU profile's machine:
     its plans run there, afd.plan.commands writes them for one host); 0: each node has a device of its own.
-    The simulator then runs every compute task on one of these cores as well as on its node."""
+    The simulator then runs every compute task on one of these cores as well as on its node, and holds the step
+    to the host's CPU: at least every process's CPU of the step over these cores."""
+    message_cpu: float = 0.0
+    """Host CPU seconds one message (either way between an attention rank and an FFN node) costs its two node
+    processes outside every timed piece and the FFN compute: the submit, the transport's threads, the receive's
+    handling. `afd profile` measures it from the node processes' CPU time; it counts only under `host_cores`
+    (on a device the host's CPU is not what the step waits for)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -122,5 +134,8 @@ class CostModel:
             Link(**d["link"]),
             tuple(d.get("notes", ())),
             int(d.get("attention_tp", 1)),  # a cost model written before the field: TP 1
+            lin(d["submit"]) if "submit" in d else Linear(0.0, 0.0),  # a cost model written before the field
+            lin(d["submit_dispatch"]) if "submit_dispatch" in d else Linear(0.0, 0.0),
             int(d.get("host_cores", 0)),
+            float(d.get("message_cpu", 0.0)),
         )

@@ -79,6 +79,14 @@ def _link_host(config) -> tuple[str, tuple[str, ...]]:
     return "127.0.0.1", (f"link measured on loopback here, not on {host}",)
 
 
+def _host_cores(config) -> int:
+    """This machine's usable CPUs when every node of the YAML runs on its CPU (the cluster the profile starts
+    runs here); 0 when any has a device."""
+    from afd.cluster.cpus import usable_cpus
+
+    return usable_cpus() if all(n.device_type == "cpu" for n in config.nodes) else 0
+
+
 def profile(
     path: str,
     batch_sizes=DEFAULT_BATCH_SIZES,
@@ -105,11 +113,17 @@ def profile(
     tp = config.layout.attention_tp
     host, notes = _link_host(config)
     checked: list[dict] = []
+    dispatch: list = []
     if cluster:
         from afd.plan.profile_check import cluster_steps
 
-        medians, checked = cluster_steps(llm.config.model, config, batch_sizes, context, steps, repeats, log)
-        notes += (f"attention side: timed in attention node 0 of the cluster at 1A1F, attention_tp {tp}",)
+        model = llm.config.model
+        medians, checked = cluster_steps(model, config, batch_sizes, context, steps, repeats, log)
+        dispatch, _ = cluster_steps(model, config, batch_sizes, context, steps, repeats, log, routing="attention")
+        notes += (
+            f"attention side: timed in attention node 0 of the cluster at 1A1F, attention_tp {tp}, routing ffn "
+            "(submit_dispatch: routing attention)",
+        )
     else:
         rounds: dict[int, list] = {b: [] for b in batch_sizes}
         for r in range(repeats):
@@ -140,6 +154,9 @@ def profile(
         (wire["to_ffn"], wire["to_attention"]),
         config.layout.overlap,
         tp,
+        cfg.num_layers - len(cfg.moe_layers),
+        _host_cores(config) if cluster else 0,
+        dispatch,
     )
     return m, cost_model(m)
 

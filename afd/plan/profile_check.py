@@ -9,7 +9,9 @@ attention TP and one micro-batch. Per batch size it measures
   per-layer counters (afd_ffn_layer_compute_seconds_total{layer}, afd_expert_tokens_total, afd_ffn_tokens_total
   on its /metrics, served as LocalClusterSpec.ffn_metrics asks) read before and after a job of one-token
   prompts: every forward step of that job, the prefill included, is a pass of exactly `batch` rows, so no
-  prefill has to be subtracted (the FFN half's cost does not depend on the context).
+  prefill has to be subtracted (the FFN half's cost does not depend on the context);
+- over that same job, the CPU time of every node process (/proc): what the node processes spend per step
+  beyond the pieces and the compute is the messages' CPU (afd.plan.profile_fit.message_cpu).
 
 The nodes are started once and take an untimed warm-up job, then two jobs per batch size and round, the
 batch sizes swept in alternating order (machine drift hits all alike).
@@ -42,13 +44,16 @@ def ffn_counters(text: str) -> dict[str, float]:
 
 
 def cluster_steps(
-    model, config, batch_sizes, context: int, steps: int, repeats: int = 1, log=print
+    model, config, batch_sizes, context: int, steps: int, repeats: int = 1, log=print, routing: str = "ffn"
 ) -> tuple[list, list[dict]]:
-    """(the node's median StepSample per batch size, [{batch, step, wait_fraction, ffn_seconds, ffn_rows}] per
-    batch size): attention node 0's pieces per layer and decode step (after 2 warm-up steps) over `steps`
-    steps x `repeats` runs, the runner's median step, the share of it spent waiting on the FFN node; the FFN
-    node's compute seconds and routed rows per MoE layer pass. model: an afd.LLM's resolved model section
-    (its path resolved, its dtype the checkpoint's); config: the YAML's ClusterConfig (layout, block size)."""
+    """(the node's median StepSample per batch size, [{batch, step, wait_fraction, ffn_seconds, ffn_rows,
+    cpu_per_step}] per batch size): attention node 0's pieces per layer and decode step (after 2 warm-up
+    steps) over `steps` steps x `repeats` runs, the runner's median step, the share of it spent waiting on the
+    FFN node; the FFN node's compute seconds and routed rows per MoE layer pass; every node process's CPU per
+    step. model: an afd.LLM's resolved model section (its path resolved, its dtype the checkpoint's); config:
+    the YAML's ClusterConfig (layout, block size); routing: the cluster's (the YAML's is not used: the profile
+    measures each)."""
+    from afd.cluster.cpus import process_cpu_seconds
     from afd.cluster.local import LocalCluster
     from afd.cluster.local_spec import LocalClusterSpec
     from afd.model.registry import load_config
@@ -66,7 +71,7 @@ def cluster_steps(
         overlap=lay.overlap,
         micro_batches=1,
         exchange_dtype=lay.exchange_dtype,
-        routing=lay.routing,
+        routing=routing,
         block_size=config.engine.block_size,
         attention_tp=lay.attention_tp,
         tp_comm=lay.tp_comm,
@@ -79,14 +84,17 @@ def cluster_steps(
     vocab, moe = cfg.vocab_size, len(cfg.moe_layers)
     samples: dict[int, list] = {b: [] for b in batch_sizes}
     decode: dict[int, list[dict]] = {b: [] for b in batch_sizes}
-    ffn: dict[int, dict[str, float]] = {b: {"compute": 0.0, "tokens": 0.0, "rows": 0.0} for b in batch_sizes}
+    ffn: dict[int, dict[str, float]] = {
+        b: dict.fromkeys(("compute", "tokens", "rows", "cpu"), 0.0) for b in batch_sizes
+    }
     with LocalCluster(spec) as cluster:
         cluster.start()
         (url,) = cluster.metrics_urls.values()
+        pids = [cluster.process(n).pid for n in cluster.processes.procs]
 
         def scrape() -> dict[str, float]:
             with urllib.request.urlopen(url, timeout=10) as r:
-                return ffn_counters(r.read().decode())
+                return ffn_counters(r.read().decode()) | {"cpu": sum(process_cpu_seconds(p) for p in pids)}
 
         # untimed: the nodes' first job pays for their first-use costs (allocator, lazy inits)
         cluster.generate(synthetic_prompts(max(batch_sizes), context, vocab, offset=40_000), 4, ignore_eos=True)
@@ -102,7 +110,9 @@ def cluster_steps(
                 after = scrape()
                 for k in after:
                     ffn[b][k] += after[k] - before[k]
-                log(f"cluster 1A1F round {r + 1}/{repeats} batch {b}: {time.perf_counter() - t0:.1f}s")
+                log(
+                    f"cluster 1A1F routing {routing} round {r + 1}/{repeats} batch {b}: {time.perf_counter() - t0:.1f}s"
+                )
         cluster.close()
     out = []
     for b in batch_sizes:
@@ -115,6 +125,8 @@ def cluster_steps(
                 "wait_fraction": sum(s["ffn_wait"] for s in decode[b]) / total if total else 0.0,
                 "ffn_seconds": ffn[b]["compute"] / passes if passes else 0.0,
                 "ffn_rows": ffn[b]["rows"] / passes if passes else 0.0,
+                # every node process's CPU per forward step of that job (a step is `moe` layer passes)
+                "cpu_per_step": ffn[b]["cpu"] * moe / passes if passes else 0.0,
             }
         )
     return [median_sample(samples[b]) for b in batch_sizes], out

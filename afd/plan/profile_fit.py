@@ -39,6 +39,13 @@ class Measurements:
     """The YAML's layout.overlap, which the cluster ran with."""
     attention_tp: int = 1
     """The attention TP the attention side was measured at (the YAML's with the cluster; 1 in process)."""
+    dense_layers: int = 0
+    host_cores: int = 0
+    """The CPUs every node process shared where the cluster ran on this machine's CPU (usable_cpus); 0 on
+    devices or in process."""
+    dispatch_steps: list[StepSample] = field(default_factory=list)
+    """With the cluster: attention node 0's median StepSample per batch size under routing attention (`steps`
+    are under routing ffn), for CostModel.submit_dispatch."""
 
 
 def _fit_or_zero(xs: list[float], ts: list[float]) -> Linear:
@@ -74,6 +81,10 @@ def cost_model(m: Measurements) -> CostModel:
         ffn=ffn,
     )
     link = fit_link(m.link)
+    submit, submit_dispatch = _submit(b, m.steps, m), Linear(0.0, 0.0)
+    if m.dispatch_steps:
+        submit_dispatch = _submit([float(s.batch) for s in m.dispatch_steps], m.dispatch_steps, m)
+    dense, step_overhead = _fit_or_zero(b, [s.dense for s in m.steps]), fit(b, [s.overhead for s in m.steps])
     notes = [
         f"context {m.context} tokens per sequence; batch sizes {sorted({s.batch for s in m.steps})}",
         f"ffn: {where}",
@@ -91,12 +102,43 @@ def cost_model(m: Measurements) -> CostModel:
         model=m.model,
         dtype=m.dtype,
         moe_layer=layer,
-        dense_layer=_fit_or_zero(b, [s.dense for s in m.steps]),
-        step_overhead=fit(b, [s.overhead for s in m.steps]),
+        dense_layer=dense,
+        step_overhead=step_overhead,
         link=link,
         notes=(*notes, *m.notes),
         attention_tp=m.attention_tp,
+        submit=submit if m.cluster else Linear(0.0, 0.0),  # in process the exchange is a call: nothing posted
+        submit_dispatch=submit_dispatch,
+        host_cores=m.host_cores,
+        message_cpu=message_cpu(m, layer, step_overhead, dense, submit) if m.host_cores else 0.0,
     )
+
+
+def _submit(b: list[float], steps: list[StepSample], m: Measurements) -> Linear:
+    """The exchange's submit per MoE layer against tokens: the node's `moe` piece, less the step's wait over
+    its MoE layers where the piece holds it (without overlap)."""
+    held = 0.0 if m.overlap or not m.moe_layers else 1.0 / m.moe_layers
+    return _fit_or_zero(b, [max(0.0, s.moe - held * s.wait) for s in steps])
+
+
+def message_cpu(m, layer: LayerCosts, step_overhead: Linear, dense: Linear, submit: Linear = Linear(0.0, 0.0)) -> float:
+    """CPU seconds per message the node processes spent beyond what the cost model charges them: per batch size,
+    every process's CPU per step (the cluster's one-token job) less the attention ranks' modelled busy time
+    and the FFN node's compute, over the step's messages (one each way per MoE layer and attention rank at
+    1A1F, one micro-batch); the median over batch sizes, at least 0."""
+    per_batch = []
+    for c in m.cluster:
+        b, tp = c["batch"], m.attention_tp
+        if not c.get("cpu_per_step") or not m.moe_layers:
+            continue
+        attention = (
+            step_overhead(b)
+            + m.moe_layers * (layer.attn_pre(b) + layer.attn_window(b) + layer.attn_post(b))
+            + m.dense_layers * dense(b)
+        )
+        charged = tp * attention + m.moe_layers * c["ffn_seconds"]
+        per_batch.append(max(0.0, c["cpu_per_step"] - charged) / (2 * m.moe_layers * tp))
+    return sorted(per_batch)[len(per_batch) // 2] if per_batch else 0.0
 
 
 def profile_json(model: CostModel, m: Measurements) -> str:
@@ -112,6 +154,7 @@ def profile_json(model: CostModel, m: Measurements) -> str:
         "moe_layers": m.moe_layers,
         "bytes_per_token": list(m.bytes_per_token),
         "overlap": m.overlap,
+        "dispatch_steps": [asdict(s) for s in m.dispatch_steps],
     }
     return json.dumps(d, indent=2)
 
@@ -120,6 +163,8 @@ def table(model: CostModel) -> str:
     """The fits, one line each: slope, intercept, worst relative error, points."""
     rows = [
         ("attn_pre (per token)", model.moe_layer.attn_pre),
+        ("submit, routing ffn (per token)", model.submit),
+        ("submit, routing attention (per token)", model.submit_dispatch),
         ("attn_window (per token)", model.moe_layer.attn_window),
         ("attn_post (per token)", model.moe_layer.attn_post),
         ("ffn (per token-expert row)", model.moe_layer.ffn),
@@ -134,6 +179,10 @@ def table(model: CostModel) -> str:
         f"| link | {1e6 / link.bandwidth:.6f} us/B ({link.bandwidth / 1e9:.2f} GB/s) | {1e6 * link.latency:.1f} "
         f"| {100 * link.rel_err:.1f}% | - |"
     )
+    if model.host_cores:
+        out.append(
+            f"| message CPU (per message, {model.host_cores} host cores) | - | {1e6 * model.message_cpu:.1f} | - | - |"
+        )
     return "\n".join(out)
 
 

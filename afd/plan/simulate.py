@@ -9,14 +9,15 @@ pass over the tasks in that order (list scheduling) is the whole simulation. Per
     attention rank   attn_pre ─ send ──▶ link a→f ─▶ FFN node (once every rank's rows are in) ─▶ link f→a
                      ... attn_window (other micro-batches' work) ... wait for y ─ attn_post
 
-in afd.engine.runner's order: `for l: for i: finish(l-1, i); start(l, i)`, with start = attn_pre + send
-(+ the wait, without overlap) and finish = attn_window + wait + attn_post. A dense layer is one
+in afd.engine.runner's order: `for l: for i: finish(l-1, i); start(l, i)`, with start = attn_pre + submit
+(the send; + the wait, without overlap) and finish = attn_window + wait + attn_post. A dense layer is one
 attention-side task. Times come from the CostModel (afd.plan.costs), sizes from afd.plan.scenario.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from afd.plan.scenario import Scenario
@@ -42,6 +43,10 @@ class StepPrediction:
     """Tokens the step produces: one per sequence on every attention node."""
     devices: int
     """Attention ranks plus FFN nodes."""
+    host_cpu: float = 0.0
+    """With CostModel.host_cores: the CPU seconds every node process of the step takes together (their compute
+    and the messages' CPU), which the host's cores must supply within the step; 0 without a shared host."""
+    host_cores: int = 0
 
     @property
     def tpot(self) -> float:
@@ -54,6 +59,8 @@ class StepPrediction:
     @property
     def bottleneck(self) -> str:
         """The resource kind with the most busy time: what a faster one of would shorten the step most."""
+        if self.host_cores and self.host_cpu / self.host_cores >= self.step_time * (1 - 1e-9):
+            return "host CPU"  # the cores are busy the whole step: no one node's speed-up would shorten it
         busy = {"attention": self.attention_busy, "ffn": self.ffn_busy, "link": self.link_busy}
         return max(busy, key=busy.__getitem__)
 
@@ -150,8 +157,9 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
     explicit = explicit or bool(shared)  # the nodes then slow each other: no one of them stands for all
     ranks = range(lay.attention_ranks if explicit else 1)
     nodes = range(F if explicit or not alike else 1)
-    attention = {
-        "pre": c.moe_layer.attn_pre,
+    submit = c.submit_dispatch if lay.routing == "attention" else c.submit
+    attention: dict[str, Callable[[float], float]] = {
+        "pre": lambda t: c.moe_layer.attn_pre(t) + submit(t),
         "window": c.moe_layer.attn_window,
         "post": c.moe_layer.attn_post,
         "dense": c.dense_layer,
@@ -189,8 +197,13 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
     def most(kind: str, what: dict) -> float:
         return max((v for k, v in what.items() if k[0] == kind), default=0.0)
 
+    step = max(tl.free.values())
+    host_cpu = 0.0
+    if c.host_cores:
+        host_cpu = host_demand(scenario, most("attention", tl.busy), [tl.busy["ffn", f] for f in nodes], msgs)
+        step = max(step, host_cpu / c.host_cores)
     return StepPrediction(
-        step_time=max(tl.free.values()),
+        step_time=step,
         attention_busy=most("attention", tl.busy),
         attention_wait=most("attention", tl.idle),
         ffn_busy=most("ffn", tl.busy),
@@ -199,4 +212,18 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
         bytes_to_attention=to_attention * lay.attention_ranks,
         tokens=lay.attention_nodes * lay.batch,
         devices=lay.devices,
+        host_cpu=host_cpu,
+        host_cores=c.host_cores,
     )
+
+
+def host_demand(scenario: Scenario, attention_busy: float, ffn_busy: list[float], msgs: list) -> float:
+    """CPU seconds a step takes from a shared host: every attention rank's compute (each as busy as the busiest:
+    they run alike), every FFN node's (those simulated; one stands for all when they are alike), and every
+    message's CPU (CostModel.message_cpu) over the MoE layers, micro-batches and (rank, node) pairs."""
+    lay, c = scenario.layout, scenario.costs
+    F = lay.ffn_nodes
+    ffn = sum(ffn_busy) * F / len(ffn_busy) if ffn_busy else 0.0
+    per_rank = sum(len(msgs[f][i][0]) + 1 for f in range(F) for i in range(lay.micro_batches))  # to it and back
+    messages = per_rank * len(scenario.shape.moe_layers) * lay.attention_ranks
+    return lay.attention_ranks * attention_busy + ffn + messages * c.message_cpu
