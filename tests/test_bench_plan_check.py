@@ -80,6 +80,28 @@ def test_replay_predicts_each_stored_run_from_the_stored_profile(tmp_path, capsy
     assert "configurations within 20%" in capsys.readouterr().out
 
 
+def test_each_round_is_predicted_from_its_own_profile():
+    """A round profiled on a slow spell predicts that round's slow runs: the ratio is each round's own,
+    its median the row's."""
+    from afd.bench.plan_check_predict import rows_of
+
+    fast, slow = costs(window=(2e-6, 3e-4)), costs(window=(4e-6, 6e-4), pre=(2e-5, 1e-3))
+    case = Case(1, 1, False, 1)
+    run = _stored(case, 0.01, 0.002)
+    run["rounds"][1] = dict(run["rounds"][1], steps=[[0.02, 0.002]] * 3)  # round 2 ran twice as slow
+    outside = {"slope": 0.0, "intercept": 0.0}
+    doc = {
+        "setting": {"batch": 8, "host_cores": 0},
+        "profiles": [{"profile": json.loads(c.to_json()), "outside_runner": outside} for c in (fast, slow)],
+        "runs": [run],
+    }
+    (row,) = rows_of(doc)
+    pred = [rows_of({**doc, "profiles": [p]})[0].predicted_ms for p in doc["profiles"]]
+    assert pred[1] > pred[0]
+    assert row.ratio == pytest.approx((pred[0] / 10.0 + pred[1] / 20.0) / 2)  # the median of two: their mean
+    assert row.measured_ms == pytest.approx(15.0)
+
+
 def test_count_flags_are_checked():
     p = argparse.ArgumentParser()
     plan_check.add_parser(p.add_subparsers())
@@ -112,10 +134,9 @@ def test_a_token_bucket_under_its_rate_delays_nothing():
     assert _shaped(sc, pred, 25e6, "netem rate 200mbit").costs.link.bandwidth == 25e6  # netem: every message
 
 
-def test_other_work_is_the_hosts_busy_time_less_the_jobs(monkeypatch):
-    monkeypatch.setattr(plan_check.os, "sysconf", lambda name: 100)  # 100 jiffies a second
-    # 2 s: the host was busy 300 jiffies, 100 of them the job's -> 200 / 100 / 2 = 1 core of other work
-    assert plan_check.other_cores((0.0, 1000, 50, {}), (2.0, 1300, 150, {})) == pytest.approx(1.0)
-    assert plan_check.other_cores((0.0, 1000, 50, {}), (2.0, 1100, 150, {})) == 0.0  # never negative
+def test_other_work_is_the_hosts_busy_time_less_the_jobs():
+    # 2 s: the host was busy 3 s of CPU, 1 s of it the job's -> 2 / 2 = 1 core of other work
+    assert plan_check.other_cores((0.0, 10.0, 0.5, {}), (2.0, 13.0, 1.5, {})) == pytest.approx(1.0)
+    assert plan_check.other_cores((0.0, 10.0, 0.5, {}), (2.0, 11.0, 1.5, {})) == 0.0  # never negative
     now = plan_check._cpu([plan_check.os.getpid()])
     assert now[2] == sum(now[3].values()) and now[1] >= now[2]

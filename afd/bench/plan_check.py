@@ -27,6 +27,8 @@ from afd.bench.plan_check_predict import rows_of
 from afd.bench.plan_check_table import Case, table, to_json
 
 OUTPUT = "docs/bench/plan_check.json"
+PROFILE = "profile"
+"""The rotation's name for a round's profile."""
 
 
 def cases(link: str | None) -> list[Case]:
@@ -101,8 +103,7 @@ def measure(case: Case, batch: int, prompt_len: int, steps: int, link) -> dict:
         after = _cpu(ours)
         cluster.close()
     forward = len(reports[0]["steps"])  # the prefill's and every decode step's
-    tick = os.sysconf("SC_CLK_TCK")
-    cpu = {n: (after[3][pid] - before[3][pid]) / tick / forward for n, pid in nodes.items()}
+    cpu = {n: (after[3][pid] - before[3][pid]) / forward for n, pid in nodes.items()}
     return {
         "steps": [[s["seconds"], s["ffn_wait"]] for s in _decode(reports[0], batch)],
         "cluster": doc,
@@ -111,21 +112,17 @@ def measure(case: Case, batch: int, prompt_len: int, steps: int, link) -> dict:
     }
 
 
-def _cpu(pids: list[int]) -> tuple[float, int, int, dict[int, int]]:
-    """(now, the host's busy jiffies: every state but idle and iowait, steal included, this job's processes'
-    jiffies, each one's) from /proc (https://man7.org/linux/man-pages/man5/proc_stat.5.html, proc_pid_stat.5)."""
+def _cpu(pids: list[int]) -> tuple[float, float, float, dict[int, float]]:
+    """(now, the host's busy seconds: every state but idle and iowait, steal included, this job's processes'
+    CPU seconds, each one's) from /proc (https://man7.org/linux/man-pages/man5/proc_stat.5.html)."""
+    from afd.cluster.cpus import process_cpu_seconds
+
     t = time.perf_counter()
     with open("/proc/stat") as f:
         user, nice, system, idle, iowait, *rest = (int(x) for x in f.readline().split()[1:9])
-    each = {}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            each[pid] = int(fields[11]) + int(fields[12])  # utime, stime: every thread of the process
-        except (OSError, IndexError, ValueError):
-            each[pid] = 0
-    return t, user + nice + system + sum(rest), sum(each.values()), each
+    each = {pid: process_cpu_seconds(pid) for pid in pids}
+    busy = (user + nice + system + sum(rest)) / os.sysconf("SC_CLK_TCK")
+    return t, busy, sum(each.values()), each
 
 
 def other_cores(before: tuple, after: tuple) -> float:
@@ -133,7 +130,7 @@ def other_cores(before: tuple, after: tuple) -> float:
     users took from the job's node processes."""
     wall = after[0] - before[0]
     busy = (after[1] - before[1]) - (after[2] - before[2])
-    return max(0.0, busy / os.sysconf("SC_CLK_TCK") / wall) if wall > 0 else 0.0
+    return max(0.0, busy / wall) if wall > 0 else 0.0
 
 
 def _profile(tmp: str, steps: int, log) -> tuple[dict, dict]:
@@ -145,7 +142,7 @@ def _profile(tmp: str, steps: int, log) -> tuple[dict, dict]:
     cfg = local_config(1, 1, {"model": {"path": "demo", "dtype": "float32"}, "layout": {"overlap": False}})
     path = Path(tmp, "profile.yaml")
     path.write_text(cfg.to_yaml())
-    m, costs = profile(str(path), (4, 8, 16), context=32, steps=steps, repeats=3, link_repeats=10, log=log)
+    m, costs = profile(str(path), (4, 8, 16), context=32, steps=steps, repeats=1, link_repeats=10, log=log)
     outside = fit([float(s.batch) for s in m.steps], [max(0.0, s.step - s.execute) for s in m.steps])
     return json.loads(costs.to_json()), dataclasses.asdict(outside)
 
@@ -169,7 +166,7 @@ def run(args) -> int:
     for note in s.get("notes", []):
         print(f"note: {note}")
     print(table(rows))
-    out = to_json(rows, s) | {k: doc[k] for k in ("profile", "outside_runner", "runs")}
+    out = to_json(rows, s) | {k: doc[k] for k in ("profile", "outside_runner", "profiles", "runs") if k in doc}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.output}")
@@ -199,16 +196,17 @@ def _measure_all(args, log) -> dict:
         want = {n.strip() for n in args.only.split(";")}
         todo = [c for c in todo if c.name in want]
     with stack, tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        profile, outside = _profile(tmp, args.profile_steps, log)
-        log(f"profile: {time.perf_counter() - t0:.0f}s")
         by_name = {c.name: c for c in todo}
-        got = interleaved(
-            list(by_name),
-            args.repeats,
-            lambda n, r: measure(by_name[n], args.batch_size, args.prompt_len, args.steps, link),
-            log,
-        )
+
+        def one(name: str, r: int):
+            if name == PROFILE:
+                return _profile(tmp, args.profile_steps, log)
+            return measure(by_name[name], args.batch_size, args.prompt_len, args.steps, link)
+
+        # the profile is one more name in the rotation: each round's runs are predicted from that round's
+        # profile, so a slow spell of the shared machine moves both sides of a ratio, not one
+        got = interleaved([PROFILE, *by_name], args.repeats, one, log)
+    profiles = got.pop(PROFILE)
     load = os.getloadavg()
     machine = f"{os.cpu_count()} cores shared with other work (load {load[0]:.1f} / {load[2]:.1f} at the end)"
     setting = {
@@ -222,4 +220,11 @@ def _measure_all(args, log) -> dict:
         "link_qdisc": qdisc,
     }
     runs = [{"case": dataclasses.asdict(by_name[n]), "rounds": rs} for n, rs in got.items()]
-    return {"setting": setting, "profile": profile, "outside_runner": outside, "runs": runs}
+    rounds = [{"profile": p, "outside_runner": o} for p, o in profiles]
+    return {
+        "setting": setting,
+        "profile": profiles[0][0],
+        "outside_runner": profiles[0][1],
+        "profiles": rounds,
+        "runs": runs,
+    }

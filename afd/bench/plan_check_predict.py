@@ -59,26 +59,29 @@ def _sizes(scenario, i: int, f: int) -> list[float]:
 
 
 def rows_of(doc: dict) -> list[Row]:
-    """Predictions for every stored run, from the stored profile, with the current simulator."""
+    """Predictions for every stored run with the current simulator: each round from that round's profile
+    (`profiles`; a run stored before them has one `profile` for every round)."""
     from afd.cluster.link import LinkSpec
     from afd.plan.costs import CostModel, Linear
 
-    costs = CostModel.from_json(json.dumps(doc["profile"]))
+    rounds = doc.get("profiles") or [{"profile": doc["profile"], "outside_runner": doc["outside_runner"]}]
+    models = [(CostModel.from_json(json.dumps(p["profile"])), Linear(**p["outside_runner"])) for p in rounds]
     cores = doc["setting"].get("host_cores", 0)
-    outside = Linear(**doc["outside_runner"])
-    batch = doc["setting"]["batch"]
+    batch, qdisc = doc["setting"]["batch"], doc["setting"].get("link_qdisc", "")
     rows = []
     for r in doc["runs"]:
         case = Case(**r["case"])
         spec = LinkSpec.parse(case.link) if case.link else None
-        preds = [
-            predict(case, rnd, _mine(costs, cores, rnd), outside, batch, spec, doc["setting"].get("link_qdisc", ""))
-            for rnd in r["rounds"]
-        ]
-        secs = [s for rnd in r["rounds"] for s in rnd["steps"]]
-        m_step, m_wait = median(s[0] for s in secs), median(s[1] for s in secs)
+        preds, measured, ratios = [], [], []
+        for k, rnd in enumerate(r["rounds"]):
+            costs, outside = models[k % len(models)]
+            preds.append(predict(case, rnd, _mine(costs, cores, rnd), outside, batch, spec, qdisc))
+            measured.append(median(s[0] for s in rnd["steps"]))
+            ratios.append(preds[-1][0] / measured[-1])
+        waits = [s[1] for rnd in r["rounds"] for s in rnd["steps"]]
         step, wait = median(p[0] for p in preds), median(p[1] for p in preds)
-        rows.append(Row(case, 1e3 * m_step, 1e3 * step, 1e3 * m_wait, 1e3 * wait, len(preds), preds[0][2]))
+        row = Row(case, 1e3 * median(measured), 1e3 * step, 1e3 * median(waits), 1e3 * wait, len(preds), preds[0][2])
+        rows.append(dataclasses.replace(row, round_ratio=median(ratios)))
     return rows
 
 

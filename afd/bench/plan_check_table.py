@@ -42,9 +42,14 @@ class Row:
     wait_predicted_ms: float
     rounds: int = 1
     bottleneck: str = ""
+    round_ratio: float = 0.0
+    """The median over rounds of each round's predicted / measured (each round predicted from its own
+    profile); 0: not kept, the ratio of the two medians stands."""
 
     @property
     def ratio(self) -> float:
+        if self.round_ratio:
+            return self.round_ratio
         return self.predicted_ms / self.measured_ms if self.measured_ms else float("nan")
 
     @property
@@ -55,8 +60,8 @@ class Row:
 def table(rows: list[Row]) -> str:
     """The markdown table the report prints and docs/benchmarks.md holds."""
     out = [
-        "| config | measured step (ms) | predicted (ms) | predicted / measured | attention wait measured / "
-        "predicted (ms) | bottleneck (predicted) | within 20 % |",
+        "| config | measured step (ms) | predicted (ms) | predicted / measured (median of rounds) | "
+        "attention wait measured / predicted (ms) | bottleneck (predicted) | within 20 % |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -81,4 +86,6 @@ def to_json(rows: list[Row], setting: dict) -> dict:
 def rows_from_json(doc: dict) -> list[Row]:
     """The rows of a to_json document (the predictions as they were stored)."""
     keep = ("measured_ms", "predicted_ms", "wait_measured_ms", "wait_predicted_ms", "rounds", "bottleneck")
-    return [Row(Case(**r["case"]), **{k: r[k] for k in keep}) for r in doc["rows"]]
+    return [
+        Row(Case(**r["case"]), **{k: r[k] for k in keep}, round_ratio=r.get("round_ratio", 0.0)) for r in doc["rows"]
+    ]
