@@ -249,3 +249,18 @@ def test_chunked_prefill_batched_and_odd_blocks_match_hf(v4):
                 logits[k].append(out[r])
                 seqs[k].append(int(out[r].argmax()))
     _assert_matches([s[len(p) :] for s, p in zip(seqs, PROMPTS)], logits, ref)
+
+
+# ---- across processes -------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_1a1f_routed_on_the_attention_side_equals_hf(v4):
+    """afd.LLM's offline worker on two node processes. Hash layers route by token id, which only the attention
+    side has: under layout.routing attention the router runs there (afd.dataplane.dispatch) and the FFN node
+    gets the expert ids with the rows; the broadcast (routing ffn) refuses such a layer by name."""
+    path, ref = v4("all_types")
+    logits: list = []
+    with afd.LLM(path, attention_nodes=1, ffn_nodes=1, routing="attention", micro_batches=2, block_size=4) as llm:
+        out = llm.generate_ids(PROMPTS, NEW_TOKENS, logits_out=logits)
+    _assert_matches(out, logits, ref)
