@@ -264,3 +264,21 @@ def test_1a1f_routed_on_the_attention_side_equals_hf(v4):
     with afd.LLM(path, attention_nodes=1, ffn_nodes=1, routing="attention", micro_batches=2, block_size=4) as llm:
         out = llm.generate_ids(PROMPTS, NEW_TOKENS, logits_out=logits)
     _assert_matches(out, logits, ref)
+
+
+def test_bf16_first_step_is_hfs(tmp_path):
+    """bf16 (HF's fp32-kept mHC, sinks, ape and norms kept fp32 here too): the prompt's next-token logits
+    within bf16 rounding of HF's bf16 model (measured: <= 1.6% of the largest logit) and the same token."""
+    from transformers import DeepseekV4ForCausalLM
+
+    path = make_v4_checkpoint(str(tmp_path / "bf16"), weight_std=0.05, **V4_CONFIGS["all_types"])
+    hf = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager").eval()
+    llm = afd.LLM(path, dtype="bfloat16", block_size=4)
+    assert llm.attn.layers[1].hc_attn.fn.dtype == llm.attn.layers[1].attn.attn_sink.dtype == torch.float32
+    logits: list = []
+    out = llm.generate_ids(PROMPTS, 1, logits_out=logits)
+    for i, p in enumerate(PROMPTS):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p])).logits[0, -1].float()
+        assert out[i][0] == int(ref.argmax()), f"prompt {i}"
+        assert (logits[i][0] - ref).abs().max() <= 0.05 * ref.abs().max(), f"prompt {i}"

@@ -1,5 +1,15 @@
 """Paged KV cache: fixed-size blocks handed out by a plain-Python allocator; what a block holds per
-token (MLA latents, or K and V heads) is the model family's `kv_cache_shape`."""
+token (MLA latents, or K and V heads) is the model family's `kv_cache_shape`.
+
+The state contract. Whatever a family keeps per sequence lives in this one tensor, [layers, blocks, block_size,
+...], and is addressed by position through the sequence's block table: the values in slot p may depend on the
+tokens at positions <= p only. That one rule is what lets a single allocator (this one) take, preempt (free,
+then recompute), free and share (prefix caching) every kind of state alike. MLA latents and K/V heads are one
+slot per token. DeepSeek-V4's sliding-window keys, compressor projections and compressed entries
+(afd.model.deepseek_v4.state) fit it as per-token planes side by side in a layer's slot, a compressed entry in
+the slot of its window's last token: full history, so correct under every engine path, but W values per token
+per layer where V4 needs a window ring and 1/rate of an entry (issue 31's next step: per-kind tensors, compact
+compressed blocks and per-sequence rings, which need a per-sequence slot besides the block table)."""
 
 from __future__ import annotations
 

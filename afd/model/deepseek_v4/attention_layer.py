@@ -90,7 +90,7 @@ class Attention(nn.Module):
             visible = torch.cat([visible, seen], dim=1)
         bias = torch.zeros(visible.shape, dtype=q.dtype, device=dev).masked_fill(~visible, float("-inf"))
         scores = torch.einsum("nhd,kd->hnk", q, keys) * self.dim**-0.5 + bias  # [Hq, n, K]
-        sinks = self.attn_sink.to(scores.dtype).view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+        sinks = self.attn_sink.view(-1, 1, 1).expand(-1, scores.shape[1], 1)  # fp32: bf16 scores widen, as HF's
         logits = torch.cat([scores, sinks], dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)  # the sink takes its share
