@@ -36,7 +36,7 @@ BASE = dict(
     layer_types=[SWA, CSA, HCA, CSA],
     mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
     swiglu_limit=0.5,  # low enough that the clip bites at the fixtures' weight scale
-    max_position_embeddings=512,
+    max_position_embeddings=2048,  # room for the 1,024-token prompts
     eos_token_id=None,  # no early stop: every prompt runs the full 64 tokens past the window and the rates
     bos_token_id=1,
 )

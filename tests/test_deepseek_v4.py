@@ -251,6 +251,20 @@ def test_chunked_prefill_batched_and_odd_blocks_match_hf(v4):
     _assert_matches([s[len(p) :] for s, p in zip(seqs, PROMPTS)], logits, ref)
 
 
+def test_1024_token_prompts_decode_with_the_compressed_state(v4):
+    """Long context (issue 31): 1,024- and 700-token prompts, 128x the window, 64 HCA entries and 256 CSA
+    entries of which the indexer keeps 3 per query; 16 new tokens identical to HF's, logits within tolerance."""
+    path, _ = v4("all_types")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 97, (n,), generator=g).tolist() for n in (1024, 700)]
+    ref = hf_greedy(path, prompts, 16)
+    logits: list = []
+    out = afd.LLM(path, dtype="float32", block_size=16).generate_ids(prompts, 16, logits_out=logits)
+    for i, (ids, ref_logits) in enumerate(ref):
+        assert out[i] == ids, f"prompt {i}"
+        assert max_rel_err(logits[i], ref_logits) <= LOGITS_REL_TOL, f"prompt {i}"
+
+
 # ---- across processes -------------------------------------------------------------------------------------
 
 
