@@ -269,13 +269,19 @@ def test_1024_token_prompts_decode_with_the_compressed_state(v4):
 
 
 @pytest.mark.multiprocess
-def test_1a1f_routed_on_the_attention_side_equals_hf(v4):
-    """afd.LLM's offline worker on two node processes. Hash layers route by token id, which only the attention
-    side has: under layout.routing attention the router runs there (afd.dataplane.dispatch) and the FFN node
-    gets the expert ids with the rows; the broadcast (routing ffn) refuses such a layer by name."""
+@pytest.mark.parametrize(
+    "A,F,micro_batches",
+    [(1, 1, 2), pytest.param(2, 1, 1, marks=pytest.mark.slow), pytest.param(1, 2, 2, marks=pytest.mark.slow)],
+)
+def test_across_processes_routed_on_the_attention_side_equals_hf(v4, A, F, micro_batches):
+    """afd.LLM's offline worker on node processes (1A1F with ping-pong; 2A1F; 1A2F, the experts split over two
+    FFN nodes). Hash layers route by token id, which only the attention side has: under layout.routing
+    attention the router runs there (afd.dataplane.dispatch) and the FFN nodes get the expert ids with the
+    rows; the broadcast (routing ffn) refuses such a layer by name (afd.dataplane.exchange.RemoteMoE)."""
     path, ref = v4("all_types")
     logits: list = []
-    with afd.LLM(path, attention_nodes=1, ffn_nodes=1, routing="attention", micro_batches=2, block_size=4) as llm:
+    opts = dict(routing="attention", micro_batches=micro_batches, block_size=4)
+    with afd.LLM(path, attention_nodes=A, ffn_nodes=F, **opts) as llm:
         out = llm.generate_ids(PROMPTS, NEW_TOKENS, logits_out=logits)
     _assert_matches(out, logits, ref)
 
