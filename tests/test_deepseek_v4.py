@@ -302,3 +302,27 @@ def test_bf16_first_step_is_hfs(tmp_path):
             ref = hf(torch.tensor([p])).logits[0, -1].float()
         assert out[i][0] == int(ref.argmax()), f"prompt {i}"
         assert (logits[i][0] - ref).abs().max() <= 0.05 * ref.abs().max(), f"prompt {i}"
+
+
+@pytest.mark.multiprocess
+def test_afd_serve_answers_concurrent_requests_with_hfs_tokens(v4, tmp_path):
+    """`afd serve` (1A1F, routing attention), every prompt at once, greedy: HF's tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cluster_helpers import post
+    from serve_helpers import Served, free_port_run
+
+    path, ref = v4("hc2")
+    port = free_port_run(1)
+    url = f"http://127.0.0.1:{port}"
+    s = Served([path, "--port", str(port), "--routing", "attention"], tmp_path / "serve.log", [url])
+    try:
+        s.wait_ready()
+        body = {"max_tokens": NEW_TOKENS, "temperature": 0, "return_token_ids": True}
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            results = list(pool.map(lambda p: post(url, "/v1/completions", {**body, "prompt": p}), PROMPTS))
+    finally:
+        assert s.stop() == 0
+    for (code, got), (want, _) in zip(results, ref):
+        assert code == 200, got
+        assert got["choices"][0]["token_ids"] == want
