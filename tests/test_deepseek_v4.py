@@ -265,6 +265,19 @@ def test_1024_token_prompts_decode_with_the_compressed_state(v4):
         assert max_rel_err(logits[i], ref_logits) <= LOGITS_REL_TOL, f"prompt {i}"
 
 
+def test_prefix_cache_reuses_the_planes_with_the_same_tokens(v4):
+    """Prefix caching (afd.engine.prefix_cache) on V4's planes: later prompts start from the cached blocks of a
+    shared 12-token prefix (its sliding keys, projections and CSA entries) and decode the tokens of the cache
+    off, computing fewer tokens (tests/test_prefix_cache_engine.py's scenario)."""
+    from test_prefix_cache_engine import NEW, generate
+
+    llm = afd.LLM(v4("all_types")[0], block_size=4)
+    off, computed_off, *_ = generate(llm, False)
+    on, computed_on, (queries, hits), *_ = generate(llm, True)
+    assert on == off and all(len(t) == NEW for t in on)
+    assert hits == 3 * 12 and computed_on == computed_off - hits
+
+
 # ---- across processes -------------------------------------------------------------------------------------
 
 
