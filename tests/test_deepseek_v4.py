@@ -339,3 +339,23 @@ def test_afd_serve_answers_concurrent_requests_with_hfs_tokens(v4, tmp_path):
     for (code, got), (want, _) in zip(results, ref):
         assert code == 200, got
         assert got["choices"][0]["token_ids"] == want
+
+
+def test_dummy_weights_route_by_valid_ids_and_a_bad_table_is_refused(v4, tmp_path):
+    """afd's dummy reader (seeded floats: bench models) still gives hash layers valid expert ids; a checkpoint's
+    tid2eid naming an expert that does not exist is refused at load, not an index error mid-step."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from afd.model.checkpoint import CheckpointError
+
+    path = v4("all_types")[0]
+    assert len(afd.LLM(path, dummy_weights=True, block_size=4).generate_ids([[1, 2, 3]], 4)[0]) == 4
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    tensors = load_file(bad / "model.safetensors")
+    tensors["model.layers.0.ffn.gate.tid2eid"][5, 0] = BASE["n_routed_experts"]
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="tid2eid"):
+        afd.LLM(str(bad), block_size=4).generate_ids([[1, 2, 3]], 1)

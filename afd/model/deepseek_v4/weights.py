@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import torch
 
-from afd.model.checkpoint import Weight
+from afd.model.checkpoint import CheckpointError, Weight
 from afd.model.deepseek_v4.attention import AttentionHalf
 from afd.model.deepseek_v4.ffn import FFNHalf
 
@@ -36,6 +36,20 @@ def attention_weights(model: AttentionHalf) -> Iterator[Weight]:
         yield Weight(p, ((key, tuple(p.shape)),))
 
 
+def _expert_ids(n_routed: int):
+    """tid2eid as stored (int64 ids, checked in range), or, from afd's dummy reader (seeded floats: afd bench's
+    V4-shaped models), valid ids made from them."""
+
+    def combine(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return (t.abs() * 1e4).long() % n_routed
+        if t.numel() and not 0 <= int(t.min()) <= int(t.max()) < n_routed:
+            raise CheckpointError(f"tid2eid holds expert ids outside [0, {n_routed})")
+        return t
+
+    return combine
+
+
 def _gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     return torch.cat([w1, w3], dim=0).t()
 
@@ -48,7 +62,8 @@ def ffn_weights(model: FFNHalf) -> Iterator[Weight]:
         layer = model.layer(i)
         yield Weight(layer.router.classifier.weight, ((f"{pre}.gate.weight", (E, H)),))
         if layer.router.hashed:
-            yield Weight(layer.router.tid2eid, ((f"{pre}.gate.tid2eid", (cfg.vocab_size, K)),))
+            tid2eid = ((f"{pre}.gate.tid2eid", (cfg.vocab_size, K)),)
+            yield Weight(layer.router.tid2eid, tid2eid, _expert_ids(E))
         else:
             yield Weight(layer.router.e_score_correction_bias, ((f"{pre}.gate.bias", (E,)),))
         experts = layer.experts
