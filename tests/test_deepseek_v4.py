@@ -359,3 +359,12 @@ def test_dummy_weights_route_by_valid_ids_and_a_bad_table_is_refused(v4, tmp_pat
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="tid2eid"):
         afd.LLM(str(bad), block_size=4).generate_ids([[1, 2, 3]], 1)
+
+
+def test_graph_mode_runs_v4_eager(v4):
+    """V4's attention walks each sequence on the host, which a compiled decode graph would freeze at trace time:
+    under graph_mode compile it runs eager (AttentionHalf.supports_graph), with the tokens of eager."""
+    path, ref = v4("hc2")
+    llm = afd.LLM(path, block_size=4, graph_mode="compile")
+    assert llm.generate_ids(PROMPTS, NEW_TOKENS) == [ids for ids, _ in ref]
+    assert llm.graph_report is None

@@ -41,6 +41,8 @@ class AttentionHalf(Protocol):
 
     quant: QuantSpec | None
 
+    supports_graph: bool
+
 
 MTPModule = MTPLayer
 """The MTP module the runner drafts with: afd.model.mtp's, which no wrapper stands in for."""

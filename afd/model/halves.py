@@ -72,6 +72,11 @@ class AttentionHalf(LoadedModule):
     shard knows: MLA and dense MLPs). Read by afd.model.tp.shard and afd.engine.llm (which refuses
     attention_tp > 1 early for a half without it)."""
 
+    supports_graph: ClassVar[bool] = True
+    """Graph mode (afd.engine.graph) may compile this half's layers: they read the step's metadata through
+    tensors only. A half that walks the sequences on the host (DeepSeek-V4's compressed attention) runs
+    eager. Read by afd.engine.graph.wrap."""
+
     tp: TPComm = SINGLE
     """The TP group this half is cut for (afd.model.tp.shard sets it); SINGLE when it is whole."""
 

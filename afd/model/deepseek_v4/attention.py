@@ -55,6 +55,7 @@ class AttentionHalf(halves.AttentionHalf):
     the mHC parameters, which afd.model.deepseek_v4.weights names."""
 
     cfg: DeepseekV4Config
+    supports_graph = False  # the compressed attention walks each sequence's positions on the host
     # HF's _keep_in_fp32_modules_strict, under afd's names
     keep_in_fp32_strict = (
         "hc_attn.fn",
