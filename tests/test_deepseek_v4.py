@@ -1,8 +1,10 @@
 """DeepSeek-V4 against HF transformers 5.24 (DeepseekV4ForCausalLM) on tiny random checkpoints made here
-(tests/hf_deepseek_v4.py): the config's defaults, the routers and mHC piece by piece, and afd's real engine
-colocated: greedy tokens identical over 64 new tokens and every step's logits close, on three configs that
+(tests/hf_deepseek_v4.py): the config's defaults, the routers and mHC piece by piece, and afd's real engine:
+colocated, greedy tokens identical over 64 new tokens and every step's logits close, on three configs that
 together cover every layer type, hash and learned MoE, hc_mult 2 and 4, contexts past the sliding window and
-past the HCA rate."""
+past the HCA rate; chunked prefill, prefix caching, 1,024-token prompts, bf16's first step; 1A1F, 2A1F and
+1A2F under layout.routing attention, and `afd serve`. V4 is not in tests/test_families.py's shared suite yet
+(its hash layers need routing attention across processes)."""
 
 from __future__ import annotations
 
