@@ -5,11 +5,11 @@ The state contract. Whatever a family keeps per sequence lives in this one tenso
 ...], and is addressed by position through the sequence's block table: the values in slot p may depend on the
 tokens at positions <= p only. That one rule is what lets a single allocator (this one) take, preempt (free,
 then recompute), free and share (prefix caching) every kind of state alike. MLA latents and K/V heads are one
-slot per token. DeepSeek-V4's sliding-window keys, compressor projections and compressed entries
-(afd.model.deepseek_v4.state) fit it as per-token planes side by side in a layer's slot, a compressed entry in
-the slot of its window's last token: full history, so correct under every engine path, but W values per token
-per layer where V4 needs a window ring and 1/rate of an entry (issue 31's next step: per-kind tensors, compact
-compressed blocks and per-sequence rings, which need a per-sequence slot besides the block table)."""
+slot per token. DeepSeek-V4 (afd.model.deepseek_v4.state) carves each block of a layer into two planes under
+the same block table: per-token (sliding-window keys, compressor projections) and per compressed position
+(entries: block_size / rate slots a block). Its token planes keep full history, correct under every engine
+path but more than V4 needs at steady state (a window ring and the open windows' projections): state per
+sequence beside the block table is issue 31's next step, and what linear-attention families will need too."""
 
 from __future__ import annotations
 

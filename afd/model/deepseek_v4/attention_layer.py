@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from afd.model.attention_metadata import AttentionMetadata
-from afd.model.deepseek_v4.compressor import Compressor, Indexer, positions_slots
+from afd.model.deepseek_v4.compressor import Compressor, Indexer
 from afd.model.deepseek_v4.config import CSA, SWA, DeepseekV4Config
 from afd.model.deepseek_v4.layers import RMSNorm, rope, unweighted_norm
 from afd.model.deepseek_v4.state import layer_planes
@@ -47,46 +47,45 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope_: tuple, meta: AttentionMetadata, kv: torch.Tensor, comp) -> torch.Tensor:
         """x [T, H] (normed block input) -> [T, H]. rope_: (main cos, sin, compress cos, sin) at the step's
         positions; comp: the compressed layers' Rotary (entries and indexer queries at other positions).
-        Writes this step's planes into kv [blocks, block_size, W]."""
-        T, Hq, D, P = x.shape[0], self.heads, self.dim, self.planes
+        Writes this step's planes into kv [blocks, E] (afd.model.deepseek_v4.state)."""
+        T, Hq, D, P, bs = x.shape[0], self.heads, self.dim, self.planes, meta.block_size
         cos, sin = rope_[:2] if self.rope_kind == "main" else rope_[2:]
         q_res = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = unweighted_norm(self.wq_b(q_res).view(T, Hq, D), self.cfg.rms_norm_eps)
         q = rope(q, cos, sin)  # [T, Hq, D]
         k = rope(self.norm(self.wkv(x)), cos, sin)  # [T, D]: K = V
-        flat = kv.view(-1, kv.shape[-1])  # [slots, W]
-        slots = meta.slot_mapping
-        flat[slots, P.kv] = k.to(flat.dtype)
+        tokens, entries = P.views(kv, bs)
+        at = (meta.slot_mapping // bs, meta.slot_mapping % bs)  # (block, offset) of each new token
+        tokens[(*at, P.kv)] = k.to(tokens.dtype)
         if self.rate:
-            flat[slots, P.ckv] = self.compressor.wkv(x).to(flat.dtype)
-            flat[slots, P.cgate] = self.compressor.wgate(x).to(flat.dtype)
+            tokens[(*at, P.ckv)] = self.compressor.wkv(x).to(tokens.dtype)
+            tokens[(*at, P.cgate)] = self.compressor.wgate(x).to(tokens.dtype)
         if self.rate and P.index_dim:
-            flat[slots, P.ikv] = self.indexer.compressor.wkv(x).to(flat.dtype)
-            flat[slots, P.igate] = self.indexer.compressor.wgate(x).to(flat.dtype)
+            tokens[(*at, P.ikv)] = self.indexer.compressor.wkv(x).to(tokens.dtype)
+            tokens[(*at, P.igate)] = self.indexer.compressor.wgate(x).to(tokens.dtype)
         out = torch.empty(T, Hq, D, dtype=x.dtype, device=x.device)
         for s in meta.seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
-            out[rows] = self._sequence(flat, s, x[rows], q_res[rows], q[rows], comp, kv.shape[1])
+            out[rows] = self._sequence(tokens, entries, s, x[rows], q_res[rows], q[rows], comp, bs)
         out = rope(out, cos, -sin)  # K = V carried rope: undo it on the output's rope dims, at the query position
         g = self.groups
         grouped = out.reshape(T, g, -1).transpose(0, 1)  # [g, T, Hq*D/g]
         w = self.wo_a.weight.reshape(g, -1, grouped.shape[-1]).transpose(1, 2)  # [g, Hq*D/g, o_lora]
         return self.wo_b(torch.bmm(grouped, w).transpose(0, 1).reshape(T, -1))
 
-    def _sequence(self, flat, s, x, q_res, q, comp, block_size: int) -> torch.Tensor:
+    def _sequence(self, tokens, entries, s, x, q_res, q, comp, bs: int) -> torch.Tensor:
         """One sequence's new queries q [n, Hq, D] over its window and compressed entries -> [n, Hq, D]."""
         dev, P = q.device, self.planes
         p0, end = s.ctx_len - s.q_len, s.ctx_len  # new positions [p0, end)
         table = torch.tensor(s.block_table, dtype=torch.long, device=dev)
         positions = torch.arange(p0, end, device=dev)  # [n]
-        lo = max(0, p0 - self.window + 1)
-        keys = flat[positions_slots(table, block_size, torch.arange(lo, end, device=dev)), P.kv].to(q.dtype)
-        kpos = torch.arange(lo, end, device=dev)
+        kpos = torch.arange(max(0, p0 - self.window + 1), end, device=dev)  # the window's keys [Lw]
+        keys = tokens[table[kpos // bs], kpos % bs, P.kv].to(q.dtype)
         dist = positions[:, None] - kpos[None, :]  # [n, Lw]
         visible = (dist >= 0) & (dist < self.window)
         if self.rate:
-            entries, seen = self._compressed(flat, table, block_size, positions, x, q_res, comp)
-            keys = torch.cat([keys, entries.to(q.dtype)], dim=0)
+            made, seen = self._compressed(tokens, entries, table, bs, positions, x, q_res, comp)
+            keys = torch.cat([keys, made.to(q.dtype)], dim=0)
             visible = torch.cat([visible, seen], dim=1)
         bias = torch.zeros(visible.shape, dtype=q.dtype, device=dev).masked_fill(~visible, float("-inf"))
         scores = torch.einsum("nhd,kd->hnk", q, keys) * self.dim**-0.5 + bias  # [Hq, n, K]
@@ -96,7 +95,7 @@ class Attention(nn.Module):
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)  # the sink takes its share
         return torch.einsum("hnk,kd->nhd", probs, keys)
 
-    def _compressed(self, flat, table, block_size, positions, x, q_res, comp):
+    def _compressed(self, tokens, entries, table, bs, positions, x, q_res, comp):
         """Make the entries whose window closes in this chunk, then read all C complete ones: (entries [C, D],
         visible [n, C])."""
         P, r = self.planes, self.rate
@@ -107,28 +106,29 @@ class Attention(nn.Module):
         p0, end = int(positions[0]), int(positions[-1]) + 1
         first, last = p0 // r, end // r  # entries first .. last - 1 close in this chunk
         if last > first:
-            self._make(flat, table, block_size, first, last, self.compressor, P.ckv, P.cgate, P.entry, comp_rot)
+            made = (tokens, entries, table, bs, first, last, comp_rot)
+            self._make(*made, self.compressor, P.ckv, P.cgate, P.entry)
             if P.index_dim:
-                self._make(
-                    flat, table, block_size, first, last, self.indexer.compressor, P.ikv, P.igate, P.ientry, comp_rot
-                )
+                self._make(*made, self.indexer.compressor, P.ikv, P.igate, P.ientry)
         C = last
-        at = positions_slots(table, block_size, torch.arange(C, device=x.device) * r + r - 1)
-        entries = flat[at, P.entry]  # [C, D]
+        block, slot = P.entry_at(table, bs, torch.arange(C, device=x.device))
         if not P.index_dim:
             seen = torch.arange(C, device=x.device)[None, :] < ((positions + 1) // r)[:, None]  # [n, C]
-            return entries, seen
-        seen = self.indexer.select(x, q_res, flat[at, P.ientry].to(x.dtype), positions, *comp_rot(positions))
-        return entries, seen
+            return entries[block, slot, P.entry], seen
+        keys = entries[block, slot, P.ientry].to(x.dtype)
+        seen = self.indexer.select(x, q_res, keys, positions, *comp_rot(positions))
+        return entries[block, slot, P.entry], seen
 
-    def _make(self, flat, table, block_size, first, last, comp: Compressor, kv_cols, gate_cols, out_cols, rot):
-        r, n, dev = comp.rate, last - first, flat.device
+    def _make(self, tokens, entries, table, bs, first, last, rot, comp: Compressor, kv_cols, gate_cols, out_cols):
+        """Entries first .. last - 1 from the token planes' projections, into their compressed slots."""
+        r, n, dev = comp.rate, last - first, tokens.device
         start = first * r if comp.series == 1 else max(0, (first - 1) * r)
-        src = positions_slots(table, block_size, torch.arange(start, last * r, device=dev))
-        ckv, cgate = flat[src, kv_cols], flat[src, gate_cols]
+        src = torch.arange(start, last * r, device=dev)
+        rows = (table[src // bs], src % bs)
+        ckv, cgate = tokens[(*rows, kv_cols)], tokens[(*rows, gate_cols)]
         if comp.series == 2 and first == 0:  # no window before the first: placeholder rows, weighed at zero
             ckv = torch.cat([ckv.new_zeros(r, ckv.shape[1]), ckv])
             cgate = torch.cat([cgate.new_zeros(r, cgate.shape[1]), cgate])
         out = comp.entries(ckv, cgate, first, n, rot)
-        at = positions_slots(table, block_size, torch.arange(first, last, device=dev) * r + r - 1)
-        flat[at, out_cols] = out.to(flat.dtype)
+        block, slot = self.planes.entry_at(table, bs, torch.arange(first, last, device=dev))
+        entries[block, slot, out_cols] = out.to(entries.dtype)

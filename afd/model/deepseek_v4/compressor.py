@@ -18,11 +18,6 @@ from torch import nn
 from afd.model.deepseek_v4.layers import RMSNorm, rope
 
 
-def positions_slots(table: torch.Tensor, block_size: int, positions: torch.Tensor) -> torch.Tensor:
-    """Flat cache slots of a sequence's positions (table: its block ids as a tensor)."""
-    return table[positions // block_size] * block_size + positions % block_size
-
-
 class Compressor(nn.Module):
     """wkv / wgate [o*D, H], ape [r, o*D], norm [D]: the checkpoint's `compressor` (and `indexer.compressor`)."""
 

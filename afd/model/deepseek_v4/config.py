@@ -166,17 +166,13 @@ class DeepseekV4Config:
         """Layer i's compression rate; 0 for a sliding-window-only layer."""
         return {SWA: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[i]]
 
-    def state_width(self, i: int) -> int:
-        """Per-token values layer i keeps (afd.model.deepseek_v4.state: its planes)."""
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """One paged row per layer and block, as long as the largest layer's block of state (its token and
+        compressed-entry planes: afd.model.deepseek_v4.state): [L, blocks, E]."""
         from afd.model.deepseek_v4.state import layer_planes
 
-        return layer_planes(self, i).width
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One paged tensor per layer, as wide as the widest layer's per-token state:
-        [L, blocks, block_size, W] (afd.model.deepseek_v4.state)."""
-        W = max(self.state_width(i) for i in range(self.num_hidden_layers))
-        return (self.num_hidden_layers, num_blocks, block_size, W)
+        E = max(layer_planes(self, i).block_values(block_size) for i in range(self.num_hidden_layers))
+        return (self.num_hidden_layers, num_blocks, E)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> DeepseekV4Config:
