@@ -206,3 +206,25 @@ def test_graph_mode_runs_v4_eager(v4):
     llm = afd.LLM(path, block_size=4, graph_mode="compile")
     assert llm.generate_ids(PROMPTS, NEW_TOKENS) == [ids for ids, _ in ref]
     assert llm.graph_report is None
+
+
+def test_preempted_sequences_recompute_their_state_with_hfs_tokens(v4):
+    """A cache of 30 blocks of 4 for prompts that grow to 23 blocks, 4 at a time: the newest sequences are
+    preempted, their blocks freed, and recomputed later (window keys, projections and compressed entries
+    alike) to HF's greedy tokens."""
+    from afd.engine.request import Request
+    from afd.engine.sampling import SamplingParams
+    from afd.engine.scheduler import Scheduler
+
+    path, ref = v4("all_types")
+    llm = afd.LLM(path, block_size=4)
+    engine = llm.job_engine([[1] * 116], [4], enable_prefix_caching=False)  # 120 tokens: 30 blocks
+    engine.scheduler = engine.processor.scheduler = s = Scheduler(engine.runner.kv, 4, 64, False)
+    out: list[list[int]] = [[] for _ in PROMPTS]
+    for i, p in enumerate(PROMPTS):
+        on_output = lambda o, i=i: out[i].extend(o.new_token_ids)  # noqa: E731
+        engine.add_request(Request(str(i), list(p), SamplingParams(), NEW_TOKENS, on_output, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert s.num_preemptions > 0
+    assert out == [ids for ids, _ in ref]
