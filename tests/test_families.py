@@ -44,8 +44,13 @@ COLOCATED = [(f, name) for f, fam in FAMILIES.items() for name in fam.configs]
 LOGITS_REL_TOL = 1e-4
 
 
+# DeepSeek-V4 (issue 31) is held to HF in tests/test_deepseek_v4.py until it runs every shared path here
+# (bf16, serving, routing ffn; its hash layers need layout.routing attention across processes).
+OWN_SUITE = {"deepseek_v4"}
+
+
 def test_every_registered_family_is_in_the_suite():
-    assert set(FAMILIES) == set(registry.FAMILIES)
+    assert set(FAMILIES) == set(registry.FAMILIES) - OWN_SUITE
 
 
 # ---- config.json: a missing key takes HF's default ----------------------------------------------------

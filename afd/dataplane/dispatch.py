@@ -109,10 +109,11 @@ class RoutedMoE(RemoteMoE):
         self.ffn_ranks = self.table.ranks
         self._add_peer(rank)
 
-    def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
+    def submit(self, layer: int, micro_batch: int, m: torch.Tensor, **kw) -> MoEHandle:
+        """kw: `token_ids` [T] for a router that reads them (DeepSeek-V4's hash layers): it runs here."""
         m = m.contiguous()
         with torch.inference_mode():
-            weights, ids = self.routers.layer(layer).router(m, self.backend)  # [T, K] each
+            weights, ids = self.routers.layer(layer).router(m, self.backend, **kw)  # [T, K] each
         T, K = ids.shape
         E = self.table.n_routed
         node = self.table.assign(ids, self._calls)  # [T, K]

@@ -44,7 +44,9 @@ class MoEExchange(Protocol):
         """mtp: the step runs only the MTP module's MoE layer (its submits name that layer)."""
         ...
 
-    def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle: ...
+    def submit(self, layer: int, micro_batch: int, m: torch.Tensor, **kw) -> MoEHandle:
+        """kw: `token_ids` [T] when the layer's router reads them (AttentionHalf.moe_reads_token_ids)."""
+        ...
 
     def end_step(self) -> None: ...
 
@@ -82,8 +84,8 @@ class LocalMoE:
     def begin_step(self, tokens_per_micro_batch: list[int], mtp: bool = False) -> None:
         pass
 
-    def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
-        return Ready(self.ffn(self.backend, layer, m))
+    def submit(self, layer: int, micro_batch: int, m: torch.Tensor, **kw) -> MoEHandle:
+        return Ready(self.ffn(self.backend, layer, m, **kw))
 
     def end_step(self) -> None:
         pass
@@ -168,7 +170,12 @@ class RemoteMoE:
         for f in self.ffn_ranks:
             self.step_ids[f] += 1
 
-    def submit(self, layer: int, micro_batch: int, m: torch.Tensor) -> MoEHandle:
+    def submit(self, layer: int, micro_batch: int, m: torch.Tensor, **kw) -> MoEHandle:
+        if kw:  # the broadcast carries m alone: a router that reads token ids runs on the attention side
+            raise ValueError(
+                f"layer {layer}'s router reads token ids, which layout.routing ffn does not send: "
+                "use layout.routing attention"
+            )
         m = m.contiguous() if self.exchange_dtype == "same" else quantize(m, self.exchange_dtype)
         T = m.shape[0]
         works, bufs = [], []

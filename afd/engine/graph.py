@@ -67,6 +67,9 @@ def wrap(attn: AttentionHalf, kv, settings: GraphSettings | None, tp, backend=No
             f", kvp {tp.cfg.kvp}" if tp.cfg.kvp > 1 else "",
         )
         return attn
+    if not attn.supports_graph:
+        log.info("graph mode: %s's attention half runs eager (it walks the sequences on the host)", attn.cfg.model_type)
+        return attn
     if backend is None:
         from afd.backend import get_backend
 

@@ -30,12 +30,18 @@ class AttentionHalf(Protocol):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def combine(self, i: int, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+    def moe_reads_token_ids(self, i: int) -> bool: ...
+
     norm: nn.Module
     lm_head: nn.Module
 
     def prefetch_weights(self, i: int, phase: str) -> list[torch.Tensor]: ...
 
     quant: QuantSpec | None
+
+    supports_graph: bool
 
 
 MTPModule = MTPLayer

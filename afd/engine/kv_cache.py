@@ -1,5 +1,15 @@
 """Paged KV cache: fixed-size blocks handed out by a plain-Python allocator; what a block holds per
-token (MLA latents, or K and V heads) is the model family's `kv_cache_shape`."""
+token (MLA latents, or K and V heads) is the model family's `kv_cache_shape`.
+
+The state contract. Whatever a family keeps per sequence lives in this one tensor, [layers, blocks, block_size,
+...], and is addressed by position through the sequence's block table: the values in slot p may depend on the
+tokens at positions <= p only. That one rule is what lets a single allocator (this one) take, preempt (free,
+then recompute), free and share (prefix caching) every kind of state alike. MLA latents and K/V heads are one
+slot per token. DeepSeek-V4 (afd.model.deepseek_v4.state) carves each block of a layer into two planes under
+the same block table: per-token (sliding-window keys, compressor projections) and per compressed position
+(entries: block_size / rate slots a block). Its token planes keep full history, correct under every engine
+path but more than V4 needs at steady state (a window ring and the open windows' projections): state per
+sequence beside the block table is issue 31's next step, and what linear-attention families will need too."""
 
 from __future__ import annotations
 

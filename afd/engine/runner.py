@@ -54,6 +54,7 @@ class _MicroBatch:
     rope: Any
     x: torch.Tensor
     plan: ShardPlan
+    ids: torch.Tensor  # [T] the micro-batch's token ids (a router may read them: moe_reads_token_ids)
     h: torch.Tensor | None = None
     m: torch.Tensor | None = None
     pending: MoEHandle | None = None
@@ -163,7 +164,7 @@ class ModelRunner:
         plan = self.tp.plan_for(meta.num_tokens)
         with self.tp.plan(plan):
             x, rope = self.attn.embed(ids, meta)
-        return _MicroBatch(index, rows, meta, rope, x, plan)
+        return _MicroBatch(index, rows, meta, rope, x, plan, ids)
 
     def _moe_rows(self, mb: _MicroBatch) -> int:
         """How many of the micro-batch's tokens this rank exchanges with the MoE."""
@@ -187,7 +188,8 @@ class ModelRunner:
         if hi == lo:  # under TP, a rank with no rows of this micro-batch sends nothing (its header said 0)
             mb.pending = Ready(mb.m[:0])
             return
-        mb.pending = self.exchange().submit(layer, mb.index, mb.m[lo:hi])
+        kw = {"token_ids": mb.ids[lo:hi]} if self.attn.moe_reads_token_ids(layer) else {}
+        mb.pending = self.exchange().submit(layer, mb.index, mb.m[lo:hi], **kw)
         if not self.overlap:
             mb.pending = Ready(mb.pending.wait())
         if timed is not None:
@@ -208,10 +210,10 @@ class ModelRunner:
                 else:
                     y = mb.pending.wait()  # the wait is the exchange's (ffn_wait), not the combine's
                     t0 = time.perf_counter()
-                    mb.x = h + self.tp.moe_output(y)
+                    mb.x = self.attn.combine(layer, h, self.tp.moe_output(y))
                     timed.add("combine", layer, mb.meta.num_tokens, time.perf_counter() - t0)
             else:
-                mb.x = h if mb.pending is None else h + self.tp.moe_output(mb.pending.wait())
+                mb.x = h if mb.pending is None else self.attn.combine(layer, h, self.tp.moe_output(mb.pending.wait()))
         mb.h = mb.m = mb.pending = None
 
     # ---- the MTP module's forward (speculative decoding) --------------------------------------------

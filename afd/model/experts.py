@@ -29,6 +29,8 @@ class Experts(nn.Module):
 
     quant: QuantSpec | None = None
     """The scheme of the quantized weights; None: w13 and w2 in the model dtype."""
+    swiglu_limit: float | None = None
+    """Clip of the pre-activations (DeepSeek-V4): gate at most this, up within +-this; None: no clip."""
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
 
@@ -98,6 +100,8 @@ class Experts(nn.Module):
             self.before_gemm(sizes)
         token = order // K  # [T*K]
         gate, up = self._gemm(backend, x[token], "w13", sizes).chunk(2, dim=-1)  # [T*K, I] each
+        if self.swiglu_limit is not None:
+            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
         y = self._gemm(backend, F.silu(gate) * up, "w2", sizes)  # [T*K, H]
         mine = local[order]  # [T*K]
         w = torch.where(mine, weights.reshape(-1)[order], 0.0)  # [T*K]

@@ -72,6 +72,11 @@ class AttentionHalf(LoadedModule):
     shard knows: MLA and dense MLPs). Read by afd.model.tp.shard and afd.engine.llm (which refuses
     attention_tp > 1 early for a half without it)."""
 
+    supports_graph: ClassVar[bool] = True
+    """Graph mode (afd.engine.graph) may compile this half's layers: they read the step's metadata through
+    tensors only. A half that walks the sequences on the host (DeepSeek-V4's compressed attention) runs
+    eager. Read by afd.engine.graph.wrap."""
+
     tp: TPComm = SINGLE
     """The TP group this half is cut for (afd.model.tp.shard sets it); SINGLE when it is whole."""
 
@@ -102,6 +107,16 @@ class AttentionHalf(LoadedModule):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits [T, V] of the last layer's output x [T, H] (final norm and head)."""
 
+    def combine(self, i: int, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x for layer i + 1 from post_moe's h and the MoE output y [T, H]. Default: h + y. A family whose
+        residual is not one [T, H] stream (DeepSeek-V4's mHC streams) expands y here."""
+        return h + y
+
+    def moe_reads_token_ids(self, i: int) -> bool:
+        """Whether layer i's router needs the tokens' ids (DeepSeek-V4's hash-routed layers): the runner
+        then passes them to the exchange with m. Default: no."""
+        return False
+
     def prefetch_weights(self, i: int, phase: str) -> list[torch.Tensor]:
         """The weights graph mode (afd.engine.graph_half) prefetches at the end of layer i's `phase`
         graph ("pre" or "post"): those the next graph reads first. Default: none."""
@@ -131,7 +146,8 @@ class FFNHalf(LoadedModule):
 
     @abstractmethod
     def forward(self, backend: Backend, i: int, m: torch.Tensor) -> torch.Tensor:
-        """This node's share of layer i's MoE output on m [T, H]: the FFN server's one call per layer."""
+        """This node's share of layer i's MoE output on m [T, H]: the FFN server's one call per layer. A
+        family whose router reads token ids (AttentionHalf.moe_reads_token_ids) also takes `token_ids` [T]."""
 
     def routed(
         self, backend: Backend, i: int, m: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
