@@ -137,6 +137,23 @@ def test_across_processes_routed_on_the_attention_side_equals_hf(v4, A, F, micro
     _assert_matches(out, logits, ref)
 
 
+def test_routing_ffn_is_refused_before_any_node_starts(v4, tmp_path):
+    """Hash layers need the token ids on the router's side: routing ffn is a config error naming the fix, in
+    afd.LLM and in `afd launch`'s startup check, not a node that fails at its first hash layer."""
+    from afd.cluster.config import ClusterConfigError, check_routing, from_dict
+    from afd.cluster.local_config import local_config
+    from afd.model.registry import load_config
+
+    path, _ = v4("all_types")
+    with pytest.raises(ValueError, match="set layout.routing: attention"):
+        afd.LLM(path, attention_nodes=1, ffn_nodes=1, routing="ffn")
+    mcfg = load_config(path)
+    doc = local_config(1, 1, {"model": {"path": path}, "layout": {"routing": "ffn"}}).to_dict()
+    with pytest.raises(ClusterConfigError, match="routers read the token ids"):
+        check_routing(from_dict(doc), mcfg)
+    check_routing(from_dict({**doc, "layout": {**doc["layout"], "routing": "attention"}}), mcfg)
+
+
 def test_bf16_first_step_is_hfs(tmp_path):
     """bf16 (HF's fp32-kept mHC, sinks, ape and norms kept fp32 here too): the prompt's next-token logits
     within bf16 rounding of HF's bf16 model (measured: <= 1.6% of the largest logit) and the same token."""

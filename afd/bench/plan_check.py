@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
     count_flag(p, "--prompt-len", 32)
     count_flag(p, "--steps", 10, minimum=3, help="timed decode steps per run (2 more warm up)")
     count_flag(p, "--repeats", 2, help="rounds of every configuration (medians over steps and rounds)")
-    count_flag(p, "--profile-steps", 6, help="timed decode steps per batch size of the profile")
+    count_flag(p, "--profile-steps", 10, help="timed decode steps per batch size of the profile")
     p.add_argument("--link", default="200mbit", help="the emulated link's RATE[,DELAY] for 1A1F ('' to skip)")
     p.add_argument("--only", default=None, help="semicolon-separated config names (as printed) to run")
     p.add_argument("--replay", default=None, metavar="FILE", help="re-predict a stored run (no measuring)")

@@ -220,6 +220,16 @@ def check_tp_layout(cfg: ClusterConfig, num_heads: int) -> None:
         raise ClusterConfigError(f"{cfg.source}: {e}") from None
 
 
+def check_routing(cfg: ClusterConfig, model_cfg) -> None:
+    """A router that reads the token ids (DeepSeek-V4's hash layers: `routes_by_token_ids` on the family's
+    config) runs where they are, the attention side: routing ffn's broadcast carries only the hidden states."""
+    if getattr(model_cfg, "routes_by_token_ids", False) and cfg.routing == "ffn":
+        raise ClusterConfigError(
+            f"{cfg.source}: layout.routing: {model_cfg.model_type}'s routers read the token ids, which routing ffn "
+            "does not send to the FFN nodes: set layout.routing: attention"
+        )
+
+
 def _check_tls(src: str, tls: dict | None) -> None:
     if tls is None:
         return

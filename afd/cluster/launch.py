@@ -110,13 +110,14 @@ def token_env(cfg: ClusterConfig) -> dict[str, str]:
 def check_startable(cfg: ClusterConfig, source: str) -> None:
     """What would make every node fail, said once here rather than as a traceback from each."""
     if cfg.model.path != "demo":
-        from afd.cluster.config import check_expert_layout, check_tp_layout
+        from afd.cluster.config import check_expert_layout, check_routing, check_tp_layout
         from afd.cluster.topology import model_dir
         from afd.model.registry import load_config
 
         mcfg = load_config(model_dir(cfg))  # a hub name is fetched here, once, before any node starts
         check_expert_layout(cfg, mcfg.n_routed_experts, mcfg.expert_groups[0])
         check_tp_layout(cfg, mcfg.num_attention_heads)
+        check_routing(cfg, mcfg)
     from afd.backend import DeviceUnavailable, check_devices
 
     try:  # every process's device (a TP rank's is its node's index + r), before any process starts

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from afd.backend import get_backend
+from afd.cluster.config import check_routing
 from afd.cluster.flags import flat_overrides, with_overrides
 from afd.cluster.local import LocalCluster
 from afd.cluster.local_config import local_config
@@ -85,6 +86,7 @@ class LLM:
             family_mtp(self.cfg)  # refuses a family without an MTP module here, not in a node process
         if self.cluster:
             lay.tp.check_model(self.cfg.num_attention_heads)
+            check_routing(self.config, self.cfg)
             if lay.attention_tp > 1 and not family(self.cfg.model_type).attention_half.supports_tp:
                 raise ValueError(
                     f"attention_tp: {self.cfg.model_type}'s attention half has no TP layers yet "

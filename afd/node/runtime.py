@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from afd.backend import Backend, get_backend
-from afd.cluster.config import ClusterConfig, Node, check_tp_layout, process_name
+from afd.cluster.config import ClusterConfig, Node, check_routing, check_tp_layout, process_name
 from afd.cluster.fingerprint import model_fingerprint
 from afd.cluster.topology import model_dir
 from afd.control import control_pb2 as pb
@@ -152,6 +152,7 @@ def bring_up(
     path = model_dir(cfg)
     mcfg = load_config(path)
     check_tp_layout(cfg, mcfg.num_attention_heads)
+    check_routing(cfg, mcfg)
     fp = model_fingerprint(path, cfg.model.dtype, cfg.model.dummy_weights, cfg.model.seed)
     device = proc.device  # first: a device that is not here (DeviceUnavailable) leaves no server behind
     backend = get_backend(device.split(":")[0], int(device.split(":")[1]) if ":" in device else 0)

@@ -139,6 +139,12 @@ class DeepseekV4Config:
         return self.num_hidden_layers
 
     @property
+    def routes_by_token_ids(self) -> bool:
+        """The hash layers' experts are tid2eid[token id]: they route where the ids are (layout.routing
+        attention; afd.cluster.config.check_routing)."""
+        return "hash_moe" in self.mlp_layer_types
+
+    @property
     def moe_layers(self) -> tuple[int, ...]:
         """Every V4 layer is an MoE layer (hash or learned routing)."""
         return tuple(range(self.num_hidden_layers))
