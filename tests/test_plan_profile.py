@@ -74,6 +74,35 @@ def test_submit_is_the_exchange_piece_per_routing():
     assert cost_model(dataclasses.replace(on, steps=held, overlap=False)).submit.intercept == pytest.approx(100e-6)
 
 
+def test_ffn_message_is_the_round_trip_beyond_link_and_compute():
+    """Without overlap each MoE layer's wait is a whole round trip: what it holds beyond the link both ways and
+    the FFN fit at the node's rows is the FFN node's time per message (its loop, the receive's handling)."""
+    m = dataclasses.replace(_synthetic(), overlap=False)
+    model = cost_model(m)
+    extra = 300e-6
+    link, ffn = model.link, model.moe_layer.ffn
+    cluster, steps = [], []
+    for s in m.steps:
+        rows = s.batch * m.experts_per_token
+        trip = link(s.batch * 1024) + ffn(rows) + link(s.batch * 1024)
+        steps.append(dataclasses.replace(s, wait=4 * (trip + extra)))
+        cluster.append(
+            {"batch": s.batch, "step": s.step, "wait_fraction": 0.5, "ffn_rows": rows, "ffn_seconds": ffn(rows)}
+        )
+    on = dataclasses.replace(m, steps=steps, cluster=cluster)
+    assert cost_model(on).ffn_message == pytest.approx(extra, rel=1e-6)
+    assert cost_model(dataclasses.replace(on, overlap=True)).ffn_message == 0.0  # the wait is then a remainder
+
+
+def test_measurements_round_trip_so_a_stored_profile_refits():
+    from afd.plan.profile_fit import measurements_of
+
+    m = dataclasses.replace(_synthetic(), dispatch_steps=_synthetic().steps[:2], notes=("a",), host_cores=2)
+    back = measurements_of(json.loads(profile_json(cost_model(m), m)))
+    assert back == m and cost_model(back) == cost_model(m)
+    assert measurements_of({"measurements": {"steps": []}}) is None  # written before they were whole
+
+
 def test_json_round_trips_with_measurements():
     m = _synthetic()
     model = cost_model(m)

@@ -77,6 +77,15 @@ def test_the_hosts_cpu_bounds_the_step():
     assert device.host_cpu == 0.0 and device.step_time == free.step_time
 
 
+def test_ffn_message_is_paid_per_rank_on_the_ffn_node():
+    c = costs(window=(2e-6, 3e-4))
+    for lay in (Layout(1, 1, 8, micro_batches=2), Layout(2, 1, 8)):
+        base, slow = run(lay, c), run(lay, dataclasses.replace(c, ffn_message=1e-4))
+        passes = len(SHAPE.moe_layers) * lay.micro_batches
+        assert slow.ffn_busy == pytest.approx(base.ffn_busy + passes * lay.attention_ranks * 1e-4)
+    assert CostModel.from_json(dataclasses.replace(c, ffn_message=1e-4).to_json()).ffn_message == 1e-4
+
+
 def test_message_cpu_is_what_the_processes_spent_beyond_the_model():
     """afd profile's measure: CPU per step less what the cost model charges, over the step's messages."""
     layer = LayerCosts(Linear(0.0, 1e-3), Linear(0.0, 2e-3), Linear(0.0, 0.0))

@@ -134,17 +134,19 @@ def other_cores(before: tuple, after: tuple) -> float:
 
 
 def _profile(tmp: str, steps: int, log) -> tuple[dict, dict]:
-    """The demo's CostModel (JSON dict) on a 1A1F YAML, and the runner-outside share of its steps (a line)."""
+    """The demo's profile (profile_json's dict: the CostModel and its measurements) on a 1A1F YAML, and the
+    runner-outside share of its steps (a line)."""
     from afd.cluster.local_config import local_config
     from afd.plan.costs import fit
     from afd.plan.profile import profile
+    from afd.plan.profile_fit import profile_json
 
     cfg = local_config(1, 1, {"model": {"path": "demo", "dtype": "float32"}, "layout": {"overlap": False}})
     path = Path(tmp, "profile.yaml")
     path.write_text(cfg.to_yaml())
     m, costs = profile(str(path), (4, 8, 16), context=32, steps=steps, repeats=1, link_repeats=10, log=log)
     outside = fit([float(s.batch) for s in m.steps], [max(0.0, s.step - s.execute) for s in m.steps])
-    return json.loads(costs.to_json()), dataclasses.asdict(outside)
+    return json.loads(profile_json(costs, m)), dataclasses.asdict(outside)  # measurements kept: --replay refits
 
 
 def run(args) -> int:

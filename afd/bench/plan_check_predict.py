@@ -62,10 +62,10 @@ def rows_of(doc: dict) -> list[Row]:
     """Predictions for every stored run with the current simulator: each round from that round's profile
     (`profiles`; a run stored before them has one `profile` for every round)."""
     from afd.cluster.link import LinkSpec
-    from afd.plan.costs import CostModel, Linear
+    from afd.plan.costs import Linear
 
     rounds = doc.get("profiles") or [{"profile": doc["profile"], "outside_runner": doc["outside_runner"]}]
-    models = [(CostModel.from_json(json.dumps(p["profile"])), Linear(**p["outside_runner"])) for p in rounds]
+    models = [(_costs(p["profile"]), Linear(**p["outside_runner"])) for p in rounds]
     cores = doc["setting"].get("host_cores", 0)
     batch, qdisc = doc["setting"]["batch"], doc["setting"].get("link_qdisc", "")
     rows = []
@@ -83,6 +83,16 @@ def rows_of(doc: dict) -> list[Row]:
         row = Row(case, 1e3 * median(measured), 1e3 * step, 1e3 * median(waits), 1e3 * wait, len(preds), preds[0][2])
         rows.append(dataclasses.replace(row, round_ratio=median(ratios)))
     return rows
+
+
+def _costs(profile: dict):
+    """A stored profile's CostModel, fitted again by the current afd.plan.profile_fit where its measurements
+    were stored whole (so a replay follows a change to the fits as well as to the simulator)."""
+    from afd.plan.costs import CostModel
+    from afd.plan.profile_fit import cost_model, measurements_of
+
+    m = measurements_of(profile)
+    return cost_model(m) if m is not None else CostModel.from_json(json.dumps(profile))
 
 
 def available_cores(cores: int, other: float) -> int:

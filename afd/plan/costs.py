@@ -102,6 +102,12 @@ class CostModel:
     submit_dispatch: Linear = field(default_factory=lambda: Linear(0.0, 0.0))
     """The same under routing `attention`, where the submit also routes the tokens and groups them by FFN node
     (afd.dataplane.dispatch). A roofline has the router in attn_pre already (0 here)."""
+    ffn_message: float = 0.0
+    """An FFN node's time per attention rank's message in a layer pass, outside its compute: the receive's
+    handling, the result's send, its loop, on the node's own timeline (so ping-pong's two passes a layer pay it
+    twice). `afd profile` measures it from the round trips attention node 0 waited for without overlap (the
+    wait per MoE layer less the link both ways and the FFN compute); 0 under overlap (the wait is then what
+    the window did not hide) and from a roofline."""
     host_cores: int = 0
     """CPU cores of the one host every node process of a plan on these costs shares (a CPU profile's machine:
     its plans run there, afd.plan.commands writes them for one host); 0: each node has a device of its own.
@@ -136,6 +142,7 @@ class CostModel:
             int(d.get("attention_tp", 1)),  # a cost model written before the field: TP 1
             lin(d["submit"]) if "submit" in d else Linear(0.0, 0.0),  # a cost model written before the field
             lin(d["submit_dispatch"]) if "submit_dispatch" in d else Linear(0.0, 0.0),
+            float(d.get("ffn_message", 0.0)),
             int(d.get("host_cores", 0)),
             float(d.get("message_cpu", 0.0)),
         )

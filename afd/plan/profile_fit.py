@@ -84,6 +84,7 @@ def cost_model(m: Measurements) -> CostModel:
     submit, submit_dispatch = _submit(b, m.steps, m), Linear(0.0, 0.0)
     if m.dispatch_steps:
         submit_dispatch = _submit([float(s.batch) for s in m.dispatch_steps], m.dispatch_steps, m)
+    handling = ffn_message(m, layer.ffn, link)
     dense, step_overhead = _fit_or_zero(b, [s.dense for s in m.steps]), fit(b, [s.overhead for s in m.steps])
     notes = [
         f"context {m.context} tokens per sequence; batch sizes {sorted({s.batch for s in m.steps})}",
@@ -109,9 +110,24 @@ def cost_model(m: Measurements) -> CostModel:
         attention_tp=m.attention_tp,
         submit=submit if m.cluster else Linear(0.0, 0.0),  # in process the exchange is a call: nothing posted
         submit_dispatch=submit_dispatch,
+        ffn_message=handling,
         host_cores=m.host_cores,
-        message_cpu=message_cpu(m, layer, step_overhead, dense, submit) if m.host_cores else 0.0,
+        message_cpu=message_cpu(m, layer, step_overhead, dense, submit, handling) if m.host_cores else 0.0,
     )
+
+
+def ffn_message(m: Measurements, ffn: Linear, link: Link) -> float:
+    """The FFN node's time per message beyond its compute: without overlap, each MoE layer's wait (the step's
+    over its MoE layers) less the link both ways at the batch's bytes and the FFN fit at the rows the node
+    computed; the median over batch sizes, at least 0. 0 under overlap or without the cluster."""
+    if m.overlap or not m.cluster or not m.moe_layers:
+        return 0.0
+    to_ffn, back = m.bytes_per_token
+    per_batch = []
+    for s, c in zip(m.steps, m.cluster):
+        trip = link(s.batch * to_ffn) + ffn(c.get("ffn_rows", 0.0)) + link(s.batch * back)
+        per_batch.append(max(0.0, s.wait / m.moe_layers - trip) / m.attention_tp)
+    return sorted(per_batch)[len(per_batch) // 2] if per_batch else 0.0
 
 
 def _submit(b: list[float], steps: list[StepSample], m: Measurements) -> Linear:
@@ -121,7 +137,9 @@ def _submit(b: list[float], steps: list[StepSample], m: Measurements) -> Linear:
     return _fit_or_zero(b, [max(0.0, s.moe - held * s.wait) for s in steps])
 
 
-def message_cpu(m, layer: LayerCosts, step_overhead: Linear, dense: Linear, submit: Linear = Linear(0.0, 0.0)) -> float:
+def message_cpu(
+    m, layer: LayerCosts, step_overhead: Linear, dense: Linear, submit: Linear = Linear(0.0, 0.0), handling: float = 0.0
+) -> float:
     """CPU seconds per message the node processes spent beyond what the cost model charges them: per batch size,
     every process's CPU per step (the cluster's one-token job) less the attention ranks' modelled busy time
     and the FFN node's compute, over the step's messages (one each way per MoE layer and attention rank at
@@ -136,27 +154,34 @@ def message_cpu(m, layer: LayerCosts, step_overhead: Linear, dense: Linear, subm
             + m.moe_layers * (layer.attn_pre(b) + layer.attn_window(b) + layer.attn_post(b))
             + m.dense_layers * dense(b)
         )
-        charged = tp * attention + m.moe_layers * c["ffn_seconds"]
+        charged = tp * attention + m.moe_layers * (c["ffn_seconds"] + handling * tp)
         per_batch.append(max(0.0, c["cpu_per_step"] - charged) / (2 * m.moe_layers * tp))
     return sorted(per_batch)[len(per_batch) // 2] if per_batch else 0.0
 
 
 def profile_json(model: CostModel, m: Measurements) -> str:
     """The CostModel's JSON (CostModel.from_json reads it back) with the measurements under `measurements`,
-    which from_json ignores."""
+    which from_json ignores and measurements_of reads back (a stored profile can be fitted again)."""
     d = json.loads(model.to_json())
-    d["measurements"] = {
-        "context": m.context,
-        "experts_per_token": m.experts_per_token,
-        "steps": [asdict(s) for s in m.steps],
-        "link": [asdict(s) for s in m.link],
-        "cluster": m.cluster,
-        "moe_layers": m.moe_layers,
-        "bytes_per_token": list(m.bytes_per_token),
-        "overlap": m.overlap,
-        "dispatch_steps": [asdict(s) for s in m.dispatch_steps],
-    }
+    d["measurements"] = asdict(m)
     return json.dumps(d, indent=2)
+
+
+def measurements_of(d: dict) -> Measurements | None:
+    """The Measurements a profile_json document holds, or None for one written before they were whole."""
+    x = d.get("measurements", {})
+    if "config" not in x:
+        return None
+    steps = [StepSample(**s) for s in x["steps"]]
+    rest = {k: v for k, v in x.items() if k not in ("steps", "link", "dispatch_steps", "notes", "bytes_per_token")}
+    return Measurements(
+        **rest,
+        steps=steps,
+        link=[LinkSample(**s) for s in x["link"]],
+        notes=tuple(x["notes"]),
+        bytes_per_token=tuple(x["bytes_per_token"]),
+        dispatch_steps=[StepSample(**s) for s in x.get("dispatch_steps", [])],
+    )
 
 
 def table(model: CostModel) -> str:
@@ -179,6 +204,8 @@ def table(model: CostModel) -> str:
         f"| link | {1e6 / link.bandwidth:.6f} us/B ({link.bandwidth / 1e9:.2f} GB/s) | {1e6 * link.latency:.1f} "
         f"| {100 * link.rel_err:.1f}% | - |"
     )
+    if model.ffn_message:
+        out.append(f"| FFN node's loop (per message, outside compute) | - | {1e6 * model.ffn_message:.1f} | - | - |")
     if model.host_cores:
         out.append(
             f"| message CPU (per message, {model.host_cores} host cores) | - | {1e6 * model.message_cpu:.1f} | - | - |"

@@ -187,7 +187,8 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
                     t = tl.run(("a2f", r, f), t, c.link(size))
                 arrived[f] = max(arrived[f], t)
         for f in nodes:
-            done = tl.run(("ffn", f), arrived[f], c.moe_layer.ffn(rows[f][i]), core=True)
+            work = c.moe_layer.ffn(rows[f][i]) + c.ffn_message * lay.attention_ranks  # every rank's message
+            done = tl.run(("ffn", f), arrived[f], work, core=True)
             for r in ranks:
                 home = tl.run(("f2a", f, r), done, c.link(msgs[f][i][1]))
                 y[layer, i, r] = max(y.get((layer, i, r), 0.0), home)
