@@ -85,12 +85,45 @@ DEEPSEEK_V3 = {
     "bos_token_id": 0,
 }
 
+DEEPSEEK_V4 = {
+    # No ScMoE window: only the shared expert (attention side) and ping-pong hide the exchange. The hash layer
+    # routes by token id, so AFD modes run routing attention (afd.cluster.config.check_routing). The window
+    # and rates are shrunk so that a 64-token prompt reads compressed entries from the first decode step.
+    "model_type": "deepseek_v4",
+    "vocab_size": 1024,
+    "hidden_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "head_dim": 64,
+    "q_lora_rank": 256,
+    "partial_rotary_factor": 0.25,
+    "o_groups": 4,
+    "o_lora_rank": 128,
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+    "index_topk": 8,
+    "sliding_window": 32,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+    "mlp_layer_types": ["hash_moe", "moe"],
+    "hc_mult": 4,
+    "moe_intermediate_size": 768,
+    "n_routed_experts": 16,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "num_nextn_predict_layers": 0,
+    "max_position_embeddings": 8192,
+    "eos_token_id": 2,
+    "bos_token_id": 0,
+}
+
 SCENARIOS = {
     "balanced": BENCH_CONFIG,
     # The MoE round trip is longer than the ScMoE window: the case ping-pong micro-batches are for.
     "ffn-heavy": {**BENCH_CONFIG, "ffn_hidden_size": 768, "moe_topk": 8, "expert_ffn_hidden_size": 1024},
     "qwen3-moe": QWEN3_MOE,
     "deepseek-v3": DEEPSEEK_V3,
+    "deepseek-v4": DEEPSEEK_V4,
 }
 
 MODES = {
@@ -165,6 +198,10 @@ def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_b
         if link is None
         else {"attention_host": link.near_ip, "ffn_host": link.far_ip, "ffn_command_prefix": tuple(link.wrap([]))}
     )
+    from afd.model.registry import load_config
+
+    if getattr(load_config(model), "routes_by_token_ids", False):  # DeepSeek-V4's hash layers
+        where["routing"] = "attention"
     spec = LocalClusterSpec(model, A, F, dummy_weights=True, overlap=overlap, micro_batches=micro_batches, **where)
     with LocalCluster(spec) as cluster:
         cluster.start(prompts, steps + 1, ignore_eos=True)
