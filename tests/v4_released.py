@@ -27,9 +27,10 @@ FP8 = torch.float8_e4m3fn
 UE8M0 = torch.float8_e8m0fnu
 
 FP8_KEY = re.compile(
-    r"^model\.layers\.\d+\.("
+    r"^(model\.layers|mtp)\.\d+\.("
     r"attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
     r"|ffn\.(shared_experts|experts\.\d+)\.w[123]"
+    r"|e_proj|h_proj"
     r")\.weight$"
 )
 RELEASED = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}

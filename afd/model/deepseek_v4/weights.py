@@ -127,8 +127,9 @@ def _gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
 def ffn_weights(model: FFNHalf) -> Iterator[Weight]:
     cfg = model.cfg
     H, E, I, K = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    for i in cfg.moe_layers:
-        pre = f"model.layers.{i}.ffn"
+    L = cfg.num_hidden_layers
+    for i in (*cfg.moe_layers, *model.mtp_layers):  # the MTP module's MoE is layer L + k: `mtp.{k}.ffn`
+        pre = f"model.layers.{i}.ffn" if i < L else f"mtp.{i - L}.ffn"
         layer = model.layer(i)
         yield Weight(layer.router.classifier.weight, ((f"{pre}.gate.weight", (E, H)),))
         if layer.router.hashed:
@@ -156,3 +157,21 @@ def _experts(experts, prefix: str, H: int, I: int) -> Iterator[Weight]:
         else:
             yield Weight(experts.w13[g], gate_up, _gate_up)
             yield Weight(experts.w2[g], down, torch.t)
+
+
+_MTP_HC = re.compile(r"^block\.hc_(attn|ffn)\.(fn|base|scale)$")
+
+
+def mtp_weights(model) -> Iterator[Weight]:
+    """The MTP module (afd.model.deepseek_v4.mtp.MTPLayer) from `mtp.0.*`: the block's parameters under the
+    decoder layer's leaf names (`attn.*`, `attn_norm`, `ffn.shared_experts.*`, `hc_attn_fn`, ...), its own
+    `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm` and `hc_head_{fn,base,scale}`. The same keys in either
+    layout: transformers' has no MTP keys at all (it drops `mtp.*`)."""
+    for name, p in model.named_parameters():
+        if hc := _MTP_HC.match(name):
+            key = f"hc_{hc[1]}_{hc[2]}"
+        elif name.startswith("hc_head.hc_"):
+            key = "hc_head_" + name.removeprefix("hc_head.hc_")
+        else:
+            key = name.removeprefix("block.")
+        yield Weight(p, ((f"mtp.0.{key}", tuple(p.shape)),))
