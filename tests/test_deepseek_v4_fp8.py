@@ -2,9 +2,11 @@
 (ue8m0) through afd.model.deepseek_v4.weights.ReleasedReader, the experts into afd's quantized path as stored.
 
 The oracle is HF transformers 5.24 on the same weights dequantized, saved in transformers' layout
-(tests/v4_released.py): HF cannot read the tiny released checkpoint as the oracle itself (its FP8
-dequantization takes a tensor's block as its shape over its scale grid, wrong on the edge blocks these
-sizes have: tests/test_fp8_checkpoint.py's docstring)."""
+(tests/v4_released.py): HF cannot read the tiny released checkpoint with edge blocks as the oracle itself (its
+FP8 dequantization takes a tensor's block as its shape over its scale grid: tests/test_fp8_checkpoint.py's
+docstring). With whole blocks it can, and it reads the fixture's layout (names, `.scale`, ue8m0) into the
+very weights of the dequantized checkpoint: the fixture's layout is the one transformers converts from
+(test_hf_reads_the_fixture_layout)."""
 
 from __future__ import annotations
 
@@ -132,3 +134,19 @@ def test_fp4_experts_are_refused_by_the_config():
     for d in ({"quantization_config": q}, {"expert_dtype": "fp4"}):
         with pytest.raises(ConfigError, match="expert_dtype 'fp4' is not supported"):
             config_from_hf({"model_type": "deepseek_v4", **d})
+
+
+def test_hf_reads_the_fixture_layout(released, tmp_path):
+    """transformers' own conversion of DeepSeek's layout (conversion_mapping.py's deepseek_v4 renames, the FP8
+    quantizer's `.scale` -> weight_scale_inv, ue8m0 scales), dequantized, gives every tensor of the
+    dequantized checkpoint exactly: no key left unread or initialised at random. Blocks of 4 x 4 (whole at
+    every size of the fixture) so that HF's dequantization reads them right."""
+    from fp8_checkpoint import hf_dequantized_model
+    from hf_deepseek_v4 import hf_model
+
+    src = os.path.join(os.path.dirname(released[0]), "src")
+    rel, deq = write_released(src, str(tmp_path), (4, 4))
+    ours = hf_dequantized_model(rel).state_dict()
+    want = hf_model(deq).state_dict()
+    assert set(ours) == set(want)
+    assert all(torch.equal(ours[k].float(), want[k].float()) for k in want)
