@@ -84,7 +84,7 @@ FAMILIES: dict[str, Family] = {
         Family.in_package("longcat_flash", "LongcatFlashConfig", mtp=True),
         Family.in_package("qwen3_moe", "Qwen3MoeConfig", mtp=False),
         Family.in_package("deepseek_v3", "DeepseekV3Config", mtp=True),
-        Family.in_package("deepseek_v4", "DeepseekV4Config", mtp=False),
+        Family.in_package("deepseek_v4", "DeepseekV4Config", mtp=True),
     )
 }
 

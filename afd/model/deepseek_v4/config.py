@@ -185,6 +185,12 @@ class DeepseekV4Config:
         for key, want in FIXED.items():
             if d.get(key) not in (None, want):
                 raise ConfigError(f"config.json: unsupported {key} {d[key]!r}; afd supports {want!r}")
+        q = d.get("quantization_config")
+        experts = (q.get("expert_dtype") if isinstance(q, dict) else None) or d.get("expert_dtype") or "fp8"
+        if experts != "fp8":  # DeepSeek-V4-Flash: e2m1 pairs packed in int8, a ue8m0 scale per 32 columns
+            raise ConfigError(
+                f"config.json: expert_dtype {experts!r} is not supported; afd reads FP8 (e4m3, block-scaled) experts"
+            )
         L = d.get("num_hidden_layers", cls.num_hidden_layers)
         if not isinstance(L, int) or L < 0:
             raise ConfigError(f"config.json: 'num_hidden_layers' must be a non-negative integer, got {L!r}")
