@@ -86,16 +86,11 @@ def test_reader_gives_the_dequantized_values_and_the_stored_bytes(released):
     assert reader.get_fp8("model.layers.2.ffn.gate.weight", (8, 32)) is None
 
 
-def test_greedy_tokens_and_logits_match_hf_on_the_dequantized_weights(released, monkeypatch):
+def test_greedy_tokens_and_logits_match_hf_on_the_dequantized_weights(released):
     """afd.LLM on the released layout, --quantization w8a16: the experts hold the stored FP8 bytes (widened in
     the GEMM), the attention half the dequantized values; HF's greedy tokens on the dequantized checkpoint.
-    open_reader is wrapped here as afd.model.checkpoint.open_reader would with the hook this branch
-    proposes (checkpoint_reader)."""
-    import afd.engine.llm as llm_mod
-
+    afd.model.checkpoint.open_reader reads it through the family's reader (Family.reader)."""
     rel, deq = released
-    opened = llm_mod.open_reader
-    monkeypatch.setattr(llm_mod, "open_reader", lambda *a, **kw: checkpoint_reader(opened(*a, **kw)))
     ref = hf_greedy(deq, PROMPTS, NEW_TOKENS)
     llm = afd.LLM(rel, dtype="float32", block_size=4, quantization="w8a16")
     assert llm.ffn.layer(2).experts.w13.dtype == FP8

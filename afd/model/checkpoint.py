@@ -164,8 +164,13 @@ Reader = SafetensorsReader | DummyReader
 
 
 def open_reader(path: str, dummy: bool = False, seed: int = 0) -> Reader:
-    """The checkpoint at `path`, or with `dummy`, seeded random weights (path then only gives config)."""
-    return DummyReader(seed) if dummy else SafetensorsReader(path)
+    """The checkpoint at `path` (through its family's reader where its released layout has names of its own),
+    or with `dummy`, seeded random weights (path then only gives config)."""
+    if dummy:
+        return DummyReader(seed)
+    from afd.model.registry import checkpoint_reader  # the registry imports the families' modules lazily
+
+    return checkpoint_reader(path, SafetensorsReader(path))
 
 
 @dataclass(frozen=True)

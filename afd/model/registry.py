@@ -13,6 +13,7 @@ The contract the halves keep is afd/model/halves.py. Adding a family is a folder
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from importlib import import_module
 from types import ModuleType
@@ -40,6 +41,10 @@ class Family:
     ffn: str
     weights: str
     mtp: str | None = None
+    reader: str | None = None
+    """"module:function" taking the checkpoint's SafetensorsReader and returning the reader the loader uses,
+    for a family whose released checkpoints name tensors otherwise than transformers saves them (DeepSeek-V4's
+    own layout); None: the reader as is."""
 
     @classmethod
     def in_package(cls, model_type: str, config_class: str, mtp: bool) -> Family:
@@ -84,7 +89,10 @@ FAMILIES: dict[str, Family] = {
         Family.in_package("longcat_flash", "LongcatFlashConfig", mtp=True),
         Family.in_package("qwen3_moe", "Qwen3MoeConfig", mtp=False),
         Family.in_package("deepseek_v3", "DeepseekV3Config", mtp=True),
-        Family.in_package("deepseek_v4", "DeepseekV4Config", mtp=True),
+        dataclasses.replace(
+            Family.in_package("deepseek_v4", "DeepseekV4Config", mtp=True),
+            reader="afd.model.deepseek_v4.weights:checkpoint_reader",
+        ),
     )
 }
 
@@ -111,6 +119,12 @@ def config_from_hf(d: dict) -> ModelConfig:
     cfg: ModelConfig = family(d.get("model_type")).config_class.from_hf_dict(d)
     checkpoint_quant(d)  # a quantization_config afd cannot read is refused with the model's config
     return cfg
+
+
+def checkpoint_reader(path: str, reader):
+    """The reader the loader reads the checkpoint at `path` through: its family's (Family.reader) or `reader`."""
+    fam = family(read_config_json(path).get("model_type"))
+    return reader if fam.reader is None else _attr(fam.reader)(reader)
 
 
 def load_config(path: str) -> ModelConfig:
