@@ -29,7 +29,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ class _MicroBatch:
 
 class GraphHalf(nn.Module):
     attn: AttentionHalf
+    supports_graph: ClassVar[bool] = True  # it is the graph
 
     def __init__(self, attn: AttentionHalf, backend, buckets, cache_dir: str | None, kv):
         """buckets: the batch sizes that get graphs; kv: the KV cache, which gives up one block as scratch."""
@@ -116,6 +117,15 @@ class GraphHalf(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.attn.logits(x)
+
+    def combine(self, i: int, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.attn.combine(i, h, y)
+
+    def moe_reads_token_ids(self, i: int) -> bool:
+        return self.attn.moe_reads_token_ids(i)
+
+    def mtp_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn.mtp_hidden(x)
 
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor):
         s = self._step(meta)

@@ -4,7 +4,7 @@ attention half through these Protocols."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -34,6 +34,8 @@ class AttentionHalf(Protocol):
 
     def moe_reads_token_ids(self, i: int) -> bool: ...
 
+    def mtp_hidden(self, x: torch.Tensor) -> torch.Tensor: ...
+
     norm: nn.Module
     lm_head: nn.Module
 
@@ -41,7 +43,7 @@ class AttentionHalf(Protocol):
 
     quant: QuantSpec | None
 
-    supports_graph: bool
+    supports_graph: ClassVar[bool]
 
 
 MTPModule = MTPLayer

@@ -156,7 +156,7 @@ class DraftOutput:
     """The MTP module's forward at each sequence's last position."""
 
     hidden: torch.Tensor
-    """Its own hidden state [B, H]: the next chained draft's input."""
+    """Its own hidden state [B, H] (DeepSeek-V4: its mHC streams [B, N, H]): the next chained draft's input."""
     logits: torch.Tensor
     """fp32 [B, V] of the token after next."""
 

@@ -144,7 +144,7 @@ class ModelRunner:
                 rows = self.attn.logits(x[to_device(torch.tensor(src), self.device)])
                 logits[to_device(torch.tensor(dst), self.device)] = rows
                 if self.mtp is not None:
-                    hidden.append(self.attn.norm(x))
+                    hidden.append(self.attn.mtp_hidden(x))
         if self.tuner:
             waited = moe.timers.total("ffn_wait") - wait0
             decode = all(len(s.token_ids) == s.num_logits for s in seqs)  # decode, drafts included
@@ -245,11 +245,11 @@ class ModelRunner:
             pending = moe.submit(_layer_id(mtp.moe_layer), 0, m)
         h = mtp.block.post_moe(h, m, rope, meta, kv)
         if pending is not None:
-            h = h + pending.wait()
+            h = mtp.combine(h, pending.wait())
             self.exchange().end_step()
         last = to_device(torch.tensor([s.q_start + s.q_len - 1 for s in meta.seqs]), self.device)
-        out = mtp.norm(h[last])  # [B, H]
-        return DraftOutput(out, self.attn.lm_head(out).float())
+        chain, out = mtp.draft(h[last])  # what the next draft step starts from; the lm_head's input [B, H]
+        return DraftOutput(chain, self.attn.lm_head(out).float())
 
     # ---- steps without tokens, mirrored on the other TP ranks ---------------------------------------
 

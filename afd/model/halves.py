@@ -112,6 +112,11 @@ class AttentionHalf(LoadedModule):
         residual is not one [T, H] stream (DeepSeek-V4's mHC streams) expands y here."""
         return h + y
 
+    def mtp_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """What the MTP module drafts from, of the last layer's output x: the final norm's output by default;
+        DeepSeek-V4's MTP reads the mHC streams themselves. Read by afd.engine.runner."""
+        return self.norm(x)
+
     def moe_reads_token_ids(self, i: int) -> bool:
         """Whether layer i's router needs the tokens' ids (DeepSeek-V4's hash-routed layers): the runner
         then passes them to the exchange with m. Default: no."""

@@ -57,6 +57,17 @@ class MTPLayer(LoadedModule):
         """e [T, H] embeddings of the next tokens, h [T, H] hidden states -> the block's input [T, H]."""
         return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1))
 
+    def combine(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The block's output from its h and its routed experts' y: the residual sum by default (DeepSeek-V4's
+        expands y into its mHC streams)."""
+        return h + y
+
+    def draft(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output h at the sequences' last positions -> (what the next draft step fuses, what the
+        main model's lm_head reads): the final norm's output for both by default."""
+        out = self.norm(h)
+        return out, out
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The block's own KV cache layer (addressed by the main model's block tables)."""
         return self.block.kv_cache_shape(num_blocks, block_size)

@@ -76,9 +76,13 @@ class FFNHalf(halves.FFNHalf):
     # HF's _keep_in_fp32_modules_strict: e_score_correction_bias
     keep_in_fp32_strict = ("router.e_score_correction_bias",)
 
-    def __init__(self, cfg: DeepseekV4Config, experts=None, serves_zero: bool = True):
+    def __init__(self, cfg: DeepseekV4Config, experts=None, serves_zero: bool = True, mtp: bool = False):
+        """With `mtp`, also the MTP module's MoE layer (a learned router), as layer num_hidden_layers."""
         super().__init__(cfg, experts, serves_zero)
         self.layers = nn.ModuleList([FFNLayer(cfg, self.held, t == "hash_moe") for t in cfg.mlp_layer_types])
+        if mtp:
+            self.mtp_layers = (cfg.num_hidden_layers,)
+            self.layers.append(FFNLayer(cfg, self.held, False))
 
     def layer(self, i: int) -> FFNLayer:
         return cast(FFNLayer, self.layers[i])  # nn.ModuleList's items are typed Module

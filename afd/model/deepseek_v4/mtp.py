@@ -81,8 +81,10 @@ class MTPLayer(halves.LoadedModule):
     """e_proj, h_proj and their norms before the block; its own hc_head and norm after it. Checkpoint names
     under `mtp.{k}.` (afd.model.deepseek_v4.weights.mtp_weights)."""
 
-    keep_in_fp32_strict = ("hc_attn.fn", "hc_attn.base", "hc_attn.scale", "hc_ffn.fn", "hc_ffn.base", "hc_ffn.scale")
-    keep_in_fp32_strict += ("hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale", "attn_sink", "norm.weight")
+    keep_in_fp32_strict = (
+        *("hc_attn.fn", "hc_attn.base", "hc_attn.scale", "hc_ffn.fn", "hc_ffn.base", "hc_ffn.scale"),
+        *("hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale", "attn_sink", "norm.weight"),
+    )
 
     def __init__(self, cfg: DeepseekV4Config):
         super().__init__()
@@ -108,6 +110,14 @@ class MTPLayer(halves.LoadedModule):
     def head(self, streams: torch.Tensor) -> torch.Tensor:
         """The block's output streams [T, N, D] -> the hidden state the main model's lm_head reads [T, D]."""
         return self.norm(self.hc_head(streams))
+
+    def combine(self, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The block's routed output y expanded into its streams, as the main model's layers do."""
+        return self.block.combine(h, y)
+
+    def draft(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next draft step chains the streams themselves; the lm_head reads them collapsed and normed."""
+        return h, self.head(h)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return self.block.kv_cache_shape(num_blocks, block_size)
