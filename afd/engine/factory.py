@@ -50,7 +50,8 @@ def quantize_attention_side(attn: AttentionHalf, mtp: MTPModule | None, backend:
     """The linears of the attention half (cut for TP) and the MTP layer to their scheme's 8 bits, once."""
     for half in (attn, mtp):
         spec = half.quant if half is not None else None
-        if spec is not None and isinstance(half, nn.Module) and (n := quantize_linears(half, spec, backend)):
+        keep = half.unquantized if half is not None else ()
+        if spec is not None and isinstance(half, nn.Module) and (n := quantize_linears(half, spec, backend, keep)):
             log.info("%s: %d linears quantized (%s)", type(half).__name__, n, spec.describe())
 
 

@@ -65,6 +65,7 @@ class _MicroBatch:
 class GraphHalf(nn.Module):
     attn: AttentionHalf
     supports_graph: ClassVar[bool] = True  # it is the graph
+    unquantized: ClassVar[tuple[str, ...]] = ()  # wrapped once quantized (afd.engine.factory)
 
     def __init__(self, attn: AttentionHalf, backend, buckets, cache_dir: str | None, kv):
         """buckets: the batch sizes that get graphs; kv: the KV cache, which gives up one block as scratch."""

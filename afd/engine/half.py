@@ -45,6 +45,8 @@ class AttentionHalf(Protocol):
 
     supports_graph: ClassVar[bool]
 
+    unquantized: ClassVar[tuple[str, ...]]
+
 
 MTPModule = MTPLayer
 """The MTP module the runner drafts with: afd.model.mtp's, which no wrapper stands in for."""

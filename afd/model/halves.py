@@ -46,6 +46,11 @@ class LoadedModule(nn.Module, ABC):
     """Name suffixes kept fp32, at the checkpoint's precision, in an fp16 or bf16 model (HF's
     `_keep_in_fp32_modules_strict`). Read by afd.model.checkpoint.kept_in_fp32."""
 
+    unquantized: ClassVar[tuple[str, ...]] = ()
+    """Name fragments of linears `--quantization` leaves in the model dtype, as the family's released checkpoint
+    stores them in 16 bits (DeepSeek-V4's compressors and indexer weights). Read by
+    afd.model.quant_layers.quantize_linears."""
+
     quant: QuantSpec | None = None
     """The scheme the half serves with (afd.quant), set by afd.model.checkpoint's builders: an FFN half's
     experts are 8-bit from the load; an attention half's or MTP layer's linears are quantized by

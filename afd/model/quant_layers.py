@@ -54,12 +54,12 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def quantize_linears(module: nn.Module, spec: QuantSpec, backend: Backend) -> int:
+def quantize_linears(module: nn.Module, spec: QuantSpec, backend: Backend, keep: tuple[str, ...] = ()) -> int:
     """Every quantizable nn.Linear of a loaded (and TP-cut) half to a QuantLinear, in place; returns how many.
-    Idempotent: a QuantLinear is not an nn.Linear."""
+    Idempotent: a QuantLinear is not an nn.Linear. keep: name fragments left alone (the half's `unquantized`)."""
     if spec.activations is None:
         return 0
-    skip = spec.checkpoint.not_converted if spec.checkpoint is not None else ()
+    skip = (*(spec.checkpoint.not_converted if spec.checkpoint is not None else ()), *keep)
     fused = {
         id(m) for m in module.modules() if getattr(m, "prolog", None) is not None
     }  # an MLA with the backend's fused prolog
