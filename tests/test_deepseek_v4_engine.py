@@ -104,6 +104,29 @@ def test_1024_token_prompts_decode_with_the_compressed_state(v4):
         assert max_rel_err(logits[i], ref_logits) <= LOGITS_REL_TOL, f"prompt {i}"
 
 
+def test_a_long_sequence_holds_its_window_not_its_history(v4):
+    """A 300-token prompt, then 64 decoded, blocks of 4: after each step (the prefill's too, which wrote 75
+    blocks) the sequence holds its window's pages (lookback 15: 5 of them) and its compressed entries' few, not
+    the 75 to 91 blocks of its history; its tokens are HF's."""
+    from afd.engine.request import Request
+    from afd.engine.sampling import SamplingParams
+
+    path, _ = v4("all_types")
+    prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref = hf_greedy(path, [prompt], NEW_TOKENS)
+    engine = afd.LLM(path, block_size=4).job_engine([prompt], [NEW_TOKENS])
+    a = engine.runner.kv.allocator
+    total, held, out = a.num_free, [], []
+    engine.add_request(
+        Request("0", prompt, SamplingParams(), NEW_TOKENS, lambda o: out.extend(o.new_token_ids), ignore_eos=True)
+    )
+    while engine.has_unfinished():
+        engine.step()
+        held.append(total - a.num_free)
+    assert out == ref[0][0]
+    assert max(held) <= 5 + 6 and a.num_free == total  # 6 entry pages at most: 91 CSA / 24 a page, 22 HCA / 72
+
+
 def test_prefix_caching_is_off_for_v4_with_a_log_line_and_the_same_tokens(v4, caplog):
     """V4's window gives its early blocks back as a sequence advances, so its scheduler turns prefix caching
     off (afd.engine.scheduler) and says why; asked for, it decodes what it decodes without (no hits)."""

@@ -12,9 +12,9 @@ from hf_deepseek_v4 import BASE
 
 from afd.engine.kv_cache import KVCache
 from afd.model.config import ConfigError
-from afd.model.deepseek_v4.state import layer_planes, state_bytes_per_token, window_bytes_per_sequence
+from afd.model.deepseek_v4.state import layer_planes
 from afd.model.registry import config_from_hf
-from afd.model.state_spec import NULL_BLOCK, StateLayout
+from afd.model.state_spec import NULL_BLOCK, StateLayout, state_bytes_per_token, window_bytes_per_sequence
 
 CPU = torch.device("cpu")
 
@@ -91,7 +91,8 @@ def test_v4_memory_per_token_against_deepseek_v3_at_hf_defaults():
     plus a fixed window of 128 positions of every layer's per-token planes per sequence."""
     v4, v3 = config_from_hf({"model_type": "deepseek_v4"}), config_from_hf({"model_type": "deepseek_v3"})
     assert state_bytes_per_token(v4, 2) == 2 * 3292
-    assert math.prod(v3.kv_cache_shape(1, 1)) == 35136
+    assert state_bytes_per_token(v3, 2) == 2 * math.prod(v3.kv_cache_shape(1, 1)) == 2 * 35136
+    assert window_bytes_per_sequence(v3, 2) == 0
     window_values = 20 * (512 * 5 + 4 * 128) + 23 * 3 * 512
     assert window_values == v4.state_kinds()[0].width == 96768
     assert window_bytes_per_sequence(v4, 2) == 2 * 128 * window_values

@@ -152,3 +152,15 @@ def full_history(cfg) -> tuple[StateKind, ...]:
     for d in shape[1:]:
         per_layer *= d
     return (StateKind("kv", (per_layer,) * shape[0]),)
+
+
+def state_bytes_per_token(cfg, dtype_bytes: int) -> float:
+    """Bytes a token adds to a family's state at steady state (any family: cfg.state_kinds()); a compressed
+    kind's amortised over its rate, a window's not at all (window_bytes_per_sequence)."""
+    return values_per_token(cfg.state_kinds()) * dtype_bytes
+
+
+def window_bytes_per_sequence(cfg, dtype_bytes: int) -> int:
+    """Bytes a sequence holds in its windows however long it is (lookback + 1 positions; its pages round this
+    up to whole blocks); 0 for a family that keeps full history only."""
+    return values_per_sequence(cfg.state_kinds()) * dtype_bytes

@@ -14,7 +14,8 @@
 
 A layer's columns are its own (no padding to the widest layer); the window's blocks wholly before the lookback
 go back to the allocator as the sequence advances, so a sequence holds a fixed window however long it gets,
-and per token only its compressed entries (`state_bytes_per_token`, `window_bytes_per_sequence`). Every slot
+and per token only its compressed entries (afd.model.state_spec.state_bytes_per_token,
+window_bytes_per_sequence). Every slot
 depends only on the tokens at or before the positions it covers: preemption recomputes it.
 """
 
@@ -122,18 +123,3 @@ def state_kinds(cfg: DeepseekV4Config) -> tuple[StateKind, ...]:
             widths = tuple(layer_planes(cfg, i).entry_width if cfg.layer_types[i] == t else 0 for i in L)
             kinds.append(StateKind(t, widths, rate))
     return tuple(kinds)
-
-
-def state_bytes_per_token(cfg: DeepseekV4Config, dtype_bytes: int) -> float:
-    """Bytes a token adds at steady state: its compressed entries, amortised over their rate."""
-    from afd.model.state_spec import values_per_token
-
-    return values_per_token(state_kinds(cfg)) * dtype_bytes
-
-
-def window_bytes_per_sequence(cfg: DeepseekV4Config, dtype_bytes: int) -> int:
-    """Bytes a sequence holds in its window however long it is (lookback + 1 positions of every layer's
-    per-token planes; its pages round it up to block_size)."""
-    from afd.model.state_spec import values_per_sequence
-
-    return values_per_sequence(state_kinds(cfg)) * dtype_bytes
