@@ -9,7 +9,8 @@ caching) every kind alike. A family with one full-history per-token kind (MLA la
 tensor [layers, blocks, block_size, ...] of its kv_cache_shape and one block table per sequence, as before kinds.
 A family with more kinds (DeepSeek-V4: a sliding window of per-token planes, and compressed entries) gets a pool
 of equal pages that every kind draws from, a block table per kind (afd.model.state_spec.BlockTable), and its
-window's blocks given back as the sequence moves past them (`release_window`: vLLM's SlidingWindowManager).
+window's blocks given back as the sequence moves past them (`release_window`, at each schedule: vLLM's
+SlidingWindowManager).
 Such a family runs without prefix caching (afd.engine.scheduler) and without KVP (a window's blocks are not a
 round-robin share of the sequence's)."""
 

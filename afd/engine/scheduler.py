@@ -14,6 +14,11 @@ drafts; the MTP module asks `reserve` for the room its chained drafts write.
 With prefix caching (afd.engine.prefix_cache) a request admitted with nothing computed, new or preempted,
 starts from the cached blocks of its longest known prefix; blocks are registered once their KV is final:
 a running request's at each schedule, a finishing one's when it finishes.
+
+A family with several state kinds (afd.model.state_spec, DeepSeek-V4) has a block table per kind, grown, trimmed
+and freed together (KVCache); before each step the pages of its window that no later token reads go back to
+the allocator, and prefix caching is off for it (its early window pages are gone, so a prefix's state is not
+all still there to share).
 """
 
 from __future__ import annotations
@@ -72,8 +77,10 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.max_tokens
         out: list[ScheduledSeq] = []
-        if self.prefix is not None:
-            for req in self.running:
+        for req in self.running:
+            # before the step, as vLLM's SlidingWindowManager: the last step's tokens were all read (MTP too)
+            self.kv.release_window(req.block_table, req.num_computed)
+            if self.prefix is not None:
                 self.prefix.scheduled(req)
         for req in list(self.running):
             if budget == 0:
@@ -123,7 +130,6 @@ class Scheduler:
             req.draft = None
             if req.status is Status.RUNNING:
                 self.kv.trim(req.block_table, req.num_computed)
-                self.kv.release_window(req.block_table, req.num_computed)
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Room in the request's block table for num_tokens (False: no free blocks; nothing changes)."""

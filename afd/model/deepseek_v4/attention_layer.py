@@ -46,17 +46,23 @@ class Attention(nn.Module):
                 H, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, rate, cfg.index_topk, cfg.rms_norm_eps
             )
 
-    def forward(self, x: torch.Tensor, rope_: tuple, meta: AttentionMetadata, kv: PagedLayer, comp) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope_: tuple, meta: AttentionMetadata, kv: PagedLayer | torch.Tensor, comp
+    ) -> torch.Tensor:
         """x [T, H] (normed block input) -> [T, H]. rope_: (main cos, sin, compress cos, sin) at the step's
         positions; comp: the compressed layers' Rotary (entries and indexer queries at other positions).
-        Writes this step's planes into kv, the layer's state (afd.model.deepseek_v4.state)."""
+        Writes this step's planes into kv, the layer's state (afd.model.deepseek_v4.state), or, for a sliding-
+        window-only layer with a cache of its own (an MTP block's), its token plane [pages, block_size * Wt]."""
         T, Hq, D, P, bs = x.shape[0], self.heads, self.dim, self.planes, meta.block_size
         cos, sin = rope_[:2] if self.rope_kind == "main" else rope_[2:]
         q_res = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = unweighted_norm(self.wq_b(q_res).view(T, Hq, D), self.cfg.rms_norm_eps)
         q = rope(q, cos, sin)  # [T, Hq, D]
         k = rope(self.norm(self.wkv(x)), cos, sin)  # [T, D]: K = V
-        tokens = kv.view("window")  # [pages, bs, Wt]
+        if isinstance(kv, torch.Tensor):
+            tokens = kv.view(kv.shape[0], bs, P.token_width)  # [pages, bs, Wt]
+        else:
+            tokens = kv.view("window")  # [pages, bs, Wt]
         entries = kv.view(self.entry_kind) if self.rate else None  # [pages, slots, We]
         at = (meta.slot_mapping // bs, meta.slot_mapping % bs)  # (block, offset) of each new token
         tokens[(*at, P.kv)] = k.to(tokens.dtype)

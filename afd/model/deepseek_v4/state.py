@@ -79,6 +79,12 @@ class Planes:
     def entry_width(self) -> int:
         return self.ientry.stop
 
+    def block_values(self, block_size: int) -> int:
+        """Values per block of a sliding-window-only layer's token plane held alone (an MTP block's own cache)."""
+        if self.rate:
+            raise ValueError("a compressed layer's state is kinds of the page pool, not one plane")
+        return block_size * self.token_width
+
     def entry_at(self, table: torch.Tensor, slots: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, slot) in the entries view of a sequence's compressed positions w (table: its entry kind's
         pages, `slots` entries each)."""
