@@ -52,7 +52,7 @@ class Attention(nn.Module):
         """x [T, H] (normed block input) -> [T, H]. rope_: (main cos, sin, compress cos, sin) at the step's
         positions; comp: the compressed layers' Rotary (entries and indexer queries at other positions).
         Writes this step's planes into kv, the layer's state (afd.model.deepseek_v4.state), or, for a sliding-
-        window-only layer with a cache of its own (an MTP block's), its token plane [pages, block_size * Wt]."""
+        window-only layer with a cache of its own (an MTP block's), its token plane [pages, >= block_size * Wt]."""
         T, Hq, D, P, bs = x.shape[0], self.heads, self.dim, self.planes, meta.block_size
         cos, sin = rope_[:2] if self.rope_kind == "main" else rope_[2:]
         q_res = self.q_norm(self.wq_a(x))  # [T, q_lora]
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         q = rope(q, cos, sin)  # [T, Hq, D]
         k = rope(self.norm(self.wkv(x)), cos, sin)  # [T, D]: K = V
         if isinstance(kv, torch.Tensor):
-            tokens = kv.view(kv.shape[0], bs, P.token_width)  # [pages, bs, Wt]
+            tokens = kv[:, : bs * P.token_width].view(kv.shape[0], bs, P.token_width)  # [pages, bs, Wt]
         else:
             tokens = kv.view("window")  # [pages, bs, Wt]
         entries = kv.view(self.entry_kind) if self.rate else None  # [pages, slots, We]
