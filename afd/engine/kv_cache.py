@@ -179,7 +179,10 @@ class KVCache:
     def release_window(self, table: list[int], num_tokens: int) -> int:
         """Give back the window's blocks no later token reads, once num_tokens are computed; their entries become
         NULL_BLOCK (positions keep their blocks' indices). Returns how many went back."""
-        gone = [j for j in range(min(len(table), self.layout.first_needed(num_tokens))) if table[j] != NULL_BLOCK]
+        gone, j = [], min(len(table), self.layout.first_needed(num_tokens)) - 1
+        while j >= 0 and table[j] != NULL_BLOCK:  # the given-back ones are a prefix: O(blocks given back)
+            gone.append(j)
+            j -= 1
         self.allocator.free([table[j] for j in gone])
         for j in gone:
             table[j] = NULL_BLOCK
