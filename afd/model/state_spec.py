@@ -10,7 +10,7 @@ The existing families declare one full-history per-token kind, laid out as befor
 ([layers, blocks, block_size, ...]). A family with more kinds (DeepSeek-V4) gets one page pool: every page is
 `page_values` values, a kind's page holds `slots` of its rows (each row: every layer's columns of that kind,
 so no layer is padded to the widest), and one allocator hands pages to every kind. This is vLLM v1's
-KVCacheGroup / SlidingWindowManager design (vllm/v1/core/single_type_kv_cache_manager.py,
+KVCacheGroup / SlidingWindowManager design (vllm-project/vllm: vllm/v1/core/single_type_kv_cache_manager.py,
 vllm/v1/kv_cache_interface.py: one block pool, equal page sizes, out-of-window blocks freed), with afd's
 shapes; the pages are made equal by giving each kind as many slots as fit, not by changing the block size.
 
@@ -66,6 +66,8 @@ class StateLayout:
         k0 = self.kinds[0]
         if k0.rate != 1:
             raise ValueError(f"the primary state kind {k0.name!r} must have a slot per token")
+        if any(k.lookback is not None for k in self.kinds[1:]):
+            raise ValueError("only the primary state kind may be a window (KVCache.release_window frees its pages)")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -73,11 +75,12 @@ class StateLayout:
 
     @property
     def paged_pool(self) -> bool:
-        """More than one full-history per-token kind: pages of the shared pool, not kv_cache_shape's layout."""
+        """Several kinds, or a window: pages of the shared pool, not kv_cache_shape's layout."""
         return len(self.kinds) > 1 or self.kinds[0].lookback is not None
 
     @property
     def page_values(self) -> int:
+        """Values per page: block_size slots of the primary kind (at least one slot of every kind)."""
         return max(self.block_size * self.kinds[0].width, *(k.width for k in self.kinds))
 
     def slots(self, k: int) -> int:
