@@ -7,8 +7,8 @@
       ckv, cgate  [o*D]  the compressor's projections (CSA: o = 2 overlapping series, HCA: o = 1), from which a
                          window's entry is made once its last token is in
       ikv, igate  [2*c]  (CSA) the lightning indexer's compressor projections, c = index_head_dim
-  csa, hca  one slot per compressed position w (tokens [w*r, (w+1)*r)), full history, with their own block
-           tables; per layer of that type:
+  CSA, HCA  (kinds named by the layer type) one slot per compressed position w (tokens [w*r, (w+1)*r)), full
+           history, each with its own block table; per layer of that type:
       entry       [D]    compressed entry w
       ientry      [c]    (CSA) the indexer's compressed key w
 
