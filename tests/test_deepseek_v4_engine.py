@@ -1,7 +1,7 @@
 """DeepSeek-V4 through afd's real engine against HF transformers 5.24 (DeepseekV4ForCausalLM) on tiny random
 checkpoints made here (tests/hf_deepseek_v4.py): colocated, greedy tokens identical over 64 new tokens and every
 step's logits close, on three configs that together cover every layer type, hash and learned MoE, hc_mult 2 and
-4, contexts past the sliding window and past the HCA rate; chunked prefill, prefix caching, 1,024-token
+4, contexts past the sliding window and past the HCA rate; chunked prefill, prefix caching (off), 1,024-token
 prompts, bf16's first step, graph mode (eager); 1A1F, 2A1F and 1A2F under layout.routing attention, and `afd
 serve`. V4 is not in tests/test_families.py's shared suite yet (its hash layers need routing attention across
 processes)."""
@@ -102,31 +102,6 @@ def test_1024_token_prompts_decode_with_the_compressed_state(v4):
     for i, (ids, ref_logits) in enumerate(ref):
         assert out[i] == ids, f"prompt {i}"
         assert max_rel_err(logits[i], ref_logits) <= LOGITS_REL_TOL, f"prompt {i}"
-
-
-def test_a_long_sequence_holds_its_window_not_its_history(v4):
-    """A 300-token prompt, then 64 decoded, blocks of 4: the prefill writes 75 blocks, and from the next step on
-    (the scheduler gives the window's pages back before each step) the sequence holds its window's pages
-    (lookback 15: 5 of them) and its compressed entries' few, not the 75 to 91 blocks of its history; its
-    tokens are HF's."""
-    from afd.engine.request import Request
-    from afd.engine.sampling import SamplingParams
-
-    path, _ = v4("all_types")
-    prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(3)).tolist()
-    ref = hf_greedy(path, [prompt], NEW_TOKENS)
-    engine = afd.LLM(path, block_size=4).job_engine([prompt], [NEW_TOKENS])
-    a = engine.runner.kv.allocator
-    total, held, out = a.num_free, [], []
-    engine.add_request(
-        Request("0", prompt, SamplingParams(), NEW_TOKENS, lambda o: out.extend(o.new_token_ids), ignore_eos=True)
-    )
-    while engine.has_unfinished():
-        engine.step()
-        held.append(total - a.num_free)
-    assert out == ref[0][0]
-    # 6 entry pages at most: 91 CSA entries, 24 a page; 22 HCA, 72 a page
-    assert held[0] >= 75 and max(held[1:-1]) <= 5 + 6 and a.num_free == total
 
 
 def test_prefix_caching_is_off_for_v4_with_a_log_line_and_the_same_tokens(v4, caplog):
