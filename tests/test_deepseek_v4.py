@@ -1,6 +1,6 @@
 """DeepSeek-V4's pieces against HF transformers 5.24: the config's defaults (each key of a saved config.json
-dropped in turn), YaRN and legacy keys, the rope tables, the routers and mHC module by module, and the paged
-state's layout. afd's engine on DeepSeek-V4 against HF is tests/test_deepseek_v4_engine.py."""
+dropped in turn), YaRN and legacy keys, the rope tables, the routers and mHC module by module. afd's engine on
+DeepSeek-V4 against HF is tests/test_deepseek_v4_engine.py; its paged state's layout tests/test_state_kinds.py."""
 
 from __future__ import annotations
 
@@ -160,25 +160,3 @@ def test_hyper_connection_is_hfs():
     torch.testing.assert_close(collapsed, hf_collapsed[0], rtol=0, atol=0)
     torch.testing.assert_close(comb.sum(dim=-2), torch.ones(7, hf_cfg.hc_mult), rtol=0, atol=1e-4)  # doubly
     torch.testing.assert_close(comb.sum(dim=-1), torch.ones(7, hf_cfg.hc_mult), rtol=0, atol=1e-4)  # stochastic
-
-
-def test_kv_cache_holds_token_planes_and_compact_compressed_entries():
-    """Per block, each layer's token planes (a slot per position) and its compressed entries (a slot per
-    compressed position: block_size / rate of them), as afd.model.deepseek_v4.state lays them out."""
-    from afd.model.deepseek_v4.state import layer_planes
-
-    cfg = config_from_hf(FULL)  # layers: sliding, CSA (rate 4), HCA (rate 16), CSA
-    D, c, bs = cfg.head_dim, cfg.index_head_dim, 8
-    planes = [layer_planes(cfg, i) for i in range(cfg.num_layers)]
-    assert [p.token_width for p in planes] == [D, 5 * D + 4 * c, 3 * D, 5 * D + 4 * c]
-    assert [p.entry_slots(bs) for p in planes] == [0, 2, 1, 2]
-    assert [p.entry_width for p in planes] == [0, D + c, D, D + c]
-    assert cfg.kv_cache_shape(5, bs) == (cfg.num_layers, 5, bs * (5 * D + 4 * c) + 2 * (D + c))
-    kv = torch.zeros(cfg.kv_cache_shape(5, bs)[1:])
-    tokens, entries = planes[1].views(kv, bs)
-    tokens[3, 1, planes[1].kv] = 1.0  # views: writes land in the cache row
-    entries[4, 1, planes[1].ientry] = 2.0
-    assert kv[3].sum() == D and kv[4].sum() == 2 * c
-    table = torch.tensor([4, 2, 0])  # compressed position w ends at token 4w + 3: block w // 2, slot w % 2
-    block, slot = planes[1].entry_at(table, bs, torch.arange(5))
-    assert block.tolist() == [4, 4, 2, 2, 0] and slot.tolist() == [0, 1, 0, 1, 0]

@@ -1,7 +1,7 @@
 """DeepSeek-V4 through afd's real engine against HF transformers 5.24 (DeepseekV4ForCausalLM) on tiny random
 checkpoints made here (tests/hf_deepseek_v4.py): colocated, greedy tokens identical over 64 new tokens and every
 step's logits close, on three configs that together cover every layer type, hash and learned MoE, hc_mult 2 and
-4, contexts past the sliding window and past the HCA rate; chunked prefill, prefix caching, 1,024-token
+4, contexts past the sliding window and past the HCA rate; chunked prefill, prefix caching (off), 1,024-token
 prompts, bf16's first step, graph mode (eager); 1A1F, 2A1F and 1A2F under layout.routing attention, and `afd
 serve`. V4 is not in tests/test_families.py's shared suite yet (its hash layers need routing attention across
 processes)."""
@@ -69,7 +69,7 @@ def test_chunked_prefill_batched_and_odd_blocks_match_hf(v4):
     runner = ModelRunner(llm.attn, LocalMoE(llm.ffn, llm.backend), kv, torch.device("cpu"), micro_batches=2)
     seqs = [list(p) for p in PROMPTS]
     done = [0] * len(seqs)  # tokens in the cache
-    tables: list[list[int]] = [[] for _ in seqs]
+    tables = [kv.new_table() for _ in seqs]
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
     while any(len(s) - len(p) < NEW_TOKENS for s, p in zip(seqs, PROMPTS)):
         step, rows = [], []
@@ -83,6 +83,7 @@ def test_chunked_prefill_batched_and_odd_blocks_match_hf(v4):
         out = runner.execute(step).logits
         for r, k in enumerate(rows):
             done[k] += len(step[r].token_ids)
+            kv.release_window(tables[k], done[k])
             if done[k] == len(seqs[k]):  # its last token is in: the row is a real next-token prediction
                 logits[k].append(out[r])
                 seqs[k].append(int(out[r].argmax()))
@@ -103,17 +104,18 @@ def test_1024_token_prompts_decode_with_the_compressed_state(v4):
         assert max_rel_err(logits[i], ref_logits) <= LOGITS_REL_TOL, f"prompt {i}"
 
 
-def test_prefix_cache_reuses_the_planes_with_the_same_tokens(v4):
-    """Prefix caching (afd.engine.prefix_cache) on V4's planes: later prompts start from the cached blocks of a
-    shared 12-token prefix (its sliding keys, projections and CSA entries) and decode the tokens of the cache
-    off, computing fewer tokens (tests/test_prefix_cache_engine.py's scenario)."""
+def test_prefix_caching_is_off_for_v4_with_a_log_line_and_the_same_tokens(v4, caplog):
+    """V4's window gives its early blocks back as a sequence advances, so its scheduler turns prefix caching
+    off (afd.engine.scheduler) and says why; asked for, it decodes what it decodes without (no hits)."""
     from test_prefix_cache_engine import NEW, generate
 
     llm = afd.LLM(v4("all_types")[0], block_size=4)
     off, computed_off, *_ = generate(llm, False)
-    on, computed_on, (queries, hits), *_ = generate(llm, True)
+    with caplog.at_level("INFO", logger="afd.engine.scheduler"):
+        on, computed_on, (queries, hits), *_ = generate(llm, True)
     assert on == off and all(len(t) == NEW for t in on)
-    assert hits == 3 * 12 and computed_on == computed_off - hits
+    assert hits == 0 and computed_on == computed_off
+    assert "prefix caching off: the model keeps state kinds (window, " in caplog.text
 
 
 # ---- across processes -------------------------------------------------------------------------------------
@@ -226,9 +228,9 @@ def test_graph_mode_runs_v4_eager(v4):
 
 
 def test_preempted_sequences_recompute_their_state_with_hfs_tokens(v4):
-    """A cache of 30 blocks of 4 for prompts that grow to 23 blocks, 4 at a time: the newest sequences are
-    preempted, their blocks freed, and recomputed later (window keys, projections and compressed entries
-    alike) to HF's greedy tokens."""
+    """A cache of 24 free pages of 4 tokens for prompts that grow to 23 blocks, 4 at a time (each sequence holds
+    its window's and compressed entries' pages): the newest sequences are preempted, their pages freed, and
+    recomputed later (window keys, projections and compressed entries alike) to HF's greedy tokens."""
     from afd.engine.request import Request
     from afd.engine.sampling import SamplingParams
     from afd.engine.scheduler import Scheduler
@@ -236,7 +238,9 @@ def test_preempted_sequences_recompute_their_state_with_hfs_tokens(v4):
     path, ref = v4("all_types")
     llm = afd.LLM(path, block_size=4)
     engine = llm.job_engine([[1] * 116], [4], enable_prefix_caching=False)  # 120 tokens: 30 blocks
-    engine.scheduler = engine.processor.scheduler = s = Scheduler(engine.runner.kv, 4, 64, False)
+    kv = engine.runner.kv
+    kv.allocator.allocate(kv.allocator.num_free - 24)  # 24 pages left: fewer than the 4 sequences' windows
+    engine.scheduler = engine.processor.scheduler = s = Scheduler(kv, 4, 64, False)
     out: list[list[int]] = [[] for _ in PROMPTS]
     for i, p in enumerate(PROMPTS):
         on_output = lambda o, i=i: out[i].extend(o.new_token_ids)  # noqa: E731

@@ -1,15 +1,18 @@
-"""Paged KV cache: fixed-size blocks handed out by a plain-Python allocator; what a block holds per
-token (MLA latents, or K and V heads) is the model family's `kv_cache_shape`.
+"""Paged KV cache: fixed-size blocks handed out by a plain-Python allocator; what a block holds is the model
+family's state kinds (afd.model.state_spec: its config's `state_kinds`).
 
-The state contract. Whatever a family keeps per sequence lives in this one tensor, [layers, blocks, block_size,
-...], and is addressed by position through the sequence's block table: the values in slot p may depend on the
-tokens at positions <= p only. That one rule is what lets a single allocator (this one) take, preempt (free,
-then recompute), free and share (prefix caching) every kind of state alike. MLA latents and K/V heads are one
-slot per token. DeepSeek-V4 (afd.model.deepseek_v4.state) carves each block of a layer into two planes under
-the same block table: per-token (sliding-window keys, compressor projections) and per compressed position
-(entries: block_size / rate slots a block). Its token planes keep full history, correct under every engine
-path but more than V4 needs at steady state (a window ring and the open windows' projections): state per
-sequence beside the block table is issue 31's next step, and what linear-attention families will need too."""
+The state contract. Whatever a family keeps per sequence lives in this cache, addressed by position through the
+sequence's block tables: the values in a slot may depend only on the tokens at or before the positions it covers
+(slot p of a per-token kind: tokens <= p; slot w of a kind compressed at rate r: tokens < (w + 1) * r). That one
+rule is what lets a single allocator (this one) take, preempt (free, then recompute), free and share (prefix
+caching) every kind alike. A family with one full-history per-token kind (MLA latents, K/V heads) keeps the one
+tensor [layers, blocks, block_size, ...] of its kv_cache_shape and one block table per sequence, as before kinds.
+A family with more kinds (DeepSeek-V4: a sliding window of per-token planes, and compressed entries) gets a pool
+of equal pages that every kind draws from, a block table per kind (afd.model.state_spec.BlockTable), and its
+window's blocks given back as the sequence moves past them (`release_window`, at each schedule: vLLM's
+SlidingWindowManager).
+Such a family runs without prefix caching (afd.engine.scheduler) and without KVP (a window's blocks are not a
+round-robin share of the sequence's)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 
 from afd.engine.prefix_cache import CachedBlocks
 from afd.model.config import ConfigError, ModelConfig
+from afd.model.state_spec import NULL_BLOCK, BlockTable, PagedLayer, StateLayout
 
 
 class OutOfBlocks(RuntimeError):
@@ -110,28 +114,79 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 
 class KVCache:
-    """[num_cache_layers, ...]: the family's layout, with a block and a slot dimension inside."""
+    """[num_cache_layers, ...]: the family's layout, with a block and a slot dimension inside; or, for a family
+    with several state kinds, the page pool [1, pages, page values] that PagedLayer views per layer and kind."""
 
     def __init__(
         self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, kvp: int = 1
     ):
-        """num_blocks: of the whole node; with kvp N each rank's tensor holds num_blocks / N of them."""
+        """num_blocks: of the whole node; with kvp N each rank's tensor holds num_blocks / N of them. For a family
+        with several kinds, blocks of tokens in full: the pool adds the compressed kinds' pages
+        (StateLayout.pool_pages)."""
         self.block_size = block_size
+        self.layout = StateLayout(cfg.state_kinds(), block_size)
+        self.paged = self.layout.paged_pool
+        if self.paged:
+            if kvp > 1:
+                raise ConfigError(
+                    f"{cfg.model_type} keeps state kinds ({', '.join(k.name for k in self.layout.kinds)}) that KV "
+                    "parallelism does not split: run it with kvp 1"
+                )
+            num_blocks = self.layout.pool_pages(num_blocks)
         self.allocator = BlockAllocator(num_blocks, kvp)
         local = self.allocator.num_blocks // kvp
         self.data = torch.zeros(cfg.kv_cache_shape(local, block_size), dtype=dtype, device=device)
 
-    def layer(self, i: int) -> torch.Tensor:
-        return self.data[i]
+    def layer(self, i: int) -> torch.Tensor | PagedLayer:
+        return PagedLayer(self.data[0], self.layout, i) if self.paged else self.data[i]
+
+    def new_table(self) -> list[int]:
+        """An empty block table of this cache's kinds."""
+        return BlockTable(kinds={k.name: [] for k in self.layout.kinds[1:]}) if self.paged else []
+
+    def _tables(self, table: list[int]) -> list[list[int]]:
+        """Each kind's block table of a sequence (an empty one for a kind it has none of yet)."""
+        kinds = table.kinds if isinstance(table, BlockTable) else {}
+        return [table, *(kinds.get(k.name, []) for k in self.layout.kinds[1:])]
+
+    def _more(self, table: list[int], num_tokens: int) -> list[int]:
+        """Blocks each kind's table needs to hold num_tokens tokens."""
+        return [max(0, self.layout.blocks_for(k, num_tokens) - len(t)) for k, t in enumerate(self._tables(table))]
 
     def grow(self, table: list[int], num_tokens: int) -> None:
-        """Extend a sequence's block table in place so that it can hold num_tokens tokens."""
-        need = blocks_needed(num_tokens, self.block_size) - len(table)
-        if need > 0:
-            table.extend(self.allocator.allocate(need, len(table)))
+        """Extend a sequence's block tables in place so that they can hold num_tokens tokens."""
+        if self.paged and not isinstance(table, BlockTable):
+            raise TypeError("a cache of several state kinds grows the tables of new_table() only")
+        for t, need in zip(self._tables(table), self._more(table, num_tokens)):
+            if need > 0:
+                t.extend(self.allocator.allocate(need, len(t)))
 
     def can_grow(self, table: list[int], num_tokens: int) -> bool:
-        return self.allocator.can_allocate(len(table), max(0, blocks_needed(num_tokens, self.block_size) - len(table)))
+        return self.allocator.can_allocate(len(table), sum(self._more(table, num_tokens)))
+
+    def free(self, table: list[int]) -> None:
+        """Every block of a sequence's tables goes back."""
+        for t in self._tables(table):
+            self.allocator.free([g for g in t if g != NULL_BLOCK])
+
+    def trim(self, table: list[int], num_tokens: int) -> None:
+        """Give back the blocks past what num_tokens tokens need (they held only rejected drafts)."""
+        for k, t in enumerate(self._tables(table)):
+            keep = self.layout.blocks_for(k, num_tokens)
+            self.allocator.free([g for g in t[keep:] if g != NULL_BLOCK])
+            del t[keep:]
+
+    def release_window(self, table: list[int], num_tokens: int) -> int:
+        """Give back the window's blocks no later token reads, once num_tokens are computed; their entries become
+        NULL_BLOCK (positions keep their blocks' indices). Returns how many went back."""
+        gone, j = [], min(len(table), self.layout.first_needed(num_tokens)) - 1
+        while j >= 0 and table[j] != NULL_BLOCK:  # the given-back ones are a prefix: O(blocks given back)
+            gone.append(j)
+            j -= 1
+        self.allocator.free([table[j] for j in gone])
+        for j in gone:
+            table[j] = NULL_BLOCK
+        return len(gone)
 
     def usage(self) -> float:
         a = self.allocator
@@ -139,9 +194,13 @@ class KVCache:
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype_bytes: int) -> int:
+    """Bytes per block of tokens in full; with several kinds, the pages they take on average (pool_pages)."""
     n = 1
     for d in cfg.kv_cache_shape(1, block_size):
         n *= d
+    layout = StateLayout(cfg.state_kinds(), block_size)
+    if layout.paged_pool:
+        n = -(-n * layout.pool_pages(1024) // 1024)
     return n * dtype_bytes
 
 

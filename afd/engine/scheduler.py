@@ -14,10 +14,16 @@ drafts; the MTP module asks `reserve` for the room its chained drafts write.
 With prefix caching (afd.engine.prefix_cache) a request admitted with nothing computed, new or preempted,
 starts from the cached blocks of its longest known prefix; blocks are registered once their KV is final:
 a running request's at each schedule, a finishing one's when it finishes.
+
+A family with several state kinds (afd.model.state_spec, DeepSeek-V4) has a block table per kind, grown, trimmed
+and freed together (KVCache); before each step the pages of its window that no later token reads go back to
+the allocator, and prefix caching is off for it (its early window pages are gone, so a prefix's state is not
+all still there to share).
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Sequence
 
@@ -25,6 +31,8 @@ from afd.engine.kv_cache import KVCache, OutOfBlocks, blocks_needed
 from afd.engine.messages import ScheduledSeq, StepPlan
 from afd.engine.prefix_cache import PrefixCache
 from afd.engine.request import Request, Status
+
+log = logging.getLogger(__name__)
 
 
 class Scheduler:
@@ -40,6 +48,11 @@ class Scheduler:
         1 with an MTP module, whose KV at a block's end depends on the next token (afd.engine.prefix_cache)."""
         self.kv = kv
         self.max_num_seqs, self.max_tokens = max_num_seqs, max_num_batched_tokens
+        if prefix_caching and kv.paged:
+            # A window's early blocks go back as a sequence advances, so a cached prefix would miss the state
+            # its tail needs; vLLM shares what is still held, the simpler correct choice here is not to share.
+            log.info("prefix caching off: the model keeps state kinds (%s)", ", ".join(kv.layout.names))
+            prefix_caching = False
         self.prefix = PrefixCache(kv.allocator.cached, kv.block_size, lookahead) if prefix_caching else None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -56,7 +69,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.allocator.free(req.block_table)
+        self.kv.free(req.block_table)
         req.block_table, req.num_computed, req.status = [], 0, Status.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -64,8 +77,10 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         budget = self.max_tokens
         out: list[ScheduledSeq] = []
-        if self.prefix is not None:
-            for req in self.running:
+        for req in self.running:
+            # before the step, as vLLM's SlidingWindowManager: the last step's tokens were all read (MTP too)
+            self.kv.release_window(req.block_table, req.num_computed)
+            if self.prefix is not None:
                 self.prefix.scheduled(req)
         for req in list(self.running):
             if budget == 0:
@@ -87,9 +102,11 @@ class Scheduler:
             cached = len(hit) * self.kv.block_size
             n = min(req.num_uncomputed - cached, budget)
             more = blocks_needed(req.num_computed + cached + n, self.kv.block_size) - len(req.block_table) - len(hit)
-            if not self.kv.allocator.can_allocate(len(req.block_table) + len(hit), more, hit):
+            if not (self.kv.allocator.can_allocate(len(hit), more, hit) if hit else self._fits(req, n)):
                 break
             self.waiting.popleft()
+            if not req.block_table:
+                req.block_table = self.kv.new_table()
             if self.prefix is not None and not req.block_table:  # nothing computed: it looked its prefix up
                 self.kv.allocator.share(hit)
                 req.block_table, req.num_computed = list(hit), cached
@@ -112,9 +129,7 @@ class Scheduler:
                 req.num_computed += len(toks) - 1
             req.draft = None
             if req.status is Status.RUNNING:
-                keep = blocks_needed(req.num_computed, self.kv.block_size)
-                self.kv.allocator.free(req.block_table[keep:])
-                del req.block_table[keep:]
+                self.kv.trim(req.block_table, req.num_computed)
 
     def reserve(self, req: Request, num_tokens: int) -> bool:
         """Room in the request's block table for num_tokens (False: no free blocks; nothing changes)."""
@@ -139,7 +154,7 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.register(req, req.num_computed)
             self.prefix.forget(req)
-        self.kv.allocator.free(req.block_table)
+        self.kv.free(req.block_table)
         req.block_table, req.status = [], Status.FINISHED
 
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import MISSING, fields
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    from afd.model.state_spec import StateKind
 
 
 class ConfigError(ValueError):
@@ -101,6 +104,11 @@ class ModelConfig(Protocol):
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The paged KV cache: [num_cache_layers, ...] with block and slot dimensions inside."""
+        ...
+
+    def state_kinds(self) -> tuple[StateKind, ...]:
+        """The kinds of per-sequence state the family keeps (afd.model.state_spec): the first per token; one
+        full-history kind is kv_cache_shape's layout, as every family had before kinds."""
         ...
 
 

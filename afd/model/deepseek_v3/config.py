@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from afd.model.config import ConfigError, check_types, eos_ids, from_hf_dict, rope_theta, rope_type
+from afd.model.state_spec import StateKind, full_history
 
 # HF's attribute_map: config.json may use these names for the fields on the right.
 ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
@@ -155,6 +156,10 @@ class DeepseekV3Config:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """One MLA per layer, caching latents: [L, blocks, block_size, C + R]."""
         return (self.num_hidden_layers, num_blocks, block_size, self.latent_dim)
+
+    def state_kinds(self) -> tuple[StateKind, ...]:
+        """One full-history kind, per token, in kv_cache_shape's layout (afd.model.state_spec)."""
+        return full_history(self)
 
     @property
     def yarn_factor(self) -> float:

@@ -94,7 +94,7 @@ class AttentionHalf(halves.AttentionHalf):
         )
 
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [T, N, D] -> (h [T, N + 1, D], m [T, D]). kv [blocks, block_size, W]: layer i's planes."""
+        """x [T, N, D] -> (h [T, N + 1, D], m [T, D]). kv: layer i's state (a PagedLayer of its kinds)."""
         layer = self._layer(i)
         post, comb, a = layer.hc_attn(x)
         x = expand(post, layer.attn(layer.attn_norm(a), rope, meta, kv, self.compress_rope), comb, x)

@@ -1,7 +1,8 @@
-"""One DeepSeek-V4 attention block (HF's DeepseekV4Attention) over the paged per-token state
-(afd.model.deepseek_v4.state): shared-KV MQA (one K=V head of head_dim), partial interleaved rope, per-head
-sinks, a sliding window in every layer, compressed entries on CSA / HCA layers (CSA: the indexer's top-k), and
-the grouped low-rank output projection. The checkpoint's names (`attn.wq_a`, `attn.wkv`, ...).
+"""One DeepSeek-V4 attention block (HF's DeepseekV4Attention) over its paged state kinds
+(afd.model.deepseek_v4.state: the window's per-token planes, the compressed entries): shared-KV MQA (one K=V
+head of head_dim), partial interleaved rope, per-head sinks, a sliding window in every layer, compressed entries
+on CSA / HCA layers (CSA: the indexer's top-k), and the grouped low-rank output projection. The checkpoint's
+names (`attn.wq_a`, `attn.wkv`, ...).
 
 Shapes: T tokens of the micro-batch, n of one sequence, Hq heads of D dims, C compressed entries."""
 
@@ -15,7 +16,8 @@ from afd.model.attention_metadata import AttentionMetadata
 from afd.model.deepseek_v4.compressor import Compressor, Indexer
 from afd.model.deepseek_v4.config import CSA, SWA, DeepseekV4Config
 from afd.model.deepseek_v4.layers import RMSNorm, rope, unweighted_norm
-from afd.model.deepseek_v4.state import layer_planes
+from afd.model.deepseek_v4.state import entry_kind, layer_planes
+from afd.model.state_spec import PagedLayer, kind_table
 
 
 class Attention(nn.Module):
@@ -24,7 +26,7 @@ class Attention(nn.Module):
         D, H = cfg.head_dim, cfg.hidden_size
         self.cfg, self.heads, self.dim = cfg, cfg.num_attention_heads, D
         self.window, self.groups = cfg.sliding_window, cfg.o_groups
-        self.planes = layer_planes(cfg, i)
+        self.planes, self.entry_kind = layer_planes(cfg, i), entry_kind(cfg, i)
         self.rope_kind = "main" if cfg.layer_types[i] == SWA else "compress"
         self.wq_a = nn.Linear(H, cfg.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
@@ -44,17 +46,24 @@ class Attention(nn.Module):
                 H, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, rate, cfg.index_topk, cfg.rms_norm_eps
             )
 
-    def forward(self, x: torch.Tensor, rope_: tuple, meta: AttentionMetadata, kv: torch.Tensor, comp) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope_: tuple, meta: AttentionMetadata, kv: PagedLayer | torch.Tensor, comp
+    ) -> torch.Tensor:
         """x [T, H] (normed block input) -> [T, H]. rope_: (main cos, sin, compress cos, sin) at the step's
         positions; comp: the compressed layers' Rotary (entries and indexer queries at other positions).
-        Writes this step's planes into kv [blocks, E] (afd.model.deepseek_v4.state)."""
+        Writes this step's planes into kv, the layer's state (afd.model.deepseek_v4.state), or, for a sliding-
+        window-only layer with a cache of its own (an MTP block's), its token plane [pages, >= block_size * Wt]."""
         T, Hq, D, P, bs = x.shape[0], self.heads, self.dim, self.planes, meta.block_size
         cos, sin = rope_[:2] if self.rope_kind == "main" else rope_[2:]
         q_res = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = unweighted_norm(self.wq_b(q_res).view(T, Hq, D), self.cfg.rms_norm_eps)
         q = rope(q, cos, sin)  # [T, Hq, D]
         k = rope(self.norm(self.wkv(x)), cos, sin)  # [T, D]: K = V
-        tokens, entries = P.views(kv, bs)
+        if isinstance(kv, torch.Tensor):
+            tokens = kv[:, : bs * P.token_width].view(kv.shape[0], bs, P.token_width)  # [pages, bs, Wt]
+        else:
+            tokens = kv.view("window")  # [pages, bs, Wt]
+        entries = kv.view(self.entry_kind) if self.rate else None  # [pages, slots, We]
         at = (meta.slot_mapping // bs, meta.slot_mapping % bs)  # (block, offset) of each new token
         tokens[(*at, P.kv)] = k.to(tokens.dtype)
         if self.rate:
@@ -77,14 +86,15 @@ class Attention(nn.Module):
         """One sequence's new queries q [n, Hq, D] over its window and compressed entries -> [n, Hq, D]."""
         dev, P = q.device, self.planes
         p0, end = s.ctx_len - s.q_len, s.ctx_len  # new positions [p0, end)
-        table = torch.tensor(s.block_table, dtype=torch.long, device=dev)
+        table = torch.tensor(s.block_table, dtype=torch.long, device=dev)  # NULL_BLOCK before the lookback
         positions = torch.arange(p0, end, device=dev)  # [n]
         kpos = torch.arange(max(0, p0 - self.window + 1), end, device=dev)  # the window's keys [Lw]
         keys = tokens[table[kpos // bs], kpos % bs, P.kv].to(q.dtype)
         dist = positions[:, None] - kpos[None, :]  # [n, Lw]
         visible = (dist >= 0) & (dist < self.window)
         if self.rate:
-            made, seen = self._compressed(tokens, entries, table, bs, positions, x, q_res, comp)
+            etable = torch.tensor(kind_table(s.block_table, self.entry_kind), dtype=torch.long, device=dev)
+            made, seen = self._compressed(tokens, (entries, etable), table, bs, positions, x, q_res, comp)
             keys = torch.cat([keys, made.to(q.dtype)], dim=0)
             visible = torch.cat([visible, seen], dim=1)
         bias = torch.zeros(visible.shape, dtype=q.dtype, device=dev).masked_fill(~visible, float("-inf"))
@@ -111,7 +121,8 @@ class Attention(nn.Module):
             if P.index_dim:
                 self._make(*made, self.indexer.compressor, P.ikv, P.igate, P.ientry)
         C = last
-        block, slot = P.entry_at(table, bs, torch.arange(C, device=x.device))
+        block, slot = P.entry_at(entries[1], entries[0].shape[1], torch.arange(C, device=x.device))
+        entries = entries[0]
         if not P.index_dim:
             seen = torch.arange(C, device=x.device)[None, :] < ((positions + 1) // r)[:, None]  # [n, C]
             return entries[block, slot, P.entry], seen
@@ -130,5 +141,6 @@ class Attention(nn.Module):
             ckv = torch.cat([ckv.new_zeros(r, ckv.shape[1]), ckv])
             cgate = torch.cat([cgate.new_zeros(r, cgate.shape[1]), cgate])
         out = comp.entries(ckv, cgate, first, n, rot)
-        block, slot = self.planes.entry_at(table, bs, torch.arange(first, last, device=dev))
-        entries[block, slot, out_cols] = out.to(entries.dtype)
+        view, etable = entries  # [pages, slots, We], the entry kind's block table
+        block, slot = self.planes.entry_at(etable, view.shape[1], torch.arange(first, last, device=dev))
+        view[block, slot, out_cols] = out.to(view.dtype)

@@ -173,12 +173,16 @@ class DeepseekV4Config:
         return {SWA: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[i]]
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """One paged row per layer and block, as long as the largest layer's block of state (its token and
-        compressed-entry planes: afd.model.deepseek_v4.state): [L, blocks, E]."""
-        from afd.model.deepseek_v4.state import layer_planes
+        """The page pool of V4's state kinds (state_kinds): [1, pages, page values]."""
+        from afd.model.state_spec import StateLayout
 
-        E = max(layer_planes(self, i).block_values(block_size) for i in range(self.num_hidden_layers))
-        return (self.num_hidden_layers, num_blocks, E)
+        return (1, num_blocks, StateLayout(self.state_kinds(), block_size).page_values)
+
+    def state_kinds(self) -> tuple:
+        """A window of per-token planes and full-history compressed entries (afd.model.deepseek_v4.state)."""
+        from afd.model.deepseek_v4.state import state_kinds
+
+        return state_kinds(self)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> DeepseekV4Config:

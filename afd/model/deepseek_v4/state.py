@@ -1,25 +1,22 @@
-"""DeepSeek-V4's per-sequence attention state, kept in the engine's paged KV cache (afd.engine.kv_cache).
+"""DeepSeek-V4's per-sequence attention state, as kinds of the engine's paged state (afd.model.state_spec).
 
-Each layer's row of the cache is, per block, a flat run of E values that this module carves into two paged
-planes, both addressed by the sequence's block table (so the engine's one allocator takes, preempts, frees
-and shares them like any family's KV):
-
-  tokens   [block_size, Wt] per block, one slot per token position p (block table[p // bs], offset p % bs):
+  window   one slot per token, lookback = the most any layer reads back (sliding_window - 1 for the keys,
+           2r - 1 for CSA's overlapping compressor windows, r - 1 for HCA's); per layer:
       kv          [D]    the shared K=V head (normed, rotated): the sliding window reads the last
                          `sliding_window` of these
       ckv, cgate  [o*D]  the compressor's projections (CSA: o = 2 overlapping series, HCA: o = 1), from which a
                          window's entry is made once its last token is in
       ikv, igate  [2*c]  (CSA) the lightning indexer's compressor projections, c = index_head_dim
-  entries  [ceil(block_size / r), We] per block, one slot per *compressed* position w, in the block of its
-           window's last token e = (w + 1) * r - 1, at offset (e % bs) // r:
-      entry       [D]    compressed entry w (tokens [w*r, (w+1)*r))
+  CSA, HCA  (kinds named by the layer type) one slot per compressed position w (tokens [w*r, (w+1)*r)), full
+           history, each with its own block table; per layer of that type:
+      entry       [D]    compressed entry w
       ientry      [c]    (CSA) the indexer's compressed key w
 
-Every value in a block depends only on the tokens at or before the positions the block covers, which is what
-preemption (recompute) and prefix caching need. What is not compact yet: the token planes keep every
-position's kv and projections (full history) where V4 needs a window ring and the open windows' projections
-only; those need per-sequence state beside the block table (issue 31's next step). A layer's E is its own;
-the cache row is as wide as the widest layer's (kv_cache_shape).
+A layer's columns are its own (no padding to the widest layer); the window's blocks wholly before the lookback
+go back to the allocator as the sequence advances, so a sequence holds a fixed window however long it gets,
+and per token only its compressed entries (afd.model.state_spec.state_bytes_per_token,
+window_bytes_per_sequence). Every slot
+depends only on the tokens at or before the positions it covers: preemption recomputes it.
 """
 
 from __future__ import annotations
@@ -31,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from afd.model.deepseek_v4.config import DeepseekV4Config
+    from afd.model.state_spec import StateKind
 
 
 @dataclass(frozen=True)
@@ -81,27 +79,16 @@ class Planes:
     def entry_width(self) -> int:
         return self.ientry.stop
 
-    def entry_slots(self, block_size: int) -> int:
-        """Compressed positions a block can hold: the window ends among its block_size positions."""
-        return -(-block_size // self.rate) if self.rate else 0
-
     def block_values(self, block_size: int) -> int:
-        """E: values per block of this layer."""
-        return block_size * self.token_width + self.entry_slots(block_size) * self.entry_width
+        """Values per block of a sliding-window-only layer's token plane held alone (an MTP block's own cache)."""
+        if self.rate:
+            raise ValueError("a compressed layer's state is kinds of the page pool, not one plane")
+        return block_size * self.token_width
 
-    def views(self, kv: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's cache row kv [blocks, E_max] as (tokens [blocks, block_size, Wt], entries [blocks, slots,
-        We]): views (never copies) that writes go through."""
-        blocks, n_tok = kv.shape[0], block_size * self.token_width
-        slots = self.entry_slots(block_size)
-        tokens = kv[:, :n_tok].view(blocks, block_size, self.token_width)
-        entries = kv[:, n_tok : n_tok + slots * self.entry_width].view(blocks, slots, self.entry_width)
-        return tokens, entries
-
-    def entry_at(self, table: torch.Tensor, block_size: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, slot) in `entries` of a sequence's compressed positions w (table: its block ids)."""
-        end = (w + 1) * self.rate - 1
-        return table[end // block_size], (end % block_size) // self.rate
+    def entry_at(self, table: torch.Tensor, slots: int, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) in the entries view of a sequence's compressed positions w (table: its entry kind's
+        pages, `slots` entries each)."""
+        return table[w // slots], w % slots
 
 
 def layer_planes(cfg: DeepseekV4Config, i: int) -> Planes:
@@ -111,3 +98,34 @@ def layer_planes(cfg: DeepseekV4Config, i: int) -> Planes:
     csa = cfg.layer_types[i] == CSA
     overlap = 0 if not rate else (2 if csa else 1)
     return Planes(cfg.head_dim, rate, overlap, cfg.index_head_dim if csa else 0)
+
+
+def entry_kind(cfg: DeepseekV4Config, i: int) -> str:
+    """The name of the compressed kind holding layer i's entries ('' for a sliding-window-only layer)."""
+    return cfg.layer_types[i] if cfg.compress_rate(i) else ""
+
+
+def lookback(cfg: DeepseekV4Config) -> int:
+    """Positions before a new token that some layer's window or open compressor window reads."""
+    from afd.model.deepseek_v4.config import CSA
+
+    back = cfg.sliding_window - 1
+    for i, t in enumerate(cfg.layer_types):
+        r = cfg.compress_rate(i)
+        if r:
+            back = max(back, (2 * r if t == CSA else r) - 1)
+    return back
+
+
+def state_kinds(cfg: DeepseekV4Config) -> tuple[StateKind, ...]:
+    """window (per token, a lookback), then one full-history compressed kind per compressed layer type."""
+    from afd.model.state_spec import StateKind
+
+    L = range(cfg.num_hidden_layers)
+    kinds = [StateKind("window", tuple(layer_planes(cfg, i).token_width for i in L), 1, lookback(cfg))]
+    for t in dict.fromkeys(entry_kind(cfg, i) for i in L):
+        if t:
+            rate = next(cfg.compress_rate(i) for i in L if cfg.layer_types[i] == t)
+            widths = tuple(layer_planes(cfg, i).entry_width if cfg.layer_types[i] == t else 0 for i in L)
+            kinds.append(StateKind(t, widths, rate))
+    return tuple(kinds)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from afd.model.config import ConfigError, check_types, eos_ids, from_hf_dict, rope_theta, rope_type
+from afd.model.state_spec import StateKind, full_history
 
 # HF's attribute_map: config.json may use these names for the fields on the right.
 ALIASES = {
@@ -112,6 +113,10 @@ class LongcatFlashConfig:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Two MLA sublayers per layer, each caching latents: [L, 2, blocks, block_size, C + R]."""
         return (self.num_layers, 2, num_blocks, block_size, self.latent_dim)
+
+    def state_kinds(self) -> tuple[StateKind, ...]:
+        """One full-history kind, per token, in kv_cache_shape's layout (afd.model.state_spec)."""
+        return full_history(self)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> LongcatFlashConfig:

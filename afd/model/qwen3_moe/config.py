@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from afd.model.config import ConfigError, check_types, eos_ids, from_hf_dict, rope_theta, rope_type
+from afd.model.state_spec import StateKind, full_history
 
 # HF's attribute_map: save_pretrained writes `num_local_experts` for the field HF calls num_experts.
 ALIASES = {"num_local_experts": "num_experts"}
@@ -104,6 +105,10 @@ class Qwen3MoeConfig:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """K and V heads (after q/k norm and RoPE for K): [L, 2, blocks, block_size, KVH, D]."""
         return (self.num_layers, 2, num_blocks, block_size, self.num_key_value_heads, self.head_dim)
+
+    def state_kinds(self) -> tuple[StateKind, ...]:
+        """One full-history kind, per token, in kv_cache_shape's layout (afd.model.state_spec)."""
+        return full_history(self)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> Qwen3MoeConfig:
