@@ -145,3 +145,22 @@ def test_hf_reads_the_fixture_layout(released, tmp_path):
     want = hf_model(deq).state_dict()
     assert set(ours) == set(want)
     assert all(torch.equal(ours[k].float(), want[k].float()) for k in want)
+
+
+@pytest.mark.parametrize("method", [None, "w8a8"])  # None: the checkpoint's FP8 blocks, the default
+def test_quantized_schemes_leave_what_the_release_ships_in_16_bits(released, method):
+    """fp8 and w8a8 quantize the attention side's linears but the compressors' and the indexer's weights_proj,
+    which the FP8 release keeps in BF16, and wo_a, a grouped weight (AttentionHalf.unquantized); and run."""
+    from torch import nn
+
+    from afd.model.quant_layers import QuantLinear
+
+    rel, _ = released
+    llm = afd.LLM(rel, dtype="float32", block_size=4, quantization=method)
+    assert len(llm.generate_ids(PROMPTS[:1], 4)[0]) == 4  # the factory quantizes the attention side at a first job
+    layer = llm.attn.layers[1].attn  # a CSA layer: compressor and indexer
+    assert isinstance(layer.wq_a, QuantLinear) and isinstance(layer.wo_b, QuantLinear)
+    assert type(layer.wo_a) is nn.Linear
+    assert type(layer.compressor.wkv) is nn.Linear and type(layer.compressor.wgate) is nn.Linear
+    assert type(layer.indexer.weights_proj) is nn.Linear and type(layer.indexer.compressor.wkv) is nn.Linear
+    assert isinstance(layer.indexer.wq_b, QuantLinear)  # stored FP8 in the release

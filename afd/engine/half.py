@@ -14,6 +14,10 @@ from afd.model.config import ModelConfig
 from afd.model.mtp import MTPLayer
 from afd.quant.scheme import QuantSpec
 
+LayerState = Any
+"""Layer i's state as afd.engine.kv_cache.KVCache.layer gives it: a tensor (a family with one kind of state), or
+an afd.model.state_spec.PagedLayer (several kinds in one page pool: DeepSeek-V4); each family reads its own."""
+
 
 class AttentionHalf(Protocol):
     cfg: ModelConfig
@@ -21,11 +25,11 @@ class AttentionHalf(Protocol):
     def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, Any]: ...
 
     def pre_moe(
-        self, i: int, x: torch.Tensor, rope: Any, meta: AttentionMetadata, kv: torch.Tensor
+        self, i: int, x: torch.Tensor, rope: Any, meta: AttentionMetadata, kv: LayerState
     ) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
     def post_moe(
-        self, i: int, h: torch.Tensor, m: torch.Tensor | None, rope: Any, meta: AttentionMetadata, kv: torch.Tensor
+        self, i: int, h: torch.Tensor, m: torch.Tensor | None, rope: Any, meta: AttentionMetadata, kv: LayerState
     ) -> torch.Tensor: ...
 
     def logits(self, x: torch.Tensor) -> torch.Tensor: ...

@@ -56,6 +56,9 @@ class AttentionHalf(halves.AttentionHalf):
 
     cfg: DeepseekV4Config
     supports_graph = False  # the compressed attention walks each sequence's positions on the host
+    # the compressors and weights_proj ship in BF16 in the FP8 release (transformers' _keep_in_fp32_modules for
+    # V4); wo_a is read as a grouped weight (one bmm over o_groups), never called as a linear
+    unquantized = ("compressor.", "indexer.weights_proj", "wo_a")
     # HF's _keep_in_fp32_modules_strict, under afd's names
     keep_in_fp32_strict = (
         "hc_attn.fn",
@@ -112,6 +115,10 @@ class AttentionHalf(halves.AttentionHalf):
         N = self.cfg.hc_mult
         post = h[:, N, :N]
         return post.unsqueeze(-1) * (y + h[:, N + 1]).unsqueeze(-2) + h[:, :N]
+
+    def mtp_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The MTP module fuses the last layer's mHC streams [T, N, D] themselves, before hc_head and norm."""
+        return x
 
     def moe_reads_token_ids(self, i: int) -> bool:
         return self.cfg.mlp_layer_types[i] == "hash_moe"

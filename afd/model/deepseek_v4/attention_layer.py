@@ -59,19 +59,20 @@ class Attention(nn.Module):
         q = unweighted_norm(self.wq_b(q_res).view(T, Hq, D), self.cfg.rms_norm_eps)
         q = rope(q, cos, sin)  # [T, Hq, D]
         k = rope(self.norm(self.wkv(x)), cos, sin)  # [T, D]: K = V
-        if isinstance(kv, torch.Tensor):
-            tokens = kv[:, : bs * P.token_width].view(kv.shape[0], bs, P.token_width)  # [pages, bs, Wt]
-        else:
+        entries = None
+        if isinstance(kv, PagedLayer):
             tokens = kv.view("window")  # [pages, bs, Wt]
-        entries = kv.view(self.entry_kind) if self.rate else None  # [pages, slots, We]
-        at = (meta.slot_mapping // bs, meta.slot_mapping % bs)  # (block, offset) of each new token
-        tokens[(*at, P.kv)] = k.to(tokens.dtype)
+            entries = kv.view(self.entry_kind) if self.rate else None  # [pages, slots, We]
+        else:  # one plain plane (the MTP block's window-only layer)
+            tokens = kv[:, : bs * P.token_width].view(kv.shape[0], bs, P.token_width)  # [pages, bs, Wt]
+        page, off = meta.slot_mapping // bs, meta.slot_mapping % bs  # each new token's
+        tokens[page, off, P.kv] = k.to(tokens.dtype)
         if self.rate:
-            tokens[(*at, P.ckv)] = self.compressor.wkv(x).to(tokens.dtype)
-            tokens[(*at, P.cgate)] = self.compressor.wgate(x).to(tokens.dtype)
+            tokens[page, off, P.ckv] = self.compressor.wkv(x).to(tokens.dtype)
+            tokens[page, off, P.cgate] = self.compressor.wgate(x).to(tokens.dtype)
         if self.rate and P.index_dim:
-            tokens[(*at, P.ikv)] = self.indexer.compressor.wkv(x).to(tokens.dtype)
-            tokens[(*at, P.igate)] = self.indexer.compressor.wgate(x).to(tokens.dtype)
+            tokens[page, off, P.ikv] = self.indexer.compressor.wkv(x).to(tokens.dtype)
+            tokens[page, off, P.igate] = self.indexer.compressor.wgate(x).to(tokens.dtype)
         out = torch.empty(T, Hq, D, dtype=x.dtype, device=x.device)
         for s in meta.seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
@@ -135,8 +136,8 @@ class Attention(nn.Module):
         r, n, dev = comp.rate, last - first, tokens.device
         start = first * r if comp.series == 1 else max(0, (first - 1) * r)
         src = torch.arange(start, last * r, device=dev)
-        rows = (table[src // bs], src % bs)
-        ckv, cgate = tokens[(*rows, kv_cols)], tokens[(*rows, gate_cols)]
+        page, off = table[src // bs], src % bs
+        ckv, cgate = tokens[page, off, kv_cols], tokens[page, off, gate_cols]
         if comp.series == 2 and first == 0:  # no window before the first: placeholder rows, weighed at zero
             ckv = torch.cat([ckv.new_zeros(r, ckv.shape[1]), ckv])
             cgate = torch.cat([cgate.new_zeros(r, cgate.shape[1]), cgate])

@@ -15,10 +15,10 @@ of the released checkpoint: `mtp.0.{e_proj,h_proj,enorm,hnorm,norm}`, `mtp.0.hc_
 The block is decoder layer num_hidden_layers with a sliding-window attention (no compressor, no indexer) and
 a learned ("moe") router with its correction bias; its routed experts are MoE layer num_hidden_layers.
 
-What afd's runner must do differently for it (afd.engine.runner.mtp_step; not wired yet, see `check`): hand
-it the main model's streams un-normed (the runner hands V3-style `attn.norm(x)`), add the routed output
-through the block's `combine` (post * (y + shared) + mixed streams, not h + y), and draft from `head(h)`
-(hc_head before the norm); a second draft chains the block's output streams, not a normed hidden state.
+How afd's runner drives it differently from V3's (afd.engine.runner.mtp_step, through the hooks): it gets the
+main model's streams un-normed (AttentionHalf.mtp_hidden), adds the routed output through the block's
+`combine` (post * (y + shared) + mixed streams, not h + y), and drafts from `head(h)` (hc_head before the
+norm); a second draft chains the block's output streams, not a normed hidden state (MTPLayer.draft).
 """
 
 from __future__ import annotations
@@ -129,10 +129,6 @@ def check(cfg: DeepseekV4Config) -> None:
             "--speculative-tokens: config.json says num_nextn_predict_layers "
             f"{cfg.num_nextn_predict_layers}: the checkpoint has no MTP module"
         )
-    raise ConfigError(
-        "--speculative-tokens: DeepSeek-V4's MTP module works on the mHC streams, which afd's runner does not "
-        "hand it yet (issue 31: afd.model.deepseek_v4.mtp's docstring)"
-    )
 
 
 def moe_layers(cfg: DeepseekV4Config) -> tuple[int, ...]:
