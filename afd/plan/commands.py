@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 from afd.cluster.fieldspec import at_least
@@ -140,8 +139,11 @@ class _Source:
         moe, dense = len(cfg.moe_layers), cfg.num_layers - len(cfg.moe_layers)
         attn_w = moe * sum(r.held_bytes(p) for p in ("attn_pre", "attn_window", "attn_post"))
         attn_w += dense * r.held_bytes("dense") + r.held_bytes("step")
-        per_token = math.prod(cfg.kv_cache_shape(1, 1)) * (4 if self.dtype == "float32" else 2)
-        kv = layout.batch * self.args.context * per_token  # every rank keeps its sequences' whole KV (MLA latents)
+        from afd.model.state_spec import state_bytes_per_token, window_bytes_per_sequence
+
+        b = 4 if self.dtype == "float32" else 2
+        # every rank keeps its sequences' whole state (MLA latents; V4's compressed entries and its window)
+        kv = layout.batch * (self.args.context * state_bytes_per_token(cfg, b) + window_bytes_per_sequence(cfg, b))
         need = {"attention": attn_w + kv, "ffn": moe * r.held_bytes("ffn")}
         cap = HEADROOM * self.spec.memory_capacity
         return need if max(need.values()) <= cap else None
