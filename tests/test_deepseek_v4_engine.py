@@ -124,13 +124,17 @@ def test_prefix_caching_is_off_for_v4_with_a_log_line_and_the_same_tokens(v4, ca
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "A,F,micro_batches",
-    [(1, 1, 2), pytest.param(2, 1, 1, marks=pytest.mark.slow), pytest.param(1, 2, 2, marks=pytest.mark.slow)],
+    [
+        (1, 1, 2),
+        pytest.param(1, 1, 1, marks=pytest.mark.slow),
+        *(pytest.param(a, f, m, marks=pytest.mark.slow) for a, f in ((2, 1), (1, 2)) for m in (1, 2)),
+    ],
 )
 def test_across_processes_routed_on_the_attention_side_equals_hf(v4, A, F, micro_batches):
-    """afd.LLM's offline worker on node processes (1A1F with ping-pong; 2A1F; 1A2F, the experts split over two
-    FFN nodes). Hash layers route by token id, which only the attention side has: under layout.routing
-    attention the router runs there (afd.dataplane.dispatch) and the FFN nodes get the expert ids with the
-    rows; the broadcast (routing ffn) refuses such a layer by name (afd.dataplane.exchange.RemoteMoE)."""
+    """afd.LLM's offline worker on node processes at 1A1F, 2A1F and 1A2F (the experts split over two FFN nodes),
+    each with one micro-batch and with ping-pong (2). Hash layers route by token id, which only the attention
+    side has: under layout.routing attention the router runs there (afd.dataplane.dispatch) and the FFN nodes
+    get the expert ids with the rows (routing ffn is refused before any node starts: test below)."""
     path, ref = v4("all_types")
     logits: list = []
     opts = dict(routing="attention", micro_batches=micro_batches, block_size=4)
