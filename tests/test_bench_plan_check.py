@@ -10,7 +10,7 @@ import pytest
 
 from afd.bench import plan_check
 from afd.bench.plan_check_table import Case, Row, rows_from_json, table, to_json
-from afd.cluster.local_spec import LocalClusterSpec, cluster_doc
+from afd.cluster.local_spec import cluster_doc
 from tests.test_plan_simulate import costs
 
 
@@ -39,15 +39,7 @@ def test_table_and_json_from_synthetic_rows():
 
 
 def _stored(case: Case, step_s: float, wait_s: float) -> dict:
-    spec = LocalClusterSpec(
-        "demo",
-        case.attention_nodes,
-        case.ffn_nodes,
-        overlap=case.overlap,
-        micro_batches=case.micro_batches,
-        routing=case.routing,
-    )
-    rnd = {"steps": [[step_s, wait_s]] * 3, "cluster": cluster_doc(spec)}
+    rnd = {"steps": [[step_s, wait_s]] * 3, "cluster": cluster_doc(plan_check.cluster_spec(case))}
     return {"case": case.__dict__, "rounds": [rnd, rnd]}
 
 

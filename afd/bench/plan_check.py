@@ -70,26 +70,25 @@ def _decode(report: dict, batch: int, warmup: int = 2) -> list[dict]:
     return [s for s in report["steps"][1:] if s["tokens"] == batch][warmup:]
 
 
+def cluster_spec(case: Case, **where):
+    """The local cluster of the demo a case runs (where: the emulated link's hosts and command prefix)."""
+    from afd.cluster.local_spec import LocalClusterSpec
+
+    kw = dict(overlap=case.overlap, micro_batches=case.micro_batches, routing=case.routing)
+    return LocalClusterSpec("demo", case.attention_nodes, case.ffn_nodes, **kw, **where)
+
+
 def measure(case: Case, batch: int, prompt_len: int, steps: int, link) -> dict:
     """One cluster run: the decode steps of attention node 0 (seconds, ffn_wait) and the cluster YAML it ran."""
     import yaml
 
     from afd.bench.common import synthetic_prompts
     from afd.cluster.local import LocalCluster
-    from afd.cluster.local_spec import LocalClusterSpec
 
     where = {}
     if case.link and link is not None:
         where = {"attention_host": link.near_ip, "ffn_host": link.far_ip, "ffn_command_prefix": tuple(link.wrap([]))}
-    spec = LocalClusterSpec(
-        "demo",
-        case.attention_nodes,
-        case.ffn_nodes,
-        overlap=case.overlap,
-        micro_batches=case.micro_batches,
-        routing=case.routing,
-        **where,
-    )
+    spec = cluster_spec(case, **where)
     prompts = synthetic_prompts(batch * case.attention_nodes, prompt_len, 512)
     with LocalCluster(spec) as cluster:
         cluster.start()
