@@ -107,6 +107,18 @@ def test_one_kind_families_keep_their_layout(model_type):
     kv = KVCache(cfg, 4, 2, torch.float32, CPU)
     assert not kv.paged and kv.data.shape == cfg.kv_cache_shape(4, 2) and kv.new_table() == []
     assert kv.layer(0).shape == cfg.kv_cache_shape(4, 2)[1:]
+    assert kv.max_tokens(4, 512, 10_000) == 8 and kv.max_tokens(4, 512, 5) == 5  # pages in full, or the limit
+
+
+def test_max_tokens_of_a_window_family_is_its_peak_not_its_history():
+    """The longest sequence a pool holds: the window's lookback and one chunk, and every compressed entry."""
+    cfg = _tiny()
+    kv = KVCache(cfg, 16, 8, torch.float32, CPU)
+    pages = kv.allocator.num_free
+    n = kv.max_tokens(pages, 32, 100_000)
+    assert n > pages * 8 and kv.layout.peak_pages(n, 32) <= pages < kv.layout.peak_pages(n + 1, 32)
+    assert kv.max_tokens(pages, 32, 100) == 100
+    assert kv.layout.peak_pages(10, 32) == 3  # short: its own 10 tokens (2 blocks) and a CSA page (2 entries)
 
 
 def test_kvp_is_refused_for_several_kinds():

@@ -41,3 +41,33 @@ def test_a_long_sequence_holds_its_window_not_its_history(v4_path):
     assert out == ref[0][0]
     # 6 entry pages at most: 91 CSA entries, 24 a page; 22 HCA, 72 a page
     assert held[0] >= 75 and max(held[1:-1]) <= 5 + 6 and a.num_free == total
+
+
+def test_a_window_family_serves_sequences_longer_than_its_pages_in_full(v4_path):
+    """A serving engine's max_model_len is what the pool holds at peak (KVCache.max_tokens): for V4, whose
+    window's pages go back as it advances, far past pages x block_size; a 300-token prompt through a pool of
+    about 30 pages (120 tokens in full), prefilled 32 tokens a step, decodes HF's tokens."""
+    from afd.cluster.flags import flat_overrides, with_overrides
+    from afd.dataplane.exchange import LocalMoE
+    from afd.engine.factory import build_engine
+    from afd.engine.kv_cache import bytes_per_block
+    from afd.engine.request import Request
+    from afd.engine.sampling import SamplingParams
+
+    prompt = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref = hf_greedy(v4_path, [prompt], NEW_TOKENS)
+    llm = afd.LLM(v4_path, block_size=4)
+    per_block = bytes_per_block(llm.cfg, 4, 4)  # fp32
+    llm2 = afd.LLM(v4_path, block_size=4, kv_cache_bytes=24 * per_block)
+    cfg = with_overrides(llm2.config, flat_overrides({"max_num_batched_tokens": 32}))  # a server's, not a job's
+    engine = build_engine(cfg, llm2.attn, LocalMoE(llm2.ffn, llm2.backend), llm2.backend.device)
+    pages = engine.runner.kv.allocator.num_free
+    assert pages * 4 < len(prompt) + NEW_TOKENS <= engine.max_model_len
+    out: list[int] = []
+    engine.add_request(
+        Request("0", prompt, SamplingParams(), NEW_TOKENS, lambda o: out.extend(o.new_token_ids), ignore_eos=True)
+    )
+    while engine.has_unfinished():
+        engine.step()
+    assert out == ref[0][0]
+    assert engine.runner.kv.allocator.num_free == pages

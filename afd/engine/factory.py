@@ -136,7 +136,8 @@ def build_engine(
     else:
         scheduler = Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens, *prefix)
         num_blocks = kv.allocator.num_free  # what requests can have (graph mode's scratch block is taken)
-        max_len = min(cfg.model.max_model_len or mcfg.max_position_embeddings, num_blocks * eng.block_size)
+        limit = cfg.model.max_model_len or mcfg.max_position_embeddings
+        max_len = kv.max_tokens(num_blocks, eng.max_num_batched_tokens, limit)
         log.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB); max_model_len %d",
             num_blocks,

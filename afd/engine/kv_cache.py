@@ -188,6 +188,18 @@ class KVCache:
             table[j] = NULL_BLOCK
         return len(gone)
 
+    def max_tokens(self, pages: int, chunk: int, limit: int) -> int:
+        """The longest sequence (at most `limit` tokens) whose state fits `pages` pages when computed `chunk`
+        tokens a step (StateLayout.peak_pages): pages x block_size for full history; far more for a window
+        family, whose windows go back as it advances."""
+        if not self.paged:
+            return min(limit, pages * self.block_size)
+        lo, hi = 0, limit  # peak_pages grows with the tokens: the last that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.layout.peak_pages(mid, chunk) <= pages else (lo, mid - 1)
+        return lo
+
     def usage(self) -> float:
         a = self.allocator
         return 1.0 - a.num_free / a.num_blocks

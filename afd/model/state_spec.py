@@ -96,6 +96,14 @@ class StateLayout:
         lb = self.kinds[0].lookback
         return 0 if lb is None else max(0, num_tokens - lb) // self.block_size
 
+    def peak_pages(self, num_tokens: int, chunk: int) -> int:
+        """The most pages one sequence of num_tokens tokens holds at once, computed chunk tokens a step: a
+        window's pages are given back before each step, so at most its lookback and one chunk (and a block
+        each side for alignment) are held; every compressed kind keeps its whole history."""
+        lb = self.kinds[0].lookback
+        held = num_tokens if lb is None else min(num_tokens, lb + chunk + 2 * self.block_size)
+        return -(-held // self.block_size) + sum(self.blocks_for(k, num_tokens) for k in range(1, len(self.kinds)))
+
     def pool_pages(self, token_blocks: int) -> int:
         """Pages for `token_blocks` blocks of tokens in full: the primary kind's, each compressed kind's share,
         and its partly filled last page of up to token_blocks / 8 + 1 sequences."""
