@@ -97,3 +97,16 @@ def test_message_cpu_is_what_the_processes_spent_beyond_the_model():
     assert message_cpu(m, layer, overhead, Linear(0.0, 0.0)) == pytest.approx(2e-4)  # the median of three
     m.cluster = [dict(cluster[0], cpu_per_step=charged / 2)]
     assert message_cpu(m, layer, overhead, Linear(0.0, 0.0)) == 0.0  # never negative
+
+
+def test_a_message_is_delivered_once_a_core_is_free():
+    """With message_cpu, each delivery is a task of the receiving process's transport thread (half a message's
+    CPU) that needs a host core: on as many cores as processes it waits while both compute (ping-pong at 1A1F),
+    on more cores it only adds its own time."""
+    c = dataclasses.replace(costs(window=(1e-5, 1e-3), ffn=(1e-5, 2e-3), latency=1e-5), message_cpu=4e-4)
+    lay = Layout(1, 1, 8, micro_batches=2)
+    two, many = run(lay, with_cores(c, 2)), run(lay, with_cores(c, 8))
+    plain = run(lay, dataclasses.replace(c, message_cpu=0.0))
+    assert plain.step_time < many.step_time <= two.step_time
+    assert two.step_time > many.step_time  # some delivery waited for a core both processes held
+    assert run(lay, c).step_time == plain.step_time  # no shared host (a device per node): messages cost no core

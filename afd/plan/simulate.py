@@ -153,7 +153,9 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
     rows = [[scenario.ffn_rows(i, f) for i in range(M)] for f in range(F)]  # [F][M]
     msgs = [[scenario.messages(i, f) for i in range(M)] for f in range(F)]  # [F][M]
     alike = all(rows[f] == rows[0] and msgs[f] == msgs[0] for f in range(F))
-    shared = 0 < c.host_cores < lay.attention_ranks + F  # more node processes than the host's cores
+    # more node processes than the host's cores, or messages that need one to be delivered (message_cpu)
+    shared = c.host_cores > 0 and (c.host_cores < lay.attention_ranks + F or c.message_cpu > 0)
+    rx = c.message_cpu / 2 if shared else 0.0  # the receiving process's half of a message's CPU
     explicit = explicit or bool(shared)  # the nodes then slow each other: no one of them stands for all
     ranks = range(lay.attention_ranks if explicit else 1)
     nodes = range(F if explicit or not alike else 1)
@@ -185,12 +187,16 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
                 t = end
                 for size in msgs[f][i][0]:  # dispatch: the count, then the rows, one after the other
                     t = tl.run(("a2f", r, f), t, c.link(size))
+                    if rx:  # its transport thread, once a core is free
+                        t = tl.run(("rx", "ffn", f), t, rx, core=True)
                 arrived[f] = max(arrived[f], t)
         for f in nodes:
             work = c.moe_layer.ffn(rows[f][i]) + c.ffn_message * lay.attention_ranks  # every rank's message
             done = tl.run(("ffn", f), arrived[f], work, core=True)
             for r in ranks:
                 home = tl.run(("f2a", f, r), done, c.link(msgs[f][i][1]))
+                if rx:
+                    home = tl.run(("rx", "attention", r), home, rx, core=True)
                 y[layer, i, r] = max(y.get((layer, i, r), 0.0), home)
         to_ffn += sum(sum(msgs[f][i][0]) for f in range(F))  # one rank's, to every node
         to_attention += sum(msgs[f][i][1] for f in range(F))
