@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 import urllib.request
@@ -105,6 +106,14 @@ class Cluster:
         self._started += 1
         log = self.config.parent / f"{self.config.stem}-{cmd.name}-{self._started}.log"
         return self.processes.start(cmd, env=env, log=str(log))
+
+    def kill(self, name: str) -> None:
+        """SIGKILL to node `name`, returning once it is reaped: its peers can see the death (its sockets
+        close during exit) a moment before the process is gone, and a replacement started in that moment
+        would be refused as already running."""
+        popen = self.procs[name]
+        popen.send_signal(signal.SIGKILL)
+        popen.wait(10)
 
     def start_all(self, reverse: bool = True) -> None:
         """Every node, and an attention node's TP ranks (layout.attention_tp) after it."""
@@ -217,7 +226,6 @@ def stop_launcher(launcher, procs) -> None:
     """The end of a test of `afd launch` (launcher: its process in `procs`): a launcher still running (an
     assertion failed) has its nodes killed, not left running; then `procs` stop."""
     import contextlib
-    import signal
 
     from afd.cluster.processes import descendants
 

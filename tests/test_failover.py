@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -41,7 +40,7 @@ def test_a_killed_ffn_node_whose_experts_are_replicated_costs_no_pause(tiny_chec
         streams = Streams(c.url(), prompts, STREAM, 180)
         assert streams.wait_started(60)
         killed = time.monotonic()
-        c.procs["ffn1"].send_signal(signal.SIGKILL)
+        c.kill("ffn1")
         assert streams.join(120) == 0, "a stream hung"
         for (ids, errors), p in zip(streams.results, prompts):
             assert not errors, errors
@@ -73,7 +72,7 @@ def test_without_a_replica_the_rejoin_wait_holds_and_status_names_the_unserved_e
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
-        c.procs["ffn1"].send_signal(signal.SIGKILL)
+        c.kill("ffn1")
         end = time.monotonic() + FAST["heartbeat_timeout"] + 10
         while True:
             st = subprocess.run(

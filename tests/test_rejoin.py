@@ -61,7 +61,7 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
         prompts = PROMPTS * 4  # 16 streams at once
         streams = Streams(c.url(), prompts, STREAM, 180)
         assert streams.wait_started(60)
-        c.procs["ffn0"].send_signal(signal.SIGKILL)
+        c.kill("ffn0")
         # paused, waiting for the replacement: on gloo at once (the dead FFN's sockets close); on the fake
         # HCCL, as on a real one, the dead peer's transfers just never complete, and the attention node
         # learns of the death from the control plane (heartbeat_timeout, then its next heartbeat)
@@ -183,7 +183,7 @@ def test_an_attention_node_on_tp_ranks_re_forms_with_a_replaced_ffn_node(tiny_ch
         prompts = PROMPTS * 4
         streams = Streams(c.url(), prompts, STREAM, 180)
         assert streams.wait_started(60)
-        c.procs["ffn0"].send_signal(signal.SIGKILL)
+        c.kill("ffn0")
         time.sleep(0.5)
         c.start("ffn0")
         streams.join(240)

@@ -206,7 +206,7 @@ def test_dead_ffn_node_makes_health_503_and_requests_fail_fast(tiny_checkpoint, 
         c.start_all()
         c.wait_ready()
         assert _complete(c.url(), PROMPTS[0])[0] == 200
-        c.procs["ffn0"].send_signal(signal.SIGKILL)
+        c.kill("ffn0")
         end = time.monotonic() + 15
         while health(c.url()) != 503 and time.monotonic() < end:
             time.sleep(0.1)
@@ -249,7 +249,7 @@ def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
             assert r.status == 200
             first = r.readline()
             assert first.startswith(b"data: {")
-            c.procs["ffn0"].send_signal(signal.SIGKILL)
+            c.kill("ffn0")
             rest = r.read().decode()
     events = [e.strip()[len("data: ") :] for e in rest.split("\n\n") if e.strip().startswith("data: ")]
     assert events[-1] == "[DONE]", rest[-500:]
