@@ -196,7 +196,9 @@ def run_plan(args) -> int:
     src = _Source(args, model_cfg, args.model, dtype)
     tp = src.tp_sizes()
     xd = ("same",) if src.profile is not None or args.quantization is None else ("same", "fp8")
-    space = Space(args.devices, tp_sizes=tp, exchange_dtypes=xd)
+    # a router that reads the token ids (DeepSeek-V4's hash layers) runs where they are: on the attention side
+    routings = ("attention",) if getattr(model_cfg, "routes_by_token_ids", False) else Space.routings
+    space = Space(args.devices, tp_sizes=tp, routings=routings, exchange_dtypes=xd)
     plans, misses = search(shape, src.costs, space, args.tpot_slo * 1e-3, src.memory)
     if not plans:
         raise UserError(no_plan(misses, args.tpot_slo * 1e-3))

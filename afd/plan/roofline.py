@@ -18,7 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from afd.model.config import ModelConfig
+from afd.model.deepseek_v4.config import DeepseekV4Config
 from afd.model.longcat_flash.config import LongcatFlashConfig
+from afd.plan import roofline_v4
 from afd.plan.costs import CostModel, LayerCosts, Linear, Link, fit
 from afd.plan.hardware import HardwareSpec, SpecError
 from afd.plan.roofline_ops import Op, Precision, attention_pieces, ffn_ops, router, step_ops
@@ -72,10 +74,11 @@ class Roofline:
         launch = self.spec.launch_overhead if self.launch is None else self.launch
         if op.link_hops:  # a TP collective over the node's own fabric
             ln = self.spec.intra_node
-            return op.link_bytes_per_x * x / ln.bandwidth + op.link_hops * ln.latency + launch, "link"
+            t = op.link_bytes_per_x * x / ln.bandwidth + op.link_hops * ln.latency + launch
+            return t * op.share, "link"
         tc = op.flops(x) / (self.spec.flops(op.compute) * self.compute_eff)
         tm = op.nbytes(x) / (self.spec.memory_bandwidth * self.memory_eff)
-        return max(tc, tm) + launch, ("compute" if tc > tm else "memory")
+        return (max(tc, tm) + launch) * op.share, ("compute" if tc > tm else "memory")
 
     def time(self, piece: str, x: float) -> float:
         """Seconds of `piece` (PIECES) at x tokens (rows for `ffn`, sequences for `step`); 0 at x <= 0."""
@@ -93,7 +96,7 @@ class Roofline:
 
     def held_bytes(self, piece: str) -> float:
         """Weight bytes a device holds for one layer's `piece` (memory per device: `afd plan`)."""
-        return sum(op.weight_bytes for op in self.pieces[piece])
+        return sum(op.weight_bytes * op.share for op in self.pieces[piece])
 
     def _line(self, piece: str, xs: Sequence[float]) -> Linear:
         if not self.pieces[piece]:
@@ -180,14 +183,23 @@ def roofline(
         routed_per_token = K * E / total
     e_local = math.ceil(E / ffn_nodes)
     rows_per_token = routed_per_token * e_local / E
-    routing = routing or ("attention" if ffn_nodes > 1 else "ffn")
+    by_ids = getattr(cfg, "routes_by_token_ids", False)  # DeepSeek-V4's hash layers
+    routing = routing or ("attention" if ffn_nodes > 1 or by_ids else "ffn")
     if routing not in ("attention", "ffn"):
         raise ValueError(f"routing {routing!r}: expected attention or ffn")
-    pieces = attention_pieces(cfg, p, context, attn_tp)
+    if routing == "ffn" and by_ids:
+        raise ValueError(
+            f"routing ffn: {cfg.model_type}'s router reads the token ids, so it routes on the attention side"
+        )
+    if isinstance(cfg, DeepseekV4Config):
+        pieces = roofline_v4.attention_pieces(cfg, p, context, attn_tp)
+        pieces["step"] = step_ops(cfg, p, attn_tp) + roofline_v4.step_ops(cfg, p)
+    else:
+        pieces = attention_pieces(cfg, p, context, attn_tp)
+        pieces["step"] = step_ops(cfg, p, attn_tp)
     if routing == "attention":
         pieces["attn_pre"].append(router(cfg, p))
     pieces["ffn"] = ffn_ops(cfg, p, e_local, 1.0 / rows_per_token if routing == "ffn" else None)
-    pieces["step"] = step_ops(cfg, p, attn_tp)
     notes = (
         f"roofline of {spec.name} ({spec.origin}): context {context}, attention TP {attn_tp}, {ffn_nodes} FFN "
         f"node(s) of {e_local} experts, {routed_per_token:g} routed experts per token, routing {routing}, {dtype}"

@@ -50,6 +50,9 @@ class Op:
     """Bytes one rank sends over the intra-node fabric per token: a TP collective (then flops and bytes 0)."""
     link_hops: int = 0
     """Latencies the collective pays in sequence (a ring all-reduce over G ranks: 2 (G - 1))."""
+    share: float = 1.0
+    """The fraction of the model's MoE layers that run it, where their attention differs by layer
+    (DeepSeek-V4's layer_types): a piece is then the mean layer, its weights and launches included."""
 
     def flops(self, x: float) -> float:
         return self.flops_per_x * x

@@ -36,14 +36,14 @@ class Space:
 
     def layouts(self, max_ffn: int) -> Iterator[tuple[int, int, int, int, str, str]]:
         """(A, F, TP, m, routing, exchange dtype) within the device budget; routing attention only with F > 1
-        (with one FFN node the two routings send the same rows)."""
+        (with one FFN node the two routings send the same rows), unless it is the only routing searched."""
         for tp in self.tp_sizes:
             for a in COUNTS:
                 for f in COUNTS:
                     if a * tp + f > self.devices or f > max_ffn:
                         continue
                     for routing in self.routings:
-                        if routing == "attention" and f == 1:
+                        if routing == "attention" and f == 1 and "ffn" in self.routings:
                             continue
                         for xd in self.exchange_dtypes:
                             for m in self.micro_batches:
