@@ -112,6 +112,31 @@ class ModelConfig(Protocol):
         ...
 
 
+class HFNames:
+    """ModelConfig's layer and router properties read off transformers' names (num_hidden_layers,
+    num_experts_per_tok), with no identity experts and no expert groups: a family's config dataclass inherits
+    them and overrides what its router differs in."""
+
+    num_hidden_layers: int
+    num_experts_per_tok: int
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_hidden_layers
+
+    @property
+    def experts_per_token(self) -> int:
+        return self.num_experts_per_tok
+
+    @property
+    def identity_experts(self) -> int:
+        return 0
+
+    @property
+    def expert_groups(self) -> tuple[int, int]:
+        return (1, 1)
+
+
 def read_config_json(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isdir(path):

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from afd.model.config import ConfigError, check_types, eos_ids, from_hf_dict, rope_theta, rope_type
+from afd.model.config import ConfigError, HFNames, check_types, eos_ids, from_hf_dict, rope_theta, rope_type
 from afd.model.state_spec import StateKind, full_history
 
 # HF's attribute_map: config.json may use these names for the fields on the right.
@@ -28,7 +28,7 @@ HUB_ONLY = {"moe_layer_freq": 1, "topk_method": "noaux_tc", "scoring_func": "sig
 
 
 @dataclass(frozen=True)
-class DeepseekV3Config:
+class DeepseekV3Config(HFNames):
     """Every default is DeepseekV3Config's in transformers (tests/test_model_config.py holds them equal)."""
 
     model_type: ClassVar[str] = "deepseek_v3"
@@ -114,18 +114,6 @@ class DeepseekV3Config:
                 f"{self.topk_group * (E // G)} experts of 'topk_group' ({self.topk_group}) of "
                 f"'n_group' ({G}) groups"
             )
-
-    @property
-    def num_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
-    def experts_per_token(self) -> int:
-        return self.num_experts_per_tok
-
-    @property
-    def identity_experts(self) -> int:
-        return 0
 
     @property
     def expert_groups(self) -> tuple[int, int]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from afd.model.config import ConfigError, check_types, eos_ids, from_hf_dict
+from afd.model.config import ConfigError, HFNames, check_types, eos_ids, from_hf_dict
 
 SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SWA, CSA, HCA)
@@ -29,7 +29,7 @@ level of its nested rope_parameters, where there is none), so afd does too."""
 
 
 @dataclass(frozen=True)
-class DeepseekV4Config:
+class DeepseekV4Config(HFNames):
     """Every default is DeepseekV4Config's in transformers (tests/test_deepseek_v4_config.py holds them equal)."""
 
     model_type: ClassVar[str] = "deepseek_v4"
@@ -135,10 +135,6 @@ class DeepseekV4Config:
     # ---- afd.model.config.ModelConfig --------------------------------------------------------------------
 
     @property
-    def num_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
     def routes_by_token_ids(self) -> bool:
         """The hash layers' experts are tid2eid[token id]: they route where the ids are (layout.routing
         attention; afd.cluster.config.check_routing)."""
@@ -148,18 +144,6 @@ class DeepseekV4Config:
     def moe_layers(self) -> tuple[int, ...]:
         """Every V4 layer is an MoE layer (hash or learned routing)."""
         return tuple(range(self.num_hidden_layers))
-
-    @property
-    def experts_per_token(self) -> int:
-        return self.num_experts_per_tok
-
-    @property
-    def identity_experts(self) -> int:
-        return 0
-
-    @property
-    def expert_groups(self) -> tuple[int, int]:
-        return (1, 1)
 
     # ---- derived ------------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from afd.model.config import ConfigError, check_types, eos_ids, from_hf_dict, rope_theta, rope_type
+from afd.model.config import ConfigError, HFNames, check_types, eos_ids, from_hf_dict, rope_theta, rope_type
 from afd.model.state_spec import StateKind, full_history
 
 # HF's attribute_map: save_pretrained writes `num_local_experts` for the field HF calls num_experts.
@@ -14,7 +14,7 @@ ALIASES = {"num_local_experts": "num_experts"}
 
 
 @dataclass(frozen=True)
-class Qwen3MoeConfig:
+class Qwen3MoeConfig(HFNames):
     """Every default is Qwen3MoeConfig's in transformers (tests/test_model_config.py holds them equal)."""
 
     model_type: ClassVar[str] = "qwen3_moe"
@@ -74,24 +74,8 @@ class Qwen3MoeConfig:
             raise ConfigError("config.json: 'intermediate_size' must be positive: some layers are dense")
 
     @property
-    def num_layers(self) -> int:
-        return self.num_hidden_layers
-
-    @property
     def n_routed_experts(self) -> int:
         return self.num_experts
-
-    @property
-    def experts_per_token(self) -> int:
-        return self.num_experts_per_tok
-
-    @property
-    def identity_experts(self) -> int:
-        return 0
-
-    @property
-    def expert_groups(self) -> tuple[int, int]:
-        return (1, 1)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
