@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,12 @@ from afd.model.tp.comm import SINGLE
 
 
 class RMSNorm(nn.Module):
+    """x normed in fp32. Where the result is cast back to x's dtype is the one thing HF's families differ
+    in: before the weight multiplies it (LlamaRMSNorm's order, the default), or after (`weight_in_fp32`:
+    DeepSeek-V4's, whose norm weights stay fp32)."""
+
+    weight_in_fp32: ClassVar[bool] = False
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -20,6 +27,8 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight * xf).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
 

@@ -9,22 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd.model import layers
 from afd.model.deepseek_v4.config import DeepseekV4Config
 from afd.model.layers import Rotary, YarnRotary
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(layers.RMSNorm):
     """HF's DeepseekV4RMSNorm: the weight (kept fp32) multiplies the fp32 normed input, one cast at the end."""
 
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+    weight_in_fp32 = True
 
 
 def unweighted_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
