@@ -51,7 +51,10 @@ class Scheduler:
         if prefix_caching and kv.paged:
             # A window's early blocks go back as a sequence advances, so a cached prefix would miss the state
             # its tail needs; vLLM shares what is still held, the simpler correct choice here is not to share.
-            log.info("prefix caching off: the model keeps state kinds (%s)", ", ".join(kv.layout.names))
+            log.warning(  # a user who asked for it (the default) should see why it is not there
+                "prefix caching off: the model keeps state kinds (%s), whose windows a cached prefix would miss",
+                ", ".join(kv.layout.names),
+            )
             prefix_caching = False
         self.prefix = PrefixCache(kv.allocator.cached, kv.block_size, lookahead) if prefix_caching else None
         self.waiting: deque[Request] = deque()
