@@ -132,3 +132,49 @@ def test_other_work_is_the_hosts_busy_time_less_the_jobs():
     assert plan_check.other_cores((0.0, 10.0, 0.5, {}), (2.0, 11.0, 1.5, {})) == 0.0  # never negative
     now = plan_check._cpu([plan_check.os.getpid()])
     assert now[2] == sum(now[3].values()) and now[1] >= now[2]
+
+
+def test_threads_split_the_main_threads_cpu_from_the_others():
+    """/proc/PID/task/TID/schedstat, as the runs record it: a busy main thread shows as the main thread's CPU,
+    a busy second thread as the others'; a process that is gone reads as nothing."""
+    import os
+    import threading
+    import time
+
+    from afd.cluster.cpus import thread_schedstat
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    if not os.path.exists(f"/proc/{os.getpid()}/schedstat"):
+        pytest.skip("this kernel keeps no schedstat (CONFIG_SCHED_INFO off, or not Linux)")
+    spun, release = threading.Event(), threading.Event()
+
+    def worker() -> None:  # stays alive until read: an ended thread leaves the task list, its CPU with it
+        spin(0.05)
+        spun.set()
+        release.wait(10)
+
+    me = {"me": os.getpid()}
+    before = plan_check._threads(me)
+    spin(0.05)
+    t = threading.Thread(target=worker)
+    t.start()
+    assert spun.wait(10)
+    main_cpu, main_wait, other_cpu, other_wait = plan_check._threads(me, before)["me"]
+    release.set()
+    t.join()
+    # schedstat counts ns of CPU; each spin ran at least 50 ms of its thread's CPU time
+    assert main_cpu >= 0.045 and other_cpu >= 0.045 and main_wait >= 0.0 and other_wait >= 0.0
+    assert thread_schedstat(2**22 + 7) == {}  # beyond pid_max's ceiling (2^22): no such process
+
+
+def test_the_threads_table_is_there_only_for_runs_that_measured_it():
+    case = Case(1, 1, True, 2, "ffn", None)
+    rnd = {"threads_per_step": {"attn0": [0.010, 0.001, 0.002, 0.0005], "ffn0": [0.004, 0.002, 0.003, 0.001]}}
+    text = plan_check.threads_table([{"case": vars(case), "rounds": [rnd, rnd, rnd]}])
+    assert f"| {case.name} | attn0 | 10.00 / 1.00 | 2.00 / 0.50 |" in text
+    assert f"| {case.name} | ffn0 | 4.00 / 2.00 | 3.00 / 1.00 |" in text
+    assert plan_check.threads_table([{"case": vars(case), "rounds": [{}]}]) == ""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from afd.bench.common import count_flag, interleaved
 from afd.bench.plan_check_predict import rows_of
-from afd.bench.plan_check_table import Case, table, to_json
+from afd.bench.plan_check_table import Case, table, threads_table, to_json
 
 OUTPUT = "docs/bench/plan_check.json"
 PROFILE = "profile"
@@ -97,9 +97,9 @@ def measure(case: Case, batch: int, prompt_len: int, steps: int, link) -> dict:
         cluster.generate(synthetic_prompts(batch * case.attention_nodes, prompt_len, 512, 40_000), 3, ignore_eos=True)
         nodes = {n: cluster.process(n).pid for n in cluster.processes.procs}
         ours = [os.getpid(), *nodes.values()]
-        before = _cpu(ours)
+        before, threads = _cpu(ours), _threads(nodes)
         _, reports = cluster.generate(prompts, steps + 3, ignore_eos=True)
-        after = _cpu(ours)
+        after, threads = _cpu(ours), _threads(nodes, threads)
         cluster.close()
     forward = len(reports[0]["steps"])  # the prefill's and every decode step's
     cpu = {n: (after[3][pid] - before[3][pid]) / forward for n, pid in nodes.items()}
@@ -108,7 +108,23 @@ def measure(case: Case, batch: int, prompt_len: int, steps: int, link) -> dict:
         "cluster": doc,
         "other_cores": other_cores(before, after),
         "cpu_per_step": cpu,
+        "threads_per_step": {n: [v / forward for v in t] for n, t in threads.items()},
     }
+
+
+def _threads(nodes: dict[str, int], before: dict | None = None) -> dict[str, list[float]]:
+    """Per node: [its main thread's CPU seconds, its run-queue wait, the other threads' CPU (the transport's
+    loops, gRPC, HTTP), their wait] (afd.cluster.cpus.thread_schedstat); with `before`, since then."""
+    from afd.cluster.cpus import thread_schedstat
+
+    out = {}
+    for name, pid in nodes.items():
+        t = [0.0] * 4
+        for tid, (run, wait) in thread_schedstat(pid).items():
+            i = 0 if tid == pid else 2
+            t[i], t[i + 1] = t[i] + run, t[i + 1] + wait
+        out[name] = t if before is None else [a - b for a, b in zip(t, before[name])]
+    return out
 
 
 def _cpu(pids: list[int]) -> tuple[float, float, float, dict[int, float]]:
@@ -167,6 +183,8 @@ def run(args) -> int:
     for note in s.get("notes", []):
         print(f"note: {note}")
     print(table(rows))
+    if threads := threads_table(doc["runs"]):
+        print(f"\nper forward step, each node's threads (/proc/PID/task/TID/schedstat):\n{threads}")
     out = to_json(rows, s) | {k: doc[k] for k in ("profile", "outside_runner", "profiles", "runs") if k in doc}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, indent=1))

@@ -75,6 +75,26 @@ def table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def threads_table(runs: list[dict]) -> str:
+    """Each node process's CPU and run-queue wait per forward step (the job's prefill and decode steps; medians
+    over rounds; the runs' `threads_per_step`): the main thread's, and the other threads' (the transport's
+    loops above all). '' for runs stored before they were measured."""
+    from afd.bench.common import median
+
+    if not runs or not all("threads_per_step" in rnd for r in runs for rnd in r["rounds"]):
+        return ""
+    out = [
+        "| config | node | main thread CPU / run-queue wait (ms) | other threads CPU / run-queue wait (ms) |",
+        "|---|---|---|---|",
+    ]
+    for r in runs:
+        name = Case(**r["case"]).name
+        for node in r["rounds"][0]["threads_per_step"]:
+            t = [1e3 * median(rnd["threads_per_step"][node][i] for rnd in r["rounds"]) for i in range(4)]
+            out.append(f"| {name} | {node} | {t[0]:.2f} / {t[1]:.2f} | {t[2]:.2f} / {t[3]:.2f} |")
+    return "\n".join(out)
+
+
 def to_json(rows: list[Row], setting: dict) -> dict:
     """What docs/bench/plan_check.json holds: the setting (weights, batch, machine) and one dict per row."""
     return {

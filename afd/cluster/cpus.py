@@ -74,3 +74,22 @@ def process_cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return 0.0
+
+
+def thread_schedstat(pid: int) -> dict[int, tuple[float, float]]:
+    """Per thread of process `pid` (thread id -> seconds on a CPU, seconds runnable but waiting on a run queue),
+    from /proc/PID/task/TID/schedstat (https://docs.kernel.org/scheduler/sched-stats.html); {} once it is gone,
+    off Linux, or where the kernel keeps no schedstats."""
+    out: dict[int, tuple[float, float]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run, wait = f.read().split()[:2]
+            out[int(tid)] = (int(run) / 1e9, int(wait) / 1e9)
+        except (OSError, ValueError):
+            continue  # a thread that ended between the listing and the read
+    return out
