@@ -71,3 +71,23 @@ def test_a_window_family_serves_sequences_longer_than_its_pages_in_full(v4_path)
         engine.step()
     assert out == ref[0][0]
     assert engine.runner.kv.allocator.num_free == pages
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_a_job_runs_every_sequence_at_once(v4_path, block_size):
+    """A job's cache is sized for its sequences (afd.engine.factory.build_runner): for V4, each one's window and
+    every compressed kind's pages, a partly filled last page each. Sized by pool_pages's average instead, 4
+    sequences of 22 tokens at blocks of 16 got 14 pages for the 16 they take at once: one was preempted and
+    recomputed, and `afd profile` found no decode step of the batch it asked for."""
+    from afd.engine.request import Request
+    from afd.engine.sampling import SamplingParams
+
+    prompts = [torch.randint(0, 97, (16,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(4)]
+    engine = afd.LLM(v4_path, block_size=block_size).job_engine(prompts, [6] * 4)
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(str(i), p, SamplingParams(), 6, lambda o: None, ignore_eos=True))
+    batches = []
+    while engine.has_unfinished():
+        batches.append(len(engine.scheduler.running))
+        engine.step()
+    assert engine.scheduler.num_preemptions == 0 and batches[1:] == [4] * (len(batches) - 1)

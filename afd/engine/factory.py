@@ -32,6 +32,7 @@ from afd.engine.tokenizer import Tokenizer
 from afd.model.config import ConfigError, ModelConfig, parse_dtype
 from afd.model.mla import attach_backend
 from afd.model.quant_layers import quantize_linears
+from afd.model.state_spec import StateLayout
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.observability.attention_metrics import AttentionMetrics
 
@@ -71,9 +72,14 @@ def build_runner(
     when the config asks for it (the scratch block comes from the same cache)."""
     mcfg, dtype, N = attn.cfg, parse_dtype(cfg.model.dtype), tp.cfg.kvp
     eng, graph = cfg.engine, settings_of(cfg)
+    pages = None
     if job is not None:  # with KVP, pool k holds blocks k, k + N, ... of every sequence: pool 0 the most
-        need = (blocks_needed(len(p) + n, eng.block_size) for p, n in zip(job.prompts, job.max_tokens))
-        blocks = N * max(1, sum(-(-b // N) for b in need)) + scratch_blocks(graph, tp, device)
+        lengths = [len(p) + n for p, n in zip(job.prompts, job.max_tokens)]
+        blocks = N * max(1, sum(-(-blocks_needed(t, eng.block_size) // N) for t in lengths))
+        blocks += scratch_blocks(graph, tp, device)
+        layout = StateLayout(mcfg.state_kinds(), eng.block_size)
+        if layout.paged_pool:  # every kind's pages of every sequence, its partly filled last ones included
+            pages = max(1, sum(layout.peak_pages(t, t) for t in lengths)) + scratch_blocks(graph, tp, device)
     else:
         if eng.gpu_memory_utilization is not None:
             dev = backend or get_backend(device.type)
@@ -81,7 +87,7 @@ def build_runner(
         budget = _without_mtp_layer(eng, mcfg, mtp if eng.speculative_tokens else None)
         per_rank = CacheConfig(block_size=eng.block_size, memory_budget_bytes=budget.kv_cache_bytes)
         blocks = N * per_rank.resolve_num_blocks(mcfg, dtype.itemsize)
-    kv = KVCache(mcfg, blocks, eng.block_size, dtype, device, N)
+    kv = KVCache(mcfg, blocks, eng.block_size, dtype, device, N, pages=pages)
     if backend is not None:  # MLA decode tries the backend's fused attention first (afd/model/mla.py)
         attach_backend(attn, backend)
         if mtp is not None:

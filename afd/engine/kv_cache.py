@@ -118,11 +118,18 @@ class KVCache:
     with several state kinds, the page pool [1, pages, page values] that PagedLayer views per layer and kind."""
 
     def __init__(
-        self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device, kvp: int = 1
+        self,
+        cfg: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kvp: int = 1,
+        pages: int | None = None,
     ):
         """num_blocks: of the whole node; with kvp N each rank's tensor holds num_blocks / N of them. For a family
         with several kinds, blocks of tokens in full: the pool adds the compressed kinds' pages
-        (StateLayout.pool_pages)."""
+        (StateLayout.pool_pages, an average), unless `pages` gives the pool's size (a job's exact need)."""
         self.block_size = block_size
         self.layout = StateLayout(cfg.state_kinds(), block_size)
         self.paged = self.layout.paged_pool
@@ -132,7 +139,7 @@ class KVCache:
                     f"{cfg.model_type} keeps state kinds ({', '.join(k.name for k in self.layout.kinds)}) that KV "
                     "parallelism does not split: run it with kvp 1"
                 )
-            num_blocks = self.layout.pool_pages(num_blocks)
+            num_blocks = pages if pages is not None else self.layout.pool_pages(num_blocks)
         self.allocator = BlockAllocator(num_blocks, kvp)
         local = self.allocator.num_blocks // kvp
         self.data = torch.zeros(cfg.kv_cache_shape(local, block_size), dtype=dtype, device=device)
