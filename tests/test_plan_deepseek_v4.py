@@ -86,3 +86,25 @@ def test_plan_routes_on_the_attention_side_and_writes_a_yaml_check_config_accept
     assert "1" in {r[2] for r in rows}  # one FFN node, still routed on the attention side
     assert load(str(out)).routing == "attention"
     assert main(["check-config", str(out)]) == 0
+
+
+@pytest.mark.slow  # a 1A1F cluster of node processes, about 30 s
+@pytest.mark.multiprocess
+def test_profile_measures_v4_routed_on_the_attention_side(tmp_path):
+    """`afd profile` ran its cluster under routing ffn as well, which V4's hash router refuses: it now runs the
+    one cluster, routed on the attention side, and takes both submits from it."""
+    from hf_deepseek_v4 import V4_CONFIGS, make_v4_checkpoint
+
+    from afd.cluster.local_config import local_config
+    from afd.plan.profile import profile
+
+    path = make_v4_checkpoint(str(tmp_path / "v4"), **V4_CONFIGS["all_types"])
+    yaml_path = tmp_path / "v4.yaml"
+    cfg = local_config(1, 1, {"model": {"path": path}, "layout": {"routing": "attention"}}, name="v4", device="cpu")
+    yaml_path.write_text(cfg.to_yaml())
+    kw = dict(context=16, steps=3, repeats=1, link_repeats=5, link_sizes=(64, 4096), log=lambda _: None)
+    m, model = profile(str(yaml_path), (1, 2, 4), **kw)
+    assert [c["batch"] for c in m.cluster] == [1, 2, 4] and all(c["step"] > 0 for c in m.cluster)
+    assert any("its router reading the token ids" in n for n in model.notes)
+    assert model.submit == model.submit_dispatch and model.submit(4) > 0
+    assert model.moe_layer.ffn.points == 3 and model.moe_layer.attn_pre(4) > 0

@@ -107,8 +107,9 @@ def profile(
     mod = config.model
     options = dict(dtype=mod.dtype, dummy_weights=mod.dummy_weights, weights_seed=mod.seed)
     options |= {"quantization": mod.quantization} if mod.quantization else {}
-    # with the cluster, the LLM only resolves the model (path, checkpoint dtype): its nodes are never started
-    where = dict(attention_nodes=1, ffn_nodes=1) if cluster else {}
+    # with the cluster, the LLM only resolves the model (path, checkpoint dtype): its nodes are never started;
+    # routing attention, which every family runs (a router reading the token ids runs nothing else)
+    where = dict(attention_nodes=1, ffn_nodes=1, routing="attention") if cluster else {}
     llm = LLM(mod.path, block_size=config.engine.block_size, **options, **where)
     tp = config.layout.attention_tp
     host, notes = _link_host(config)
@@ -118,11 +119,17 @@ def profile(
         from afd.plan.profile_check import cluster_steps
 
         model = llm.config.model
-        medians, checked = cluster_steps(model, config, batch_sizes, context, steps, repeats, log)
-        dispatch, _ = cluster_steps(model, config, batch_sizes, context, steps, repeats, log, routing="attention")
+        # a router that reads the token ids (DeepSeek-V4's hash layers) runs on the attention side only:
+        # then the one cluster, routed there, gives both submits
+        by_ids = getattr(llm.cfg, "routes_by_token_ids", False)
+        first = "attention" if by_ids else "ffn"
+        medians, checked = cluster_steps(model, config, batch_sizes, context, steps, repeats, log, routing=first)
+        dispatch = medians
+        if not by_ids:
+            dispatch, _ = cluster_steps(model, config, batch_sizes, context, steps, repeats, log, routing="attention")
         notes += (
-            f"attention side: timed in attention node 0 of the cluster at 1A1F, attention_tp {tp}, routing ffn "
-            "(submit_dispatch: routing attention)",
+            f"attention side: timed in attention node 0 of the cluster at 1A1F, attention_tp {tp}, routing {first}"
+            + (" (submit_dispatch: routing attention)" if not by_ids else ", its router reading the token ids"),
         )
     else:
         rounds: dict[int, list] = {b: [] for b in batch_sizes}
