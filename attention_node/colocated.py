@@ -44,7 +44,7 @@ def run(args) -> int:
     import torch
 
     from afd.backend import get_backend
-    from afd.cluster.topology import model_dir, served_model_name, with_checkpoint_dtype
+    from afd.cluster.topology import model_dir, served_model_name, with_model_defaults
     from afd.dataplane.exchange import LocalMoE
     from afd.engine.factory import build_engine
     from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
@@ -73,7 +73,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         path = model_dir(cfg)
-        cfg = with_checkpoint_dtype(cfg)
+        cfg = with_model_defaults(cfg)
     except ValueError as e:  # ConfigError: a hub name not found, an unreadable config.json
         print(f"afd-attention colocated: error: {e}", file=sys.stderr)
         return 2

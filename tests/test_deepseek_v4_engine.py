@@ -160,6 +160,27 @@ def test_routing_ffn_is_refused_before_any_node_starts(v4, tmp_path):
     check_routing(from_dict({**doc, "layout": {**doc["layout"], "routing": "attention"}}), mcfg)
 
 
+def test_routing_left_unset_is_attention_where_each_process_starts(v4):
+    """vLLM's users never name a routing: unset, a token-id router's family settles on attention from its
+    config.json (afd.cluster.topology.with_model_defaults, applied by every node, afd.LLM and check-config),
+    at one FFN node as at two; a family whose router does not read the ids keeps the default."""
+    from afd.cluster.config import check_routing, from_dict
+    from afd.cluster.local_config import local_config
+    from afd.cluster.topology import with_model_defaults
+    from afd.model.registry import load_config
+
+    path, _ = v4("all_types")
+    for F in (1, 2):
+        unset = from_dict(local_config(1, F, {"model": {"path": path}}).to_dict())
+        assert unset.layout.routing is None
+        check_routing(unset, load_config(path))  # not refused: every process resolves it before it runs
+        assert with_model_defaults(unset).routing == "attention"
+    demo = from_dict(local_config(1, 1, {"model": {"path": "demo"}}).to_dict())
+    assert with_model_defaults(demo).routing == "ffn" and with_model_defaults(demo).layout.routing is None
+    with afd.LLM(path, attention_nodes=1, ffn_nodes=1, block_size=4) as llm:
+        assert llm.config.routing == "attention"
+
+
 def test_bf16_first_step_is_hfs(tmp_path):
     """bf16 (HF's fp32-kept mHC, sinks, ape and norms kept fp32 here too): the prompt's next-token logits
     within bf16 rounding of HF's bf16 model (measured: <= 1.6% of the largest logit) and the same token."""

@@ -16,7 +16,7 @@ from afd.backend.cpu_memory import memory_info
 from afd.cli import main
 from afd.cluster.config import load
 from afd.cluster.local_config import local_config
-from afd.cluster.topology import local_model, with_checkpoint_dtype
+from afd.cluster.topology import local_model, with_model_defaults
 from afd.engine.factory import memory_share
 from afd.model.config import ConfigError
 from afd.model.hub import checkpoint_dir, is_hub_name
@@ -68,15 +68,15 @@ def test_dtype_auto_is_the_checkpoints(tmp_path, config, want):
     path = _checkpoint(tmp_path / "m", **config)
     cfg = local_config(1, 1, {"model": {"path": str(path)}})
     assert cfg.model.dtype == "auto"  # vLLM's default
-    assert with_checkpoint_dtype(cfg).model.dtype == want
+    assert with_model_defaults(cfg).model.dtype == want
     pinned = local_config(1, 1, {"model": {"path": str(path), "dtype": "float32"}})
-    assert with_checkpoint_dtype(pinned).model.dtype == "float32"
+    assert with_model_defaults(pinned).model.dtype == "float32"
 
 
 def test_dtype_auto_refuses_a_dtype_afd_does_not_serve_in(tmp_path):
     path = _checkpoint(tmp_path / "m", dtype="float64")
     with pytest.raises(ConfigError, match="config.json's dtype 'float64'.*--dtype"):
-        with_checkpoint_dtype(local_config(1, 1, {"model": {"path": str(path)}}))
+        with_model_defaults(local_config(1, 1, {"model": {"path": str(path)}}))
 
 
 def test_check_config_reads_a_cached_hub_name_without_downloading(tmp_path, offline, monkeypatch):

@@ -38,22 +38,25 @@ def local_model(cfg: ClusterConfig):
     from afd.model.registry import config_from_hf, load_config
 
     if cfg.model.path == "demo":
-        return with_checkpoint_dtype(cfg), config_from_hf(DEMO_CONFIG)
+        return with_model_defaults(cfg), config_from_hf(DEMO_CONFIG)
     try:
         path = model_dir(cfg, download=False)
     except ConfigError:
         return cfg, None
     if not os.path.isfile(os.path.join(path, "config.json")):
         return cfg, None
-    return with_checkpoint_dtype(cfg), load_config(path)
+    return with_model_defaults(cfg), load_config(path)
 
 
-def with_checkpoint_dtype(cfg: ClusterConfig) -> ClusterConfig:
-    """`cfg` with model.dtype `auto` (vLLM's default) made the checkpoint's own dtype. Every process reads
-    the same config.json, so every node of a cluster settles on the same dtype."""
+def with_model_defaults(cfg: ClusterConfig) -> ClusterConfig:
+    """`cfg` with what it leaves to the checkpoint settled from its config.json: model.dtype `auto` (vLLM's
+    default) made the checkpoint's own dtype, and layout.routing, where unset, made `attention` for a family
+    whose router reads the token ids (DeepSeek-V4's hash layers; afd.cluster.config.check_routing). Every
+    process reads the same config.json, so every node of a cluster settles on the same values."""
     from afd.model.config import AUTO_DTYPE, checkpoint_dtype, read_config_json
 
-    if cfg.model.dtype != AUTO_DTYPE:
+    auto_dtype, auto_routing = cfg.model.dtype == AUTO_DTYPE, cfg.layout.routing is None and not cfg.colocated
+    if not (auto_dtype or auto_routing):
         return cfg
     if cfg.model.path == "demo":
         from afd.model.demo_config import DEMO_CONFIG
@@ -61,7 +64,14 @@ def with_checkpoint_dtype(cfg: ClusterConfig) -> ClusterConfig:
         d = DEMO_CONFIG
     else:
         d = read_config_json(model_dir(cfg))
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=checkpoint_dtype(d)))
+    if auto_dtype:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=checkpoint_dtype(d)))
+    if auto_routing:
+        from afd.model.registry import config_from_hf
+
+        if getattr(config_from_hf(d), "routes_by_token_ids", False):
+            cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, routing="attention"))
+    return cfg
 
 
 def cpu_threads(cfg: ClusterConfig, name: str) -> int:

@@ -16,7 +16,7 @@ from afd.cluster.flags import flat_overrides, with_overrides
 from afd.cluster.local import LocalCluster
 from afd.cluster.local_config import local_config
 from afd.cluster.local_spec import reports_logits
-from afd.cluster.topology import resolve_model_path, with_checkpoint_dtype
+from afd.cluster.topology import resolve_model_path, with_model_defaults
 from afd.dataplane.exchange import LocalMoE, MoEExchange
 from afd.engine import offline
 from afd.engine.engine import Engine
@@ -66,7 +66,7 @@ class LLM:
         A, F = attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes)
         options = llm_options(options)
         sections = flat_overrides({"micro_batches": 1, **options, "path": resolve_model_path(model)})
-        self.config = with_checkpoint_dtype(local_config(A, F, sections, name="local-job", threads=1))
+        self.config = with_model_defaults(local_config(A, F, sections, name="local-job", threads=1))
         """The job's configuration (a cluster YAML's: afd.cluster.schema)."""
         model, lay, eng = self.config.model.path, self.config.layout, self.config.engine
         self.graph_report: dict | None = None

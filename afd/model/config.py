@@ -27,7 +27,7 @@ AUTO_DTYPE = "auto"
 
 def parse_dtype(name: str):
     """The torch dtype of a config's dtype name (`auto` is resolved against the checkpoint first:
-    afd.cluster.topology.with_checkpoint_dtype)."""
+    afd.cluster.topology.with_model_defaults)."""
     import torch
 
     if name == AUTO_DTYPE:

@@ -46,9 +46,9 @@ def start_cluster_node(args, role: str):
 
     prog = "afd-attention" if role == "attention" else "afd-ffn"
     try:
-        from afd.cluster.topology import with_checkpoint_dtype
+        from afd.cluster.topology import with_model_defaults
 
-        cfg = with_checkpoint_dtype(load_cluster_args(args, role))
+        cfg = with_model_defaults(load_cluster_args(args, role))
         err = _insecure_start(cfg, args.node) or _device_missing(cfg, args.node, getattr(args, "tp_rank", 0) or 0)
     except ValueError as e:  # ClusterConfigError, or an unreadable --api-key-file
         err = str(e)
