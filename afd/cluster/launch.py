@@ -111,10 +111,11 @@ def check_startable(cfg: ClusterConfig, source: str) -> None:
     """What would make every node fail, said once here rather than as a traceback from each."""
     if cfg.model.path != "demo":
         from afd.cluster.config import check_expert_layout, check_routing, check_tp_layout
-        from afd.cluster.topology import model_dir
+        from afd.cluster.topology import model_dir, with_model_defaults
         from afd.model.registry import load_config
 
         mcfg = load_config(model_dir(cfg))  # a hub name is fetched here, once, before any node starts
+        cfg = with_model_defaults(cfg)  # as every node will settle it (an unset routing)
         check_expert_layout(cfg, mcfg.n_routed_experts, mcfg.expert_groups[0])
         check_tp_layout(cfg, mcfg.num_attention_heads)
         check_routing(cfg, mcfg)

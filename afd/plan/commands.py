@@ -160,12 +160,14 @@ def _model(path: str, dtype: str | None):
 
 def run_simulate(args) -> int:
     from afd.cluster.config import load
+    from afd.cluster.topology import with_model_defaults
     from afd.plan.scenario import Scenario
     from afd.plan.shape import Layout, ModelShape
     from afd.plan.simulate import simulate
 
     cfg = load(args.config)
     model_cfg, dtype = _model(cfg.model.path, None if cfg.model.dtype == "auto" else cfg.model.dtype)
+    cfg = with_model_defaults(cfg)  # an unset routing, as the nodes would run it
     shape = ModelShape.from_config(model_cfg, dtype, cfg.model.path)
     src = _Source(args, model_cfg, cfg.model.path, dtype)
     layout = Layout.from_cluster(cfg, args.batch, args.micro_batches or None)
