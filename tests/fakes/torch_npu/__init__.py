@@ -1,11 +1,12 @@
 """A fake torch_npu for CPU tests (tests/fakes is put on sys.path only by tests that ask for it).
 
 Importing it does what importing torch_npu does for afd: registers the "npu" device and `torch.npu`
-(device.py), npu generators (generator.py), the "hccl" process group (hccl.py) and the fused ops afd
-calls (ops.py, ops_attention.py, the router's npu_moe_gating_top_k in ops_gating.py, ops_prolog.py, the
-weight format casts ops_prolog.py checks in ops_format.py, and the quantized GEMMs in ops_quant.py, whose
-npu_grouped_matmul takes the quantized scenarios and hands the others to ops.py's). Each module says which
-behaviour of the real package it reproduces, and where that behaviour is documented.
+(device.py, with its streams in streams.py, its memory in memory.py and its counts in syncs.py), npu
+generators (generator.py), the "hccl" process group (hccl.py) and the fused ops afd calls (ops.py,
+ops_attention.py, the router's npu_moe_gating_top_k in ops_gating.py, ops_prolog.py, the weight format casts
+ops_prolog.py checks in ops_format.py, and the quantized GEMMs in ops_quant.py, whose npu_grouped_matmul takes
+the quantized scenarios and hands the others to ops.py's). Each module says which behaviour of the real
+package it reproduces, and where that behaviour is documented.
 """
 
 import atexit
