@@ -1,96 +1,22 @@
-"""Ascend conformance without hardware: the fake torch_npu ops and fake torchair (tests/fakes) against the
-rules their documents state, and NpuBackend.grouped_matmul / prefetch run on them.
-
-The fakes load by path: tests/fakes is never put on sys.path, so find_spec("torch_npu") stays None for the
-other tests (and tests/fakes/torch_npu/__init__.py, the fake device, is not needed here).
+"""Ascend conformance without hardware: the fake torch_npu ops (tests/fakes) against the rules their
+documents state: npu_grouped_matmul, npu_prefetch and npu_mm_reduce_scatter_base. NpuBackend run on them:
+test_npu_fakes_backend.py; the fake torchair: test_npu_fakes_torchair.py. How the fakes load, and the
+fixtures these files share: fake_ops_helpers.py (other test files import them from here as well).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-import types
-import warnings
-from pathlib import Path
-
 import pytest
 import torch
-
-from afd.backend.npu import NpuBackend
-
-FAKES = Path(__file__).resolve().parent / "fakes"
-
-
-def _load_ops():
-    spec = importlib.util.spec_from_file_location("afd_tests_fake_torch_npu_ops", FAKES / "torch_npu" / "ops.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # torch.compile looks traced functions' modules up by name
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ops = _load_ops()
-
-
-@pytest.fixture(autouse=True)
-def _fresh():
-    ops.calls.clear()
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _fake_torch_npu() -> types.ModuleType:
-    m = types.ModuleType("torch_npu")
-    for name in ("npu_grouped_matmul", "npu_prefetch", "npu_mm_reduce_scatter_base"):
-        setattr(m, name, getattr(ops, name))
-    return m
-
-
-def _load_torchair():
-    spec = importlib.util.spec_from_file_location(
-        "torchair", FAKES / "torchair" / "__init__.py", submodule_search_locations=[str(FAKES / "torchair")]
-    )
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["torchair"] = mod  # its submodules import relative to it
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules["torchair"]
-        raise
-    return mod
-
-
-@pytest.fixture
-def torchair(monkeypatch):
-    """The fake torchair as `import torchair` sees it, with the fake torch_npu imported first."""
-    monkeypatch.setitem(sys.modules, "torch_npu", _fake_torch_npu())
-    before = {k: v for k, v in sys.modules.items() if k == "torchair" or k.startswith("torchair.")}
-    yield _load_torchair()
-    for k in [k for k in sys.modules if k == "torchair" or k.startswith("torchair.")]:
-        del sys.modules[k]
-    sys.modules.update(before)
-
-
-def _npu_backend() -> NpuBackend:
-    be = object.__new__(NpuBackend)  # no device here: skip __init__, keep the real methods
-    be._torch_npu = _fake_torch_npu()
-    return be
-
-
-def _per_expert(x, w, sizes) -> torch.Tensor:
-    """The reference: one float64 matmul per expert over its row slice."""
-    out, start = [], 0
-    for g, n in enumerate(sizes.tolist()):
-        out.append(x[start : start + n].double() @ w[g].double())
-        start += n
-    return torch.cat(out)
-
-
-def _close(y, ref, dtype):
-    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
-    assert y.dtype == dtype and y.shape == ref.shape
-    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+from fake_ops_helpers import (  # noqa: F401  (_fresh, torchair: fixtures; FAKES, _npu_backend: imported from here)
+    FAKES,
+    _close,
+    _fresh,
+    _npu_backend,
+    _per_expert,
+    ops,
+    torchair,
+)
 
 
 def _gmm(x, w, gl, **kw):
@@ -235,7 +161,7 @@ def test_fake_prefetch_rules():
             ops.npu_prefetch(*args)
 
 
-def test_graph_mode_refuses_a_prefetch_without_dependency(torchair):
+def test_graph_mode_refuses_a_prefetch_without_dependency(torchair):  # noqa: F811 (the fixture)
     w = torch.zeros(256)
 
     def step(x):
@@ -250,200 +176,6 @@ def test_graph_mode_refuses_a_prefetch_without_dependency(torchair):
     gm = torch.fx.symbolic_trace(lambda x: (torch.ops.fake_npu.npu_prefetch(x, None, 8), x)[1])
     with pytest.raises(NotImplementedError, match="dependency is None"):
         backend(gm, [torch.ones(2)])
-
-
-# ---- NpuBackend on the fakes ---------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "sizes", [[7], [3, 0, 4], [0, 0, 7, 0], [1, 2, 3, 1]], ids=["one-expert", "empty-middle", "all-in-one", "four"]
-)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_npu_grouped_matmul_on_the_fake_op(sizes, dtype):
-    # one-expert failed before the fix: group_list_type=1 with a group list of length 1.
-    torch.manual_seed(0)
-    sizes = torch.tensor(sizes)
-    x, w = torch.randn(7, 16, dtype=dtype), torch.randn(len(sizes), 16, 8, dtype=dtype)
-    _close(_npu_backend().grouped_matmul(x, w, sizes), _per_expert(x, w, sizes), dtype)
-
-
-def test_npu_grouped_matmul_more_groups_than_one_call_takes():
-    # Failed before the fix: 1030 groups in one call (the op takes at most 1024).
-    torch.manual_seed(0)
-    g = 1030
-    sizes = torch.randint(0, 3, (g,))
-    x, w = torch.randn(int(sizes.sum()), 8), torch.randn(g, 8, 4)
-    _close(_npu_backend().grouped_matmul(x, w, sizes), _per_expert(x, w, sizes), torch.float32)
-    assert not [c for c in ops.calls if c[0] == "npu_grouped_matmul"]
-
-
-def test_npu_grouped_matmul_keeps_group_sizes_on_the_device(torchair):
-    torch.manual_seed(0)
-    sizes = torch.tensor([2, 0, 3])
-    x, w = torch.randn(5, 8), torch.randn(3, 8, 4)
-    be = _npu_backend()
-    config = torchair.CompilerConfig()
-    for s, xx, ww in ((sizes, x, w), (torch.tensor([5]), x, w[:1])):
-        torch._dynamo.reset()
-        fn = torch.compile(
-            lambda a, b, c: be.grouped_matmul(a, b, c),
-            fullgraph=True,
-            dynamic=False,
-            backend=torchair.get_npu_backend(compiler_config=config),
-        )
-        _close(fn(xx, ww, s), _per_expert(xx, ww, s), torch.float32)
-
-
-def test_npu_grouped_matmul_inner_limit():
-    # Failed before the fix: K or N >= 65536 (InnerLimit) went to the op unsplit.
-    torch.manual_seed(0)
-    sizes = torch.tensor([1, 2])
-    be = _npu_backend()
-    x, w = torch.randn(3, 65544), torch.randn(2, 65544, 2)
-    _close(be.grouped_matmul(x, w, sizes), _per_expert(x, w, sizes), torch.float32)
-    x, w = torch.randn(3, 4), torch.randn(2, 4, 65540)
-    _close(be.grouped_matmul(x, w, sizes), _per_expert(x, w, sizes), torch.float32)
-
-
-def test_npu_grouped_matmul_no_rows():
-    y = _npu_backend().grouped_matmul(torch.randn(0, 8), torch.randn(3, 8, 4), torch.zeros(3, dtype=torch.int64))
-    assert y.shape == (0, 4)
-
-
-def test_npu_prefetch_always_names_a_dependency():
-    seen = []
-    be = _npu_backend()
-    be._torch_npu.npu_prefetch = lambda inp, dep, n, offset=0: (
-        seen.append((inp, dep, n)),
-        ops.npu_prefetch(inp, dep, n, offset),
-    )
-    w, dep = torch.zeros(256), torch.ones(1)
-    assert be.prefetch(w, 512, dep) == 512 and be.prefetch(w, 1 << 20) == 1024 and be.prefetch(w[:0], 64) == 0
-    assert seen[0][1] is dep and seen[1][1] is w  # none given: the weight itself
-    assert [c[1] for c in ops.calls] == [512, 1024]
-
-
-def test_npu_prefetch_of_routed_experts_passes_the_fake_checks():
-    # The FFN node's schedule on Ascend: the router, then each chosen expert's w13 slice and then its w2
-    # slice, as (whole stacked weight, max_size, offset) per torch_npu's npu_prefetch(input, dependency,
-    # max_size, offset); the last expert's slice ends exactly at the tensor's end.
-    from afd.backend.base import PrefetchSpec
-    from afd.dataplane.prefetch import PrefetchConfig, PrefetchSchedule
-    from afd.model.demo_config import DEMO_CONFIG
-    from afd.model.longcat_flash.ffn import FFNHalf
-    from afd.model.registry import config_from_hf
-
-    ffn = FFNHalf(config_from_hf(DEMO_CONFIG))
-    seen = []
-    be = _npu_backend()
-    be._torch_npu.npu_prefetch = lambda inp, dep, n, offset=0: (
-        seen.append((inp, dep)),
-        ops.npu_prefetch(inp, dep, n, offset),
-    )
-    spec = PrefetchSpec(1.6e12, 192 << 20, "test")
-    sched = PrefetchSchedule(ffn, be, PrefetchConfig(True, next_layer=False), spec)
-    ex = ffn.layer(0).experts
-    last = ex.w13.shape[0] - 1
-    assert ex.before_gemm is None  # the chosen ids stay on the device: nothing reads them per layer
-    sched.known[0] = [1, last]  # what layer 0 chose last time the host learned it
-    sched.observe_gap(0, 1e-3)  # 1.6 MB movable: every slice fits
-    sched(0)
-    s13, s2 = ex.w13[0].numel() * 4, ex.w2[0].numel() * 4
-    router = ffn.layer(0).router.classifier.weight
-    assert ops.calls == [
-        ("npu_prefetch", router.numel() * 4, 0),
-        ("npu_prefetch", s13, s13),
-        ("npu_prefetch", s13, last * s13),
-        ("npu_prefetch", s2, s2),
-        ("npu_prefetch", s2, last * s2),
-    ]
-    assert [inp for inp, _ in seen[1:]] == [ex.w13, ex.w13, ex.w2, ex.w2] and all(d is not None for _, d in seen)
-
-
-def test_npu_prefetch_inside_a_torchair_graph(torchair):
-    # Failed before the fix: prefetch passed dependency=None, which graph mode refuses.
-    be = _npu_backend()
-    w = torch.randn(64, 32)
-
-    def step(x):
-        be.prefetch(w, 4096)
-        return x * 2
-
-    out = be.compile(step)(torch.ones(3))  # NpuBackend.compile: `import torchair` finds the fake
-    assert torch.equal(out, torch.full((3,), 2.0))
-    assert ops.calls == [("npu_prefetch", 4096, 0)]
-
-
-# ---- the fake torchair ---------------------------------------------------------------------------------
-
-
-def test_torchair_needs_torch_npu_imported_first(monkeypatch):
-    monkeypatch.delitem(sys.modules, "torch_npu", raising=False)
-    with pytest.raises(ImportError, match="import torch_npu before torchair"):
-        _load_torchair()
-
-
-def test_compiler_config_takes_documented_values_only(torchair):
-    config = torchair.CompilerConfig()
-    config.mode = "reduce-overhead"
-    config.experimental_config.frozen_parameter = True
-    config.experimental_config.tiling_schedule_optimize = True
-    config.debug.graph_dump.type = "pbtxt"
-    assert config.mode == "reduce-overhead" and config.experimental_config.frozen_parameter is True
-    for target, name, value in (
-        (config, "mode", "fast"),
-        (config.experimental_config, "frozen_parameter", "yes"),
-        (config.experimental_config, "static_model_ops_lower_limit", -2),
-        (config.debug.graph_dump, "type", "json"),
-        (config, "no_such_option", 1),
-        (config, "debug", None),
-    ):
-        with pytest.raises(ValueError):
-            setattr(target, name, value)
-    with pytest.warns(UserWarning, match="frozen_parameter"):
-        torchair.get_npu_backend(compiler_config=config)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())  # defaults: nothing to warn about
-    with pytest.raises(TypeError, match="CompilerConfig"):
-        torchair.get_npu_backend(compiler_config={"mode": "max-autotune"})
-    assert torchair.CompilerConfig() == torchair.CompilerConfig() != config
-
-
-class _Plain:
-    def step(self, x):
-        return x
-
-
-class _Twice(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
-
-    def step(self, x):
-        return x @ self.w
-
-
-def test_cache_compile_rules_and_layout(torchair, tmp_path):
-    m = _Twice()
-    config = torchair.CompilerConfig()
-    with pytest.raises(ValueError, match="Only method"):
-        torchair.inference.cache_compile(lambda x: x, config=config)
-    with pytest.raises(ValueError, match="torch.nn.Module method"):
-        torchair.inference.cache_compile(_Plain().step)
-    other = torchair.CompilerConfig()
-    other.experimental_config.frozen_parameter = True
-    with pytest.raises(ValueError, match="different from the config"):
-        torchair.inference.cache_compile(m.step, config=config, backend=torchair.get_npu_backend(compiler_config=other))
-    ref_data = torchair.CompilerConfig()
-    ref_data.experimental_config.enable_ref_data = True
-    with pytest.raises(ValueError, match="enable_ref_data"):
-        torchair.inference.cache_compile(m.step, config=ref_data)
-    cached = torchair.inference.cache_compile(m.step, config=config, dynamic=False, cache_dir=str(tmp_path))
-    x = torch.randn(2, 4)
-    assert torch.equal(cached(x), m.step(x))
-    (path,) = tmp_path.glob("_Twice_static_*/step/compiled_module")
-    assert cached.cache_bin == str(path.resolve())
 
 
 # ---- npu_mm_reduce_scatter_base (attention TP; NpuBackend.mm_reduce_scatter: tests/test_npu_mm_reduce_scatter.py) --

@@ -1,11 +1,14 @@
 """A fake torch_npu for CPU tests (tests/fakes is put on sys.path only by tests that ask for it).
 
 Importing it does what importing torch_npu does for afd: registers the "npu" device and `torch.npu`
-(device.py), npu generators (generator.py), the "hccl" process group (hccl.py) and the fused ops afd
-calls (ops.py, ops_attention.py, the router's npu_moe_gating_top_k in ops_gating.py, ops_prolog.py, the
-weight format casts ops_prolog.py checks in ops_format.py, and the quantized GEMMs in ops_quant.py, whose
-npu_grouped_matmul takes the quantized scenarios and hands the others to ops.py's). Each module says which
-behaviour of the real package it reproduces, and where that behaviour is documented.
+(device.py, with its streams in streams.py, its memory in memory.py and its counts in syncs.py), npu
+generators (generator.py), the "hccl" process group (hccl.py) and the fused ops afd calls (ops.py, which loads
+npu_grouped_matmul from ops_grouped_matmul.py, npu_prefetch from ops_prefetch.py and npu_mm_reduce_scatter_base
+from ops_mm_reduce_scatter.py; ops_attention.py, the router's npu_moe_gating_top_k in ops_gating.py,
+ops_prolog.py, the weight format casts ops_prolog.py checks in ops_format.py, and the quantized GEMMs in
+ops_quant.py, whose npu_grouped_matmul takes the quantized scenarios and hands the others to
+ops_grouped_matmul.py's). Each module says which behaviour of the real package it reproduces, and where that
+behaviour is documented.
 """
 
 import atexit
@@ -21,7 +24,7 @@ from .ops_attention import npu_fused_infer_attention_score  # noqa: F401
 from .ops_format import get_npu_format, npu_format_cast  # noqa: F401
 from .ops_gating import npu_moe_gating_top_k  # noqa: F401  (torch_npu.<op>)
 from .ops_prolog import npu_mla_prolog_v3  # noqa: F401
-from .ops_quant import (  # noqa: F401  (after .ops: its npu_grouped_matmul hands unquantized calls to ops.py's op)
+from .ops_quant import (  # noqa: F401  (after .ops: its npu_grouped_matmul hands unquantized calls to ops_grouped_matmul.py's op)
     npu_dynamic_quant,
     npu_grouped_matmul,
     npu_quant_matmul,

@@ -6,7 +6,7 @@ ops.py models (op-plugin 7.1.0, Atlas A2/A3); the 26.0.0 documents say the same 
   npu_quant_matmul(x1, x2, scale, pertoken_scale=...)       y = (x1 @ x2) * scale * pertoken_scale
   npu_weight_quant_batchmatmul(x, weight, antiquant_scale)  y = x @ ((weight + antiquant_offset) * antiquant_scale)
   npu_grouped_matmul, its per-token quantization and its fake-quantization (antiquant) scenarios, single x, single
-  3-D weight, single y (the one form afd uses; the unquantized op stays in ops.py)
+  3-D weight, single y (the one form afd uses; the unquantized op stays in ops_grouped_matmul.py)
 
 sources (read 2026-12-02):
   doc: https://github.com/Ascend/op-plugin/blob/7.1.0/docs/context/torch_npu-npu_quant_matmul.md,
@@ -15,7 +15,7 @@ sources (read 2026-12-02):
     (op-plugin 7.1.0); the same names under .../blob/26.0.0/docs/en/custom_APIs/torch_npu/ (26.0.0, whose
     npu_dynamic_quant page states the formula as text, the 7.1.0 one as an image)
   schema: op_plugin/config/op_plugin_functions.yaml @7.1.0 (npu_quant_matmul, npu_dynamic_quant,
-    npu_weight_quant_batchmatmul; npu_grouped_matmul is ops.py's)
+    npu_weight_quant_batchmatmul; npu_grouped_matmul is ops_grouped_matmul.py's)
   aclnnGroupedMatmulV4 (the kernel npu_grouped_matmul calls): CANN ops-transformer gmm/grouped_matmul/docs/
     aclnnGroupedMatmulV4.md and op_host/op_api/aclnn_grouped_matmul.cpp (CheckOptionalTensorList: a single 3-D
     weight's scale / antiquant_scale / antiquant_offset is [g, n]; CheckPerTokenScale: per_token_scale one 1-D
@@ -60,13 +60,13 @@ SCHEMAS = {
         "int inner_precise=0) -> Tensor"
     ),
     # torch_npu has one npu_grouped_matmul; the fake registers its quantized scenarios under a second name, which
-    # the Python entry point below routes to, so that ops.py's unquantized op stays as it is.
+    # the Python entry point below routes to, so that ops_grouped_matmul.py's unquantized op stays as it is.
     "npu_grouped_matmul_quantized": "npu_grouped_matmul_quantized" + _GMM_ARGS,
 }
 HALF = (torch.float16, torch.bfloat16)
 QMM_LAST_DIM_MAX = 65535  # doc npu_quant_matmul: the last dim of x1 and x2 at most 65535
 WQBMM_DIM_RANGE = (1, 65535)  # doc npu_weight_quant_batchmatmul: K and N in [1, 65535]
-GMM_MAX_GROUPS, GMM_INNER_LIMIT = 1024, 65536  # doc npu_grouped_matmul (as ops.py)
+GMM_MAX_GROUPS, GMM_INNER_LIMIT = 1024, 65536  # doc npu_grouped_matmul (as ops_grouped_matmul_rules.py)
 # doc npu_quant_matmul table 2 (A2/A3), the rows with a pertoken_scale: (scale dtype, output dtype)
 QMM_PERTOKEN = {(torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16)}
 # doc npu_grouped_matmul table 2 (Tensor group_list), per-token rows: scale bfloat16 -> bfloat16, float32 -> float16
@@ -363,7 +363,7 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                        per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
                        activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
                        output_dtype=None, tuning_config=None):  # fmt: skip
-    """torch_npu.npu_grouped_matmul: the quantized scenarios here, the others ops.py's op (loaded first)."""
+    """torch_npu.npu_grouped_matmul: the quantized scenarios here, the others ops_grouped_matmul.py's (loaded first)."""
     if isinstance(group_list, (list, tuple)):
         raise NotImplementedError("fake npu_grouped_matmul: a List[int] group_list is not modelled")
     kw = dict(bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale, antiquant_offset=antiquant_offset,

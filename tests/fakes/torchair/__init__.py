@@ -2,7 +2,7 @@
 signatures and documented rules; the "compiled" graph runs eagerly (plain torch), so results compare numerically.
 
 Modelled release: torchair 7.1.0 (shipped with Ascend Extension for PyTorch 7.1.0, torch_npu 2.6.0).
-Load it under the name "torchair" (tests/test_npu_fakes.py does, with a "torch_npu" module already in
+Load it under the name "torchair" (tests/fake_ops_helpers.py does, with a "torch_npu" module already in
 sys.modules).
 """
 
