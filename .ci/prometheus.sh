@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install Prometheus (with promtool) for tests/test_observability.py, from Debian's package, when it is
+# Install Prometheus (with promtool) for tests/test_observability_prometheus.py, from Debian's package, when it is
 # not on PATH already. Without apt, root or network it says so; under CI=true that fails the run (the
 # end-to-end test must not skip there), elsewhere it exits 0 and the test skips with its reason.
 #   .ci/prometheus.sh            # called by .ci/run before the tests

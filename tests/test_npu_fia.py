@@ -16,7 +16,7 @@ FAKES = Path(__file__).resolve().parent / "fakes"
 
 
 def _load_ops():
-    # By path, as tests/test_npu_fakes.py loads ops.py: tests/fakes stays off sys.path.
+    # By path, as tests/fake_ops_helpers.py loads ops.py: tests/fakes stays off sys.path.
     path = FAKES / "torch_npu" / "ops_attention.py"
     spec = importlib.util.spec_from_file_location("afd_tests_fake_npu_attention", path)
     mod = importlib.util.module_from_spec(spec)

@@ -26,7 +26,7 @@ FAKES = ROOT / "tests" / "fakes"
 
 
 def _load_ops():
-    # By path, as tests/test_npu_fakes.py does: tests/fakes stays off sys.path in this process.
+    # By path, as tests/fake_ops_helpers.py does: tests/fakes stays off sys.path in this process.
     spec = importlib.util.spec_from_file_location("afd_tests_fake_torch_npu_ops_mmrs", FAKES / "torch_npu" / "ops.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
