@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .oplib import register_once
 from .ops_grouped_matmul_rules import _fail, _gmm_static_checks, _group_counts
 
 NAMESPACE = "fake_npu"
@@ -195,16 +196,4 @@ def npu_grouped_matmul(
     )
 
 
-def _registered() -> bool:
-    try:
-        torch.ops.fake_npu.npu_grouped_matmul  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-if not _registered():  # once per process, as ops.py
-    _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
-    _LIB.define(SCHEMA)
-    _LIB.impl("npu_grouped_matmul", _gmm_kernel, "CompositeExplicitAutograd")
-    _LIB.impl("npu_grouped_matmul", _gmm_meta, "Meta")
+register_once("npu_grouped_matmul", SCHEMA, _gmm_kernel, _gmm_meta)  # once per process, as ops.py

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .oplib import register_once
+
 NAMESPACE = "fake_npu"
 
 # The schema is torch_npu's, so that keyword names, defaults and types are checked by the dispatcher.
@@ -169,19 +171,7 @@ def _rs_meta(
     return self.new_empty((self.shape[0] // world_size, x2.shape[1]))
 
 
-def _registered() -> bool:
-    try:
-        torch.ops.fake_npu.npu_mm_reduce_scatter_base  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-if not _registered():  # once per process, as ops.py
-    _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
-    _LIB.define(SCHEMA)
-    _LIB.impl("npu_mm_reduce_scatter_base", _rs_kernel, "CompositeExplicitAutograd")
-    _LIB.impl("npu_mm_reduce_scatter_base", _rs_meta, "Meta")
+register_once("npu_mm_reduce_scatter_base", SCHEMA, _rs_kernel, _rs_meta)  # once per process, as ops.py
 
 # torch_npu.<op> is the op packet (ops.py says why)
 npu_mm_reduce_scatter_base = torch.ops.fake_npu.npu_mm_reduce_scatter_base

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch.fx.node import has_side_effect
 
+from .oplib import register_once
+
 NAMESPACE = "fake_npu"
 
 # The schema is torch_npu's, so that keyword names, defaults and types are checked by the dispatcher.
@@ -74,18 +76,6 @@ def npu_prefetch(input, dependency, max_size, offset=0):
     torch.ops.fake_npu.npu_prefetch(input, dependency, max_size, offset)
 
 
-def _registered() -> bool:
-    try:
-        torch.ops.fake_npu.npu_prefetch  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-if not _registered():  # once per process, as ops.py
-    _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
-    _LIB.define(SCHEMA)
-    _LIB.impl("npu_prefetch", _prefetch_kernel, "CompositeExplicitAutograd")
-    _LIB.impl("npu_prefetch", _prefetch_meta, "Meta")
+if register_once("npu_prefetch", SCHEMA, _prefetch_kernel, _prefetch_meta):  # once per process, as ops.py
     # torch_npu marks npu_prefetch side-effecting, so that dead-code elimination keeps the output-less node.
     has_side_effect(torch.ops.fake_npu.npu_prefetch.default)
