@@ -2,7 +2,8 @@
 
 Importing it does what importing torch_npu does for afd: registers the "npu" device and `torch.npu`
 (device.py, with its streams in streams.py, its memory in memory.py and its counts in syncs.py), npu
-generators (generator.py), the "hccl" process group (hccl.py) and the fused ops afd calls (ops.py, which loads
+generators (generator.py), the "hccl" process group (hccl.py, its works' waits in hccl_work.py, its collectives
+in hccl_collectives.py) and the fused ops afd calls (ops.py, which loads
 npu_grouped_matmul from ops_grouped_matmul.py, npu_prefetch from ops_prefetch.py and npu_mm_reduce_scatter_base
 from ops_mm_reduce_scatter.py; ops_attention.py, the router's npu_moe_gating_top_k in ops_gating.py,
 ops_prolog.py, the weight format casts ops_prolog.py checks in ops_format.py, and the quantized GEMMs in

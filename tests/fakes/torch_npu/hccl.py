@@ -9,14 +9,6 @@ source: Ascend/pytorch (torch_npu) master @9e73e70, 2026-08-21:
   keyed by the rank pair (getKeySendRecv) or by the device (getKeyFromDevices): sends and receives
   between two ranks share one stream and run in issue order. `syncStreams` makes that stream wait for
   the issuing thread's current stream of the tensor's device; the tensor is recordStream'd on it.
-- the same file, `WorkHCCL::synchronizeInternal`: wait() makes the current stream wait for the work;
-  the host blocks, and the timeout applies, only with TORCH_HCCL_BLOCKING_WAIT=1 or HCCL_BLOCKING_WAIT=1
-  (ProcessGroupHCCL.hpp: `TORCH_HCCL_BLOCKING_WAIT = {"TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT"}`).
-  Without it, a dead peer hangs the first host read of the result.
-- the same file, `collective` (allreduce, _allgather_base / all_gather_single, _reduce_scatter_base /
-  reduce_scatter_single, alltoall_base): one HCCL stream per device for a group's collectives
-  (getKeyFromDevices), made to wait for the current stream (syncStreams), inputs and outputs
-  recordStream'd on it; a work's wait() as for point-to-point. (attention TP, afd/model/tp/comm.py)
 - the same file, `pointToPoint` and `getHCCLComm`: a communicator is created at its first op
   (HcclCommInitRootInfo, which blocks until every rank of it has called it): per pair (getKeySendRecv) when
   P2P_HCCL_BUFFSIZE is not 0 (torch_npu's default is 20, OptionsManager::GetP2PBufferSize) and the CANN has
@@ -30,11 +22,8 @@ source: Ascend/pytorch (torch_npu) master @9e73e70, 2026-08-21:
   must be >= 0 and serves only a warning (not modelled) when rankid % device_count is not the current device;
   the name is the current device's communicator's, created on the way unless init_comm=False (then "").
 
-A dead peer: HCCL has no liveness signal on HCCS (nor NCCL on NVLink): a transfer whose peer died (or hung)
-is a task that never completes on its stream; nothing fails. The fake does the same with a point-to-point
-transfer whose gloo op failed, at issue or later (the peer's sockets closed: kill -9): it never completes, so
-only an abort or the deadline of the wait ends it, and not gloo's fast failure (afd/node/runtime.py aborts a
-peer's pair when the control plane reports it lost).
+The waits, a dead peer's transfers and blocking-wait timeouts: hccl_work.py; the collectives:
+hccl_collectives.py.
 
 Teardown and abort (afd/dataplane/transport.py aborts instead of destroying when work may be queued):
 - the same file, `ProcessGroupHCCL::shutdown` (what c10d's destroy_process_group calls on every group):
@@ -63,8 +52,6 @@ Teardown and abort (afd/dataplane/transport.py aborts instead of destroying when
   for. (PyTorch's ProcessGroupNCCL.cpp for comparison: "abort() will signal communicators to terminate all
   NCCL kernels immediately; shutdown() will wait for all NCCL kernels to finish before destroying
   communicators".)
-- `WorkHCCL::synchronizeInternal` / `WorkHCCL::abort`: a blocking wait that times out destroys the
-  communicators of that work only (for a point-to-point op, the pair's), not the group's others.
 """
 
 from __future__ import annotations
@@ -81,6 +68,8 @@ import torch.distributed as dist
 
 from . import device as npu
 from . import ops
+from .hccl_collectives import _Collectives
+from .hccl_work import HANG_S, HangError, _runner, _Work
 
 HCCL_DTYPES = {
     torch.uint8,
@@ -94,106 +83,13 @@ HCCL_DTYPES = {
     torch.bool,
     torch.bfloat16,
 }
-HANG_S = float(os.environ.get("AFD_FAKE_HANG_S", "20"))
-"""How long the fake lets a wait that a real HCCL would never end run before it says so."""
 SHUTDOWN_WAIT_S = 1.0
 """How long shutdown() lets issued transfers finish (a stream synchronization) before it says it would hang."""
 STATS = {"sends": 0, "recvs": 0, "send_behind_recv": 0, "aborts": 0, "shutdowns": 0, "shutdown_hangs": []}
 _COMM_IDS = itertools.count()
 
 
-class HangError(RuntimeError):
-    """A real HCCL would block here forever."""
-
-
-def _blocking_wait() -> bool:
-    return any(
-        os.environ.get(k, "0").lower() in ("1", "true", "yes", "y")
-        for k in ("TORCH_HCCL_BLOCKING_WAIT", "HCCL_BLOCKING_WAIT")
-    )
-
-
-class _Work(dist.Work):
-    def __init__(self, pg: FakeHcclGroup, inner, stream: npu.Stream, seq: int, kind: str, peer: int):
-        """The transfer is waited for on its stream's runner thread, so that an abort from another thread ends
-        a wait on it at once, collectives included (gloo finishes a collective in its wait(): the runner
-        takes the issuing thread's inference mode for it)."""
-        super().__init__()
-        self._inference = torch.is_inference_mode_enabled()
-        self.pg, self._payload, self.stream, self.seq, self.kind, self.peer = pg, inner, stream, seq, kind, peer
-        self._done = False
-        self._ran = threading.Event()
-        """Set once gloo finished the transfer; a collective also once gloo failed it (`_error`), a
-        point-to-point transfer never then (its peer died: see the module docstring)."""
-        self._error: str | None = None
-        self._wake = threading.Event()
-        """Set when the transfer ran or the group was aborted: what a wait() waits for."""
-
-    def _run(self, limit: timedelta | None = None) -> None:
-        """On the stream's runner thread, in issue order (an HCCL stream runs its tasks in order)."""
-        if self._payload is None:  # its peer was already gone when it was issued: it never completes
-            return
-        try:
-            with torch.inference_mode(self._inference):
-                if limit is None:
-                    self._payload.wait()  # bounded by the group's timeout, as gloo's own ops are
-                else:
-                    self._payload.wait(limit)
-        except RuntimeError as e:
-            self._error = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if self.peer >= 0:  # a dead peer's transfer never completes on an HCCL stream (module docstring)
-                return
-        self._ran.set()
-        self._wake.set()
-
-    def is_completed(self) -> bool:
-        return self._done or self._ran.is_set() or self.pg._aborted is not None
-
-    def stuck(self) -> bool:
-        """Never completed on the wire: a real HCCL task that would still sit on its stream."""
-        return not self._ran.is_set() or self._error is not None
-
-    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        blocking = _blocking_wait()
-        limit = timeout if blocking and timeout.total_seconds() > 0 else timedelta(seconds=HANG_S)
-        # The transfer is waited for on the stream's runner thread, so that an abort from another thread
-        # ends this wait at once (a gloo wait cannot be interrupted, and one that times out closes its pair).
-        self._wake.wait(limit.total_seconds())
-        if self.pg._aborted is not None and not (self._ran.is_set() and self._error is None):
-            raise RuntimeError(
-                f"[Rank {self.pg.rank()}] Work {self.kind} with rank {self.pg._global(self.peer)} failed: the "
-                f"group's HCCL communicators were aborted ({self.pg._aborted})"
-            )
-        if not self._ran.is_set() or self._error is not None:
-            if not blocking:
-                raise HangError(
-                    f"fake hccl: {self.kind} with rank {self.peer} never completed; a real HCCL "
-                    "wait() ignores its timeout unless HCCL_BLOCKING_WAIT=1 (or "
-                    "TORCH_HCCL_BLOCKING_WAIT=1), so this process would hang here"
-                )
-            why = self._error or f"not completed after {limit.total_seconds():.0f}s"
-            raise RuntimeError(
-                f"[Rank {self.pg.rank()}] Work {self.kind} timed out in blocking wait "
-                f"(TORCH_HCCL_BLOCKING_WAIT=1 or HCCL_BLOCKING_WAIT=1): {why}"
-            )
-        self._done = True
-        self.pg._finished(self)
-        with npu._lock:
-            npu.current_stream(self.stream.device_index).merge(self.stream.clock)
-            if blocking:
-                npu.host_sync(f"blocking {self.kind} wait")
-                npu._host_waits(self.stream)
-        return True
-
-
-def _runner(tasks: queue.SimpleQueue) -> None:
-    """One stream's tasks, in order; None ends it."""
-    while (work := tasks.get()) is not None:
-        work._run()
-        del work  # hold no group alive between tasks
-
-
-class FakeHcclGroup(dist.ProcessGroup):
+class FakeHcclGroup(_Collectives, dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("fake-hccl", store), rank, size, timeout)
@@ -382,50 +278,6 @@ class FakeHcclGroup(dist.ProcessGroup):
 
     def barrier(self, opts=None):
         return self._gloo.barrier()
-
-    # ---- collectives (attention TP): gloo computes on the payloads, the fake checks devices and streams ----
-
-    def _collective(self, kind: str, reads: list, writes: list, inner_op) -> _Work:
-        t = writes[0]
-        if any(x.device != t.device for x in reads + writes):
-            raise RuntimeError(
-                f"fake hccl {kind}: tensors on {sorted({str(x.device) for x in reads + writes})}; "
-                "a collective's tensors must be on one device"
-            )
-        stream = self._stream(t, -1)  # one stream per device for the group's collectives
-        with npu._lock:
-            stream.merge(npu.current_stream(t.device.index).clock)
-            seq = npu.access(stream, reads, writes, f"hccl {kind}")
-        return self._run_on((t.device.index, -1), _Work(self, inner_op(), stream, seq, kind, -1))
-
-    def allreduce(self, tensors, opts=None):
-        t = self._check(tensors, "allreduce")
-        return self._collective("allreduce", [t], [t], lambda: self._gloo.allreduce([t._payload]))
-
-    def all_gather_single(self, output, input, opts=None):
-        o, i = self._check([output], "all_gather"), self._check([input], "all_gather")
-        return self._collective("all_gather", [i], [o], lambda: self._gloo._allgather_base(o._payload, i._payload))
-
-    _allgather_base = all_gather_single
-
-    def reduce_scatter_single(self, output, input, opts=None):
-        o, i = self._check([output], "reduce_scatter"), self._check([input], "reduce_scatter")
-        return self._collective(
-            "reduce_scatter", [i], [o], lambda: self._gloo._reduce_scatter_base(o._payload, i._payload)
-        )
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        o, i = self._check([output], "all_to_all"), self._check([input], "all_to_all")
-        return self._collective(
-            "all_to_all",
-            [i],
-            [o],
-            lambda: self._gloo.alltoall_base(o._payload, i._payload, output_split_sizes, input_split_sizes),
-        )
-
-    alltoall_base = all_to_all_single
 
 
 def _create(store, rank: int, size: int, timeout: timedelta) -> FakeHcclGroup:
