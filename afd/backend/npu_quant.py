@@ -30,7 +30,7 @@ sources: torch_npu.npu_dynamic_quant, npu_quant_matmul, npu_weight_quant_batchma
   .../blob/26.0.0/docs/en/custom_APIs/torch_npu/torch_npu-<op>.md (26.0.0); aclnnGroupedMatmulV4, CANN
   ops-transformer gmm/grouped_matmul (docs/aclnnGroupedMatmulV4.md, op_host/op_api/aclnn_grouped_matmul.cpp), read
   at repo-mirror-test/ops-transformer @bfbbec8 (with docs/aclnnGroupedMatmulV5.md, the FP8 rule). The fakes in
-  tests/fakes/torch_npu/ops_quant.py hold these rules.
+  tests/fakes/torch_npu/ops_quant_gemm.py and ops_quant_gmm.py hold these rules.
 Not done: the weights stay ND; the docs recommend FRACTAL_NZ (npu_format_cast(w, 29)) for speed, which needs a
 load-time hook in the Backend interface.
 """
