@@ -200,7 +200,7 @@ def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_b
     )
     from afd.model.registry import load_config
 
-    if getattr(load_config(model), "routes_by_token_ids", False):  # DeepSeek-V4's hash layers
+    if load_config(model).routes_by_token_ids:  # DeepSeek-V4's hash layers
         where["routing"] = "attention"
     spec = LocalClusterSpec(model, A, F, dummy_weights=True, overlap=overlap, micro_batches=micro_batches, **where)
     with LocalCluster(spec) as cluster:

@@ -225,7 +225,7 @@ def check_routing(cfg: ClusterConfig, model_cfg) -> None:
     config) runs where they are, the attention side: routing ffn's broadcast carries only the hidden states.
     Left unset, layout.routing is attention for such a family (afd.cluster.topology.with_model_defaults, where
     every process starts): only an explicit routing ffn is refused."""
-    if getattr(model_cfg, "routes_by_token_ids", False) and cfg.layout.routing == "ffn":
+    if model_cfg.routes_by_token_ids and cfg.layout.routing == "ffn":
         raise ClusterConfigError(
             f"{cfg.source}: layout.routing: {model_cfg.model_type}'s routers read the token ids, which routing ffn "
             "does not send to the FFN nodes: set layout.routing: attention (or leave it unset)"

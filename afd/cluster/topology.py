@@ -69,7 +69,7 @@ def with_model_defaults(cfg: ClusterConfig) -> ClusterConfig:
     if auto_routing:
         from afd.model.registry import config_from_hf
 
-        if getattr(config_from_hf(d), "routes_by_token_ids", False):
+        if config_from_hf(d).routes_by_token_ids:
             cfg = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, routing="attention"))
     return cfg
 

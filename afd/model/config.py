@@ -90,6 +90,12 @@ class ModelConfig(Protocol):
         ...
 
     @property
+    def routes_by_token_ids(self) -> bool:
+        """Whether a router reads the token ids (DeepSeek-V4's hash layers): it then runs where they are, on
+        the attention side (layout.routing attention; afd.cluster.config.check_routing)."""
+        ...
+
+    @property
     def num_attention_heads(self) -> int: ...
     @property
     def rms_norm_eps(self) -> float: ...
@@ -135,6 +141,10 @@ class HFNames:
     @property
     def expert_groups(self) -> tuple[int, int]:
         return (1, 1)
+
+    @property
+    def routes_by_token_ids(self) -> bool:
+        return False
 
 
 def read_config_json(path: str) -> dict:

@@ -199,7 +199,7 @@ def run_plan(args) -> int:
     tp = src.tp_sizes()
     xd = ("same",) if src.profile is not None or args.quantization is None else ("same", "fp8")
     # a router that reads the token ids (DeepSeek-V4's hash layers) runs where they are: on the attention side
-    routings = ("attention",) if getattr(model_cfg, "routes_by_token_ids", False) else Space.routings
+    routings = ("attention",) if model_cfg.routes_by_token_ids else Space.routings
     space = Space(args.devices, tp_sizes=tp, routings=routings, exchange_dtypes=xd)
     plans, misses = search(shape, src.costs, space, args.tpot_slo * 1e-3, src.memory)
     if not plans:

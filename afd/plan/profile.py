@@ -121,7 +121,7 @@ def profile(
         model = llm.config.model
         # a router that reads the token ids (DeepSeek-V4's hash layers) runs on the attention side only:
         # then the one cluster, routed there, gives both submits
-        by_ids = getattr(llm.cfg, "routes_by_token_ids", False)
+        by_ids = llm.cfg.routes_by_token_ids
         first = "attention" if by_ids else "ffn"
         medians, checked = cluster_steps(model, config, batch_sizes, context, steps, repeats, log, routing=first)
         dispatch = medians

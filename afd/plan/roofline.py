@@ -183,7 +183,7 @@ def roofline(
         routed_per_token = K * E / total
     e_local = math.ceil(E / ffn_nodes)
     rows_per_token = routed_per_token * e_local / E
-    by_ids = getattr(cfg, "routes_by_token_ids", False)  # DeepSeek-V4's hash layers
+    by_ids = cfg.routes_by_token_ids  # DeepSeek-V4's hash layers
     routing = routing or ("attention" if ffn_nodes > 1 or by_ids else "ffn")
     if routing not in ("attention", "ffn"):
         raise ValueError(f"routing {routing!r}: expected attention or ffn")

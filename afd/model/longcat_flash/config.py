@@ -97,6 +97,10 @@ class LongcatFlashConfig:
         return (1, 1)
 
     @property
+    def routes_by_token_ids(self) -> bool:
+        return False
+
+    @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
