@@ -91,7 +91,13 @@ def test_ffn_message_is_the_round_trip_beyond_link_and_compute():
         )
     on = dataclasses.replace(m, steps=steps, cluster=cluster)
     assert cost_model(on).ffn_message == pytest.approx(extra, rel=1e-6)
+    assert cost_model(on).ffn_message_dispatch == 0.0  # no cluster under routing attention
     assert cost_model(dataclasses.replace(on, overlap=True)).ffn_message == 0.0  # the wait is then a remainder
+    # the cluster routed on the attention side: its wait also holds the count message before the rows
+    routed = [dataclasses.replace(s, wait=s.wait + 4 * (link(8) + 2 * extra)) for s in steps]
+    model = cost_model(dataclasses.replace(on, dispatch_steps=routed))
+    assert model.ffn_message == pytest.approx(extra, rel=1e-6)
+    assert model.ffn_message_dispatch == pytest.approx(3 * extra, rel=1e-6)
 
 
 def test_measurements_round_trip_so_a_stored_profile_refits():

@@ -43,13 +43,27 @@ def test_two_cores_for_three_processes_lie_between():
     assert free.step_time <= two.step_time <= one.step_time
 
 
-def test_a_late_task_takes_an_early_gap():
-    tl = Timeline(cores=1)
-    assert tl.run("a", 0.0, 1.0, core=True) == 1.0
-    assert tl.run("b", 2.0, 1.0, core=True) == 3.0  # the core is free in [1, 2)
-    assert tl.run("c", 0.5, 0.5, core=True) == 1.5  # fits the gap [1, 2)
-    assert tl.run("d", 0.0, 1.0, core=True) == 4.0  # [1.5, 2) is too short: after b
-    assert tl.queued["d"] == 3.0 and tl.idle["d"] == 0.0
+def test_compute_tasks_share_the_cores_as_the_kernel_time_slices():
+    """n compute tasks running at once on c < n cores each progress at c/n (processor sharing); a link's task
+    needs no core; a task starts once its inputs have ended, and that wait is idle, not queued."""
+    one = Timeline(cores=1)
+    a, b = one.run("a", (), 1.0, core=True), one.run("b", (), 2.0, core=True)
+    wire = one.run("link", (), 1.5)
+    after = one.run("c", (a,), 0.5, core=True)
+    one.solve()
+    # [0, 1.5): a and b at half speed, a done at 2.0; then b and c share: c's 0.5 by 3.0, b's last 0.5 by 3.5
+    assert one.end[a] == pytest.approx(2.0) and one.end[wire] == pytest.approx(1.5)
+    assert one.start[after] == pytest.approx(2.0) and one.end[after] == pytest.approx(3.0)
+    assert one.end[b] == pytest.approx(3.5) and one.finish == pytest.approx(3.5)
+    assert one.queued["a"] == pytest.approx(1.0) and one.queued["b"] == pytest.approx(1.5)
+    assert one.idle["c"] == pytest.approx(2.0) and one.queued["c"] == pytest.approx(0.5)
+    two = Timeline(cores=2)
+    ids = [two.run(r, (), 1.0, core=True) for r in "xyz"]
+    two.solve()
+    assert [two.end[k] for k in ids] == pytest.approx([1.5, 1.5, 1.5])  # 3 on 2 cores: 2/3 speed each
+    alone = Timeline()
+    ids = [alone.run(r, (), 1.0, core=True) for r in "xyz"]
+    assert alone.solve().finish == 1.0  # no host cores: every node has its own device
 
 
 def test_host_cores_round_trip_json_and_default():
@@ -83,7 +97,15 @@ def test_ffn_message_is_paid_per_rank_on_the_ffn_node():
         base, slow = run(lay, c), run(lay, dataclasses.replace(c, ffn_message=1e-4))
         passes = len(SHAPE.moe_layers) * lay.micro_batches
         assert slow.ffn_busy == pytest.approx(base.ffn_busy + passes * lay.attention_ranks * 1e-4)
-    assert CostModel.from_json(dataclasses.replace(c, ffn_message=1e-4).to_json()).ffn_message == 1e-4
+    lay = Layout(1, 2, 8, routing="attention")  # routed there, its own measure of it
+    base, slow = (
+        run(lay, dataclasses.replace(c, ffn_message=1e-4)),
+        run(lay, dataclasses.replace(c, ffn_message_dispatch=1e-4)),
+    )
+    assert base.ffn_busy == run(lay, c).ffn_busy
+    assert slow.ffn_busy == pytest.approx(base.ffn_busy + len(SHAPE.moe_layers) * 1e-4)
+    back = CostModel.from_json(dataclasses.replace(c, ffn_message=1e-4, ffn_message_dispatch=2e-4).to_json())
+    assert (back.ffn_message, back.ffn_message_dispatch) == (1e-4, 2e-4)
 
 
 def test_message_cpu_is_what_the_processes_spent_beyond_the_model():

@@ -108,6 +108,10 @@ class CostModel:
     twice). `afd profile` measures it from the round trips attention node 0 waited for without overlap (the
     wait per MoE layer less the link both ways and the FFN compute); 0 under overlap (the wait is then what
     the window did not hide) and from a roofline."""
+    ffn_message_dispatch: float = 0.0
+    """ffn_message under routing `attention`: measured the same way on the cluster routed there, where each
+    message comes as a count and then its rows, and the attention rank adds each node's partial back in (the
+    combine, afd.dataplane.dispatch) before its wait ends."""
     host_cores: int = 0
     """CPU cores of the one host every node process of a plan on these costs shares (a CPU profile's machine:
     its plans run there, afd.plan.commands writes them for one host); 0: each node has a device of its own.
@@ -143,6 +147,7 @@ class CostModel:
             lin(d["submit"]) if "submit" in d else Linear(0.0, 0.0),  # a cost model written before the field
             lin(d["submit_dispatch"]) if "submit_dispatch" in d else Linear(0.0, 0.0),
             float(d.get("ffn_message", 0.0)),
+            float(d.get("ffn_message_dispatch", 0.0)),
             int(d.get("host_cores", 0)),
             float(d.get("message_cpu", 0.0)),
         )

@@ -85,6 +85,7 @@ def cost_model(m: Measurements) -> CostModel:
     if m.dispatch_steps:
         submit_dispatch = _submit([float(s.batch) for s in m.dispatch_steps], m.dispatch_steps, m)
     handling = ffn_message(m, layer.ffn, link)
+    handling_dispatch = ffn_message(m, layer.ffn, link, dispatch=True) if m.dispatch_steps else 0.0
     dense, step_overhead = _fit_or_zero(b, [s.dense for s in m.steps]), fit(b, [s.overhead for s in m.steps])
     notes = [
         f"context {m.context} tokens per sequence; batch sizes {sorted({s.batch for s in m.steps})}",
@@ -111,21 +112,24 @@ def cost_model(m: Measurements) -> CostModel:
         submit=submit if m.cluster else Linear(0.0, 0.0),  # in process the exchange is a call: nothing posted
         submit_dispatch=submit_dispatch,
         ffn_message=handling,
+        ffn_message_dispatch=handling_dispatch,
         host_cores=m.host_cores,
         message_cpu=message_cpu(m, layer, step_overhead, dense, submit, handling) if m.host_cores else 0.0,
     )
 
 
-def ffn_message(m: Measurements, ffn: Linear, link: Link) -> float:
+def ffn_message(m: Measurements, ffn: Linear, link: Link, dispatch: bool = False) -> float:
     """The FFN node's time per message beyond its compute: without overlap, each MoE layer's wait (the step's
     over its MoE layers) less the link both ways at the batch's bytes and the FFN fit at the rows the node
-    computed; the median over batch sizes, at least 0. 0 under overlap or without the cluster."""
+    computed; the median over batch sizes, at least 0. 0 under overlap or without the cluster. `dispatch`: from
+    the cluster under routing attention, whose wait also holds the count message and the combine."""
     if m.overlap or not m.cluster or not m.moe_layers:
         return 0.0
     to_ffn, back = m.bytes_per_token
+    count = link(8.0) if dispatch else 0.0  # the count message before the rows (an int64)
     per_batch = []
-    for s, c in zip(m.steps, m.cluster):
-        trip = link(s.batch * to_ffn) + ffn(c.get("ffn_rows", 0.0)) + link(s.batch * back)
+    for s, c in zip(m.dispatch_steps if dispatch else m.steps, m.cluster):
+        trip = link(s.batch * to_ffn) + count + ffn(c.get("ffn_rows", 0.0)) + link(s.batch * back)
         per_batch.append(max(0.0, s.wait / m.moe_layers - trip) / m.attention_tp)
     return sorted(per_batch)[len(per_batch) // 2] if per_batch else 0.0
 

@@ -3,8 +3,9 @@ predicts a layout's TPOT and waits from.
 
 The step is a DAG of tasks on resources that each run one task at a time: every attention rank's compute,
 every FFN node's compute, and each direction of each (attention rank, FFN node) link. A task starts when
-its inputs are ready and its resource is free (start = max(ready, free)), in the order afd issues it; one
-pass over the tasks in that order (list scheduling) is the whole simulation. Per MoE layer and micro-batch:
+its inputs are ready and its resource is free (start = max(ready, free)), in the order afd issues it; where
+the node processes share a host's cores, its compute tasks share them as the kernel time-slices
+(afd.plan.timeline). Per MoE layer and micro-batch:
 
     attention rank   attn_pre ─ send ──▶ link a→f ─▶ FFN node (once every rank's rows are in) ─▶ link f→a
                      ... attn_window (other micro-batches' work) ... wait for y ─ attn_post
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from afd.plan.scenario import Scenario
+from afd.plan.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -73,50 +75,6 @@ class StepPrediction:
         return asdict(self) | {k: getattr(self, k) for k in extra}
 
 
-class Timeline:
-    """Resources that each run one task at a time, in the order the tasks are given; with `cores`, compute
-    tasks also need one of that many host cores (CostModel.host_cores: node processes sharing one CPU)."""
-
-    def __init__(self, cores: int = 0):
-        self.free: dict = defaultdict(float)
-        self.busy: dict = defaultdict(float)
-        self.idle: dict = defaultdict(float)
-        """Time each resource stood waiting for a task's inputs while it had nothing else to do."""
-        self.queued: dict = defaultdict(float)
-        """Time each resource's tasks were ready but waited for a host core (not for their inputs)."""
-        self.cores: list[list[tuple[float, float]]] = [[] for _ in range(cores)]
-        """Per host core, its busy intervals, in time order."""
-
-    def run(self, resource, ready: float, duration: float, core: bool = False) -> float:
-        """Runs a task of `duration` on `resource` once `ready` (and, for a compute task with host cores, once
-        a core has a gap that long: the earliest, so a task issued late may still take an early gap); returns
-        its end."""
-        start = max(ready, self.free[resource])
-        self.idle[resource] += start - self.free[resource]
-        if core and self.cores and duration > 0:
-            slot = self._core_slot(start, duration)
-            self.queued[resource] += slot - start
-            start = slot
-        self.free[resource] = start + duration
-        self.busy[resource] += duration
-        return start + duration
-
-    def _core_slot(self, t: float, d: float) -> float:
-        best, best_core, best_at = float("inf"), 0, 0
-        for c, spans in enumerate(self.cores):
-            at, i = t, 0
-            while i < len(spans) and spans[i][1] <= at:  # spans ending before t cannot be in the way
-                i += 1
-            j = i
-            while j < len(spans) and spans[j][0] < at + d:  # overlaps [at, at + d): start after it
-                at = max(at, spans[j][1])
-                j += 1
-            if at < best:
-                best, best_core, best_at = at, c, j
-        self.cores[best_core].insert(best_at, (best, best + d))
-        return best
-
-
 def program(scenario: Scenario) -> list[tuple[str, int, int]]:
     """One attention rank's tasks, (kind, layer, micro-batch), in the order afd.engine.runner issues them.
     `wait` is the wait for the MoE's result (no time of its own); `pre` sends when it ends."""
@@ -160,6 +118,7 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
     ranks = range(lay.attention_ranks if explicit else 1)
     nodes = range(F if explicit or not alike else 1)
     submit = c.submit_dispatch if lay.routing == "attention" else c.submit
+    handling = c.ffn_message_dispatch if lay.routing == "attention" else c.ffn_message
     attention: dict[str, Callable[[float], float]] = {
         "pre": lambda t: c.moe_layer.attn_pre(t) + submit(t),
         "window": c.moe_layer.attn_window,
@@ -169,42 +128,43 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
 
     tl = Timeline(c.host_cores if shared else 0)
     for r in ranks:
-        tl.run(("attention", r), 0.0, c.step_overhead(lay.batch), core=True)
-    y: dict[tuple[int, int, int], float] = {}
-    """(layer, micro-batch, rank) -> when the last FFN node's result has reached the rank."""
+        tl.run(("attention", r), (), c.step_overhead(lay.batch), core=True)
+    y: defaultdict[tuple[int, int, int], list[int]] = defaultdict(list)
+    """(layer, micro-batch, rank) -> the tasks that bring each FFN node's result to the rank."""
     to_ffn = to_attention = 0.0
     for kind, layer, i in program(scenario):
         if kind == "wait":
             for r in ranks:
                 tl.run(("attention", r), y.pop((layer, i, r)), 0.0)
             continue
-        ends = [tl.run(("attention", r), 0.0, attention[kind](lay.tokens(i)), core=True) for r in ranks]
+        ends = [tl.run(("attention", r), (), attention[kind](lay.tokens(i)), core=True) for r in ranks]
         if kind != "pre":
             continue
-        arrived: defaultdict[int, float] = defaultdict(float)  # FFN node -> when every rank's rows are in
+        arrived: defaultdict[int, list[int]] = defaultdict(list)  # FFN node -> the tasks bringing each rank's rows
         for r, end in zip(ranks, ends):
             for f in nodes:
                 t = end
                 for size in msgs[f][i][0]:  # dispatch: the count, then the rows, one after the other
-                    t = tl.run(("a2f", r, f), t, c.link(size))
-                    if rx:  # its transport thread, once a core is free
-                        t = tl.run(("rx", "ffn", f), t, rx, core=True)
-                arrived[f] = max(arrived[f], t)
+                    t = tl.run(("a2f", r, f), (t,), c.link(size))
+                    if rx:  # its transport thread, on a host core
+                        t = tl.run(("rx", "ffn", f), (t,), rx, core=True)
+                arrived[f].append(t)
         for f in nodes:
-            work = c.moe_layer.ffn(rows[f][i]) + c.ffn_message * lay.attention_ranks  # every rank's message
+            work = c.moe_layer.ffn(rows[f][i]) + handling * lay.attention_ranks  # every rank's message
             done = tl.run(("ffn", f), arrived[f], work, core=True)
             for r in ranks:
-                home = tl.run(("f2a", f, r), done, c.link(msgs[f][i][1]))
+                home = tl.run(("f2a", f, r), (done,), c.link(msgs[f][i][1]))
                 if rx:
-                    home = tl.run(("rx", "attention", r), home, rx, core=True)
-                y[layer, i, r] = max(y.get((layer, i, r), 0.0), home)
+                    home = tl.run(("rx", "attention", r), (home,), rx, core=True)
+                y[layer, i, r].append(home)
         to_ffn += sum(sum(msgs[f][i][0]) for f in range(F))  # one rank's, to every node
         to_attention += sum(msgs[f][i][1] for f in range(F))
+    tl.solve()
 
     def most(kind: str, what: dict) -> float:
         return max((v for k, v in what.items() if k[0] == kind), default=0.0)
 
-    step = max(tl.free.values())
+    step = tl.finish
     host_cpu = 0.0
     if c.host_cores:
         host_cpu = host_demand(scenario, most("attention", tl.busy), [tl.busy["ffn", f] for f in nodes], msgs)
