@@ -29,7 +29,7 @@ class RoutedRows:
         K = self.ffn.cfg.experts_per_token
         dtype = self.pool.dtype
         packed = self.packed.get(i, total, row_bytes(self.hidden, dtype, K, self.exchange_dtype))
-        packed, gap = self._receive(layer, i, rows, packed)
+        packed, gap = self._receive(layer, i, packed, self._post_into(packed, rows))
         xb, ids, weights = unpack_rows(packed, hidden_bytes(self.hidden, dtype, self.exchange_dtype), K)
         if self.exchange_dtype == "same":
             x = xb.contiguous().view(dtype)

@@ -305,16 +305,26 @@ class FFNServer(RoutedRows):
         counts = {r: list(h.tokens) + [0] * (num_mb - len(h.tokens)) for r, h in headers.items()}
         runs = {r: self._layers(h) for r, h in headers.items()}
         sends, outputs = [], []  # outputs stay referenced until their sends complete
-        for layer in sorted(set().union(*runs.values())):  # each peer's layers stay in its own order
-            for i in range(num_mb):
-                parts = [
-                    (r, counts[r][i]) for r in headers if layer in runs[r] and counts[r][i] > 0 and r in self.active
-                ]
-                if parts:
-                    y, works = self._run_micro_batch(layer, i, parts)
-                    if y is not None:
-                        outputs.append(y)
-                    sends += works
+
+        def parts_of(layer: int, i: int) -> list[tuple[int, int]]:
+            return [(r, counts[r][i]) for r in headers if layer in runs[r] and counts[r][i] > 0 and r in self.active]
+
+        # each peer's layers stay in its own order
+        todo = [(layer, i) for layer in sorted(set().union(*runs.values())) for i in range(num_mb)]
+        ahead: tuple | None = None  # (layer, i, parts, its posted receives)
+        for k, (layer, i) in enumerate(todo):
+            parts, posted = parts_of(layer, i), None
+            if ahead is not None and ahead[:2] == (layer, i):
+                parts, posted = ahead[2], ahead[3]
+            if not parts:
+                continue
+            if posted is None and self.routing != "attention":
+                posted = self._post_inputs(i, parts)  # before the next one's: a pair matches receives in order
+            ahead = self._post_ahead(todo[k + 1 :], i, parts_of)
+            y, works = self._run_micro_batch(layer, i, parts, posted)
+            if y is not None:
+                outputs.append(y)
+            sends += works
         if not all([self._wait(w, r, "MoE output send") for r, w in sends]):
             for y in outputs:
                 self._retire(y)
@@ -337,13 +347,28 @@ class FFNServer(RoutedRows):
         written by a failed peer's receive while it is read for another); the last RETIRED_KEPT of them."""
         self._retired.append(t)
 
-    def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]]):
+    def _post_ahead(self, rest: list[tuple[int, int]], i: int, parts_of) -> tuple | None:
+        """Posts the next micro-batch's receives before micro-batch `i` computes, where a receive posted is only a
+        buffer registered (gloo: the host waits, and its transport thread reads the bytes): under ping-pong
+        the attention rank sends micro-batch i + 1 while this node computes i, and gloo sends a message's bytes
+        only once its receive is posted (gloo/transport/tcp/pair.cc: the send and receive notices), so a
+        receive posted late costs a round of notices and thread wake-ups per message. Not on NCCL/HCCL, whose
+        receive would be a kernel on the pair's stream ahead of micro-batch i's result sends; not under routing
+        attention, whose rows' size comes in a count first; not into the buffer micro-batch `i` still reads."""
+        if self.routing == "attention" or self.backend.stream_ordered_waits:
+            return None
+        for layer, j in rest:
+            parts = parts_of(layer, j)
+            if parts:
+                return (layer, j, parts, self._post_inputs(j, parts)) if j != i else None
+        return None
+
+    def _run_micro_batch(self, layer: int, i: int, parts: list[tuple[int, int]], posted=None):
+        """posted: _post_inputs(i, parts), where _post_ahead posted it."""
         if self.routing == "attention":
             return self._run_routed(layer, i, parts)
         total = sum(n for _, n in parts)
-        x = self.pool.get(i, total, self.hidden)  # [T_all, H]: every peer's tokens, peer by peer
-        packed = x if self.packed is None else self.packed.get(i, total, packed_width(self.hidden, self.exchange_dtype))
-        x, gap = self._receive(layer, i, parts, packed)
+        x, gap = self._receive(layer, i, *(posted or self._post_inputs(i, parts)))
         if self.packed is not None:  # rows of a failed peer come out zeroed (_without_failed zeroed their bytes)
             x = dequantize(x, self.exchange_dtype, self.pool.get(i, total, self.hidden))
         self.time.idle(layer)  # since the last compute: the previous sends, the hint, the wait for inputs
@@ -351,13 +376,26 @@ class FFNServer(RoutedRows):
             y = self.time.compute(layer, gap, lambda: self.ffn(self.backend, layer, x))
         return self._after_compute(layer, total, parts, y)
 
-    def _receive(self, layer: int, i: int, parts: list[tuple[int, int]], x: torch.Tensor):
-        """Every peer's rows of the micro-batch into `x` (a buffer of `pool`, or of `packed`), peer by peer, and
-        the prefetch's gap; a failed peer's rows zeroed."""
+    def _post_inputs(self, i: int, parts: list[tuple[int, int]]) -> tuple[torch.Tensor, list]:
+        """Every peer's receive of micro-batch i's rows, peer by peer, into one buffer (`pool`'s, or `packed`'s):
+        (the buffer [T_all, H or the packed width], [(peer, offset, rows, work)])."""
+        total = sum(n for _, n in parts)
+        x = self.pool.get(i, total, self.hidden)  # [T_all, H]: every peer's tokens, peer by peer
+        if self.packed is not None:
+            x = self.packed.get(i, total, packed_width(self.hidden, self.exchange_dtype))
+        return x, self._post_into(x, parts)
+
+    def _post_into(self, x: torch.Tensor, parts: list[tuple[int, int]]) -> list:
+        """Each peer's receive of its rows into `x`, peer by peer: [(peer, offset, rows, work)]."""
         recvs, off = [], 0
         for r, n in parts:
             recvs.append((r, off, n, self._post(self.plane.irecv, x[off : off + n], r)))
             off += n
+        return recvs
+
+    def _receive(self, layer: int, i: int, x: torch.Tensor, recvs: list):
+        """Waits for the posted receives of the micro-batch's rows into `x`; its rows and the prefetch's gap, a
+        failed peer's rows zeroed."""
         gap = None
         if self.prefetch is not None and i == 0 and layer in self.ffn.cfg.moe_layers:  # once per layer
             gap = self.prefetch.in_gap(layer, lambda: all(w is not _FAILED and w.is_completed() for *_, w in recvs))
