@@ -107,6 +107,8 @@ def test_measurements_round_trip_so_a_stored_profile_refits():
     back = measurements_of(json.loads(profile_json(cost_model(m), m)))
     assert back == m and cost_model(back) == cost_model(m)
     assert measurements_of({"measurements": {"steps": []}}) is None  # written before they were whole
+    # the nodes ran on this CPU, so over gloo, whose sends wait for their receives; in process: no data plane
+    assert cost_model(m).rendezvous and not cost_model(dataclasses.replace(m, host_cores=0)).rendezvous
 
 
 def test_json_round_trips_with_measurements():

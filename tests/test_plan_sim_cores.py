@@ -132,3 +132,20 @@ def test_a_message_is_delivered_once_a_core_is_free():
     assert plain.step_time < many.step_time <= two.step_time
     assert two.step_time > many.step_time  # some delivery waited for a core both processes held
     assert run(lay, c).step_time == plain.step_time  # no shared host (a device per node): messages cost no core
+
+
+def test_a_rendezvous_holds_routed_rows_until_the_node_posts_their_receive():
+    """gloo sends a message's bytes once its receive is posted (CostModel.rendezvous): under routing attention
+    the rows' receive waits for the count and for the FFN node to finish the micro-batch before, then the
+    notice crosses back; its round costs the host CPU of one more message. Routing ffn's rows are posted
+    ahead: nothing changes there."""
+    c = dataclasses.replace(costs(window=(1e-5, 1e-3), ffn=(1e-5, 2e-3), latency=1e-4), message_cpu=2e-4)
+    routed = Layout(1, 2, 8, micro_batches=2, routing="attention")
+    plain, held = run(routed, c), run(routed, dataclasses.replace(c, rendezvous=True))
+    assert held.step_time > plain.step_time  # each rows message waited for the node's previous compute
+    rows_messages = len(SHAPE.moe_layers) * 2 * 2  # layers x micro-batches x FFN nodes
+    base, extra = run(routed, with_cores(c, 2)), run(routed, with_cores(dataclasses.replace(c, rendezvous=True), 2))
+    assert extra.host_cpu == pytest.approx(base.host_cpu + rows_messages * 2e-4)
+    broadcast = Layout(1, 2, 8, micro_batches=2)
+    assert run(broadcast, dataclasses.replace(c, rendezvous=True)) == run(broadcast, c)
+    assert CostModel.from_json(dataclasses.replace(c, rendezvous=True).to_json()).rendezvous

@@ -123,6 +123,13 @@ class CostModel:
     handling. `afd profile` measures it from the node processes' CPU time; it counts only under `host_cores`
     (on a device the host's CPU is not what the step waits for)."""
 
+    rendezvous: bool = False
+    """The data plane sends a message's bytes only once its receiver has posted the receive and said so (gloo's
+    tcp transport: a send notice, a receive notice, then the bytes, gloo/transport/tcp/pair.cc). The FFN node
+    posts routing ffn's rows ahead, but under routing attention the rows' receive waits for the count and for
+    the node to finish the micro-batch before: the rows then wait for that, the notice's way back, and the
+    attention rank's transport thread. A CPU profile's cluster runs gloo."""
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
@@ -150,4 +157,5 @@ class CostModel:
             float(d.get("ffn_message_dispatch", 0.0)),
             int(d.get("host_cores", 0)),
             float(d.get("message_cpu", 0.0)),
+            bool(d.get("rendezvous", False)),
         )

@@ -114,6 +114,7 @@ def cost_model(m: Measurements) -> CostModel:
         ffn_message=handling,
         ffn_message_dispatch=handling_dispatch,
         host_cores=m.host_cores,
+        rendezvous=m.host_cores > 0,  # every node on this CPU: its data plane is gloo's
         message_cpu=message_cpu(m, layer, step_overhead, dense, submit, handling) if m.host_cores else 0.0,
     )
 

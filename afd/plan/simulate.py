@@ -131,6 +131,7 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
         tl.run(("attention", r), (), c.step_overhead(lay.batch), core=True)
     y: defaultdict[tuple[int, int, int], list[int]] = defaultdict(list)
     """(layer, micro-batch, rank) -> the tasks that bring each FFN node's result to the rank."""
+    last_ffn: dict[int, int] = {}  # FFN node -> its last task so far
     to_ffn = to_attention = 0.0
     for kind, layer, i in program(scenario):
         if kind == "wait":
@@ -144,14 +145,19 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
         for r, end in zip(ranks, ends):
             for f in nodes:
                 t = end
-                for size in msgs[f][i][0]:  # dispatch: the count, then the rows, one after the other
+                for k, size in enumerate(msgs[f][i][0]):  # dispatch: the count, then the rows, one after the other
+                    if k and c.rendezvous:  # the rows' receive, posted once the count is in and the node is free
+                        after = (t,) if last_ffn.get(f) is None else (t, last_ffn[f])
+                        t = tl.run(("notice", f, r), after, c.link.latency)
+                        if rx:  # the rank's transport thread wakes to the notice and sends the rows
+                            t = tl.run(("rx", "attention", r), (t,), rx, core=True)
                     t = tl.run(("a2f", r, f), (t,), c.link(size))
                     if rx:  # its transport thread, on a host core
                         t = tl.run(("rx", "ffn", f), (t,), rx, core=True)
                 arrived[f].append(t)
         for f in nodes:
             work = c.moe_layer.ffn(rows[f][i]) + handling * lay.attention_ranks  # every rank's message
-            done = tl.run(("ffn", f), arrived[f], work, core=True)
+            done = last_ffn[f] = tl.run(("ffn", f), arrived[f], work, core=True)
             for r in ranks:
                 home = tl.run(("f2a", f, r), (done,), c.link(msgs[f][i][1]))
                 if rx:
@@ -191,6 +197,11 @@ def host_demand(scenario: Scenario, attention_busy: float, ffn_busy: list[float]
     lay, c = scenario.layout, scenario.costs
     F = lay.ffn_nodes
     ffn = sum(ffn_busy) * F / len(ffn_busy) if ffn_busy else 0.0
-    per_rank = sum(len(msgs[f][i][0]) + 1 for f in range(F) for i in range(lay.micro_batches))  # to it and back
+    # to it and back; with a rendezvous, the rows after a count also take its notices' round
+    per_rank = sum(
+        len(msgs[f][i][0]) + 1 + (len(msgs[f][i][0]) - 1 if c.rendezvous else 0)
+        for f in range(F)
+        for i in range(lay.micro_batches)
+    )
     messages = per_rank * len(scenario.shape.moe_layers) * lay.attention_ranks
     return lay.attention_ranks * attention_busy + ffn + messages * c.message_cpu
