@@ -122,7 +122,6 @@ class CostModel:
     processes outside every timed piece and the FFN compute: the submit, the transport's threads, the receive's
     handling. `afd profile` measures it from the node processes' CPU time; it counts only under `host_cores`
     (on a device the host's CPU is not what the step waits for)."""
-
     rendezvous: bool = False
     """The data plane sends a message's bytes only once its receiver has posted the receive and said so (gloo's
     tcp transport: a send notice, a receive notice, then the bytes, gloo/transport/tcp/pair.cc). The FFN node

@@ -131,7 +131,7 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
         tl.run(("attention", r), (), c.step_overhead(lay.batch), core=True)
     y: defaultdict[tuple[int, int, int], list[int]] = defaultdict(list)
     """(layer, micro-batch, rank) -> the tasks that bring each FFN node's result to the rank."""
-    last_ffn: dict[int, int] = {}  # FFN node -> its last task so far
+    last_ffn: dict[int, tuple[int]] = {}  # FFN node -> its last task so far
     to_ffn = to_attention = 0.0
     for kind, layer, i in program(scenario):
         if kind == "wait":
@@ -147,8 +147,7 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
                 t = end
                 for k, size in enumerate(msgs[f][i][0]):  # dispatch: the count, then the rows, one after the other
                     if k and c.rendezvous:  # the rows' receive, posted once the count is in and the node is free
-                        after = (t,) if last_ffn.get(f) is None else (t, last_ffn[f])
-                        t = tl.run(("notice", f, r), after, c.link.latency)
+                        t = tl.run(("notice", f, r), (t, *last_ffn.get(f, ())), c.link.latency)
                         if rx:  # the rank's transport thread wakes to the notice and sends the rows
                             t = tl.run(("rx", "attention", r), (t,), rx, core=True)
                     t = tl.run(("a2f", r, f), (t,), c.link(size))
@@ -157,7 +156,8 @@ def simulate(scenario: Scenario, explicit: bool = False) -> StepPrediction:
                 arrived[f].append(t)
         for f in nodes:
             work = c.moe_layer.ffn(rows[f][i]) + handling * lay.attention_ranks  # every rank's message
-            done = last_ffn[f] = tl.run(("ffn", f), arrived[f], work, core=True)
+            done = tl.run(("ffn", f), arrived[f], work, core=True)
+            last_ffn[f] = (done,)
             for r in ranks:
                 home = tl.run(("f2a", f, r), (done,), c.link(msgs[f][i][1]))
                 if rx:
