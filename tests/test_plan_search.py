@@ -83,6 +83,21 @@ def test_simulate_prints_the_step_of_a_cluster_yaml(tmp_path, capsys):
     assert out["source"] == "profile test" and out["step_time"] > 0 and out["devices"] == 3
 
 
+def test_simulate_cautions_where_processes_outnumber_the_profiles_cores(tmp_path, capsys):
+    """bench-plan under-predicted three processes on two cores (docs/benchmarks.md, section 17): a layout like
+    that on a profile's host says so; one with a core per process, or on a device, does not."""
+    import dataclasses
+
+    profile = tmp_path / "profile.json"
+    cm = CostModel.from_json(_profile(tmp_path).read_text())
+    for cores, cautioned in ((2, True), (3, False), (0, False)):
+        profile.write_text(dataclasses.replace(cm, host_cores=cores).to_json())
+        argv = ["simulate", "deploy/1a2f.yaml", "--profile", str(profile), "--batch", "8", "--micro-batches", "1"]
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert ("caution: 3 node processes on the host's 2 cores" in out) is cautioned, (cores, out)
+
+
 def test_the_search_space_stays_within_the_devices():
     space = Space(6, tp_sizes=(1, 2))
     seen = list(space.layouts(max_ffn=16))

@@ -182,6 +182,8 @@ def run_simulate(args) -> int:
             print(f"  {k:<24} {out[k] * 1e3:>10.3f} ms")
         print(f"  {'bottleneck':<24} {out['bottleneck']:>10}")
         print(f"  {'tokens/s per device':<24} {out['tokens_per_s_per_device']:>10.1f}")
+        if note := shared_host_note(layout, costs):
+            print(note)
     return 0
 
 
@@ -210,10 +212,27 @@ def run_plan(args) -> int:
     print(table(plans, args.top))
     if src.profile is not None:
         print("(memory per device not checked: a profile's costs come from a machine that held the model)")
+        if note := shared_host_note(plans[0].layout, src.costs(plans[0].layout)):
+            print(note)
     if args.output:
         _write(plans[0], args, src)
         print(f"best plan written to {args.output} (afd check-config {args.output})")
     return 0
+
+
+def shared_host_note(layout, costs) -> str:
+    """A caution where a layout puts more node processes on a profile's host than it has cores. The simulator
+    shares the cores as processor sharing does, which holds for the compute itself, but not what the sharing
+    costs (wake-ups waiting for a core, the transport threads, colder caches): `afd bench-plan` measured 2A1F
+    with overlap, three processes on two cores, at 1.06-1.43 times its predicted step (docs/benchmarks.md,
+    section 17)."""
+    processes = layout.attention_ranks + layout.ffn_nodes
+    if not costs.host_cores or processes <= costs.host_cores:
+        return ""
+    return (
+        f"(caution: {processes} node processes on the host's {costs.host_cores} cores; where processes outnumbered"
+        " the cores, measured steps ran up to 1.4x the prediction: docs/benchmarks.md, section 17)"
+    )
 
 
 def _write(plan, args, src) -> None:
