@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import argparse
 
-TINY_LONGCAT = dict(
-    model_type="longcat_flash",
-    vocab_size=97,
-    hidden_size=32,
-    num_layers=2,
-    num_attention_heads=4,
-    ffn_hidden_size=48,
-    q_lora_rank=16,
-    kv_lora_rank=8,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    head_dim=4,
-    v_head_dim=8,
-    moe_topk=3,
-    n_routed_experts=6,
-    zero_expert_num=2,
-    expert_ffn_hidden_size=12,
-    max_position_embeddings=64,
-    eos_token_id=2,
-)
+from hf_reference import BASE
+
+TINY_LONGCAT = {
+    "model_type": "longcat_flash",
+    **{k: v for k, v in BASE.items() if k not in ("routed_scaling_factor", "bos_token_id")},
+    "max_position_embeddings": 64,
+    "eos_token_id": 2,
+}
+"""hf_reference's tiny LongCat-Flash shape, at the model's default routed scaling."""
 
 
 def bench_args(module, command: str, argv: list[str]) -> argparse.Namespace:

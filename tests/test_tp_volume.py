@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+from bench_helpers import TINY_LONGCAT
 
 from afd.backend import get_backend
 from afd.dataplane.exchange import LocalMoE
@@ -39,25 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 CONFIGS = {
     # 2 layers of 2 MLA + 2 dense MLPs, every layer MoE; MLA with a q LoRA (flashcomm1/2 gather latents)
-    "longcat": dict(
-        model_type="longcat_flash",
-        vocab_size=97,
-        hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        ffn_hidden_size=48,
-        q_lora_rank=16,
-        kv_lora_rank=8,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        head_dim=4,
-        v_head_dim=8,
-        moe_topk=3,
-        n_routed_experts=6,
-        zero_expert_num=2,
-        expert_ffn_hidden_size=12,
-        max_position_embeddings=64,
-    ),
+    "longcat": {k: v for k, v in TINY_LONGCAT.items() if k != "eos_token_id"},
     # 3 layers, the first dense; q without a LoRA (flashcomm1/2 gather the hidden state before the MLA)
     "deepseek": dict(
         model_type="deepseek_v3",
