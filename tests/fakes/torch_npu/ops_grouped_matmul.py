@@ -41,48 +41,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor, bias, out_dtype: torch.dtype) -> torch
     return y.to(out_dtype)
 
 
-def _gmm_kernel(
-    x,
-    weight,
-    *,
-    bias=None,
-    scale=None,
-    offset=None,
-    antiquant_scale=None,
-    antiquant_offset=None,
-    per_token_scale=None,
-    group_list=None,
-    activation_input=None,
-    activation_quant_scale=None,
-    activation_quant_offset=None,
-    split_item=0,
-    group_type=None,
-    group_list_type=0,
-    act_type=0,
-    tuning_config=None,
-    output_dtype=None,
-):
-    scenario = _gmm_static_checks(
-        x,
-        weight,
-        bias,
-        scale,
-        offset,
-        antiquant_scale,
-        antiquant_offset,
-        per_token_scale,
-        group_list,
-        activation_input,
-        activation_quant_scale,
-        activation_quant_offset,
-        split_item,
-        group_type,
-        group_list_type,
-        act_type,
-        tuning_config,
-        output_dtype,
-    )
-    out_dtype = output_dtype or x[0].dtype
+def _gmm_kernel(x, weight, **kw):
+    """The schema's keyword arguments (SCHEMA: the dispatcher has checked their names and types) as `kw`."""
+    scenario = _gmm_static_checks(x, weight, **kw)
+    bias, group_list, group_list_type = kw.get("bias"), kw.get("group_list"), kw.get("group_list_type", 0)
+    out_dtype = kw.get("output_dtype") or x[0].dtype
     bias = list(bias) if bias else [None] * (weight[0].shape[0] if weight[0].dim() == 3 else len(weight))
     if scenario == "multi-multi-multi":
         calls.append(("npu_grouped_matmul", None, len(weight)))
@@ -101,48 +64,9 @@ def _gmm_kernel(
     return [torch.cat(parts)]
 
 
-def _gmm_meta(
-    x,
-    weight,
-    *,
-    bias=None,
-    scale=None,
-    offset=None,
-    antiquant_scale=None,
-    antiquant_offset=None,
-    per_token_scale=None,
-    group_list=None,
-    activation_input=None,
-    activation_quant_scale=None,
-    activation_quant_offset=None,
-    split_item=0,
-    group_type=None,
-    group_list_type=0,
-    act_type=0,
-    tuning_config=None,
-    output_dtype=None,
-):
-    scenario = _gmm_static_checks(
-        x,
-        weight,
-        bias,
-        scale,
-        offset,
-        antiquant_scale,
-        antiquant_offset,
-        per_token_scale,
-        group_list,
-        activation_input,
-        activation_quant_scale,
-        activation_quant_offset,
-        split_item,
-        group_type,
-        group_list_type,
-        act_type,
-        tuning_config,
-        output_dtype,
-    )
-    out_dtype = output_dtype or x[0].dtype
+def _gmm_meta(x, weight, **kw):
+    scenario = _gmm_static_checks(x, weight, **kw)
+    out_dtype = kw.get("output_dtype") or x[0].dtype
     if scenario == "multi-multi-multi":
         return [t.new_empty((*t.shape[:-1], w.shape[-1]), dtype=out_dtype) for t, w in zip(x, weight)]
     rows = sum(t.shape[0] for t in x)
