@@ -212,7 +212,7 @@ def run_plan(args) -> int:
     print(table(plans, args.top))
     if src.profile is not None:
         print("(memory per device not checked: a profile's costs come from a machine that held the model)")
-        if note := shared_host_note(plans[0].layout, src.costs(plans[0].layout)):
+        if note := shared_host_note(plans[0].layout, src.profile):
             print(note)
     if args.output:
         _write(plans[0], args, src)
@@ -230,8 +230,9 @@ def shared_host_note(layout, costs) -> str:
     if not costs.host_cores or processes <= costs.host_cores:
         return ""
     return (
-        f"(caution: {processes} node processes on the host's {costs.host_cores} cores; where processes outnumbered"
-        " the cores, measured steps ran up to 1.4x the prediction: docs/benchmarks.md, section 17)"
+        f"(caution: {processes} node processes on the host's {costs.host_cores} core"
+        f"{'s' if costs.host_cores > 1 else ''}; where processes outnumbered the cores, measured steps ran up to"
+        " 1.4x the prediction: docs/benchmarks.md, section 17)"
     )
 
 
