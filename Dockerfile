@@ -10,7 +10,7 @@
 ARG BASE_IMAGE=python:3.11-slim
 FROM ${BASE_IMAGE}
 
-# = TORCH_SPEC in the Makefile: the torch the test suite runs on. pyproject.toml only says torch>=2.4.
+# = the torch of requirements.txt, the lock the test suite runs on (its CPU build). pyproject.toml only says torch>=2.4.
 ARG TORCH_SPEC=torch==2.13.0
 # The CPU build: PyPI's default Linux x86-64 torch is the CUDA one, gigabytes of libraries a CPU pod never loads.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu

@@ -3,37 +3,72 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.afd-installed
-# The CPU wheel of this version is on the build machines' disk; an unpinned torch pulls a CUDA build.
-# The pin is the version, not the build: pip takes the build this machine's sources offer (+cpu here; PyPI's
-# Linux wheel is a CUDA build). A GPU machine whose venv got the CPU wheel needs a CUDA build put in its place
+# The lock: every package `make setup` installs, pinned with hashes (pip-tools' pip-compile output, made by
+# `make lock` from pyproject.toml and requirements.in). pyproject.toml keeps ranges for those who install afd
+# as a library; the venv, CI and every test run take the lock's versions, so a new release upstream changes
+# nothing here until `make lock` takes it in (`make test-latest` tries the newest releases on purpose).
+LOCK := requirements.txt
+# Its torch is the CPU build, 2.13.0+cpu, which this project's machines keep on disk (pip's find-links). Where
+# it is not, name PyTorch's CPU index: `make setup PIP_LOCK_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"`.
+# A GPU machine's venv needs a CUDA build put in place of it afterwards
 # (`.venv/bin/pip install --force-reinstall torch==2.13.0 --index-url https://download.pytorch.org/whl/cuXXX`,
 # XXX a CUDA version its driver supports): `make test-device` fails there until then, and says so.
-TORCH_SPEC ?= torch==2.13.0
+PIP_LOCK_ARGS ?=
+# make lock: `--upgrade` takes the newest release of everything the ranges admit; LOCK_ARGS="--upgrade-package
+# transformers" moves one package alone.
+LOCK_ARGS ?= --upgrade
+# make test-latest: its own venv, the newest release of every package pyproject.toml names. torch stays the
+# lock's: PyPI's newest Linux torch is a CUDA build of several GB; LATEST_TORCH=torch floats it too.
+LATEST_VENV ?= .venv-latest
+LATEST_TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # make test's workers (pytest-xdist): two workers keep both cores busy (~93 % on 2 cores; the parallel part
 # took 257 s on 2026-12-02; three workers gained 3 %); the few cases that compare time shares (`serial`) run
 # after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
+.PHONY: setup lock suite test-latest test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
 
 setup: $(STAMP)
 
 # The first install takes a minute or two: each step says what it does, and pip names each package it takes.
-$(STAMP): pyproject.toml
+$(STAMP): $(LOCK) pyproject.toml
 	@echo "setup 1/3: the venv in $(VENV) (once; then every command of the README runs as $(BIN)/afd, or after source $(BIN)/activate)"
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	@echo "setup 2/3: $(TORCH_SPEC) (the largest package)"
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	@echo "setup 3/3: afd and what it and its tests use (pyproject.toml); pip names each package"
-	$(BIN)/python -m pip install --progress-bar off -e ".[test]"
+	@$(BIN)/python -c 'import sys; v = "%d.%d" % sys.version_info[:2]; sys.exit(None if v == "3.11" else \
+		f"$(LOCK) is locked for CPython 3.11 and $(VENV) has {v}: make clean setup PY=python3.11, or make lock for {v}")'
+	@echo "setup 2/3: every package from the lock, $(LOCK): pinned with hashes, torch the largest"
+	$(BIN)/python -m pip install --progress-bar off --require-hashes $(PIP_LOCK_ARGS) -r $(LOCK)
+	@echo "setup 3/3: afd itself (editable, with the lock's setuptools), and nothing the lock does not name"
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	$(BIN)/python tests/venv_lock.py --sync
 	touch $(STAMP)
+
+# Refresh the lock from pyproject.toml's ranges and requirements.in (a few minutes: pip-compile asks the index
+# for every file's hash). Then `make setup` installs it and `make test` says whether it holds.
+lock: setup
+	CUSTOM_COMPILE_COMMAND="make lock" $(BIN)/pip-compile $(LOCK_ARGS) --generate-hashes --allow-unsafe \
+		--strip-extras --extra test --extra fuzz --no-emit-index-url --no-emit-find-links \
+		--output-file $(LOCK) pyproject.toml requirements.in
 
 test: setup lint typecheck
 	@command -v prometheus >/dev/null || echo "note: prometheus is not installed; its end-to-end test will skip (install: bash .ci/prometheus.sh, or apt-get install prometheus)"
+	$(MAKE) --no-print-directory suite
+
+# make test's pytest runs, on BIN's interpreter (make test-latest passes its own).
+suite:
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not serial" $(PYTEST_ARGS)
 	$(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS)
+
+# The suite against the newest releases, in a venv of its own ($(LATEST_VENV)), so that an upstream change is
+# seen on purpose: it first lists each package whose version there differs from the lock.
+test-latest:
+	test -x $(LATEST_VENV)/bin/python || $(PY) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip setuptools wheel
+	$(LATEST_VENV)/bin/python -m pip install --progress-bar off --upgrade --upgrade-strategy eager \
+		"$(LATEST_TORCH)" -e ".[test,fuzz]"
+	$(LATEST_VENV)/bin/python tests/venv_lock.py --compare
+	$(MAKE) --no-print-directory suite BIN=$(LATEST_VENV)/bin
 
 # schemathesis against /openapi.json of a demo cluster, FUZZ_EXAMPLES cases per operation drawn from FUZZ_SEED
 # (915 requests, 1 to 3 minutes on 2 cores): no 5xx, nothing off-schema, and the cluster answers as before
@@ -42,7 +77,6 @@ test: setup lint typecheck
 FUZZ_SEED ?= 1
 FUZZ_EXAMPLES ?= 60
 fuzz: setup
-	$(BIN)/python -m pip install --quiet "schemathesis>=4.30"
 	$(BIN)/python tests/fuzz_api.py --seed $(FUZZ_SEED) --max-examples $(FUZZ_EXAMPLES)
 
 # The numerics tests again with the CPU kernels held to AVX2 (ATen's dispatch, MKL and oneDNN): the kernels a
@@ -79,7 +113,7 @@ format: setup
 	$(BIN)/ruff format .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(LATEST_VENV) .pytest_cache .ruff_cache *.egg-info
 
 # Regenerate the committed gRPC stubs from proto/ (tests/test_proto.py fails when they are stale).
 proto: setup

@@ -103,7 +103,7 @@ def test_an_accelerator_torch_cannot_use_is_named_with_the_fix(torch_here):
     torch_here(None)
     assert unusable(gpu) == (
         "torch 2.13.0+cpu is a CPU-only build and cannot use the GPU this machine has (nvidia-smi -L lists 2 GPUs): "
-        "install a CUDA build of torch (see the Makefile's TORCH_SPEC)"
+        "install a CUDA build of torch (see the Makefile's PIP_LOCK_ARGS)"
     )
     assert unusable({}) is None and unusable(gpu, "npu") is None and unusable(gpu, "cuda")
     torch_here("12.8")  # a CUDA build that sees no GPU: the driver, or CUDA_VISIBLE_DEVICES

@@ -276,14 +276,15 @@ def test_k8s_render_cli_takes_the_tp_flags(capsys):
 # ---- the image ------------------------------------------------------------------------------------
 
 
-def makefile_torch_spec() -> str:
-    (spec,) = re.findall(r"^TORCH_SPEC \?= (\S+)$", (ROOT / "Makefile").read_text(), re.M)
-    return spec
+def locked_torch_spec() -> str:
+    """The lock's torch as a spec without its build label: `torch==2.13.0` for the lock's 2.13.0+cpu."""
+    (version,) = re.findall(r"^torch==([^\s+]+)", (ROOT / "requirements.txt").read_text(), re.M)
+    return f"torch=={version}"
 
 
 def test_dockerfile_installs_the_cpu_torch_pin_then_afd():
     text = (ROOT / "Dockerfile").read_text()
-    assert f"ARG TORCH_SPEC={makefile_torch_spec()}\n" in text  # the torch the test suite runs on
+    assert f"ARG TORCH_SPEC={locked_torch_spec()}\n" in text  # the torch the test suite runs on
     assert re.search(r"^ARG TORCH_INDEX=\S+/whl/cpu$", text, re.M)  # the CPU build by default
     torch = re.search(r'pip install --index-url "\$\{TORCH_INDEX\}" "\$\{TORCH_SPEC\}"', text)
     afd = re.search(r"^RUN pip install \.", text, re.M)

@@ -97,7 +97,7 @@ def unusable_accelerator(seen: dict[str, str], requested: str = "auto") -> str |
         if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
             return (
                 f"torch {torch.__version__} is a CPU-only build and cannot use the GPU this machine has "
-                f"({shown}): install a CUDA build of torch (see the Makefile's TORCH_SPEC)"
+                f"({shown}): install a CUDA build of torch (see the Makefile's PIP_LOCK_ARGS)"
             )
         return f"torch {torch.__version__} cannot use the GPU this machine has ({shown}): {why}"
     return None
