@@ -48,17 +48,28 @@ def _output_projection(key: str) -> bool:
 def add_mtp(
     src: str, dst: str, family: str, noise: float = 0.1, damp: float = 1.0, seed: int = 0, weight_std: float = 0.2
 ) -> str:
-    """A copy of checkpoint `src` at `dst` with an MTP module (and the main model damped by `damp`)."""
+    """A copy of checkpoint `src` at `dst` with an MTP module (and the main model damped by `damp`), and no
+    EOS token: every greedy run spends its whole budget, which the drafts' reference (`expected`) models.
+    Whether a tiny random model reaches its EOS within the budget depends on its weights, and those follow
+    transformers' parameter layout (5.25 dropped LongCat's identity experts' gate/up rows, so the same seed
+    drew other weights, and one prompt stopped early)."""
     if os.path.isfile(os.path.join(dst, "config.json")):
         return dst
     shutil.copytree(src, dst)
+    import json
+
+    for name in ("config.json", "generation_config.json"):
+        file = os.path.join(dst, name)
+        if os.path.isfile(file):
+            with open(file) as f:
+                conf = json.load(f)
+            with open(file, "w") as f:
+                json.dump({**conf, "eos_token_id": None}, f, indent=2)
     tensors = load_file(os.path.join(dst, "model.safetensors"))
     tensors.update({k: v * damp for k, v in tensors.items() if _output_projection(k)})
     H = tensors["model.embed_tokens.weight"].shape[1]
     g = torch.Generator().manual_seed(seed)
     if family == "deepseek_v3":
-        import json
-
         with open(os.path.join(dst, "config.json")) as f:
             L = json.load(f)["num_hidden_layers"]
         pre, norms = f"model.layers.{L}.", (f"model.layers.{L}.enorm", f"model.layers.{L}.hnorm")
@@ -119,7 +130,10 @@ class MTPReference:
             from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMLA, LongcatFlashMLP
             from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashRMSNorm as Norm
 
-            self.main = LongcatFlashForCausalLM.from_pretrained(path, dtype=torch.float32)
+            # the eager expert loop, as DeepSeek's above (LongCat's default is grouped_mm from transformers 5.25)
+            self.main = LongcatFlashForCausalLM.from_pretrained(
+                path, dtype=torch.float32, experts_implementation="eager"
+            )
             cfg, pre = self.main.config, "model.mtp.layers.0."
             self.block = torch.nn.ModuleDict(
                 {

@@ -86,9 +86,11 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int):
     """Per prompt: (generated ids, per-step fp32 logits), from HF generate with batch size 1."""
     from transformers import LongcatFlashForCausalLM
 
-    return greedy_with_logits(
-        LongcatFlashForCausalLM.from_pretrained(path, dtype=torch.float32), prompts, max_new_tokens
-    )
+    # The eager expert loop, as for every family: from transformers 5.25 LongCat's experts default to
+    # torch._grouped_mm, which needs 16-byte strides that odd_sizes lacks ("strides should be multiple of 16
+    # bytes" on the CPU), and the greedy tokens are held to one per-expert computation on every release.
+    model = LongcatFlashForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager")
+    return greedy_with_logits(model, prompts, max_new_tokens)
 
 
 def scale_weights_(model, weight_std: float) -> None:

@@ -45,21 +45,27 @@ def test_unknown_section_is_rejected():
 
 
 def test_naive_loop_is_hf_longcat_flash_experts():
-    """The timed per-expert loop computes what transformers' LongcatFlashExperts computes."""
+    """The timed per-expert loop computes what transformers' LongcatFlashMoE computes from the same routing:
+    its routed experts and its identity (zero) experts. The MoE layer, not LongcatFlashExperts alone: from
+    transformers 5.25 the identity experts are summed in LongcatFlashMoE, and its experts hold the routed
+    ones only (5.24 gave them gate/up rows for the identity experts too). HF's eager experts, the per-expert
+    loop the naive one is; assert_close's default fp32 tolerance, as HF adds the identity experts' share after
+    the routed ones and the loop adds it in expert order."""
     pytest.importorskip("transformers")
     import torch
     from transformers import LongcatFlashConfig
-    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE
 
     cfg, layer, hf, _ = bench_gemm._moe_layer()
     x, weights, ids = bench_gemm._gemm_inputs(layer, 12, cfg.hidden_size, seed=1)
-    experts = LongcatFlashExperts(
-        LongcatFlashConfig(**{k: v for k, v in bench_suite.HF_CONFIG.items() if k != "architectures"})
-    )
+    hf_cfg = LongcatFlashConfig(**{k: v for k, v in bench_suite.HF_CONFIG.items() if k != "architectures"})
+    hf_cfg._experts_implementation = "eager"
+    moe = LongcatFlashMoE(hf_cfg)
+    moe.router.forward = lambda _: (None, weights, ids)  # the routing under test, not HF's router's
     with torch.no_grad():
-        experts.gate_up_proj.copy_(hf["gate_up"])
-        experts.down_proj.copy_(hf["down"])
-        ref = experts(x, ids, weights)
+        moe.experts.gate_up_proj.copy_(hf["gate_up"][: moe.experts.gate_up_proj.shape[0]])
+        moe.experts.down_proj.copy_(hf["down"])
+        ref = moe(x)
     ours = bench_gemm.naive_experts(x, weights, ids, hf["gate_up"], hf["down"], hf["n_routed"])
     torch.testing.assert_close(ours, ref)
 

@@ -25,7 +25,7 @@ def _moe_layer():
     layer = build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu")).layers[0]
     ex = layer.experts
     G, H, I = ex.w13.shape[0], cfg.hidden_size, cfg.expert_ffn_hidden_size
-    # HF allocates gate/up rows for the identity experts too (never used).
+    # transformers up to 5.24 allocated gate/up rows for the identity experts too (never used).
     zeros = torch.zeros(cfg.num_experts_total - G, 2 * I, H)
     hf = {
         "gate_up": torch.cat([ex.w13.transpose(1, 2), zeros]).contiguous(),
@@ -36,8 +36,8 @@ def _moe_layer():
 
 
 def naive_experts(x, weights, ids, gate_up, down, n_routed: int):
-    """HF transformers' LongcatFlashExperts.forward: one_hot mask, then per hit expert torch.where ->
-    gather -> two linears -> index_add (identity experts add w * x)."""
+    """HF transformers' eager LongCat-Flash experts: one_hot mask, then per hit expert torch.where ->
+    gather -> two linears -> index_add (identity experts add w * x, in expert order)."""
     import torch
     import torch.nn.functional as F
 
