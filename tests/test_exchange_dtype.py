@@ -165,16 +165,20 @@ def test_8bit_exchange_moves_the_logits_within_the_quantization_error(tiny_check
     print(f"teacher-forced, {len(seqs)} positions, against exchange_dtype same (errors / largest logit): {report}")
     # Per element, int8 moves a MoE input by at most half a step, 1/254 of its token's absmax; e4m3 by up to
     # 2^-4 of itself, about 4x int8's in RMS over a token's elements. Measured on this model (4 prompts x 8
-    # positions, 2 MoE layers): int8 agreement 1.0, errors 0.0037 median, 0.0077 max; fp8 agreement 0.875,
-    # errors 0.015 median, 0.40 max. fp8's max, far from its median, is most likely a routing flip (not
-    # checked per position): the FFN node routes the dequantized input, so a token whose k-th and (k+1)-th
-    # expert scores lie within the error takes another expert, a change of a whole expert's output rather
-    # than of the quantization error; that bound only says the logits are not lost. The other bounds:
-    # about 2.5x what was measured; int8's max stays below fp8's median, so a scale applied wrongly (or
-    # int8 bits read as e4m3) fails.
+    # positions, 2 MoE layers), with the fixture's weights as transformers 5.24 drew them: int8 agreement 1.0,
+    # errors 0.0037 median, 0.0077 max; fp8 agreement 0.875, errors 0.015 median, 0.40 max. As 5.25 draws
+    # them (another parameter layout, so other weights from the same seed): int8 0.969, 0.0033, 0.038; fp8
+    # 0.969, 0.018, 0.14. A max far from its median is most likely a routing flip (not checked per position):
+    # the FFN node routes the dequantized input, so a token whose k-th and (k+1)-th expert scores lie within
+    # the error takes another expert, a change of a whole expert's output rather than of the quantization
+    # error. int8's grid is fine enough to flip one of 32 positions on some weights and none on others, so
+    # the max bounds of both only say the logits are not lost. The medians say the rest: about 2.5x what was
+    # measured, and int8's under half of fp8's (4x and 5.4x measured), so a scale applied wrongly, or int8
+    # bits read as e4m3, fails.
     i8, f8 = report["int8"], report["fp8"]
-    assert i8["top1_agreement"] >= 0.9 and i8["max_logit_err"] < 0.02, report
+    assert i8["top1_agreement"] >= 0.9 and i8["median_logit_err"] < 0.01 and i8["max_logit_err"] < 1.0, report
     assert f8["top1_agreement"] >= 0.75 and f8["median_logit_err"] < 0.04 and f8["max_logit_err"] < 1.0, report
+    assert i8["median_logit_err"] < f8["median_logit_err"] / 2, report
 
 
 def test_check_config_prints_the_formulas_bytes_without_torch(tmp_path):
