@@ -23,8 +23,9 @@ LATEST_VENV ?= .venv-latest
 LATEST_TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # make test's workers (pytest-xdist): two workers keep both cores busy (~93 % on 2 cores; the parallel part
-# took 257 s on 2026-12-02; three workers gained 3 %); the few cases that compare time shares (`serial`) run
-# after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
+# took 257 s on 2026-12-02, 346 s from a fresh clone on 2026-12-07's machine, an Intel Xeon with AVX-512;
+# three workers gained 3 %); the few cases that compare time shares (`serial`) run after, alone.
+# PYTEST_WORKERS=0 runs the parallel part in this process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup lock suite test-latest test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto

@@ -1,6 +1,6 @@
 """bf16 parity on CPU, the tools: afd serving in bf16 against HF transformers loaded in bf16.
 
-transformers' bf16 rules that afd follows (5.24): RMSNorm in fp32, cast back before the weight; rotary
+transformers' bf16 rules that afd follows (read from 5.24; the lock's release holds them too): RMSNorm in fp32, cast back before the weight; rotary
 tables in fp32, cast to bf16; attention softmax in fp32, probabilities cast back; LongCat's router
 upcasts a bf16 classifier and correction bias to fp32; DeepSeek-V3's router keeps both in fp32 at the
 checkpoint's precision (`_keep_in_fp32_modules_strict`); Qwen3-MoE routes on bf16 logits with an fp32
