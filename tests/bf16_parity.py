@@ -1,11 +1,12 @@
 """bf16 parity on CPU, the tools: afd serving in bf16 against HF transformers loaded in bf16.
 
-transformers' bf16 rules that afd follows (read from 5.24; the lock's release holds them too): RMSNorm in fp32, cast back before the weight; rotary
-tables in fp32, cast to bf16; attention softmax in fp32, probabilities cast back; LongCat's router
-upcasts a bf16 classifier and correction bias to fp32; DeepSeek-V3's router keeps both in fp32 at the
-checkpoint's precision (`_keep_in_fp32_modules_strict`); Qwen3-MoE routes on bf16 logits with an fp32
-softmax. Where afd's algorithm is HF's (Qwen3-MoE throughout, MLA prefill) the logits are HF's eager
-ones bit for bit; elsewhere afd differs from HF as much as HF's own sdpa and eager paths differ.
+transformers' bf16 rules that afd follows (read from 5.24; the lock's release holds them too): RMSNorm
+in fp32, cast back before the weight; rotary tables in fp32, cast to bf16; attention softmax in fp32,
+probabilities cast back; LongCat's router upcasts a bf16 classifier and correction bias to fp32;
+DeepSeek-V3's router keeps both in fp32 at the checkpoint's precision (`_keep_in_fp32_modules_strict`);
+Qwen3-MoE routes on bf16 logits with an fp32 softmax. Where afd's algorithm is HF's (Qwen3-MoE throughout,
+MLA prefill) the logits are HF's eager ones bit for bit; elsewhere afd differs from HF as much as HF's own
+sdpa and eager paths differ.
 """
 
 from __future__ import annotations
