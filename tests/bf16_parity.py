@@ -64,8 +64,7 @@ def grouped_mm_runs(cfg) -> bool:
     checkpoint in bf16 on the CPU: its operands' strides must be multiples of 16 bytes, so the hidden and
     expert sizes multiples of 8; otherwise it raises "strides should be multiple of 16 bytes". LongCat's bf16
     fixture has experts of 12 (the size its tolerances were measured on): HF's eager experts run it."""
-    expert = getattr(cfg, "expert_ffn_hidden_size", None) or cfg.moe_intermediate_size  # LongCat's name, others'
-    return cfg.hidden_size % 8 == 0 and expert % 8 == 0
+    return cfg.hidden_size % 8 == 0 and cfg.expert_intermediate_size % 8 == 0
 
 
 def hf_bf16(path: str, **kw):

@@ -11,7 +11,6 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -21,6 +20,7 @@ from afd.cluster.config import check_expert_layout, load
 from afd.cluster.placement import Placement, default_placement
 from afd.cluster.rebalance import imbalance, node_loads, rebalance, replica_counts
 from afd.cluster.rebalance_cli import expert_bytes, expert_tokens
+from afd.model.deepseek_v3.config import DeepseekV3Config
 from afd.model.demo_config import DEMO_CONFIG
 from afd.model.registry import config_from_hf
 
@@ -103,7 +103,9 @@ def test_too_few_slots_are_refused_with_the_numbers():
 def test_expert_bytes_by_family():
     demo = config_from_hf(DEMO_CONFIG)  # LongCat-Flash: expert_ffn_hidden_size, an MoE in every layer
     assert expert_bytes(demo, "float32", False) == 3 * 256 * 128 * 4 * 4
-    deepseek = SimpleNamespace(hidden_size=7168, moe_intermediate_size=2048, moe_layers=tuple(range(3, 61)))
+    deepseek = DeepseekV3Config(
+        hidden_size=7168, moe_intermediate_size=2048, num_hidden_layers=61, first_k_dense_replace=3
+    )
     assert expert_bytes(deepseek, "bfloat16", True) == 3 * 7168 * 2048 * 58
 
 

@@ -152,9 +152,8 @@ def model_of(cfg):
 def expert_bytes(model_cfg, dtype: str, quantized: bool) -> int:
     """One routed expert's weights over every MoE layer: gate, up and down, 3 x hidden x its intermediate
     size, 1 byte each when quantized (scales left out: one per 128 x 128 block or per row), else the dtype's.
-    MTP layers are left out (a few percent more on a node that runs them). LongCat-Flash names the
-    intermediate size expert_ffn_hidden_size, DeepSeek-V3 and Qwen3-MoE moe_intermediate_size."""
-    inter = getattr(model_cfg, "expert_ffn_hidden_size", None) or model_cfg.moe_intermediate_size
+    MTP layers are left out (a few percent more on a node that runs them)."""
+    inter = model_cfg.expert_intermediate_size
     per_weight = 1 if quantized else DTYPE_BYTES[dtype]
     return 3 * model_cfg.hidden_size * inter * per_weight * len(model_cfg.moe_layers)
 

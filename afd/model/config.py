@@ -73,6 +73,12 @@ class ModelConfig(Protocol):
     @property
     def n_routed_experts(self) -> int: ...
     @property
+    def expert_intermediate_size(self) -> int:
+        """A routed expert's intermediate size (LongCat-Flash's expert_ffn_hidden_size, the others'
+        moe_intermediate_size)."""
+        ...
+
+    @property
     def experts_per_token(self) -> int:
         """K: the experts the router picks per token (identity experts included)."""
         ...
@@ -119,16 +125,21 @@ class ModelConfig(Protocol):
 
 
 class HFNames:
-    """ModelConfig's layer and router properties read off transformers' names (num_hidden_layers,
-    num_experts_per_tok), with no identity experts and no expert groups: a family's config dataclass inherits
-    them and overrides what its router differs in."""
+    """ModelConfig's layer, router and expert properties read off transformers' names (num_hidden_layers,
+    num_experts_per_tok, moe_intermediate_size), with no identity experts and no expert groups: a family's
+    config dataclass inherits them and overrides what its router differs in."""
 
     num_hidden_layers: int
     num_experts_per_tok: int
+    moe_intermediate_size: int
 
     @property
     def num_layers(self) -> int:
         return self.num_hidden_layers
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size
 
     @property
     def experts_per_token(self) -> int:

@@ -195,8 +195,7 @@ def ffn_ops(cfg: ModelConfig, p: Precision, e_local: int, tokens_per_row: float 
     (`tokens_per_row` given) the router, as every node scores every token it is sent; the experts' gate/up
     and down GEMMs (weights of the experts touched only), SwiGLU, and the weighted combine."""
     H = cfg.hidden_size
-    c: Any = cfg  # DeepseekV3Config, Qwen3MoeConfig: moe_intermediate_size
-    inter = cfg.expert_ffn_hidden_size if isinstance(cfg, LongcatFlashConfig) else c.moe_intermediate_size
+    inter = cfg.expert_intermediate_size
     ops = [] if tokens_per_row is None else [router(cfg, p, tokens_per_row)]
     return ops + [
         Op(

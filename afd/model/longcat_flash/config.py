@@ -85,6 +85,10 @@ class LongcatFlashConfig:
         return self.n_routed_experts + self.zero_expert_num
 
     @property
+    def expert_intermediate_size(self) -> int:
+        return self.expert_ffn_hidden_size
+
+    @property
     def experts_per_token(self) -> int:
         return self.moe_topk
 
