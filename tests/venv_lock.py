@@ -17,6 +17,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from packaging.utils import canonicalize_name as canonical  # PEP 503: `PyYAML` and `pyyaml` are one package
+
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "requirements.txt"
 # The project itself: installed editable from the work tree, so it is in no lock.
@@ -26,11 +28,6 @@ PROJECT = "afd"
 NEVER_REMOVED = {"pip", "setuptools", "wheel"}
 
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s\\;]+)")
-
-
-def canonical(name: str) -> str:
-    """PEP 503's normal form: `PyYAML`, `pyyaml` and `py_yaml` are one package."""
-    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def read_lock(path: Path = LOCK) -> dict[str, str]:
@@ -68,12 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--sync", action="store_true", help="uninstall what the lock does not name, then check")
-    mode.add_argument("--check", action="store_true", help="exit 1 unless the environment is the lock")
     mode.add_argument("--compare", action="store_true", help="print how the environment differs; exit 0")
     ap.add_argument("--lock", type=Path, default=LOCK)
     args = ap.parse_args(argv)
-    lock = read_lock(args.lock)
-    missing, changed, extra = differences(lock, installed())
+    lock, have = read_lock(args.lock), installed()
+    missing, changed, extra = differences(lock, have)
     if args.compare:
         print(f"against {args.lock.name}: {len(changed)} changed, {len(extra)} not in it, {len(missing)} absent")
         for line in changed:
@@ -84,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  absent   {line}")
         return 0
     if args.sync:
-        removable = [line.split("==")[0] for line in extra if line.split("==")[0] not in NEVER_REMOVED]
+        removable = [n for n in have if n not in lock and n != PROJECT and n not in NEVER_REMOVED]
         if removable:
             print(f"removing what {args.lock.name} does not name: {' '.join(removable)}")
             subprocess.run([sys.executable, "-m", "pip", "uninstall", "--yes", "--quiet", *removable], check=True)
