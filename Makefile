@@ -22,10 +22,10 @@ LOCK_ARGS ?= --upgrade
 LATEST_VENV ?= .venv-latest
 LATEST_TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
-# make test's workers (pytest-xdist): two workers keep both cores busy (~93 % on 2 cores; the parallel part
-# took 257 s on 2026-12-02, 346 s from a fresh clone on 2026-12-07's machine, an Intel Xeon with AVX-512;
-# three workers gained 3 %); the few cases that compare time shares (`serial`) run after, alone.
-# PYTEST_WORKERS=0 runs the parallel part in this process.
+# make test's workers (pytest-xdist): two keep both cores busy (~90 % on 2 cores). On 2026-12-07's machine
+# (an Intel Xeon with AVX-512) the parallel part took 385-391 s before the changes to `suite` below and 356-364 s
+# after; three workers took 398 s (more processes than cores). The few cases that compare time shares
+# (`serial`, 13 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup lock suite test-latest test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
@@ -57,9 +57,18 @@ test: setup lint typecheck
 	$(MAKE) --no-print-directory suite
 
 # make test's pytest runs, on BIN's interpreter (make test-latest passes its own).
+# make test starts about 250 Python processes (node processes most), so what each pays at start is what
+# counts. Python caches compiled bytecode, and pytest its assertion-rewritten test modules, only where
+# PYTHONDONTWRITEBYTECODE is unset; this project's machines set it, so the suite's runs unset it (the
+# caches are __pycache__/, which git ignores, and a stale one is recompiled, never used), and compileall
+# fills afd's before the first node starts: without them a node compiled afd's ~120 modules again (about
+# 0.2 s of CPU) and each pytest process rewrote ~400 test modules (about 4 s). --dist loadscope sends a
+# module's cases to one worker, so its module-scoped clusters start once, not once per worker.
+SUITE_ENV := env -u PYTHONDONTWRITEBYTECODE
 suite:
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not slow and not serial" $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS)
+	$(SUITE_ENV) $(BIN)/python -m compileall -q afd attention_node ffn_node
+	$(SUITE_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "not slow and not serial" $(PYTEST_ARGS)
+	$(SUITE_ENV) $(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS)
 
 # The suite against the newest releases, in a venv of its own ($(LATEST_VENV)), so that an upstream change is
 # seen on purpose: it first lists each package whose version there differs from the lock.
@@ -84,10 +93,10 @@ fuzz: setup
 # CPU other than this one may take, so that a tolerance or a bit-equality that holds only on this CPU fails here.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
 test-avx2: setup
-	$(AVX2_ENV) $(BIN)/python -m pytest -q -m "numerics and not slow" $(PYTEST_ARGS)
+	$(SUITE_ENV) $(AVX2_ENV) $(BIN)/python -m pytest -q -m "numerics and not slow" $(PYTEST_ARGS)
 
 test-slow: setup
-	$(BIN)/python -m pytest -q -m slow --timeout 900 $(PYTEST_ARGS)
+	$(SUITE_ENV) $(BIN)/python -m pytest -q -m slow --timeout 900 $(PYTEST_ARGS)
 
 # On a CUDA GPU or an Ascend NPU (torch_npu in the venv): afd on the device against the CPU reference, at most
 # 8 minutes on one device (tests/device/check.py says what it checks); the table is printed and written to
