@@ -36,54 +36,72 @@ def _greedy(url: str, prompt) -> list[int]:
     return body["choices"][0]["token_ids"]
 
 
-@pytest.mark.parametrize(
-    "attention,ffn", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow), pytest.param(1, 2, marks=pytest.mark.slow)]
-)
-def test_nodes_started_in_reverse_order_serve_hf_tokens(tiny_checkpoint, reference, tmp_path, attention, ffn):
+def _reverse_started_serve_hf_tokens(c: Cluster, reference, attention: int) -> None:
+    urls = [c.url(f"attn{i}") for i in range(attention)]
+    jobs = [(urls[i % attention], p) for i, p in enumerate(PROMPTS * 2)]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda j: _greedy(*j), jobs))
+    assert got == [reference[PROMPTS.index(p)] for _, p in jobs]
+
+
+@pytest.fixture(scope="module")
+def secret_1a1f(tiny_checkpoint, tmp_path_factory):
+    """(YAML, cluster): 1A1F under a cluster token, started in reverse order (the FFN node first, the
+    coordinator's node last). The reverse-order case at 1A1F and the wrong-token case run on it, which each
+    leave it serving: one start of node processes for the two."""
+    path = cluster_yaml(tmp_path_factory.mktemp("auth"), tiny_checkpoint, name="auth")
+    with Cluster(path, env={"AFD_CLUSTER_TOKEN": "s3cret"}) as c:
+        c.start_all(reverse=True)
+        c.wait_ready()
+        yield path, c
+
+
+def test_nodes_started_in_reverse_order_serve_hf_tokens(secret_1a1f, reference):
+    _reverse_started_serve_hf_tokens(secret_1a1f[1], reference, 1)
+
+
+@pytest.mark.slow  # the 1A1F case above, at more nodes
+@pytest.mark.parametrize("attention,ffn", [(2, 1), (1, 2)])
+def test_nodes_started_in_reverse_order_serve_hf_tokens_at_more_nodes(
+    tiny_checkpoint, reference, tmp_path, attention, ffn
+):
     path = cluster_yaml(tmp_path, tiny_checkpoint, attention, ffn, name=f"c{attention}a{ffn}f")
     with Cluster(path) as c:
         c.start_all(reverse=True)  # FFN nodes first, the coordinator's node last
         c.wait_ready()
-        urls = [c.url(f"attn{i}") for i in range(attention)]
-        jobs = [(urls[i % attention], p) for i, p in enumerate(PROMPTS * 2)]
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            got = list(pool.map(lambda j: _greedy(*j), jobs))
-        assert got == [reference[PROMPTS.index(p)] for _, p in jobs]
+        _reverse_started_serve_hf_tokens(c, reference, attention)
 
 
-def test_wrong_token_is_refused_and_the_cluster_keeps_serving(tiny_checkpoint, reference, tmp_path):
-    path = cluster_yaml(tmp_path, tiny_checkpoint, name="auth")
-    with Cluster(path, env={"AFD_CLUSTER_TOKEN": "s3cret"}) as c:
-        c.start_all()
-        c.wait_ready()
-        # the same node name from "another host": its own ports are free, the coordinator is the cluster's
-        doc = yaml.safe_load(path.read_text())
-        control, metrics = free_ports(2)
-        doc["nodes"][1]["ports"].update(control=control, metrics=metrics)
-        other = tmp_path / "intruder.yaml"
-        other.write_text(yaml.safe_dump(doc))
-        intruder = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "ffn_node.main",
-                "--config",
-                str(other),
-                "--node",
-                "ffn0",
-                "--bind-host",
-                "127.0.0.1",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-            env={**os.environ, "AFD_CLUSTER_TOKEN": "wrong"},
-        )
-        assert intruder.returncode != 0
-        assert "cluster token mismatch" in intruder.stdout + intruder.stderr
-        assert health(c.url()) == 200
-        assert _greedy(c.url(), PROMPTS[3]) == reference[3]
+def test_wrong_token_is_refused_and_the_cluster_keeps_serving(secret_1a1f, reference, tmp_path):
+    path, c = secret_1a1f
+    # the same node name from "another host": its own ports are free, the coordinator is the cluster's
+    doc = yaml.safe_load(path.read_text())
+    control, metrics = free_ports(2)
+    doc["nodes"][1]["ports"].update(control=control, metrics=metrics)
+    other = tmp_path / "intruder.yaml"
+    other.write_text(yaml.safe_dump(doc))
+    intruder = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ffn_node.main",
+            "--config",
+            str(other),
+            "--node",
+            "ffn0",
+            "--bind-host",
+            "127.0.0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "AFD_CLUSTER_TOKEN": "wrong"},
+    )
+    assert intruder.returncode != 0
+    assert "cluster token mismatch" in intruder.stdout + intruder.stderr
+    assert health(c.url()) == 200
+    assert _greedy(c.url(), PROMPTS[3]) == reference[3]
 
 
 def test_startup_timeout_names_the_missing_nodes(tiny_checkpoint, tmp_path):

@@ -199,7 +199,7 @@ def _routed_in_process(model: str, owner: torch.Tensor) -> _RouteCounter:
 
 
 def _serve(tmp_path, model: str, routing: str) -> tuple[list, dict, list[dict]]:
-    """(token ids per prompt, attn0's samples, each FFN node's) of PROMPTS served one at a time."""
+    """(token ids per prompt, attn0's samples, each FFN node's) of PROMPTS served one at a time at 1A4F."""
     path = cluster_yaml(tmp_path, model, ffn=4, name=routing, layout={"routing": routing, "micro_batches": 1})
     with Cluster(path) as c:
         c.start_all()
@@ -225,11 +225,13 @@ def _serve(tmp_path, model: str, routing: str) -> tuple[list, dict, list[dict]]:
 
 
 def test_routed_bytes_are_the_formulas_and_under_half_of_broadcast(tmp_path, bytes_model):
-    """afd_exchange_bytes_total{to_ffn} of routing attention against (a) the same requests under routing ffn
-    (broadcast: F * tokens * H * 4 per layer, which that cluster's counter must equal), at most half of it, and
-    (b) the sum over (layer, micro-batch) of dispatch_bytes, the rows per node from the router run in process
-    on the same tokens. The FFN nodes' own afd_ffn_tokens_total and afd_expert_tokens_total must equal those
-    rows and slots: the counter could otherwise agree with a formula fed the attention node's own wrong rows."""
+    """afd_exchange_bytes_total{to_ffn} of routing attention against (a) what the same requests cost under
+    routing ffn, broadcast: F * tokens * H * 4 per layer (exchange_bytes; tests/test_exchange_dtype.py holds a
+    broadcast cluster's counter to that formula, so a second, 1A4F broadcast cluster here would only repeat
+    it), at most half of it, and (b) the sum over (layer, micro-batch) of dispatch_bytes, the rows per node
+    from the router run in process on the same tokens. The FFN nodes' own afd_ffn_tokens_total and
+    afd_expert_tokens_total must equal those rows and slots: the counter could otherwise agree with a formula
+    fed the attention node's own wrong rows."""
     from afd.model.registry import load_config
 
     cfg = load_config(bytes_model)
@@ -239,13 +241,10 @@ def test_routed_bytes_are_the_formulas_and_under_half_of_broadcast(tmp_path, byt
     owner = torch.empty(E, dtype=torch.int64)
     for f, held in enumerate(placement.held):
         owner[list(held)] = f
-    routed_ids, attn, ffn = _serve(tmp_path, bytes_model, "attention")
-    broadcast_ids, battn, _ = _serve(tmp_path, bytes_model, "ffn")
-    assert routed_ids == broadcast_ids
+    _, attn, ffn = _serve(tmp_path, bytes_model, "attention")
 
     tokens = sum(len(p) + NEW_TOKENS - 1 for p in PROMPTS)  # the prefill makes the first token
-    broadcast = total(battn, "afd_exchange_bytes_total", direction="to_ffn")
-    assert broadcast == len(names) * exchange_bytes(tokens, H, "float32")["to_ffn"] * L
+    broadcast = len(names) * exchange_bytes(tokens, H, "float32")["to_ffn"] * L
     sent = total(attn, "afd_exchange_bytes_total", direction="to_ffn")
     print(f"routed {sent:.0f} B, broadcast {broadcast:.0f} B: {sent / broadcast:.3f}")
     assert sent <= 0.5 * broadcast

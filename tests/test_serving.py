@@ -227,6 +227,25 @@ def _slow_model(tmp_path) -> str:
     return str(model)
 
 
+@pytest.fixture(scope="module")
+def slow_cluster(tmp_path_factory):
+    """A 1A1F cluster of _slow_model's: the client-leaves case below runs on it, then the drain case, which
+    ends it (file order, which pytest keeps and `make test`'s loadscope keeps on one worker): one start of
+    node processes for the two, each of which leaves it as it found it or stops it."""
+    tmp = tmp_path_factory.mktemp("slow")
+    path = cluster_yaml(
+        tmp,
+        _slow_model(tmp),
+        name="slow",
+        model={"dummy_weights": True},
+        engine={"shutdown_timeout": 60, "kv_cache_bytes": "64MiB"},
+    )
+    with Cluster(path) as c:
+        c.start_all()
+        c.wait_ready()
+        yield c
+
+
 def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
     path = cluster_yaml(
         tmp_path,
@@ -258,75 +277,61 @@ def test_an_error_after_the_stream_started_is_an_event_then_done(tmp_path):
     assert "no pair formed with FFN node ffn0 within 2s" in err["message"]  # the stream waited for one, then gave up
 
 
-def test_sigterm_drains_running_requests_and_refuses_new_ones(tmp_path):
-    TOKENS = 150  # about 2 s here: the drain is seen while it runs (checked), with time to spare
-    path = cluster_yaml(
-        tmp_path,
-        _slow_model(tmp_path),
-        name="drain",
-        model={"dummy_weights": True},
-        engine={"shutdown_timeout": 60, "kv_cache_bytes": "64MiB"},
-    )
-    with Cluster(path) as c:
-        c.start_all()
-        c.wait_ready()
-        result = {}
-        long = threading.Thread(
-            target=lambda: result.update(
-                r=post(
-                    c.url(),
-                    "/v1/completions",
-                    {"prompt": [1, 2, 3], "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0},
-                )
-            )
-        )
-        long.start()
-        end = time.monotonic() + 30
-        while _running(c.url()) < 1:
-            assert time.monotonic() < end, "the request never started"
-            time.sleep(0.02)
-        c.procs["attn0"].send_signal(signal.SIGTERM)
-        while health(c.url()) != 503:
-            assert time.monotonic() < end + 10, "SIGTERM did not start a drain"
-            time.sleep(0.02)
-        status, err = _complete(c.url(), PROMPTS[0])
-        assert status == 503 and "draining" in err["error"]["message"]
-        assert long.is_alive(), "the running request ended before the drain was seen: nothing was drained"
-        long.join(60)
-        status, body = result["r"]
-        assert status == 200 and body["usage"]["completion_tokens"] == TOKENS
-        assert c.procs["attn0"].wait(15) == 0
-        assert c.procs["ffn0"].wait(15) == 0  # every attention node left: the FFN node stops too
-
-
-def test_a_non_streaming_request_stops_when_its_client_leaves(tmp_path):
+def test_a_non_streaming_request_stops_when_its_client_leaves(slow_cluster):
     """vLLM aborts a request whose client disconnected; so does afd, streaming or not."""
     import socket
 
-    path = cluster_yaml(
-        tmp_path, _slow_model(tmp_path), name="gone", model={"dummy_weights": True}, engine={"kv_cache_bytes": "64MiB"}
-    )
-    with Cluster(path) as c:
-        c.start_all()
-        c.wait_ready()
-        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True}).encode()
-        host, port = c.url().removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port)), timeout=10) as s:
-            s.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-            )
-            end = time.monotonic() + 30
-            while _running(c.url()) < 1:
-                assert time.monotonic() < end, "the request never started"
-                time.sleep(0.05)
-        end = time.monotonic() + 5  # the client is gone: the engine must drop the request, not finish it
-        while _running(c.url()) > 0:
-            assert time.monotonic() < end, "the request kept running after its client left"
+    c = slow_cluster
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 3000, "ignore_eos": True}).encode()
+    host, port = c.url().removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        end = time.monotonic() + 30
+        while _running(c.url()) < 1:
+            assert time.monotonic() < end, "the request never started"
             time.sleep(0.05)
-        _, metrics = get(c.url(), "/metrics")
-        aborted = [ln for ln in metrics.decode().splitlines() if ln.startswith("afd_generation_tokens_total")]
-        assert aborted and float(aborted[0].split()[-1]) < 3000
+    end = time.monotonic() + 5  # the client is gone: the engine must drop the request, not finish it
+    while _running(c.url()) > 0:
+        assert time.monotonic() < end, "the request kept running after its client left"
+        time.sleep(0.05)
+    _, metrics = get(c.url(), "/metrics")
+    aborted = [ln for ln in metrics.decode().splitlines() if ln.startswith("afd_generation_tokens_total")]
+    assert aborted and float(aborted[0].split()[-1]) < 3000
+
+
+def test_sigterm_drains_running_requests_and_refuses_new_ones(slow_cluster):
+    TOKENS = 150  # about 2 s here: the drain is seen while it runs (checked), with time to spare
+    c = slow_cluster
+    result = {}
+    long = threading.Thread(
+        target=lambda: result.update(
+            r=post(
+                c.url(),
+                "/v1/completions",
+                {"prompt": [1, 2, 3], "max_tokens": TOKENS, "ignore_eos": True, "temperature": 0},
+            )
+        )
+    )
+    long.start()
+    end = time.monotonic() + 30
+    while _running(c.url()) < 1:
+        assert time.monotonic() < end, "the request never started"
+        time.sleep(0.02)
+    c.procs["attn0"].send_signal(signal.SIGTERM)
+    while health(c.url()) != 503:
+        assert time.monotonic() < end + 10, "SIGTERM did not start a drain"
+        time.sleep(0.02)
+    status, err = _complete(c.url(), PROMPTS[0])
+    assert status == 503 and "draining" in err["error"]["message"]
+    assert long.is_alive(), "the running request ended before the drain was seen: nothing was drained"
+    long.join(60)
+    status, body = result["r"]
+    assert status == 200 and body["usage"]["completion_tokens"] == TOKENS
+    assert c.procs["attn0"].wait(15) == 0
+    assert c.procs["ffn0"].wait(15) == 0  # every attention node left: the FFN node stops too
 
 
 def _running(url: str) -> float:
