@@ -65,10 +65,12 @@ test: setup lint typecheck
 # 0.2 s of CPU) and each pytest process rewrote ~400 test modules (about 4 s). --dist loadscope sends a
 # module's cases to one worker, so its module-scoped clusters start once, not once per worker.
 SUITE_ENV := env -u PYTHONDONTWRITEBYTECODE
+# tests/conftest.py's SERIAL_MODULES, by file: the serial run collects these alone, not all ~2000 cases (8 s).
+SERIAL_TESTS := tests/test_metrics_truth.py
 suite:
 	$(SUITE_ENV) $(BIN)/python -m compileall -q afd attention_node ffn_node
 	$(SUITE_ENV) $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "not slow and not serial" $(PYTEST_ARGS)
-	$(SUITE_ENV) $(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS)
+	$(SUITE_ENV) $(BIN)/python -m pytest -q -m "serial and not slow" $(PYTEST_ARGS) $(SERIAL_TESTS)
 
 # The suite against the newest releases, in a venv of its own ($(LATEST_VENV)), so that an upstream change is
 # seen on purpose: it first lists each package whose version there differs from the lock.

@@ -75,7 +75,8 @@ so a tolerance that holds on one CPU may not on another)."""
 SERIAL_MODULES = {"test_metrics_truth"}
 """Modules whose assertions compare time shares (the overlap hides the exchange): they need the cores to
 themselves, so `make test` runs them after the parallel workers, alone (a fresh-clone run beside another
-test measured the overlapped wait at 12 % of the step, against 10 % allowed)."""
+test measured the overlapped wait at 12 % of the step, against 10 % allowed). The Makefile's SERIAL_TESTS
+names their files, so that the serial run collects them alone (tests/test_make_suite.py holds the two equal)."""
 
 
 def pytest_collection_modifyitems(config, items):
