@@ -166,6 +166,53 @@ def test_an_ffn_node_receives_a_replaced_peer_s_headers_into_new_memory():
     assert "idle step answered: 0" in attn, attn
 
 
+_STANDALONE = textwrap.dedent("""
+    import sys, threading, torch, torch.distributed as dist
+    sys.path.insert(0, {fakes!r})
+    import torch_npu
+    from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+    from afd.backend import get_backend
+    from afd.dataplane.pairs import PairLink
+    store, links = dist.HashStore(), {{}}
+
+    def form(rank):  # both ends of one pair in this process, each on its own device
+        links[rank] = PairLink(get_backend("npu", rank + 1), store, "attn0@i0-ffn0@i0", rank, 20)
+
+    ends = [threading.Thread(target=form, args=(r,)) for r in (0, 1)]
+    [t.start() for t in ends]
+    [t.join(30) for t in ends]
+    a, f = links[0], links[1]
+    print("torch.distributed.ProcessGroupHCCL:", hasattr(dist, "ProcessGroupHCCL"))
+    g = a.to_ffn
+    print("class:", type(g) is ProcessGroupHCCL, isinstance(g, torch._C._distributed_c10d.Backend),
+          hasattr(g, "_get_backend"))
+    print("group ids:", a.to_ffn.options.group_id, a.to_attention.options.group_id, f.to_ffn.options.group_id)
+    x = torch.zeros(4, device=f.backend.device)
+    got = threading.Thread(target=lambda: f.irecv(x).wait())  # a communicator forms at both ends' first op
+    got.start()
+    a.isend(torch.full((4,), 3.0, device=a.backend.device)).wait()
+    got.join(30)
+    print("received", x.cpu().tolist())
+    f.abort()
+    print("aborts", torch_npu.report()["hccl"]["aborts"], f.to_ffn._aborted, f.to_attention._aborted)
+""")
+
+
+def test_a_pair_group_is_torch_npus_standalone_hccl_backend_named_and_aborted():
+    """afd's pair groups as torch_npu 2.14's wheel makes a standalone ProcessGroupHCCL: reached as
+    torch_npu._C._distributed_c10d.ProcessGroupHCCL (the fake, like the wheel, sets no
+    torch.distributed.ProcessGroupHCCL), built with Options whose group_id is the pair's and direction's own,
+    and a c10d Backend without _get_backend, which afd's abort must therefore not call: each of the pair's
+    two groups is aborted (before, the AttributeError was swallowed and nothing was aborted)."""
+    (out,) = _run(_STANDALONE.format(fakes=FAKES), 1, timeout=60)
+    assert "torch.distributed.ProcessGroupHCCL: False" in out, out
+    assert "class: True True False" in out, out
+    key = "afd/pair/attn0@i0-ffn0@i0"
+    assert f"group ids: {key}/to-ffn {key}/to-attention {key}/to-ffn" in out, out
+    assert "received [3.0, 3.0, 3.0, 3.0]" in out, out
+    assert "aborts 2 afd: data plane abort afd: data plane abort" in out, out
+
+
 _PAIR = textwrap.dedent("""
     import json, sys, threading, time, torch
     sys.path.insert(0, {fakes!r})

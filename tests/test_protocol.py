@@ -320,7 +320,7 @@ def _bare_link(cls, backend, to_ffn, to_attention):
     groups = iter((to_ffn, to_attention))
     backend.stream_ordered_waits = False
     backend.comm_env = lambda: {}
-    backend.pair_group = lambda store, rank, timeout: next(groups)
+    backend.pair_group = lambda store, rank, timeout, group_id: next(groups)
     return cls(backend, dist.HashStore(), "k", 0, 1.0)
 
 

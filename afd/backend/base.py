@@ -202,10 +202,11 @@ class Backend(ABC):
         wait ends at its timeout or when the peer's sockets close; the data plane's own flag refuses the
         pair's later ops."""
 
-    def pair_group(self, store, rank: int, timeout: timedelta):
+    def pair_group(self, store, rank: int, timeout: timedelta, group_id: str):
         """A standalone two-rank process group of this backend over `store` (rank 0 or 1), outside c10d's
         registry and without a default group: one attention/FFN pair's own world (afd.dataplane.pairs), so
-        that a pair forms and re-forms without any other process taking part. gloo: `ProcessGroupGloo(store,
+        that a pair forms and re-forms without any other process taking part. group_id: this group's own
+        name, unique among the process's groups (HCCL keys communicators by it). gloo: `ProcessGroupGloo(store,
         rank, size, timeout)` (torch/csrc/distributed/c10d/init.cpp; its devices follow GLOO_SOCKET_IFNAME,
         set by afd.dataplane.rendezvous.bind_gloo); the group's own send/recv need no default group."""
         import torch.distributed as dist

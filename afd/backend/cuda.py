@@ -57,7 +57,7 @@ class CudaBackend(Backend):
     def abort_group(self, pg) -> None:
         pg.abort()
 
-    def pair_group(self, store, rank: int, timeout: timedelta):
+    def pair_group(self, store, rank: int, timeout: timedelta, group_id: str):
         """ProcessGroupNCCL(store, rank, size, options) with the options' `_timeout` (pytorch
         torch/csrc/distributed/c10d/init.cpp, ProcessGroupNCCL's binding and Options; torch 2.5-2.13). Its
         communicator forms at the first op, blocking until the peer's."""

@@ -89,13 +89,26 @@ class NpuBackend(Backend):
     shutdown_waits_for_queued_work = True
 
     def abort_group(self, pg) -> None:
-        pg._get_backend(torch.device("npu")).abort_hccl_comm("afd: data plane abort")
+        # A pair's group is the HCCL backend itself (pair_group), a c10d Backend: it has no _get_backend,
+        # which only the ProcessGroup wrapper of a registered group has (TP groups, _hcom_name below).
+        pg.abort_hccl_comm("afd: data plane abort")
 
-    def pair_group(self, store, rank: int, timeout: timedelta):
-        """torch_npu's `torch.distributed.ProcessGroupHCCL(store, rank, size, timeout)` (its documented beta
-        API: Ascend/pytorch docs, "torch.distributed.ProcessGroupHCCL"; bound in torch_npu/csrc/distributed/
-        Init.cpp). Its communicators form at the first op (getHCCLComm), per pair."""
-        return dist.ProcessGroupHCCL(store, rank, 2, timeout)
+    def pair_group(self, store, rank: int, timeout: timedelta, group_id: str):
+        """torch_npu's ProcessGroupHCCL(store, rank, size, options), a c10d Backend, built as the wheel's own
+        registry helper builds a registered group's (torch_npu 2.14.0 wheel: torch_npu/_init/registry/
+        distributed.py, _new_process_group_hccl_helper; the class is reached only as
+        torch_npu._C._distributed_c10d.ProcessGroupHCCL, nothing in the wheel sets
+        torch.distributed.ProcessGroupHCCL). Its communicators form at the first op (getHCCLComm), per pair.
+        group_id: with RANK_TABLE_FILE set, torch_npu derives point-to-point communicators from a group keyed
+        by its id, so every pair group names itself (an empty id, shared by all, would let one pair's
+        communicator derive from another's)."""
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        opts.is_high_priority_stream = False  # as the helper sets it for every registered group
+        opts.group_id = group_id  # global_ranks_in_group stays empty: a pair's ranks are in no rank table
+        return ProcessGroupHCCL(store, rank, 2, opts)
 
     def synchronize(self) -> None:
         host_syncs.note(self._device)

@@ -42,8 +42,11 @@ class PairLink:
         group_s = timeout_s * 2 + 10 if backend.stream_ordered_waits else timeout_s
         apply_comm_env(backend)
         # formed in one order on both ends: a gloo group's constructor blocks until the peer's connects
-        self._stores = [dist.PrefixStore(f"afd/pair/{key}/{d}/", store) for d in ("to-ffn", "to-attention")]
-        self.to_ffn, self.to_attention = (backend.pair_group(s, rank, timedelta(seconds=group_s)) for s in self._stores)
+        names = [f"afd/pair/{key}/{d}" for d in ("to-ffn", "to-attention")]
+        self._stores = [dist.PrefixStore(f"{name}/", store) for name in names]
+        self.to_ffn, self.to_attention = (
+            backend.pair_group(s, rank, timedelta(seconds=group_s), name) for s, name in zip(self._stores, names)
+        )
         self.formed_at = time.monotonic()
         self.experts: tuple[int, ...] = ()
         """On an attention rank's end: the routed experts the FFN node said it holds when the pair formed."""

@@ -41,8 +41,11 @@ def _pair(store, rank: int, timeout_s: float):
     from afd.backend import get_backend
 
     backend = get_backend("cpu")
-    prefixes = [dist.PrefixStore(f"afd/profile/{d}/", store) for d in ("to-ffn", "to-attention")]
-    return tuple(backend.pair_group(s, rank, timedelta(seconds=timeout_s)) for s in prefixes)
+    names = [f"afd/profile/{d}" for d in ("to-ffn", "to-attention")]
+    return tuple(
+        backend.pair_group(dist.PrefixStore(f"{name}/", store), rank, timedelta(seconds=timeout_s), name)
+        for name in names
+    )
 
 
 def _ffn_end(host: str, port: int, sizes: tuple[int, ...], rounds: int, timeout_s: float) -> None:

@@ -89,10 +89,12 @@ STATS = {"sends": 0, "recvs": 0, "send_behind_recv": 0, "aborts": 0, "shutdowns"
 _COMM_IDS = itertools.count()
 
 
-class FakeHcclGroup(_Collectives, dist.ProcessGroup):
-    def __init__(self, store, rank: int, size: int, timeout: timedelta):
-        super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("fake-hccl", store), rank, size, timeout)
+class _Hccl(_Collectives):
+    """What ProcessGroupHCCL does, on either base below: `_gloo` moves the bytes; the streams, the
+    communicators' forming, the works' waits, abort and shutdown are HCCL's."""
+
+    def _setup(self, store, gloo) -> None:
+        self._gloo = gloo
         self._streams: dict[tuple[int, int], npu.Stream] = {}
         self._pending: dict[tuple[int, int], list[_Work]] = {}
         self._mu = threading.Lock()
@@ -110,14 +112,6 @@ class FakeHcclGroup(_Collectives, dist.ProcessGroup):
 
     def getBackendName(self) -> str:
         return "hccl"
-
-    def _get_backend(self, device) -> FakeHcclGroup:
-        # torch_npu registers ProcessGroupHCCL as the group's backend for "npu"; this fake is group and backend
-        # in one (a Python ProcessGroup, which c10d keeps as is), so it answers for itself.
-        device = torch.device(device)
-        if device.type != "npu":
-            raise RuntimeError(f"No backend type associated with device type {device.type}")
-        return self
 
     def get_hccl_comm_name(self, rankid: int, init_comm: bool = True) -> str:
         """The name the fused communication ops take as `hcom`; the fake op reduces over this group's gloo."""
@@ -280,6 +274,67 @@ class FakeHcclGroup(_Collectives, dist.ProcessGroup):
         return self._gloo.barrier()
 
 
+class FakeHcclGroup(_Hccl, dist.ProcessGroup):
+    """A registered "hccl" group (init_process_group, new_group: attention TP). torch_npu registers
+    ProcessGroupHCCL as such a group's backend for "npu", reached as `group._get_backend(npu)`; this fake is
+    group and backend in one (a Python ProcessGroup, which c10d keeps as is), so it answers for itself."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        dist.ProcessGroup.__init__(self, rank, size)
+        self._setup(store, dist.ProcessGroupGloo(dist.PrefixStore("fake-hccl", store), rank, size, timeout))
+
+    def _get_backend(self, device) -> FakeHcclGroup:
+        device = torch.device(device)
+        if device.type != "npu":
+            raise RuntimeError(f"No backend type associated with device type {device.type}")
+        return self
+
+
+class _GlooBase:
+    """A standalone group's own gloo base, called as FakeHcclGroup calls its inner gloo group (the class
+    overrides send, recv and the collectives with HCCL's behaviour, which then reach gloo's through this)."""
+
+    def __init__(self, group: dist.ProcessGroupGloo):
+        self._group = group
+
+    def __getattr__(self, name: str):
+        method = getattr(dist.ProcessGroupGloo, name)
+        return lambda *args, **kwargs: method(self._group, *args, **kwargs)
+
+
+class ProcessGroupHCCL(_Hccl, dist.ProcessGroupGloo):
+    """torch_npu._C._distributed_c10d.ProcessGroupHCCL constructed standalone, outside c10d's registry, as
+    afd's per-pair worlds make it. Where the wheel reaches it (torch_npu 2.14.0: _init/registry/distributed.py
+    builds it as ProcessGroupHCCL(store, group_rank, group_size, ProcessGroupHCCL.Options()), and nothing sets
+    torch.distributed.ProcessGroupHCCL); what it is: a c10d Backend, the object `group._get_backend(npu)`
+    returns (_compat/distributed.py checks isinstance(backend, ProcessGroupHCCL)). So, like the real one, it
+    has no `_get_backend`, which only a registered group's ProcessGroup wrapper has. Its base is gloo's
+    Backend, which moves the bytes (a Python class cannot derive from c10d's Backend directly: no constructor
+    is bound)."""
+
+    class Options:
+        """ProcessGroupHCCL.Options: only the fields the wheel's own Python sets (the registry helper above)."""
+
+        __slots__ = ("_timeout", "is_high_priority_stream", "global_ranks_in_group", "group_id")
+
+        def __init__(self):
+            self._timeout = timedelta(minutes=30)
+            self.is_high_priority_stream = False
+            self.global_ranks_in_group: list[int] = []
+            self.group_id = ""
+
+    def __init__(self, store, rank: int, size: int, options: ProcessGroupHCCL.Options):
+        if not isinstance(options, ProcessGroupHCCL.Options):
+            raise TypeError(f"ProcessGroupHCCL(store, rank, size, options): options is a {type(options).__name__}")
+        dist.ProcessGroupGloo.__init__(self, dist.PrefixStore("fake-hccl", store), rank, size, options._timeout)
+        self._hccl_options = options
+        self._setup(store, _GlooBase(self))
+
+    @property
+    def options(self) -> ProcessGroupHCCL.Options:  # c10d backends show their options so
+        return self._hccl_options
+
+
 def _create(store, rank: int, size: int, timeout: timedelta) -> FakeHcclGroup:
     return FakeHcclGroup(store, rank, size, timeout)
 
@@ -291,7 +346,4 @@ def install() -> None:
     global _registered
     if not _registered:
         dist.Backend.register_backend("hccl", _create, devices=["npu"])
-        # torch_npu's standalone constructor, `torch.distributed.ProcessGroupHCCL(store, rank, size, timeout)`
-        # (its documented beta API): a group outside c10d's registry, as afd's per-pair worlds make them
-        dist.ProcessGroupHCCL = FakeHcclGroup  # type: ignore[attr-defined]
         _registered = True

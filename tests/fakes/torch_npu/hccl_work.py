@@ -30,7 +30,7 @@ import torch.distributed as dist
 from . import device as npu
 
 if TYPE_CHECKING:
-    from .hccl import FakeHcclGroup
+    from .hccl import _Hccl
 
 HANG_S = float(os.environ.get("AFD_FAKE_HANG_S", "20"))
 """How long the fake lets a wait that a real HCCL would never end run before it says so."""
@@ -48,7 +48,7 @@ def _blocking_wait() -> bool:
 
 
 class _Work(dist.Work):
-    def __init__(self, pg: FakeHcclGroup, inner, stream: npu.Stream, seq: int, kind: str, peer: int):
+    def __init__(self, pg: _Hccl, inner, stream: npu.Stream, seq: int, kind: str, peer: int):
         """The transfer is waited for on its stream's runner thread, so that an abort from another thread ends
         a wait on it at once, collectives included (gloo finishes a collective in its wait(): the runner
         takes the issuing thread's inference mode for it)."""
