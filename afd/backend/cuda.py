@@ -35,10 +35,20 @@ class CudaBackend(Backend):
     # (mode 3 by default) would tear the process down instead of letting it re-form. source: pytorch
     # torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp (WorkNCCL::synchronize, the watchdog) and
     # ProcessGroupNCCL.hpp (TORCH_NCCL_ASYNC_ERROR_HANDLING modes 0-3), torch 2.4-2.13.
+    # PyTorch's monitor is off too: on any error its watchdog sees, TORCH_NCCL_DUMP_ON_TIMEOUT writes a dump
+    # signal into the group's store, here the FFN node's rendezvous store that every pair of the node shares,
+    # and each process's monitor (TORCH_NCCL_ENABLE_MONITORING) then terminates it after
+    # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: one failed pair would kill the healthy ones. TORCH_NCCL_PROPAGATE_ERROR
+    # (errors sent to every rank through the store) stays off for the same reason. source: the installed
+    # torch's include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp (tests/test_comm_env.py reads it).
     def comm_env(self) -> dict[str, str]:
-        # waits are stream-ordered (no host block), and afd's watchdog aborts on a passed deadline: PyTorch's
-        # own (mode 3 by default) would tear the process down instead of letting it re-form
-        return {"TORCH_NCCL_BLOCKING_WAIT": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+        return {
+            "TORCH_NCCL_BLOCKING_WAIT": "0",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "0",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+            "TORCH_NCCL_ENABLE_MONITORING": "0",
+            "TORCH_NCCL_PROPAGATE_ERROR": "0",
+        }
 
     stream_ordered_waits = True
 
