@@ -299,29 +299,32 @@ def test_a_pair_with_work_queued_is_aborted_never_shut_down_where_teardown_waits
         def shutdown(self):
             self.calls.append(f"shutdown {self.name}")
 
-    def close(queued: bool, waits: bool) -> list:
+    def close(queued: bool, waits: bool, rank: int = 0) -> list:
         calls: list = []
         backend = type("B", (), {"shutdown_waits_for_queued_work": waits})()
         backend.abort_group = lambda g: calls.append(f"abort {g.name}")
-        link = _bare_link(PairLink, backend, Group("to-ffn", calls), Group("to-attention", calls))
+        link = _bare_link(PairLink, backend, Group("to-ffn", calls), Group("to-attention", calls), rank)
         link.close(queued)
         assert not hasattr(link, "to_ffn"), "the groups are forgotten"
         return calls
 
-    assert close(queued=True, waits=True) == ["abort to-ffn", "abort to-attention"]
+    # the group each end receives on first (NCCL's abort of one can block on the other's pending receive)
+    assert close(queued=True, waits=True) == ["abort to-attention", "abort to-ffn"]
+    assert close(queued=True, waits=True, rank=1) == ["abort to-ffn", "abort to-attention"]
     assert close(queued=False, waits=True) == ["shutdown to-ffn", "shutdown to-attention"]
     assert close(queued=True, waits=False) == ["shutdown to-ffn", "shutdown to-attention"], "gloo's does not wait"
 
 
-def _bare_link(cls, backend, to_ffn, to_attention):
-    """A PairLink whose backend makes the given groups (no peer: the store is a local HashStore)."""
+def _bare_link(cls, backend, to_ffn, to_attention, rank: int = 0):
+    """A PairLink (of rank 0, the attention end, or 1, the FFN end) whose backend makes the given groups (no
+    peer: the store is a local HashStore)."""
     import torch.distributed as dist
 
     groups = iter((to_ffn, to_attention))
     backend.stream_ordered_waits = False
     backend.comm_env = lambda: {}
     backend.pair_group = lambda store, rank, timeout, group_id: next(groups)
-    return cls(backend, dist.HashStore(), "k", 0, 1.0)
+    return cls(backend, dist.HashStore(), "k", rank, 1.0)
 
 
 def test_ffn_drops_only_the_peer_that_failed():

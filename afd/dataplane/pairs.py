@@ -71,7 +71,13 @@ class PairLink:
                 self._abort_groups()
 
     def _abort_groups(self) -> None:
-        for group in (self.to_ffn, self.to_attention):
+        # The group this end receives on first: NCCL's abort of one communicator can block on a kernel still
+        # pending on another of the device (pytorch issue #119797, PR #150690), and what never completes
+        # after the peer died is this end's receive (the attention rank's output, the FFN node's input).
+        receives, sends = (
+            (self.to_attention, self.to_ffn) if self.rank == ATTENTION else (self.to_ffn, self.to_attention)
+        )
+        for group in (receives, sends):
             try:
                 self.backend.abort_group(group)
             except Exception as e:  # an abort that fails leaves nothing worse than the failure it follows
