@@ -28,7 +28,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from afd.backend import Backend
+from afd.backend import Backend, host_syncs
 from afd.dataplane.buffers import BufferPool
 from afd.dataplane.prefetch import PrefetchSchedule
 from afd.dataplane.protocol import (
@@ -267,9 +267,11 @@ class FFNServer(Receives, RoutedRows):
             received = [r for r in received if r in self.active]
         self.time.idle()  # between steps: the last step's sends and acks, then the wait for these headers
         headers = {}
-        for r in received:
+        # every peer's header in one read: on a device each read is a host sync, and this is the step's only one
+        rows = host_syncs.to_list(torch.stack([self._headers[r] for r in received])) if received else []
+        for r, v in zip(received, rows):
             try:
-                h = StepHeader.decode(self._headers[r], r)
+                h = StepHeader.from_values(v, r)
             except ProtocolError as e:
                 self._drop(r, f"data plane: {e}", abort=True)
                 continue

@@ -107,7 +107,7 @@ def check_one_host_sync_per_step(url: str, snapshot: Snapshot, roles: dict[str, 
         idle = sum(v for k, v in d.items() if " in idle " in k)
         d = {k: v for k, v in d.items() if not any(c in k for c in counts)}
         if roles[node] == "ffn":
-            assert all(" in decode at dataplane/protocol.py" in k or scrape in k for k in d), (name, d)
+            assert all(" in _recv_headers at ffn_node/server.py" in k or scrape in k for k in d), (name, d)
         elif node == "attn0":
             # the leader reads only its sampled tokens (MTP drafts included: they stay on the device)
             assert rank or all(" at engine/sampling.py:" in k or " in idle " in k for k in d), (name, d)

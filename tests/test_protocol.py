@@ -126,6 +126,20 @@ def _server(plane, ranks: list[int]):
     return server
 
 
+def test_ffn_reads_every_peers_step_header_in_one_host_read(monkeypatch):
+    """On a device each read of a header is a host sync, the FFN step's only one: the headers of all the
+    attention ranks it serves are read together (one read per peer before: a sync per attention rank)."""
+    from afd.backend import host_syncs
+
+    reads: list = []
+    read = host_syncs.to_list
+    monkeypatch.setattr(host_syncs, "to_list", lambda t: reads.append(tuple(t.shape)) or read(t))
+    server = _server(_ScriptedPlane({r: [StepHeader(0, (r + 1,))] for r in (0, 1, 2)}), [0, 1, 2])
+    headers = server._recv_headers()
+    assert {r: h.tokens for r, h in headers.items()} == {0: (1,), 1: (2,), 2: (3,)}
+    assert reads == [(3, HEADER_LEN)]
+
+
 def test_ffn_drops_a_peer_whose_step_ids_are_out_of_step_and_serves_the_other():
     from afd.dataplane.protocol import FLAG_IDLE
 

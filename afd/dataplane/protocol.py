@@ -104,7 +104,11 @@ class StepHeader:
     def decode(cls, t: torch.Tensor, sender: int) -> StepHeader:
         from afd.backend import host_syncs
 
-        v = host_syncs.to_list(t)
+        return cls.from_values(host_syncs.to_list(t), sender)
+
+    @classmethod
+    def from_values(cls, v: list[int], sender: int) -> StepHeader:
+        """A header from its HEADER_LEN values, read on the host (a receiver of several reads them at once)."""
         if v[0] != MAGIC:
             raise ProtocolError(f"rank {sender}: expected a step header, got magic {v[0]:#x}")
         m = v[3]
