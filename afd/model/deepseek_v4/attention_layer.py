@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from afd.backend.base import to_device
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.deepseek_v4.compressor import Compressor, Indexer
 from afd.model.deepseek_v4.config import CSA, SWA, DeepseekV4Config
@@ -87,15 +88,17 @@ class Attention(nn.Module):
         """One sequence's new queries q [n, Hq, D] over its window and compressed entries -> [n, Hq, D]."""
         dev, P = q.device, self.planes
         p0, end = s.ctx_len - s.q_len, s.ctx_len  # new positions [p0, end)
-        table = torch.tensor(s.block_table, dtype=torch.long, device=dev)  # NULL_BLOCK before the lookback
+        # staged through pinned memory: a plain torch.tensor(..., device=) copy would wait for the device, per
+        # sequence and layer
+        table = to_device(torch.tensor(s.block_table, dtype=torch.long), dev)  # NULL_BLOCK before the lookback
         positions = torch.arange(p0, end, device=dev)  # [n]
         kpos = torch.arange(max(0, p0 - self.window + 1), end, device=dev)  # the window's keys [Lw]
         keys = tokens[table[kpos // bs], kpos % bs, P.kv].to(q.dtype)
         dist = positions[:, None] - kpos[None, :]  # [n, Lw]
         visible = (dist >= 0) & (dist < self.window)
         if self.rate:
-            etable = torch.tensor(kind_table(s.block_table, self.entry_kind), dtype=torch.long, device=dev)
-            made, seen = self._compressed(tokens, (entries, etable), table, bs, positions, x, q_res, comp)
+            etable = to_device(torch.tensor(kind_table(s.block_table, self.entry_kind), dtype=torch.long), dev)
+            made, seen = self._compressed(tokens, (entries, etable), table, bs, (p0, end), positions, x, q_res, comp)
             keys = torch.cat([keys, made.to(q.dtype)], dim=0)
             visible = torch.cat([visible, seen], dim=1)
         bias = torch.zeros(visible.shape, dtype=q.dtype, device=dev).masked_fill(~visible, float("-inf"))
@@ -106,15 +109,16 @@ class Attention(nn.Module):
         probs = F.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)  # the sink takes its share
         return torch.einsum("hnk,kd->nhd", probs, keys)
 
-    def _compressed(self, tokens, entries, table, bs, positions, x, q_res, comp):
+    def _compressed(self, tokens, entries, table, bs, span, positions, x, q_res, comp):
         """Make the entries whose window closes in this chunk, then read all C complete ones: (entries [C, D],
-        visible [n, C])."""
+        visible [n, C]). span: the new positions [p0, end), known on the host (positions holds them on the
+        device, where reading one would wait for it)."""
         P, r = self.planes, self.rate
 
         def comp_rot(pos: torch.Tensor):
             return comp.cos_sin(pos, x.dtype)
 
-        p0, end = int(positions[0]), int(positions[-1]) + 1
+        p0, end = span
         first, last = p0 // r, end // r  # entries first .. last - 1 close in this chunk
         if last > first:
             made = (tokens, entries, table, bs, first, last, comp_rot)
