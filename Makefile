@@ -25,7 +25,7 @@ PYTEST_ARGS ?=
 # make test's workers (pytest-xdist): two keep both cores busy (~90 % on 2 cores). On 2026-12-07's machine
 # (an Intel Xeon with AVX-512) the parallel part took 385-391 s before the changes to `suite` below and 356-364 s
 # after; three workers took 398 s (more processes than cores). The few cases that compare time shares
-# (`serial`, 13 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
+# (`serial`, 9 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup lock suite test-latest test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
