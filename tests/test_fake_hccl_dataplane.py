@@ -186,7 +186,8 @@ _STANDALONE = textwrap.dedent("""
     g = a.to_ffn
     print("class:", type(g) is ProcessGroupHCCL, isinstance(g, torch._C._distributed_c10d.Backend),
           hasattr(g, "_get_backend"))
-    print("group ids:", a.to_ffn.options.group_id, a.to_attention.options.group_id, f.to_ffn.options.group_id)
+    ids = [g._hccl_options.group_id for g in (a.to_ffn, a.to_attention, f.to_ffn)]
+    print("group ids:", *ids)
     x = torch.zeros(4, device=f.backend.device)
     got = threading.Thread(target=lambda: f.irecv(x).wait())  # a communicator forms at both ends' first op
     got.start()

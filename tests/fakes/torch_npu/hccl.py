@@ -327,12 +327,8 @@ class ProcessGroupHCCL(_Hccl, dist.ProcessGroupGloo):
         if not isinstance(options, ProcessGroupHCCL.Options):
             raise TypeError(f"ProcessGroupHCCL(store, rank, size, options): options is a {type(options).__name__}")
         dist.ProcessGroupGloo.__init__(self, dist.PrefixStore("fake-hccl", store), rank, size, options._timeout)
-        self._hccl_options = options
+        self._hccl_options = options  # the fake's own record (whether the real class shows its options is unread)
         self._setup(store, _GlooBase(self))
-
-    @property
-    def options(self) -> ProcessGroupHCCL.Options:  # c10d backends show their options so
-        return self._hccl_options
 
 
 def _create(store, rank: int, size: int, timeout: timedelta) -> FakeHcclGroup:
