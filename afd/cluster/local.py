@@ -21,6 +21,7 @@ import secrets
 import subprocess
 import tempfile
 
+from afd.cluster.forkserver import ForkedProcess
 from afd.cluster.jobs import JobMailbox
 from afd.cluster.local_spec import STARTUP_TIMEOUT, LocalClusterSpec, cluster_doc
 from afd.cluster.processes import ClusterError, NodeProcesses, node_command
@@ -214,7 +215,7 @@ class LocalCluster:
         finally:
             self.stop()
 
-    def process(self, name: str) -> subprocess.Popen:
+    def process(self, name: str) -> subprocess.Popen | ForkedProcess:
         return self.processes.popen(name)
 
     def stop(self) -> None:

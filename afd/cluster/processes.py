@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from afd.cluster.forkserver import ForkedProcess, fork_node
 from afd.cluster.host import descendants, free_ports, healthy, ports_in_use  # noqa: F401 (re-exported for tests, tools)
 from afd.cluster.supervise import GiveUp, RestartPolicy, Supervisor
 
@@ -83,7 +84,7 @@ def node_command(
 @dataclass
 class _Proc:
     command: Command
-    popen: subprocess.Popen
+    popen: subprocess.Popen | ForkedProcess
     log: str
 
 
@@ -119,7 +120,7 @@ class NodeProcesses:
 
     def start(
         self, command: Command, env: dict | None = None, log: str | None = None, append: bool = False
-    ) -> subprocess.Popen:
+    ) -> subprocess.Popen | ForkedProcess:
         """Starts `command` (a name already running here is refused); env: added to the launcher's; append:
         to its log (a restart) rather than a fresh one."""
         old = self.procs.get(command.name)
@@ -128,7 +129,7 @@ class NodeProcesses:
         log = log or os.path.join(self.log_dir, f"{command.name}.log")
         full_env = {**(self.env if self.env is not None else os.environ), **(env or {})}
         with open(log, "a" if append else "w") as fh:
-            p = subprocess.Popen(
+            p = self._forked(command, full_env, fh) or subprocess.Popen(
                 list(command.argv),
                 stdout=subprocess.PIPE if self.echo else fh,
                 stderr=subprocess.STDOUT,
@@ -146,13 +147,32 @@ class NodeProcesses:
             threading.Thread(target=self._pump, args=(command.name, p, log), daemon=True).start()
         return p
 
+    def _forked(self, command: Command, env: dict, fh) -> ForkedProcess | None:
+        """A node's process forked from afd.cluster.forkserver (its imports already paid), or None: not a node,
+        or the fork server cannot fork it."""
+        argv = list(command.argv)
+        if len(argv) < 3 or argv[2] not in MODULES.values():
+            return None
+        if not self.echo:
+            return fork_node(argv, env, self.cwd, fh.fileno())
+        r, w = os.pipe()
+        try:
+            child = fork_node(argv, env, self.cwd, w)
+        finally:
+            os.close(w)
+        if child is None:
+            os.close(r)
+            return None
+        child.stdout = open(r, errors="replace", buffering=1)  # noqa: SIM115 (the pump reads it to the end)
+        return child
+
     def start_all(self, commands: Iterable[Command]) -> None:
         commands = list(commands)
         self._width = max([self._width, *(len(c.name) for c in commands)])  # one column for every prefix
         for c in commands:
             self.start(c)
 
-    def _pump(self, name: str, p: subprocess.Popen, log: str) -> None:
+    def _pump(self, name: str, p: subprocess.Popen | ForkedProcess, log: str) -> None:
         assert p.stdout is not None  # a pipe when echoing
         with open(log, "a") as fh:
             for line in p.stdout:
@@ -175,7 +195,7 @@ class NodeProcesses:
 
     # ---- watching ---------------------------------------------------------------------------------
 
-    def popen(self, name: str) -> subprocess.Popen:
+    def popen(self, name: str) -> subprocess.Popen | ForkedProcess:
         return self.procs[name].popen
 
     def log(self, name: str) -> str:
@@ -278,7 +298,7 @@ class NodeProcesses:
         return killed
 
 
-def _kill_session(p: subprocess.Popen) -> None:
+def _kill_session(p: subprocess.Popen | ForkedProcess) -> None:
     """SIGKILL to the process's whole session (what it started too), while its pid is still its own."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(p.pid, signal.SIGKILL)
