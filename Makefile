@@ -24,8 +24,9 @@ LATEST_TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
 # make test's workers (pytest-xdist): two keep both cores busy (~90 % on 2 cores). On 2026-12-07's machine
 # (an Intel Xeon with AVX-512) the parallel part took 385-391 s before the changes to `suite` below and 356-364 s
-# after; three workers took 398 s (more processes than cores). The few cases that compare time shares
-# (`serial`, 9 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
+# after; three workers took 398 s (more processes than cores). Forking nodes from afd/cluster/forkserver.py
+# (torch imported once per launcher, not once per node) then brought it to 280-309 s. The few cases that
+# compare time shares (`serial`, 6-9 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
 PYTEST_WORKERS ?= 2
 
 .PHONY: setup lock suite test-latest test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
@@ -57,8 +58,8 @@ test: setup lint typecheck
 	$(MAKE) --no-print-directory suite
 
 # make test's pytest runs, on BIN's interpreter (make test-latest passes its own).
-# make test starts about 250 Python processes (node processes most), so what each pays at start is what
-# counts. Python caches compiled bytecode, and pytest its assertion-rewritten test modules, only where
+# make test starts about 250 Python processes (node processes most, forked from a server that has imported
+# torch: afd/cluster/forkserver.py), so what each pays at start is what counts. Python caches compiled bytecode, and pytest its assertion-rewritten test modules, only where
 # PYTHONDONTWRITEBYTECODE is unset; this project's machines set it, so the suite's runs unset it (the
 # caches are __pycache__/, which git ignores, and a stale one is recompiled, never used), and compileall
 # fills afd's before the first node starts: without them a node compiled afd's ~120 modules again (about
