@@ -33,6 +33,9 @@ from .ops_quant import (  # noqa: F401  (after .ops: its npu_grouped_matmul hand
 )
 
 __version__ = "0.0.0+fake"
+FAKE_ONLY = ("report", "FAKE_ONLY")
+"""Public names here that torch_npu has not: the fake's own counters. Every other public name is torch_npu
+2.14.0's, with its registered schema's arguments (tests/test_vendor_npu.py holds both)."""
 
 npu.install()
 generator.install()

@@ -118,6 +118,15 @@ def get_device_properties(device=None) -> _DeviceProperties:
 _lib = None
 
 
+FAKE_ONLY = (
+    "DEVICE_COUNT", "HazardError", "NpuTensor", "STATS", "access", "host_sync", "install", "is_pinned", "new_stream",
+    "FAKE_ONLY",
+)  # fmt: skip
+"""Public names of this `torch.npu` that torch_npu's has not: the fake device's size, checks and counters, and the
+helpers the fake's other modules share. Every other public name is torch_npu 2.14.0's torch_npu.npu's
+(tests/test_vendor_npu.py holds both)."""
+
+
 def install() -> None:
     """Registers the device: once per process, as importing torch_npu does."""
     global _lib

@@ -25,17 +25,19 @@ if not hasattr(torch.ops.fake_npu, "calls"):  # the call log ops.py keeps on the
 calls: list[tuple] = torch.ops.fake_npu.calls
 
 
-def npu_format_cast(self: torch.Tensor, acl_format: int) -> torch.Tensor:
-    """A copy of `self` in format `acl_format` (a new tensor, as the real op returns)."""
+def npu_format_cast(input: torch.Tensor, acl_format: int) -> torch.Tensor:
+    """A copy of `input` in format `acl_format` (a new tensor, as the real op returns). The argument names are the
+    registered schema's, `npu_format_cast(Tensor input, int acl_format, *, ...)` (torch_npu 2.14.0's library; the
+    document above calls the first `self`)."""
     if not isinstance(acl_format, int):
         raise TypeError(f"npu_format_cast: acl_format must be an int (an aclFormat), got {type(acl_format).__name__}")
-    out = self.clone()
+    out = input.clone()
     setattr(out, ATTR, acl_format)
-    calls.append(("npu_format_cast", acl_format, tuple(self.shape)))
+    calls.append(("npu_format_cast", acl_format, tuple(input.shape)))
     return out
 
 
-def get_npu_format(self: torch.Tensor) -> int:
+def get_npu_format(input: torch.Tensor) -> int:
     """The tensor's recorded format; ND for one never cast (the real default follows the tensor's rank: the doc's
     4-D example reads 0, NCHW; only FRACTAL_NZ is ever checked here)."""
-    return getattr(self, ATTR, ND)
+    return getattr(input, ATTR, ND)

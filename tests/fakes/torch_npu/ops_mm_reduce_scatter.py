@@ -12,12 +12,13 @@ from .oplib import register_once
 
 NAMESPACE = "fake_npu"
 
-# The schema is torch_npu's, so that keyword names, defaults and types are checked by the dispatcher.
+# The schema is torch_npu's, so that keyword names, defaults and types are checked by the dispatcher: argument
+# names as torch_npu 2.14.0's library registers them (tests/test_vendor_npu.py; the yaml below says `self`).
 # source: op_plugin_functions.yaml,
 #   https://github.com/Ascend/op-plugin/blob/26.0.0/op_plugin/config/op_plugin_functions.yaml, op-plugin 26.0.0
 # (the same from 7.2.0 on): comm_mode and the quantization arguments; 7.1.0's below.
 SCHEMA = (
-    "npu_mm_reduce_scatter_base(Tensor self, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', "
+    "npu_mm_reduce_scatter_base(Tensor input, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', "
     "Tensor? bias=None, Tensor? x1_scale=None, Tensor? x2_scale=None, int comm_turn=0, "
     "ScalarType? output_dtype=None, str? comm_mode=None) -> Tensor"
 )
@@ -48,7 +49,7 @@ def _fail(msg: str) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 MM_REDUCE_SCATTER_SCHEMA_7_1_0 = (
-    "npu_mm_reduce_scatter_base(Tensor self, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', "
+    "npu_mm_reduce_scatter_base(Tensor input, Tensor x2, str hcom, int world_size, *, str reduce_op='sum', "
     "Tensor? bias=None, int comm_turn=0) -> Tensor"
 )
 """op-plugin 7.1.0's schema (op_plugin_functions.yaml @7.1.0): no comm_mode. Tests build a 7.1.0 op from it."""
@@ -81,21 +82,21 @@ def _plain_transpose(t: torch.Tensor) -> bool:
     return t.dim() == 2 and t.stride() == (1, t.shape[0])
 
 
-def _rs_checks(self, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode):
+def _rs_checks(input, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode):
     if x1_scale is not None or x2_scale is not None or output_dtype is not None:
         raise NotImplementedError("fake npu_mm_reduce_scatter_base: the quantized scenario is not modelled")
     # source code: the world_size and 2-D checks come first, with these words.
     if world_size not in _RS_WORLD_SIZES:
         _fail(f"world_size should be in [2, 4, 8, 16, 32], but the actual value is {world_size}.")
-    if self.dim() != 2 or x2.dim() != 2:
-        _fail(f"Both inputs of mm are required to be 2D, but the actual inputs are {self.dim()}D and {x2.dim()}D.")
-    k = self.shape[1]
+    if input.dim() != 2 or x2.dim() != 2:
+        _fail(f"Both inputs of mm are required to be 2D, but the actual inputs are {input.dim()}D and {x2.dim()}D.")
+    k = input.shape[1]
     if x2.shape[0] != k:  # source code: k of x1 == k of x2 (x2 is (k, n); nn.Linear's (n, k) weight needs .t())
         _fail(
             f"The K-axis in the two inputs of Matmul must be equal, but in reality, the K-axis of x1 is {k} and "
             f"the K-axis of x2 is {x2.shape[0]}."
         )
-    if self.shape[0] % world_size:  # source code
+    if input.shape[0] % world_size:  # source code
         _fail("The M-axis in input of Matmul should be be divisible by world_size.")
     mode = "ai_cpu" if comm_mode is None else comm_mode
     if mode not in _RS_COMM_MODES:
@@ -104,18 +105,18 @@ def _rs_checks(self, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_t
         _fail(RS_TRAINING_ONLY)
     if world_size not in _RS_AIV_WORLD_SIZES:
         _fail(f"npu_mm_reduce_scatter_base: comm_mode 'aiv' takes world_size 2, 4 or 8, got {world_size}")
-    if self.dtype not in (torch.float16, torch.bfloat16):  # doc: float16 / bfloat16 (int8 only quantized)
-        _fail(f"npu_mm_reduce_scatter_base: input must be float16 or bfloat16, got {self.dtype}")
-    if x2.dtype != self.dtype:  # doc: x2 dtype as input
-        _fail(f"npu_mm_reduce_scatter_base: x2 dtype {x2.dtype} != input dtype {self.dtype}")
+    if input.dtype not in (torch.float16, torch.bfloat16):  # doc: float16 / bfloat16 (int8 only quantized)
+        _fail(f"npu_mm_reduce_scatter_base: input must be float16 or bfloat16, got {input.dtype}")
+    if x2.dtype != input.dtype:  # doc: x2 dtype as input
+        _fail(f"npu_mm_reduce_scatter_base: x2 dtype {x2.dtype} != input dtype {input.dtype}")
     # doc: input may not be transposed; aclnnMatmulReduceScatter doc: x1 takes no non-contiguous tensor.
-    if not self.is_contiguous():
+    if not input.is_contiguous():
         _fail("npu_mm_reduce_scatter_base: input must not be transposed (a contiguous ND tensor)")
     if not (x2.is_contiguous() or _plain_transpose(x2)):
         _fail("npu_mm_reduce_scatter_base: x2 must be contiguous (k, n) or the transpose of a contiguous (n, k)")
     if not _RS_K_RANGE[0] <= k < _RS_K_RANGE[1]:
         _fail(f"npu_mm_reduce_scatter_base: k must be in [{_RS_K_RANGE[0]}, {_RS_K_RANGE[1]}), got {k}")
-    if self.shape[0] == 0 or x2.shape[1] == 0:  # aclnnMatmulReduceScatterV2 doc: "不支持空tensor"
+    if input.shape[0] == 0 or x2.shape[1] == 0:  # aclnnMatmulReduceScatterV2 doc: "不支持空tensor"
         _fail("npu_mm_reduce_scatter_base: comm_mode 'aiv' takes no empty tensor")
     if reduce_op != "sum":  # doc: only 'sum'
         _fail(f"npu_mm_reduce_scatter_base: reduce_op supports only 'sum', got {reduce_op!r}")
@@ -126,7 +127,7 @@ def _rs_checks(self, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_t
 
 
 def _rs_kernel(
-    self,
+    input,
     x2,
     hcom,
     world_size,
@@ -139,22 +140,22 @@ def _rs_kernel(
     output_dtype=None,
     comm_mode=None,
 ):
-    _rs_checks(self, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode)
+    _rs_checks(input, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode)
     group = _HCOMS.get(hcom)
     if group is None:  # doc: hcom is the name get_hccl_comm_name returned
         _fail(f"npu_mm_reduce_scatter_base: unknown hcom {hcom!r} (not a name get_hccl_comm_name returned)")
     if group.size() != world_size:  # doc: world_size is the number of ranks of the communicator
         _fail(f"npu_mm_reduce_scatter_base: world_size {world_size} != size {group.size()} of {hcom!r}")
-    full = self.float() @ x2.float()  # the Cube unit accumulates in float32
+    full = input.float() @ x2.float()  # the Cube unit accumulates in float32
     group.allreduce([full]).wait()  # a sum over ranks, then this rank's row block: a reduce-scatter
-    rows = self.shape[0] // world_size
+    rows = input.shape[0] // world_size
     rank = group.rank()
     calls.append(("npu_mm_reduce_scatter_base", hcom, world_size))
-    return full[rank * rows : (rank + 1) * rows].to(self.dtype).contiguous()
+    return full[rank * rows : (rank + 1) * rows].to(input.dtype).contiguous()
 
 
 def _rs_meta(
-    self,
+    input,
     x2,
     hcom,
     world_size,
@@ -167,8 +168,8 @@ def _rs_meta(
     output_dtype=None,
     comm_mode=None,
 ):
-    _rs_checks(self, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode)
-    return self.new_empty((self.shape[0] // world_size, x2.shape[1]))
+    _rs_checks(input, x2, world_size, reduce_op, bias, x1_scale, x2_scale, comm_turn, output_dtype, comm_mode)
+    return input.new_empty((input.shape[0] // world_size, x2.shape[1]))
 
 
 register_once("npu_mm_reduce_scatter_base", SCHEMA, _rs_kernel, _rs_meta)  # once per process, as ops.py
