@@ -29,9 +29,29 @@ PYTEST_ARGS ?=
 # compare time shares (`serial`, 6-9 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
 PYTEST_WORKERS ?= 2
 
-.PHONY: setup lock suite test-latest test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
+.PHONY: setup vendor-hash lock suite test-latest test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
 
-setup: $(STAMP)
+# The vendor wheels of requirements-vendor.txt (torch_npu's): see $(VENDOR_STAMP) below.
+VENDOR_LOCK := requirements-vendor.txt
+VENDOR_DIR := .cache/vendor
+VENDOR_STAMP := $(VENDOR_DIR)/.downloaded
+VENDOR_PLATFORM := --only-binary :all: --platform manylinux_2_28_x86_64 --python-version 3.11 --implementation cp
+
+setup: $(STAMP) $(VENDOR_STAMP)
+
+# The vendor wheels of requirements-vendor.txt (torch_npu's), downloaded once, checked against their hashes, for
+# the tests that hold afd's device code and the fakes to them (tests/test_vendor_npu.py). Not installed.
+$(VENDOR_STAMP): $(VENDOR_LOCK) | $(STAMP)
+	@echo "setup: the vendor wheels of $(VENDOR_LOCK), once, into $(VENDOR_DIR) (read by the tests, not installed)"
+	$(BIN)/python -m pip download --quiet --no-deps --require-hashes $(VENDOR_PLATFORM) $(PIP_LOCK_ARGS) \
+		-d $(VENDOR_DIR) -r $(VENDOR_LOCK)
+	touch $(VENDOR_STAMP)
+
+# The line for requirements-vendor.txt after a version change there: the wheel's hash, from the index.
+vendor-hash: $(STAMP)
+	rm -rf $(VENDOR_DIR)/new && $(BIN)/python -m pip download --quiet --no-deps $(VENDOR_PLATFORM) \
+		-d $(VENDOR_DIR)/new $$(sed -n 's/^\(torch_npu==[^ ]*\).*/\1/p' $(VENDOR_LOCK))
+	@for f in $(VENDOR_DIR)/new/*.whl; do echo "$$f: --hash=sha256:$$(sha256sum $$f | cut -d' ' -f1)"; done
 
 # The first install takes a minute or two: each step says what it does, and pip names each package it takes.
 $(STAMP): $(LOCK) pyproject.toml
