@@ -95,7 +95,7 @@ suite:
 
 # The suite against the newest releases, in a venv of its own ($(LATEST_VENV)), so that an upstream change is
 # seen on purpose: it first lists each package whose version there differs from the lock.
-test-latest:
+test-latest: $(VENDOR_STAMP)
 	test -x $(LATEST_VENV)/bin/python || $(PY) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip setuptools wheel
 	$(LATEST_VENV)/bin/python -m pip install --progress-bar off --upgrade --upgrade-strategy eager \
