@@ -126,9 +126,17 @@ test-slow: setup
 # docs/bench/device/. Without an accelerator every device check skips with its reason, nothing is written, and
 # it exits 0; a GPU or NPU that torch cannot use (the CPU wheel, no torch_npu) fails it in one line, as nothing
 # would run. DEVICE_CHECK_ARGS: e.g. --checks gemm, --quick, --no-write, --device cpu (a dry run on the CPU).
+# It installs nothing over a device machine's own stack: tests/device/device_venv.py runs check.py in a venv that
+# sees the machine's torch (CUDA, or torch_npu on CANN) when that torch can run afd, adding only what the lock
+# names and the machine lacks (it says which; WHEELS=DIR: from that folder, for a machine with no index), and in
+# make setup's CPU venv otherwise. DEVICE_VENV_ARGS=--dry-run says what it would do and does nothing.
 DEVICE_CHECK_ARGS ?=
-test-device: setup
-	$(BIN)/python tests/device/check.py $(DEVICE_CHECK_ARGS)
+DEVICE_VENV ?= .venv-device
+DEVICE_VENV_ARGS ?=
+WHEELS ?=
+test-device:
+	$(PY) tests/device/device_venv.py --venv $(DEVICE_VENV) --cpu-venv $(VENV) $(if $(WHEELS),--wheels $(WHEELS)) \
+		$(DEVICE_VENV_ARGS) -- $(DEVICE_CHECK_ARGS)
 
 run: setup
 	$(BIN)/afd launch deploy/local.yaml --curl-example

@@ -258,15 +258,24 @@ def test_verdicts():
     assert "cut short" in judge("bf16", "bfloat16", _steps(10, 0, 0.5), 5, ["x prompt 0"]).reason
 
 
-def _window(attention: float, ffn: float, decode_steps: float) -> dict[str, float]:
-    return {"attention": attention, "ffn": ffn, "decode_steps": decode_steps}
+def _window(attention: float, ffn: float, decode_steps: float, runtime: tuple | None = None) -> dict[str, float]:
+    """The counts of a window; runtime: the runtime's own (sync watch) counts, the same as afd's when None."""
+    attention_rt, ffn_rt = runtime if runtime is not None else (attention, ffn)
+    return {
+        "attention": attention,
+        "ffn": ffn,
+        "decode_steps": decode_steps,
+        "attention_runtime": attention_rt,
+        "ffn_runtime": ffn_rt,
+    }
 
 
 def test_host_sync_verdicts():
     judge = checks_host_syncs.judge
     short = _window(9, 14, 7)
-    ok = judge("cuda", 32, short, _window(9 + 31, 14 + 33, 7 + 32))  # idle steps' jitter: 31, 33 for 32 steps
+    ok = judge("cuda", 32, short, _window(9 + 31, 14 + 33, 7 + 32), {"ffn": ["_recv_headers at x.py:1"]})
     assert ok.status == "pass" and ok.figures["attention_per_step"] == round(31 / 32, 3)
+    assert ok.figures["ffn_first_sites"] == "_recv_headers at x.py:1"
     twice = judge("cuda", 32, short, _window(9 + 64, 14 + 32, 39)).reason  # one more sync per step
     assert twice.startswith("attention 2.00 per step > 1 + 0.25")
     assert (
@@ -274,8 +283,15 @@ def test_host_sync_verdicts():
         in judge("npu", 32, short, _window(41, 14, 39)).reason
     )
     assert "ran 31 more decode steps, not 32" in judge("cuda", 32, short, _window(40, 46, 38)).reason
-    assert judge("cpu", 32, _window(0, 0, 7), _window(0, 0, 39)).status == "pass"  # the dry run: steps only
-    assert judge("cpu", 32, _window(0, 0, 7), _window(1, 0, 39)).status == "fail"
+    # a sync afd does not mark: its counter holds 1 per step, the runtime sees 2
+    unmarked = judge("npu", 32, short, _window(9 + 32, 14 + 32, 39, runtime=(9 + 64, 14 + 32))).reason
+    assert unmarked == "attention_runtime 2.00 per step > 1 + 0.25"
+    blind = {k: v for k, v in _window(9 + 32, 14 + 32, 39).items() if not k.endswith("_runtime")}
+    no_watch = {k: v for k, v in short.items() if not k.endswith("_runtime")}
+    assert "the runtime counted nothing" in judge("cuda", 32, no_watch, blind).reason
+    cpu = {k: v for k, v in _window(0, 0, 7).items() if not k.endswith("_runtime")}
+    assert judge("cpu", 32, cpu, {**cpu, "decode_steps": 39}).status == "pass"  # the dry run: steps only
+    assert judge("cpu", 32, cpu, {**cpu, "attention": 1, "decode_steps": 39}).status == "fail"
 
 
 def test_failure_verdicts():

@@ -41,7 +41,9 @@ def test_a_launched_cluster_on_the_fake_npu_syncs_once_per_step(tiny_checkpoint,
     doc = yaml.safe_load(path.read_text())
     assert [n["device"] for n in doc["nodes"]] == ["npu:1", "npu:2"]
     report = tmp_path / "fake-npu"
-    procs = NodeProcesses(str(tmp_path), env={**os.environ, **sync_env(report)}, cwd=ROOT)
+    watch = tmp_path / "sync-watch"  # the runtime's own count (afd/backend/sync_watch.py), beside afd's
+    env = {**os.environ, **sync_env(report), "AFD_SYNC_WATCH": str(watch)}
+    procs = NodeProcesses(str(tmp_path), env=env, cwd=ROOT)
     launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd.cli", "launch", str(path))))
     try:
 
@@ -76,6 +78,15 @@ def test_a_launched_cluster_on_the_fake_npu_syncs_once_per_step(tiny_checkpoint,
         assert launcher.wait(90) == 0, procs.log("afd-launch")
     finally:
         stop_launcher(launcher, procs)
+    watched = {report_pid(f): r for f, r in reports(watch).items()}
+    assert set(nodes) <= set(watched), "every node's runtime counted its syncs"
+    for pid, name in nodes.items():  # the step's one read: the FFN node's headers, the attention node's tokens
+        sites = watched[pid]["sites"]
+        if name == "ffn0":
+            assert "_recv_headers at ffn_node/server.py:" in max(sites, key=sites.get), (name, sites)
+        else:
+            assert any(" at engine/sampling.py:" in site for site in sites), (name, sites)
+        assert watched[pid]["argv"][watched[pid]["argv"].index("--node") + 1] == name
     seen = {report_pid(f): r for f, r in reports(report).items()}
     assert set(nodes) <= set(seen), "every node ran on the fake device and wrote its report"
     for pid, name in nodes.items():

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import torch
 
-from afd.backend import host_syncs
+from afd.backend import host_syncs, sync_watch
 from afd.backend.base import Backend, DeviceUnavailable, grouped_matmul_by_slices, sizes_covering
 from afd.backend.devices import check_indices
 
@@ -24,6 +24,7 @@ class CudaBackend(Backend):
         check_indices("cuda", [index], torch.cuda.device_count())  # one line, not set_device's traceback
         self._device = torch.device("cuda", index)
         self.bind_thread()
+        sync_watch.from_env(torch.cuda.set_sync_debug_mode)  # AFD_SYNC_WATCH: the runtime's own sync count
 
     @property
     def device(self) -> torch.device:

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from afd.backend import host_syncs, npu_attention, npu_prolog
+from afd.backend import host_syncs, npu_attention, npu_prolog, sync_watch
 from afd.backend.base import Backend, DeviceUnavailable, PrefetchSpec, grouped_matmul_by_slices, sizes_covering
 from afd.backend.devices import check_indices
 from afd.backend.npu_mmrs import MMRS_COMM_MODE, mmrs_fits, takes_argument
@@ -60,6 +60,7 @@ class NpuBackend(Backend):
         check_indices("npu", [index], torch.npu.device_count())  # one line, not set_device's traceback
         self._device = torch.device("npu", index)
         self.bind_thread()
+        sync_watch.from_env(torch.npu.set_sync_debug_mode)  # AFD_SYNC_WATCH: the runtime's own sync count
 
     @property
     def device(self) -> torch.device:

@@ -141,6 +141,25 @@ def run_device_checks(args, target: Target) -> list[Result]:
     return results
 
 
+def device_plan(kind: str, count: int, checks: list[str]) -> list[str]:
+    """What this script runs on `count` devices of `kind`, check by check: a line each, run or skip and why. The
+    dry run (--device cpu) prints it for one GPU and for two, so that what a device machine will do is known
+    before one is lent."""
+    target = Target(kind, count)
+    lines = []
+    for check in checks:
+        if check in CLUSTER_CHECKS and target.node_devices() is None:
+            lines.append(f"  {check}: skip ({target.too_few_devices()})")
+        elif check == "prefetch" and kind == "cuda":
+            lines.append(f"  {check}: skip (prefetch is a no-op on CUDA)")
+        elif check == "pytest":
+            lines.append(f"  {check}: runs the device-guarded tests ({', '.join(checks_pytest.DEVICE_TESTS)})")
+        else:
+            rows = ", ".join(name for name, _ in SKIPPED_WITHOUT_DEVICE.get(check, [(check, "")]))
+            lines.append(f"  {check}: runs ({rows})")
+    return lines
+
+
 def run_checks(args, target: Target | None, why: str) -> list[Result]:
     results = []
     if "pytest" in args.checks:
@@ -201,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if target is None:
         say(f"== no accelerator: {why}. Every device check skips.")
+    if args.device == "cpu":  # the dry run: what a device machine would run
+        for count in (1, 2):
+            say(f"== on {count} CUDA GPU(s) this would run:\n" + "\n".join(device_plan("cuda", count, args.checks)))
+        say(
+            "   (one GPU: the 1A1F checks need a device per node: NCCL and HCCL drive a device from one process, so"
+            " the cluster config refuses two nodes on one; NCCL_HOSTID could let two NCCL processes share a GPU, which"
+            " afd's config does not allow yet)"
+        )
     results = run_checks(args, target, why)
     seconds = time.perf_counter() - t0
     say("\n" + markdown_table(results))

@@ -8,10 +8,17 @@ say how many ran, so they cannot be subtracted one by one as the fake NPU's per-
 (tests/npu_fake.py). Instead two requests with the same prompt run in two windows built alike (a quiet
 pause, a scrape, the request, a scrape): one decodes SHORT tokens, the other EXTRA more. The prefill, the
 scrapes (the FFN's reads its expert counts) and the idle steps around each request cancel in the
-difference, which is EXTRA decode steps' syncs, up to the idle steps' jitter: SLACK."""
+difference, which is EXTRA decode steps' syncs, up to the idle steps' jitter: SLACK.
+
+afd's counter sees only the reads afd marks. So the nodes also run with AFD_SYNC_WATCH (afd/backend/sync_watch.py):
+the device runtime's own sync debug mode ("warn") counts every synchronizing operation, marked or not, by the
+line of afd's code that caused it. Its count per decode step is held to the same bound, and the row names each
+node's first ten sync sites."""
 
 from __future__ import annotations
 
+import glob
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -31,8 +38,21 @@ REQUEST_TIMEOUT = 120
 MEASURED = "afd_host_syncs_total per decode step on each node of a 1A1F cluster (long minus short request)"
 
 
-def _scrape(urls: dict[str, str]) -> dict[str, float]:
-    """Each node's afd_host_syncs_total, and the attention node's decode steps so far."""
+def _watched(watch: Path, roles: dict[str, str]) -> dict[str, dict]:
+    """Each node's sync watch (its runtime's count), by role: {} where no runtime counts (the CPU)."""
+    out = {}
+    for f in glob.glob(f"{watch}.*.json"):
+        doc = json.loads(Path(f).read_text())
+        argv = doc.get("argv", [])
+        name = argv[argv.index("--node") + 1] if "--node" in argv else None
+        if name in roles:
+            out[roles[name]] = doc
+    return out
+
+
+def _scrape(urls: dict[str, str], watch: Path | None = None, roles: dict[str, str] | None = None) -> dict[str, float]:
+    """Each node's afd_host_syncs_total, its runtime's count (`<role>_runtime`, where it counts), and the
+    attention node's decode steps so far."""
     from cluster_helpers import get
     from metrics_text import samples, total
 
@@ -45,34 +65,39 @@ def _scrape(urls: dict[str, str]) -> dict[str, float]:
         out[role] = total(got, "afd_host_syncs_total")
         if role == "attention":
             out["decode_steps"] = total(got, "afd_step_seconds_count", phase="decode")
+    for role, doc in (_watched(watch, roles or {}) if watch is not None else {}).items():
+        out[f"{role}_runtime"] = doc["count"]
     return out
 
 
-def _window(urls: dict[str, str], url: str, tokens: int) -> dict[str, float]:
+def _window(urls: dict[str, str], url: str, tokens: int, watch=None, roles=None) -> dict[str, float]:
     """What one greedy request of `tokens` tokens adds to each count, EOS ignored so that every token is a step."""
     from cluster_helpers import post
 
     time.sleep(QUIET_S)
-    before = _scrape(urls)
+    before = _scrape(urls, watch, roles)
     body = {"prompt": PROMPTS[0], "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
     code, out = post(url, "/v1/completions", body, timeout=REQUEST_TIMEOUT)
     if code != 200:
         raise RuntimeError(f"a {tokens}-token request: HTTP {code}: {out}")
-    after = _scrape(urls)
-    return {k: after[k] - before[k] for k in after}
+    after = _scrape(urls, watch, roles)
+    return {k: after[k] - before.get(k, 0) for k in after}
 
 
-def judge(kind: str, extra: int, short: dict[str, float], long: dict[str, float]) -> Result:
-    """Syncs per decode step on each node from the two windows; on the CPU (the dry run) nothing is counted,
-    the host being the device, so only the step count is held there."""
+def judge(kind: str, extra: int, short: dict[str, float], long: dict[str, float], sites: dict | None = None) -> Result:
+    """Syncs per decode step on each node from the two windows, by afd's counter and by the runtime's
+    (`<role>_runtime`, where the runtime counts: not the CPU); on the CPU (the dry run) nothing is counted,
+    the host being the device, so only the step count is held there. sites: each role's first ten sync sites."""
     name = "host syncs per decode step, 1A1F"
     steps = long["decode_steps"] - short["decode_steps"]
-    per_step = {role: (long[role] - short[role]) / extra for role in ("attention", "ffn")}
+    counted = [k for k in ("attention", "ffn", "attention_runtime", "ffn_runtime") if k in long and k in short]
+    per_step = {role: (long[role] - short[role]) / extra for role in counted}
     figures = {
         "decode_steps": int(steps),
         **{f"{role}_per_step": round(v, 3) for role, v in per_step.items()},
-        **{f"{role}_short_long": f"{short[role]:.0f}/{long[role]:.0f}" for role in ("attention", "ffn")},
+        **{f"{role}_short_long": f"{short[role]:.0f}/{long[role]:.0f}" for role in counted},
         "slack": SLACK,
+        **{f"{role}_first_sites": "; ".join(first) for role, first in (sites or {}).items()},
     }
     if steps != extra:  # one decode step per token: else the per-step figures divide by the wrong count
         return Result(name, "fail", f"the long request ran {steps:.0f} more decode steps, not {extra}", figures)
@@ -87,9 +112,11 @@ def judge(kind: str, extra: int, short: dict[str, float], long: dict[str, float]
         for role, v in per_step.items()
         if v < 1 - SLACK
     ]
+    if not any(role.endswith("_runtime") for role in per_step):
+        problems.append("the runtime counted nothing (AFD_SYNC_WATCH: no set_sync_debug_mode warning was seen)")
     if problems:
         return Result(name, "fail", "; ".join(problems), figures)
-    return Result(name, "pass", f"every node within 1 +- {SLACK} sync per decode step", figures)
+    return Result(name, "pass", f"every node within 1 +- {SLACK} sync per decode step, by afd and its runtime", figures)
 
 
 def check_host_syncs(target: Target, ckpt: str, quick: bool, env: dict | None = None) -> Result:
@@ -104,10 +131,13 @@ def check_host_syncs(target: Target, ckpt: str, quick: bool, env: dict | None = 
         ffn = next(n for n in doc["nodes"] if n["role"] == "ffn")
         url = api_url(doc)
         urls = {"attention": url, "ffn": f"http://127.0.0.1:{ffn['ports']['metrics']}"}
-        with Cluster(path, env=env) as c:
+        roles = {n["name"]: n["role"] for n in doc["nodes"]}
+        watch = Path(tmp) / "sync-watch"
+        with Cluster(path, env={**(env or {}), "AFD_SYNC_WATCH": str(watch)}) as c:
             c.start_all()
             wait_ready(c)
-            _window(urls, url, SHORT + extra)  # warm-up: one-time copies and lazy set-up are not a step's
-            short = _window(urls, url, SHORT)
-            long = _window(urls, url, SHORT + extra)
-    return judge(target.kind, extra, short, long)
+            _window(urls, url, SHORT + extra, watch, roles)  # warm-up: one-time copies and set-up are not a step's
+            short = _window(urls, url, SHORT, watch, roles)
+            long = _window(urls, url, SHORT + extra, watch, roles)
+        sites = {role: doc["first"] for role, doc in _watched(watch, roles).items()}
+    return judge(target.kind, extra, short, long, sites)

@@ -69,7 +69,9 @@ from .syncs import (  # noqa: F401  (torch.npu.<name>)
     _afd_caller,
     _lock,
     _reads_inside,
+    get_sync_debug_mode,
     host_sync,
+    set_sync_debug_mode,
 )
 
 # ---- the torch.npu module ---------------------------------------------------------------------------

@@ -21,9 +21,38 @@ STATS = {"ops": 0, "host_reads": 0, "host_syncs": 0, "host_sync_sites": {}, "haz
 _lock = threading.RLock()
 
 
+_SYNC_DEBUG = {"default": 0, "warn": 1, "error": 2}
+_sync_debug_mode = 0
+SYNC_MESSAGE = "called a synchronizing NPU operation"
+"""The text libtorch_npu.so warns or raises with (a string in torch_npu 2.14.0's library)."""
+
+
+def set_sync_debug_mode(debug_mode) -> None:
+    """torch.npu.set_sync_debug_mode (torch_npu 2.14.0's torch_npu/npu/utils.py): "default"/0 nothing, "warn"/1 a
+    warning at each synchronizing operation, "error"/2 a RuntimeError; anything else a RuntimeError. The fake's
+    synchronizing operations are its host syncs (host_sync below)."""
+    global _sync_debug_mode
+    if isinstance(debug_mode, str):
+        if debug_mode not in _SYNC_DEBUG:
+            raise RuntimeError("invalid value of debug_mode, expected one of `default`, `warn`, `error`")
+        debug_mode = _SYNC_DEBUG[debug_mode]
+    _sync_debug_mode = int(debug_mode)
+
+
+def get_sync_debug_mode() -> int:
+    return _sync_debug_mode
+
+
 def host_sync(what: str) -> None:
     """Counts one wait of the host for the device (see the module docstring). With AFD_FAKE_NPU_SYNC_SITES=1,
-    each kind is counted per line of afd's code that caused it (where to look on a real device)."""
+    each kind is counted per line of afd's code that caused it (where to look on a real device). Under
+    set_sync_debug_mode, warns or raises first, as the runtime does."""
+    if _sync_debug_mode == 2:
+        raise RuntimeError(SYNC_MESSAGE)
+    if _sync_debug_mode == 1:
+        import warnings
+
+        warnings.warn(SYNC_MESSAGE, UserWarning, stacklevel=2)
     if os.environ.get("AFD_FAKE_NPU_SYNC_SITES") == "1":
         what += _afd_caller()
     with _lock:
