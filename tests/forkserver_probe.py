@@ -31,6 +31,9 @@ def _facts() -> dict:
         "sigterm": str(signal.getsignal(signal.SIGTERM)),
         "sigchld": str(signal.getsignal(signal.SIGCHLD)),
         "cmdline": open("/proc/self/cmdline", "rb").read().rstrip(b"\0").decode().split("\0"),
+        # what ps e and an operator's cat /proc/PID/environ show: the process's environment as it started
+        "proc_environ": sorted(e for e in open("/proc/self/environ", "rb").read().decode().split("\0") if e)
+        == sorted(f"{k}={v}" for k, v in os.environ.items()),
     }
 
 

@@ -58,6 +58,9 @@ PRELOAD = (
 """What every node imports, and no module of afd: afd reads AFD_* variables at import."""
 ROOM = 4096
 """Bytes of argument area the server starts with, that a node's command line is written into."""
+ENV_ROOM = 16384
+"""Bytes the server's environment block has beyond its own variables, that a node's environment is written into
+(/proc/PID/environ reads that block, not what setenv changed since)."""
 IDLE_S = 120.0
 REPLY_S = 120.0
 """How long a launcher waits for a fork's pid: the first one waits for the preload (seconds on a busy host)."""
@@ -128,7 +131,7 @@ class ForkServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", __name__, str(theirs.fileno()), " " * ROOM],
             pass_fds=[theirs.fileno()],
-            env=env,
+            env={**env, "AFD_FORKSERVER_ROOM": " " * ENV_ROOM},
             cwd=cwd,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -381,23 +384,26 @@ def become(request: dict, out_fd: int) -> None:
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.close(out_fd)
-    os.environ.clear()
+    os.environ.clear()  # every variable unset and set again: none points into the block _set_area rewrites
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    _set_title(request["title"])
+    _set_area(48, request["title"])  # /proc/PID/cmdline: arg_start, arg_end are stat fields 48, 49
+    _set_area(50, [f"{k}={v}" for k, v in request["env"].items()])  # /proc/PID/environ: env_start, env_end: 50, 51
     sys.argv = ["-m", *request["args"]]
     sys.modules["__main__"] = types.ModuleType("__main__")
     runpy._run_module_as_main(request["module"], alter_argv=True)
 
 
-def _set_title(argv: list[str]) -> None:
-    """Writes `argv` over this process's argument area, which /proc/PID/cmdline reads (the rest NUL)."""
+def _set_area(field: int, strings: list[str]) -> None:
+    """Writes `strings`, NUL-terminated, over the memory area whose bounds are /proc/self/stat's fields `field` and
+    `field + 1` (numbered from 1, as proc(5) does), the rest NUL: the argument area (what /proc/PID/cmdline
+    reads) or the environment block (/proc/PID/environ). Left as it was where they do not fit."""
     import ctypes
 
     with open("/proc/self/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: stat fields 48 and 49
-    data = ("\0".join(argv) + "\0").encode()
+        fields = fh.read().rsplit(")", 1)[1].split()  # from field 3 on: the name (field 2) may hold spaces
+    start, end = int(fields[field - 3]), int(fields[field - 2])
+    data = "".join(f"{s}\0" for s in strings).encode()
     if len(data) <= end - start:
         ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
 
