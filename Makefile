@@ -22,12 +22,14 @@ LOCK_ARGS ?= --upgrade
 LATEST_VENV ?= .venv-latest
 LATEST_TORCH ?= torch==2.13.0
 PYTEST_ARGS ?=
-# make test's workers (pytest-xdist): two keep both cores busy (~90 % on 2 cores). On 2026-12-07's machine
-# (an Intel Xeon with AVX-512) the parallel part took 385-391 s before the changes to `suite` below and 356-364 s
-# after; three workers took 398 s (more processes than cores). Forking nodes from afd/cluster/forkserver.py
-# (torch imported once per launcher, not once per node) then brought it to 280-309 s. The few cases that
-# compare time shares (`serial`, 6-9 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
-PYTEST_WORKERS ?= 2
+# make test's workers (pytest-xdist), on 2 cores. On 2026-12-07's machine (an Intel Xeon with AVX-512) the parallel
+# part took 385-391 s on two workers before the changes to `suite` below and 356-364 s after, when three took 398 s:
+# each node then paid torch's import, and more workers only added processes. Forking nodes from
+# afd/cluster/forkserver.py (torch imported once per launcher) brought two workers to 280-310 s, with the cores
+# ~80 % busy (the cases wait on sleeps, heartbeats and deadlines), and three then fill those waits: in one run
+# each, two 309.7 s, three 270.5 s, four 277.9 s (same CPU time, 8m40s). The few cases that compare time shares
+# (`serial`, 6-9 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
+PYTEST_WORKERS ?= 3
 
 .PHONY: setup vendor-hash lock suite test-latest test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
 

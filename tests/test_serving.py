@@ -40,7 +40,7 @@ def _complete(url: str, prompt, **kw) -> tuple[int, dict]:
 
 
 def test_concurrent_greedy_completions_equal_hf(cluster, reference):
-    prompts = PROMPTS * 4  # 16 requests at once, more than the KV cache holds: some get preempted
+    prompts = PROMPTS * 4  # 16 requests at once, more than the KV cache holds when they overlap
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda p: _complete(cluster.url(), p), prompts))
     for (code, body), p in zip(results, prompts):
@@ -54,9 +54,26 @@ def test_concurrent_greedy_completions_equal_hf(cluster, reference):
             "total_tokens": len(p) + len(choice["token_ids"]),
         }
         assert choice["finish_reason"] == ("length" if len(choice["token_ids"]) == NEW else "stop")
+
+
+def _preemptions(cluster) -> float:
     _, metrics = get(cluster.url(), "/metrics")
     preempted = [ln for ln in metrics.decode().splitlines() if ln.startswith("afd_num_preemptions_total")]
-    assert preempted and float(preempted[0].split()[-1]) > 0
+    assert preempted
+    return float(preempted[0].split()[-1])
+
+
+def test_prompts_beyond_the_kv_cache_are_preempted_and_keep_hfs_tokens(cluster, reference):
+    """16 prompts in one request reach the scheduler in one step (concurrent requests may not overlap on a
+    busy machine): their 16 x (prompt + NEW) tokens exceed the cache's 256, so some are preempted, and each
+    is recomputed to HF's tokens."""
+    before = _preemptions(cluster)
+    prompts = PROMPTS * 4
+    code, body = _complete(cluster.url(), prompts)
+    assert code == 200, body
+    for choice in body["choices"]:
+        assert choice["token_ids"] == reference[PROMPTS.index(prompts[choice["index"]])]
+    assert _preemptions(cluster) > before
 
 
 def test_logprobs_are_hfs_and_penalties_apply(cluster, tiny_checkpoint):

@@ -61,7 +61,7 @@ ROOM = 4096
 ENV_ROOM = 16384
 """Bytes the server's environment block has beyond its own variables, that a node's environment is written into
 (/proc/PID/environ reads that block, not what setenv changed since)."""
-IDLE_S = 120.0
+IDLE_S = 300.0
 REPLY_S = 120.0
 """How long a launcher waits for a fork's pid: the first one waits for the preload (seconds on a busy host)."""
 ENV_SWITCH = "AFD_FORKSERVER"
