@@ -14,7 +14,8 @@ import warnings
 
 import torch
 
-from .configs.compiler_config import REDUCE_OVERHEAD_UNSUPPORTED, CompilerConfig
+from .configs.compiler_config import REDUCE_OVERHEAD_UNSUPPORTED as _REDUCE_OVERHEAD_UNSUPPORTED
+from .configs.compiler_config import CompilerConfig
 
 # source: TorchAir 安装 (installation), https://www.hiascend.com/document/detail/zh/Pytorch/720/modthirdparty/
 #   torchairuseguide/torchair_00004.html, Ascend Extension for PyTorch 7.2.0 (7.1.0's page says the same):
@@ -61,7 +62,7 @@ def _check_config_support(config: CompilerConfig) -> None:
     if config.mode != "reduce-overhead":
         return
     leaves = config.leaves()
-    bad = [f"config.{k}:{leaves[k]}" for k, vals in REDUCE_OVERHEAD_UNSUPPORTED.items() if leaves[k] in vals]
+    bad = [f"config.{k}:{leaves[k]}" for k, vals in _REDUCE_OVERHEAD_UNSUPPORTED.items() if leaves[k] in vals]
     if bad:
         warnings.warn(
             "The following torchair config or properties may not take effect or report error in "
