@@ -4,8 +4,8 @@ A node process pays about 2.5 s of CPU before it does any work: the interpreter,
 transformers (0.8 s) and fastapi (0.4 s). A launcher that starts a cluster's nodes on one host (and restarts
 them) pays that once per node; the test suite, which starts about 200 nodes, paid most of its time there. So
 `NodeProcesses` starts a node through a fork server when it can: one process per launcher that imports those
-libraries once (`PRELOAD`) and forks each node from itself, as `multiprocessing`'s forkserver does and as
-PyTorch's own DataLoader workers fork after `import torch`.
+libraries once and forks each node from itself (forkserver_process.py, the server's own module), as
+`multiprocessing`'s forkserver does and as PyTorch's own DataLoader workers fork after `import torch`.
 
 A forked node is the process `python -m MODULE ARGS` would be:
 - its environment, working directory, `sys.argv` and `__main__` are the command's; it runs the module as `-m`
@@ -40,32 +40,18 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 
-PRELOAD = (
-    "torch",
-    "numpy",
-    "transformers",
-    "safetensors",
-    "tokenizers",
-    "fastapi",
-    "uvicorn",
-    "pydantic",
-    "yaml",
-    "google.protobuf",
-    "prometheus_client",
-)
-"""What every node imports, and no module of afd: afd reads AFD_* variables at import."""
+from afd.cluster import forkserver_process
+from afd.cluster.forkserver_process import MSG_BYTES
+
 ROOM = 4096
 """Bytes of argument area the server starts with, that a node's command line is written into."""
 ENV_ROOM = 16384
 """Bytes the server's environment block has beyond its own variables, that a node's environment is written into
 (/proc/PID/environ reads that block, not what setenv changed since)."""
-IDLE_S = 300.0
 REPLY_S = 120.0
 """How long a launcher waits for a fork's pid: the first one waits for the preload (seconds on a busy host)."""
 ENV_SWITCH = "AFD_FORKSERVER"
-_MSG = 1 << 20
 
 
 def enabled(env: dict) -> bool:
@@ -80,9 +66,6 @@ def _shared(name: str) -> bool:
 
 def _key(env: dict, cwd: str) -> tuple:
     return cwd, tuple(sorted((k, v) for k, v in env.items() if _shared(k)))
-
-
-# ---- the launcher's side ----------------------------------------------------------------------------------
 
 
 class ForkedProcess:
@@ -129,7 +112,7 @@ class ForkServer:
     def __init__(self, env: dict, cwd: str):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(theirs.fileno()), " " * ROOM],
+            [sys.executable, "-m", forkserver_process.__name__, str(theirs.fileno()), " " * ROOM],
             pass_fds=[theirs.fileno()],
             env={**env, "AFD_FORKSERVER_ROOM": " " * ENV_ROOM},
             cwd=cwd,
@@ -154,7 +137,7 @@ class ForkServer:
     def _read(self) -> None:
         try:
             while True:
-                data = self.sock.recv(_MSG)
+                data = self.sock.recv(MSG_BYTES)
                 if not data:
                     break
                 msg = json.loads(data)
@@ -262,11 +245,13 @@ def fork_node(argv: list[str], env: dict, cwd: str | None, out_fd: int, stdout=N
         return None
     key = _key(env, cwd)
     for _ in range(2):  # a server that left on idle as this request came is replaced once
+        idle: list[ForkServer] = []
         with _servers_lock:
             server = _servers.get(key)
             if server is None or not server.alive:
-                _close_idle(_servers.pop(k) for k in [k for k, s in _servers.items() if not s.busy])
+                idle = [_servers.pop(k) for k in [k for k, s in _servers.items() if not s.busy]]
                 server = _servers[key] = ForkServer({k: v for k, v in env.items() if _shared(k)}, cwd)
+        _close_idle(idle)  # outside the lock: each close waits for its server to leave
         child = server.fork(argv[2], argv[3:], env, cwd, out_fd, argv, stdout)
         if child is not None or (server.alive and server.usable is False):
             return child
@@ -284,132 +269,3 @@ def close_all() -> None:
         servers = list(_servers.values())
         _servers.clear()
     _close_idle(servers)
-
-
-# ---- the server's side ------------------------------------------------------------------------------------
-
-
-def _usable() -> bool:
-    import torch
-
-    cuda = getattr(torch, "cuda", None)
-    initialised = cuda is not None and cuda.is_initialized()
-    return threading.active_count() == 1 and not initialised and "torch_npu" not in sys.modules
-
-
-def serve(sock: socket.socket):
-    """Forks a node per request until the launcher's end closes (or IDLE_S pass with nothing to do). Returns
-    only in a forked child, with its request and its output's fd."""
-    for name in PRELOAD:
-        with contextlib.suppress(ImportError):
-            __import__(name)
-    usable = _usable()
-    sock.send(json.dumps({"ready": usable}).encode())
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    live: set[int] = set()
-    idle_since = time.monotonic()
-    closed = False  # the launcher asked for no more forks (or is gone): leave once the last node is reaped
-    while not (closed and not live):
-        ready, _, _ = select.select([wake_r] if closed else [sock, wake_r], [], [], 5.0)
-        if wake_r in ready:
-            os.read(wake_r, 4096)
-        for pid, status in _reaped():
-            live.discard(pid)
-            with contextlib.suppress(OSError):  # a launcher that is gone hears nothing
-                sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
-        if sock in ready:
-            data, fds, _, _ = socket.recv_fds(sock, _MSG, 1)
-            if not data:
-                closed = True
-                continue
-            request = json.loads(data)
-            pid = _fork(request, fds, usable, [sock.fileno(), wake_r, wake_w])
-            if pid == 0:
-                sock.detach()  # _fork closed its fd, which the child may reuse
-                return request, fds[0]
-            for fd in fds:
-                os.close(fd)
-            if pid is not None:
-                live.add(pid)
-            sock.send(json.dumps({"id": request["id"], "pid": pid}).encode())
-        if live or sock in ready:
-            idle_since = time.monotonic()
-        elif time.monotonic() - idle_since > IDLE_S:
-            return None
-    return None
-
-
-def _reaped():
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        yield pid, status
-
-
-def _fork(request: dict, fds: list[int], usable: bool, close: list[int]) -> int | None:
-    """The child's pid once it leads its own session (0 in the child); None when it cannot fork."""
-    if not usable or len(fds) != 1:
-        return None
-    sync_r, sync_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(sync_r)
-        os.setsid()  # before the launcher hears its pid: a kill of its session must find it
-        signal.set_wakeup_fd(-1)
-        for fd in close:
-            os.close(fd)
-        os.close(sync_w)
-        return 0
-    os.close(sync_w)
-    os.read(sync_r, 1)  # EOF once the child has its session
-    os.close(sync_r)
-    return pid
-
-
-def become(request: dict, out_fd: int) -> None:
-    """In the forked child: turn into `python -m module args`, then run it as `-m` would."""
-    import runpy
-    import types
-
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    os.close(out_fd)
-    os.environ.clear()  # every variable unset and set again: none points into the block _set_area rewrites
-    os.environ.update(request["env"])
-    os.chdir(request["cwd"])
-    _set_area(48, request["title"])  # /proc/PID/cmdline: arg_start, arg_end are stat fields 48, 49
-    _set_area(50, [f"{k}={v}" for k, v in request["env"].items()])  # /proc/PID/environ: env_start, env_end: 50, 51
-    sys.argv = ["-m", *request["args"]]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    runpy._run_module_as_main(request["module"], alter_argv=True)
-
-
-def _set_area(field: int, strings: list[str]) -> None:
-    """Writes `strings`, NUL-terminated, over the memory area whose bounds are /proc/self/stat's fields `field` and
-    `field + 1` (numbered from 1, as proc(5) does), the rest NUL: the argument area (what /proc/PID/cmdline
-    reads) or the environment block (/proc/PID/environ). Left as it was where they do not fit."""
-    import ctypes
-
-    with open("/proc/self/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()  # from field 3 on: the name (field 2) may hold spaces
-    start, end = int(fields[field - 3]), int(fields[field - 2])
-    data = "".join(f"{s}\0" for s in strings).encode()
-    if len(data) <= end - start:
-        ctypes.memmove(start, data.ljust(end - start, b"\0"), end - start)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher stops it by closing its socket
-    got = serve(socket.socket(fileno=int(sys.argv[1])))
-    if got is not None:
-        become(*got)
