@@ -9,7 +9,8 @@ import inspect
 from pathlib import Path
 
 import torch
-from test_vendor_npu import _chain, afd_trees, c10d_stub
+from afd_source import afd_trees, dotted
+from vendor_torch import c10d_stub, c10d_virtuals
 
 
 def _cuda_calls() -> dict[str, list[tuple[list[str], str]]]:
@@ -21,7 +22,7 @@ def _cuda_calls() -> dict[str, list[tuple[list[str], str]]]:
         for node in ast.walk(tree):
             if not isinstance(node, ast.Attribute) or id(node) in inner:
                 continue
-            chain = _chain(node)
+            chain = dotted(node)
             if chain and (chain.startswith("torch.cuda.") or chain.startswith("dist.ProcessGroupNCCL")):
                 call = calls.get(id(node))
                 keywords = [k.arg for k in call.keywords if k.arg] if call is not None else []
@@ -68,3 +69,9 @@ def test_the_nccl_pair_group_is_built_from_what_torchs_stub_declares():
     assert [ast.unparse(b) for b in options.bases] == ["Backend.Options"]
     init = next(n for n in nccl.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     assert [a.arg for a in init.args.args] == ["self", "store", "rank", "size", "options"]
+
+
+def test_torchs_own_files_are_read():
+    assert {"_timeout"} <= c10d_stub()["Backend.Options"]
+    assert "_get_backend" in c10d_stub()["ProcessGroup"] and "_get_backend" not in c10d_stub()["Backend"]
+    assert {"abort", "shutdown", "send", "recv", "allreduce", "getBackendName"} <= c10d_virtuals()

@@ -14,17 +14,14 @@ import json
 import re
 import subprocess
 import sys
-from functools import cache
-from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
+from afd_source import afd_trees, dotted
+from vendor_torch import c10d_stub, c10d_virtuals
 from vendor_wheel import ROOT, npu_wheel
 
-TORCH = Path(torch.__file__).parent
 FAKES = ROOT / "tests" / "fakes"
-AFD = ("afd", "attention_node", "ffn_node")
 
 
 @pytest.fixture(scope="module")
@@ -32,71 +29,7 @@ def wheel():
     return npu_wheel()
 
 
-# ---- torch's own surface: what torch_npu's process groups inherit ------------------------------------------------
-
-
-@cache
-def c10d_stub() -> dict[str, set[str]]:
-    """Class (dotted for nested) -> its member names, from torch/_C/_distributed_c10d.pyi."""
-    out: dict[str, set[str]] = {}
-
-    def walk(cls: ast.ClassDef, prefix: str) -> None:
-        name = prefix + cls.name
-        members = out.setdefault(name, set())
-        for node in cls.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                members.add(node.name)
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                members.add(node.target.id)
-            elif isinstance(node, ast.ClassDef):
-                members.add(node.name)
-                walk(node, name + ".")
-
-    for node in ast.parse((TORCH / "_C" / "_distributed_c10d.pyi").read_text()).body:
-        if isinstance(node, ast.ClassDef):
-            walk(node, "")
-    return out
-
-
-@cache
-def c10d_virtuals() -> set[str]:
-    """The methods a c10d Backend or ProcessGroup declares virtual, and those a Python subclass may override
-    (torch's include/torch/csrc/distributed/c10d headers, shipped in the wheel this repository installs)."""
-    inc = TORCH / "include" / "torch" / "csrc" / "distributed" / "c10d"
-    names: set[str] = set()
-    for header in ("Backend.hpp", "ProcessGroup.hpp"):
-        names |= set(re.findall(r"virtual\s[^;{(]*?\b(\w+)\s*\(", (inc / header).read_text()))
-    py = (inc / "PyProcessGroup.hpp").read_text()
-    names |= set(re.findall(r"(\w+),\s*/\*\s*Name", py)) | set(re.findall(r'get_override\(\s*[^"]*?"(\w+)"', py, re.S))
-    return names
-
-
-def test_torchs_own_files_are_read():
-    assert {"_timeout"} <= c10d_stub()["Backend.Options"]
-    assert "_get_backend" in c10d_stub()["ProcessGroup"] and "_get_backend" not in c10d_stub()["Backend"]
-    assert {"abort", "shutdown", "send", "recv", "allreduce", "getBackendName"} <= c10d_virtuals()
-
-
 # ---- afd's calls -------------------------------------------------------------------------------------------------
-
-
-def _chain(node: ast.AST) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if isinstance(node, ast.Name):
-        return ".".join([node.id, *reversed(parts)])
-    return None
-
-
-@cache
-def afd_trees() -> dict[str, ast.Module]:
-    return {
-        str(p.relative_to(ROOT)): ast.parse(p.read_text())
-        for package in AFD
-        for p in sorted((ROOT / package).rglob("*.py"))
-    }
 
 
 def afd_npu_names() -> dict[str, str]:
@@ -109,7 +42,7 @@ def afd_npu_names() -> dict[str, str]:
         for node in ast.walk(tree):
             where = f"{rel}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Attribute) and id(node) not in inner:
-                chain = _chain(node)
+                chain = dotted(node)
                 if chain and (chain.startswith("torch_npu.") or chain.startswith("torch.npu.")):
                     out.setdefault(chain.replace("torch.npu.", "torch_npu.npu.", 1), where)
                 if node.attr.startswith("npu_"):
@@ -337,79 +270,3 @@ def test_the_fake_pair_group_is_a_c10d_backend_as_torch_npus_is(wheel, fake):
     options = c10d_stub()["Backend.Options"]
     extra = [n for n in fake["options_slots"] if n not in options and not wheel.bound(n)]
     assert not extra, f"the fake ProcessGroupHCCL.Options has what torch_npu's lacks: {extra}"
-
-
-# ---- torchair: the torch_npu wheel ships it (torch_npu/dynamo/torchair, imported as `torchair`) -------------------
-
-TORCHAIR = "torch_npu/dynamo/torchair"
-TORCHAIR_API = {  # what afd and the fake use -> where the wheel defines it
-    "CompilerConfig": "configs/compiler_config.py",
-    "get_npu_backend": "npu_fx_compiler.py",
-    "get_compiler": "npu_fx_compiler.py",
-    "inference.cache_compile": "inference/__init__.py",
-}
-
-
-def _def_params(src: str, name: str) -> tuple[list[tuple[str, bool, bool]], bool] | None:
-    """(params as (name, keyword_only, required), takes **kwargs) of top-level def `name` in `src`."""
-    from vendor_wheel import _parse
-
-    for node in _parse(src).body:
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            a = node.args
-            pos = a.posonlyargs + a.args
-            required = len(pos) - len(a.defaults)
-            params = [(p.arg, False, i < required) for i, p in enumerate(pos)]
-            params += [(p.arg, True, d is None) for p, d in zip(a.kwonlyargs, a.kw_defaults)]
-            return params, a.kwarg is not None
-    return None
-
-
-def test_every_torchair_name_afd_calls_is_the_wheels_with_its_keywords(wheel):
-    uses: dict[str, list[list[str]]] = {}
-    for tree in afd_trees().values():
-        calls = {id(n.func): n for n in ast.walk(tree) if isinstance(n, ast.Call)}
-        inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-        for node in ast.walk(tree):
-            chain = _chain(node) if isinstance(node, ast.Attribute) and id(node) not in inner else None
-            if chain and chain.startswith("torchair."):
-                call = calls.get(id(node))
-                uses.setdefault(chain[len("torchair.") :], []).append([k.arg for k in call.keywords] if call else [])
-    assert "inference.cache_compile" in uses  # the scan sees afd's calls
-    assert set(uses) <= set(TORCHAIR_API), f"afd uses torchair's {sorted(uses)}: add them to TORCHAIR_API"
-    for name, calls in uses.items():
-        src = wheel.python[f"{TORCHAIR}/{TORCHAIR_API[name]}"]
-        leaf = name.split(".")[-1]
-        if leaf[0].isupper():
-            assert f"class {leaf}" in src, name
-            continue
-        params, open_ended = _def_params(src, leaf)
-        names = {p for p, _, _ in params}
-        for keywords in calls:
-            assert open_ended or set(keywords) <= names, (name, keywords, names)
-
-
-def test_the_torchair_fake_takes_what_the_wheels_torchair_takes(wheel):
-    fake = FAKES / "torchair"
-    for name, where in TORCHAIR_API.items():
-        leaf = name.split(".")[-1]
-        fake_src = (fake / ("inference.py" if name.startswith("inference.") else "__init__.py")).read_text()
-        if leaf[0].isupper():
-            assert f"class {leaf}" in wheel.python[f"{TORCHAIR}/{where}"], name
-            continue
-        real, real_open = _def_params(wheel.python[f"{TORCHAIR}/{where}"], leaf)
-        got, _ = _def_params(fake_src, leaf)
-        positional = [p for p, kw, _ in real if not kw]
-        assert [p for p, kw, _ in got if not kw] == positional[: len([1 for _, kw, _ in got if not kw])], name
-        extra = {p for p, kw, _ in got if kw} - {p for p, _, _ in real}
-        assert real_open or not extra, f"fake torchair.{name} takes {sorted(extra)}, which the wheel's does not"
-        lacking = [p for p, _, req in real if req and p not in {g for g, _, _ in got}]
-        assert not lacking, (name, lacking)
-    tree = ast.parse((fake / "__init__.py").read_text())
-    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
-    defined |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) and n.level for a in n.names}
-    public = {n for n in defined if not n.startswith("_")}
-    real = "torch_npu.dynamo.torchair"
-    missing = [n for n in public if not (wheel.defines(real, n) or wheel.module(f"{real}.{n}"))]
-    assert not missing, f"the torchair fake defines what the wheel's torchair does not: {missing}"
