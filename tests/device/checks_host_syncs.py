@@ -33,7 +33,7 @@ EXTRA = {False: 96, True: 32}  # decode steps the long request adds, by --quick
 # Per decode step and node. A regression costs at least one more sync per step (a host wait per layer or
 # micro-batch costs several), while the windows' idle steps differ by a few syncs at most: 0.25 x 96 = 24.
 SLACK = 0.25
-QUIET_S = 1.0  # before each window: the engine's idle backoff settles at its maximum (IDLE_BACKOFF_MAX)
+QUIET_S = 1.0  # before each window: the engine's idle backoff settles at its maximum (ALONE_BACKOFF_MAX)
 REQUEST_TIMEOUT = 120
 MEASURED = "afd_host_syncs_total per decode step on each node of a 1A1F cluster (long minus short request)"
 
