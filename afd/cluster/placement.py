@@ -154,29 +154,36 @@ def miss_probability(p: Placement, f: int, top_k: int, groups: int = 1, topk_gro
     # q[e]: P(a slot on expert e does not go to f)
     q = [1.0 - (1.0 / len(p.holders(e)) if e in p.held[f] else 0.0) for e in range(E)]
     if groups <= 1 or topk_group >= groups:
-        return _esp(q, top_k) / comb(E, top_k)
+        return _esp(q, top_k)[top_k] / comb(E, top_k)
     size = E // groups
-    subsets = _subsets(groups, topk_group)
-    total = 0.0
-    for chosen in subsets:
-        qs = [q[g * size + j] for g in chosen for j in range(size)]
-        total += _esp(qs, top_k) / comb(len(qs), top_k)
-    return total / len(subsets)
+    # The mean over the comb(groups, topk_group) choices of groups of e_K over the chosen groups' q. e_K of a union
+    # is a coefficient of the product of each group's generating polynomial, so the sum over every choice is one
+    # pass over the groups: by_count[j] sums the products over the choices of j groups so far.
+    by_count = [[1.0] + [0.0] * top_k] + [[0.0] * (top_k + 1) for _ in range(topk_group)]
+    for g in range(groups):
+        poly = _esp(q[g * size : (g + 1) * size], top_k)
+        for j in range(min(g + 1, topk_group), 0, -1):
+            by_count[j] = _add(by_count[j], _times(by_count[j - 1], poly))
+    return by_count[topk_group][top_k] / comb(topk_group * size, top_k) / comb(groups, topk_group)
 
 
-def _esp(q: list[float], k: int) -> float:
-    """The elementary symmetric polynomial e_k(q): the sum over k-subsets of the product of their q."""
+def _esp(q: list[float], k: int) -> list[float]:
+    """The elementary symmetric polynomials e_0(q) .. e_k(q) (e_j: the sum over j-subsets of the product of
+    their q), the coefficients of prod(1 + q_e t) up to t^k."""
     e = [1.0] + [0.0] * k
     for x in q:
         for j in range(k, 0, -1):
             e[j] += e[j - 1] * x
-    return e[k]
+    return e
 
 
-def _subsets(n: int, k: int, limit: int = 20000) -> list[tuple[int, ...]]:
-    from itertools import combinations, islice
+def _times(a: list[float], b: list[float]) -> list[float]:
+    """The product of two polynomials, up to the degree they have."""
+    return [sum(a[i] * b[d - i] for i in range(d + 1)) for d in range(len(a))]
 
-    return list(islice(combinations(range(n), k), limit))
+
+def _add(a: list[float], b: list[float]) -> list[float]:
+    return [x + y for x, y in zip(a, b)]
 
 
 def expected_fanout(p: Placement, top_k: int, groups: int = 1, topk_group: int = 1) -> float:
