@@ -5,9 +5,9 @@ cluster YAML, whose fields are every serving command's flags."""
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 
+import forked_python
 import pytest
 from cluster_helpers import ROOT, cluster_yaml
 
@@ -45,7 +45,7 @@ def test_every_command_that_takes_a_key_takes_a_key_file(command):
 
         text = build_server_parser().format_help()
     else:
-        r = subprocess.run([sys.executable, "-m", *command, "--help"], capture_output=True, text=True, cwd=ROOT)
+        r = forked_python.run([sys.executable, "-m", *command, "--help"], cwd=ROOT, timeout=120)
         text = r.stdout
     assert "--api-key-file" in text and "--ssl-certfile" in text and "--timeout-header" in text
 
@@ -53,7 +53,7 @@ def test_every_command_that_takes_a_key_takes_a_key_file(command):
 def test_an_unreadable_key_file_is_one_line(tiny_checkpoint, tmp_path):
     path = cluster_yaml(tmp_path, tiny_checkpoint)
     argv = ["--config", str(path), "--node", "attn0", "--api-key-file", str(tmp_path / "nope")]
-    r = subprocess.run([sys.executable, "-m", "attention_node.main", *argv], capture_output=True, text=True, cwd=ROOT)
+    r = forked_python.run([sys.executable, "-m", "attention_node.main", *argv], cwd=ROOT, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--api-key-file" in r.stderr, r.stderr
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import forked_python
 import pytest
 from hf_reference import PROMPTS
 
@@ -115,9 +116,7 @@ print(json.dumps(pids(left)))  # never closed: stopped at interpreter exit
 
 
 def test_an_llm_keeps_its_nodes_across_jobs_and_leaves_none_behind(tiny_checkpoint):
-    out = subprocess.run(
-        [sys.executable, "-c", _KEEPS_ITS_NODES, tiny_checkpoint], capture_output=True, text=True, timeout=180
-    )
+    out = forked_python.run([sys.executable, "-c", _KEEPS_ITS_NODES, tiny_checkpoint], timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     left = json.loads(out.stdout.strip().splitlines()[-1])
     assert [p for p in left if os.path.exists(f"/proc/{p}")] == []

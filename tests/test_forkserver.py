@@ -109,3 +109,29 @@ def test_the_launcher_forks_node_commands_only_and_can_be_told_not_to(tmp_path):
         assert "model: required key is missing" in procs.log("ffn0") and procs.log("ffn0") == plain.log("ffn1")
         other.wait(60)
         plain.stop()
+
+
+_C_CODE = """
+import json, sys
+print(json.dumps({"argv": sys.argv, "name": __name__, "path0": sys.path[0]}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_python_c_is_what_python_c_would_start():
+    """`python -c CODE ARGS`, as tests/forked_python.py runs the suite's helpers: argv, `__main__`, sys.path's
+    first entry, stdout and stderr apart, the exit code."""
+    import forked_python
+
+    argv = [sys.executable, "-c", _C_CODE, "4", "x"]
+    forked = forked_python.run(argv, cwd=ROOT, timeout=60)
+    plain = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert forked.returncode == plain.returncode == 4
+    assert (
+        json.loads(forked.stdout)
+        == json.loads(plain.stdout)
+        == {"argv": ["-c", "4", "x"], "name": "__main__", "path0": ""}
+    )
+    assert forked.stderr == plain.stderr == "to stderr\n"
+    assert forkserver._servers, "it ran as a plain process: nothing was forked"

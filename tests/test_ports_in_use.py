@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import forked_python
 import pytest
 from cluster_helpers import ROOT, cluster_yaml
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def _run(argv: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    return forked_python.run([sys.executable, *argv], timeout=120, cwd=ROOT)
 
 
 def _taken(port: int) -> socket.socket:

@@ -266,31 +266,41 @@ def test_graph_mode_runs_quantized_experts_eager(caplog):
 
 
 _PEAK = """
-import resource, sys, torch
+import sys, torch
 from afd.model.checkpoint import DummyReader, build_ffn_half
 from afd.model.longcat_flash.config import LongcatFlashConfig
 from afd.quant.scheme import resolve
-cfg = LongcatFlashConfig(vocab_size=64, hidden_size=512, ffn_hidden_size=64, expert_ffn_hidden_size=1024, num_layers=2,
-    num_attention_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-    n_routed_experts=16, zero_expert_num=0, moe_topk=2)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def build(hidden, expert):
+    cfg = LongcatFlashConfig(vocab_size=64, hidden_size=hidden, ffn_hidden_size=64, expert_ffn_hidden_size=expert,
+        num_layers=2, num_attention_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_routed_experts=16, zero_expert_num=0, moe_topk=2)
+    return build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"),
+        quant=None if method == "none" else resolve(method, None))
+def kib(field):
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
 method = sys.argv[1]
-half = build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"),
-    quant=None if method == "none" else resolve(method, None))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+build(64, 128)  # the same code once, small: the library pages it runs are resident before the measure
+with open("/proc/self/clear_refs", "w") as fh:
+    fh.write("5")  # the peak RSS (VmHWM) restarts from the current RSS
+before = kib("VmRSS")
+half = build(512, 1024)
+print(kib("VmHWM") - before)
 """
 
 
 def test_loading_quantized_experts_never_holds_them_in_full_precision():
-    """The load's peak memory (ru_maxrss growth, a fresh process each): 8-bit experts are never allocated in
-    fp32 (quantized on the meta-built half) nor converted to it when the half is cast (float8 is a floating
-    type, which module.to() would convert in full). 200 MB of fp32 experts; 8-bit ones are a quarter, plus one
-    source tensor (2 MB) at a time."""
-    import subprocess
+    """The load's peak memory (VmHWM growth, a process each, once the same load at a small size has made the
+    library code it runs resident, as a process forked from a server has not yet): 8-bit experts are never
+    allocated in fp32 (quantized on the meta-built half) nor converted to it when the half is cast (float8 is a
+    floating type, which module.to() would convert in full). 200 MB of fp32 experts; 8-bit ones are a quarter,
+    plus one source tensor (2 MB) at a time."""
     import sys
 
+    import forked_python
+
     def peak(method: str) -> int:
-        r = subprocess.run([sys.executable, "-c", _PEAK, method], capture_output=True, text=True, timeout=120)
+        r = forked_python.run([sys.executable, "-c", _PEAK, method], timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         return int(r.stdout.split()[-1])
 

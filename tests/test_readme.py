@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import forked_python
 import pytest
 from cluster_helpers import ROOT
 from serve_helpers import Served, free_port_run
@@ -75,5 +76,5 @@ def test_the_readmes_curl_and_bench_lines_work_against_its_demo(demo):
 
 def test_the_readmes_python_runs():
     (code,) = [body for lang, body in BLOCKS if lang == "python"]
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = forked_python.run([sys.executable, "-c", code], cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

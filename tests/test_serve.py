@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.request
 
+import forked_python
 import pytest
 from cluster_helpers import ROOT, get, post
 from serve_helpers import Served, free_port_run
@@ -156,9 +157,7 @@ def test_afd_bench_takes_its_prompt_ids_from_the_servers_vocabulary(served):
 
 
 def _afd(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "afd.cli", *argv], capture_output=True, text=True, cwd=ROOT, timeout=180
-    )
+    return forked_python.run([sys.executable, "-m", "afd.cli", *argv], cwd=ROOT, timeout=180)
 
 
 @pytest.mark.parametrize(

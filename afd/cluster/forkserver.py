@@ -171,8 +171,9 @@ class ForkServer:
         for child in orphans:
             threading.Thread(target=_watch_orphan, args=(child,), daemon=True).start()
 
-    def fork(self, module: str, args: list[str], env: dict, cwd: str, out_fd: int, argv: list[str], stdout=None):
-        """The node `python -m module *args`, or None when this server cannot fork it (gone, or unsafe)."""
+    def fork(self, argv: list[str], env: dict, cwd: str, out_fds: list[int], stdout=None):
+        """`argv` (`python -m MODULE ARGS` or `python -c CODE ARGS`), or None when this server cannot fork it (gone,
+        or unsafe). out_fds: its stdout, and its stderr where that is another file."""
         if not self._ready.wait(REPLY_S) or not self.alive or not self.usable:
             return None
         done = threading.Event()
@@ -180,9 +181,10 @@ class ForkServer:
             self._next += 1
             rid = self._next
             self._replies[rid] = [done]
-        request = {"id": rid, "module": module, "args": args, "env": env, "cwd": cwd, "title": argv}
+        what = "module" if argv[1] == "-m" else "code"
+        request = {"id": rid, what: argv[2], "args": argv[3:], "env": env, "cwd": cwd, "title": argv}
         try:
-            socket.send_fds(self.sock, [json.dumps(request).encode()], [out_fd])
+            socket.send_fds(self.sock, [json.dumps(request).encode()], out_fds)
             done.wait(REPLY_S)
         except OSError:
             pass
@@ -235,10 +237,13 @@ _servers: dict[tuple, ForkServer] = {}
 _servers_lock = threading.Lock()
 
 
-def fork_node(argv: list[str], env: dict, cwd: str | None, out_fd: int, stdout=None) -> ForkedProcess | None:
-    """Forks `argv` (`python -m MODULE ARGS` on this interpreter) from the server for its environment and
-    working directory, started on first use; None when it cannot (then the caller starts it as a process)."""
-    if len(argv) < 3 or argv[0] != sys.executable or argv[1] != "-m" or not enabled(env):
+def fork_node(
+    argv: list[str], env: dict, cwd: str | None, out_fd: int, stdout=None, err_fd: int | None = None
+) -> ForkedProcess | None:
+    """Forks `argv` (`python -m MODULE ARGS` or `python -c CODE ARGS` on this interpreter) from the server for its
+    environment and working directory, started on first use; None when it cannot (then the caller starts it as a
+    process). Its stdout is out_fd, its stderr err_fd (default: out_fd)."""
+    if len(argv) < 3 or argv[0] != sys.executable or argv[1] not in ("-m", "-c") or not enabled(env):
         return None
     cwd = os.path.abspath(cwd or os.getcwd())
     if len(("\0".join(argv) + "\0").encode()) > ROOM:
@@ -252,7 +257,7 @@ def fork_node(argv: list[str], env: dict, cwd: str | None, out_fd: int, stdout=N
                 idle = [_servers.pop(k) for k in [k for k, s in _servers.items() if not s.busy]]
                 server = _servers[key] = ForkServer({k: v for k, v in env.items() if _shared(k)}, cwd)
         _close_idle(idle)  # outside the lock: each close waits for its server to leave
-        child = server.fork(argv[2], argv[3:], env, cwd, out_fd, argv, stdout)
+        child = server.fork(argv, env, cwd, [out_fd] if err_fd is None else [out_fd, err_fd], stdout)
         if child is not None or (server.alive and server.usable is False):
             return child
     return None

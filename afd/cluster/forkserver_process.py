@@ -1,6 +1,7 @@
 """The fork server's own process (afd/cluster/forkserver.py starts it, `python -m afd.cluster.forkserver_process FD
 ROOM`): it imports what every node imports once (`PRELOAD`), then forks a node per request on its socket, reaps
-each and reports its exit code, and turns each child into the process `python -m MODULE ARGS` would be.
+each and reports its exit code, and turns each child into the process `python -m MODULE ARGS` (or `python -c CODE
+ARGS`) would be.
 
 It imports nothing of afd beyond this module: afd reads AFD_* variables at import, which differ by node.
 """
@@ -47,7 +48,7 @@ def _usable() -> bool:
 
 def serve(sock: socket.socket):
     """Forks a node per request until the launcher's end closes (or IDLE_S pass with nothing to do). Returns
-    only in a forked child, with its request and its output's fd."""
+    only in a forked child, with its request and its output's fds (stdout, and stderr where it has its own)."""
     for name in PRELOAD:
         with contextlib.suppress(ImportError):
             __import__(name)
@@ -69,7 +70,7 @@ def serve(sock: socket.socket):
             with contextlib.suppress(OSError):  # a launcher that is gone hears nothing
                 sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
         if sock in ready:
-            data, fds, _, _ = socket.recv_fds(sock, MSG_BYTES, 1)
+            data, fds, _, _ = socket.recv_fds(sock, MSG_BYTES, 2)
             if not data:
                 closed = True
                 continue
@@ -77,7 +78,7 @@ def serve(sock: socket.socket):
             pid = _fork(request, fds, usable, [sock.fileno(), wake_r, wake_w])
             if pid == 0:
                 sock.detach()  # _fork closed its fd, which the child may reuse
-                return request, fds[0]
+                return request, fds
             for fd in fds:
                 os.close(fd)
             if pid is not None:
@@ -103,7 +104,7 @@ def _reaped():
 
 def _fork(request: dict, fds: list[int], usable: bool, close: list[int]) -> int | None:
     """The child's pid once it leads its own session (0 in the child); None when it cannot fork."""
-    if not usable or len(fds) != 1:
+    if not usable or len(fds) not in (1, 2):
         return None
     sync_r, sync_w = os.pipe()
     pid = os.fork()
@@ -121,24 +122,32 @@ def _fork(request: dict, fds: list[int], usable: bool, close: list[int]) -> int 
     return pid
 
 
-def become(request: dict, out_fd: int) -> None:
-    """In the forked child: turn into `python -m module args`, then run it as `-m` would."""
+def become(request: dict, out_fds: list[int]) -> None:
+    """In the forked child: turn into `python -m module args` (or `python -c code args`), then run it as `-m`
+    (or `-c`) would. out_fds: stdout, and stderr where it is not stdout."""
     import runpy
     import types
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.dup2(out_fd, 1)
-    os.dup2(out_fd, 2)
-    os.close(out_fd)
+    os.dup2(out_fds[0], 1)
+    os.dup2(out_fds[-1], 2)
+    for fd in set(out_fds):
+        os.close(fd)
     os.environ.clear()  # every variable unset and set again: none points into the block _set_area rewrites
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     _set_area(48, request["title"])  # /proc/PID/cmdline: arg_start, arg_end are stat fields 48, 49
     _set_area(50, [f"{k}={v}" for k, v in request["env"].items()])  # /proc/PID/environ: env_start, env_end: 50, 51
+    main = sys.modules["__main__"] = types.ModuleType("__main__")
+    if "code" in request:
+        sys.argv = ["-c", *request["args"]]
+        sys.path[0] = ""  # -c's first entry: the working directory, as it changes (-m's is its path at start)
+        main.__dict__["__builtins__"] = __builtins__
+        exec(compile(request["code"], "<string>", "exec"), main.__dict__)
+        return
     sys.argv = ["-m", *request["args"]]
-    sys.modules["__main__"] = types.ModuleType("__main__")
     runpy._run_module_as_main(request["module"], alter_argv=True)
 
 

@@ -151,7 +151,7 @@ class NodeProcesses:
         """A node's process forked from afd.cluster.forkserver (its imports already paid), or None: not a node,
         or the fork server cannot fork it."""
         argv = list(command.argv)
-        if len(argv) < 3 or argv[2] not in MODULES.values():
+        if len(argv) < 3 or argv[1] != "-m" or argv[2] not in MODULES.values():
             return None
         if not self.echo:
             return fork_node(argv, env, self.cwd, fh.fileno())
