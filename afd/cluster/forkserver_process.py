@@ -9,6 +9,7 @@ It imports nothing of afd beyond this module: afd reads AFD_* variables at impor
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import select
@@ -53,6 +54,7 @@ def serve(sock: socket.socket):
         with contextlib.suppress(ImportError):
             __import__(name)
     usable = _usable()
+    gc.freeze()  # what the preload made outlives every fork: a child's collections neither scan nor write it
     sock.send(json.dumps({"ready": usable}).encode())
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
