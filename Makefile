@@ -27,8 +27,10 @@ PYTEST_ARGS ?=
 # each node then paid torch's import, and more workers only added processes. Forking nodes from
 # afd/cluster/forkserver.py (torch imported once per launcher) brought two workers to 280-310 s, with the cores
 # ~80 % busy (the cases wait on sleeps, heartbeats and deadlines), and three then fill those waits: in one run
-# each, two 309.7 s, three 270.5 s, four 277.9 s (same CPU time, 8m40s). The few cases that compare time shares
-# (`serial`, 6-9 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
+# each, two 309.7 s, three 270.5 s, four 277.9 s (same CPU time, 8m40s). Since then the only attention node's
+# longer idle backoff, the fork server's frozen preload and forked test helpers took three workers to 242.8 s
+# (7m41s of CPU against 8m31s; four took 329 s in a run before the last two). The few cases that compare time
+# shares (`serial`, 6-9 s) run after, alone. PYTEST_WORKERS=0 runs the parallel part in this process.
 PYTEST_WORKERS ?= 3
 
 .PHONY: setup vendor-hash lock suite test-latest test test-avx2 test-slow test-device fuzz run lint typecheck format clean proto
