@@ -143,6 +143,8 @@ def install() -> None:
     _lib = torch.library.Library("aten", "IMPL")
     _lib.impl("empty.memory_format", _factory(torch.empty), "PrivateUse1")
     _lib.impl("empty_strided", _factory(torch.empty_strided), "PrivateUse1")
+    for arange in ("arange", "arange.start", "arange.start_step"):  # else empty(0), then an out= op that resizes it
+        _lib.impl(arange, _factory(torch.arange), "PrivateUse1")
     _lib.impl("_copy_from", _copy_from, "PrivateUse1")
     torch.Tensor.pin_memory = _pin_memory
     torch.Tensor.is_pinned = is_pinned

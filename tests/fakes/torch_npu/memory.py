@@ -186,6 +186,7 @@ def _run(func, args, kwargs):
         and not isinstance(args[0], NpuTensor)
     )
     out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    _refuse_resized(func, npu)
     if (func in _NO_CHECK or func.is_view) and not to_host:  # views touch metadata only, never the data
         return tree_map(lambda x: _wrap(x, index, npu), out)
     if getattr(_local, "device", None) != index and threading.current_thread() is not threading.main_thread():
@@ -215,6 +216,19 @@ def _run(func, args, kwargs):
     elif func is torch.ops.aten.copy_.default and not isinstance(args[1], NpuTensor):
         _host_to_device(args[1], kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
     return result
+
+
+def _refuse_resized(func, npu: list) -> None:
+    """An out= op that resized its output (torch.cat(..., out=empty)): on a device the tensor takes the new size,
+    but a wrapper's sizes are fixed when it is made, so the fake would go on with the old ones, silently (a
+    tensor of 0 elements where the op made 6). It says so instead."""
+    for x in npu:
+        p = x._payload
+        if p.shape != x.shape or p.stride() != x.stride() or p.storage_offset() != x.storage_offset():
+            raise RuntimeError(
+                f"fake npu: {func} resized its output on npu:{x.device.index} from {tuple(x.shape)} to "
+                f"{tuple(p.shape)}, which the fake cannot model: give it an output of the right size"
+            )
 
 
 def _async_to_host(args, kwargs) -> bool:
