@@ -168,6 +168,13 @@ def build_app(st: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         tok = _need_tokenizer(st, body.model)
+        if len(body.tokens) > st.limits.max_model_len:  # /tokenize's bound: no sequence is longer than the context
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {st.limits.max_model_len} tokens. However, your "
+                f"request has {len(body.tokens)} tokens to detokenize.",
+                "tokens",
+            )
         check_ids(body.tokens, st.limits, "tokens")
         return {"prompt": await prompts.tokenize(lambda: tok.decode(body.tokens), "tokens")}
 

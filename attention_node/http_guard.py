@@ -14,6 +14,15 @@ from attention_node.openai_protocol import ApiError
 log = logging.getLogger("afd.api")
 
 
+KEYED_ROUTES = ("/tokenize", "/detokenize")
+"""Routes outside /v1 that the API key guards as well: they spend the server's CPU and memory on a client's text or
+ids as a completion does (vLLM keys /v1 only). /health, /metrics and the model list stay open to probes."""
+
+
+def keyed(path: str) -> bool:
+    return path.startswith("/v1") or path in KEYED_ROUTES
+
+
 class Guard:
     """API key, body-size limit, and a JSON 500 for anything the routes raise (answered here, so that
     the client's keep-alive connection survives). Plain ASGI rather than @app.middleware: Starlette's
@@ -28,7 +37,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         st, headers = self.st, {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if st.api_key and scope["path"].startswith("/v1") and headers.get("authorization") != f"Bearer {st.api_key}":
+        if st.api_key and keyed(scope["path"]) and headers.get("authorization") != f"Bearer {st.api_key}":
             return await JSONResponse(ApiError(401, "Unauthorized").body(), status_code=401)(scope, receive, send)
         size = headers.get("content-length")
         if size is not None and (not size.isdigit() or int(size) > st.max_body_bytes):

@@ -61,6 +61,22 @@ def test_every_attention_node_url_is_printed_and_serves(served):
         assert code == 200 and body["model"] == "m", body
 
 
+def test_the_tokenizer_routes_take_the_key_and_detokenize_the_contexts_bound(served):
+    """/tokenize and /detokenize spend the server's CPU on a client's input as completions do: keyed, and
+    /detokenize bounded as /tokenize is, by what one context holds (15M ids took 1.2 GB unbounded)."""
+    url = served.urls[0]
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1, 2]})):
+        code, err = post(url, path, body)
+        assert code == 401 and err["error"]["code"] == 401, (path, err)
+        assert post(url, path, body, KEY)[0] == 200, path
+    longest = post(url, "/tokenize", {"prompt": "hi"}, KEY)[1]["max_model_len"]
+    assert post(url, "/detokenize", {"tokens": [1] * longest}, KEY)[0] == 200
+    code, err = post(url, "/detokenize", {"tokens": [1] * (longest + 1)}, KEY)
+    assert code == 400 and err["error"]["param"] == "tokens", err
+    assert f"maximum context length is {longest} tokens" in err["error"]["message"], err
+    assert get(url, "/health")[0] == 200 and get(url, "/ping")[0] == 200  # probes need no key
+
+
 def test_completions_default_to_16_tokens(served):
     code, body = post(served.urls[0], "/v1/completions", {"prompt": "Experts are", "ignore_eos": True}, KEY)
     assert code == 200 and body["usage"]["completion_tokens"] == 16, body
@@ -68,15 +84,15 @@ def test_completions_default_to_16_tokens(served):
 
 def test_tokenize_detokenize_and_ping(served):
     url = served.urls[1]
-    code, tok = post(url, "/tokenize", {"prompt": "Experts are", "return_token_strs": True})
+    code, tok = post(url, "/tokenize", {"prompt": "Experts are", "return_token_strs": True}, KEY)
     assert code == 200 and tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) > 1
-    code, detok = post(url, "/detokenize", {"tokens": tok["tokens"]})
+    code, detok = post(url, "/detokenize", {"tokens": tok["tokens"]}, KEY)
     assert code == 200 and detok["prompt"] == "Experts are"
-    code, err = post(url, "/detokenize", {"tokens": [10**9]})
+    code, err = post(url, "/detokenize", {"tokens": [10**9]}, KEY)
     assert code == 400 and err["error"]["param"] == "tokens"
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     plain = {"messages": [{"role": "user", "content": "hi"}]}
-    assert post(url, "/tokenize", parts)[1]["tokens"] == post(url, "/tokenize", plain)[1]["tokens"]
+    assert post(url, "/tokenize", parts, KEY)[1]["tokens"] == post(url, "/tokenize", plain, KEY)[1]["tokens"]
     assert get(url, "/ping")[0] == 200
     req = urllib.request.Request(url + "/ping", method="POST", data=b"")
     with urllib.request.urlopen(req, timeout=10) as r:
