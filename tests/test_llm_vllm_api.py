@@ -90,6 +90,9 @@ def test_chat_renders_the_template(llm):
     assert len(both) == 2 and both[1].prompt == llm.tokenizer.apply_chat_template([conv[1]])
     (own,) = llm.chat(conv, sp, chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}")
     assert own.prompt == "Be brief.|Hi|" and llm.tokenizer.chat_template != "{% for m in messages %}"
+    # a path that is not there is refused (as vLLM does), not rendered as the template's text for every chat
+    with pytest.raises(ValueError, match="--chat-template no/such/template.jinja: no such file"):
+        llm.chat(conv, sp, chat_template="no/such/template.jinja")
 
 
 def test_stop_strings_and_stop_ids(llm):

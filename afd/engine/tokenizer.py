@@ -137,10 +137,17 @@ class Tokenizer:
         return [self._tok.id_to_token(i) for i in ids]
 
     def set_chat_template(self, template: str) -> None:
-        """`--chat-template`: a file holding a Jinja template, or the template itself (as vLLM takes it)."""
+        """`--chat-template`: a file holding a Jinja template, or the template itself (as vLLM takes it). Text
+        without a brace or a newline is no template, so it names a file, which must be there: otherwise every
+        chat would render as the path, dropping the messages."""
         if os.path.isfile(template):
             with open(template, encoding="utf-8") as f:
                 template = f.read()
+        elif not any(c in template for c in "{}\n"):
+            raise ValueError(
+                f"--chat-template {template}: no such file "
+                "(a template given as text holds Jinja's {{ }} or {% %})"
+            )
         self.chat_template, self._compiled_template = template, None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
