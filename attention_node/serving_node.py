@@ -3,16 +3,23 @@
 SIGTERM (or SIGINT): /health turns 503 and new requests get 503; running requests get up to
 `engine.shutdown_timeout` seconds to finish (0 aborts them at once); then the node leaves the data
 plane and exits. The FFN nodes stop once every attention node has left.
+
+An engine that stops for good (a peer lost for longer than `cluster.rejoin_timeout`, or an engine failure) has
+failed its requests with a 503 naming why; the node then exits with ENGINE_STOPPED_EXIT, ENGINE_STOPPED_GRACE_S
+later, so that its supervisor (afd launch, afd serve, Kubernetes) starts it again and it re-forms its pairs: a
+live process never sits in front of a dead engine, answering 503 while `afd status` says READY.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from typing import TYPE_CHECKING
 
 from afd.control import control_pb2 as pb
+from afd.node.signals import exit_with
 from attention_node.api_server import ServerState
 from attention_node.memory import fix_mmap_threshold
 from attention_node.node import AttentionNode
@@ -21,6 +28,13 @@ if TYPE_CHECKING:
     from attention_node.http_server import UvicornServer
 
 log = logging.getLogger("afd.attention")
+
+ENGINE_STOPPED_EXIT = 3
+"""The exit code of a serving node whose engine stopped for good (0: asked to stop, 1: failed to start, 2: a port in
+use)."""
+ENGINE_STOPPED_GRACE_S = 2.0
+"""Seconds between the engine's stop and the exit: the failed requests' 503s and their streams' error events are
+written meanwhile, and requests that arrive get a 503 naming why."""
 
 
 class ServingNode(AttentionNode):
@@ -31,6 +45,7 @@ class ServingNode(AttentionNode):
         self.state: ServerState | None = None
         self.server: UvicornServer | None = None
         self.sock: socket.socket | None = None
+        self.restarting = False
 
     def start(self) -> None:
         from attention_node.http_server import api_listen, api_socket, check_tls
@@ -58,6 +73,7 @@ class ServingNode(AttentionNode):
         node = cfg.node(args.node)
         fix_mmap_threshold()  # a huge body's memory goes back to the system once it is answered
         self.server = api_server(build_app(self.state), cfg.http, self.sock)
+        self.state.engine.on_dead = self._engine_stopped
         self.state.engine.start()
         log.info(
             "API ready at %s://%s:%d (cluster %s, %s)",
@@ -69,6 +85,21 @@ class ServingNode(AttentionNode):
         )
         serve_on(self.server, self.sock)
         return 0
+
+    def _engine_stopped(self, reason: str) -> None:
+        st = self.state
+        if st is None or st.draining:  # stopping anyway: the exit code stays the stop's
+            return
+        log.error(
+            "exiting with code %d in %.0f s, to be started again: %s",
+            ENGINE_STOPPED_EXIT,
+            ENGINE_STOPPED_GRACE_S,
+            reason,
+        )
+        self.restarting = True  # the cluster goes on: the coordinator's node leaves without shutting it down
+        timer = threading.Timer(ENGINE_STOPPED_GRACE_S, exit_with, (ENGINE_STOPPED_EXIT,))
+        timer.daemon = True
+        timer.start()
 
     def stop(self) -> None:
         """Drains (up to engine.shutdown_timeout), stops the engine (it leaves the data plane), and, on
@@ -84,6 +115,7 @@ class ServingNode(AttentionNode):
                 log.info("aborting %d unfinished request(s) at shutdown", left)
             st.engine.stop(timeout=5)
         if rt is not None:
-            if rt.cluster_state != pb.ClusterStatus.SHUTDOWN and rt.node.name == self.cfg.coordinator.name:
+            coordinator = rt.node.name == self.cfg.coordinator.name
+            if rt.cluster_state != pb.ClusterStatus.SHUTDOWN and coordinator and not self.restarting:
                 rt.client.shutdown_cluster("coordinator node stopped")
             rt.close(plane=False)

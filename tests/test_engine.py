@@ -163,8 +163,10 @@ def test_a_rejoin_that_fails_fails_the_requests_with_both_reasons(llm):
         raise ControlError("no pair formed with FFN node ffn0 within 1s (last: connection refused)")
 
     engine.membership = PlaneMembership(rejoin, lambda: released.append(1))
+    stopped: list[str] = []
+    engine.on_dead = stopped.append  # the serving node exits for a restart then (attention_node/serving_node.py)
     _serve(engine, PROMPTS[:2], outs)
     engine.stop()
     reason = "ffn0 (rank 2): recv timed out; no pair formed with FFN node ffn0 within 1s (last: connection refused)"
-    assert engine.dead == reason and released == [1]
+    assert engine.dead == reason and released == [1] and stopped == [reason]
     assert all(o[-1].finished and o[-1].error == reason for o in outs.values())

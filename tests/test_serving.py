@@ -216,22 +216,28 @@ def test_afd_bench_against_the_cluster(cluster, tmp_path):
         assert result[key] > 0
 
 
-def test_dead_ffn_node_makes_health_503_and_requests_fail_fast(tiny_checkpoint, tmp_path):
-    """Without rejoin (cluster.rejoin_timeout: 0) a dead peer fails every request at once."""
+def test_a_dead_engine_fails_its_requests_then_its_node_exits_for_a_restart(tiny_checkpoint, tmp_path):
+    """Without rejoin (cluster.rejoin_timeout: 0) a dead peer fails every request at once, with a 503 naming why;
+    then the attention node exits with code 3 rather than answer 503 for good behind a live process (issue 46
+    F2), so that its supervisor starts it again, and the cluster serves once both are back."""
+    from attention_node.serving_node import ENGINE_STOPPED_EXIT
+
     path = cluster_yaml(tmp_path, tiny_checkpoint, name="dead", cluster={"rejoin_timeout": 0})
     with Cluster(path) as c:
         c.start_all()
         c.wait_ready()
         assert _complete(c.url(), PROMPTS[0])[0] == 200
-        c.kill("ffn0")
-        end = time.monotonic() + 15
-        while health(c.url()) != 503 and time.monotonic() < end:
-            time.sleep(0.1)
-        assert health(c.url()) == 503
         t0 = time.monotonic()
-        status, err = _complete(c.url(), PROMPTS[0])
-        assert status == 503 and time.monotonic() - t0 < 5
-        assert "not serving" in err["error"]["message"]
+        c.kill("ffn0")
+        assert c.procs["attn0"].wait(30) == ENGINE_STOPPED_EXIT
+        log = c.log("attn0")
+        assert "engine stopped" in log and f"exiting with code {ENGINE_STOPPED_EXIT}" in log, log[-2000:]
+        assert time.monotonic() - t0 < 20
+        c.start("ffn0")  # what the launcher does: each node's own command again
+        c.start("attn0")
+        c.wait_ready()
+        code, body = _complete(c.url(), PROMPTS[0])
+        assert code == 200, body
 
 
 def _slow_model(tmp_path) -> str:

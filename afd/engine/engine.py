@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 
 from afd.backend.base import bind_device
 from afd.dataplane.transport import PeerError
@@ -82,6 +83,8 @@ class Engine:
         """Why the engine is waiting for the data plane to re-form (requests wait, /health is 503)."""
         self.membership: PlaneMembership | None = None
         """Serving sets it (afd.node.runtime); offline generation runs without."""
+        self.on_dead: Callable[[str], None] | None = None
+        """Called once, from the engine's thread, when it stops for good (`dead`): the serving node exits then."""
         self._thread = threading.Thread(target=self._loop, name="afd-engine", daemon=True)
         self._preemptions_seen = 0
         self._prefix_seen = (0, 0)
@@ -200,6 +203,8 @@ class Engine:
         self.runner.moe = None
         if self.membership is not None:
             self.membership.release()
+        if self.on_dead is not None:
+            self.on_dead(reason)
         while True:  # fail whatever still arrives: a request may slip into the inbox as `dead` is set
             self._drain_inbox()
             for req in list(self.processor.requests.values()):

@@ -20,11 +20,20 @@ log = logging.getLogger("afd")
 
 _SIGNALS = {signal.SIGTERM, signal.SIGINT}
 _handler: list[Callable[[int], None]] = []
+_exit_code: list[int] = []
 
 
 def set_stop_handler(fn: Callable[[int], None]) -> None:
     """What to do (drain, leave the data plane) between the signal and the exit."""
     _handler[:] = [fn]
+
+
+def exit_with(code: int) -> None:
+    """Stops this process as SIGTERM would (the stop handler, then the exit), but with exit code `code`: what a
+    node that can no longer serve does, so that its supervisor starts it again (afd.cluster.supervise restarts
+    a process that exits non-zero)."""
+    _exit_code[:] = [code]
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def exit_on_signal(code: int = 0) -> None:
@@ -42,6 +51,6 @@ def exit_on_signal(code: int = 0) -> None:
             except Exception as e:
                 log.warning("while stopping: %s", e)
         logging.shutdown()
-        os._exit(code)
+        os._exit(_exit_code[0] if _exit_code else code)
 
     threading.Thread(target=watch, name="afd-signal-watch", daemon=True).start()
