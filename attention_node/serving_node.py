@@ -32,6 +32,8 @@ log = logging.getLogger("afd.attention")
 ENGINE_STOPPED_EXIT = 3
 """The exit code of a serving node whose engine stopped for good (0: asked to stop, 1: failed to start, 2: a port in
 use)."""
+PAUSED_LEN = 300
+"""Characters of a pause's reason that the heartbeat carries (gloo's errors run to a kilobyte)."""
 ENGINE_STOPPED_GRACE_S = 2.0
 """Seconds between the engine's stop and the exit: the failed requests' 503s and their streams' error events are
 written meanwhile, and requests that arrive get a 503 naming why."""
@@ -57,6 +59,8 @@ class ServingNode(AttentionNode):
         self.sock = api_socket(http_host, node.ports.http, what)
         super().start()
         self.state = serving_state(self)
+        if self.runtime is not None:
+            self.runtime.paused = self._paused
         api_listen(self.sock, what)
 
     def _on_status(self, status) -> None:  # Drain: no new requests, running ones finish
@@ -85,6 +89,16 @@ class ServingNode(AttentionNode):
         )
         serve_on(self.server, self.sock)
         return 0
+
+    def _paused(self) -> str:
+        """Why this node's requests wait, naming the peer, for its heartbeats (afd status says DEGRADED)."""
+        engine, names = self.state.engine, self.cfg.process_names
+        why, peer = engine.paused, engine.paused_peer
+        if not why:
+            return ""
+        if len(why) > PAUSED_LEN:
+            why = f"{why[:PAUSED_LEN]}..."
+        return f"waiting for {names[peer]}: {why}" if peer is not None and 0 <= peer < len(names) else why
 
     def _engine_stopped(self, reason: str) -> None:
         st = self.state

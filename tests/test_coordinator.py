@@ -123,6 +123,19 @@ def test_a_node_that_does_not_fit_the_yaml_is_refused(tmp_path, request_, refusa
     assert not c.members
 
 
+def test_a_node_whose_requests_are_paused_makes_the_cluster_degraded_naming_why(serving):
+    """Issue 46 F9: `afd status` said READY while the only FFN node was dead and every request paused. A serving
+    node's heartbeat says why its requests are paused; the cluster is DEGRADED, naming it, until one says
+    they run again."""
+    s, c = serving, serving.c
+    why = "ffn0 (rank 2): recv failed: the peer process is probably gone; waiting for FFN node ffn0"
+    st = c.Heartbeat(pb.NodeRef(name="attn1", instance_id=s.ids["attn1"], paused=why), _Context())
+    assert (st.state, st.message) == (pb.ClusterStatus.DEGRADED, f"attn1: requests paused: {why}")
+    assert c.GetStatus(pb.StatusRequest(), _Context()).state == pb.ClusterStatus.DEGRADED
+    st = c.Heartbeat(s.ref("attn1"), _Context())  # no reason: serving again
+    assert (st.state, st.message) == (pb.ClusterStatus.READY, "")
+
+
 def test_a_duplicate_name_is_refused_and_a_replacement_taken_once_the_old_instance_is_lost(serving):
     s, c = serving, serving.c
     with pytest.raises(_Aborted, match="ALREADY_EXISTS: duplicate node name 'attn1': already registered from"):

@@ -5,12 +5,15 @@ attention node is away, and while its replacement forms its pairs, the FFN nodes
 
 from __future__ import annotations
 
+import json
 import signal
+import sys
 import time
 from pathlib import Path
 
+import forked_python
 import pytest
-from cluster_helpers import Cluster, cluster_yaml, health, post
+from cluster_helpers import ROOT, Cluster, cluster_yaml, health, post
 from hf_reference import PROMPTS, hf_greedy
 from sse import Streams, Ticker
 
@@ -69,6 +72,12 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
         while health(c.url()) != 503:
             assert time.monotonic() < end, "the attention node did not pause for the dead FFN node"
             time.sleep(0.1)
+        # afd status agrees while the requests wait: DEGRADED, naming why (issue 46 F9: it said READY)
+        end = time.monotonic() + FAST["heartbeat_interval"] * 10 + 3
+        while (st := _status(path))["state"] != "DEGRADED" or "attn0: requests paused" not in st["message"]:
+            assert time.monotonic() < end, f"afd status did not report the paused requests: {st}"
+            time.sleep(0.2)
+        assert "attn0: requests paused: waiting for ffn0: " in st["message"], st
         c.start("ffn0")  # the node's own command, as a supervisor would run it
         streams.join(240)
         results = streams.results
@@ -85,6 +94,11 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
             assert r["hccl"]["shutdown_hangs"] == [], "a teardown synchronized streams with work queued on them"
             assert r["device"]["hazards"] == [] and r["device"]["unbound"] == []
         assert seen[attn_pid]["hccl"]["aborts"] > 0, "the failed generation was aborted, not destroyed"
+
+
+def _status(path) -> dict:
+    r = forked_python.run([sys.executable, "-m", "afd.cli", "status", str(path), "--json"], cwd=ROOT, timeout=30)
+    return json.loads(r.stdout)
 
 
 @pytest.mark.slow  # CI runs it in make test-slow; the killed FFN node's case covers re-forming by default

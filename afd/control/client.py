@@ -119,12 +119,14 @@ class ControlClient:
         self,
         on_status: Callable[[pb.ClusterStatus | None, float], None],
         ready: Callable[[], bool] = lambda: False,
+        paused: Callable[[], str] = lambda: "",
     ) -> None:
         """on_status(status, asked) after each heartbeat, `asked` when it was sent (time.monotonic());
         on_status(None, asked) after each one that fails once the
         coordinator has been unreachable for longer than the heartbeat timeout. One line when it is lost,
         one when it is back; a coordinator that does not know this node (it restarted) is registered with
-        again, with `ready()`: whether it reported ready."""
+        again, with `ready()`: whether it reported ready. Each heartbeat carries `paused()`: why this node's
+        requests are paused, if they are (the coordinator reports DEGRADED meanwhile)."""
         interval, limit = self.cfg.cluster.heartbeat_interval, self.cfg.cluster.heartbeat_timeout
 
         def beat() -> None:
@@ -132,7 +134,8 @@ class ControlClient:
             while not self._stop.wait(interval):
                 asked = time.monotonic()
                 try:
-                    st = self.stub.Heartbeat(self.ref, metadata=call_metadata(), timeout=max(1.0, interval))
+                    ref = pb.NodeRef(name=self.ref.name, instance_id=self.ref.instance_id, paused=paused())
+                    st = self.stub.Heartbeat(ref, metadata=call_metadata(), timeout=max(1.0, interval))
                 except ValueError:  # grpc's "Cannot invoke RPC on closed channel!": close() ran meanwhile
                     if self._stop.is_set():
                         return

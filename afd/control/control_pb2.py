@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61\x66\x64/control/control.proto\x12\x0b\x61\x66\x64.control\"f\n\x0cStoreRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x03 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x04 \x01(\x03\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\":\n\nStoreReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x03 \x01(\x03\"\xa3\x01\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\r\n\x05\x61gain\x18\x07 \x01(\x08\x12\r\n\x05ready\x18\t \x01(\x08J\x04\x08\x08\x10\t\"\x7f\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x12\n\npeer_ranks\x18\x05 \x03(\x05\x12\x14\n\x0c\x63luster_name\x18\t \x01(\tJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\n\x10\x0b\",\n\x07NodeRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\"5\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\x12\x0c\n\x04node\x18\x02 \x01(\t\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rStatusRequest\"\xa3\x02\n\rClusterStatus\x12/\n\x05state\x18\x01 \x01(\x0e\x32 .afd.control.ClusterStatus.State\x12\x0f\n\x07missing\x18\x02 \x03(\t\x12\x12\n\nregistered\x18\x03 \x03(\t\x12\r\n\x05ready\x18\x04 \x03(\t\x12\x0c\n\x04lost\x18\x05 \x03(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x10\n\x08\x64raining\x18\x07 \x03(\t\x12\x12\n\nrestarting\x18\x0b \x03(\t\"V\n\x05State\x12\x0c\n\x08STARTING\x10\x00\x12\t\n\x05READY\x10\x01\x12\x0c\n\x08\x44\x45GRADED\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x12\x0c\n\x08SHUTDOWN\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0b\"d\n\x0bPairRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0b\n\x03key\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"*\n\tPairReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x32\xa2\x04\n\x0b\x43oordinator\x12\x44\n\x08Register\x12\x1c.afd.control.RegisterRequest\x1a\x1a.afd.control.RegisterReply\x12@\n\x0c\x41waitCluster\x12\x14.afd.control.NodeRef\x1a\x1a.afd.control.ClusterStatus\x12?\n\x0bReportReady\x12\x14.afd.control.NodeRef\x1a\x1a.afd.control.ClusterStatus\x12=\n\tHeartbeat\x12\x14.afd.control.NodeRef\x1a\x1a.afd.control.ClusterStatus\x12>\n\x05\x44rain\x12\x19.afd.control.DrainRequest\x1a\x1a.afd.control.ClusterStatus\x12@\n\x07Restart\x12\x19.afd.control.DrainRequest\x1a\x1a.afd.control.ClusterStatus\x12\x44\n\x08Shutdown\x12\x1c.afd.control.ShutdownRequest\x1a\x1a.afd.control.ClusterStatus\x12\x43\n\tGetStatus\x12\x1a.afd.control.StatusRequest\x1a\x1a.afd.control.ClusterStatus2E\n\x05Pairs\x12<\n\x08\x46ormPair\x12\x18.afd.control.PairRequest\x1a\x16.afd.control.PairReply2\xf8\x03\n\nRendezvous\x12\x39\n\x03Set\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12\x39\n\x03Get\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12\x39\n\x03\x41\x64\x64\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12@\n\nCompareSet\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12:\n\x04Wait\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12;\n\x05\x43heck\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12?\n\tDeleteKey\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12=\n\x07NumKeys\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19\x61\x66\x64/control/control.proto\x12\x0b\x61\x66\x64.control\"f\n\x0cStoreRequest\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x10\n\x08\x65xpected\x18\x03 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x04 \x01(\x03\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\":\n\nStoreReply\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x0e\n\x06\x61mount\x18\x03 \x01(\x03\"\xa3\x01\n\x0fRegisterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\t\x12\x13\n\x0binstance_id\x18\x06 \x01(\t\x12\r\n\x05\x61gain\x18\x07 \x01(\x08\x12\r\n\x05ready\x18\t \x01(\x08J\x04\x08\x08\x10\t\"\x7f\n\rRegisterReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x12\n\npeer_ranks\x18\x05 \x03(\x05\x12\x14\n\x0c\x63luster_name\x18\t \x01(\tJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05J\x04\x08\x06\x10\x07J\x04\x08\x07\x10\x08J\x04\x08\x08\x10\tJ\x04\x08\n\x10\x0b\"<\n\x07NodeRef\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0e\n\x06paused\x18\x03 \x01(\t\"5\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\x12\x0c\n\x04node\x18\x02 \x01(\t\"!\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x0f\n\rStatusRequest\"\xa3\x02\n\rClusterStatus\x12/\n\x05state\x18\x01 \x01(\x0e\x32 .afd.control.ClusterStatus.State\x12\x0f\n\x07missing\x18\x02 \x03(\t\x12\x12\n\nregistered\x18\x03 \x03(\t\x12\r\n\x05ready\x18\x04 \x03(\t\x12\x0c\n\x04lost\x18\x05 \x03(\t\x12\x0f\n\x07message\x18\x06 \x01(\t\x12\x10\n\x08\x64raining\x18\x07 \x03(\t\x12\x12\n\nrestarting\x18\x0b \x03(\t\"V\n\x05State\x12\x0c\n\x08STARTING\x10\x00\x12\t\n\x05READY\x10\x01\x12\x0c\n\x08\x44\x45GRADED\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x12\x0c\n\x08SHUTDOWN\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05J\x04\x08\x08\x10\tJ\x04\x08\t\x10\nJ\x04\x08\n\x10\x0b\"d\n\x0bPairRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0binstance_id\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0b\n\x03key\x18\x04 \x01(\t\x12\x17\n\x0ftimeout_seconds\x18\x05 \x01(\x01\"*\n\tPairReply\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x0f\n\x07\x65xperts\x18\x02 \x03(\x05\x32\xa2\x04\n\x0b\x43oordinator\x12\x44\n\x08Register\x12\x1c.afd.control.RegisterRequest\x1a\x1a.afd.control.RegisterReply\x12@\n\x0c\x41waitCluster\x12\x14.afd.control.NodeRef\x1a\x1a.afd.control.ClusterStatus\x12?\n\x0bReportReady\x12\x14.afd.control.NodeRef\x1a\x1a.afd.control.ClusterStatus\x12=\n\tHeartbeat\x12\x14.afd.control.NodeRef\x1a\x1a.afd.control.ClusterStatus\x12>\n\x05\x44rain\x12\x19.afd.control.DrainRequest\x1a\x1a.afd.control.ClusterStatus\x12@\n\x07Restart\x12\x19.afd.control.DrainRequest\x1a\x1a.afd.control.ClusterStatus\x12\x44\n\x08Shutdown\x12\x1c.afd.control.ShutdownRequest\x1a\x1a.afd.control.ClusterStatus\x12\x43\n\tGetStatus\x12\x1a.afd.control.StatusRequest\x1a\x1a.afd.control.ClusterStatus2E\n\x05Pairs\x12<\n\x08\x46ormPair\x12\x18.afd.control.PairRequest\x1a\x16.afd.control.PairReply2\xf8\x03\n\nRendezvous\x12\x39\n\x03Set\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12\x39\n\x03Get\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12\x39\n\x03\x41\x64\x64\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12@\n\nCompareSet\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12:\n\x04Wait\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12;\n\x05\x43heck\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12?\n\tDeleteKey\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReply\x12=\n\x07NumKeys\x12\x19.afd.control.StoreRequest\x1a\x17.afd.control.StoreReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREPLY']._serialized_start=372
   _globals['_REGISTERREPLY']._serialized_end=499
   _globals['_NODEREF']._serialized_start=501
-  _globals['_NODEREF']._serialized_end=545
-  _globals['_DRAINREQUEST']._serialized_start=547
-  _globals['_DRAINREQUEST']._serialized_end=600
-  _globals['_SHUTDOWNREQUEST']._serialized_start=602
-  _globals['_SHUTDOWNREQUEST']._serialized_end=635
-  _globals['_STATUSREQUEST']._serialized_start=637
-  _globals['_STATUSREQUEST']._serialized_end=652
-  _globals['_CLUSTERSTATUS']._serialized_start=655
-  _globals['_CLUSTERSTATUS']._serialized_end=946
-  _globals['_CLUSTERSTATUS_STATE']._serialized_start=842
-  _globals['_CLUSTERSTATUS_STATE']._serialized_end=928
-  _globals['_PAIRREQUEST']._serialized_start=948
-  _globals['_PAIRREQUEST']._serialized_end=1048
-  _globals['_PAIRREPLY']._serialized_start=1050
-  _globals['_PAIRREPLY']._serialized_end=1092
-  _globals['_COORDINATOR']._serialized_start=1095
-  _globals['_COORDINATOR']._serialized_end=1641
-  _globals['_PAIRS']._serialized_start=1643
-  _globals['_PAIRS']._serialized_end=1712
-  _globals['_RENDEZVOUS']._serialized_start=1715
-  _globals['_RENDEZVOUS']._serialized_end=2219
+  _globals['_NODEREF']._serialized_end=561
+  _globals['_DRAINREQUEST']._serialized_start=563
+  _globals['_DRAINREQUEST']._serialized_end=616
+  _globals['_SHUTDOWNREQUEST']._serialized_start=618
+  _globals['_SHUTDOWNREQUEST']._serialized_end=651
+  _globals['_STATUSREQUEST']._serialized_start=653
+  _globals['_STATUSREQUEST']._serialized_end=668
+  _globals['_CLUSTERSTATUS']._serialized_start=671
+  _globals['_CLUSTERSTATUS']._serialized_end=962
+  _globals['_CLUSTERSTATUS_STATE']._serialized_start=858
+  _globals['_CLUSTERSTATUS_STATE']._serialized_end=944
+  _globals['_PAIRREQUEST']._serialized_start=964
+  _globals['_PAIRREQUEST']._serialized_end=1064
+  _globals['_PAIRREPLY']._serialized_start=1066
+  _globals['_PAIRREPLY']._serialized_end=1108
+  _globals['_COORDINATOR']._serialized_start=1111
+  _globals['_COORDINATOR']._serialized_end=1657
+  _globals['_PAIRS']._serialized_start=1659
+  _globals['_PAIRS']._serialized_end=1728
+  _globals['_RENDEZVOUS']._serialized_start=1731
+  _globals['_RENDEZVOUS']._serialized_end=2235
 # @@protoc_insertion_point(module_scope)

@@ -64,12 +64,14 @@ class RegisterReply(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., world_size: _Optional[int] = ..., peer_ranks: _Optional[_Iterable[int]] = ..., cluster_name: _Optional[str] = ...) -> None: ...
 
 class NodeRef(_message.Message):
-    __slots__ = ("name", "instance_id")
+    __slots__ = ("name", "instance_id", "paused")
     NAME_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_FIELD_NUMBER: _ClassVar[int]
     name: str
     instance_id: str
-    def __init__(self, name: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    paused: str
+    def __init__(self, name: _Optional[str] = ..., instance_id: _Optional[str] = ..., paused: _Optional[str] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
     __slots__ = ("timeout_seconds", "node")

@@ -5,7 +5,7 @@ import warnings
 
 from afd.control import control_pb2 as afd_dot_control_dot_control__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -52,7 +52,8 @@ class Coordinator(pb_grpc.CoordinatorServicer):
     def _status(self) -> pb.ClusterStatus:
         lost = self._lost()
         state = self.state
-        if (state == State.READY and lost) or (state == State.STARTING and self.resumed):
+        paused = [f"{m.name}: requests paused: {m.paused}" for _, m in sorted(self.members.items()) if m.paused]
+        if (state == State.READY and (lost or paused)) or (state == State.STARTING and self.resumed):
             state = State.DEGRADED
         return pb.ClusterStatus(
             state=state,
@@ -60,7 +61,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             registered=sorted(self.members),
             ready=sorted(m.name for m in self.members.values() if m.ready),
             lost=lost,
-            message=self.message,
+            message="; ".join([self.message] * bool(self.message) + paused),
             draining=sorted(self.draining),
             restarting=sorted(self.restarting),
         )
@@ -181,7 +182,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
 
     def Heartbeat(self, ref: pb.NodeRef, context) -> pb.ClusterStatus:
         with self._cv:
-            self._member(ref, context)
+            self._member(ref, context).paused = ref.paused
             return self._status()
 
     def Drain(self, req: pb.DrainRequest, context) -> pb.ClusterStatus:

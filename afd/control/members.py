@@ -19,6 +19,8 @@ class Member:
     fingerprint: str
     last_seen: float
     ready: bool = False
+    paused: str = ""
+    """Why its requests are paused, as its last heartbeat said (empty: serving)."""
 
 
 def assignment(cfg: ClusterConfig, proc, n_routed: int) -> pb.RegisterReply:

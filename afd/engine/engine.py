@@ -81,6 +81,8 @@ class Engine:
         self.dead: str | None = None
         self.paused: str | None = None
         """Why the engine is waiting for the data plane to re-form (requests wait, /health is 503)."""
+        self.paused_peer: int | None = None
+        """The data-plane rank whose failure paused it, where the failure names one."""
         self.membership: PlaneMembership | None = None
         """Serving sets it (afd.node.runtime); offline generation runs without."""
         self.on_dead: Callable[[str], None] | None = None
@@ -157,6 +159,7 @@ class Engine:
                     if not self._can_rejoin():
                         raise
                     failed = str(e)  # leave the except block first: its traceback pins the old process group
+                    self.paused_peer = e.peer
                 if failed is not None:
                     self._rejoin(failed)
                     continue

@@ -53,6 +53,9 @@ class NodeRuntime:
     """ReportReady succeeded: a restarted coordinator that this node registers with again learns it."""
     shutdown: threading.Event = field(default_factory=threading.Event)
     tp_rank: int = 0
+    paused: Callable[[], str] = lambda: ""
+    """Why this node's requests are paused ("" while serving), sent in each heartbeat: a serving attention node
+    sets it to its engine's (afd.engine.engine Engine.paused)."""
 
     def make_plane(self) -> DataPlane:
         a = self.assignment
@@ -201,7 +204,7 @@ def bring_up(
         if on_status is not None:
             on_status(st)
 
-    rt.client.start_heartbeats(track, lambda: rt.ready_reported)
+    rt.client.start_heartbeats(track, lambda: rt.ready_reported, lambda: rt.paused())
     if server is not None:
         server.set_serving(True)
     return rt
