@@ -61,6 +61,8 @@ class ServerState:
     """One log line per request, vLLM's (http.enable_log_requests, --enable-log-requests)."""
     grammars: GrammarCompiler | None = None
     """Structured outputs' compiler, made on the first constrained request (attention_node/structured.py)."""
+    max_grammar_bytes: int = 256 << 10
+    """Larger structured-output specs get 400 before they are compiled (http.max_grammar_bytes)."""
 
 
 def build_app(st: ServerState) -> FastAPI:

@@ -101,6 +101,7 @@ def run(args) -> int:
         ready=lambda: True,
         api_key=key,
         max_body_bytes=cfg.http.max_body_bytes,
+        max_grammar_bytes=cfg.http.max_grammar_bytes,
         log_requests=cfg.engine.enable_log_requests,
     )
     server = api_server(build_app(st), cfg.http, sock)

@@ -59,6 +59,7 @@ def serving_state(node: AttentionNode) -> ServerState:
         ready=lambda: rt.cluster_state in _SERVING,
         api_key=args.api_key,
         max_body_bytes=cfg.http.max_body_bytes,
+        max_grammar_bytes=cfg.http.max_grammar_bytes,
         log_requests=cfg.engine.enable_log_requests,
     )
 

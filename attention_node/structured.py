@@ -18,7 +18,6 @@ A request takes at most one constraint; an invalid schema, regex or grammar is a
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import uuid
@@ -191,7 +190,7 @@ async def compile_for(st, c: Constraint) -> Grammar:
         path = os.path.join(st.model_path, "tokenizer.json")
         st.grammars = GrammarCompiler(path, st.limits.vocab_size, st.engine.eos_ids)
     try:
-        return await asyncio.to_thread(st.grammars.compile, c.spec)
+        return await st.grammars.compile_async(c.spec, st.max_grammar_bytes)
     except GrammarError as e:
         raise ApiError(400, f"Invalid {c.param}: {e}", c.param) from None
 

@@ -65,6 +65,42 @@ def test_an_invalid_spec_is_a_grammar_error(demo):
             compiler.compile(spec)
 
 
+def test_compiles_are_bounded_in_size_and_time_and_fail_in_one_line(demo):
+    """Issue 46 F3: a spec past the size bound is refused before it is compiled; a compile that takes longer
+    than its limit is given up; llguidance's error is one line, never a panic's backtrace; and the compiles run
+    on threads of their own, not the default pool that tokenizes prompts."""
+    import asyncio
+    import threading
+    import time
+
+    from afd.engine.grammar import MAX_ERROR_LEN, one_line
+
+    compiler, _ = demo
+    many = GrammarSpec("choice", [f"option {i}" for i in range(2_000)])
+    t0 = time.monotonic()
+    with pytest.raises(
+        GrammarError, match=r"it is \d+ bytes; this server compiles at most 1024 \(http.max_grammar_bytes"
+    ):
+        asyncio.run(compiler.compile_async(many, max_bytes=1024))
+    assert time.monotonic() - t0 < 0.5  # refused by its size, not compiled
+    with pytest.raises(GrammarError, match="compiling it took longer than 0.001 s"):
+        asyncio.run(compiler.compile_async(many, max_bytes=1 << 30, timeout=0.001))
+    seen = []
+    spec = GrammarSpec("regex", "[ab]+")
+    real = compiler.compile
+    compiler.compile = lambda s: seen.append(threading.current_thread().name) or real(s)
+    try:
+        assert asyncio.run(compiler.compile_async(spec, max_bytes=1024)) is not None
+    finally:
+        del compiler.compile
+    assert seen and seen[0].startswith("afd-grammar"), seen
+    with pytest.raises(GrammarError) as err:
+        compiler.compile(GrammarSpec("grammar", "start: " + " | ".join(f'"x{i}"' for i in range(50_000)) + " | ("))
+    assert "\n" not in str(err.value) and len(str(err.value)) <= MAX_ERROR_LEN + 3
+    panic = "thread '<unnamed>' panicked at src/x.rs:1:2:\nlimit\nstack backtrace:\n   0: rust_begin_unwind"
+    assert "panicked" not in one_line(panic) and "internal error" in one_line(panic)
+
+
 def test_a_row_without_a_draft_draws_from_its_distribution_in_a_drafting_batch():
     """The bonus row after a kept draft has no draft: u * q(x) < p(x) with q = 0 kept its placeholder, token 0."""
     logits = torch.full((2, 8), -20.0)

@@ -246,10 +246,11 @@ def _check_tls(src: str, tls: dict | None) -> None:
 
 def _load_http(src: str, raw: Any) -> HttpSection:
     kw = dict(raw or {}) if isinstance(raw, dict) else raw
-    if isinstance(kw, dict) and "max_body_bytes" in kw:
-        kw["max_body_bytes"] = parse_bytes(src, "http.max_body_bytes", kw["max_body_bytes"])
+    for size in ("max_body_bytes", "max_grammar_bytes"):
+        if isinstance(kw, dict) and size in kw:
+            kw[size] = parse_bytes(src, f"http.{size}", kw[size])
     http = HttpSection(**_section(HttpSection, src, "http", kw))
-    for k in ("keep_alive_timeout", "header_timeout", "body_timeout", "body_min_rate"):
+    for k in ("keep_alive_timeout", "header_timeout", "body_timeout", "body_min_rate", "max_grammar_bytes"):
         _positive(src, f"http.{k}", getattr(http, k))
     if (http.ssl_certfile is None) != (http.ssl_keyfile is None):
         _fail(src, "http", "ssl_certfile and ssl_keyfile go together")

@@ -16,9 +16,11 @@ length, its text then incomplete).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,24 @@ WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 """Whitespace a JSON grammar takes between tokens by default: at most 16 characters at a time (room for
 indentation), so that a model that would emit whitespace forever still has to finish the value."""
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+COMPILE_THREADS = 2
+"""Compiles at once; more wait for a thread (their wait counts toward COMPILE_TIMEOUT_S)."""
+COMPILE_TIMEOUT_S = 10.0
+"""Seconds a request waits for its grammar before a 400: eight 100k-entry choice lists once held a plain request
+for 95 s on the pool that tokenizes prompts."""
+MAX_ERROR_LEN = 300
+"""Characters of llguidance's error in the 400 (a panic's message carries its backtrace)."""
+
+
+def one_line(text: str) -> str:
+    """The first line of an error, cut to MAX_ERROR_LEN; a Rust panic's text (where in llguidance's sources, and
+    its backtrace) is no help to a client and is not passed on."""
+    first = (text.strip().splitlines() or [""])[0]
+    if "panicked at" in first:
+        return "llguidance failed on it (an internal error: a limit it does not check, or a bug)"
+    return first if len(first) <= MAX_ERROR_LEN else f"{first[:MAX_ERROR_LEN]}..."
 
 
 class GrammarError(ValueError):
@@ -48,6 +68,11 @@ class GrammarSpec:
     """A regex for the whitespace between JSON tokens, instead of WHITESPACE."""
     no_additional_properties: bool = False
     """An object schema that does not say additionalProperties takes none (vLLM's disable_additional_properties)."""
+
+    def size(self) -> int:
+        """Bytes of the spec as a client sends it: the schema or the choices as JSON, the regex or grammar's text."""
+        value = self.value
+        return len(value.encode() if isinstance(value, str) else json.dumps(value).encode())
 
     def llguidance(self) -> str:
         """The llguidance grammar text (no check here: compiling does that)."""
@@ -119,6 +144,7 @@ class GrammarCompiler:
         self.path, self.vocab_size, self.eos_ids = tokenizer_path, vocab_size, list(eos_ids)
         self._tok: Any = None
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
 
     def tokenizer(self):
         with self._lock:
@@ -135,19 +161,42 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec) -> Grammar:
         """The spec's matcher, its first mask computed (a grammar that cannot start fails here). Blocking:
-        call it off the engine thread and the event loop (llguidance releases the GIL while it works)."""
-        from llguidance import LLMatcher
+        call it off the engine thread and the event loop (llguidance releases the GIL while it works), as
+        `compile_async` does."""
+        from llguidance import LLMatcher, LLParserLimits
 
         tok = self.tokenizer()
+        # llguidance's own resource limits, at their defaults; its verbose errors would quote the grammar and
+        # the parser's state back
+        limits = LLParserLimits(verbose_errors=False)
         try:  # the spec is the client's: whatever it makes llguidance raise is the client's 400
-            matcher = LLMatcher(tok, spec.llguidance(), log_level=0)
+            matcher = LLMatcher(tok, spec.llguidance(), log_level=0, limits=limits)
             if not matcher.is_error():
                 matcher.compute_bitmask()
         except Exception as e:
-            raise GrammarError(str(e)) from None
+            raise GrammarError(one_line(str(e))) from None
         if matcher.is_error():
-            raise GrammarError(matcher.get_error())
+            raise GrammarError(one_line(matcher.get_error()))
         return Grammar(matcher)
+
+    async def compile_async(self, spec: GrammarSpec, max_bytes: int, timeout: float = COMPILE_TIMEOUT_S) -> Grammar:
+        """`compile` on this compiler's own threads (COMPILE_THREADS: never the pool that tokenizes prompts),
+        refused past `max_bytes` of spec and given up after `timeout` seconds (the compile itself runs on, on
+        its thread: llguidance cannot be stopped midway)."""
+        size = spec.size()
+        if size > max_bytes:
+            raise GrammarError(
+                f"it is {size} bytes; this server compiles at most {max_bytes} (http.max_grammar_bytes, "
+                "--max-grammar-bytes)"
+            )
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="afd-grammar")
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(loop.run_in_executor(self._pool, self.compile, spec), timeout)
+        except TimeoutError:
+            raise GrammarError(f"compiling it took longer than {timeout:g} s") from None
 
 
 _executor: Any = None
