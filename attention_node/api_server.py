@@ -19,7 +19,7 @@ from afd.engine.tokenizer import Tokenizer
 from afd.observability.attention_metrics import AttentionMetrics
 from afd.observability.metrics import CONTENT_TYPE
 from attention_node import prompts, request_fields, request_log, structured
-from attention_node.body_check import CheckLargeBodies
+from attention_node.body_check import CheckLargeBodies, messages_error
 from attention_node.generation import Generation, outputs
 from attention_node.http_guard import Guard
 from attention_node.memory import TrimAfterLargeBodies
@@ -83,7 +83,9 @@ def build_app(st: ServerState) -> FastAPI:
         err = validation_error(list(e.errors()))
         return JSONResponse(err.body(), status_code=err.code)
 
-    app.add_middleware(CheckLargeBodies, max_model_len=st.limits.max_model_len)  # inside the guard: after its checks
+    app.add_middleware(
+        CheckLargeBodies, max_model_len=st.limits.max_model_len, vocab_size=st.limits.vocab_size
+    )  # inside the guard: after its checks
     app.add_middleware(Guard, st=st)
     app.add_middleware(TrimAfterLargeBodies)  # outermost: it trims once the guard and the route are done
 
@@ -139,6 +141,9 @@ def build_app(st: ServerState) -> FastAPI:
                 "This model has no tokenizer.json: chat needs one; send token ids to /v1/completions instead.",
                 "messages",
             )
+        bad = messages_error([m.content for m in body.messages], st.limits.max_model_len)
+        if bad is not None:
+            raise ApiError(400, *bad)
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
         tools = body.tools if body.tool_choice != "none" else None  # as vLLM: the template lists what may be called

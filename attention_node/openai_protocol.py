@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from afd.engine.sampling import INT64_MAX, INT64_MIN, SamplingParams
+from attention_node.body_check import bounds_error
 
 
 class ApiError(Exception):
@@ -203,6 +204,11 @@ def sampling_params(req: _Sampling, choice: int, limits: Limits | None = None) -
     if req.best_of not in (None, req.n):
         raise ApiError(400, f"best_of ({req.best_of}) other than n is not supported by this server.", "best_of")
     vocab = limits.vocab_size if limits else None
+    if limits is not None:
+        lists = {"logit_bias": req.logit_bias, "stop_token_ids": req.stop_token_ids, "stop": req.stop}
+        bad = bounds_error(lists, limits.max_model_len, limits.vocab_size)
+        if bad is not None:
+            raise ApiError(400, *bad)
     bias = _token_map(req.logit_bias or {}, vocab)
     stop_ids = list(req.stop_token_ids or [])
     bad = [t for t in stop_ids if vocab is not None and not 0 <= t < vocab]

@@ -129,16 +129,16 @@ def test_a_child_process_refuses_an_id_list_no_context_holds():
 
     long = json.dumps({"prompt": [7] * 700_000}).encode()
     short = json.dumps({"prompt": [[7] * 10, [7] * 9]}).encode()
-    err = verdict(long, 4096)
+    err = verdict(long, 4096, 100)
     assert err is not None and err["error"]["param"] == "input_tokens"
     with pytest.raises(ApiError) as e:
         check_prompt([7] * 700_000, Limits(4096, 100))
     assert err["error"]["message"] == e.value.message
-    assert verdict(json.dumps({"prompt": [[1], [7] * 4096]}).encode(), 4096) is not None
+    assert verdict(json.dumps({"prompt": [[1], [7] * 4096]}).encode(), 4096, 100) is not None
     for other in (short, b"not json", b"[1, 2]", json.dumps({"prompt": "x" * 10**6}).encode()):
-        assert verdict(other, 4096) is None, other[:20]
+        assert verdict(other, 4096, 100) is None, other[:20]
 
-    checker = BodyChecker(4096)
+    checker = BodyChecker(4096, 100)
     try:
         assert asyncio.run(checker.check(long)) == err
         assert asyncio.run(checker.check(short)) is None
@@ -148,3 +148,33 @@ def test_a_child_process_refuses_an_id_list_no_context_holds():
         assert asyncio.run(checker.check(long)) == err  # a new child
     finally:
         checker.close()
+
+
+@pytest.mark.parametrize(
+    "doc, param, words",
+    [
+        ({"logit_bias": {str(i): 1.0 for i in range(101)}}, "logit_bias", "logit_bias has 101 entries"),
+        ({"stop_token_ids": [1] * 101}, "stop_token_ids", "vocabulary has 100 tokens"),
+        ({"stop": ["x"] * 1025}, "stop", "at most 1024"),
+        ({"messages": [{"role": "user", "content": "x"}] * 65}, "messages", "65 messages"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 65}]}, "messages", "65 content"),
+    ],
+    ids=["logit_bias", "stop_token_ids", "stop", "messages", "parts"],
+)
+def test_lists_past_what_the_model_can_use_are_refused_by_the_child_and_the_node(doc, param, words):
+    """Issue 46 F5: a 10^6-entry logit_bias, 3M stop ids, 300k messages or 1M content parts held every stream
+    for seconds while the node parsed them. The child refuses such a body before the node parses it; the node
+    refuses the same on a body small enough to parse (openai_protocol.sampling_params, the chat route)."""
+    import json
+
+    from attention_node.body_check import MAX_STOP_STRINGS, bounds_error, verdict
+
+    assert MAX_STOP_STRINGS == 1024
+    limits = Limits(64, 100)
+    err = verdict(json.dumps(doc).encode(), limits.max_model_len, limits.vocab_size)
+    assert err is not None and err["error"]["param"] == param and words in err["error"]["message"], err
+    assert bounds_error(doc, limits.max_model_len, limits.vocab_size) == (err["error"]["message"], param)
+    within = {k: (dict(list(v.items())[:100]) if isinstance(v, dict) else v[:64]) for k, v in doc.items()}
+    for m in within.get("messages", []):
+        m["content"] = m["content"][:64]
+    assert verdict(json.dumps(within).encode(), limits.max_model_len, limits.vocab_size) is None

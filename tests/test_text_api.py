@@ -171,6 +171,24 @@ def test_hostile_requests_get_4xx_on_a_connection_that_keeps_serving(demo):
     conn.close()
 
 
+def test_lists_past_what_the_model_can_use_are_400s_small_or_large(demo):
+    """Issue 46 F5: logit_bias or stop_token_ids longer than the vocabulary, more stop strings than the server
+    takes, more messages than a context holds: a 400 naming the field, from the node's own parse for a small
+    body and from the child before the node parses a large one (over 1 MiB: attention_node/body_check.py)."""
+    url = demo.url()
+    context = post(url, "/tokenize", {"prompt": "hi"}, AUTH)[1]["max_model_len"]
+    many = 200_000  # past the demo's vocabulary and context, and over 1 MiB as JSON
+    for path, body, param in (
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(many)}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [1] * many}, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "stop": ["xy"] * 2000}, "stop"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * many}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}] * (context + 1)}, "messages"),
+    ):
+        code, err = post(url, path, {**body, "max_tokens": 1}, AUTH)
+        assert (code, err["error"]["param"]) == (400, param), (path, param, str(err)[:300])
+
+
 def test_developer_role_and_content_parts_render_like_plain_messages(demo):
     def prompt_tokens(messages) -> int:
         code, r = post(demo.url(), "/v1/chat/completions", {"messages": messages, "max_tokens": 1}, AUTH)
