@@ -80,6 +80,25 @@ def test_uneven_budgets_never_put_an_expert_twice_on_a_node():
     assert len(p.held[1]) == 1
 
 
+def test_a_replicated_layout_keeps_its_redundancy_unless_told_otherwise():
+    """Issue 46 F6: from a layout where every expert had two holders, skewed loads gave one where four experts had
+    a single holder, so that node's loss paused every stream again. The fewest holders any expert has now is
+    the floor (--min-replicas sets another)."""
+    from afd.cluster.placement import from_yaml
+    from afd.cluster.rebalance import min_holders
+
+    nodes = ["f0", "f1", "f2"]
+    current = from_yaml({"f0": "0-9", "f1": "0-4,10-15", "f2": "5-15"}, 16, nodes)
+    assert min_holders(current) == 2
+    loads = [100.0, 80.0, 60.0] + [1.0] * 13
+    kept = rebalance(loads, nodes, 11, current)
+    check_valid(kept, 11)
+    assert min_holders(kept) == 2 and kept != current
+    assert min_holders(rebalance(loads, nodes, 11, current, min_replicas=1)) == 1  # asked: redundancy may go
+    with pytest.raises(ValueError, match=r"cannot hold the 16 routed experts 3 times each \(--min-replicas\)"):
+        rebalance(loads, nodes, 11, current, min_replicas=3)
+
+
 def test_replica_counts_go_to_the_highest_load_per_replica_capped_at_the_nodes():
     assert replica_counts([8.0, 3.0, 1.0], 6, 2) == [2, 2, 2]
     assert replica_counts([8.0, 3.0, 1.0], 5, 3) == [3, 1, 1]  # 8, then 8/2 = 4 > 3

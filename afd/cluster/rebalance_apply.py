@@ -20,19 +20,24 @@ POLL_S = 0.5
 
 
 def restart_order(current: Placement, new: Placement) -> list[str]:
-    """FFN nodes in an order after each of whose restarts every expert is held (current holdings of the
-    nodes not yet restarted, new ones of those restarted), where such an order exists; else, from the first
-    node whose turn would leave an expert unheld, node order."""
+    """FFN nodes in an order in which every expert stays held while each node is away restarting (by the
+    others: current holdings of the nodes not yet restarted, new ones of those restarted) and after it is back.
+    Each turn takes the first node that keeps that; else the first after whose restart every expert is held
+    (the attention side waits for it meanwhile); else the first left. Nodes whose experts do not change are
+    never restarted, so never away."""
     held = {n: set(h) for n, h in zip(current.nodes, current.held)}
     target = {n: set(h) for n, h in zip(new.nodes, new.held)}
+    every = set(range(current.n_routed))
     todo, order = list(current.nodes), []
+
+    def covered(n: str, while_away: bool) -> bool:
+        after = {**held, n: target[n]}
+        away = {k: v for k, v in held.items() if k != n or target[n] == held[n]}
+        return set().union(*after.values()) >= every and (not while_away or set().union(*away.values()) >= every)
+
     while todo:
-        for n in todo:
-            after = {**held, n: target[n]}
-            if set().union(*after.values()) >= set(range(current.n_routed)):
-                break
-        else:
-            n = todo[0]
+        # held while away and after; else (no replica covers a node's experts) held after, at least
+        n = next((n for n in todo if covered(n, True)), None) or next((n for n in todo if covered(n, False)), todo[0])
         held[n] = target[n]
         order.append(n)
         todo.remove(n)

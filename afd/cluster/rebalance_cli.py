@@ -54,6 +54,13 @@ def add_parser(sub) -> None:
         help="expert weight bytes per FFN node (80GiB, or bytes): slots = BYTES / one expert's weights in every "
         "MoE layer (MTP layers left out)",
     )
+    p.add_argument(
+        "--min-replicas",
+        type=positive_int,
+        metavar="N",
+        help="FFN nodes each routed expert is held by, at least; default: the fewest any expert has now, so that "
+        "a layout where every expert survives a node's loss keeps that (1 lets it go)",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--write", action="store_true", help="rewrite FILE's layout.placement (its comments are not kept)")
     out.add_argument("--output", metavar="PATH", help="write the new YAML here instead")
@@ -82,7 +89,7 @@ def run(args) -> int:
     # model.dtype auto: the checkpoint's, for the bytes of an expert (the YAML written keeps `auto`)
     slots, why = budget_of(args, local_model(cfg)[0], current, model_cfg, quantized)
     try:
-        new = rebalance(loads, current.nodes, slots, current)
+        new = rebalance(loads, current.nodes, slots, current, args.min_replicas)
     except ValueError as e:
         raise UserError(f"{e} (budget: {why})") from None
     print(f"{args.config}: {n_routed} routed experts on {len(current.nodes)} FFN nodes; loads {source}")
