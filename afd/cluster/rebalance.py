@@ -84,16 +84,15 @@ def rebalance(
             f"{n} routed experts {times}: give each node at least {-(-n * floor // F)} slots"
         )
     counts = replica_counts(loads, sum(budget), F, floor)
-    replicas = sorted(
-        ((loads[e] / counts[e], e) for e in range(n) for _ in range(counts[e])), key=lambda r: (-r[0], r[1])
-    )
+    shares = [loads[e] / counts[e] for e in range(n)]  # a replica's share of its expert's load
+    replicas = sorted(((shares[e], e) for e in range(n) for _ in range(counts[e])), key=lambda r: (-r[0], r[1]))
     was = [set(current.held_by(name)) if current is not None and name in current.nodes else set() for name in nodes]
     node_load = [0.0] * F
     held: list[set[int]] = [set() for _ in range(F)]
     for share, e in replicas:
         free = [f for f in range(F) if len(held[f]) < budget[f] and e not in held[f]]
         if not free:
-            _make_room(e, held, budget, node_load, [loads[g] / counts[g] for g in range(n)])
+            _make_room(e, held, budget, node_load, shares)
             free = [f for f in range(F) if len(held[f]) < budget[f] and e not in held[f]]
         if not free:
             continue  # every node with room holds e, and none can trade for it
