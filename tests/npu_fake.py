@@ -98,7 +98,7 @@ def check_one_host_sync_per_step(url: str, snapshot: Snapshot, roles: dict[str, 
         for name, a in after.items()
     }
     steps = 2 * n  # per request, one prefill step and n - 1 decode steps
-    scrape = " in _collect at observability/ffn_metrics.py"  # a scrape's read of the expert counts, not a step's
+    scrape = " in read at backend/counters.py"  # a scrape's read of the expert counts, not a step's
     # layout.routing attention (more than one FFN node): each (layer, micro-batch)'s row counts are read once on
     # each side, the sizes of its messages (afd/dataplane/dispatch.py; docs/architecture/dataplane.md)
     counts = ("dataplane/dispatch.py", "_read_counts")

@@ -3,12 +3,10 @@ mode. What the hot path counts per layer or per expert is kept in plain lists an
 
 from __future__ import annotations
 
-import torch
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from afd.backend import host_syncs
-from afd.backend.base import bind_device
+from afd.backend.counters import DeviceCounter
 from afd.observability.metrics import BASE_LABELS, FINE_BUCKETS, Collector, NodeMetrics
 
 
@@ -32,24 +30,20 @@ class FFNMetrics(NodeMetrics):
         self.tokens = self._make(Counter, "afd_ffn_tokens", "Tokens through this node's MoE layers.")
         self.prefetch_bytes = self._make(Counter, "afd_prefetch_bytes", "Expert weight bytes prefetched.")
         self.held = tuple(experts)
-        self.expert_counts = torch.zeros(len(self.held), dtype=torch.int64)
+        self.counts = DeviceCounter(len(self.held) + 1)
+        """Tokens per held expert, then the token assignments to identity experts: added up on the device
+        and read at scrape time (afd.backend.counters), so the hot path has no host sync."""
         # Seconds per layer: a bounded label (a model has a few dozen layers), kept in plain lists since
         # a labelled Prometheus child costs a lock and a dict lookup per observation on the hot path.
         self.layer_compute = [0.0] * num_layers
         self.layer_idle = [0.0] * num_layers
         self.prefetch_budget = [0] * num_layers
         """Bytes each layer's last prefetch was allowed (afd.dataplane.prefetch_budget): computed, so exported."""
-        self.zero_tokens = 0
-        """Token assignments to identity experts: a device tensor once counted, read at scrape time."""
         self.registry.register(Collector(self._collect))
 
     def add_expert_tokens(self, sizes) -> None:
-        """sizes [G]: tokens per local expert, a device tensor (added up there and read at scrape time,
-        so the hot path has no host sync) or a list."""
-        sizes = torch.as_tensor(sizes)
-        if self.expert_counts.device != sizes.device:
-            self.expert_counts = self.expert_counts.to(sizes.device)
-        self.expert_counts += sizes
+        """sizes [G]: tokens per local expert, a device tensor or a list."""
+        self.counts.add((0, sizes))
 
     def add_routed(self, experts) -> None:
         """A layer's routing (afd.model.experts.Experts after its call): tokens per local expert, and the
@@ -57,9 +51,10 @@ class FFNMetrics(NodeMetrics):
         is not multiplied by the number of FFN nodes: every FFN node routes every token). Both stay on the
         device: no host sync on the hot path. Read from the module, never from a hook: a graph (afd.model
         .ffn_graph) runs no Python per call, and recounts both over its real rows."""
-        self.add_expert_tokens(experts.last_counts)
+        parts = [(0, experts.last_counts)]
         if experts.last_zero is not None:
-            self.zero_tokens = self.zero_tokens + experts.last_zero
+            parts.append((len(self.held), experts.last_zero))
+        self.counts.add(*parts)
 
     def watch_ffn_graph(self, passes: dict[str, int] | None) -> None:
         """afd_ffn_layer_passes_total{mode}: MoE layer forward passes (one per layer and micro-batch) as a
@@ -85,8 +80,8 @@ class FFNMetrics(NodeMetrics):
         experts = CounterMetricFamily(
             "afd_expert_tokens", "Token-expert assignments per routed expert.", labels=(*BASE_LABELS, "expert")
         )
-        bind_device(self.expert_counts.device)  # the scrape thread reads a device tensor: bind first
-        for i, n in enumerate(host_syncs.to_list(self.expert_counts)):
+        *per_expert, zero_tokens = self.counts.read()
+        for i, n in enumerate(per_expert):
             experts.add_metric(self._values(str(self.held[i])), n)
         yield experts
         zero = CounterMetricFamily(
@@ -94,9 +89,7 @@ class FFNMetrics(NodeMetrics):
             "Token assignments to zero-computation (identity) experts; 0 on FFN nodes that do not apply them.",
             labels=BASE_LABELS,
         )
-        if isinstance(self.zero_tokens, torch.Tensor):
-            host_syncs.note(self.zero_tokens.device)
-        zero.add_metric(self._values(), int(self.zero_tokens))
+        zero.add_metric(self._values(), zero_tokens)
         yield zero
         for name, values, doc in (
             ("afd_ffn_layer_compute_seconds", self.layer_compute, "Router + experts time per layer."),

@@ -150,4 +150,3 @@ def install() -> None:
     torch.Tensor.is_pinned = is_pinned
     for i in range(DEVICE_COUNT):
         _default_streams[i] = Stream(i, label=f"npu:{i} default stream")
-        _all_streams[i] = [_default_streams[i]]

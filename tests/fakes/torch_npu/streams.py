@@ -53,6 +53,8 @@ class Stream:
         self.priority = priority
         self.clock: dict[int, int] = {self.id: 0}
         self.label = kwargs.get("label", f"npu:{self.device_index} stream {self.id}")
+        with _lock:  # a device-wide synchronize() waits for every stream, made by torch.npu.Stream() or not
+            _all_streams.setdefault(self.device_index, []).append(self)
         return self
 
     def __repr__(self) -> str:
@@ -105,6 +107,7 @@ class Event:
         with _lock:
             self.clock = dict(stream.clock)
             self.device_index = stream.device_index
+            self.stream_label = stream.label
             self.time = time.perf_counter()
 
     def wait(self, stream: Stream | None = None) -> None:
@@ -113,6 +116,7 @@ class Event:
     def synchronize(self) -> None:
         host_sync("Event.synchronize")
         if self.device_index is not None:
+            _waited_for(self.stream_label)
             with _lock:
                 for s in _all_streams[self.device_index]:
                     s.merge(self.clock)
@@ -137,10 +141,7 @@ _all_streams: dict[int, list[Stream]] = {}
 
 def new_stream(device_index: int, label: str) -> Stream:
     """A stream the fake process group owns (its communication stream for one peer pair)."""
-    s = Stream(device_index, label=label)
-    with _lock:
-        _all_streams[device_index].append(s)
-    return s
+    return Stream(device_index, label=label)
 
 
 def _current_streams() -> dict[int, Stream]:
@@ -166,9 +167,17 @@ def _note_unbound(what: str) -> None:
         )
 
 
+def _waited_for(label: str) -> None:
+    with _lock:
+        waits = STATS["host_waits"]
+        waits[label] = waits.get(label, 0) + 1
+
+
 def _host_waits(stream: Stream) -> None:
     """The host saw `stream` finish up to now: whatever it issues next, on any stream of the device, is
-    ordered after that."""
+    ordered after that. Counted per stream (STATS["host_waits"]): a read on the default stream waits for all the
+    compute queued there."""
+    _waited_for(stream.label)
     with _lock:
         for s in _all_streams[stream.device_index]:
             s.merge(stream.clock)

@@ -17,7 +17,9 @@ import threading
 
 import torch
 
-STATS = {"ops": 0, "host_reads": 0, "host_syncs": 0, "host_sync_sites": {}, "hazards": [], "unbound": []}
+STATS = {
+    "ops": 0, "host_reads": 0, "host_syncs": 0, "host_sync_sites": {}, "host_waits": {}, "hazards": [], "unbound": [],
+}  # fmt: skip
 _lock = threading.RLock()
 
 
