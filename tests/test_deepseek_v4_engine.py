@@ -274,3 +274,57 @@ def test_preempted_sequences_recompute_their_state_with_hfs_tokens(v4):
         engine.step()
     assert s.num_preemptions > 0
     assert out == [ids for ids, _ in ref]
+
+
+# ---- on the fake NPU ----------------------------------------------------------------------------------------
+
+_ON_FAKE_NPU = r"""
+import json, sys
+import torch, torch_npu
+from hf_reference import PROMPTS
+import afd
+llm = afd.LLM(sys.argv[1], dtype="float32", block_size=4, device="npu")
+llm.generate_ids(PROMPTS[:2], 2)  # warm: one-time copies (rope tables) are not a step's
+before = dict(torch.npu.STATS["host_sync_sites"])
+ids = llm.generate_ids(PROMPTS[:2], int(sys.argv[2]))
+after = torch.npu.STATS["host_sync_sites"]
+syncs = {k: v - before.get(k, 0) for k, v in after.items() if v - before.get(k, 0)}
+print(json.dumps({"ids": ids, "syncs": syncs, "hazards": torch.npu.STATS["hazards"]}))
+"""
+
+
+def test_on_the_fake_npu_a_step_syncs_the_host_once_with_hfs_tokens(v4):
+    """Colocated on the fake NPU, whose ops are the CPU's kernels: HF's greedy tokens, and one host sync per step
+    (the sampled tokens). V4 attention stages each sequence's block tables through pinned memory; a plain
+    torch.tensor(..., device=) per sequence and layer waited for the device (issue 45, defect 7)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from cluster_helpers import ROOT
+
+    path, ref = v4("all_types")
+    n = 8
+    tests = ROOT / "tests"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(tests / "fakes"), str(tests)]),
+        "AFD_FAKE_NPU_SYNC_SITES": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _ON_FAKE_NPU, path, str(n)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["ids"] == [ids[:n] for ids, _ in ref[:2]]
+    assert got["hazards"] == []
+    # n steps (one prefill, n - 1 decodes), each reading its sampled tokens and nothing else
+    syncs = got["syncs"]
+    assert all(k.startswith("device-to-host read") and " at engine/sampling.py:" in k for k in syncs), syncs
+    assert sum(syncs.values()) == n, syncs

@@ -57,6 +57,17 @@ class NpuTensor(torch.Tensor):
     def tolist(self):
         return self.cpu().tolist()
 
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        """`param.data = t`: on a device the parameter takes t's storage and sizes; a wrapper must take its
+        payload too, else it keeps the old data behind the new sizes."""
+        torch._C.TensorBase.data.__set__(self, value)
+        self._payload = value._payload
+
     def numpy(self, *args, **kwargs):
         raise TypeError("can't convert npu tensor to numpy: copy it to the host first (.cpu())")
 
