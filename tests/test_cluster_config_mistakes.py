@@ -137,6 +137,14 @@ MISTAKES = [
         "ffn1 and ffn0 (nodes[1].device 'npu') both use npu:0 on 127.0.0.1",
     ),
     (
+        "shared-npu-even-when-allowed",
+        lambda c: (c["cluster"].update(share_devices=True), devices("npu:0", "npu:0")(c)),
+        "nodes[1].device",
+        "both use npu:0 on 127.0.0.1: give each node its own device (NCCL and HCCL take one process per device; "
+        "TP rank r of an attention node takes the node's device index + r); cluster.share_devices lets CUDA nodes "
+        "share one, not NPU nodes",
+    ),
+    (
         "attention-without-http",
         lambda c: node(0)(c)["ports"].pop("http"),
         "nodes[0].ports.http",
@@ -291,6 +299,17 @@ def test_nodes_on_their_own_devices_are_accepted(edit):
     cfg = valid()
     edit(cfg)
     from_dict(cfg)
+
+
+def test_cuda_nodes_share_a_device_only_where_the_cluster_says_so():
+    """cluster.share_devices (a cluster on one GPU): each node on a shared device gets its own NCCL_HOSTID."""
+    cfg = valid()
+    devices("cuda:0", "cuda:0", "cuda:1")(cfg)
+    cfg["cluster"]["share_devices"] = True
+    loaded = from_dict(cfg)
+    assert [loaded.shares_device(n.name) for n in loaded.nodes] == [True, True, False]
+    devices("cuda:0", "cuda:1", "cuda:2")(cfg)
+    assert not any(from_dict(cfg).shares_device(n.name) for n in loaded.nodes)
 
 
 def test_k8s_rendered_at_any_size_keeps_one_device_per_pod():

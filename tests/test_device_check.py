@@ -314,12 +314,29 @@ def test_failure_verdicts():
     assert "1 stream error(s), first: engine stopped" in errs
 
 
-def test_too_few_devices_for_a_cluster_check():
-    assert Target("cuda", 1).node_devices() is None and Target("cpu", 1).node_devices() == ("cpu", "cpu")
-    assert Target("npu", 2).node_devices() == ("npu:0", "npu:1")
-    skip = checks_host_syncs.check_host_syncs(Target("cuda", 1), "unused", quick=True)
+def test_one_gpu_shares_its_device_and_one_npu_skips_the_cluster_checks(tmp_path):
+    assert Target("cpu", 1).node_devices() == ("cpu", "cpu") and not Target("cpu", 1).shared
+    assert Target("npu", 2).node_devices() == ("npu:0", "npu:1") and not Target("npu", 2).shared
+    assert Target("cuda", 1).node_devices() == ("cuda:0", "cuda:0") and Target("cuda", 1).shared
+    assert Target("npu", 1).node_devices() is None
+    skip = checks_host_syncs.check_host_syncs(Target("npu", 1), "unused", quick=True)
     assert skip.status == "skip" and "1A1F needs 2" in skip.reason
-    assert checks_failure.check_failure(Target("cuda", 1), "unused", quick=True).status == "skip"
+    assert checks_failure.check_failure(Target("npu", 1), "unused", quick=True).status == "skip"
+    # one GPU: a config afd accepts, whose two nodes each get an NCCL_HOSTID of their own
+    from checks_1a1f import cluster_config
+
+    from afd.backend.cuda import CudaBackend
+    from afd.cluster.config import load
+
+    path, doc = cluster_config(tmp_path, "demo", Target("cuda", 1), "one-gpu")
+    cfg = load(str(path))
+    assert cfg.cluster.share_devices and [n.device for n in cfg.nodes] == ["cuda:0", "cuda:0"]
+    assert cfg.shares_device("attn0") and cfg.shares_device("ffn0")
+    ids = {CudaBackend.shared_device_env(None, f"one-gpu-{n.name}")["NCCL_HOSTID"] for n in cfg.nodes}
+    assert len(ids) == 2
+    (tmp_path / "two").mkdir()
+    two, _ = cluster_config(tmp_path / "two", "demo", Target("cuda", 2), "two-gpus")
+    assert not load(str(two)).cluster.share_devices and not load(str(two)).shares_device("attn0")
 
 
 @pytest.mark.slow  # ~45 s of node processes on 2 cores; make test-slow

@@ -218,6 +218,11 @@ class Backend(ABC):
     host (NCCL, HCCL), its deadlines then held by a watchdog (afd.backend.deadlines); else a wait blocks
     the host until the transfer is done or the group's timeout passes (gloo)."""
 
+    def shared_device_env(self, identity: str) -> dict[str, str] | None:
+        """The environment under which a process of node `identity` may share its device with another node's
+        (cluster.share_devices), set before its first communicator forms; None: this backend cannot."""
+        return None
+
     def comm_env(self) -> dict[str, str]:
         """Environment variables the data plane needs before its process group forms (so that every
         wait's timeout holds); checked and set by afd.dataplane.transport."""

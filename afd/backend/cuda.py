@@ -42,6 +42,13 @@ class CudaBackend(Backend):
     # TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC: one failed pair would kill the healthy ones. TORCH_NCCL_PROPAGATE_ERROR
     # (errors sent to every rank through the store) stays off for the same reason. source: the installed
     # torch's include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp (tests/test_comm_env.py reads it).
+    def shared_device_env(self, identity: str) -> dict[str, str]:
+        # NCCL refuses two ranks on one GPU of one host ("Duplicate GPU detected", init.cc), judging the host by
+        # a hash of the hostname, or of NCCL_HOSTID where set (getHostHash, misc/utils.cc). Two host ids make
+        # the ranks two hosts: P2P and SHM need one host, so the pair connects through the network transport
+        # (sockets, on the loopback interface where there is no other).
+        return {"NCCL_HOSTID": f"afd-{identity}"}
+
     def comm_env(self) -> dict[str, str]:
         return {
             "TORCH_NCCL_BLOCKING_WAIT": "0",

@@ -116,6 +116,7 @@ class _Ctx:
     seen_ports: dict = field(default_factory=dict)
     seen_devices: dict = field(default_factory=dict)
     attention_tp: int = 1
+    share_devices: bool = False
 
 
 def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
@@ -131,16 +132,17 @@ def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
     for r in range(ranks if dtype != "cpu" else 0):  # hosts compare as written, as for ports; `cuda` is cuda:0
         where = (kw["host"], dtype, int(idx or 0) + r)
         who = kw["name"] if r == 0 else f"{kw['name']} TP rank {r}"
-        if where in ctx.seen_devices:
+        if where in ctx.seen_devices and not (ctx.share_devices and dtype == "cuda"):
             _fail(
                 ctx.src,
                 f"{path}.device",
                 f"{who} and {ctx.seen_devices[where]} both use {dtype}:{where[2]} "
                 f"on {kw['host']}: give each node its own device (NCCL and HCCL take "
                 "one process per device; TP rank r of an attention node takes the "
-                "node's device index + r)",
+                "node's device index + r)"
+                + ("; cluster.share_devices lets CUDA nodes share one, not NPU nodes" if dtype == "npu" else ""),
             )
-        ctx.seen_devices[where] = f"{who} (nodes[{i}].device {dev!r})"
+        ctx.seen_devices.setdefault(where, f"{who} (nodes[{i}].device {dev!r})")
     if ".tp" in kw["name"]:
         _fail(ctx.src, f"{path}.name", f"{kw['name']!r}: `.tp` is reserved for the names of TP ranks (NODE.tpR)")
     pk = _section(Ports, ctx.src, f"{path}.ports", kw["ports"], required=("control", "data"))
@@ -304,7 +306,11 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
     http = _load_http(src, raw.get("http"))
     if not isinstance(raw["nodes"], list) or not raw["nodes"]:
         _fail(src, "nodes", "expected a non-empty list of nodes")
-    ctx = _Ctx(src, attention_tp=layout.attention_tp if type(layout.attention_tp) is int else 1)
+    ctx = _Ctx(
+        src,
+        attention_tp=layout.attention_tp if type(layout.attention_tp) is int else 1,
+        share_devices=cluster.share_devices is True,
+    )
     nodes, names = [], set()
     for i, n in enumerate(raw["nodes"]):
         node = _load_node(ctx, i, n)

@@ -147,6 +147,15 @@ class ClusterConfig:
             f"{self.source}: no node or TP rank named {name!r} (processes: {', '.join(self.process_names)})"
         )
 
+    def shares_device(self, node: str) -> bool:
+        """A process of `node` runs on the device of another node's process (cluster.share_devices)."""
+
+        def where(p: Process) -> tuple[str, str, int]:
+            return p.node.host, p.node.device_type, p.node.device_index + p.tp_rank
+
+        mine = {where(p) for p in self.processes if p.node.name == node and p.node.device_type != "cpu"}
+        return any(where(p) in mine for p in self.processes if p.node.name != node)
+
     def rank(self, name: str) -> int:
         """Data-plane rank of a process (a node's name: its TP rank 0)."""
         return self.process_names.index(name)

@@ -192,3 +192,7 @@ class ClusterSection:
     """Optional {cert, key, ca} file paths for the control plane."""
     insecure: bool = False
     """Let nodes whose host is not loopback start without AFD_CLUSTER_TOKEN (an open control plane)."""
+    share_devices: bool = False
+    """Let nodes share a CUDA device (a cluster on one GPU, for testing): each process on a shared device gets
+    an NCCL_HOSTID of its own, so that NCCL, which refuses two ranks of one host on one GPU, connects them as two
+    hosts, over sockets. Slower than P2P, and the nodes split the GPU's memory. HCCL has no such override."""

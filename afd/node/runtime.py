@@ -5,6 +5,7 @@ every other node, an attention node's TP world and its pairs of the data plane, 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -159,6 +160,11 @@ def bring_up(
     fp = model_fingerprint(path, cfg.model.dtype, cfg.model.dummy_weights, cfg.model.seed)
     device = proc.device  # first: a device that is not here (DeviceUnavailable) leaves no server behind
     backend = get_backend(device.split(":")[0], int(device.split(":")[1]) if ":" in device else 0)
+    if cfg.shares_device(name):
+        share = backend.shared_device_env(f"{cfg.cluster.name}-{node.host}-{name}")
+        if share is None:
+            raise ValueError(f"{name}: shares {device} with another node, which the {device} backend cannot do")
+        os.environ.update(share)
     server = None
     if tp_rank == 0:
         coordinator = Coordinator(cfg, fp, mcfg.n_routed_experts) if cfg.coordinator.name == name else None

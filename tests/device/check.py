@@ -137,8 +137,12 @@ def run_device_checks(args, target: Target) -> list[Result]:
                 say(f"== {name} over {target.dist}")
                 ckpt = ckpts["float32"]["zero_experts"]
                 arg = steps if check == "1a1f" else args.quick  # 1a1f compares `steps` tokens' prefix
+                measured += SHARED if target.shared else ""
                 results.append(announce(guarded(functools.partial(fn, target, ckpt, arg), name, measured)))
     return results
+
+
+SHARED = "; both nodes on device 0 (cluster.share_devices): NCCL connects them over sockets, not P2P"
 
 
 def device_plan(kind: str, count: int, checks: list[str]) -> list[str]:
@@ -156,7 +160,8 @@ def device_plan(kind: str, count: int, checks: list[str]) -> list[str]:
             lines.append(f"  {check}: runs the device-guarded tests ({', '.join(checks_pytest.DEVICE_TESTS)})")
         else:
             rows = ", ".join(name for name, _ in SKIPPED_WITHOUT_DEVICE.get(check, [(check, "")]))
-            lines.append(f"  {check}: runs ({rows})")
+            shared = SHARED if check in CLUSTER_CHECKS and target.shared else ""
+            lines.append(f"  {check}: runs ({rows}{shared})")
     return lines
 
 
@@ -224,9 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         for count in (1, 2):
             say(f"== on {count} CUDA GPU(s) this would run:\n" + "\n".join(device_plan("cuda", count, args.checks)))
         say(
-            "   (one GPU: the 1A1F checks need a device per node: NCCL and HCCL drive a device from one process, so"
-            " the cluster config refuses two nodes on one; NCCL_HOSTID could let two NCCL processes share a GPU, which"
-            " afd's config does not allow yet)"
+            "   (one GPU: both nodes of the 1A1F checks share it under cluster.share_devices, each with an NCCL_HOSTID"
+            " of its own, so NCCL connects them as two hosts, over sockets: the failure semantics are tried, the"
+            " exchange's figures are not P2P's. One NPU: skipped, HCCL takes one process per device)"
         )
     results = run_checks(args, target, why)
     seconds = time.perf_counter() - t0

@@ -70,14 +70,16 @@ class Launched:
 
 
 def cluster_config(tmp: Path, ckpt: str, target: Target, name: str, **cluster) -> tuple[Path, dict]:
-    """The YAML of a 1A1F cluster on free local ports, attention on device 0 and FFN on device 1 (cpu for
-    the dry run), with `cluster` over the generous defaults; and the YAML as a dict."""
+    """The YAML of a 1A1F cluster on free local ports, attention on device 0 and FFN on device 1 (both on
+    device 0 of a one-GPU machine, cluster.share_devices; cpu for the dry run), with `cluster` over the generous
+    defaults; and the YAML as a dict."""
     import yaml
     from cluster_helpers import cluster_yaml
 
     # generous timeouts: a device node creates its context, loads, and forms NCCL/HCCL before it answers
     timeouts = {"startup_timeout": 180, "heartbeat_timeout": 30, "comm_timeout": 120}
-    path = cluster_yaml(tmp, ckpt, name=name, cluster={**timeouts, **cluster})
+    shared = {"share_devices": True} if target.shared else {}
+    path = cluster_yaml(tmp, ckpt, name=name, cluster={**timeouts, **shared, **cluster})
     doc = yaml.safe_load(path.read_text())
     devices = dict(zip(("attention", "ffn"), target.node_devices() or ()))
     for node in doc["nodes"]:  # Node.device_type / device_index

@@ -28,16 +28,25 @@ class Target:
         return {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}[self.kind]
 
     def node_devices(self) -> tuple[str, str] | None:
-        """(attention, FFN) devices of a 1A1F cluster, or None with fewer than two devices: NCCL and HCCL
-        drive a device from one process, so the cluster config refuses two nodes on one device."""
+        """(attention, FFN) devices of a 1A1F cluster, or None where it cannot form. On one GPU both nodes share
+        it (cluster.share_devices: each gets an NCCL_HOSTID of its own, and NCCL connects them as two hosts,
+        over sockets), so the pair's failure semantics are still tried; HCCL takes one rank per device."""
         if self.kind == "cpu":
             return "cpu", "cpu"
-        return (f"{self.kind}:0", f"{self.kind}:1") if self.count >= 2 else None
+        if self.count >= 2:
+            return f"{self.kind}:0", f"{self.kind}:1"
+        return (f"{self.kind}:0", f"{self.kind}:0") if self.kind == "cuda" and self.count == 1 else None
+
+    @property
+    def shared(self) -> bool:
+        """Both nodes of the 1A1F cluster on one device: its pair goes over sockets, not P2P."""
+        devices = self.node_devices()
+        return devices is not None and self.kind != "cpu" and devices[0] == devices[1]
 
     def too_few_devices(self) -> str:
         return (
             f"{self.count} {self.kind} device here: 1A1F needs 2 (attention on {self.kind}:0, FFN on "
-            f"{self.kind}:1; one process per device)"
+            f"{self.kind}:1; HCCL takes one process per device, and only CUDA nodes may share one)"
         )
 
 
