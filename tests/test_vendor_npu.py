@@ -164,6 +164,8 @@ try:
 except ImportError:
     ProcessGroupHCCL = dist.ProcessGroupHCCL  # where the fake put it before issue 45
 
+from torch_npu.hccl_work import _Work as work_class  # what the fake pair group's send and recv return
+
 def params(fn):
     sig = inspect.signature(fn)
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in sig.parameters.values()):
@@ -194,6 +196,12 @@ out = {
     "options_slots": list(getattr(getattr(ProcessGroupHCCL, "Options", None), "__slots__", ())),
     "fake_only": sorted(getattr(torch_npu, "FAKE_ONLY", ())),
     "npu_fake_only": sorted(getattr(torch.npu, "FAKE_ONLY", ())),
+    "methods": {
+        name: {n: [[p.name, p.kind == p.KEYWORD_ONLY, p.default is p.empty]
+                   for p in list(inspect.signature(f).parameters.values())[1:]]
+               for n, f in vars(cls).items() if callable(f) and not n.startswith("_")}
+        for name, cls in (("Stream", torch.npu.Stream), ("Event", torch.npu.Event), ("Work", work_class))
+    },
 }
 print(json.dumps(out))
 """
@@ -270,3 +278,35 @@ def test_the_fake_pair_group_is_a_c10d_backend_as_torch_npus_is(wheel, fake):
     options = c10d_stub()["Backend.Options"]
     extra = [n for n in fake["options_slots"] if n not in options and not wheel.bound(n)]
     assert not extra, f"the fake ProcessGroupHCCL.Options has what torch_npu's lacks: {extra}"
+
+
+def _wheel_methods(wheel, path: str, cls: str) -> dict[str, list[str]]:
+    """A class of the wheel's Python: its methods' parameters, self left out."""
+    for node in ast.parse(wheel.python[path]).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return {
+                f.name: [a.arg for a in f.args.args[1:] + f.args.kwonlyargs]
+                for f in node.body
+                if isinstance(f, ast.FunctionDef)
+            }
+    raise AssertionError(f"{path} defines no class {cls}")
+
+
+def test_the_objects_the_fake_returns_have_only_the_real_ones_methods(wheel, fake):
+    """What afd calls on what torch.npu and the pair group hand back (a stream, an event, a send's work) is held to
+    the real classes: torch_npu.npu.streams' Stream and Event (methods and their parameters), and c10d's Work (torch's
+    stub). The fake's own machinery is private (_merge, _stuck), so a public method afd reaches is a real one."""
+    errors = []
+    for cls in ("Stream", "Event"):
+        real_methods = _wheel_methods(wheel, "torch_npu/npu/streams.py", cls)
+        for name, got in fake["methods"][cls].items():
+            if name not in real_methods:
+                errors.append(f"torch.npu.{cls}.{name}: not a method of torch_npu's {cls}")
+                continue
+            names = [n for n, _, _ in got]
+            if names != real_methods[name][: len(names)]:
+                errors.append(f"torch.npu.{cls}.{name}{tuple(names)}: torch_npu's takes {tuple(real_methods[name])}")
+    work = c10d_stub()["Work"]
+    errors += [f"the pair group's Work.{n}: not c10d's" for n in fake["methods"]["Work"] if n not in work]
+    assert not errors, "\n".join(errors)
+    assert {"wait_event", "synchronize"} <= set(fake["methods"]["Stream"]) and "record" in fake["methods"]["Event"]

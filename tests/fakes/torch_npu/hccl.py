@@ -148,7 +148,7 @@ class _Hccl(_Collectives):
         deadline = time.monotonic() + SHUTDOWN_WAIT_S
         for w in issued:
             w._ran.wait(max(0.0, deadline - time.monotonic()))
-        stuck = [w for w in issued if w.stuck()]
+        stuck = [w for w in issued if w._stuck()]
         with self._mu:
             for tasks in self._runners.values():
                 tasks.put(None)
@@ -229,7 +229,7 @@ class _Hccl(_Collectives):
         stream = self._stream(t, key[1])
         with npu._lock:
             # syncStreams: the communication stream waits for the issuing thread's current stream
-            stream.merge(npu.current_stream(t.device.index).clock)
+            stream._merge(npu.current_stream(t.device.index).clock)
             with self._mu:  # a receive nobody has waited for yet may still be running on this stream
                 if kind == "send" and any(w.kind == "recv" for w in self._pending.get(key, [])):
                     STATS["send_behind_recv"] += 1
@@ -252,7 +252,7 @@ class _Hccl(_Collectives):
             if tasks is None:
                 tasks = self._runners[key] = queue.SimpleQueue()
                 threading.Thread(target=_runner, args=(tasks,), name=f"fake-hccl-stream-{key}", daemon=True).start()
-            self._issued = [w for w in self._issued if w.stuck()] + [work]  # only what a shutdown could block on
+            self._issued = [w for w in self._issued if w._stuck()] + [work]  # only what a shutdown could block on
         tasks.put(work)
         return work
 

@@ -26,7 +26,7 @@ class _Collectives:
             )
         stream = self._stream(t, -1)  # one stream per device for the group's collectives
         with npu._lock:
-            stream.merge(npu.current_stream(t.device.index).clock)
+            stream._merge(npu.current_stream(t.device.index).clock)
             seq = npu.access(stream, reads, writes, f"hccl {kind}")
         return self._run_on((t.device.index, -1), _Work(self, inner_op(), stream, seq, kind, -1))
 

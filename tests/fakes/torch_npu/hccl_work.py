@@ -83,7 +83,7 @@ class _Work(dist.Work):
     def is_completed(self) -> bool:
         return self._done or self._ran.is_set() or self.pg._aborted is not None
 
-    def stuck(self) -> bool:
+    def _stuck(self) -> bool:
         """Never completed on the wire: a real HCCL task that would still sit on its stream."""
         return not self._ran.is_set() or self._error is not None
 
@@ -113,7 +113,7 @@ class _Work(dist.Work):
         self._done = True
         self.pg._finished(self)
         with npu._lock:
-            npu.current_stream(self.stream.device_index).merge(self.stream.clock)
+            npu.current_stream(self.stream.device_index)._merge(self.stream.clock)
             if blocking:
                 npu.host_sync(f"blocking {self.kind} wait")
                 npu._host_waits(self.stream)

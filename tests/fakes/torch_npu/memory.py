@@ -104,7 +104,7 @@ def _check(stream: Stream, t: NpuTensor, write: bool, what: str) -> None:
     key = _storage_key(t)
     lo, hi = _span(t)
     for alo, ahi, awrite, s_id, seq, awhat in _shadow.get(key, []) if key else []:
-        if ahi <= lo or hi <= alo or s_id == stream.id or stream.ordered_after(s_id, seq):
+        if ahi <= lo or hi <= alo or s_id == stream.id or stream._ordered_after(s_id, seq):
             continue
         if awrite:
             _hazard(
@@ -145,7 +145,7 @@ def access(stream: Stream, reads: list, writes: list, what: str, fresh: list = (
             _check(stream, t, False, what)
         for t in writes:
             _check(stream, t, True, what)
-        seq = stream.tick()
+        seq = stream._tick()
         for t in reads:
             _stamp(stream, seq, t, False, what)
         for t in writes:

@@ -60,25 +60,25 @@ class Stream:
     def __repr__(self) -> str:
         return f"<fake {self.label}>"
 
-    def tick(self) -> int:
+    def _tick(self) -> int:
         self.clock[self.id] += 1
         return self.clock[self.id]
 
-    def merge(self, clock: dict[int, int]) -> None:
+    def _merge(self, clock: dict[int, int]) -> None:
         for k, v in clock.items():
             if self.clock.get(k, 0) < v:
                 self.clock[k] = v
 
-    def ordered_after(self, stream_id: int, seq: int) -> bool:
+    def _ordered_after(self, stream_id: int, seq: int) -> bool:
         return self.clock.get(stream_id, 0) >= seq
 
     def wait_event(self, event: Event) -> None:
         with _lock:
-            self.merge(event.clock)
+            self._merge(event.clock)
 
-    def wait_stream(self, other: Stream) -> None:
+    def wait_stream(self, stream: Stream) -> None:
         with _lock:
-            self.merge(other.clock)
+            self._merge(stream.clock)
 
     def record_event(self, event: Event | None = None) -> Event:
         event = event or Event()
@@ -119,7 +119,7 @@ class Event:
             _waited_for(self.stream_label)
             with _lock:
                 for s in _all_streams[self.device_index]:
-                    s.merge(self.clock)
+                    s._merge(self.clock)
 
     def query(self) -> bool:
         return True
@@ -180,7 +180,7 @@ def _host_waits(stream: Stream) -> None:
     _waited_for(stream.label)
     with _lock:
         for s in _all_streams[stream.device_index]:
-            s.merge(stream.clock)
+            s._merge(stream.clock)
 
 
 def current_device() -> int:
