@@ -32,8 +32,9 @@ TIE = 0.02
 # fp32: every step's e <= 1e-3: loose for IEEE fp32 (~1e-6 expected), yet trips on TF32/HF32 matmuls.
 # bf16: median <= 0.02 and p99 <= 0.05, 2.5x and 2x CPU bf16's figures. No bound on the max: CPU bf16 has
 # 2 steps in 512 above 0.05, single jumps (likely rounding flipping a token's expert choice) that are not bugs.
-# The p99 is judged as a count, at most 1 % of the steps above 0.05 and at least one: --quick's 64 steps have no
-# p99 apart from their max.
+# The p99 is judged as a count: at most 1 % of the steps above 0.05, and at least CPU bf16's 2 (--quick's 128
+# steps hold both, measured here: a p99 of so few steps is their max).
+BF16_JUMPS = 2
 LOGITS_TOL = {"float32": {"max": 1e-3}, "bfloat16": {"median": 0.02, "p99": 0.05}}
 MEASURED = "greedy tokens and per-step logits of afd.LLM on the device, teacher-forced, vs afd.LLM on CPU fp32"
 
@@ -145,7 +146,7 @@ def judge_colocated(name: str, dtype: str, steps: list[StepCompare], restarts: i
     bounds = LOGITS_TOL[dtype]
     for k, bound in bounds.items():
         if k == "p99":  # as a count: below 100 steps a p99 is the max, which has no bound (see LOGITS_TOL)
-            over, allowed = sum(e > bound for e in errs), max(1, len(errs) // 100)
+            over, allowed = sum(e > bound for e in errs), max(BF16_JUMPS, len(errs) // 100)
             if over > allowed:
                 problems.append(f"logits err above {bound} at {over} of {len(errs)} steps (p99: at most {allowed})")
         elif not stats[k] <= bound:
