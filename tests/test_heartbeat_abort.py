@@ -91,20 +91,28 @@ def reference(tiny_checkpoint):
 
 @pytest.mark.slow  # three node processes on the fake NPU and a kill: about 30 s; `make test-slow`, which CI runs
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill-9", "stopped"])
+@pytest.mark.parametrize(
+    "sig,plane",
+    [(signal.SIGKILL, "hccl"), (signal.SIGSTOP, "hccl"), (signal.SIGSTOP, "gloo")],
+    ids=["kill-9", "stopped", "stopped-gloo"],
+)
 def test_a_dead_attention_node_stalls_the_other_no_longer_than_the_heartbeat_timeout(
-    tiny_checkpoint, reference, tmp_path, sig
+    tiny_checkpoint, reference, tmp_path, sig, plane
 ):
     """Done-when of issue 24 at 2A1F on the fake HCCL: while attn0 streams, attn1 (itself mid-decode) is
     killed with SIGKILL, or stopped (alive, its sockets open: a hang, not a death); attn0's longest pause
     between two streamed chunks is at most heartbeat_timeout + one heartbeat interval (the FFN node learns
     of the loss at its next heartbeat) + one step (the longest seen before) + SLACK_S, and every
-    completion equals HF's tokens."""
+    completion equals HF's tokens. On gloo too (issue 46, F1), which cannot abort a blocked wait: the pair's
+    connections are shut down instead (afd/backend/gloo_pairs.py)."""
     from npu_fake import fake_env, on_devices
 
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="hb-abort", cluster=CLUSTER)
-    on_devices(path)
-    with Cluster(path, env=fake_env(tmp_path / "fake-npu")) as c:
+    env = None
+    if plane == "hccl":
+        on_devices(path)
+        env = fake_env(tmp_path / "fake-npu")
+    with Cluster(path, env=env) as c:
         c.start_all()
         c.wait_ready()
         busy = [

@@ -195,23 +195,17 @@ class Backend(ABC):
     def abort_group(self, pg) -> None:
         """Abort the communicators of process group `pg` without waiting for the work queued on them;
         callable from any thread, also while another thread waits on `pg`. c10d's registry of groups is
-        left alone (the owner forgets the group later, on its own thread). gloo: nothing to call — in
-        torch 2.13 ProcessGroupGloo.abort() neither fails a pending wait nor refuses a later op (checked: an
-        irecv issued before it still waited out its timeout, a send after it went through), as c10d's
-        default Backend::abort is a no-op (pytorch torch/csrc/distributed/c10d/Backend.hpp). A pending gloo
-        wait ends at its timeout or when the peer's sockets close; the data plane's own flag refuses the
-        pair's later ops."""
+        left alone (the owner forgets the group later, on its own thread); the data plane's own flag refuses
+        the pair's later ops. gloo, which has no such abort, shuts the group's connections down
+        (afd.backend.gloo_pairs)."""
 
     def pair_group(self, store, rank: int, timeout: timedelta, group_id: str):
         """A standalone two-rank process group of this backend over `store` (rank 0 or 1), outside c10d's
         registry and without a default group: one attention/FFN pair's own world (afd.dataplane.pairs), so
         that a pair forms and re-forms without any other process taking part. group_id: this group's own
-        name, unique among the process's groups (HCCL keys communicators by it). gloo: `ProcessGroupGloo(store,
-        rank, size, timeout)` (torch/csrc/distributed/c10d/init.cpp; its devices follow GLOO_SOCKET_IFNAME,
-        set by afd.dataplane.rendezvous.bind_gloo); the group's own send/recv need no default group."""
-        import torch.distributed as dist
-
-        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+        name, unique among the process's groups (HCCL keys communicators by it); the group's own send/recv
+        need no default group."""
+        raise NotImplementedError(f"the {self.name} backend forms no pair groups")
 
     stream_ordered_waits: bool = False
     """Whether the data plane's waits order the consumer's stream after the transfer without blocking the

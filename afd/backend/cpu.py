@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import Counter
+from datetime import timedelta
 
 import torch
 from torch import nn
 
 from afd.backend.base import Backend, PrefetchSpec, grouped_matmul_by_slices, refuse_host_syncs
+
+log = logging.getLogger("afd.backend")
 
 ROW_MAJOR_ENV = "AFD_CPU_ROW_MAJOR_WEIGHTS"
 """Set to 1: column_major_linears leaves weights as loaded (what afd bench-graph --vs-hf compares against)."""
@@ -39,6 +43,20 @@ class CpuBackend(Backend):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    def pair_group(self, store, rank: int, timeout: timedelta, group_id: str):
+        """ProcessGroupGloo(store, rank, 2, timeout) (torch/csrc/distributed/c10d/init.cpp; its devices follow
+        GLOO_SOCKET_IFNAME, set by afd.dataplane.rendezvous.bind_gloo), with the connections that carry it
+        (afd.backend.gloo_pairs), which abort_group shuts."""
+        from afd.backend.gloo_pairs import form
+
+        return form(store, rank, timeout)
+
+    def abort_group(self, pg) -> None:
+        """gloo has no abort that ends a blocked wait (afd.backend.gloo_pairs): the group's connections are shut
+        down instead, which fails its pending operations on both ends at once."""
+        shut = pg.shut_connections()
+        log.info("gloo pair group aborted: %d connection(s) shut down", shut)
 
     def memory_info(self) -> tuple[int, int]:
         """(available, total) RAM of this process: afd.backend.cpu_memory."""
