@@ -21,6 +21,15 @@ answered again and until `afd status` said READY.
 
 With `--big-prompt MB`, a text prompt that large then goes to the last attention node while the others
 stream: its status, the others' largest gap, and the node's RSS before and a minute after.
+
+With `--hang SECONDS`, each node is stopped (SIGSTOP: alive, its sockets open) instead of killed, and continued
+(SIGCONT) that many seconds later. Besides the pause, a row then says how long after SIGCONT the cluster served
+a new request on every attention node, and whether `/health` and `afd status` ever disagreed: both are polled
+every 0.5 s from the stop until the end (a node's /health 200 while the status names it lost or paused, or a
+503 while the status says READY).
+
+    python bench/failover.py --hang 30 --kill attn1 --output docs/bench/failover-hang.json
+    python bench/failover.py --config deploy/2a1f.yaml --hang 100 --kill ffn0 --output docs/bench/failover-hang-ffn.json
 """
 
 from __future__ import annotations
@@ -103,6 +112,14 @@ class Cluster:
                     return pid
         return None
 
+    def hang(self, node: str, seconds: float) -> int:
+        """SIGSTOP now, SIGCONT `seconds` later (from a timer): the node hangs, it does not die."""
+        pid = self.pid(node)
+        assert pid is not None, f"no process for {node}"
+        os.kill(pid, signal.SIGSTOP)
+        threading.Timer(seconds, lambda: os.kill(pid, signal.SIGCONT)).start()
+        return pid
+
     def kill(self, node: str) -> int:
         pid = self.pid(node)
         assert pid is not None, f"no process for {node}"
@@ -150,6 +167,49 @@ def _status(path: str) -> dict | None:
 def _ready(path: str, doc: dict) -> bool:
     st = _status(path)
     return st is not None and st.get("state") == "READY" and len(st.get("ready", [])) == len(doc["nodes"])
+
+
+class Agreement:
+    """/health of every attention node and `afd status`, polled every 0.5 s until stopped: the moments they
+    disagreed. A node agrees when its /health is 200 exactly when the status is READY, or DEGRADED without
+    naming it (lost, or its requests paused). The stopped node itself is left out until it is continued: a
+    stopped process answers nothing."""
+
+    def __init__(self, path: str, attention: dict[str, str], stopped: str, until: float):
+        self.path, self.attention, self.polls, self.disagreements = path, attention, 0, []
+        self.stopped, self.until = stopped, until
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        while not self.stop.wait(0.5):
+            st = _status(self.path)
+            skip = self.stopped if time.monotonic() < self.until + 0.5 else None
+            health = {n: _ok(u + "/health") for n, u in self.attention.items() if n != skip}
+            self.polls += 1
+            if st is None:
+                continue  # the coordinator is what hangs or restarts: nothing to compare with
+            state, text = st.get("state"), json.dumps(st)
+            for node, ok in health.items():
+                serves = state == "READY" or (state == "DEGRADED" and node not in st.get("lost", []))
+                serves = serves and f"{node}: requests paused" not in text
+                if ok != serves:
+                    self.disagreements.append(
+                        {"t_s": round(time.monotonic() - t0, 1), "node": node, "health": ok, "state": state}
+                    )
+
+    def join(self) -> dict:
+        self.stop.set()
+        self.thread.join(60)
+        return {"polls": self.polls, "disagreements": len(self.disagreements), "first": self.disagreements[:3]}
+
+
+def _serves(url: str, prompt: list[int]) -> bool:
+    """A new one-token request completes."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    return bool(stream_timed(url, body, timeout=5)["ids"])
 
 
 def _wait(what: str, cond, timeout: float) -> float | None:
@@ -262,6 +322,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load after the node is back")
     ap.add_argument("--big-prompt", type=int, default=0, help="then send a text prompt of this many MB (0: none)")
+    ap.add_argument("--hang", type=float, default=0, help="stop each node (SIGSTOP) this long instead of killing it")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     rng = random.Random(0)
@@ -283,23 +344,34 @@ def main() -> int:
                 loads = {n: Load(u, prompts, args.max_tokens, args.streams) for n, u in attention.items()}
                 time.sleep(3)
                 t_kill = time.monotonic()
-                pid = cluster.kill(node)
-                print(f"{args.launcher}: killed {node} (pid {pid})", flush=True)
-                back = _wait(f"{node} back", lambda n=node, old=pid: _back(cluster, n, old, attention), 180)
+                if args.hang:
+                    agree = Agreement(path, attention, node, time.monotonic() + args.hang)
+                    pid = cluster.hang(node, args.hang)
+                    print(f"{args.launcher}: stopped {node} (pid {pid}) for {args.hang:g}s", flush=True)
+                    time.sleep(args.hang)
+                    serving = lambda: all(_serves(u, prompts[0]) for u in attention.values())  # noqa: E731
+                    back = _wait("serving after SIGCONT", serving, 180)
+                else:
+                    pid = cluster.kill(node)
+                    print(f"{args.launcher}: killed {node} (pid {pid})", flush=True)
+                    back = _wait(f"{node} back", lambda n=node, old=pid: _back(cluster, n, old, attention), 180)
                 ready = _wait("READY", lambda: _ready(path, doc), 120)
                 time.sleep(args.settle)
                 t_end = time.monotonic()
                 for load in loads.values():
                     load.join()
                 row = {
-                    "killed": node,
+                    "stopped_s" if args.hang else "killed": args.hang if args.hang else node,
+                    **({"stopped": node} if args.hang else {}),
                     "launcher": args.launcher,
-                    "back_after_s": None if back is None else round(back, 1),
-                    "ready_after_s": None if ready is None else round(back + ready if back else ready, 1),
+                    ("serving_after_cont_s" if args.hang else "back_after_s"): None if back is None else round(back, 1),
+                    "ready_after_s": None if ready is None else round((back or 0) + ready, 1),
                     "nodes": {
                         n: _summary(load.records, refs, t_kill, t_end, args.max_tokens) for n, load in loads.items()
                     },
                 }
+                if args.hang:
+                    row["health_vs_status"] = agree.join()
                 results.append(row)
                 print(json.dumps(row), flush=True)
             if args.big_prompt:

@@ -225,3 +225,19 @@ def test_no_status_carries_a_secret(serving):
         assert st.message in ("", "draining", "done")
         wire = st.SerializeToString()
         assert not any(secret.encode() in wire for secret in secrets)
+
+
+def test_a_node_silent_for_three_intervals_is_late_before_it_is_lost(tmp_path):
+    """Issue 46 F1: `late` names a suspect (silent for LATE_HEARTBEATS intervals) long before heartbeat_timeout, so
+    that a node waiting on it can drop a hung peer; the cluster stays READY, and a heartbeat clears it."""
+    c = _new(tmp_path, heartbeat_timeout=30)  # cluster_yaml's heartbeat_interval: 0.5 s, so late after 1.5 s
+    ids = {name: uuid.uuid4().hex for name, _ in NODES}
+    for name, role in NODES:
+        c.Register(_register(name, role, ids[name]), _Context())
+        c.ReportReady(pb.NodeRef(name=name, instance_id=ids[name]), _Context())
+    time.sleep(1.7)
+    for name in ("attn0", "ffn0"):
+        st = c.Heartbeat(pb.NodeRef(name=name, instance_id=ids[name]), _Context())
+    assert (st.state, list(st.late), list(st.lost)) == (pb.ClusterStatus.READY, ["attn1"], [])
+    st = c.Heartbeat(pb.NodeRef(name="attn1", instance_id=ids["attn1"]), _Context())
+    assert list(st.late) == []

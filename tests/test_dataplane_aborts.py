@@ -254,3 +254,36 @@ def test_a_deadline_that_passed_on_a_replaced_pair_never_aborts_its_successor():
     time.sleep(0.7)  # past the watchdog's abort
     assert not plane.aborted(2) and "abort pair2-new" not in log, log
     plane.close()
+
+
+def test_waiting_on_a_peer_is_its_oldest_incomplete_transfer_where_waits_are_stream_ordered():
+    """What a late peer is judged by (afd/node/runtime.py): on NCCL and HCCL the host does not block, so how long
+    this end has waited on a peer is the age of its oldest transfer with it still incomplete."""
+    from afd.dataplane.transport import DataPlane
+
+    class Work:
+        def __init__(self):
+            self.done = False
+
+        def is_completed(self) -> bool:
+            return self.done
+
+        def wait(self) -> None:
+            pass
+
+    class Backend(_Backend):
+        stream_ordered_waits = True
+
+    plane = DataPlane(Backend(), 0, timeout_s=30)
+    plane.add(2, _Link("pair2", []))
+    plane.add(3, _Link("pair3", []))
+    old, new = Work(), Work()
+    plane.wait(old, 2, "step header receive")
+    time.sleep(0.3)
+    plane.wait(new, 2, "layer 0 MoE output receive")
+    assert 0.3 <= plane.waiting_on(2) < 5 and plane.waiting_on(3) == 0.0
+    old.done = True
+    assert plane.waiting_on(2) < 0.3
+    new.done = True
+    assert plane.waiting_on(2) == 0.0
+    plane.close()

@@ -80,11 +80,19 @@ def test_a_hung_peers_wait_ends_at_the_abort_and_other_pairs_go_on(store):
             time.sleep(0.01)
         stopped = time.monotonic()
         pending = plane.irecv(torch.empty(4), 0)  # never sent: the peer hangs
-        threading.Timer(ABORT_S, plane.abort, (0, "the peer missed its heartbeats")).start()
+        waited = []
+
+        def verdict() -> None:  # the heartbeat's, from another thread, as abort_lost_peers gives it
+            waited.append(plane.waiting_on(0))
+            plane.abort(0, "the peer missed its heartbeats")
+
+        threading.Timer(ABORT_S, verdict).start()
         with pytest.raises(PeerError, match="its pair was aborted .the peer missed its heartbeats"):
             plane.wait(pending, 0, "step header receive")
-        waited = time.monotonic() - stopped
-        assert waited <= ABORT_S + BOUND_S, f"the wait ended {waited:.2f}s after the peer stopped"
+        ended = time.monotonic() - stopped
+        assert ended <= ABORT_S + BOUND_S, f"the wait ended {ended:.2f}s after the peer stopped"
+        assert 0.8 * ABORT_S <= waited[0] <= ended, "waiting_on says how long this end has waited on the peer"
+        assert plane.waiting_on(0) == 0.0
         assert _round_trip(other_attn, other_ffn, 4.0) == 8.0, "the other pair of this process is untouched"
         store.set("still", "answers")
         assert store.get("still") == b"answers"

@@ -16,6 +16,7 @@ from sse import Ticker
 
 from afd.cluster.config import load
 from afd.control import control_pb2 as pb
+from afd.control.coordinator import late_after
 from afd.dataplane.deadlines import role_timeout
 from afd.node.runtime import NodeRuntime
 
@@ -25,7 +26,7 @@ HEARTBEAT = {"heartbeat_interval": 0.3, "heartbeat_timeout": 2}
 # survivor would stall for one of them, and the test fails
 CLUSTER = {**HEARTBEAT, "comm_timeout": 30, "rejoin_timeout": 60}
 SLACK_S = 1.5
-"""What the bound allows beyond heartbeat_timeout + one heartbeat interval + one step: the coordinator's
+"""What the bound allows beyond the verdict + one heartbeat interval + one step: the coordinator's
 and the FFN node's gRPC round trips, the deadline watchdog's poll and the scheduling of four processes
 on the test machine's two shared cores."""
 
@@ -45,8 +46,11 @@ class _Link:
 class _Plane:
     """The FFN node's DataPlane as abort_lost_peers sees it: its pairs, when each formed, and the aborts."""
 
-    def __init__(self, formed_at: dict[int, float]):
-        self.links, self.aborts = {p: _Link(t) for p, t in formed_at.items()}, []
+    def __init__(self, formed_at: dict[int, float], waiting: dict[int, float] | None = None):
+        self.links, self.aborts, self.waiting = {p: _Link(t) for p, t in formed_at.items()}, [], waiting or {}
+
+    def waiting_on(self, peer: int) -> float:
+        return self.waiting.get(peer, 0.0)
 
     def link(self, peer: int) -> _Link | None:
         return self.links.get(peer)
@@ -84,6 +88,18 @@ def test_a_lost_peer_has_its_pair_aborted_once_and_only_if_the_report_is_newer_t
     assert len(plane.aborts) == 2
 
 
+def test_a_late_peer_is_dropped_only_where_this_node_has_waited_on_it_as_long(tmp_path):
+    """Issue 46 F1: `late` (three heartbeat intervals of silence: 0.9 s here) drops a peer this node has been
+    waiting on for as long (a hang), never one it does not wait on (a peer busy elsewhere, or merely slow to
+    heartbeat)."""
+    plane = _Plane({0: 10.0, 1: 10.0}, waiting={0: 0.2, 1: 1.0})
+    rt = _runtime(tmp_path, plane)
+    rt.abort_lost_peers(pb.ClusterStatus(late=["attn0", "attn1"]), asked=20.0)
+    assert [(p, why) for p, _, why in plane.aborts] == [
+        (1, "attn1 is silent for 0.9s of heartbeats while this node waited 1.0s on it")
+    ]
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_checkpoint):
     return {tuple(p): ids for p, (ids, _) in zip(PROMPTS, hf_greedy(tiny_checkpoint, PROMPTS, NEW))}
@@ -96,15 +112,16 @@ def reference(tiny_checkpoint):
     [(signal.SIGKILL, "hccl"), (signal.SIGSTOP, "hccl"), (signal.SIGSTOP, "gloo")],
     ids=["kill-9", "stopped", "stopped-gloo"],
 )
-def test_a_dead_attention_node_stalls_the_other_no_longer_than_the_heartbeat_timeout(
+def test_a_dead_attention_node_stalls_the_other_no_longer_than_its_late_verdict(
     tiny_checkpoint, reference, tmp_path, sig, plane
 ):
     """Done-when of issue 24 at 2A1F on the fake HCCL: while attn0 streams, attn1 (itself mid-decode) is
     killed with SIGKILL, or stopped (alive, its sockets open: a hang, not a death); attn0's longest pause
-    between two streamed chunks is at most heartbeat_timeout + one heartbeat interval (the FFN node learns
-    of the loss at its next heartbeat) + one step (the longest seen before) + SLACK_S, and every
-    completion equals HF's tokens. On gloo too (issue 46, F1), which cannot abort a blocked wait: the pair's
-    connections are shut down instead (afd/backend/gloo_pairs.py)."""
+    between two streamed chunks is at most the verdict on attn1 (late: three heartbeat intervals of silence,
+    while the FFN node waited on it as long; issue 46, F1) + one heartbeat interval (the FFN node learns of it
+    at its next heartbeat) + one step (the longest seen before) + SLACK_S, and every completion equals HF's
+    tokens. On gloo too, which cannot abort a blocked wait: the pair's connections are shut down instead
+    (afd/backend/gloo_pairs.py)."""
     from npu_fake import fake_env, on_devices
 
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="hb-abort", cluster=CLUSTER)
@@ -136,10 +153,11 @@ def test_a_dead_attention_node_stalls_the_other_no_longer_than_the_heartbeat_tim
                 b.join()
         log = c.log("ffn0")
         assert not ticker.errors, ticker.errors
-        assert "attn1 missed its heartbeats" in log and "attention rank 1 (attn1) dropped" in log, log[-3000:]
+        assert "attn1 is silent for" in log and "attention rank 1 (attn1) dropped" in log, log[-3000:]
         step = max(ticker.gaps(0, killed))
         stall = max(ticker.gaps(killed, float("inf")))
-        bound = CLUSTER["heartbeat_timeout"] + CLUSTER["heartbeat_interval"] + step + SLACK_S
+        late = late_after(CLUSTER["heartbeat_interval"], CLUSTER["heartbeat_timeout"])
+        bound = late + CLUSTER["heartbeat_interval"] + step + SLACK_S
         assert ticker.chunks[-1] > killed + 8, "attn0 stopped streaming after the kill"
         assert stall <= bound, f"attn0 stalled {stall:.2f}s; bound {bound:.2f}s (one step: {step:.2f}s)"
         assert c.procs["attn0"].poll() is None and c.procs["ffn0"].poll() is None

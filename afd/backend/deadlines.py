@@ -67,6 +67,12 @@ class Deadlines:
             self._failures.pop(peer, None)
         return any(not _completed(e[1]) for e in mine)
 
+    def oldest(self, peer: int) -> float | None:
+        """When the oldest incomplete transfer with `peer` began (time.monotonic), or None."""
+        with self._mu:
+            starts = [d - self.timeout_s for d, work, p, _ in self._pending if p == peer and not _completed(work)]
+        return min(starts, default=None)
+
     @property
     def pending(self) -> int:
         """Watched works not completed yet: work that may still be queued on the device."""

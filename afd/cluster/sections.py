@@ -176,7 +176,9 @@ class ClusterSection:
     coordinator: str | None = None
     """Node hosting the coordinator; default: the first attention node."""
     startup_timeout: float = 120.0
-    heartbeat_interval: float = 1.0
+    heartbeat_interval: float = 0.5
+    """A node silent for 3 of them is late: a peer that has waited on it as long drops its pair (a hang
+    costs the others about 1.5 s); one silent for heartbeat_timeout is lost, whatever waits on it."""
     heartbeat_timeout: float = 10.0
     comm_timeout: float = 60.0
     rejoin_timeout: float = 60.0

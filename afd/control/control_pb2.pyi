@@ -92,7 +92,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ClusterStatus(_message.Message):
-    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining", "restarting")
+    __slots__ = ("state", "missing", "registered", "ready", "lost", "message", "draining", "restarting", "late")
     class State(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STARTING: _ClassVar[ClusterStatus.State]
@@ -115,6 +115,7 @@ class ClusterStatus(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     RESTARTING_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     state: ClusterStatus.State
     missing: _containers.RepeatedScalarFieldContainer[str]
     registered: _containers.RepeatedScalarFieldContainer[str]
@@ -123,7 +124,8 @@ class ClusterStatus(_message.Message):
     message: str
     draining: _containers.RepeatedScalarFieldContainer[str]
     restarting: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ..., restarting: _Optional[_Iterable[str]] = ...) -> None: ...
+    late: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, state: _Optional[_Union[ClusterStatus.State, str]] = ..., missing: _Optional[_Iterable[str]] = ..., registered: _Optional[_Iterable[str]] = ..., ready: _Optional[_Iterable[str]] = ..., lost: _Optional[_Iterable[str]] = ..., message: _Optional[str] = ..., draining: _Optional[_Iterable[str]] = ..., restarting: _Optional[_Iterable[str]] = ..., late: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PairRequest(_message.Message):
     __slots__ = ("name", "instance_id", "rank", "key", "timeout_seconds")

@@ -23,6 +23,15 @@ from afd.control import control_pb2_grpc as pb_grpc
 from afd.control.members import Member, assignment
 
 log = logging.getLogger("afd.coordinator")
+LATE_HEARTBEATS = 3
+"""Heartbeat intervals of silence after which a member is late (ClusterStatus.late)."""
+
+
+def late_after(interval: float, timeout: float) -> float:
+    """Seconds of silence that make a member late: LATE_HEARTBEATS intervals, short of the timeout."""
+    return min(LATE_HEARTBEATS * interval, timeout)
+
+
 State = pb.ClusterStatus
 
 
@@ -49,6 +58,13 @@ class Coordinator(pb_grpc.CoordinatorServicer):
         limit = time.monotonic() - self.cfg.cluster.heartbeat_timeout
         return sorted(m.name for m in self.members.values() if m.last_seen < limit)
 
+    def _late(self) -> list[str]:
+        """Members silent for LATE_HEARTBEATS intervals but not yet lost: a peer that has waited as long on one
+        of them judges it hung (afd.node.runtime, abort_lost_peers), long before heartbeat_timeout."""
+        now, c = time.monotonic(), self.cfg.cluster
+        late, lost = now - late_after(c.heartbeat_interval, c.heartbeat_timeout), now - c.heartbeat_timeout
+        return sorted(m.name for m in self.members.values() if lost <= m.last_seen < late)
+
     def _status(self) -> pb.ClusterStatus:
         lost = self._lost()
         state = self.state
@@ -61,6 +77,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
             registered=sorted(self.members),
             ready=sorted(m.name for m in self.members.values() if m.ready),
             lost=lost,
+            late=self._late(),
             message="; ".join([self.message] * bool(self.message) + paused),
             draining=sorted(self.draining),
             restarting=sorted(self.restarting),

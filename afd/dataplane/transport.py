@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -53,6 +54,8 @@ class DataPlane:
         self._abort_lock = threading.Lock()
         self._outstanding: dict[int, int] = {}
         """Per peer, ops issued and not yet waited for successfully: work that may still be queued."""
+        self._blocked: dict[int, float] = {}
+        """Per peer, when the owner's blocking wait on it began (gloo), while it lasts."""
         self._errors_since: dict[int, int] = {}
         """PeerError.made when each pair was added: any made since means a failure in this process (on the
         plane, or in a TP group) whose work may be queued."""
@@ -146,7 +149,8 @@ class DataPlane:
         return None
 
     def _wait_blocking(self, work, peer: int, what: str) -> PeerError | None:
-        """gloo: the host waits, up to the group's timeout."""
+        """gloo: the host waits, up to the group's timeout, or until an abort shuts the pair's connections."""
+        self._blocked[peer] = time.monotonic()
         try:
             ok = work.wait(self.timeout)
         except RuntimeError as e:
@@ -154,11 +158,19 @@ class DataPlane:
                 f"data plane: {what} with rank {peer} failed ({first_line(e)}); the peer process is probably gone",
                 peer,
             )
+        finally:
+            self._blocked.pop(peer, None)
         if ok is False:
             return PeerError(
                 f"data plane: {what} with rank {peer} timed out after {self.timeout.total_seconds():.0f}s", peer
             )
         return None
+
+    def waiting_on(self, peer: int) -> float:
+        """Seconds this end has been waiting on `peer` (any thread): its owner blocked in a wait on it (gloo), or
+        its oldest transfer with it still incomplete (NCCL, HCCL); 0 when it waits on nothing of the peer's."""
+        since = self.deadlines.oldest(peer) if self.deadlines is not None else self._blocked.get(peer)
+        return 0.0 if since is None else time.monotonic() - since
 
     def _aborted_error(self, peer: int, what: str) -> PeerError:
         why = self._aborted[peer]

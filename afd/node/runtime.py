@@ -17,7 +17,7 @@ from afd.cluster.fingerprint import model_fingerprint
 from afd.cluster.topology import model_dir
 from afd.control import control_pb2 as pb
 from afd.control.client import ControlClient
-from afd.control.coordinator import Coordinator
+from afd.control.coordinator import Coordinator, late_after
 from afd.control.server import ControlServer
 from afd.dataplane.deadlines import role_timeout
 from afd.dataplane.rendezvous import bind_gloo
@@ -105,19 +105,31 @@ class NodeRuntime:
         a hung peer (stopped, not dead) says nothing on gloo either: a wait on it would run to its deadline
         (`comm_timeout`) while every other peer of this node waited with it. The abort ends that wait, so
         an FFN node drops a dead attention node after about heartbeat_timeout and serves the others on.
-        A report asked for before the pair formed is not acted on: its peer may be a replacement by now."""
+        A peer reported late (silent for LATE_HEARTBEATS intervals) is judged sooner, where this node has
+        waited on it as long: a hang costs the others about that, not heartbeat_timeout; a busy peer, which
+        still heartbeats, is never late. A report asked for before the pair formed is not acted on: its peer
+        may be a replacement by now."""
         plane = self.plane
-        if plane is None or not st.lost:
+        if plane is None or not (st.lost or st.late):
             return
-        for name in st.lost:
+        c = self.cfg.cluster
+        late_s = late_after(c.heartbeat_interval, c.heartbeat_timeout)
+        for name in [*st.lost, *st.late]:
             if name not in self.cfg.process_names:
                 continue
             rank = self.cfg.rank(name)
             link = plane.link(rank)
             if link is None or plane.aborted(rank) or link.formed_at > asked:
                 continue
-            log.warning("%s missed its heartbeats: aborting its pair of the data plane", name)
-            plane.abort_link(rank, link, f"{name} missed its heartbeats for {self.cfg.cluster.heartbeat_timeout:g}s")
+            if name in st.lost:
+                why = f"{name} missed its heartbeats for {c.heartbeat_timeout:g}s"
+            else:  # a suspect: only where this node has waited on it as long (a hung peer, not a busy one)
+                waited = plane.waiting_on(rank)
+                if waited < late_s:
+                    continue
+                why = f"{name} is silent for {late_s:g}s of heartbeats while this node waited {waited:.1f}s on it"
+            log.warning("%s: aborting its pair of the data plane", why)
+            plane.abort_link(rank, link, why)
 
     def release_plane(self) -> None:
         if self.plane is not None:
