@@ -9,6 +9,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import grpc
 
@@ -61,6 +62,11 @@ class FFNPeer:
         self._channel.close()
 
 
+FORM_GRACE_S = 0.25
+"""Once the pairs formed serve every routed expert, how long the others' formations still get: a live FFN node
+forms in tens of milliseconds; one that hangs never answers."""
+
+
 def form_pairs(
     plane: DataPlane,
     peers: list[FFNPeer],
@@ -70,50 +76,82 @@ def form_pairs(
     stop: threading.Event | None = None,
     covered: Callable[[DataPlane], bool] | None = None,
 ) -> list[FFNPeer]:
-    """Forms `plane`'s pair with each FFN peer, trying a peer that is down or still loading again until
-    `deadline_s` seconds pass, or until `stop` is set (the cluster shuts down); raises ControlError naming
-    the FFN node that never formed. With `covered` (layout.routing attention, after a failure): once the
-    pairs formed serve every routed expert (covered(plane)), peers still down are left out and returned, for
-    a background formation to bring back (afd.node.adoption) while the others step on."""
+    """Forms `plane`'s pair with each FFN peer, all at once, trying a peer that is down or still loading again
+    until `deadline_s` seconds pass, or until `stop` is set (the cluster shuts down); raises ControlError naming
+    the FFN node that never formed. With `covered` (layout.routing attention, after a failure): once the pairs
+    formed serve every routed expert (covered(plane)), peers still down, or still not answering FORM_GRACE_S
+    later (a hung node's FormPair waits out its deadline), are left out and returned, for a background
+    formation to bring back (afd.node.adoption) while the others step on."""
     backend.bind_thread()
     deadline = time.monotonic() + deadline_s
-    waiting = list(peers)
+    pool = ThreadPoolExecutor(max(1, len(peers)), thread_name_prefix="afd-form")
+    pending: dict[Future, FFNPeer] = {}
+    down: list[tuple[FFNPeer, str]] = []
     said: set[str] = set()
-    while True:
-        down = []
-        for peer in waiting:
-            why = _try_form(plane, peer, me, backend)
-            if why is not None:
-                down.append((peer, why))
-        if not down:
-            return []
-        if covered is not None and covered(plane):
-            for peer, why in down:
-                log.warning("FFN node %s is down (%s): its experts' replicas take its tokens", peer.name, why)
-            return [peer for peer, _ in down]
-        peer, why = down[0]
-        if time.monotonic() > deadline:
-            raise ControlError(
-                f"no pair formed with FFN node {peer.name} within {deadline_s:.0f}s (last: {why})"
-            ) from None
-        for p, w in down:
-            if p.name not in said:
-                log.info("waiting for FFN node %s to form a pair: %s", p.name, w)
-                said.add(p.name)
-        if stop is not None and stop.wait(0.3):
-            raise ControlError(f"the cluster is shutting down: no pair formed with FFN node {peer.name}")
-        if stop is None:
-            time.sleep(0.3)
-        waiting = [p for p, _ in down]
+    covered_at = retry_at = None
+
+    def submit(peer: FFNPeer) -> None:
+        pending[pool.submit(_one_try, peer, me, plane.rank, backend)] = peer
+
+    for peer in peers:
+        submit(peer)
+    try:
+        while True:
+            if pending:
+                done = wait(pending, timeout=0.05, return_when=FIRST_COMPLETED).done
+            else:  # every peer down: until the next try
+                done = set()
+                (stop or threading.Event()).wait(0.05)
+            for f in done:
+                peer = pending.pop(f)
+                link, why = f.result()  # ControlError: refused for good, or stopping
+                if link is not None:
+                    plane.add(peer.rank, link)
+                else:
+                    down.append((peer, why))
+            if not pending and not down:
+                return []
+            now = time.monotonic()
+            if covered is not None and covered(plane):
+                covered_at = covered_at or now
+                if not pending or now - covered_at >= FORM_GRACE_S:
+                    for peer, why in down:
+                        log.warning("FFN node %s is down (%s): its experts' replicas take its tokens", peer.name, why)
+                    for peer in pending.values():
+                        log.warning("FFN node %s does not answer: its experts' replicas take its tokens", peer.name)
+                    return [peer for peer, _ in down] + list(pending.values())
+            if stop is not None and stop.is_set():
+                name = (down[0][0] if down else next(iter(pending.values()))).name
+                raise ControlError(f"the cluster is shutting down: no pair formed with FFN node {name}")
+            if down and now > deadline:
+                peer, why = down[0]
+                raise ControlError(f"no pair formed with FFN node {peer.name} within {deadline_s:.0f}s (last: {why})")
+            if down:
+                retry_at = retry_at or now + 0.3
+            if down and now >= retry_at:  # not covered without them: wait for them, trying again
+                for peer, why in down:
+                    if peer.name not in said:
+                        log.info("waiting for FFN node %s to form a pair: %s", peer.name, why)
+                        said.add(peer.name)
+                    submit(peer)
+                down, retry_at = [], None
+    finally:
+        for f in pending:  # left out, or given up on: a pair one of them forms after all is closed, never used
+            f.add_done_callback(_close_late_pair)
+        pool.shutdown(wait=False)
 
 
-def _try_form(plane: DataPlane, peer: FFNPeer, me: pb.NodeRef, backend) -> str | None:
-    """One try at the pair with `peer`, added to `plane` when it forms; why not, when the peer is down or
-    still loading. Raises ControlError when the peer refuses (for good) or this node is stopping."""
-    link, why = try_pair(peer, me, plane.rank, backend)
+def _one_try(peer: FFNPeer, me: pb.NodeRef, my_rank: int, backend) -> tuple[PairLink | None, str | None]:
+    backend.bind_thread()  # this thread forms the pair's communicators
+    return try_pair(peer, me, my_rank, backend)
+
+
+def _close_late_pair(f: Future) -> None:
+    if f.cancelled() or f.exception() is not None:
+        return
+    link, _ = f.result()
     if link is not None:
-        plane.add(peer.rank, link)
-    return why
+        link.close(queued=False)
 
 
 def try_pair(peer: FFNPeer, me: pb.NodeRef, my_rank: int, backend) -> tuple[PairLink | None, str | None]:
