@@ -61,6 +61,7 @@ class ServingNode(AttentionNode):
         self.state = serving_state(self)
         if self.runtime is not None:
             self.runtime.paused = self._paused
+            self.state.engine.on_pause = self.runtime.client.poke
         api_listen(self.sock, what)
 
     def _on_status(self, status) -> None:  # Drain: no new requests, running ones finish

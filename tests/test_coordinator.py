@@ -241,3 +241,30 @@ def test_a_node_silent_for_three_intervals_is_late_before_it_is_lost(tmp_path):
     assert (st.state, list(st.late), list(st.lost)) == (pb.ClusterStatus.READY, ["attn1"], [])
     st = c.Heartbeat(pb.NodeRef(name="attn1", instance_id=ids["attn1"]), _Context())
     assert list(st.late) == []
+
+
+def test_a_poke_sends_the_heartbeat_now_so_the_status_names_a_pause_at_once(tmp_path, monkeypatch):
+    """Issue 46 F9: /health says 503 the moment the engine pauses; the node's heartbeat carries the pause then
+    (ControlClient.poke, from Engine.on_pause), not at the end of its interval, so afd status agrees."""
+    from afd.control.client import ControlClient
+    from afd.control.server import ControlServer
+
+    monkeypatch.delenv("AFD_CLUSTER_TOKEN", raising=False)
+    cluster = {"heartbeat_interval": 5.0, "heartbeat_timeout": 30}
+    cfg = load(str(cluster_yaml(tmp_path, str(tmp_path), 1, 0, cluster=cluster)))
+    coordinator = Coordinator(cfg, "fp", n_routed=4)
+    server = ControlServer("127.0.0.1", cfg.node("attn0").ports.control, None, coordinator)
+    client = ControlClient(cfg, "attn0")
+    try:
+        client.register("fp")
+        why = {"now": ""}
+        client.start_heartbeats(lambda st, asked: None, paused=lambda: why["now"])
+        why["now"] = "waiting for ffn0: gone"
+        client.poke()
+        end = time.monotonic() + 2  # well inside the 5 s interval
+        while coordinator.members["attn0"].paused != why["now"]:
+            assert time.monotonic() < end, "the poked heartbeat did not arrive"
+            time.sleep(0.02)
+    finally:
+        client.close()
+        server.stop(0)

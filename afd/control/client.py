@@ -44,6 +44,8 @@ class ControlClient:
         self.ref = pb.NodeRef(name=self.process, instance_id=self.instance_id)
         self._register_request = pb.RegisterRequest()
         self._stop = threading.Event()
+        self._poke = threading.Event()
+        """Set by poke(): the next heartbeat goes now, not at the end of its interval."""
 
     def _call(self, method, request, timeout: float, retry=_RETRYABLE):
         try:
@@ -131,7 +133,11 @@ class ControlClient:
 
         def beat() -> None:
             last_ok, lost, refused = time.monotonic(), False, False
-            while not self._stop.wait(interval):
+            while True:
+                self._poke.wait(interval)
+                self._poke.clear()
+                if self._stop.is_set():
+                    return
                 asked = time.monotonic()
                 try:
                     ref = pb.NodeRef(name=self.ref.name, instance_id=self.ref.instance_id, paused=paused())
@@ -172,6 +178,12 @@ class ControlClient:
         except (grpc.RpcError, ControlError) as e:
             log.debug("shutdown call: %s", e)
 
+    def poke(self) -> None:
+        """A heartbeat now (any thread): what it carries changed (this node's requests paused or resumed), and
+        `afd status` should say so before the next interval."""
+        self._poke.set()
+
     def close(self) -> None:
         self._stop.set()
+        self._poke.set()
         self._channel.close()

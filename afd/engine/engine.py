@@ -85,6 +85,9 @@ class Engine:
         """The data-plane rank whose failure paused it, where the failure names one."""
         self.membership: PlaneMembership | None = None
         """Serving sets it (afd.node.runtime); offline generation runs without."""
+        self.on_pause: Callable[[], None] | None = None
+        """Called from the engine's thread each time `paused` is set or cleared: the serving node's heartbeat
+        then carries it at once, so that afd status agrees with /health."""
         self.on_dead: Callable[[str], None] | None = None
         """Called once, from the engine's thread, when it stops for good (`dead`): the serving node exits then."""
         self._thread = threading.Thread(target=self._loop, name="afd-engine", daemon=True)
@@ -188,6 +191,7 @@ class Engine:
         writes land in the same slots when it reruns."""
         self.paused, self.paused_peer = e, peer
         log.warning("requests paused: %s", e)
+        self._paused_changed()
         self.runner.moe = None  # drop the exchange over the failed pairs before they are torn down
         rejoin = None if self.membership is None else self.membership.rejoin
         try:
@@ -197,7 +201,12 @@ class Engine:
         except Exception as err:  # ControlError: nobody came back in time
             raise PeerError(f"{e}; {err}") from None
         self.paused, self.paused_peer = None, None
+        self._paused_changed()
         log.info("data plane re-formed; %d request(s) resume", len(self.processor.requests))
+
+    def _paused_changed(self) -> None:
+        if self.on_pause is not None:
+            self.on_pause()
 
     def _die(self, reason: str) -> None:
         self.dead = reason
