@@ -173,7 +173,8 @@ class Agreement:
     """/health of every attention node and `afd status`, polled every 0.5 s until stopped: the moments they
     disagreed. A node agrees when its /health is 200 exactly when the status is READY, or DEGRADED without
     naming it (lost, or its requests paused). The stopped node itself is left out until it is continued: a
-    stopped process answers nothing."""
+    stopped process answers nothing. /health is read before and after each status (which takes a process of
+    its own); a node whose answer changed meanwhile is not compared."""
 
     def __init__(self, path: str, attention: dict[str, str], stopped: str, until: float):
         self.path, self.attention, self.polls, self.disagreements = path, attention, 0, []
@@ -185,9 +186,12 @@ class Agreement:
     def _run(self) -> None:
         t0 = time.monotonic()
         while not self.stop.wait(0.5):
-            st = _status(self.path)
             skip = self.stopped if time.monotonic() < self.until + 0.5 else None
-            health = {n: _ok(u + "/health") for n, u in self.attention.items() if n != skip}
+            before = {n: _ok(u + "/health") for n, u in self.attention.items() if n != skip}
+            st = _status(self.path)  # a process of its own: a fraction of a second
+            after = {n: _ok(u + "/health") for n, u in self.attention.items() if n != skip}
+            # a node whose /health changed across the status call is no disagreement: either may be first
+            health = {n: ok for n, ok in after.items() if before.get(n) == ok}
             self.polls += 1
             if st is None:
                 continue  # the coordinator is what hangs or restarts: nothing to compare with
