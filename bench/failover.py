@@ -19,6 +19,19 @@ answered again and until `afd status` said READY.
     python bench/failover.py --kill "" --big-prompt 30 --output docs/bench/failover-big-prompt.json
     python bench/failover.py --config deploy/1a2f.yaml --kill ffn1,ffn0 --output docs/bench/failover-1a2f.json
 
+With `--hostile` (and `--kill ""`), issue 46's hostile input goes to the first attention node while every one
+streams, behind an API key: `/detokenize` without the key, its F5 bodies (a 10^6-entry logit_bias, 300k chat
+messages, 1M text parts, 3M stop_token_ids) one at a time, then eight 100k-string `choice` requests at once with a
+plain 1-token request meanwhile; each answer's status and time, and the streams' largest gap.
+
+    python bench/failover.py --kill "" --hostile --output docs/bench/failover-hostile.json
+
+With `--rebalance`, `afd rebalance --apply` runs under the load (`--launcher launch`, whose restarts load the
+new placement), reporting the fewest holders of any expert before and after, and the streams' largest gap.
+
+    python bench/failover.py --config deploy/1a3f-replicated.yaml --kill "" --rebalance \\
+        --output docs/bench/failover-rebalance.json
+
 With `--big-prompt MB`, a text prompt that large then goes to the last attention node while the others
 stream: its status, the others' largest gap, and the node's RSS before and a minute after.
 
@@ -48,12 +61,16 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
 
 from afd.bench.streams import stream_timed
 from afd.cluster.processes import descendants, free_ports
+
+HEADERS: dict[str, str] = {}
+"""Sent with every request the benchmark makes: the API key's, under --hostile."""
 
 
 def _cluster(src: str, tmp: str) -> tuple[str, dict]:
@@ -213,7 +230,7 @@ class Agreement:
 def _serves(url: str, prompt: list[int]) -> bool:
     """A new one-token request completes."""
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
-    return bool(stream_timed(url, body, timeout=5)["ids"])
+    return bool(stream_timed(url, body, timeout=5, headers=HEADERS)["ids"])
 
 
 def _wait(what: str, cond, timeout: float) -> float | None:
@@ -241,7 +258,7 @@ class Load:
         while not self.stop.is_set():
             body = {"prompt": self.prompts[k % len(self.prompts)], "max_tokens": self.max_tokens}
             body.update(temperature=0, ignore_eos=True)
-            rec = stream_timed(self.url, body, timeout=120)
+            rec = stream_timed(self.url, body, timeout=120, headers=HEADERS)
             rec["prompt"] = k % len(self.prompts)
             self.records.append(rec)
             if not rec["ids"]:  # the node is down or refusing: do not spin
@@ -317,6 +334,105 @@ def _big_prompt(cluster: Cluster, attention: dict[str, str], prompts, args, refs
     }
 
 
+HOSTILE = {
+    # issue 46, F5: large bodies, each legal JSON, each past a bound vLLM users would expect: a 400
+    "logit_bias of 10^6 entries": ("/v1/completions", lambda m: {"logit_bias": {str(i): 1 for i in range(10**6)}}),
+    "chat of 300k messages": (
+        "/v1/chat/completions",
+        lambda m: {"messages": [{"role": "user", "content": "hi"}] * 300_000},
+    ),
+    "1M text parts": (
+        "/v1/chat/completions",
+        lambda m: {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 10**6}]},
+    ),
+    "3M stop_token_ids": ("/v1/completions", lambda m: {"stop_token_ids": [1] * 3_000_000}),
+}
+GRAMMARS, CHOICES = 8, 100_000
+"""Issue 46, F3: this many `structured_outputs.choice` requests of this many strings at once."""
+
+
+def _post(url: str, path: str, body: dict, headers: dict, timeout: float = 120) -> tuple[int, float]:
+    """(HTTP status, seconds from the first byte sent to the answer)."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json", **headers})
+    t0 = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            return r.status, time.monotonic() - t0
+    except urllib.error.HTTPError as e:
+        return e.code, time.monotonic() - t0
+
+
+def _hostile(attention: dict[str, str], prompts, args, refs) -> dict:
+    """Issue 46's hostile input against the first attention node while every attention node streams: /detokenize
+    without the API key; F5's bodies, one at a time (status, time); F3's GRAMMARS choice requests at once with a
+    plain 1-token request sent meanwhile (each status and time); the streams' largest gap over it all."""
+    name, url = next(iter(attention.items()))
+    loads = {n: Load(u, prompts, args.max_tokens, args.streams) for n, u in attention.items()}
+    time.sleep(3)
+    t0 = time.monotonic()
+    out: dict = {"to": name}
+    out["detokenize_without_key"] = _post(url, "/detokenize", {"tokens": [1, 2, 3]}, {})[0]
+    bodies = {}
+    for what, (path, make) in HOSTILE.items():
+        base = {"prompt": "hi"} if path == "/v1/completions" else {}
+        status, took = _post(url, path, {**base, "max_tokens": 1, **make(None)}, HEADERS)
+        bodies[what] = {"status": status, "answered_after_s": round(took, 3)}
+    out["bodies"] = bodies
+    choice = {
+        "prompt": "pick one",
+        "max_tokens": 4,
+        "structured_outputs": {"choice": [f"option {i}" for i in range(CHOICES)]},
+    }
+    with ThreadPoolExecutor(GRAMMARS + 1) as pool:
+        grammars = [pool.submit(_post, url, "/v1/completions", choice, HEADERS) for _ in range(GRAMMARS)]
+        time.sleep(0.2)
+        plain = pool.submit(_post, url, "/v1/completions", {"prompt": "hi", "max_tokens": 1}, HEADERS).result()
+        got = [f.result() for f in grammars]
+    out["grammars"] = {
+        "statuses": sorted({s for s, _ in got}),
+        "slowest_s": round(max(t for _, t in got), 3),
+        "plain_1_token": {"status": plain[0], "answered_after_s": round(plain[1], 3)},
+    }
+    time.sleep(2)
+    t1 = time.monotonic()
+    for load in loads.values():
+        load.join()
+    out["nodes"] = {n: _summary(load.records, refs, t0, t1, args.max_tokens) for n, load in loads.items()}
+    return out
+
+
+def _rebalance(path: str, attention: dict[str, str], prompts, args, refs) -> dict:
+    """Issue 46, F6: `afd rebalance --apply` while every attention node streams (after a warm-up whose expert
+    loads the FFN nodes' metrics count): its exit code and time, the fewest holders any expert has in the
+    placement it wrote against the fewest before, and the streams' largest gap."""
+    from afd.cluster.config import load as load_cluster
+    from afd.cluster.topology import model_dir
+    from afd.model.registry import load_config
+
+    def fewest_holders() -> int:
+        cfg = load_cluster(path)
+        placement = cfg.placement(load_config(model_dir(cfg)).n_routed_experts)
+        return min(sum(e in held for held in placement.held) for e in range(placement.n_routed))
+
+    before = fewest_holders()
+    loads = {n: Load(u, prompts, args.max_tokens, args.streams) for n, u in attention.items()}
+    time.sleep(5)
+    t0 = time.monotonic()
+    r = subprocess.run(_afd("rebalance", path, "--apply"), capture_output=True, text=True, timeout=900)
+    took = time.monotonic() - t0
+    time.sleep(args.settle)
+    t1 = time.monotonic()
+    for load in loads.values():
+        load.join()
+    return {
+        "rebalance_apply": {"returncode": r.returncode, "seconds": round(took, 1), "tail": r.stdout[-600:]},
+        "fewest_holders": {"before": before, "after": fewest_holders()},
+        "nodes": {n: _summary(load.records, refs, t0, t1, args.max_tokens) for n, load in loads.items()},
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="deploy/2a1f.yaml")
@@ -327,8 +443,13 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load after the node is back")
     ap.add_argument("--big-prompt", type=int, default=0, help="then send a text prompt of this many MB (0: none)")
     ap.add_argument("--hang", type=float, default=0, help="stop each node (SIGSTOP) this long instead of killing it")
+    ap.add_argument("--hostile", action="store_true", help="then issue 46's hostile input (see the docstring)")
+    ap.add_argument("--rebalance", action="store_true", help="then `afd rebalance --apply` under the load")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    if args.hostile:  # behind an API key, as /detokenize's row needs; the launcher hands it to the nodes
+        os.environ["AFD_API_KEY"] = key = f"bench-{random.randrange(1 << 64):x}"
+        HEADERS["Authorization"] = f"Bearer {key}"
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(4, 24))] for _ in range(args.streams)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -343,7 +464,7 @@ def main() -> int:
             refs = {}
             for i, p in enumerate(prompts):  # fault-free tokens, one at a time on the first node
                 body = {"prompt": p, "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
-                refs[i] = stream_timed(next(iter(attention.values())), body, timeout=120)["ids"]
+                refs[i] = stream_timed(next(iter(attention.values())), body, timeout=120, headers=HEADERS)["ids"]
             for node in kills:
                 loads = {n: Load(u, prompts, args.max_tokens, args.streams) for n, u in attention.items()}
                 time.sleep(3)
@@ -378,6 +499,12 @@ def main() -> int:
                     row["health_vs_status"] = agree.join()
                 results.append(row)
                 print(json.dumps(row), flush=True)
+            if args.hostile:
+                results.append(_hostile(attention, prompts, args, refs))
+                print(json.dumps(results[-1]), flush=True)
+            if args.rebalance:
+                results.append(_rebalance(path, attention, prompts, args, refs))
+                print(json.dumps(results[-1]), flush=True)
             if args.big_prompt:
                 results.append(_big_prompt(cluster, attention, prompts, args, refs))
                 print(json.dumps(results[-1]), flush=True)

@@ -11,14 +11,17 @@ import urllib.request
 from collections.abc import Iterator
 
 
-def stream_completion(url: str, body: dict, timeout: float) -> Iterator[tuple[list[int], str | None]]:
-    """POSTs `body` (streamed, with token ids) to `url`/v1/completions; yields each event's token ids and
-    its error message (None when it has none). A failed connection or read raises."""
+def stream_completion(
+    url: str, body: dict, timeout: float, headers: dict | None = None
+) -> Iterator[tuple[list[int], str | None]]:
+    """POSTs `body` (streamed, with token ids) to `url`/v1/completions, with `headers` besides the content type
+    (an API key's); yields each event's token ids and its error message (None when it has none). A failed
+    connection or read raises."""
     req = urllib.request.Request(
         url + "/v1/completions",
         data=json.dumps({**body, "stream": True, "return_token_ids": True}).encode(),
         method="POST",
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         for line in r:
@@ -29,12 +32,12 @@ def stream_completion(url: str, body: dict, timeout: float) -> Iterator[tuple[li
             yield [t for c in ev.get("choices", []) for t in (c.get("token_ids") or [])], error
 
 
-def stream_timed(url: str, body: dict, timeout: float) -> dict:
+def stream_timed(url: str, body: dict, timeout: float, headers: dict | None = None) -> dict:
     """One streaming completion, never raising: its token ids, error messages, and the monotonic times of
     its start, of each event that carried tokens, and of its end."""
     rec: dict = {"ids": [], "errors": [], "times": [], "start": time.monotonic()}
     try:
-        for got, error in stream_completion(url, body, timeout):
+        for got, error in stream_completion(url, body, timeout, headers):
             if error is not None:
                 rec["errors"].append(error)
             if got:
