@@ -19,6 +19,8 @@ import subprocess
 import sys
 import threading
 
+from attention_node.body_scan import Over, bounded_loads
+
 CHECK_ABOVE = 1 << 20
 """Completion and chat bodies over this many bytes go to the child first (a full context of ids is about 1 MB at
 128 K)."""
@@ -61,15 +63,35 @@ def messages_error(contents: list, max_model_len: int) -> tuple[str, str] | None
     return None
 
 
+def over_error(e: Over, max_model_len: int) -> tuple[str, str]:
+    """bounds_error's (message, param) for a list that body_scan stopped reading past its bound."""
+    if e.key in ("messages", "content parts"):
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has more than "
+            f"{e.bound} {e.key}, more than that many tokens can hold."
+        )
+        return message, "messages"
+    if e.key == "stop":
+        return f"stop has more than {e.bound} strings; this server takes at most {MAX_STOP_STRINGS}.", "stop"
+    return f"{e.key} has more than {e.bound} entries; this model's vocabulary has {e.bound} tokens.", e.key
+
+
 def verdict(body: bytes, max_model_len: int, vocab_size: int) -> dict | None:
     """The error body for a request whose token-id prompt (or one of its prompts) cannot fit the context, in
     vLLM's words (as openai_protocol.check_prompt words it), or whose lists are past their bounds
     (`bounds_error`); None for anything else. Even with truncate_prompt_tokens: truncating would have the node
-    parse the whole body, which this check avoids."""
+    parse the whole body, which this check avoids. A bounded list is read only up to its bound (body_scan)."""
+    bounds = {"logit_bias": vocab_size, "stop_token_ids": vocab_size, "stop": MAX_STOP_STRINGS}
     try:
-        doc = json.loads(body)
-    except ValueError:
-        return None  # the node's own parse answers it
+        doc = bounded_loads(body.decode("utf-8"), {**bounds, "messages": max_model_len}, max_model_len)
+    except Over as e:
+        message, param = over_error(e, max_model_len)
+        return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
+    except ValueError:  # UnicodeDecodeError too: json.loads reads UTF-16 and UTF-32 as well, and says what is wrong
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return None  # the node's own parse answers it
     if isinstance(doc, dict):
         bad = bounds_error(doc, max_model_len, vocab_size)
         if bad is not None:

@@ -151,20 +151,26 @@ def test_a_child_process_refuses_an_id_list_no_context_holds():
 
 
 @pytest.mark.parametrize(
-    "doc, param, words",
+    "doc, param, child, node",
     [
-        ({"logit_bias": {str(i): 1.0 for i in range(101)}}, "logit_bias", "logit_bias has 101 entries"),
-        ({"stop_token_ids": [1] * 101}, "stop_token_ids", "vocabulary has 100 tokens"),
-        ({"stop": ["x"] * 1025}, "stop", "at most 1024"),
-        ({"messages": [{"role": "user", "content": "x"}] * 65}, "messages", "65 messages"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 65}]}, "messages", "65 content"),
+        ({"logit_bias": {str(i): 1.0 for i in range(101)}}, "logit_bias", "more than 100 entries", "has 101 entries"),
+        ({"stop_token_ids": [1] * 101}, "stop_token_ids", "more than 100 entries", "has 101 entries"),
+        ({"stop": ["x"] * 1025}, "stop", "more than 1024 strings", "has 1025 strings"),
+        ({"messages": [{"role": "user", "content": "x"}] * 65}, "messages", "more than 64 messages", "65 messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 65}]},
+            "messages",
+            "more than 64 content parts",
+            "65 content parts",
+        ),
     ],
     ids=["logit_bias", "stop_token_ids", "stop", "messages", "parts"],
 )
-def test_lists_past_what_the_model_can_use_are_refused_by_the_child_and_the_node(doc, param, words):
+def test_lists_past_what_the_model_can_use_are_refused_by_the_child_and_the_node(doc, param, child, node):
     """Issue 46 F5: a 10^6-entry logit_bias, 3M stop ids, 300k messages or 1M content parts held every stream
-    for seconds while the node parsed them. The child refuses such a body before the node parses it; the node
-    refuses the same on a body small enough to parse (openai_protocol.sampling_params, the chat route)."""
+    for seconds while the node parsed them. The child refuses such a body before the node parses it, reading the
+    list only up to its bound (so it says "more than"); the node refuses the same, with the count, on a body small
+    enough to parse (openai_protocol.sampling_params, the chat route)."""
     import json
 
     from attention_node.body_check import MAX_STOP_STRINGS, bounds_error, verdict
@@ -172,8 +178,9 @@ def test_lists_past_what_the_model_can_use_are_refused_by_the_child_and_the_node
     assert MAX_STOP_STRINGS == 1024
     limits = Limits(64, 100)
     err = verdict(json.dumps(doc).encode(), limits.max_model_len, limits.vocab_size)
-    assert err is not None and err["error"]["param"] == param and words in err["error"]["message"], err
-    assert bounds_error(doc, limits.max_model_len, limits.vocab_size) == (err["error"]["message"], param)
+    assert err is not None and err["error"]["param"] == param and child in err["error"]["message"], err
+    message, got = bounds_error(doc, limits.max_model_len, limits.vocab_size)
+    assert got == param and node in message, message
     within = {k: (dict(list(v.items())[:100]) if isinstance(v, dict) else v[:64]) for k, v in doc.items()}
     for m in within.get("messages", []):
         m["content"] = m["content"][:64]
