@@ -13,6 +13,7 @@ both. The chat and completion protocols' own checks (openai_protocol) judge what
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from json import JSONDecoder
 from json.decoder import scanstring
 
@@ -32,12 +33,16 @@ def bounded_loads(text: str, bounds: dict[str, int], parts_bound: int | None = N
     """json.loads(text), raising Over once a top-level key of `bounds` (list or object) has one entry past its
     bound, or the messages' content parts together one past `parts_bound`; ValueError where json.loads would
     raise (and where this reader cannot follow: the caller then parses with json.loads)."""
+
+    def top(key: str, i: int) -> tuple[object, int]:
+        if key in bounds and text[i] in "[{" and text.count(f'"{key}"') == 1:
+            parts = [0] if key == "messages" and parts_bound is not None else None
+            return _bounded(text, i, key, bounds[key], parts, parts_bound or 0)
+        return _SCAN(text, i)
+
     try:
         i = _ws(text, 0)
-        if text[i : i + 1] != "{":
-            value, end = _SCAN(text, i)
-        else:
-            value, end = _object(text, i, bounds, parts_bound)
+        value, end = _object(text, i, top) if text[i : i + 1] == "{" else _SCAN(text, i)
     except StopIteration as e:
         raise ValueError(f"JSON: nothing to read at {e.value}") from None
     except IndexError:
@@ -51,96 +56,80 @@ def _ws(text: str, i: int) -> int:
     return _WS.match(text, i).end()
 
 
-def _object(text: str, i: int, bounds: dict[str, int], parts_bound: int | None) -> tuple[dict, int]:
-    doc: dict = {}
+def _object(text: str, i: int, read: Callable[[str, int], tuple[object, int]]) -> tuple[dict, int]:
+    """The object at `i`, each value read by read(key, where it starts)."""
+    out: dict = {}
     i = _ws(text, i + 1)
-    if text[i] == "}":
-        return doc, i + 1
-    while True:
-        key, i = _key(text, i)
-        once = key in bounds and text.count(f'"{key}"') == 1
-        if once and text[i] in "[{":
-            doc[key], i = _bounded(text, i, key, bounds[key], parts_bound if key == "messages" else None)
-        else:
-            doc[key], i = _SCAN(text, i)
+    done = text[i] == "}"
+    i += done
+    while not done:
+        if text[i] != '"':
+            raise ValueError("JSON: expected a key")
+        key, i = scanstring(text, i + 1)
         i = _ws(text, i)
-        if text[i] == "}":
-            return doc, i + 1
-        if text[i] != ",":
-            raise ValueError("JSON: expected ',' or '}'")
-        i = _ws(text, i + 1)
+        if text[i] != ":":
+            raise ValueError("JSON: expected ':'")
+        out[key], i = read(key, _ws(text, i + 1))
+        done, i = _next(text, i, "}")
+    return out, i
 
 
-def _key(text: str, i: int) -> tuple[str, int]:
-    """The object key at `i` and where its value starts."""
-    if text[i] != '"':
-        raise ValueError("JSON: expected a key")
-    key, i = scanstring(text, i + 1)
-    i = _ws(text, i)
-    if text[i] != ":":
-        raise ValueError("JSON: expected ':'")
-    return key, _ws(text, i + 1)
-
-
-def _bounded(text: str, i: int, key: str, bound: int, parts_bound: int | None) -> tuple[list | dict, int]:
-    """The list or object at `i`, read an entry at a time; Over at entry bound + 1 (an object's distinct keys, as
-    len() of json.loads' dict counts them). parts_bound: the entries are messages, whose content parts count
-    together against it."""
-    closing = "]" if text[i] == "[" else "}"
-    out: list | dict = [] if closing == "]" else {}
-    parts = [0]
+def _list(text: str, i: int, read: Callable[[int], object], bound: int, key: str) -> tuple[list, int]:
+    """The list at `i`, each entry read by read(where it starts); Over at entry bound + 1."""
+    out: list = []
     i = _ws(text, i + 1)
-    if text[i] == closing:
-        return out, i + 1
-    while True:
-        if isinstance(out, dict):
-            k, i = _key(text, i)
-            out[k], i = _SCAN(text, i)
-        elif parts_bound is not None and text[i] == "{":
-            message, i = _message(text, i, parts, parts_bound)
-            out.append(message)
-        else:
-            value, i = _SCAN(text, i)
-            out.append(value)
+    done = text[i] == "]"
+    i += done
+    while not done:
+        value, i = read(i)
+        out.append(value)
         if len(out) > bound:
             raise Over(key, bound)
-        i = _ws(text, i)
-        if text[i] == closing:
-            return out, i + 1
-        if text[i] != ",":
-            raise ValueError(f"JSON: expected ',' or '{closing}'")
-        i = _ws(text, i + 1)
+        done, i = _next(text, i, "]")
+    return out, i
 
 
-def _message(text: str, i: int, parts: list[int], parts_bound: int) -> tuple[dict, int]:
-    """A chat message object, its "content" list read a part at a time against the conversation's parts so far
-    (parts[0])."""
-    message: dict = {}
-    i = _ws(text, i + 1)
-    if text[i] == "}":
-        return message, i + 1
-    while True:
-        key, i = _key(text, i)
-        if key == "content" and text[i] == "[":
-            content: list = []
-            i = _ws(text, i + 1)
-            while text[i] != "]":
-                value, i = _SCAN(text, i)
-                content.append(value)
-                parts[0] += 1
-                if parts[0] > parts_bound:
-                    raise Over("content parts", parts_bound)
-                i = _ws(text, i)
-                if text[i] == ",":
-                    i = _ws(text, i + 1)
-                elif text[i] != "]":
-                    raise ValueError("JSON: expected ',' or ']'")
-            message[key], i = content, i + 1
-        else:
-            message[key], i = _SCAN(text, i)
-        i = _ws(text, i)
-        if text[i] == "}":
-            return message, i + 1
-        if text[i] != ",":
-            raise ValueError("JSON: expected ',' or '}'")
-        i = _ws(text, i + 1)
+def _next(text: str, i: int, closing: str) -> tuple[bool, int]:
+    """Past an entry: (True, past the closing bracket) at the end, else (False, where the next entry starts)."""
+    i = _ws(text, i)
+    if text[i] == closing:
+        return True, i + 1
+    if text[i] != ",":
+        raise ValueError(f"JSON: expected ',' or '{closing}'")
+    return False, _ws(text, i + 1)
+
+
+def _bounded(
+    text: str, i: int, key: str, bound: int, parts: list[int] | None, parts_bound: int
+) -> tuple[list | dict, int]:
+    """The list or object at `i`, read an entry at a time: Over at entry bound + 1 (an object's distinct keys, as
+    len() of json.loads' dict counts them). parts: the entries are messages, whose content parts count together
+    (parts[0]) against parts_bound."""
+    if text[i] == "{":
+        seen: set[str] = set()
+
+        def entry(k: str, j: int) -> tuple[object, int]:
+            seen.add(k)
+            if len(seen) > bound:
+                raise Over(key, bound)
+            return _SCAN(text, j)
+
+        return _object(text, i, entry)
+
+    def content(k: str, j: int) -> tuple[object, int]:  # a message's key
+        if k != "content" or text[j] != "[":
+            return _SCAN(text, j)
+
+        def part(m: int) -> tuple[object, int]:
+            assert parts is not None
+            parts[0] += 1
+            if parts[0] > parts_bound:
+                raise Over("content parts", parts_bound)
+            return _SCAN(text, m)
+
+        return _list(text, j, part, parts_bound, "content parts")
+
+    def item(j: int) -> tuple[object, int]:
+        return _object(text, j, content) if parts is not None and text[j] == "{" else _SCAN(text, j)
+
+    return _list(text, i, item, bound, key)
