@@ -19,9 +19,10 @@ from afd.engine.tokenizer import Tokenizer
 from afd.observability.attention_metrics import AttentionMetrics
 from afd.observability.metrics import CONTENT_TYPE
 from attention_node import prompts, request_fields, request_log, structured
-from attention_node.body_check import CheckLargeBodies, messages_error
+from attention_node.body_check import messages_error
 from attention_node.generation import Generation, outputs
 from attention_node.http_guard import Guard
+from attention_node.large_bodies import CheckLargeBodies
 from attention_node.memory import TrimAfterLargeBodies
 from attention_node.openai_protocol import (
     COMPLETION_MAX_TOKENS,

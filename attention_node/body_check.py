@@ -1,32 +1,33 @@
-"""Large completion and chat bodies are parsed first in a child process, so that a token-id prompt no context
+"""Large completion and chat bodies are judged first in a child process, so that a token-id prompt no context
 can hold, or a list past its bound (`bounds_error`: logit_bias, stop lists, messages and their parts), is refused
 without the node parsing it. JSON and pydantic hold the GIL: 10 M ids (30 MB) took 2.5 s in which
 the node's engine thread did not step (and the FFN node, waiting for its step, held every other node). The
 child parses with its own GIL and answers with the 400 to send, or nothing (then the node parses the body as
-usual: a body that fits a context is quick to parse).
+usual: a body that fits a context is quick to parse). It reads each body while it arrives (StreamVerdict): a list
+past its bound is refused once the part that shows it is in, without waiting for the rest.
 
-The child runs this module (`python -m attention_node.body_check`), which imports nothing heavy: stdin takes
-a header (body length, max_model_len, vocabulary size) and the body; stdout gives one JSON line, the error or null.
+The child runs this module (`python -m attention_node.body_check MAX_MODEL_LEN VOCAB_SIZE`), which imports
+nothing heavy; the node's side is attention_node/large_bodies.py. Its stdin takes frames, FRAME then the bytes:
+DATA for a piece of a body, END when the body is whole, DROP when it is no longer wanted. Its stdout gives one line
+for each body, as soon as the verdict is known: the body's id and the verdict as JSON, the error or null.
 """
 
 from __future__ import annotations
 
-import asyncio
+import codecs
 import json
 import os
 import struct
-import subprocess
 import sys
-import threading
 
-from attention_node.body_scan import Over, bounded_loads
+from attention_node.body_scan import Over, bounded_loads, first_over
 
 CHECK_ABOVE = 1 << 20
 """Completion and chat bodies over this many bytes go to the child first (a full context of ids is about 1 MB at
 128 K)."""
-CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
-TIMEOUT_S = 30.0
-_HEADER = struct.Struct("<QQQ")
+FRAME = struct.Struct("<QBQ")
+"""A frame's header: body id, kind, length of the bytes that follow."""
+DATA, END, DROP = 0, 1, 2
 MAX_STOP_STRINGS = 1024
 """Stop strings a request may give (vLLM sets no bound; each is matched against every new token's text)."""
 
@@ -81,12 +82,10 @@ def verdict(body: bytes, max_model_len: int, vocab_size: int) -> dict | None:
     vLLM's words (as openai_protocol.check_prompt words it), or whose lists are past their bounds
     (`bounds_error`); None for anything else. Even with truncate_prompt_tokens: truncating would have the node
     parse the whole body, which this check avoids. A bounded list is read only up to its bound (body_scan)."""
-    bounds = {"logit_bias": vocab_size, "stop_token_ids": vocab_size, "stop": MAX_STOP_STRINGS}
     try:
-        doc = bounded_loads(body.decode("utf-8"), {**bounds, "messages": max_model_len}, max_model_len)
+        doc = bounded_loads(body.decode("utf-8"), _bounds(max_model_len, vocab_size), max_model_len)
     except Over as e:
-        message, param = over_error(e, max_model_len)
-        return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
+        return _error(*over_error(e, max_model_len))
     except ValueError:  # UnicodeDecodeError too: json.loads reads UTF-16 and UTF-32 as well, and says what is wrong
         try:
             doc = json.loads(body)
@@ -95,7 +94,7 @@ def verdict(body: bytes, max_model_len: int, vocab_size: int) -> dict | None:
     if isinstance(doc, dict):
         bad = bounds_error(doc, max_model_len, vocab_size)
         if bad is not None:
-            return {"error": {"message": bad[0], "type": "BadRequestError", "param": bad[1], "code": 400}}
+            return _error(*bad)
     prompt = doc.get("prompt") if isinstance(doc, dict) else None
     items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
     for p in items:
@@ -106,113 +105,87 @@ def verdict(body: bytes, max_model_len: int, vocab_size: int) -> dict | None:
             )
             if doc.get("truncate_prompt_tokens") is not None:  # the node would parse it all to cut it
                 message += f" truncate_prompt_tokens does not apply to token ids in a body over {CHECK_ABOVE} bytes."
-            return {"error": {"message": message, "type": "BadRequestError", "param": "input_tokens", "code": 400}}
+            return _error(message, "input_tokens")
     return None
 
 
-class BodyChecker:
-    """The node's side: one child, started on first use, one body at a time. A child that fails or is slow is
-    replaced, and the body is left to the node's own parse."""
+def _bounds(max_model_len: int, vocab_size: int) -> dict[str, int]:
+    """The top-level lists body_scan reads only up to a bound, and their bounds."""
+    return {
+        "logit_bias": vocab_size,
+        "stop_token_ids": vocab_size,
+        "stop": MAX_STOP_STRINGS,
+        "messages": max_model_len,
+    }
+
+
+def _error(message: str, param: str) -> dict:
+    return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
+
+
+class StreamVerdict:
+    """verdict() of a body that arrives in pieces: its start is read at doubling sizes (first_over), so that a
+    list past its bound is refused as soon as it has arrived, whatever follows; a body without one gets verdict()
+    once whole. Either way the answer is verdict()'s on the whole body (where what follows the list would not be
+    UTF-8, or not JSON, the Over's 400 comes first)."""
+
+    FIRST_TRY = 64 << 10
 
     def __init__(self, max_model_len: int, vocab_size: int):
         self.max_model_len, self.vocab_size = max_model_len, vocab_size
-        self._lock = threading.Lock()
-        self._child: subprocess.Popen | None = None
+        self.body = bytearray()
+        self.next_try = self.FIRST_TRY
 
-    def _ask(self, body: bytes) -> dict | None:
-        with self._lock:
-            if self._child is None or self._child.poll() is not None:
-                self._child = subprocess.Popen(
-                    [sys.executable, "-m", "attention_node.body_check"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-                )
-            child = self._child
-            assert child.stdin is not None and child.stdout is not None
-            try:
-                child.stdin.write(_HEADER.pack(len(body), self.max_model_len, self.vocab_size))
-                child.stdin.write(body)  # a pipe write releases the GIL
-                child.stdin.flush()
-                line = child.stdout.readline()
-                return json.loads(line) if line else None
-            except (OSError, ValueError):
-                self.close_locked()
-                return None
-
-    async def check(self, body: bytes) -> dict | None:
-        try:
-            return await asyncio.wait_for(asyncio.to_thread(self._ask, body), TIMEOUT_S)
-        except asyncio.TimeoutError:
-            if self._child is not None:
-                self._child.kill()  # the waiting thread's read then ends, and the next body starts a new child
+    def feed(self, data: bytes) -> dict | None:
+        """The error once the body so far shows a list past its bound, else None (for now)."""
+        self.body += data
+        if len(self.body) < self.next_try:
             return None
+        self.next_try = 2 * len(self.body)
+        try:
+            text = codecs.getincrementaldecoder("utf-8")().decode(self.body)  # holds back a character cut at the end
+        except UnicodeDecodeError:  # verdict() and the node's parse say what is wrong, once the body is whole
+            self.next_try = sys.maxsize
+            return None
+        over = first_over(text, _bounds(self.max_model_len, self.vocab_size), self.max_model_len)
+        return None if over is None else _error(*over_error(over, self.max_model_len))
 
-    def close_locked(self) -> None:
-        if self._child is not None:
-            self._child.kill()
-            self._child.wait(5)
-            self._child = None
-
-    def close(self) -> None:
-        with self._lock:
-            self.close_locked()
-
-
-class CheckLargeBodies:
-    """ASGI middleware (inside the guard, so after its API key and size checks): a POST completion or chat body
-    over CHECK_ABOVE is read whole, shown to the child, and either refused with its 400 or handed on."""
-
-    def __init__(self, app, max_model_len: int, vocab_size: int):
-        self.app, self.checker = app, BodyChecker(max_model_len, vocab_size)
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in CHECKED_PATHS:
-            return await self.app(scope, receive, send)
-        size = dict(scope["headers"]).get(b"content-length", b"")
-        if size.isdigit() and int(size) <= CHECK_ABOVE:
-            return await self.app(scope, receive, send)
-        from fastapi import HTTPException
-        from fastapi.responses import JSONResponse
-
-        chunks, more = [], True
-        while more:
-            try:
-                message = await receive()
-            except HTTPException as e:  # the guard's 413 for a chunked body past the limit
-                err = {"error": {"message": str(e.detail), "type": "BadRequestError", "param": "body", "code": 413}}
-                return await JSONResponse(err, status_code=e.status_code)(scope, receive, send)
-            if message["type"] != "http.request":
-                return  # the client went away
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
-        del chunks
-        error = await self.checker.check(body) if len(body) > CHECK_ABOVE else None
-        if error is not None:
-            return await JSONResponse(error, status_code=400)(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed, body
-            if replayed:
-                return await receive()  # a disconnect, for the routes that watch for one
-            replayed, whole, body = True, body, b""
-            return {"type": "http.request", "body": whole, "more_body": False}
-
-        await self.app(scope, replay, send)
+    def finish(self) -> dict | None:
+        return verdict(bytes(self.body), self.max_model_len, self.vocab_size)
 
 
-def _serve() -> None:
-    """The child: header, body, one verdict line; until stdin closes. At a lower CPU priority: where cores are
-    few, the node's engine and its peers come first."""
+def _serve(max_model_len: int, vocab_size: int) -> None:
+    """The child: frames of bodies arriving side by side, and one verdict line ("id json") for each body, as soon as
+    it is known: for a list past its bound, before the body's END. Until stdin closes. At a lower CPU priority:
+    where cores are few, the node's engine and its peers come first."""
     os.nice(10)
     src, out = sys.stdin.buffer, sys.stdout
-    while True:
-        header = src.read(_HEADER.size)
-        if len(header) < _HEADER.size:
-            return
-        size, max_model_len, vocab_size = _HEADER.unpack(header)
-        out.write(json.dumps(verdict(src.read(size), max_model_len, vocab_size)) + "\n")
+    bodies: dict[int, StreamVerdict | None] = {}  # None: answered
+
+    def answer(body_id: int, error: dict | None) -> None:
+        out.write(f"{body_id} {json.dumps(error)}\n")
         out.flush()
+
+    while True:
+        header = src.read(FRAME.size)
+        if len(header) < FRAME.size:
+            return
+        body_id, kind, size = FRAME.unpack(header)
+        data = src.read(size) if size else b""
+        if kind == DATA:
+            if body_id not in bodies:
+                bodies[body_id] = StreamVerdict(max_model_len, vocab_size)
+            body = bodies[body_id]
+            if body is not None and (error := body.feed(data)) is not None:
+                bodies[body_id] = None
+                answer(body_id, error)
+        elif kind == END:
+            body = bodies.pop(body_id, None) if body_id in bodies else StreamVerdict(max_model_len, vocab_size)
+            if body is not None:
+                answer(body_id, body.finish())
+        else:  # DROP: the client went away, or the body was answered
+            bodies.pop(body_id, None)
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve(int(sys.argv[1]), int(sys.argv[2]))

@@ -5,9 +5,11 @@ body_check's bounds could count anything. Here the top-level object is walked wi
 (`scanstring`, `scan_once`) one value at a time, and the lists that have a bound are read one entry at a time:
 the read ends at the first entry past the bound, after a few hundred entries where the model's vocabulary or
 context is that small. Every other value, and every list within its bound, comes out exactly as json.loads gives
-it, duplicate keys included (the last one counts); a bounded key that occurs more than once in the body is read
-whole, since its last occurrence decides. A message whose "content" key occurs twice is judged by the parts of
-both. The chat and completion protocols' own checks (openai_protocol) judge what this lets through.
+it, duplicate keys included (the last one counts). A bounded key is held to its bound wherever it occurs, even where
+a later occurrence would be the one json.loads keeps: a body that carries a list past its bound is refused, and
+so the start of a body can be judged before the rest arrives (`first_over`). A message whose "content" key occurs
+twice is judged by the parts of both. The chat and completion protocols' own checks (openai_protocol) judge what
+this lets through.
 """
 
 from __future__ import annotations
@@ -33,16 +35,8 @@ def bounded_loads(text: str, bounds: dict[str, int], parts_bound: int | None = N
     """json.loads(text), raising Over once a top-level key of `bounds` (list or object) has one entry past its
     bound, or the messages' content parts together one past `parts_bound`; ValueError where json.loads would
     raise (and where this reader cannot follow: the caller then parses with json.loads)."""
-
-    def top(key: str, i: int) -> tuple[object, int]:
-        if key in bounds and text[i] in "[{" and text.count(f'"{key}"') == 1:
-            parts = [0] if key == "messages" and parts_bound is not None else None
-            return _bounded(text, i, key, bounds[key], parts, parts_bound or 0)
-        return _SCAN(text, i)
-
     try:
-        i = _ws(text, 0)
-        value, end = _object(text, i, top) if text[i : i + 1] == "{" else _SCAN(text, i)
+        value, end = _walk(text, bounds, parts_bound)
     except StopIteration as e:
         raise ValueError(f"JSON: nothing to read at {e.value}") from None
     except IndexError:
@@ -52,8 +46,40 @@ def bounded_loads(text: str, bounds: dict[str, int], parts_bound: int | None = N
     return value
 
 
+def first_over(text: str, bounds: dict[str, int], parts_bound: int | None = None) -> Over | None:
+    """The Over that bounded_loads raises on any body that starts with `text`; None where the text ends (or stops
+    being JSON) before one."""
+    try:
+        _walk(text, bounds, parts_bound)
+    except Over as e:
+        return e
+    except (ValueError, IndexError, StopIteration):
+        return None
+    return None
+
+
+def _walk(text: str, bounds: dict[str, int], parts_bound: int | None) -> tuple[object, int]:
+    """The value `text` starts with, and where it ends."""
+
+    def top(key: str, i: int) -> tuple[object, int]:
+        if key in bounds and text[i] in "[{":
+            parts = [0] if key == "messages" and parts_bound is not None else None
+            return _bounded(text, i, key, bounds[key], parts, parts_bound or 0)
+        return _SCAN(text, i)
+
+    i = _ws(text, 0)
+    return _object(text, i, top) if text[i : i + 1] == "{" else _SCAN(text, i)
+
+
 def _ws(text: str, i: int) -> int:
     return _WS.match(text, i).end()
+
+
+_KEY = re.compile(r'"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*')
+"""A key with no escapes, its colon, and the space up to its value: one match where a key is read most often
+(a message's); other keys go through scanstring."""
+_PAST = {c: re.compile(rf"[ \t\n\r]*([,\{c}])[ \t\n\r]*") for c in "}]"}
+"""What follows an entry: a comma or the closing bracket, and the space around it."""
 
 
 def _object(text: str, i: int, read: Callable[[str, int], tuple[object, int]]) -> tuple[dict, int]:
@@ -63,13 +89,17 @@ def _object(text: str, i: int, read: Callable[[str, int], tuple[object, int]]) -
     done = text[i] == "}"
     i += done
     while not done:
-        if text[i] != '"':
-            raise ValueError("JSON: expected a key")
-        key, i = scanstring(text, i + 1)
-        i = _ws(text, i)
-        if text[i] != ":":
-            raise ValueError("JSON: expected ':'")
-        out[key], i = read(key, _ws(text, i + 1))
+        if m := _KEY.match(text, i):
+            key, i = m[1], m.end()
+        else:
+            if text[i] != '"':
+                raise ValueError("JSON: expected a key")
+            key, i = scanstring(text, i + 1)
+            i = _ws(text, i)
+            if text[i] != ":":
+                raise ValueError("JSON: expected ':'")
+            i = _ws(text, i + 1)
+        out[key], i = read(key, i)
         done, i = _next(text, i, "}")
     return out, i
 
@@ -91,12 +121,26 @@ def _list(text: str, i: int, read: Callable[[int], object], bound: int, key: str
 
 def _next(text: str, i: int, closing: str) -> tuple[bool, int]:
     """Past an entry: (True, past the closing bracket) at the end, else (False, where the next entry starts)."""
-    i = _ws(text, i)
-    if text[i] == closing:
-        return True, i + 1
-    if text[i] != ",":
+    m = _PAST[closing].match(text, i)
+    if m is None:
+        if i >= len(text):
+            raise IndexError(i)  # the text ends here
         raise ValueError(f"JSON: expected ',' or '{closing}'")
-    return False, _ws(text, i + 1)
+    return m[1] == closing, m.end()
+
+
+def _flat(text: str, i: int) -> bool:
+    """Whether the object at `i` holds no list or object: the first "}" after it ends it (no "{" or "[" before,
+    and no escape or odd quote that could put it in a string). Then a scan of it is as bounded as it is: a message
+    whose content is a text, the most common, is read whole at once."""
+    end = text.find("}", i)
+    return (
+        end > 0
+        and text.find("[", i, end) < 0
+        and text.find("{", i + 1, end) < 0
+        and text.find("\\", i, end) < 0
+        and text.count('"', i, end) % 2 == 0
+    )
 
 
 def _bounded(
@@ -130,6 +174,8 @@ def _bounded(
         return _list(text, j, part, parts_bound, "content parts")
 
     def item(j: int) -> tuple[object, int]:
-        return _object(text, j, content) if parts is not None and text[j] == "{" else _SCAN(text, j)
+        if parts is None or text[j] != "{" or _flat(text, j):  # a message with no list has no parts
+            return _SCAN(text, j)
+        return _object(text, j, content)
 
     return _list(text, i, item, bound, key)

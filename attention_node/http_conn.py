@@ -14,6 +14,7 @@ is read and dropped, and the socket closes when the client closes, or after LING
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -25,6 +26,9 @@ from attention_node.openai_protocol import ApiError
 
 LINGER_SECONDS = 5.0
 LINGER_BYTES = 256 << 20
+LINGER_READ = 4 << 20
+"""Bytes read at once while lingering: each read waits for the GIL, which the engine thread holds for up to a switch
+interval at a time."""
 
 
 def protocol_class(limits: HttpSection) -> type:
@@ -163,6 +167,8 @@ class GuardedH11Protocol(H11Protocol):
         self.lingering = True
         self._enter("", None)
         self._timer = self.loop.call_later(LINGER_SECONDS, self._close_now)
+        with contextlib.suppress(AttributeError):  # asyncio's socket transport: fewer, larger reads to drop
+            raw.max_size = LINGER_READ
         raw.resume_reading()
         if raw.can_write_eof():  # our side is done: the client reads the answer to its end, then closes
             raw.write_eof()

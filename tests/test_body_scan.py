@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from attention_node.body_scan import Over, bounded_loads
+from attention_node.body_scan import Over, bounded_loads, first_over
 
 BOUNDS = {"logit_bias": 4, "stop_token_ids": 4, "stop": 3, "messages": 5}
 
@@ -32,11 +32,41 @@ def test_within_the_bounds_the_read_is_json_loads(doc):
 
 
 def test_duplicate_keys_keep_the_last_as_json_loads_does():
-    text = '{"logit_bias": {"1": 1, "2": 2, "3": 3, "4": 4, "5": 5, "6": 6}, "logit_bias": {"1": 0}, "a": 1, "a": 2}'
+    text = '{"logit_bias": {"1": 1}, "logit_bias": {"1": 0}, "a": 1, "a": 2}'
     assert bounded_loads(text, BOUNDS, 3) == json.loads(text) == {"logit_bias": {"1": 0}, "a": 2}
     # an object's entries count as its distinct keys, as len() of json.loads' dict does
     same_key = '{"logit_bias": {"7": 1, "7": 2, "7": 3, "7": 4, "7": 5, "7": 6}}'
     assert bounded_loads(same_key, BOUNDS, 3) == {"logit_bias": {"7": 6}}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"stop": ["a", "b", "c", "d", "e"], "stop": []}',
+        '{"stop": ["a", "b", "c", "d", "e"], "st\\u006fp": []}',
+        '{"stop": [], "stop": ["a", "b", "c", "d", "e"]}',
+    ],
+)
+def test_a_bounded_key_is_held_to_its_bound_wherever_it_occurs(text):
+    """Even where json.loads keeps a later, shorter occurrence: the body carries the long list, and its start is
+    judged before the rest arrives."""
+    with pytest.raises(Over) as e:
+        bounded_loads(text, BOUNDS, 3)
+    assert e.value.key == "stop"
+
+
+def test_first_over_judges_the_start_of_a_body():
+    """The Over that bounded_loads raises on the whole body, from any start that reaches it; None from a start
+    that does not (a number cut short is still an entry)."""
+    text = '{"prompt": "x", "stop_token_ids": [1, 2, 3, 4, 5, 6, 7], "n": 1}'
+    with pytest.raises(Over):
+        bounded_loads(text, BOUNDS, 3)
+    reached = text.index("5,") + 1
+    for end in range(len(text) + 1):
+        over = first_over(text[:end], BOUNDS, 3)
+        assert (over is None) == (end < reached), end
+        assert over is None or over.key == "stop_token_ids"
+    assert first_over('{"stop_token_ids": [1, 2], "n": 1}', BOUNDS, 3) is None
 
 
 @pytest.mark.parametrize(

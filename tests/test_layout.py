@@ -202,7 +202,7 @@ def test_every_registered_family_keeps_the_contract():
 
 NODE_MODULES = ("attention_node.main", "ffn_node.main")
 LAUNCHER = "afd/cluster/processes.py"
-HELPER_PROCESSES = {"attention_node/body_check.py", "afd/cluster/forkserver.py"}
+HELPER_PROCESSES = {"attention_node/large_bodies.py", "afd/cluster/forkserver.py"}
 """Files that start a child that is no node: the attention node's JSON parser for large bodies (standard
 library only; it exits when the node closes its stdin), so that parsing holds the child's GIL, not the node's;
 the launcher's fork server (it forks nodes only when the launcher asks, through NodeProcesses.start)."""

@@ -125,7 +125,8 @@ def test_a_child_process_refuses_an_id_list_no_context_holds():
     import asyncio
     import json
 
-    from attention_node.body_check import BodyChecker, verdict
+    from attention_node.body_check import verdict
+    from attention_node.large_bodies import BodyChecker
 
     long = json.dumps({"prompt": [7] * 700_000}).encode()
     short = json.dumps({"prompt": [[7] * 10, [7] * 9]}).encode()
@@ -143,8 +144,8 @@ def test_a_child_process_refuses_an_id_list_no_context_holds():
         assert asyncio.run(checker.check(long)) == err
         assert asyncio.run(checker.check(short)) is None
         assert checker._child is not None
-        checker._child.kill()
-        checker._child.wait(5)
+        checker._child.proc.kill()
+        checker._child.proc.wait(5)
         assert asyncio.run(checker.check(long)) == err  # a new child
     finally:
         checker.close()

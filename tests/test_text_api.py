@@ -189,6 +189,28 @@ def test_lists_past_what_the_model_can_use_are_400s_small_or_large(demo):
         assert (code, err["error"]["param"]) == (400, param), (path, param, str(err)[:300])
 
 
+def test_a_list_past_its_bound_is_refused_before_the_body_ends(demo):
+    """Issue 46 F5: the child reads a large body while it arrives, so the 400 for a list past its bound comes once
+    that part is in: here after 2 MiB of a body that says it has 8. The rest may still be sent (a client that
+    writes its whole body before reading, as urllib does, then reads the 400); the connection closes after it."""
+    import http.client
+
+    body = json.dumps({"stop_token_ids": [1] * (3 << 20), "prompt": "hi"}).encode()[: 8 << 20]
+    host, port = demo.url().removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.putrequest("POST", "/v1/completions")
+    for k, v in {"Content-Type": "application/json", "Content-Length": str(len(body)), **AUTH}.items():
+        conn.putheader(k, v)
+    conn.endheaders(body[: 2 << 20])
+    r = conn.getresponse()
+    assert r.status == 400 and json.loads(r.read())["error"]["param"] == "stop_token_ids"
+    assert r.getheader("connection") == "close"
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        conn.send(body[2 << 20 :])  # taken and dropped
+    conn.close()
+    assert post(demo.url(), "/v1/completions", {"prompt": "hi", "max_tokens": 1}, AUTH)[0] == 200
+
+
 def test_developer_role_and_content_parts_render_like_plain_messages(demo):
     def prompt_tokens(messages) -> int:
         code, r = post(demo.url(), "/v1/chat/completions", {"messages": messages, "max_tokens": 1}, AUTH)
