@@ -82,6 +82,33 @@ def _cmd_check_config(args) -> int:
     return 0
 
 
+def _add_env(sub) -> None:
+    p = sub.add_parser(
+        "env", help="this machine's CPU, torch, and the GEMM kernels afd chose here by timing (the kernel cache)"
+    )
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.set_defaults(func=_cmd_env)
+
+
+def _cmd_env(args) -> int:
+    import json
+
+    from afd.backend.kernel_choice import environment
+
+    env = environment()
+    if args.json:
+        print(json.dumps(env, indent=1))
+        return 0
+    for key in ("machine", "cpu", "cpu_flags", "torch", "threads", "int_mm_exact", "kernel_cache"):
+        print(f"{key}: {env[key]}")
+    kernels = env["kernels"]
+    print(f"kernels chosen on this machine: {len(kernels)}" + ("" if kernels else " (none yet: serve a model)"))
+    for label, entry in sorted(kernels.items()):
+        timed = ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(entry.get("medians_ms", {}).items()))
+        print(f"  {label}: {entry.get('kernel')}" + (f" ({timed})" if timed else ""))
+    return 0
+
+
 def _add_status(sub) -> None:
     p = sub.add_parser("status", help="ask a running cluster's coordinator for its state")
     p.add_argument("config", help="cluster YAML")
@@ -227,6 +254,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_check_config(sub)
+    _add_env(sub)
     _add_status(sub)
     _add_drain(sub)
     from afd.bench import dispatch, graph, mtp, paged, plan_check, quant, serve, step, suite, tp

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# One kernel cache per run (afd.backend.kernel_choice), shared by the run's workers and the nodes they start, so
+# that they agree on each kernel as a machine's nodes do, and no run reads another's (or the user's) choices.
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
+os.environ.setdefault("AFD_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), f"afd-test-kernels-{_RUN}.json"))
 
 from hf_families import BF16_WEIGHT_STD, FAMILIES  # noqa: E402
 from hf_reference import PROMPTS, TINY_CONFIGS  # noqa: E402

@@ -10,6 +10,7 @@ from hf_reference import PROMPTS, greedy_with_logits
 
 import afd
 from afd.backend.cpu import ROW_MAJOR_ENV
+from afd.backend.kernel_choice import FORCE_ENV
 from afd.dataplane.exchange import LocalMoE
 from afd.engine.kv_cache import KVCache
 from afd.engine.runner import ModelRunner, StepSeq
@@ -21,8 +22,10 @@ def test_qwen3_is_hfs_eager_bf16_bit_for_bit(families, monkeypatch):
     generation give HF's bf16 logits exactly: any drift here is a dtype rule that changed. Bit equality
     holds only where both sides run the same CPU kernels: afd's column-major weight layout makes MKL take
     another GEMM kernel than HF's row-major weights get (they round differently under AVX2, and on an
-    AVX-512 EPYC), so the layout is off here."""
+    AVX-512 EPYC), so the layout is off here, and every GEMM takes its bf16 kernel (not the fp32 one the CPU may
+    time faster: afd.backend.cpu_kernels)."""
     monkeypatch.setenv(ROW_MAJOR_ENV, "1")
+    monkeypatch.setenv(FORCE_ENV, "native")
     path = families.path("qwen3_moe", "gqa")
     # eager experts: the fixture's expert size (12) is not a multiple of 8, which grouped_mm needs
     hf = hf_bf16(path, attn_implementation="eager", experts_implementation="eager")
@@ -42,8 +45,9 @@ def test_mla_prefill_is_hfs_eager_bf16_bit_for_bit(tiny_checkpoints, monkeypatch
     row-major weights, so that both sides run the same GEMM kernels (see the Qwen3 test), and HF's eager
     experts: its per-expert loop is the expert computation afd's CPU path repeats, where grouped_mm (LongCat's
     default from transformers 5.25) rounds otherwise and cannot run this fixture's expert size (12, not a
-    multiple of 8) in bf16 on the CPU."""
+    multiple of 8) in bf16 on the CPU. bf16 kernels, as in the Qwen3 test."""
     monkeypatch.setenv(ROW_MAJOR_ENV, "1")
+    monkeypatch.setenv(FORCE_ENV, "native")
     path = tiny_checkpoints["no_zero_experts"]  # identity experts are summed in another order than HF's
     seq = random_sequences(load_config(path).vocab_size)[0]
     lens = list(range(4, SEQ_LEN + 1, 4))  # one prefill per prefix, all in one step

@@ -89,18 +89,26 @@ class CpuBackend(Backend):
 
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         # One GEMM per non-empty group over a contiguous row slice: on CPU this measures as fast as
-        # torch._grouped_mm and has no alignment constraints.
+        # torch._grouped_mm and has no alignment constraints. In bf16 or fp16, by the kernel timed fastest.
+        if x.dtype in (torch.bfloat16, torch.float16):
+            from afd.backend import cpu_kernels
+
+            return cpu_kernels.grouped(x, w, group_sizes)
         return grouped_matmul_by_slices(x, w, group_sizes)
 
     def quant_matmul(self, x, q, scale, spec):
-        from afd.backend import cpu_quant
+        from afd.backend import cpu_kernels
+        from afd.backend.cpu_quant import is_w8a8
 
-        return cpu_quant.quant_matmul(x, q, scale, spec)
+        return cpu_kernels.w8a8_linear(x, q, scale) if is_w8a8(spec) else super().quant_matmul(x, q, scale, spec)
 
     def quant_grouped_matmul(self, x, q, scale, group_sizes, spec):
-        from afd.backend import cpu_quant
+        from afd.backend import cpu_kernels
+        from afd.backend.cpu_quant import is_w8a8
 
-        return cpu_quant.quant_grouped_matmul(x, q, scale, group_sizes, spec)
+        if is_w8a8(spec):
+            return cpu_kernels.w8a8_grouped(x, q, scale, group_sizes)
+        return super().quant_grouped_matmul(x, q, scale, group_sizes, spec)
 
     def check_quantization(self, spec) -> None:
         from afd.backend.cpu_quant import cpu_quant_kernel, log

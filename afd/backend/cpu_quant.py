@@ -24,8 +24,6 @@ import logging
 import torch
 
 from afd.backend import host_syncs
-from afd.backend.base import quant_grouped_matmul_by_slices
-from afd.quant import reference
 from afd.quant.formats import quantize_rows_int8
 from afd.quant.scheme import INT8_CHANNEL, QuantSpec
 
@@ -70,23 +68,12 @@ def int8_grouped_matmul(
 
 
 def cpu_quant_kernel(spec: QuantSpec) -> str:
-    """Which kernel the CPU runs for `spec`'s GEMMs (named in the log once)."""
-    if spec.activations == "int8" and not int_mm_exact():
-        return "the fp32 reference (afd.quant.reference): torch._int_mm saturates on this CPU (no VNNI)"
-    if _int8(spec):
-        return "torch._int_mm (int8 x int8 -> int32 on VNNI)"
+    """Which kernels the CPU runs for `spec`'s GEMMs (named in the log once)."""
+    if is_w8a8(spec):
+        exact = "" if int_mm_exact() else "; not torch._int_mm, which saturates on this CPU (no VNNI)"
+        return "torch._int_mm or int8 widened to an fp32 GEMM, chosen per GEMM by timing (afd env)" + exact
     return "the fp32 reference (afd.quant.reference): no faster CPU kernel for " + spec.method
 
 
-def _int8(spec: QuantSpec) -> bool:
-    return spec.activations == "int8" and spec.weights == INT8_CHANNEL and int_mm_exact()
-
-
-def quant_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    return int8_matmul(x, q, scale) if _int8(spec) else reference.quant_matmul(x, q, scale, spec)
-
-
-def quant_grouped_matmul(x, q, scale, group_sizes, spec: QuantSpec) -> torch.Tensor:
-    if _int8(spec):
-        return int8_grouped_matmul(x, q, scale, group_sizes)
-    return quant_grouped_matmul_by_slices(x, q, scale, group_sizes, spec)
+def is_w8a8(spec: QuantSpec) -> bool:
+    return spec.activations == "int8" and spec.weights == INT8_CHANNEL

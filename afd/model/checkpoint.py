@@ -295,8 +295,10 @@ def _build(
     module.post_load()
     if torch.device(device).type == "cpu":
         from afd.backend.cpu import column_major_linears
+        from afd.backend.cpu_kernels import choose_linears
 
         column_major_linears(module)
+        choose_linears(module)  # bf16 or fp16: each GEMM by the kernel timed fastest
     return module
 
 

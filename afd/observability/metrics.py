@@ -56,12 +56,26 @@ class NodeMetrics:
         self.restarts = int(os.environ.get(RESTARTS_ENV) or 0)
         self.registry.register(Collector(self._host_syncs))
         self.registry.register(Collector(self._restarts))
+        self.registry.register(Collector(self._kernels))
 
     def _restarts(self):
         # the launcher's count, handed to each restarted process (afd.cluster.supervise): it has no port of its own
         doc = "Times the launcher restarted this node after it failed (afd launch / afd serve / afd.LLM; 0 elsewhere)."
         fam = CounterMetricFamily("afd_node_restarts", doc, labels=BASE_LABELS)
         fam.add_metric(self._values(), self.restarts)
+        yield fam
+
+    def _kernels(self):
+        # chosen by timing as the GEMMs first meet each case (afd.backend.kernel_choice): read at scrape time
+        from afd.backend.kernel_choice import process_choice
+
+        doc = (
+            "1 for the kernel each GEMM case runs on this node, chosen by timing on this machine "
+            "(op: operation, dtype, weight shape, row class)."
+        )
+        fam = GaugeMetricFamily("afd_kernel_info", doc, labels=(*BASE_LABELS, "op", "kernel"))
+        for case, choice in sorted(process_choice().choices().items(), key=lambda kv: kv[0].label):
+            fam.add_metric([*self._values(), case.label, choice.kernel], 1)
         yield fam
 
     def _host_syncs(self):

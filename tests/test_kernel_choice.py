@@ -1,0 +1,182 @@
+"""Issue 47: each GEMM case's kernel is chosen by timing the candidates on this machine
+(afd/backend/kernel_choice.py), among those that compute the case's numbers (afd/backend/cpu_kernels.py);
+cached per machine, agreed on by the machine's processes, named by AFD_KERNELS, logged and exported."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from afd.backend import cpu_kernels, cpu_quant, kernel_choice
+from afd.backend.kernel_choice import FORCE_ENV, Case, KernelChoice, row_class
+from afd.quant.formats import quantize_int8_channel
+
+CASE = Case("linear", "bfloat16", 64, 32, 16)
+
+
+class Clock:
+    """A timer the kernels move: each run of a kernel costs its own figure, whatever the machine does."""
+
+    def __init__(self):
+        self.now, self.runs = 0.0, []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def kernels(self, costs: dict[str, float]) -> dict:
+        def run(name: str):
+            def kernel(*args):
+                self.runs.append(name)
+                self.now += costs[name]
+
+            return kernel
+
+        return {name: run(name) for name in costs}
+
+
+def test_the_fastest_of_the_offered_kernels_is_chosen_in_rotating_rounds():
+    clock = Clock()
+    choice = KernelChoice(path="", timer=clock)
+    kernels = clock.kernels({"native": 3e-3, "fp32": 1e-3, "other": 2e-3})
+    assert choice.choose(CASE, kernels, lambda: (), {"other": "computes other numbers"}) == "fp32"
+    assert "other" not in clock.runs
+    timed = clock.runs[2:]  # after one warm run each
+    rounds = [timed[i : i + 2] for i in range(0, len(timed), 2)]
+    assert len(rounds) == kernel_choice.ROUNDS and rounds[0] != rounds[1]  # each round in another order
+    (made,) = choice.choices().values()
+    assert made.medians_ms == pytest.approx({"native": 3.0, "fp32": 1.0}) and made.source == "timed"
+    clock.runs.clear()
+    assert choice.choose(CASE, kernels, lambda: (), {}) == "fp32" and clock.runs == []  # chosen once
+
+
+def test_a_choice_is_cached_for_the_machine_and_read_without_timing(tmp_path, monkeypatch):
+    path = str(tmp_path / "kernels.json")
+    clock = Clock()
+    kernels = clock.kernels({"native": 3e-3, "fp32": 1e-3})
+    assert KernelChoice(path, timer=clock).choose(CASE, kernels, lambda: (), {}) == "fp32"
+    saved = json.loads(Path(path).read_text())
+    assert list(saved) == [kernel_choice.machine_key()] and saved[kernel_choice.machine_key()][CASE.label]
+    clock.runs.clear()
+    again = KernelChoice(path, timer=clock)
+    assert again.choose(CASE, kernels, lambda: (), {}) == "fp32" and clock.runs == []
+    assert next(iter(again.choices().values())).source == "cached"
+    # another machine (here: another thread count) times its own
+    monkeypatch.setattr(kernel_choice, "machine_key", lambda: "another machine")
+    other = KernelChoice(path, timer=clock)
+    assert other.choose(CASE, clock.kernels({"native": 1e-3, "fp32": 3e-3}), lambda: (), {}) == "native"
+    assert set(json.loads(Path(path).read_text())) == {*saved, "another machine"}
+
+
+def test_the_processes_of_a_machine_agree_and_time_a_case_once(tmp_path):
+    """Two choosers (as two nodes' processes) meet the same case at once: the file lock lets one time it, and
+    the other reads its choice, even where its own timing would have chosen otherwise."""
+    path = str(tmp_path / "kernels.json")
+    runs: list[str] = []
+
+    def slow(name: str):
+        def kernel():
+            runs.append(name)
+            threading.Event().wait(0.002)
+
+        return kernel
+
+    out: list[str] = []
+    threads = [
+        threading.Thread(
+            target=lambda: out.append(KernelChoice(path).choose(CASE, {"a": slow("a"), "b": slow("b")}, tuple, {}))
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(out) == 2 and out[0] == out[1]
+    assert len(runs) == 2 * (1 + kernel_choice.ROUNDS)  # one timing (a warm run and ROUNDS runs of each), not two
+
+
+def test_afd_kernels_names_a_kernel(monkeypatch):
+    clock = Clock()
+    choice = KernelChoice(path="", timer=clock)
+    kernels = clock.kernels({"native": 3e-3, "fp32": 1e-3})
+    monkeypatch.setenv(FORCE_ENV, "native")
+    assert choice.choose(CASE, kernels, lambda: (), {}) == "native" and clock.runs == []
+    monkeypatch.setenv(FORCE_ENV, "w8a8_linear=int_mm,linear=fp32")
+    assert choice.choose(CASE, kernels, lambda: (), {}) == "fp32"
+    monkeypatch.setenv(FORCE_ENV, "native")  # not offered where it computes other numbers
+    assert choice.choose(CASE, kernels, lambda: (), {"native": "why"}) == "fp32"
+
+
+def test_row_classes():
+    assert [row_class(t) for t in (1, 4, 5, 32, 33, 128, 129, 4096)] == [1, 1, 16, 16, 64, 64, 256, 256]
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A process choice of its own, with no cache file, and no kernel picked yet."""
+    monkeypatch.setattr(kernel_choice, "_PROCESS", KernelChoice(path=""))
+    monkeypatch.delenv(FORCE_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_PICKED", {})
+    return kernel_choice.process_choice()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_dense_candidate_computes_the_dtypes_numbers(dtype, fresh, caplog):
+    """bf16 or fp16 in and out, the products summed in fp32: the candidates differ only by the order of the
+    sums, well within the dtype's own rounding of the output (2^-8 for bf16, 2^-11 for fp16, relative)."""
+    torch.manual_seed(0)
+    x, w = torch.randn(16, 96).to(dtype), torch.randn(40, 96).to(dtype)
+    want = torch.nn.functional.linear(x.double(), w.double())
+    eps = torch.finfo(dtype).eps
+    for kernel in cpu_kernels.LINEAR.values():
+        got = kernel(x, w)
+        assert got.dtype == dtype and ((got.double() - want).abs() <= eps * want.abs() + 1e-3).all()
+    with caplog.at_level(logging.INFO, logger="afd.backend"):
+        layer = torch.nn.Linear(96, 40, bias=False).to(dtype)
+        assert cpu_kernels.choose_linears(torch.nn.Sequential(layer)) == 1
+        y = layer(x.view(2, 8, 96))
+    (case, choice) = next(iter(fresh.choices().items()))
+    assert case == Case("linear", str(dtype).removeprefix("torch."), 96, 40, 16)
+    assert y.view(16, 40).equal(cpu_kernels.LINEAR[choice.kernel](x, layer.weight))
+    assert f"kernel {case.label}: {choice.kernel}" in caplog.text
+
+
+def test_the_grouped_candidates_agree(fresh):
+    torch.manual_seed(0)
+    x, w, sizes = torch.randn(9, 24).bfloat16(), torch.randn(3, 24, 16).bfloat16(), torch.tensor([4, 0, 3])
+    native, fp32 = (f(x, w, sizes)[:7] for f in cpu_kernels.GROUPED.values())
+    assert ((native.float() - fp32.float()).abs() <= 2**-7 * fp32.float().abs() + 1e-2).all()
+
+
+def test_the_w8a8_candidates_give_the_same_numbers(fresh):
+    """int_mm sums the int8 products in int32, the other in fp32: exact both while a sum stays under 2^24,
+    as it does for K up to 1040, so that the choice changes no number there."""
+    x = torch.randn(16, 1040)
+    q = torch.full((8, 1040), 127, dtype=torch.int8)  # the largest sums a row can have
+    q[1::2] = -127
+    scale = torch.rand(8, 1) + 0.5
+    x[:, :] = x.abs().amax(1, keepdim=True)  # every activation quantizes to 127
+    a, b = (f(x, q, scale) for f in cpu_kernels.W8A8_LINEAR.values())
+    if cpu_quant.int_mm_exact():
+        assert a.equal(b)
+    q3, s3 = zip(*(quantize_int8_channel(torch.randn(12, 40)) for _ in range(3)))
+    x3, sizes = torch.randn(9, 40), torch.tensor([4, 0, 3])
+    g = [f(x3, torch.stack(q3), torch.stack(s3), sizes)[:7] for f in cpu_kernels.W8A8_GROUPED.values()]
+    if cpu_quant.int_mm_exact():
+        assert g[0].equal(g[1])
+
+
+def test_the_choices_are_exported(fresh):
+    from afd.observability.metrics import NodeMetrics
+
+    q, scale = quantize_int8_channel(torch.randn(24, 40))
+    cpu_kernels.w8a8_linear(torch.randn(3, 40), q, scale)
+    (case, choice) = next(iter(fresh.choices().items()))
+    text = NodeMetrics("ffn", "ffn0", "m").render().decode()
+    labels = f'kernel="{choice.kernel}",model_name="m",node="ffn0",op="{case.label}",role="ffn"'
+    assert f"afd_kernel_info{{{labels}}} 1.0" in text
