@@ -43,19 +43,46 @@ def test_tuner_keeps_one_micro_batch_when_the_exchange_is_hidden():
     assert t.micro_batches == 1
 
 
-def test_tuner_tries_the_rules_m_and_keeps_the_faster():
+def run_tuner(t: MicroBatchTuner, step: dict[int, float], steps: int, wait: float = 0.0, tokens: int = 0) -> list[int]:
+    """`steps` decode steps, each taking step[m] seconds at the m the tuner asks for; the m of each."""
+    ran = []
+    for _ in range(steps):
+        m = t.micro_batches
+        ran.append(m)
+        t.observe(step.get(m, step[1]), wait if m == 1 else 0.0, True, tokens)
+    return ran
+
+
+def test_tuner_tries_the_rules_m_and_keeps_the_faster(caplog):
     t = MicroBatchTuner(warmup=2)
     for _ in range(2):
         t.observe(1.0, 0.4, is_decode=True)
     trial = micro_batches_rule(0.4, 0.6)
     assert t.micro_batches == trial and t.chosen is None
-    for _ in range(2):
-        t.observe(0.7, 0.0, is_decode=True)
-    assert t.chosen == trial
+    with caplog.at_level("INFO", logger="afd.dataplane"):
+        ran = run_tuner(t, {1: 1.0, trial: 0.7}, 4, wait=0.4)
+    assert ran == [trial, 1, trial, 1] and t.chosen == trial  # alternating, then the faster
+    assert f"micro-batches: {trial} (median decode step per token" in caplog.text
+    assert f"m=1: 1000.000 ms, m={trial}: 700.000 ms" in caplog.text
     t = MicroBatchTuner(warmup=1)
     t.observe(1.0, 0.4, is_decode=True)
-    t.observe(1.3, 0.0, is_decode=True)  # splitting was slower: back to one micro-batch
+    run_tuner(t, {1: 1.0, trial: 1.3}, 2, wait=0.4)  # splitting was slower: back to one micro-batch
     assert t.chosen == 1
+
+
+def test_tuner_measures_again_when_its_steps_drift(caplog):
+    """A choice made while the machine was loaded one way holds while its steps stay near the median it was
+    made on, and is measured again once their median drifts past DRIFT."""
+    from afd.dataplane.overlap import DRIFT
+
+    t, m = MicroBatchTuner(warmup=2, window=4), micro_batches_rule(0.4, 0.6)
+    run_tuner(t, {1: 1.0, m: 0.7}, 6, wait=0.4, tokens=8)
+    assert t.chosen == m
+    run_tuner(t, {1: 1.0, m: 0.7 * (1 + DRIFT / 2)}, 8, tokens=8)  # within the drift: held
+    assert t.chosen == m
+    with caplog.at_level("INFO", logger="afd.dataplane"):
+        ran = run_tuner(t, {1: 1.0, m: 0.7 * (1 + 2 * DRIFT)}, 4, tokens=8)  # past it: measured again
+    assert ran[0] == m and ran[-1] == 1 and "measured again (a decode step per token drifted" in caplog.text
 
 
 def test_split_micro_batches_balances_tokens():
