@@ -36,6 +36,9 @@ def test_bench_quant_colocated(tmp_path, capsys):
     assert any(k.startswith("experts w13 grouped") for k in g["w8a8"]) and "FFN half (all MoE layers)" in g["w8a8"]
     out = capsys.readouterr().out
     assert "| colocated | w8a8 |" in out and "fp32 / w8a8" in out
+    # the kernels the run's w8a8 GEMMs took, chosen by timing on this machine, with the machine's flags
+    assert res["machine"]["cpu_flags"] and any(label.startswith("w8a8_grouped float32") for label in res["kernels"])
+    assert "Kernels chosen by timing on this machine" in out and "| w8a8_grouped float32 " in out
 
 
 @pytest.mark.slow

@@ -198,6 +198,11 @@ def run(args) -> int:
             res["memory"] = quant_mem.section_memory(args, path, dummy, state, tmp, MODES)
         if "wire" in sections:
             res["wire"] = parts.section_wire(args, path, dummy, MODES)
+    from afd.backend.kernel_choice import environment
+
+    env = environment()  # the nodes' choices too: a machine's processes share the kernel cache
+    res["machine"] = {k: env[k] for k in ("cpu", "cpu_flags", "torch", "int_mm_exact", "kernel_cache")}
+    res["kernels"] = env["kernels"]
     quant_report.print_all(res, state)
     if args.output:
         with open(args.output, "w") as f:

@@ -9,6 +9,8 @@ MB = 1 << 20
 
 def print_all(res: dict, state: dict) -> None:
     print(f"\ncheckpoint: {res['checkpoint']}")
+    for key, value in res.get("machine", {}).items():
+        print(f"{key}: {value}")
     if "decode" in res:
         print_decode(res["decode"], state)
     if "gemm" in res:
@@ -19,6 +21,17 @@ def print_all(res: dict, state: dict) -> None:
         print_memory(res["memory"])
     if "wire" in res:
         print_wire(res["wire"])
+    if res.get("kernels"):
+        print_kernels(res["kernels"])
+
+
+def print_kernels(kernels: dict) -> None:
+    print("\nKernels chosen by timing on this machine (afd env; medians in ms):\n")
+    print("| case | kernel | timed |")
+    print("|---|---|---|")
+    for label, entry in sorted(kernels.items()):
+        timed = ", ".join(f"{k} {v:.3f}" for k, v in sorted(entry.get("medians_ms", {}).items()))
+        print(f"| {label} | {entry.get('kernel')} | {timed} |")
 
 
 def _ratios(xs: list[float | None], base: list[float | None]) -> str:
