@@ -132,3 +132,21 @@ def test_demo_checkpoint_loads_like_dummy_weights(tmp_path):
     prompts = [[1, 2, 3], [4, 5]]
     from_disk = afd.LLM(path).generate_ids(prompts, 6, ignore_eos=True)
     assert from_disk == afd.LLM(path, dummy_weights=True, weights_seed=3).generate_ids(prompts, 6, ignore_eos=True)
+
+
+def test_a_written_longcat_checkpoint_is_one_transformers_loads(tmp_path):
+    """afd.model.demo writes what the locked transformers reads, no tensor more or less (its LongCat experts
+    hold no rows for the identity experts since 5.x; a checkpoint with them is refused as mismatched), and
+    HF's greedy tokens on it are afd's: the benchmarks that hold afd against HF load such checkpoints."""
+    from transformers import LongcatFlashForCausalLM
+
+    from afd.bench.suite import HF_CONFIG
+    from afd.model.demo import write_checkpoint
+
+    cfg = {**HF_CONFIG, "num_layers": 1, "hidden_size": 64, "ffn_hidden_size": 96, "expert_ffn_hidden_size": 32}
+    path = write_checkpoint(str(tmp_path / "lc"), cfg, seed=3)
+    hf = LongcatFlashForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = [5, 6, 7, 8]
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
+    assert afd.LLM(path).generate_ids([prompt], 6, ignore_eos=True) == [ref]

@@ -10,7 +10,6 @@ Shapes: T tokens, H hidden, E router outputs, K top-k.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import cast
 
 import torch
@@ -79,16 +78,6 @@ class FFNHalf(halves.FFNHalf):
         layer = self.layer(i)
         weights, ids = layer.router(m, backend)
         return layer.experts(backend, m, weights, ids)
-
-    def extra_checkpoint_keys(self) -> Iterator[tuple[str, tuple[int, ...]]]:
-        # transformers' LongcatFlashExperts allocates gate/up rows for the identity experts too and
-        # refuses a checkpoint without them; afd never reads them.
-        cfg = self.cfg
-        H, I = cfg.hidden_size, cfg.expert_ffn_hidden_size
-        for i in range(cfg.num_layers):
-            for e in range(cfg.n_routed_experts, cfg.num_experts_total):
-                for name in ("gate_proj", "up_proj"):
-                    yield f"model.layers.{i}.mlp.experts.{e}.{name}.weight", (I, H)
 
     def post_load(self) -> None:
         # HF holds the classifier and the correction bias in the model dtype (LongCat's fp32 list is
