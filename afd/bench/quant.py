@@ -3,8 +3,9 @@
 Sections (--sections):
   decode  decode tok/s per mode (fp32, bf16, w8a8, fp8; --modes) at each batch, colocated (both halves in
           this process, one thread) and 1A1F (one thread per node), and HF transformers `generate` in bf16
-          on the same checkpoint, on 1 and 2 threads (--hf-threads; two are the cores 1A1F's nodes get, but
-          HF's OpenMP threads stall when other work holds a core); interleaved rounds, order rotating, medians;
+          (and fp32: --hf-dtypes) on the same checkpoint, on 1 and 2 threads (--hf-threads; two are the cores
+          1A1F's nodes get, but HF's OpenMP threads stall when other work holds a core); interleaved rounds,
+          order rotating, medians; "vs HF's fastest" is against HF's fastest case at each batch;
   gemm    per-GEMM times at one batch (--gemm-tokens) per mode: each linear of the attention half's first
           layer, the head, the first MoE layer's grouped GEMMs, one expert's call, and the whole FFN half
           (afd.bench.quant_parts); with decode, the step bounds A, F and max(A, F) (afd.bench.quant_report);
@@ -39,6 +40,7 @@ MODES = {
     "w8a8 bf16": ("bfloat16", "w8a8"),
 }
 DEFAULT_MODES = ("fp32", "bf16", "w8a8", "fp8")
+HF_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 SECTIONS = ("decode", "gemm", "memory", "wire")
 
 
@@ -58,6 +60,7 @@ def add_parser(sub) -> None:
     count_flag(p, "--repeats", 3, 1, "interleaved rounds")
     p.add_argument("--no-hf", action="store_true", help="leave HF transformers out")
     p.add_argument("--hf-threads", default="1,2", help="torch threads HF generate runs on, one case each")
+    p.add_argument("--hf-dtypes", default="bf16", help="dtypes HF generate runs in, one case each: bf16, fp32")
     count_flag(p, "--gemm-tokens", 16)
     p.add_argument("--memory-model", default=None, help="model dir for the memory section (default: MEMORY_CONFIG)")
     p.add_argument("--wire-mode", default="w8a8", help="the mode the wire section's 1A1F runs serve")
@@ -104,25 +107,29 @@ def section_decode(args, path: str, dummy: bool, state: dict) -> dict:
     prompts = {b: synthetic_prompts(b, args.prompt_len, vocab) for b in batches}
     evidence = {f"colocated {m}": c.evidence() for m, c in state["colo"].items()}
     evidence |= {f"1A1F {m}": parts.ffn_evidence(c) for m, c in state["clusters"].items()}
-    hf = None
+    hf = {}
     if not args.no_hf and not dummy:
         import torch
 
         from afd.bench.suite import _HF
 
-        hf = _HF(path)
-        hf.model.to(torch.bfloat16)
-        hf.generate(prompts[batches[0]], 2, 2)  # warm-up
+        for name in args.hf_dtypes.split(","):
+            if name not in HF_DTYPES:
+                raise ValueError(f"--hf-dtypes: {name!r} is none of {', '.join(HF_DTYPES)}")
+            hf[name] = _HF(path)
+            hf[name].model.to(getattr(torch, HF_DTYPES[name]))
+            hf[name].generate(prompts[batches[0]], 2, 2)  # warm-up
 
     cases = {f"{t} {m} b={b}": (t, m, b) for t in topos for m in modes for b in batches}
-    threads = [int(t) for t in args.hf_threads.split(",")] if hf is not None else []
-    cases |= {f"HF bf16 {t}t b={b}": ("HF", t, b) for t in threads for b in batches}
+    threads = [int(t) for t in args.hf_threads.split(",")] if hf else []
+    cases |= {f"HF {d} {t}t b={b}": ("HF", (d, t), b) for d in hf for t in threads for b in batches}
 
     def one(name: str, r: int) -> dict:
         topo, mode, b = cases[name]
         if topo == "HF":
-            _, t_n = hf.generate(prompts[b], n, threads=mode)
-            _, t_1 = hf.generate(prompts[b], 1, threads=mode)
+            model, t = hf[mode[0]], mode[1]
+            _, t_n = model.generate(prompts[b], n, threads=t)
+            _, t_1 = model.generate(prompts[b], 1, threads=t)
             return {"tok_s": b * (n - 1) / (t_n - t_1), "step_ms": 1e3 * (t_n - t_1) / (n - 1)}
         if topo == "colocated":
             return parts.tok_s(state["colo"][mode].generate(prompts[b], n, threads=1).steps, args.warmup_steps)
