@@ -180,3 +180,17 @@ def test_the_choices_are_exported(fresh):
     text = NodeMetrics("ffn", "ffn0", "m").render().decode()
     labels = f'kernel="{choice.kernel}",model_name="m",node="ffn0",op="{case.label}",role="ffn"'
     assert f"afd_kernel_info{{{labels}}} 1.0" in text
+
+
+def test_a_bf16_model_on_cpu_computes_through_the_chosen_kernels(tiny_checkpoints, fresh):
+    """Loaded in bf16 on the CPU, every plain linear of both halves is a ChosenLinear (its weight still bf16), and
+    a step's GEMMs take kernels chosen here, each logged once as a case."""
+    import afd
+
+    llm = afd.LLM(tiny_checkpoints["no_zero_experts"], dtype="bfloat16")
+    chosen = [m for m in llm.attn.modules() if isinstance(m, cpu_kernels.ChosenLinear)]
+    assert chosen and all(m.weight.dtype == torch.bfloat16 for m in chosen)
+    assert not any(type(m) is torch.nn.Linear for m in llm.attn.modules())
+    llm.generate_ids([[3, 4, 5]], 2)
+    ops = {case.op for case in fresh.choices()}
+    assert {"linear", "grouped"} <= ops
