@@ -42,7 +42,7 @@ class RequestOutput:
     """Per new token, (its logprob, [(id, logprob) of the top alternatives]) when the request asked."""
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: the scheduler's `in` and remove() compare by identity
 class Request:
     request_id: str
     prompt_ids: list[int]
