@@ -194,3 +194,19 @@ def test_a_bf16_model_on_cpu_computes_through_the_chosen_kernels(tiny_checkpoint
     llm.generate_ids([[3, 4, 5]], 2)
     ops = {case.op for case in fresh.choices()}
     assert {"linear", "grouped"} <= ops
+
+
+def test_afd_env_prints_the_machine_and_its_cached_choices(tmp_path, monkeypatch, capsys):
+    from afd.cli import main
+
+    path = str(tmp_path / "kernels.json")
+    monkeypatch.setenv(kernel_choice.CACHE_ENV, path)
+    clock = Clock()
+    KernelChoice(path, timer=clock).choose(CASE, clock.kernels({"native": 3e-3, "fp32": 1e-3}), tuple, {})
+    assert main(["env", "--json"]) == 0
+    env = json.loads(capsys.readouterr().out)
+    threads = f"{torch.get_num_threads()} thread(s)"
+    assert env["machine"] == kernel_choice.machine_prefix() and env["kernel_cache"] == path
+    assert env["kernels"][f"{CASE.label} ({threads})"]["kernel"] == "fp32"
+    assert main(["env"]) == 0
+    assert f"{CASE.label} ({threads}): fp32 (fp32 1.000 ms, native 3.000 ms)" in capsys.readouterr().out

@@ -96,14 +96,17 @@ def cpu_info() -> tuple[str, list[str]]:
     return model, flags
 
 
-def machine_key(threads: int | None = None) -> str:
-    """What a kernel's speed depends on besides the case: the CPU, torch, the ISA limits, the threads."""
+def machine_key() -> str:
+    """What a kernel's speed depends on besides the case: the CPU, torch, the ISA limits (machine_prefix), and
+    this process's threads."""
+    return f"{machine_prefix()} | {torch.get_num_threads()} thread(s)"
+
+
+def machine_prefix() -> str:
     model, flags = cpu_info()
     digest = hashlib.sha256(" ".join(flags).encode()).hexdigest()[:12]
     isa = "".join(f" {k}={os.environ[k]}" for k in ISA_ENV if os.environ.get(k))
-    cap = torch.backends.cpu.get_cpu_capability()
-    threads = torch.get_num_threads() if threads is None else threads
-    return f"{model} | flags {digest} | torch {torch.__version__} {cap}{isa} | {threads} thread(s)"
+    return f"{model} | flags {digest} | torch {torch.__version__} {torch.backends.cpu.get_cpu_capability()}{isa}"
 
 
 def forced(op: str) -> str | None:
@@ -266,14 +269,14 @@ def environment() -> dict:
 
     model, flags = cpu_info()
     choice = KernelChoice()
-    machine = machine_key(threads=0).removesuffix("0 thread(s)")
+    machine = machine_prefix()
     kernels = {}
     for key, entries in choice._read_all().items():
-        if key.startswith(machine) and isinstance(entries, dict):
-            threads = key.removeprefix(machine)
+        if key.startswith(machine + " | ") and isinstance(entries, dict):
+            threads = key.removeprefix(machine + " | ")
             kernels.update({f"{label} ({threads})": entry for label, entry in entries.items()})
     return {
-        "machine": machine.removesuffix(" | "),
+        "machine": machine,
         "cpu": model,
         "cpu_flags": " ".join(f for f in FLAGS_OF_NOTE if f in flags) or "(none of note)",
         "torch": f"{torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}",
