@@ -210,3 +210,15 @@ def test_afd_env_prints_the_machine_and_its_cached_choices(tmp_path, monkeypatch
     assert env["kernels"][f"{CASE.label} ({threads})"]["kernel"] == "fp32"
     assert main(["env"]) == 0
     assert f"{CASE.label} ({threads}): fp32 (fp32 1.000 ms, native 3.000 ms)" in capsys.readouterr().out
+
+
+def test_a_candidate_far_behind_at_its_first_run_is_not_run_again():
+    """Held to AVX2, bf16's own GEMM took 2.2 s where the fp32 one took 15 ms: timing it ROUNDS times over would
+    cost a start seconds per case."""
+    clock = Clock()
+    choice = KernelChoice(path="", timer=clock)
+    slow = kernel_choice.OUT_OF_RACE * 2e-3 * 1.5
+    assert choice.choose(CASE, clock.kernels({"native": slow, "fp32": 2e-3}), tuple, {}) == "fp32"
+    assert clock.runs.count("native") == 1 and clock.runs.count("fp32") == 1 + kernel_choice.ROUNDS
+    (made,) = choice.choices().values()
+    assert made.medians_ms == pytest.approx({"native": slow * 1e3, "fp32": 2.0})
