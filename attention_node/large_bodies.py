@@ -21,6 +21,7 @@ import sys
 import threading
 
 from attention_node.body_check import CHECK_ABOVE, DATA, DROP, END, FRAME
+from attention_node.memory import TRIM_ABOVE, trim
 
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
 MAX_BATCH = 256
@@ -70,12 +71,13 @@ class Child:
                 with contextlib.suppress(queue.Empty):
                     while batch[-1] is not None and len(batch) < MAX_BATCH:
                         batch.append(self.frames.get_nowait())
-                parts: list[bytes | memoryview] = []
-                for frame in batch:
-                    if frame is not None:
-                        parts += [FRAME.pack(frame[0], frame[1], len(frame[2])), frame[2]]
-                _write_all(stdin.fileno(), parts)
-                if batch[-1] is None:
+                last = batch[-1] is None
+                size = sum(len(f[2]) for f in batch if f is not None)
+                _write_frames(stdin.fileno(), batch)
+                del batch  # not held while waiting for the next: their pages go back (memory.py)
+                if size > TRIM_ABOVE and self.frames.empty():  # the node's own trim may have run before this
+                    trim()
+                if last:
                     break
         with contextlib.suppress(OSError):
             stdin.close()
@@ -102,7 +104,11 @@ class Child:
         self.proc.wait(5)
 
 
-def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
+def _write_frames(fd: int, frames: list[tuple[int, int, bytes] | None]) -> None:
+    parts: list[bytes | memoryview] = []
+    for frame in frames:
+        if frame is not None:
+            parts += [FRAME.pack(frame[0], frame[1], len(frame[2])), frame[2]]
     i = 0
     while i < len(parts):
         n = os.writev(fd, parts[i : i + 1024])  # IOV_MAX
