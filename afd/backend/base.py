@@ -6,6 +6,7 @@ import sys
 import time
 import types
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -20,15 +21,21 @@ if TYPE_CHECKING:
 from afd.backend.mla_prolog import MLAProlog, MLAPrologWeights
 
 
+def group_slices(group_sizes: torch.Tensor) -> Iterator[tuple[int, slice]]:
+    """(group, its contiguous row slice) of each non-empty group, the sizes read on the host."""
+    start = 0
+    for g, n in enumerate(host_syncs.to_list(group_sizes)):
+        if n:
+            yield g, slice(start, start + n)
+            start += n
+
+
 def grouped_matmul_by_slices(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """One GEMM per non-empty group over its contiguous row slice of x (reads the sizes on the host); rows
     past the groups are left as they come."""
     out = x.new_empty(x.shape[0], w.shape[-1])
-    start = 0
-    for g, n in enumerate(host_syncs.to_list(group_sizes)):
-        if n:
-            torch.mm(x[start : start + n], w[g], out=out[start : start + n])
-            start += n
+    for g, rows in group_slices(group_sizes):
+        torch.mm(x[rows], w[g], out=out[rows])
     return out
 
 
@@ -39,11 +46,8 @@ def quant_grouped_matmul_by_slices(x, q, scale, group_sizes, spec, matmul=None) 
 
     matmul = matmul or reference.quant_matmul
     out = x.new_empty(x.shape[0], q.shape[1])
-    start = 0
-    for g, n in enumerate(host_syncs.to_list(group_sizes)):
-        if n:
-            out[start : start + n] = matmul(x[start : start + n], q[g], scale[g], spec)
-            start += n
+    for g, rows in group_slices(group_sizes):
+        out[rows] = matmul(x[rows], q[g], scale[g], spec)
     return out
 
 

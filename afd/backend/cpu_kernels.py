@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from afd.backend import cpu_quant, host_syncs
-from afd.backend.base import grouped_matmul_by_slices
+from afd.backend import cpu_quant
+from afd.backend.base import group_slices, grouped_matmul_by_slices
 from afd.backend.cpu_quant import int8_grouped_matmul, int8_matmul
 from afd.backend.kernel_choice import FORCE_ENV, Case, process_choice, row_class
 from afd.quant.formats import quantize_rows_int8
@@ -38,11 +38,8 @@ def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def grouped_fp32(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(x.shape[0], w.shape[-1])
-    start = 0
-    for g, n in enumerate(host_syncs.to_list(group_sizes)):
-        if n:
-            out[start : start + n] = torch.mm(x[start : start + n].float(), w[g].float())
-            start += n
+    for g, rows in group_slices(group_sizes):
+        out[rows] = torch.mm(x[rows].float(), w[g].float())
     return out
 
 
@@ -56,12 +53,8 @@ def int8_grouped_matmul_fp32(x, q, scale, group_sizes) -> torch.Tensor:
     xq, xs = quantize_rows_int8(x)
     xf = xq.float()
     out = x.new_empty(x.shape[0], q.shape[1])
-    start = 0
-    for g, n in enumerate(host_syncs.to_list(group_sizes)):
-        if n:
-            rows = slice(start, start + n)
-            out[rows] = (F.linear(xf[rows], q[g].float()) * xs[rows] * scale[g].t()).to(x.dtype)
-            start += n
+    for g, rows in group_slices(group_sizes):
+        out[rows] = (F.linear(xf[rows], q[g].float()) * xs[rows] * scale[g].t()).to(x.dtype)
     return out
 
 

@@ -23,7 +23,7 @@ import logging
 
 import torch
 
-from afd.backend import host_syncs
+from afd.backend.base import group_slices
 from afd.quant.formats import quantize_rows_int8
 from afd.quant.scheme import INT8_CHANNEL, QuantSpec
 
@@ -58,12 +58,8 @@ def int8_grouped_matmul(
     they come. The sizes are a CPU tensor: reading them is no sync."""
     xq, xs = quantize_rows_int8(x)
     out = x.new_empty(x.shape[0], q.shape[1])
-    start = 0
-    for g, n in enumerate(host_syncs.to_list(group_sizes)):
-        if n:
-            rows = slice(start, start + n)
-            out[rows] = (torch._int_mm(xq[rows], q[g].t()).float() * xs[rows] * scale[g].t()).to(x.dtype)
-            start += n
+    for g, rows in group_slices(group_sizes):
+        out[rows] = (torch._int_mm(xq[rows], q[g].t()).float() * xs[rows] * scale[g].t()).to(x.dtype)
     return out
 
 
