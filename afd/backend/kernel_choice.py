@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from afd.cache_dir import cache_dir
+
 log = logging.getLogger("afd.backend")
 
 FORCE_ENV = "AFD_KERNELS"
@@ -128,10 +130,8 @@ def _forced(setting: str, op: str) -> str | None:
 
 
 def default_cache_path() -> str:
-    if CACHE_ENV in os.environ:
-        return os.environ[CACHE_ENV]
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(root, "afd", "kernels.json")
+    """CACHE_ENV, else kernels.json in afd's cache folder (afd.cache_dir)."""
+    return os.environ[CACHE_ENV] if CACHE_ENV in os.environ else os.path.join(cache_dir(), "kernels.json")
 
 
 class KernelChoice:

@@ -10,6 +10,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
+from afd.cache_dir import cache_dir
 from afd.model.demo_config import DEMO_CONFIG  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
@@ -108,10 +109,7 @@ DEMO_STAMP = ".afd-demo-v2"
 
 
 def default_cache_dir() -> str:
-    base = os.environ.get("AFD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "afd"
-    )
-    return os.path.join(base, "demo-longcat-flash")
+    return os.path.join(cache_dir(), "demo-longcat-flash")
 
 
 def checkpoint_tensors(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:

@@ -10,11 +10,12 @@ overhead of eager execution)."""
 
 from __future__ import annotations
 
-import os
 import platform
 import statistics
 import time
 from pathlib import Path
+
+from afd.cache_dir import cache_dir
 
 NAME = "cpu"
 GEMM_N = 1024
@@ -23,10 +24,7 @@ GEMM_N = 1024
 
 def cache_path() -> Path:
     """Where `afd profile` keeps this machine's spec ($AFD_CACHE_DIR, else $XDG_CACHE_HOME/afd)."""
-    base = os.environ.get("AFD_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "afd"
-    )
-    return Path(base) / "hardware" / f"{NAME}.yaml"
+    return Path(cache_dir()) / "hardware" / f"{NAME}.yaml"
 
 
 def _gemm_flops(dtype, n: int = GEMM_N, repeats: int = 5) -> float:
