@@ -222,7 +222,7 @@ class CheckLargeBodies:
         fed = held = 0  # chunks given to the child (none until the body is past CHECK_ABOVE), bytes received
         more, error = True, None
         try:
-            while more and error is None:
+            while more:
                 try:
                     message = await self._next(receive, checked)
                 except HTTPException as e:  # the guard's 413 for a chunked body past the limit

@@ -48,7 +48,7 @@ class MicroBatchTuner:
         self._reset()
 
     def _reset(self) -> None:
-        self.first: list[tuple[float, float]] = []  # m = 1's (step, wait) before any split is tried
+        self.first: list[tuple[float, float, float]] = []  # m = 1's (step, wait, per token) before any split
         self.trials: dict[int, list[float]] = {}  # m -> seconds per token, the alternating steps'
         self.current = 1
         self.chosen: int | None = None
@@ -69,7 +69,7 @@ class MicroBatchTuner:
             return
         self.batch = self.batch or tokens
         if not self.trials:
-            self._first(step_seconds, wait_seconds, per_token)
+            self._first((step_seconds, wait_seconds, per_token))
             return
         self.trials[self.current].append(per_token)
         if all(len(s) >= self.warmup for s in self.trials.values()):
@@ -79,13 +79,13 @@ class MicroBatchTuner:
         others = [m for m in self.trials if m != self.current]
         self.current = others[0]
 
-    def _first(self, step: float, wait: float, per_token: float) -> None:
-        self.first.append((step, wait))
+    def _first(self, sample: tuple[float, float, float]) -> None:
+        self.first.append(sample)
         if len(self.first) < self.warmup:
             return
-        steps, waits = sum(s for s, _ in self.first), sum(w for _, w in self.first)
+        steps, waits = sum(s[0] for s in self.first), sum(s[1] for s in self.first)
         if steps <= 0 or waits / steps < HIDDEN_ENOUGH:
-            median = statistics.median(s for s, _ in self.first) / max(self.batch or 1, 1)
+            median = statistics.median(s[2] for s in self.first)
             log.info(
                 "micro-batches: 1 (the exchange is hidden: the attention side waited %.1f%% of %d decode steps)",
                 100 * waits / max(steps, 1e-12),
