@@ -142,6 +142,8 @@ class KernelChoice:
         self.timer = timer
         self._chosen: dict[Case, Choice] = {}
         self._lock = threading.Lock()
+        self._timing = threading.local()
+        """The case this thread is timing, if any: a candidate that meets another case raises, not hangs."""
         self._machine: str | None = None
 
     @property
@@ -165,6 +167,9 @@ class KernelChoice:
             return choice.kernel
         if torch.compiler.is_compiling():  # no timing inside a trace
             return offered[0]
+        if self._lock.locked() and getattr(self._timing, "case", None) is not None:
+            # this thread holds the lock and the cache's file lock: waiting on them again would never end
+            raise RuntimeError(f"kernel choice: {case.label} met while timing {self._timing.case.label}")
         with self._lock:
             if case not in self._chosen:
                 self._chosen[case] = self._choose(case, {n: kernels[n] for n in offered}, inputs, left_out)
@@ -181,8 +186,12 @@ class KernelChoice:
             cached = self._read().get(case.label)
             if cached is not None and cached.get("kernel") in kernels:
                 return Choice(cached["kernel"], cached.get("medians_ms", {}), left_out, "cached")
-            args = inputs()
-            medians = self.time({name: (lambda k=k: k(*args)) for name, k in kernels.items()})
+            self._timing.case = case
+            try:
+                args = inputs()
+                medians = self.time({name: (lambda k=k: k(*args)) for name, k in kernels.items()})
+            finally:
+                self._timing.case = None
             choice = Choice(min(medians, key=medians.__getitem__), medians, left_out)
             self._write(case, choice)
         return choice
