@@ -16,6 +16,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # that they agree on each kernel as a machine's nodes do, and no run reads another's (or the user's) choices.
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID") or str(os.getpid())
 os.environ.setdefault("AFD_KERNEL_CACHE", os.path.join(tempfile.gettempdir(), f"afd-test-kernels-{_RUN}.json"))
+# The weights' plain layout, not timed (afd.backend.cpu_packed): at the fixtures' tiny shapes plain times faster on
+# the machines seen, but a close race could flip a test's layout from one run to the next. The packed layout's
+# tests (tests/test_cpu_packed.py) name it.
+os.environ.setdefault("AFD_KERNELS", "linear_layout=plain,grouped_layout=plain")
 
 from hf_families import BF16_WEIGHT_STD, FAMILIES  # noqa: E402
 from hf_reference import PROMPTS, TINY_CONFIGS  # noqa: E402

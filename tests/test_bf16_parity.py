@@ -25,7 +25,7 @@ def test_qwen3_is_hfs_eager_bf16_bit_for_bit(families, monkeypatch):
     AVX-512 EPYC), so the layout is off here, and every GEMM takes its bf16 kernel (not the fp32 one the CPU may
     time faster: afd.backend.cpu_kernels)."""
     monkeypatch.setenv(ROW_MAJOR_ENV, "1")
-    monkeypatch.setenv(FORCE_ENV, "native")
+    monkeypatch.setenv(FORCE_ENV, "native,linear_layout=plain,grouped_layout=plain")  # HF: plain weights
     path = families.path("qwen3_moe", "gqa")
     # eager experts: the fixture's expert size (12) is not a multiple of 8, which grouped_mm needs
     hf = hf_bf16(path, attn_implementation="eager", experts_implementation="eager")
@@ -47,7 +47,7 @@ def test_mla_prefill_is_hfs_eager_bf16_bit_for_bit(tiny_checkpoints, monkeypatch
     default from transformers 5.25) rounds otherwise and cannot run this fixture's expert size (12, not a
     multiple of 8) in bf16 on the CPU. bf16 kernels, as in the Qwen3 test."""
     monkeypatch.setenv(ROW_MAJOR_ENV, "1")
-    monkeypatch.setenv(FORCE_ENV, "native")
+    monkeypatch.setenv(FORCE_ENV, "native,linear_layout=plain,grouped_layout=plain")  # HF: plain weights
     path = tiny_checkpoints["no_zero_experts"]  # identity experts are summed in another order than HF's
     seq = random_sequences(load_config(path).vocab_size)[0]
     lens = list(range(4, SEQ_LEN + 1, 4))  # one prefill per prefix, all in one step

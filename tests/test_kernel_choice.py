@@ -182,10 +182,13 @@ def test_the_choices_are_exported(fresh):
     assert f"afd_kernel_info{{{labels}}} 1.0" in text
 
 
-def test_a_bf16_model_on_cpu_computes_through_the_chosen_kernels(tiny_checkpoints, fresh):
-    """Loaded in bf16 on the CPU, every plain linear of both halves is a ChosenLinear (its weight still bf16), and
-    a step's GEMMs take kernels chosen here, each logged once as a case."""
+def test_a_bf16_model_on_cpu_computes_through_the_chosen_kernels(tiny_checkpoints, fresh, monkeypatch):
+    """Loaded in bf16 on the CPU with the weights' plain layout (afd.backend.cpu_packed), every plain linear of both
+    halves is a ChosenLinear (its weight still bf16), and a step's GEMMs take kernels chosen here, each logged once
+    as a case."""
     import afd
+
+    monkeypatch.setenv(FORCE_ENV, "linear_layout=plain,grouped_layout=plain")
 
     llm = afd.LLM(tiny_checkpoints["no_zero_experts"], dtype="bfloat16")
     chosen = [m for m in llm.attn.modules() if isinstance(m, cpu_kernels.ChosenLinear)]
@@ -222,3 +225,16 @@ def test_a_candidate_far_behind_at_its_first_run_is_not_run_again():
     assert clock.runs.count("native") == 1 and clock.runs.count("fp32") == 1 + kernel_choice.ROUNDS
     (made,) = choice.choices().values()
     assert made.medians_ms == pytest.approx({"native": slow * 1e3, "fp32": 2.0})
+
+
+def test_a_candidate_that_meets_another_case_while_timed_raises_rather_than_hangs():
+    """Timing holds the choice's lock and the cache's file lock: a candidate whose first run needed a choice of
+    its own would wait on itself for ever."""
+    choice = KernelChoice(path="")
+    inner = Case("linear", "float32", 8, 8, 16)
+
+    def nested(*args):
+        return choice.choose(inner, {"a": lambda: None, "b": lambda: None}, tuple, {})
+
+    with pytest.raises(RuntimeError, match="met while timing"):
+        choice.choose(CASE, {"native": nested, "fp32": lambda: None}, tuple, {})

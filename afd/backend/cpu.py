@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from afd.backend.base import Backend, PrefetchSpec, grouped_matmul_by_slices, refuse_host_syncs
+from afd.backend.cpu_packed import PackedGroups
 
 log = logging.getLogger("afd.backend")
 
@@ -69,7 +70,10 @@ class CpuBackend(Backend):
     ) -> int:
         # Reads one value per 64-byte line of max_bytes from byte `offset`: the lines land in the caches
         # before the GEMM needs them (now: a CPU has no dependency to wait for). Costs memory bandwidth on the
-        # serving thread; the suite decides whether it pays (off by default).
+        # serving thread; the suite decides whether it pays (off by default). A packed weight's blocks are not at
+        # a plain weight's offsets: nothing to hint.
+        if isinstance(weight, PackedGroups):
+            return 0
         w = weight.detach()
         flat = (w if w.is_contiguous() or w.dim() != 2 else w.t()).reshape(-1)  # a view: column-major too
         size = flat.element_size()
@@ -90,6 +94,10 @@ class CpuBackend(Backend):
     def grouped_matmul(self, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         # One GEMM per non-empty group over a contiguous row slice: on CPU this measures as fast as
         # torch._grouped_mm and has no alignment constraints. In bf16 or fp16, by the kernel timed fastest.
+        if isinstance(w, PackedGroups):
+            from afd.backend import cpu_packed
+
+            return cpu_packed.grouped(x, w, group_sizes)
         if x.dtype in (torch.bfloat16, torch.float16):
             from afd.backend import cpu_kernels
 

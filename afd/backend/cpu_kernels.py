@@ -70,7 +70,7 @@ def _w8a8_left_out() -> dict[str, str]:
     return {"int_mm": "torch._int_mm saturates on this CPU (no VNNI): other numbers"}
 
 
-def _spread(rows: int, groups: int) -> torch.Tensor:
+def spread_rows(rows: int, groups: int) -> torch.Tensor:
     """rows over the groups as evenly as they go: a routed batch's sizes when timing a grouped case."""
     return torch.tensor([rows // groups + (g < rows % groups) for g in range(groups)])
 
@@ -112,7 +112,7 @@ def grouped(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torc
     k, n = w.shape[1], w.shape[2]
 
     def inputs(rows: int) -> tuple:
-        return torch.randn(rows, k, dtype=x.dtype), w, _spread(rows, w.shape[0])
+        return torch.randn(rows, k, dtype=x.dtype), w, spread_rows(rows, w.shape[0])
 
     return _kernel("grouped", GROUPED, x, k, n, inputs)(x, w, group_sizes)
 
@@ -132,7 +132,7 @@ def w8a8_grouped(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group_si
     k, n = q.shape[2], q.shape[1]
 
     def inputs(rows: int) -> tuple:
-        return torch.randn(rows, k, dtype=x.dtype), q, scale, _spread(rows, q.shape[0])
+        return torch.randn(rows, k, dtype=x.dtype), q, scale, spread_rows(rows, q.shape[0])
 
     return _kernel("w8a8_grouped", W8A8_GROUPED, x, k, n, inputs, _w8a8_left_out())(x, q, scale, group_sizes)
 

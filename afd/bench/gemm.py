@@ -18,6 +18,7 @@ def _moe_layer():
     import torch
 
     from afd.backend import get_backend
+    from afd.backend.cpu_packed import plain
     from afd.model.checkpoint import DummyReader, build_ffn_half
     from afd.model.registry import config_from_hf
 
@@ -27,9 +28,12 @@ def _moe_layer():
     G, H, I = ex.w13.shape[0], cfg.hidden_size, cfg.expert_ffn_hidden_size
     # transformers up to 5.24 allocated gate/up rows for the identity experts too (never used).
     zeros = torch.zeros(cfg.num_experts_total - G, 2 * I, H)
+    w13, w2 = plain(ex.w13), plain(ex.w2)  # as loaded: perhaps packed (afd.backend.cpu_packed)
     hf = {
-        "gate_up": torch.cat([ex.w13.transpose(1, 2), zeros]).contiguous(),
-        "down": ex.w2.transpose(1, 2).contiguous(),
+        "gate_up": torch.cat([w13.transpose(1, 2), zeros]).contiguous(),
+        "down": w2.transpose(1, 2).contiguous(),
+        "w13": w13,
+        "w2": w2,
         "n_routed": cfg.n_routed_experts,
     }
     return cfg, layer, hf, get_backend("cpu")
@@ -84,7 +88,7 @@ def _gemm_variants(layer, hf, backend, x, weights, ids) -> dict:
     return {
         "grouped": lambda: ex(backend, x, weights, ids),
         "naive": lambda: naive_experts(x, weights, ids, hf["gate_up"], hf["down"], hf["n_routed"]),
-        "dense": lambda: dense_experts(x, weights, ids, ex.w13, ex.w2, hf["gate_up"].shape[0]),
+        "dense": lambda: dense_experts(x, weights, ids, hf["w13"], hf["w2"], hf["gate_up"].shape[0]),
     }
 
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import torch
+from torch import nn
 
 from afd.backend.base import Backend
 from afd.cluster.config import GRAPH_BATCH_SIZES
@@ -74,6 +76,10 @@ def wrap(attn: AttentionHalf, kv, settings: GraphSettings | None, tp, backend=No
         from afd.backend import get_backend
 
         backend = get_backend(device.type, device.index or 0)
+    if device.type == "cpu":  # inductor traces plain weights (and lays them out itself)
+        from afd.backend.cpu_packed import unpack
+
+        unpack(cast(nn.Module, attn))
     return GraphHalf(attn, backend, settings.batch_sizes, settings.cache_dir, kv)
 
 

@@ -294,12 +294,23 @@ def _build(
     module.quant = quant
     module.post_load()
     if torch.device(device).type == "cpu":
-        from afd.backend.cpu import column_major_linears
-        from afd.backend.cpu_kernels import choose_linears
-
-        column_major_linears(module)
-        choose_linears(module)  # bf16 or fp16: each GEMM by the kernel timed fastest
+        cpu_layouts(module)
     return module
+
+
+def cpu_layouts(module: torch.nn.Module) -> None:
+    """Each GEMM weight of a CPU module in the layout, and each bf16/fp16 GEMM by the kernel, timed fastest
+    (afd.backend.cpu_packed, afd.backend.cpu_kernels): at load, and again after a TP cut."""
+    from afd.backend import cpu_packed
+    from afd.backend.cpu import column_major_linears
+    from afd.backend.cpu_kernels import choose_linears
+
+    column_major_linears(module)
+    choose_linears(module)
+    cpu_packed.pack_linears(module)
+    for ex in module.modules():
+        if isinstance(ex, Experts) and ex.quant is None:
+            cpu_packed.pack_grouped(ex, ("w13", "w2"))
 
 
 def serving_quant(path: str, method: str | None, backend) -> QuantSpec | None:

@@ -59,6 +59,10 @@ def wrap(ffn: FFNHalf, backend: Backend, mode: str | None, batch_sizes, peers: i
             experts[0].quant.method,
         )
         return ffn
+    if experts[0].w13.device.type == "cpu":  # a graph traces plain weights
+        from afd.backend.cpu_packed import unpack
+
+        unpack(ffn)
     # checked up front: where the sizes go to the host, a CUDA graph's capture fails, which is no fallback
     if not all(backend.grouped_matmul_in_graph(w) for e in experts for w in (e.w13, e.w2)):
         w = experts[0].w13

@@ -116,3 +116,10 @@ class YarnRotary(Rotary):
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq  # [T, dim/2]
         return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
+
+
+def read_directly(linear: nn.Linear) -> nn.Linear:
+    """`linear`, marked as one whose weight its module reads itself (a view, a cast), not only through forward:
+    it stays a plain tensor, whatever layout the backend would hold it in (afd.backend.cpu_packed)."""
+    vars(linear)["reads_weight"] = True  # a plain attribute: nn.Module's setattr types it as a tensor or module
+    return linear

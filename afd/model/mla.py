@@ -32,7 +32,7 @@ from afd.backend.mla_prolog import MLAProlog, MLAPrologWeights
 from afd.model import kvp, latent_cache, paged_attention
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.config import ModelConfig
-from afd.model.layers import RMSNorm, apply_rotary, apply_rotary_halves
+from afd.model.layers import RMSNorm, apply_rotary, apply_rotary_halves, read_directly
 from afd.model.tp.comm import SINGLE
 
 # HF's q_a_layernorm / kv_a_layernorm are built without the config's eps.
@@ -82,7 +82,7 @@ class MLAttention(nn.Module):
             self.q_b_proj = nn.Linear(q_lora, self.n_heads * cfg.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, cfg.kv_lora_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False)
+        self.kv_b_proj = read_directly(nn.Linear(cfg.kv_lora_rank, self.n_heads * (self.nope + self.v_dim), bias=False))
         self.o_proj = nn.Linear(self.n_heads * self.v_dim, cfg.hidden_size, bias=bias)
         self.scale = cfg.qk_head_dim**-0.5 if softmax_scale is None else softmax_scale
         # x * 1.0 is exact: without lora_scales the products below change nothing.

@@ -21,6 +21,7 @@ from afd.backend import Backend
 from afd.model import halves
 from afd.model.deepseek_v3.config import DeepseekV3Config
 from afd.model.experts import Experts
+from afd.model.layers import read_directly
 
 
 class Router(nn.Module):
@@ -29,7 +30,7 @@ class Router(nn.Module):
     def __init__(self, cfg: DeepseekV3Config):
         super().__init__()
         E = cfg.n_routed_experts
-        self.classifier = nn.Linear(cfg.hidden_size, E, bias=False)
+        self.classifier = read_directly(nn.Linear(cfg.hidden_size, E, bias=False))
         self.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.top_k, self.scale, self.norm = cfg.num_experts_per_tok, cfg.routed_scaling_factor, cfg.norm_topk_prob
         self.groups, self.keep_groups = cfg.n_group, cfg.topk_group

@@ -18,6 +18,7 @@ from afd.model.deepseek_v4.compressor import Compressor, Indexer
 from afd.model.deepseek_v4.config import CSA, SWA, DeepseekV4Config
 from afd.model.deepseek_v4.layers import RMSNorm, rope, unweighted_norm
 from afd.model.deepseek_v4.state import entry_kind, layer_planes
+from afd.model.layers import read_directly
 from afd.model.state_spec import PagedLayer, kind_table
 
 
@@ -34,7 +35,7 @@ class Attention(nn.Module):
         self.wq_b = nn.Linear(cfg.q_lora_rank, self.heads * D, bias=False)
         self.wkv = nn.Linear(H, D, bias=False)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(self.heads * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_a = read_directly(nn.Linear(self.heads * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False))
         self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, H, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(self.heads))
         rate = cfg.compress_rate(i)

@@ -20,6 +20,7 @@ from afd.backend import Backend
 from afd.model import halves
 from afd.model.deepseek_v4.config import DeepseekV4Config
 from afd.model.experts import Experts
+from afd.model.layers import read_directly
 
 
 class Router(nn.Module):
@@ -31,7 +32,7 @@ class Router(nn.Module):
         E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.hashed, self.top_k, self.scale = hashed, K, cfg.routed_scaling_factor
         self.sqrtsoftplus = cfg.scoring_func == "sqrtsoftplus"
-        self.classifier = nn.Linear(cfg.hidden_size, E, bias=False)
+        self.classifier = read_directly(nn.Linear(cfg.hidden_size, E, bias=False))
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, K, dtype=torch.long))
         else:

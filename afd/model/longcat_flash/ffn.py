@@ -19,6 +19,7 @@ from torch import nn
 from afd.backend import Backend
 from afd.model import halves
 from afd.model.experts import Experts
+from afd.model.layers import read_directly
 from afd.model.longcat_flash.config import LongcatFlashConfig
 
 
@@ -28,7 +29,7 @@ class Router(nn.Module):
     def __init__(self, cfg: LongcatFlashConfig):
         super().__init__()
         E = cfg.num_experts_total
-        self.classifier = nn.Linear(cfg.hidden_size, E, bias=False)
+        self.classifier = read_directly(nn.Linear(cfg.hidden_size, E, bias=False))
         self.register_buffer("e_score_correction_bias", torch.zeros(E))
         self.top_k, self.scale = cfg.moe_topk, cfg.routed_scaling_factor
 

@@ -16,13 +16,14 @@ from torch import nn
 from afd.backend import Backend
 from afd.model import halves
 from afd.model.experts import Experts
+from afd.model.layers import read_directly
 from afd.model.qwen3_moe.config import Qwen3MoeConfig
 
 
 class Router(nn.Module):
     def __init__(self, cfg: Qwen3MoeConfig):
         super().__init__()
-        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.classifier = read_directly(nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False))
         self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     # No fused op (Backend.moe_gating_top_k): npu_moe_gating_top_k's softmax mode does not renormalise the K

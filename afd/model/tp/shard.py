@@ -95,6 +95,10 @@ def shard_attention_half(model: AttentionHalf, tp: TPComm) -> AttentionHalf:
             "(MLA families do: longcat_flash, deepseek_v3)"
         )
     tp.cfg.check_model(cfg.num_attention_heads)
+    if model.lm_head.weight.device.type == "cpu":  # the cut slices plain weights
+        from afd.backend.cpu_packed import unpack
+
+        unpack(model)
     for name, mod in model.named_modules():
         if isinstance(mod, MLAttention):
             shard_mla(mod, tp)
@@ -105,8 +109,8 @@ def shard_attention_half(model: AttentionHalf, tp: TPComm) -> AttentionHalf:
     head, _ = _vocab_rows(model.get_parameter("lm_head.weight"), tp)
     model.lm_head = ParallelLMHead(head, cfg.vocab_size, tp)
     model.tp = tp
-    if model.lm_head.weight.device.type == "cpu":  # the cut weights are row-major again
-        from afd.backend.cpu import column_major_linears
+    if model.lm_head.weight.device.type == "cpu":  # the cut weights are row-major and plain again
+        from afd.model.checkpoint import cpu_layouts
 
-        column_major_linears(model)
+        cpu_layouts(model)
     return model
