@@ -3,7 +3,7 @@
 A GEMM of a few rows against a plain weight re-lays the weight out on every call (MKL and oneDNN both pack
 the right-hand side into blocks before they multiply), which at decode sizes costs as much as the products.
 Laid out once, oneDNN's linear reads the blocks directly: 16 routed experts of [512 x 1536] in fp32 at 4 rows
-each took 2.4 ms against 6.0 ms on one thread of an AVX-512 Xeon, and 4.4 against 6.1 ms held to AVX2
+each took 2.4 ms against 6.0 ms on one thread of an AVX-512 EPYC, and 4.4 against 6.1 ms held to AVX2
 (docs/benchmarks.md §12.2). The same products, summed in another order: an fp32 layer's output moves by a few
 ulps, as it does between two BLAS builds.
 
@@ -108,12 +108,12 @@ def grouped(x: torch.Tensor, w: PackedGroups, group_sizes: torch.Tensor) -> torc
     return out
 
 
-def _choose(op: str, dtype: torch.dtype, k: int, n: int, rows: int, plain, packed, inputs) -> bool:
+def _choose(op: str, dtype: torch.dtype, k: int, n: int, rows: int, plain_run, packed_run, inputs) -> bool:
     """Whether the packed layout was timed faster than the plain one for this case (or is forced)."""
     why = unsupported(dtype)
     left_out = {"packed": why} if why else {}
     case = Case(op, str(dtype).removeprefix("torch."), k, n, row_class(rows))
-    return process_choice().choose(case, {"plain": plain, "packed": packed}, inputs, left_out) == "packed"
+    return process_choice().choose(case, {"plain": plain_run, "packed": packed_run}, inputs, left_out) == "packed"
 
 
 def _linear_packs(w: torch.Tensor) -> bool:
@@ -121,13 +121,13 @@ def _linear_packs(w: torch.Tensor) -> bool:
     if w.dtype != torch.float32:  # bf16: the plain layout runs its own choice of kernel, made before this one
         chosen_linear(torch.zeros(TIMED_ROWS, k, dtype=w.dtype), w)
 
-    def plain(x, w, _):
+    def plain_run(x, w, _):
         return F.linear(x, w) if w.dtype == torch.float32 else chosen_linear(x, w)
 
     def inputs() -> tuple:
         return torch.randn(TIMED_ROWS, k, dtype=w.dtype), w, pack(w)
 
-    return _choose("linear_layout", w.dtype, k, n, TIMED_ROWS, plain, lambda x, _, p: packed_linear(x, p), inputs)
+    return _choose("linear_layout", w.dtype, k, n, TIMED_ROWS, plain_run, lambda x, _, p: packed_linear(x, p), inputs)
 
 
 def pack_linears(module: nn.Module) -> int:
@@ -165,7 +165,7 @@ def pack_grouped(holder: nn.Module, names: tuple[str, ...]) -> bool:
 def _grouped_packs(w: torch.Tensor) -> bool:
     G, k, n = w.shape
 
-    def plain(x, w, sizes, _):
+    def plain_run(x, w, sizes, _):
         return grouped_matmul_by_slices(x, w, sizes) if w.dtype == torch.float32 else chosen_grouped(x, w, sizes)
 
     sample = w[: min(G, 4)]  # four experts time as well as all, and pack in a quarter of the time
@@ -177,8 +177,10 @@ def _grouped_packs(w: torch.Tensor) -> bool:
     def inputs() -> tuple:
         return x, sample, sizes, PackedGroups(sample)
 
-    rows = ROWS_PER_GROUP * G
-    return _choose("grouped_layout", w.dtype, k, n, rows, plain, lambda x, _, sizes, p: grouped(x, p, sizes), inputs)
+    def packed_run(x, _, sizes, p):
+        return grouped(x, p, sizes)
+
+    return _choose("grouped_layout", w.dtype, k, n, ROWS_PER_GROUP * G, plain_run, packed_run, inputs)
 
 
 def unpack(module: nn.Module) -> int:
