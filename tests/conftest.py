@@ -129,3 +129,15 @@ def llm_pool():
     pool = LLMPool()
     yield pool
     pool.close()
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A kernel choice of this process's own (afd.backend.kernel_choice), with no cache file, no kernel picked
+    yet, and nothing named in AFD_KERNELS."""
+    from afd.backend import cpu_kernels, kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "_PROCESS", kernel_choice.KernelChoice(path=""))
+    monkeypatch.delenv(kernel_choice.FORCE_ENV, raising=False)
+    monkeypatch.setattr(cpu_kernels, "_PICKED", {})
+    return kernel_choice.process_choice()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from afd.backend import cpu_kernels, cpu_packed, kernel_choice
+from afd.backend import cpu_packed, kernel_choice
 from afd.backend.base import grouped_matmul_by_slices
 from afd.backend.cpu import CpuBackend
 from afd.backend.kernel_choice import FORCE_ENV, KernelChoice
@@ -17,14 +17,6 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 # fp32 sums of 64-512 products in another order: a few ulps of the largest partial sums, relative to the output.
 FP32_REL = 1e-5
-
-
-@pytest.fixture
-def fresh(monkeypatch):
-    monkeypatch.setattr(kernel_choice, "_PROCESS", KernelChoice(path=""))
-    monkeypatch.delenv(FORCE_ENV, raising=False)
-    monkeypatch.setattr(cpu_kernels, "_PICKED", {})
-    return kernel_choice.process_choice()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

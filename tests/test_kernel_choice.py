@@ -116,15 +116,6 @@ def test_row_classes():
     assert [row_class(t) for t in (1, 4, 5, 32, 33, 128, 129, 4096)] == [1, 1, 16, 16, 64, 64, 256, 256]
 
 
-@pytest.fixture
-def fresh(monkeypatch):
-    """A process choice of its own, with no cache file, and no kernel picked yet."""
-    monkeypatch.setattr(kernel_choice, "_PROCESS", KernelChoice(path=""))
-    monkeypatch.delenv(FORCE_ENV, raising=False)
-    monkeypatch.setattr(cpu_kernels, "_PICKED", {})
-    return kernel_choice.process_choice()
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_every_dense_candidate_computes_the_dtypes_numbers(dtype, fresh, caplog):
     """bf16 or fp16 in and out, the products summed in fp32: the candidates differ only by the order of the
