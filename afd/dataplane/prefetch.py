@@ -113,7 +113,7 @@ class PrefetchSchedule:
         ex = _experts(self.ffn, layer)
         for name, w in (("gate_up", ex.w13), ("down", ex.w2)):
             if name in self.cfg.weights:
-                per = w[0].numel() * w.element_size()  # [H, 2I] or [I, H]: one expert's contiguous rows
+                per = w.numel() // w.shape[0] * w.element_size()  # [H, 2I] or [I, H]: one expert's contiguous rows
                 for g in experts:
                     self._hint(layer, w, g * per, per)
 
