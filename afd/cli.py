@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from afd.cluster.flags import DefaultsHelpFormatter, add_config_flags, add_flags, overrides_of
@@ -300,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, ValueError, ClusterError, LinkError) as e:  # ValueError: ConfigError, CheckpointError, ...
         print(f"afd {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`afd env | head`): nothing more to say, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush would raise it again
+        return 1
 
 
 def _version() -> str:

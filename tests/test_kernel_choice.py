@@ -229,3 +229,12 @@ def test_a_candidate_that_meets_another_case_while_timed_raises_rather_than_hang
 
     with pytest.raises(RuntimeError, match="met while timing"):
         choice.choose(CASE, {"native": nested, "fp32": lambda: None}, tuple, {})
+
+
+def test_afd_env_into_a_reader_that_left_ends_without_a_traceback():
+    """`afd env | head` used to end in a BrokenPipeError traceback: `true` reads nothing and exits before afd writes."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(f"{sys.executable} -m afd.cli env | true", shell=True, capture_output=True, text=True)
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr
