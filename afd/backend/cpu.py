@@ -12,6 +12,7 @@ from torch import nn
 
 from afd.backend.base import Backend, PrefetchSpec, grouped_matmul_by_slices, refuse_host_syncs
 from afd.backend.cpu_packed import PackedGroups
+from afd.backend.cpu_packed import grouped as packed_grouped
 
 log = logging.getLogger("afd.backend")
 
@@ -95,9 +96,7 @@ class CpuBackend(Backend):
         # One GEMM per non-empty group over a contiguous row slice: on CPU this measures as fast as
         # torch._grouped_mm and has no alignment constraints. In bf16 or fp16, by the kernel timed fastest.
         if isinstance(w, PackedGroups):
-            from afd.backend import cpu_packed
-
-            return cpu_packed.grouped(x, w, group_sizes)
+            return packed_grouped(x, w, group_sizes)
         if x.dtype in (torch.bfloat16, torch.float16):
             from afd.backend import cpu_kernels
 

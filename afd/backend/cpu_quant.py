@@ -66,16 +66,14 @@ def int8_grouped_matmul(
 def cpu_quant_kernel(spec: QuantSpec) -> str:
     """Which kernels the CPU runs for `spec`'s GEMMs (named in the log once)."""
     if is_w8a8(spec):
-        exact = (
-            ""
-            if int_mm_exact()
-            else (
-                "; not torch._int_mm, which saturates on this CPU (no VNNI): the int8 weights widen on every call, so"
-                " w8a8 decodes about as fast as fp32 or slower here (fp32's weights are held packed), with a quarter of"
-                " the memory"
-            )
+        kernels = "torch._int_mm or int8 widened to an fp32 GEMM, chosen per GEMM by timing (afd env)"
+        if int_mm_exact():
+            return kernels
+        return kernels + (
+            "; not torch._int_mm, which saturates on this CPU (no VNNI): the int8 weights widen on every call, so"
+            " w8a8 decodes about as fast as fp32 or slower here (fp32's weights are held packed), with a quarter of"
+            " the memory"
         )
-        return "torch._int_mm or int8 widened to an fp32 GEMM, chosen per GEMM by timing (afd env)" + exact
     return "the fp32 reference (afd.quant.reference): no faster CPU kernel for " + spec.method
 
 
