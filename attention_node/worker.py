@@ -149,6 +149,10 @@ class OfflineNode(AttentionNode):
             "steps": steps,
             "a2f_bytes": a2f,
             "micro_batches": engine.runner.micro_batches,
+            "limits": {
+                "max_num_seqs": engine.scheduler.max_num_seqs,
+                "prefix_caching": engine.scheduler.prefix is not None,
+            },
             "tp_bytes": tp_bytes,
             "tp_fallbacks": tp_fallbacks,
             "spec_decode": engine.spec.stats.report() if engine.spec else None,

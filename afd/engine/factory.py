@@ -1,10 +1,10 @@
 """The one place an engine is put together from a configuration: KV cache, graph mode, runner, scheduler.
 
-Serving sizes the KV cache from `engine.kv_cache_bytes` and takes its limits from the config; an offline
-job (`Job`) gets a cache and limits that hold exactly the job, so every prompt prefills in the first step
-and nothing is preempted. Every path that runs a model builds here: the serving node, the colocated
-server, the offline worker, `afd.LLM` and the benchmarks (TP ranks > 0 build only the runner).
-"""
+Serving sizes the KV cache from `engine.kv_cache_bytes` and takes its limits from the config; an offline job
+(`Job`) gets a cache that holds exactly the job, so nothing is preempted, and runs at most
+`engine.max_num_seqs` sequences at once (as vLLM's LLM), each admitted one prefilling whole. Every path that
+runs a model builds here: the serving node, the colocated server, the offline worker, `afd.LLM` and the
+benchmarks (TP ranks > 0 build only the runner)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ class Job:
 
     prompts: list[list[int]]
     max_tokens: list[int]
+
+    def seqs(self, eng: EngineSection) -> int:
+        """The most sequences the job's engine runs at once."""
+        return min(eng.max_num_seqs, max(1, len(self.prompts)))
 
 
 def quantize_attention_side(attn: AttentionHalf, mtp: MTPModule | None, backend: Backend) -> None:
@@ -95,8 +99,8 @@ def build_runner(
     quantize_attention_side(attn, mtp, backend or get_backend(device.type))
     half = wrap(attn, kv, graph, tp, backend)
     if isinstance(half, GraphHalf) and half.backend.capture_at_warmup:
-        if job is not None:  # a micro-batch holds at most every prompt; a sequence at most its own blocks
-            rows = max(1, len(job.prompts))
+        if job is not None:  # a micro-batch holds at most the running sequences; a sequence its own blocks
+            rows = job.seqs(eng)
             longest = max(
                 (blocks_needed(len(p) + n, eng.block_size) for p, n in zip(job.prompts, job.max_tokens)), default=1
             )
@@ -137,7 +141,7 @@ def build_engine(
     prefix = (eng.enable_prefix_caching, int(runner.mtp is not None))  # MTP: a block's hash covers the next token
     if job is not None:
         tokens = max(1, sum(len(p) for p in job.prompts), len(job.prompts) * (1 + eng.speculative_tokens))
-        scheduler = Scheduler(kv, max(1, len(job.prompts)), tokens, *prefix)
+        scheduler = Scheduler(kv, job.seqs(eng), tokens, *prefix)
         max_len = mcfg.max_position_embeddings
     else:
         scheduler = Scheduler(kv, eng.max_num_seqs, eng.max_num_batched_tokens, *prefix)
