@@ -118,12 +118,10 @@ def test_below_the_threshold_a_mode_runs_as_allreduce_and_counts_it(ckpt, hf):
     """min_tokens 6: the prefill (35 tokens) is sharded, the decode steps (5, 3, 1 tokens) fall back.
     A second job on the same processes (the TP rank takes it from rank 0) counts only its own."""
     from afd.cluster.local import LocalCluster
-    from afd.cluster.local_spec import LocalClusterSpec
+    from afd.cluster.local_config import local_job
 
-    spec = LocalClusterSpec(
-        ckpt, 1, 1, block_size=4, micro_batches=1, attention_tp=2, tp_comm="sp", tp_comm_min_tokens=6
-    )
-    with LocalCluster(spec) as cluster:
+    job = local_job(ckpt, 1, 1, block_size=4, micro_batches=1, attention_tp=2, tp_comm="sp", tp_comm_min_tokens=6)
+    with LocalCluster(job) as cluster:
         cluster.start()
         out, reports = cluster.generate(PROMPTS, MAX_TOKENS)
         again, second = cluster.generate(PROMPTS[:2], 2)  # a 12-token prefill, then one decode step

@@ -12,7 +12,7 @@ import yaml
 from afd.bench import dispatch, dispatch_parts
 from afd.bench.common import write_config
 from afd.cli import main
-from afd.cluster.local_spec import LocalClusterSpec
+from afd.cluster.local_config import local_job
 from afd.cluster.placement import default_placement, expected_fanout, routed_fanout
 from afd.dataplane.protocol import COUNT_BYTES
 from tests.bench_helpers import TINY_LONGCAT, bench_args
@@ -80,7 +80,7 @@ def test_ffn_counts_from_metrics_text():
 
 def test_the_ffn_nodes_get_metrics_ports(tmp_path):
     model = write_config(str(tmp_path / "m"), TINY_LONGCAT)
-    cluster = dispatch_parts.MetricsCluster(LocalClusterSpec(model, 1, 2, dummy_weights=True, routing="attention"))
+    cluster = dispatch_parts.MetricsCluster(local_job(model, 1, 2, dummy_weights=True, routing="attention"))
     cluster.processes.start_all = lambda commands: None  # no node processes: the YAML is what is checked
     try:
         cluster.start()

@@ -10,7 +10,6 @@ import pytest
 
 from afd.bench import plan_check
 from afd.bench.plan_check_table import Case, Row, rows_from_json, table, to_json
-from afd.cluster.local_spec import cluster_doc
 from tests.test_plan_simulate import costs
 
 
@@ -39,7 +38,7 @@ def test_table_and_json_from_synthetic_rows():
 
 
 def _stored(case: Case, step_s: float, wait_s: float) -> dict:
-    rnd = {"steps": [[step_s, wait_s]] * 3, "cluster": cluster_doc(plan_check.cluster_spec(case))}
+    rnd = {"steps": [[step_s, wait_s]] * 3, "cluster": plan_check.case_job(case).to_dict()}
     return {"case": case.__dict__, "rounds": [rnd, rnd]}
 
 

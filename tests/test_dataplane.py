@@ -16,7 +16,7 @@ from hf_reference import PROMPTS
 
 import afd
 from afd.cluster.local import LocalCluster
-from afd.cluster.local_spec import LocalClusterSpec
+from afd.cluster.local_config import local_job
 
 pytestmark = pytest.mark.multiprocess
 NEW_TOKENS = 32
@@ -129,7 +129,7 @@ def _long_job(tmp_path) -> LocalCluster:
     d = tmp_path / "model"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({**DEMO_CONFIG, "num_layers": 2}))
-    cluster = LocalCluster(LocalClusterSpec(str(d), dummy_weights=True, comm_timeout=120))
+    cluster = LocalCluster(local_job(str(d), dtype="float32", dummy_weights=True, comm_timeout=120))
     cluster.start([[1, 2, 3, 4]] * 4, 3000, ignore_eos=True)
     _wait_for_log(cluster, "attn0", "data plane up")
     time.sleep(1.0)

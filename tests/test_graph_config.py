@@ -8,7 +8,7 @@ from metrics_text import total
 
 from afd.cli import main
 from afd.cluster.config import GRAPH_BATCH_SIZES, ClusterConfigError, from_dict
-from afd.cluster.local_spec import LocalClusterSpec, cluster_doc
+from afd.cluster.local_config import local_job
 from afd.engine.graph import GraphSettings, settings_of
 
 NODES = [{"name": "a", "role": "attention", "host": "h", "ports": {"control": 1, "data": 2, "http": 3}}]
@@ -34,10 +34,10 @@ def test_yaml_keys_and_their_checks():
 
 
 def test_the_flags_write_the_yaml(capsys):
-    doc = cluster_doc(LocalClusterSpec("demo", graph_mode="compile", graph_batch_sizes=(4,), compile_cache_dir="/c"))
+    doc = local_job("demo", graph_mode="compile", graph_batch_sizes=(4,), compile_cache_dir="/c").to_dict()
     assert doc["layout"]["graph_mode"] == "compile"
     assert doc["engine"]["graph_batch_sizes"] == [4] and doc["engine"]["compile_cache_dir"] == "/c"
-    assert "graph_mode" not in cluster_doc(LocalClusterSpec("demo"))["layout"]
+    assert "graph_mode" not in local_job("demo").to_dict().get("layout", {})
     assert main(["serve", "demo", "--graph-mode", "compile", "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["layout"]["graph_mode"] == "compile"
     assert main(["serve", "demo", "--colocated", "--graph-mode", "eager", "--print-config"]) == 0
@@ -57,7 +57,7 @@ def test_launch_passes_the_mode_to_every_node(capsys, tmp_path):
 
     path = str(tmp_path / "c.yaml")
     with open(path, "w") as f:
-        yaml.safe_dump(cluster_doc(LocalClusterSpec("demo", 1, 1)), f)
+        yaml.safe_dump(local_job("demo", 1, 1).to_dict(), f)
     assert main(["launch", path, "--graph-mode", "compile", "--print-commands"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and all("--graph-mode compile" in line for line in lines)

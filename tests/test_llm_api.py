@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import yaml
 
 import afd
 from afd.model.progress import Progress
@@ -46,41 +47,53 @@ def test_progress_writes_plain_lines_when_not_on_a_terminal(caplog):
     assert lines[-1].startswith("loading: 4/4 tensors (100%") and "\r" not in "".join(lines)
 
 
-# Fields an offline job's node processes do not need: the serving API's (name, template, context limit:
-# afd.LLM checks prompt lengths itself), the serving engine's limits (a job's cache and batch hold exactly
-# the job: afd.engine.factory), its shutdown grace, and the sampling seed (LLM(seed=...): not carried yet, the
-# offline worker does not seed from it; requests with their own seed sample alike on nodes and colocated).
-NOT_FOR_OFFLINE_NODES = {
-    "path",  # carried as LocalClusterSpec.model
-    "revision",  # a hub name's: afd.LLM hands its nodes the snapshot directory it resolved
-    "download_dir",
-    "max_model_len",
-    "served_model_name",
-    "chat_template",
-    "kv_cache_bytes",
-    "gpu_memory_utilization",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "shutdown_timeout",
-    "enable_log_requests",  # an offline job's nodes open no API
-    "enable_prefix_caching",  # a job prefills every prompt in its first step: there is nothing to reuse
-    "zero_experts",  # routing ffn's identity-expert holder: a local cluster's is its first FFN node
-}
+def test_every_config_field_reaches_a_local_cluster_s_nodes():
+    """A multi-process afd.LLM hands its nodes its own config, written whole as the YAML they start from: each
+    section the nodes read back equals the LLM's, whatever field was set (once fields were copied one by one
+    into a second spec, and a new one left out was silently not applied)."""
+    from afd.cluster.config import from_dict
+    from afd.cluster.local import LocalCluster
+    from afd.cluster.schema import SECTION_KEYS
+
+    llm = afd.LLM(
+        "demo",
+        ffn_nodes=1,
+        dummy_weights=True,
+        enable_prefix_caching=False,
+        max_num_seqs=3,
+        kv_cache_bytes=1 << 26,
+        comm_timeout=7.0,
+        exchange_dtype="int8",
+        block_size=8,
+        sampling_seed=5,
+    )
+    assert llm.cluster is not None
+    cluster = LocalCluster(llm.cluster)
+    cluster.processes.start_all = lambda commands: None  # no node processes: the YAML is what is checked
+    try:
+        cluster.start()
+        with open(f"{cluster.dir}/cluster.yaml") as f:
+            nodes_read = from_dict(yaml.safe_load(f))
+    finally:
+        cluster.stop()
+    for key in SECTION_KEYS:
+        assert getattr(nodes_read, key) == getattr(llm.config, key), key
+    assert nodes_read.engine.max_num_seqs == 3 and nodes_read.cluster.comm_timeout == 7.0
 
 
-def test_every_model_layout_and_engine_field_reaches_a_local_cluster_s_nodes():
-    """afd.LLM hands its node processes a LocalClusterSpec copied field by field (afd.engine.llm._cluster_spec):
-    a new config field left out there is silently not applied by the nodes (model.quantization once was)."""
-    from dataclasses import fields
+def test_a_job_s_engine_limits_reach_the_node_that_runs_it():
+    """afd.LLM(max_num_seqs=3, enable_prefix_caching=False) with node processes: the attention node's engine
+    runs at most 3 sequences at once, without prefix caching (its report says what it used), and five
+    prompts still come back with the colocated engine's greedy tokens."""
+    from afd.cluster.local import LocalCluster
+    from afd.engine.sampling import SamplingParams
 
-    from afd.cluster.local_spec import LocalClusterSpec
-    from afd.cluster.schema import EngineSection, Layout, ModelSection
-
-    carried = {f.name for f in fields(LocalClusterSpec)}
-    missing = {
-        f"{cls.__name__}.{f.name}"
-        for cls in (ModelSection, Layout, EngineSection)
-        for f in fields(cls)
-        if f.name not in carried and f.name not in NOT_FOR_OFFLINE_NODES
-    }
-    assert not missing, f"carry these in LocalClusterSpec (and _cluster_spec, cluster_doc), or say why not: {missing}"
+    prompts = [[3 + i, 4, 5, 6] for i in range(5)]
+    llm = afd.LLM("demo", ffn_nodes=1, enable_prefix_caching=False, max_num_seqs=3)
+    with LocalCluster(llm.cluster) as cluster:
+        cluster.start()
+        out, reports = cluster.generate(prompts, 4, SamplingParams(temperature=0), ignore_eos=True)
+    assert reports[0]["limits"] == {"max_num_seqs": 3, "prefix_caching": False}
+    assert reports[0]["steps"][0]["tokens"] == 3 * 4  # three prompts admitted, prefilled whole
+    alone = afd.LLM("demo", enable_prefix_caching=False, max_num_seqs=3)
+    assert out == alone.generate_ids(prompts, 4, ignore_eos=True)

@@ -167,7 +167,7 @@ def test_sampling_values_are_checked_and_keywords_are_vllm_s(llm):
 
 def test_llm_keywords_vllm_s_and_afd_s():
     tp = LLM("demo", tensor_parallel_size=2, enforce_eager=True, trust_remote_code=True, gpu_memory_utilization=0.5)
-    assert tp.config.layout.attention_tp == 2 and tp.cluster is not None and tp.cluster.attention_tp == 2
+    assert tp.config.layout.attention_tp == 2 and tp.cluster is not None and tp.cluster.layout.attention_tp == 2
     assert tp.config.layout.graph_mode == "eager" and tp._local is None  # nodes start with the first generate()
     assert LLM("demo", tensor_parallel_size=2, dtype="half").config.model.dtype == "float16"  # vLLM's spelling
     seeded = LLM("demo", seed=7, weights_seed=3, load_format="dummy")

@@ -108,24 +108,19 @@ def test_a_job_behind_an_emulated_link_equals_hf(tiny_checkpoint):
     """The FFN node behind a shaped veth (afd bench-step --link): the exchange really crosses it, and
     gloo listens on each node's own address (torch passes no options to gloo: GLOO_SOCKET_IFNAME)."""
     from afd.cluster.link import EmulatedLink, LinkError, LinkSpec
-    from afd.cluster.local import run_generate
-    from afd.cluster.local_spec import LocalClusterSpec
+    from afd.cluster.local import LocalCluster
+    from afd.cluster.local_config import local_job
 
     try:
         link = EmulatedLink(LinkSpec.parse("1gbit")).__enter__()
     except LinkError as e:
         pytest.skip(str(e))
     try:
-        spec = LocalClusterSpec(
-            tiny_checkpoint,
-            1,
-            1,
-            attention_host=link.near_ip,
-            ffn_host=link.far_ip,
-            ffn_command_prefix=tuple(link.wrap([])),
-            micro_batches=2,
-        )
-        got, _ = run_generate(spec, PROMPTS, 8)
+        with LocalCluster(
+            local_job(tiny_checkpoint, **link.hosts, micro_batches=2), ffn_command_prefix=link.prefix
+        ) as c:
+            c.start(PROMPTS, 8)
+            got, _ = c.wait()
     finally:
         link.__exit__()
     assert got == [ids for ids, _ in hf_greedy(tiny_checkpoint, PROMPTS, 8)]

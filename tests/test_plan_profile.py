@@ -229,18 +229,19 @@ def test_cost_model_keeps_its_attention_tp(tmp_path):
 
 
 def test_ffn_metrics_gives_ffn_nodes_a_metrics_port():
-    """LocalClusterSpec.ffn_metrics: every FFN node of the local cluster's YAML gets a free metrics port
-    (off by default), and LocalCluster.metrics_urls names them."""
+    """LocalCluster's ffn_metrics: every FFN node of the local cluster's YAML gets a free metrics port (off by
+    default), and LocalCluster.metrics_urls names them."""
     from afd.cluster.local import LocalCluster
-    from afd.cluster.local_spec import LocalClusterSpec, cluster_doc
+    from afd.cluster.local_config import local_job, with_free_ports
 
-    assert all("metrics" not in n["ports"] for n in cluster_doc(LocalClusterSpec("demo", 1, 2))["nodes"])
-    doc = cluster_doc(LocalClusterSpec("demo", 1, 2, ffn_metrics=True))
+    job = local_job("demo", 1, 2)
+    assert all("metrics" not in n["ports"] for n in with_free_ports(job).to_dict()["nodes"])
+    doc = with_free_ports(job, ffn_metrics=True).to_dict()
     ffn = [n for n in doc["nodes"] if n["role"] == "ffn"]
     assert len(ffn) == 2 and all(n["ports"]["metrics"] for n in ffn)
     ports = [p for n in doc["nodes"] for p in n["ports"].values()]
     assert len(ports) == len(set(ports))
-    cluster = LocalCluster(LocalClusterSpec("demo", 1, 2, ffn_metrics=True))
+    cluster = LocalCluster(job, ffn_metrics=True)
     cluster.processes.start_all = lambda commands: None  # no node processes: the YAML is what is checked
     try:
         assert cluster.metrics_urls == {}

@@ -224,11 +224,9 @@ def test_the_reader_dequantizes_fp8_tensors_and_hands_their_bytes_as_stored(tmp_
 
 def test_a_local_cluster_s_nodes_get_the_quantization():
     import afd
-    from afd.cluster.local_spec import cluster_doc
-    from afd.engine.llm import _cluster_spec
 
     llm = afd.LLM("demo", quantization="fp8", ffn_nodes=2, dummy_weights=True)
-    assert cluster_doc(_cluster_spec(llm.config))["model"]["quantization"] == "fp8"
+    assert llm.cluster is not None and llm.cluster.to_dict()["model"]["quantization"] == "fp8"
 
 
 def test_a_served_model_quantizes_both_halves_and_1a1f_matches_colocated(families, llm_pool):

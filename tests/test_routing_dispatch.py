@@ -64,8 +64,8 @@ def test_routed_generation_equals_hf(llm_pool, families, family, A, F, micro_bat
 
 def test_replicated_experts_equal_hf_and_reach_the_nodes(families, tiny_checkpoint):
     """Experts 2 and 3 (of 6) on both nodes: each token's slot on them goes to one holder, by token. afd.LLM
-    takes the placement by node name, as the YAML does (the index keys of LocalClusterSpec.placement are
-    refused by the config's check); the nodes' logs say what each loaded."""
+    takes the placement by node name, as the YAML does, and hands its nodes its config whole; the nodes' logs
+    say what each loaded."""
     placement = {"ffn0": "0-3", "ffn1": "2-5"}  # a dict: not LLMPool's (hashable) key
     with afd.LLM(
         tiny_checkpoint, ffn_nodes=2, micro_batches=2, placement=placement, max_restarts=0, block_size=4

@@ -117,19 +117,20 @@ def run_afd(
 ) -> Run:
     """A LocalCluster, greedy with EOS ignored; the steps are attention node 0's, the FFN report FFN 0's."""
     from afd.cluster.local import LocalCluster
-    from afd.cluster.local_spec import LocalClusterSpec
+    from afd.cluster.local_config import local_job
 
-    spec = LocalClusterSpec(
+    job = local_job(
         model_dir,
         attention_nodes,
         ffn_nodes,
+        threads=threads,
+        dtype="float32",
         dummy_weights=dummy_weights,
         overlap=overlap,
         micro_batches=micro_batches,
-        threads=threads,
     )
     t0 = time.perf_counter()
-    with LocalCluster(spec) as cluster:
+    with LocalCluster(job) as cluster:
         cluster.start(prompts, new_tokens, ignore_eos=True)
         outputs, reports = cluster.wait()
         ffn = cluster.ffn_reports[0]

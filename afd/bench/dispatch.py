@@ -70,12 +70,20 @@ def _log(msg: str) -> None:
 
 
 def _start(path: str, dummy: bool, dtype: str, F: int, routing: str, placement: dict | None = None):
-    from afd.cluster.local_spec import LocalClusterSpec
+    from afd.cluster.local_config import local_job
 
-    spec = LocalClusterSpec(
-        path, 1, F, dtype, dummy_weights=dummy, overlap=True, micro_batches=1, routing=routing, placement=placement
+    job = local_job(
+        path,
+        1,
+        F,
+        dtype=dtype,
+        dummy_weights=dummy,
+        overlap=True,
+        micro_batches=1,
+        routing=routing,
+        placement=placement,
     )
-    cluster = parts.MetricsCluster(spec)
+    cluster = parts.MetricsCluster(job)
     cluster.start()
     cluster.generate([[3, 4, 5, 6]], 2, ignore_eos=True)  # loaded and warm
     return cluster
@@ -138,7 +146,7 @@ def section_rebalance(args, path: str, dummy: bool, cfg) -> dict:
         loads = first["expert_loads"]
         new = rebalance(loads, nodes, slots, current)
         _log(f"starting 1A{F}F, rebalanced placement {new.to_yaml()}")
-        placement = {str(i): spec for i, spec in enumerate(new.to_yaml().values())}
+        placement = new.to_yaml()
         clusters["after"] = _start(path, dummy, args.dtype, F, "attention", placement)
         job = lambda c, _: parts.run_job(clusters[c], prompts, n, args.warmup_steps, E)  # noqa: E731
         rounds = interleaved(["before", "after"], args.repeats, job, _log)

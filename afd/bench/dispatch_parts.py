@@ -4,15 +4,14 @@ formula on real model shapes."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import urllib.request
 
 from afd.bench.common import median
 from afd.bench.quant_parts import tok_s
 from afd.cluster.local import LocalCluster
-from afd.cluster.local_spec import LocalClusterSpec
 from afd.cluster.placement import default_placement, expected_fanout, max_fanout, routed_fanout
+from afd.cluster.schema import ClusterConfig
 from afd.dataplane.protocol import COUNT_BYTES
 from afd.dataplane.wire_cost import per_token
 from afd.model.demo_config import DEMO_CONFIG
@@ -31,11 +30,11 @@ SHAPES = {
 
 
 class MetricsCluster(LocalCluster):
-    """A LocalCluster whose FFN nodes also serve /metrics on free ports (LocalClusterSpec.ffn_metrics), read
-    before and after each job (`metrics_urls`: FFN node name -> its /metrics URL, once started)."""
+    """A LocalCluster whose FFN nodes also serve /metrics on free ports (ffn_metrics), read before and after
+    each job (`metrics_urls`: FFN node name -> its /metrics URL, once started)."""
 
-    def __init__(self, spec: LocalClusterSpec):
-        super().__init__(dataclasses.replace(spec, ffn_metrics=True))
+    def __init__(self, config: ClusterConfig):
+        super().__init__(config, ffn_metrics=True)
 
     def scrape(self) -> dict[str, dict]:
         """Per FFN node: {"rows": afd_ffn_tokens_total, "experts": {expert: afd_expert_tokens_total}}."""

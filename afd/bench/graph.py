@@ -71,19 +71,20 @@ def _tok_s(steps: list[dict], batch: int, skip: int, mean: bool = False) -> floa
 
 def _afd_steps(model: str, prompts, new_tokens: int, mode: str, cache: str, dummy: bool = True) -> list[dict]:
     from afd.cluster.local import LocalCluster
-    from afd.cluster.local_spec import LocalClusterSpec
+    from afd.cluster.local_config import local_job
 
-    spec = LocalClusterSpec(
+    job = local_job(
         model,
         1,
         1,
+        dtype="float32",
         dummy_weights=dummy,
         micro_batches=1,
         graph_mode=mode,
         graph_batch_sizes=(len(prompts),),
         compile_cache_dir=cache,
     )
-    with LocalCluster(spec) as cluster:
+    with LocalCluster(job) as cluster:
         cluster.start(prompts, new_tokens, ignore_eos=True)
         _, reports = cluster.wait()
     return reports[0]["steps"]

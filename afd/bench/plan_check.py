@@ -70,12 +70,14 @@ def _decode(report: dict, batch: int, warmup: int = 2) -> list[dict]:
     return [s for s in report["steps"][1:] if s["tokens"] == batch][warmup:]
 
 
-def cluster_spec(case: Case, **where):
-    """The local cluster of the demo a case runs (where: the emulated link's hosts and command prefix)."""
-    from afd.cluster.local_spec import LocalClusterSpec
+def case_job(case: Case, link=None):
+    """The local cluster of the demo a case runs (across the emulated link where given: its hosts)."""
+    from afd.cluster.local_config import local_job
 
     kw = dict(overlap=case.overlap, micro_batches=case.micro_batches, routing=case.routing)
-    return LocalClusterSpec("demo", case.attention_nodes, case.ffn_nodes, **kw, **where)
+    return local_job(
+        "demo", case.attention_nodes, case.ffn_nodes, dtype="float32", **kw, **(link.hosts if link else {})
+    )
 
 
 def measure(case: Case, batch: int, prompt_len: int, steps: int, link) -> dict:
@@ -85,12 +87,9 @@ def measure(case: Case, batch: int, prompt_len: int, steps: int, link) -> dict:
     from afd.bench.common import synthetic_prompts
     from afd.cluster.local import LocalCluster
 
-    where = {}
-    if case.link and link is not None:
-        where = {"attention_host": link.near_ip, "ffn_host": link.far_ip, "ffn_command_prefix": tuple(link.wrap([]))}
-    spec = cluster_spec(case, **where)
+    link = link if case.link else None
     prompts = synthetic_prompts(batch * case.attention_nodes, prompt_len, 512)
-    with LocalCluster(spec) as cluster:
+    with LocalCluster(case_job(case, link), ffn_command_prefix=link.prefix if link else ()) as cluster:
         cluster.start()
         doc = yaml.safe_load(Path(cluster.dir, "cluster.yaml").read_text())
         # untimed: the nodes' first job pays their first-use costs (as afd.plan.profile_check's warm-up)

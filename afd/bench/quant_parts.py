@@ -13,9 +13,9 @@ def start_cluster(path: str, dtype: str, method: str | None, dummy: bool = False
     """A started 1A1F LocalCluster (one thread per node, overlap, one micro-batch) serving `path` in `dtype`
     under `--quantization method`; kept up across jobs until closed."""
     from afd.cluster.local import LocalCluster
-    from afd.cluster.local_spec import LocalClusterSpec
+    from afd.cluster.local_config import local_job
 
-    spec = LocalClusterSpec(
+    job = local_job(
         path,
         1,
         1,
@@ -26,7 +26,7 @@ def start_cluster(path: str, dtype: str, method: str | None, dummy: bool = False
         micro_batches=1,
         exchange_dtype=exchange_dtype,
     )
-    cluster = LocalCluster(spec)
+    cluster = LocalCluster(job)
     cluster.start()
     return cluster
 

@@ -191,19 +191,16 @@ def _colocated(model: str, prompts, steps: int) -> list[dict]:
 
 def _afd(model: str, prompts, steps: int, A: int, F: int, overlap: bool, micro_batches: int, link=None) -> list[dict]:
     from afd.cluster.local import LocalCluster
-    from afd.cluster.local_spec import LocalClusterSpec
-
-    where = (
-        {}
-        if link is None
-        else {"attention_host": link.near_ip, "ffn_host": link.far_ip, "ffn_command_prefix": tuple(link.wrap([]))}
-    )
+    from afd.cluster.local_config import local_job
     from afd.model.registry import load_config
 
+    where = dict(link.hosts) if link is not None else {}
     if load_config(model).routes_by_token_ids:  # DeepSeek-V4's hash layers
         where["routing"] = "attention"
-    spec = LocalClusterSpec(model, A, F, dummy_weights=True, overlap=overlap, micro_batches=micro_batches, **where)
-    with LocalCluster(spec) as cluster:
+    job = local_job(
+        model, A, F, dtype="float32", dummy_weights=True, overlap=overlap, micro_batches=micro_batches, **where
+    )
+    with LocalCluster(job, ffn_command_prefix=link.prefix if link is not None else ()) as cluster:
         cluster.start(prompts, steps + 1, ignore_eos=True)
         _, reports = cluster.wait()
         ffn = cluster.ffn_reports[0]

@@ -68,19 +68,20 @@ def _tp_config(args, mode: str):
 def _job(model: str, prompts, steps: int, F: int, tp) -> dict:
     """Rank 0's report of one run: one prefill step of every prompt, then `steps` decode steps."""
     from afd.cluster.local import LocalCluster
-    from afd.cluster.local_spec import LocalClusterSpec
+    from afd.cluster.local_config import local_job
 
     # one micro-batch per step, so that a step's TP bytes are one step_bytes
-    spec = LocalClusterSpec(
+    job = local_job(
         model,
         1,
         F,
+        dtype="float32",
         dummy_weights=True,
         micro_batches=1,
         attention_tp=tp.size,
         **({} if tp.size == 1 else dict(tp_comm=tp.mode, flashcomm2_otp=tp.otp, tp_comm_min_tokens=tp.min_tokens)),
     )
-    with LocalCluster(spec) as cluster:
+    with LocalCluster(job) as cluster:
         cluster.start(prompts, steps + 1, ignore_eos=True)
         _, reports = cluster.wait()
     return reports[0]

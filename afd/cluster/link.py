@@ -70,6 +70,16 @@ class EmulatedLink:
     def wrap(self, cmd: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *cmd]
 
+    @property
+    def hosts(self) -> dict[str, str]:
+        """A local job's hosts across the link (afd.cluster.local_config.local_job's keywords)."""
+        return {"host": self.near_ip, "ffn_host": self.far_ip}
+
+    @property
+    def prefix(self) -> tuple[str, ...]:
+        """How an FFN node starts behind the link (LocalCluster's ffn_command_prefix)."""
+        return tuple(self.wrap([]))
+
     def __enter__(self) -> EmulatedLink:
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
             raise LinkError("emulating a link needs root, ip and tc (iproute2)")

@@ -1,17 +1,17 @@
 """Runs A attention and F FFN node processes on this machine for offline generation and benchmarks.
 
-It writes a cluster YAML on 127.0.0.1 with free ports and starts every node from it through the
-launcher (afd.cluster.processes), as `afd launch` would: the nodes find each other through the control
-plane. Attention nodes run the offline worker (`afd-attention generate`), which takes jobs one after
-another from a mailbox (afd.cluster.jobs), each job's prompts dealt to them round-robin; FFN nodes serve
-until every attention node has left.
+It writes the job's cluster config (afd.cluster.local_config.local_job: every field as given, the ports picked
+anew and free) as the YAML every node starts from, and starts them through the launcher
+(afd.cluster.processes), as `afd launch` would: the nodes find each other through the control plane. Attention
+nodes run the offline worker (`afd-attention generate`), which takes jobs one after another from a mailbox
+(afd.cluster.jobs), each job's prompts dealt to them round-robin; FFN nodes serve until every attention node
+has left.
 
 A node that fails takes the others down at once (an offline job does not wait for a replacement:
-rejoin_timeout 0), and while a job's results are awaited each failed node is restarted with its own
-command (afd.cluster.supervise: back-off, at most `max_restarts` in a row); a restarted attention node
-runs its share of the unfinished job again, from its mailbox. Past the limit the job fails with the
-node's log tail in the error.
-"""
+rejoin_timeout 0), and while a job's results are awaited each failed node is restarted with its own command
+(afd.cluster.supervise: back-off, at most `max_restarts` in a row); a restarted attention node runs its share
+of the unfinished job again, from its mailbox. Past the limit the job fails with the node's log tail in the
+error."""
 
 from __future__ import annotations
 
@@ -23,26 +23,35 @@ import tempfile
 
 from afd.cluster.forkserver import ForkedProcess
 from afd.cluster.jobs import JobMailbox
-from afd.cluster.local_spec import STARTUP_TIMEOUT, LocalClusterSpec, cluster_doc
+from afd.cluster.local_config import with_free_ports
 from afd.cluster.processes import ClusterError, NodeProcesses, node_command
+from afd.cluster.schema import ClusterConfig
 from afd.cluster.supervise import RestartPolicy
 from afd.cluster.token import TOKEN_ENV, cluster_token
 
-__all__ = ["ClusterError", "LocalCluster", "run_generate"]
+__all__ = ["ClusterError", "LocalCluster", "reports_logits", "run_generate"]
 
 
 class LocalCluster:
     """The node processes of a local cluster, kept up across jobs: `start`, then `generate` as often as
     needed, then `close` (nodes leave and exit; the FFN nodes' reports are read) or `stop` (signals).
-    `with` stops it. The one-job form is `start(prompts, ...)` then `wait()`."""
+    `with` stops it. The one-job form is `start(prompts, ...)` then `wait()`.
 
-    def __init__(self, spec: LocalClusterSpec):
-        self.spec = spec
+    config: the job's (afd.cluster.local_config.local_job); each node binds its own `host`. ffn_command_prefix:
+    how to start an FFN node elsewhere, e.g. `ip netns exec NS` behind an emulated link (afd.cluster.link).
+    ffn_metrics: every FFN node serves /metrics on a free port (`metrics_urls`), for what reads the FFN nodes'
+    own counters (`afd profile`, `afd bench-dispatch`)."""
+
+    def __init__(self, config: ClusterConfig, *, ffn_command_prefix: tuple[str, ...] = (), ffn_metrics: bool = False):
+        self.config = config
+        self.ffn_command_prefix = tuple(ffn_command_prefix)
+        self.ffn_metrics = ffn_metrics
         self._tmp = tempfile.TemporaryDirectory(prefix="afd-local-")
         self.dir = self._tmp.name
-        policy = RestartPolicy(spec.max_restarts, spec.restart_backoff, reset_after=STARTUP_TIMEOUT)
+        c = config.cluster
+        policy = RestartPolicy(c.max_restarts, c.restart_backoff, reset_after=c.startup_timeout)
         self.processes = NodeProcesses(self.dir, restart=policy)
-        self.mailboxes = [JobMailbox(os.path.join(self.dir, f"jobs-attn{a}")) for a in range(spec.attention_nodes)]
+        self.mailboxes = [JobMailbox(os.path.join(self.dir, f"jobs-{n.name}")) for n in config.attention_nodes]
         self.ffn_reports: list[dict] = []
         self._jobs = 0
         self._pending: tuple[int, int] | None = None
@@ -73,9 +82,9 @@ class LocalCluster:
         """Starts every node; with `prompts`, submits them as the first job (collect it with `wait`)."""
         import yaml
 
-        spec = self.spec
+        cfg = with_free_ports(self.config, self.ffn_metrics)
         config = os.path.join(self.dir, "cluster.yaml")
-        doc = self.doc = cluster_doc(spec)
+        doc = self.doc = cfg.to_dict()
         with open(config, "w") as fh:
             yaml.safe_dump(doc, fh, sort_keys=False)
         ports = {n["name"]: tuple(n["ports"].values()) for n in doc["nodes"]}
@@ -87,18 +96,18 @@ class LocalCluster:
             node_command(
                 config,
                 "ffn",
-                f"ffn{f}",
-                args=["--bind-host", spec.ffn_host, "--report-file", os.path.join(self.dir, f"ffn{f}.json")],
-                prefix=spec.ffn_command_prefix,
-                ports=ports[f"ffn{f}"],
+                n.name,
+                args=["--bind-host", n.host, "--report-file", self._ffn_report(n.name)],
+                prefix=self.ffn_command_prefix,
+                ports=ports[n.name],
             )
-            for f in range(spec.ffn_nodes)
+            for n in cfg.ffn_nodes
         ]
-        for a, box in enumerate(self.mailboxes):  # every TP rank of the node takes its jobs from rank 0
-            args = ["--bind-host", spec.attention_host, "--prompts-file", box.path]
+        for n, box in zip(cfg.attention_nodes, self.mailboxes):  # every TP rank of the node takes its jobs from rank 0
+            args = ["--bind-host", n.host, "--prompts-file", box.path]
             commands += [
-                node_command(config, "attention", f"attn{a}", r, args, "generate", ports=() if r else ports[f"attn{a}"])
-                for r in range(spec.attention_tp)
+                node_command(config, "attention", n.name, r, args, "generate", ports=() if r else ports[n.name])
+                for r in range(cfg.layout.attention_tp)
             ]
         self.processes.start_all(commands)
         if prompts is not None:
@@ -106,8 +115,7 @@ class LocalCluster:
 
     @property
     def metrics_urls(self) -> dict[str, str]:
-        """FFN node name -> its /metrics URL; empty unless the spec asks for them (ffn_metrics) and the
-        cluster has started."""
+        """FFN node name -> its /metrics URL; empty unless asked for (ffn_metrics) and the cluster has started."""
         nodes = self.doc["nodes"] if self.doc is not None else []
         return {
             n["name"]: f"http://{n['host']}:{n['ports']['metrics']}/metrics"
@@ -135,7 +143,7 @@ class LocalCluster:
         if self._pending is not None:
             raise RuntimeError("a local cluster runs one job at a time: collect the last one first")
         per = list(max_tokens) if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
-        A = self.spec.attention_nodes
+        A = len(self.mailboxes)
         for a, box in enumerate(self.mailboxes):
             mine = range(a, len(prompts), A)
             job = {
@@ -209,11 +217,14 @@ class LocalCluster:
         try:
             self.processes.wait_exit(timeout_s, "the local cluster's nodes")
             self.ffn_reports = []
-            for f in range(self.spec.ffn_nodes):
-                with open(os.path.join(self.dir, f"ffn{f}.json")) as fh:
+            for n in self.config.ffn_nodes:
+                with open(self._ffn_report(n.name)) as fh:
                     self.ffn_reports.append(json.load(fh))
         finally:
             self.stop()
+
+    def _ffn_report(self, name: str) -> str:
+        return os.path.join(self.dir, f"{name}.json")
 
     def process(self, name: str) -> subprocess.Popen | ForkedProcess:
         return self.processes.popen(name)
@@ -225,8 +236,20 @@ class LocalCluster:
         self._tmp.cleanup()
 
 
+def reports_logits(reports: list[dict], num_prompts: int) -> list:
+    """Per prompt (in the job's order, dealt round-robin to the attention nodes), its per-step fp32 logits as
+    tensors, from the attention nodes' reports."""
+    import torch
+
+    out: list = [None] * num_prompts
+    for a, rep in enumerate(reports):
+        for i, steps in zip(range(a, num_prompts, len(reports)), rep["logits"]):
+            out[i] = [torch.tensor(s, dtype=torch.float32) for s in steps]
+    return out
+
+
 def run_generate(
-    spec: LocalClusterSpec,
+    config: ClusterConfig,
     prompts: list[list[int]],
     max_tokens,
     params=None,
@@ -234,6 +257,6 @@ def run_generate(
     timeout_s: float = 600.0,
     logits: bool = False,
 ) -> tuple[list[list[int]], list[dict]]:
-    with LocalCluster(spec) as cluster:
+    with LocalCluster(config) as cluster:
         cluster.start(prompts, max_tokens, params, ignore_eos, logits)
         return cluster.wait(timeout_s)

@@ -4,10 +4,15 @@ file the nodes start from)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from afd.cluster.host import free_ports
 from afd.cluster.schema import ClusterConfig
+
+OFFLINE_CLUSTER = {"startup_timeout": 120.0, "rejoin_timeout": 0.0}
+"""The cluster section of an offline job (`local_job`): it is not re-formed around a failed node (rejoin_timeout
+0), it fails naming it; a node restarted by the job's supervisor must stay up startup_timeout to end a row."""
 
 
 def local_config(
@@ -69,3 +74,44 @@ def _node(name: str, role: str, host: str, device: str, index: int, threads: int
     if threads is not None:
         node["threads"] = threads
     return node
+
+
+def local_job(
+    model: str,
+    attention_nodes: int = 1,
+    ffn_nodes: int = 1,
+    *,
+    host: str = "127.0.0.1",
+    ffn_host: str | None = None,
+    threads: int | None = 1,
+    **fields: Any,
+) -> ClusterConfig:
+    """The cluster of an offline job on this machine (what afd.LLM's node processes, afd.cluster.local and the
+    benchmarks run): `fields` are the config's fields by name, as afd.LLM's keywords (afd.cluster.flags:
+    `dtype="bfloat16"`, `max_num_seqs=3`), over the defaults and OFFLINE_CLUSTER."""
+    from afd.cluster.flags import flat_overrides
+
+    if attention_nodes < 1 or ffn_nodes < 0:
+        raise ValueError(
+            "need at least one attention node (and 0 or more FFN nodes: 0 runs the experts on the attention nodes)"
+        )
+    sections = flat_overrides({**fields, "path": model})
+    sections["cluster"] = OFFLINE_CLUSTER | sections.get("cluster", {})
+    return local_config(
+        attention_nodes, ffn_nodes, sections, name="local-job", host=host, ffn_host=ffn_host, threads=threads
+    )
+
+
+def with_free_ports(cfg: ClusterConfig, ffn_metrics: bool = False) -> ClusterConfig:
+    """`cfg` with every port its nodes name picked anew, free now (a job's nodes bind them seconds later); with
+    `ffn_metrics`, every FFN node also gets a metrics port (its /metrics)."""
+    wanted = []
+    for n in cfg.nodes:
+        named = {k for k, v in dataclasses.asdict(n.ports).items() if v is not None}
+        wanted.append(sorted(named | ({"metrics"} if ffn_metrics and n.role == "ffn" else set())))
+    fresh = iter(free_ports(sum(map(len, wanted))))
+    nodes = tuple(
+        dataclasses.replace(n, ports=dataclasses.replace(n.ports, **{k: next(fresh) for k in keys}))
+        for n, keys in zip(cfg.nodes, wanted)
+    )
+    return dataclasses.replace(cfg, nodes=nodes)

@@ -13,9 +13,8 @@ import torch
 from afd.backend import get_backend
 from afd.cluster.config import check_routing
 from afd.cluster.flags import flat_overrides, with_overrides
-from afd.cluster.local import LocalCluster
-from afd.cluster.local_config import local_config
-from afd.cluster.local_spec import reports_logits
+from afd.cluster.local import LocalCluster, reports_logits
+from afd.cluster.local_config import local_job
 from afd.cluster.topology import resolve_model_path, with_model_defaults
 from afd.dataplane.exchange import LocalMoE, MoEExchange
 from afd.engine import offline
@@ -23,7 +22,7 @@ from afd.engine.engine import Engine
 from afd.engine.factory import Job, build_engine
 from afd.engine.graph import graph_report
 from afd.engine.llm_inputs import Prompt, conversations_of, prompts_of, render, requests_of
-from afd.engine.llm_nodes import _add_counters, _cluster_spec, run_on_nodes
+from afd.engine.llm_nodes import _add_counters, run_on_nodes
 from afd.engine.llm_outputs import RequestOutput, completion_output
 from afd.engine.llm_params import SamplingParams as VLLMSamplingParams
 from afd.engine.llm_params import default_sampling_params, llm_options, per_prompt
@@ -64,9 +63,8 @@ class LLM:
         if colocated is None:
             colocated = attention_nodes is None and ffn_nodes is None
         A, F = attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes)
-        options = llm_options(options)
-        sections = flat_overrides({"micro_batches": 1, **options, "path": resolve_model_path(model)})
-        self.config = with_model_defaults(local_config(A, F, sections, name="local-job", threads=1))
+        options = {"micro_batches": 1, **llm_options(options)}
+        self.config = with_model_defaults(local_job(resolve_model_path(model), A, F, **options))
         """The job's configuration (a cluster YAML's: afd.cluster.schema)."""
         model, lay, eng = self.config.model.path, self.config.layout, self.config.engine
         self.graph_report: dict | None = None
@@ -81,7 +79,8 @@ class LLM:
         )
         """The context limit of a prompt and its output (vLLM's max_model_len)."""
         self._request_ids = itertools.count()
-        self.cluster = None if colocated and lay.attention_tp == 1 else _cluster_spec(self.config)
+        self.cluster = None if colocated and lay.attention_tp == 1 else self.config
+        """The node processes' config (theirs as it is: every field reaches them), or None: colocated."""
         if self.speculative_tokens:
             family_mtp(self.cfg)  # refuses a family without an MTP module here, not in a node process
         if self.cluster:
@@ -216,7 +215,7 @@ class LLM:
         assert self.cluster is not None
         out, reports = self._nodes().generate(prompts, per, params, ignore_eos, logits=logits_out is not None)
         if logits_out is not None:
-            logits_out.extend(reports_logits(self.cluster, reports, len(prompts)))
+            logits_out.extend(reports_logits(reports, len(prompts)))
         self.graph_report = reports[0].get("graph")  # attention node 0's
         if self.speculative_tokens:
             self.spec_decode = _add_counters([r["spec_decode"] for r in reports])

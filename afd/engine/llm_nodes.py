@@ -1,5 +1,4 @@
-"""A multi-process `afd.LLM`'s side of a job: its local cluster's spec, and completions from what the node
-processes return.
+"""A multi-process `afd.LLM`'s side of a job: completions from what the node processes return.
 
 The offline worker of an attention node (attention_node/worker.py) takes one SamplingParams per job, knows
 no stop strings, stops at the model config's EOS ids and returns token ids (and, when asked, every step's
@@ -16,8 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from afd.cluster.config import ClusterConfig
-from afd.cluster.local_spec import LocalClusterSpec
 from afd.engine import sample_ops
 from afd.engine.offline import Completion, OfflineRequest
 from afd.engine.sampling import SamplingParams
@@ -88,46 +85,6 @@ def complete(
         rows = sample_ops.logprobs(torch.stack(logits[: len(out.token_ids)]), torch.tensor(out.token_ids), k)
         out.logprobs = [(r[0], [(int(i), v) for i, v in zip(r[1 : 1 + k], r[1 + k :])]) for r in rows.tolist()]
     return out
-
-
-def _cluster_spec(cfg: ClusterConfig) -> LocalClusterSpec:
-    """The local cluster of a job's configuration."""
-    m, lay, eng = cfg.model, cfg.layout, cfg.engine
-    return LocalClusterSpec(
-        m.path,
-        len(cfg.attention_nodes),
-        len(cfg.ffn_nodes),
-        m.dtype,
-        m.quantization,
-        m.dummy_weights,
-        m.seed,
-        lay.overlap,
-        lay.micro_batches,
-        eng.block_size,
-        speculative_tokens=eng.speculative_tokens,
-        sampling_seed=eng.sampling_seed,
-        graph_mode=lay.graph_mode,
-        graph_batch_sizes=eng.graph_batch_sizes,
-        compile_cache_dir=eng.compile_cache_dir,
-        attention_tp=lay.attention_tp,
-        tp_comm=lay.tp_comm,
-        flashcomm2_otp=lay.flashcomm2_otp,
-        tp_comm_min_tokens=lay.tp_comm_min_tokens,
-        kvp=lay.kvp,
-        exchange_dtype=lay.exchange_dtype,
-        routing=lay.routing,
-        placement=_by_index(lay.placement, cfg),
-        max_restarts=cfg.cluster.max_restarts,
-        restart_backoff=cfg.cluster.restart_backoff,
-    )
-
-
-def _by_index(placement: dict | None, cfg: ClusterConfig) -> dict | None:
-    """layout.placement keyed by FFN node index, as a local cluster names its nodes anew."""
-    if placement is None:
-        return None
-    names = [n.name for n in cfg.ffn_nodes]
-    return {str(names.index(k)): v for k, v in placement.items()}
 
 
 def _add_counters(reports: list[dict]) -> dict:

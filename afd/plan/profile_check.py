@@ -7,7 +7,7 @@ attention TP and one micro-batch. Per batch size it measures
   attention-side fits, and the step the fitted FFN half and link are held against;
 - the FFN node's compute per MoE layer pass against the token-expert rows it computed, from its own
   per-layer counters (afd_ffn_layer_compute_seconds_total{layer}, afd_expert_tokens_total, afd_ffn_tokens_total
-  on its /metrics, served as LocalClusterSpec.ffn_metrics asks) read before and after a job of one-token
+  on its /metrics, served as LocalCluster's ffn_metrics asks) read before and after a job of one-token
   prompts: every forward step of that job, the prefill included, is a pass of exactly `batch` rows, so no
   prefill has to be subtracted (the FFN half's cost does not depend on the context);
 - over that same job, the CPU time of every node process (/proc): what the node processes spend per step
@@ -55,12 +55,12 @@ def cluster_steps(
     measures each)."""
     from afd.cluster.cpus import process_cpu_seconds
     from afd.cluster.local import LocalCluster
-    from afd.cluster.local_spec import LocalClusterSpec
+    from afd.cluster.local_config import local_job
     from afd.model.registry import load_config
     from afd.plan.profile_measure import median_sample, node_samples, synthetic_prompts
 
     lay = config.layout
-    spec = LocalClusterSpec(
+    job = local_job(
         model.path,
         1,
         1,
@@ -78,7 +78,6 @@ def cluster_steps(
         flashcomm2_otp=lay.flashcomm2_otp,
         tp_comm_min_tokens=lay.tp_comm_min_tokens,
         kvp=lay.kvp,
-        ffn_metrics=True,
     )
     cfg = load_config(model.path)
     vocab, moe = cfg.vocab_size, len(cfg.moe_layers)
@@ -87,7 +86,7 @@ def cluster_steps(
     ffn: dict[int, dict[str, float]] = {
         b: dict.fromkeys(("compute", "tokens", "rows", "cpu"), 0.0) for b in batch_sizes
     }
-    with LocalCluster(spec) as cluster:
+    with LocalCluster(job, ffn_metrics=True) as cluster:
         cluster.start()
         (url,) = cluster.metrics_urls.values()
         pids = [cluster.process(n).pid for n in cluster.processes.procs]
