@@ -3,11 +3,11 @@
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "afd.engine.llm",
-    "SamplingParams": "afd.engine.llm_params",
-    "RequestOutput": "afd.engine.llm_outputs",
-    "CompletionOutput": "afd.engine.llm_outputs",
-    "Logprob": "afd.engine.llm_outputs",
+    "LLM": "afd.entrypoints.llm",
+    "SamplingParams": "afd.entrypoints.llm_params",
+    "RequestOutput": "afd.entrypoints.llm_outputs",
+    "CompletionOutput": "afd.entrypoints.llm_outputs",
+    "Logprob": "afd.entrypoints.llm_outputs",
 }
 """vLLM's offline names (`from afd import LLM, SamplingParams`), each from where it lives."""
 

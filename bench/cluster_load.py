@@ -37,7 +37,7 @@ def cluster_copy(src: str, tmp: str) -> tuple[str, dict]:
 
 
 def afd_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "afd.cli", *args]
+    return [sys.executable, "-m", "afd", *args]
 
 
 class Cluster:

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 for x in same int8 fp8; do
-  python -m afd.cli serve demo --exchange-dtype $x --port 8391 >/tmp/xq-serve-$x.log 2>&1 &
+  python -m afd serve demo --exchange-dtype $x --port 8391 >/tmp/xq-serve-$x.log 2>&1 &
   pid=$!
   until curl -sf localhost:8391/health >/dev/null; do sleep 0.5; done
   curl -s localhost:8391/v1/completions -H 'Content-Type: application/json' \

@@ -80,7 +80,7 @@ def _round(url: str, args, tmp: str, n: int, seed: int) -> dict:
         [
             sys.executable,
             "-m",
-            "afd.cli",
+            "afd",
             "bench",
             "--base-url",
             url,
@@ -120,7 +120,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path, url = _cluster(tmp)
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "afd.cli", "launch", path],
+            [sys.executable, "-m", "afd", "launch", path],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

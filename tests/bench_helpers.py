@@ -16,7 +16,7 @@ TINY_LONGCAT = {
 
 
 def bench_args(module, command: str, argv: list[str]) -> argparse.Namespace:
-    """`afd COMMAND ARGV...` parsed by the module's own add_parser, as afd.cli would."""
+    """`afd COMMAND ARGV...` parsed by the module's own add_parser, as afd.entrypoints.cli would."""
     parser = argparse.ArgumentParser()
     module.add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args([command, *argv])

@@ -15,13 +15,11 @@ DEPLOY = ROOT / "deploy"
 
 def afd(*argv: str) -> subprocess.CompletedProcess:
     """`afd ARGV...` as a user runs it (python -m, so that it is this checkout's afd)."""
-    return subprocess.run(
-        [sys.executable, "-m", "afd.cli", *argv], capture_output=True, text=True, cwd=ROOT, timeout=180
-    )
+    return subprocess.run([sys.executable, "-m", "afd", *argv], capture_output=True, text=True, cwd=ROOT, timeout=180)
 
 
 def afd_many(argvs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProcess]:
-    """`afd ARGV...` for each key: afd.cli.main called in turn inside one process, each call's exit code
+    """`afd ARGV...` for each key: afd.entrypoints.cli.main called in turn inside one process, each call's exit code
     and output captured (a process per call spent a second each importing torch). An exception that
     main() lets through fails the whole process, so it cannot pass unnoticed."""
     r = subprocess.run(
@@ -36,7 +34,7 @@ def afd_many(argvs: dict[str, list[str]]) -> dict[str, subprocess.CompletedProce
 
 _MAIN_MANY = """
 import contextlib, io, json, sys
-from afd.cli import main
+from afd.entrypoints.cli import main
 results = {}
 for key, argv in json.loads(sys.argv[1]).items():
     out, err = io.StringIO(), io.StringIO()

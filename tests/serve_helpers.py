@@ -43,7 +43,7 @@ class Served:
         self.log, self.urls, self.tls = log, urls, tls
         self.processes = NodeProcesses(str(log.parent), env={**os.environ, **(env or {})}, cwd=ROOT)
         self.proc = self.processes.start(
-            Command("afd-serve", (sys.executable, "-m", "afd.cli", "serve", *argv)), log=str(log)
+            Command("afd-serve", (sys.executable, "-m", "afd", "serve", *argv)), log=str(log)
         )
 
     def wait_ready(self, timeout: float = 120) -> None:

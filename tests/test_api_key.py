@@ -38,7 +38,7 @@ def test_the_key_comes_from_a_file_the_environment_or_the_command_line(tmp_path,
             api_key(bad)
 
 
-@pytest.mark.parametrize("command", [["afd.cli", "serve"], ["afd.cli", "launch"], ["attention_node.main"]])
+@pytest.mark.parametrize("command", [["afd", "serve"], ["afd", "launch"], ["attention_node.main"]])
 def test_every_command_that_takes_a_key_takes_a_key_file(command):
     if command == ["attention_node.main"]:
         from attention_node.main import build_server_parser
@@ -79,7 +79,7 @@ def test_the_http_section_loads_checks_and_round_trips():
 def test_printed_commands_carry_the_key_by_its_file_never_its_value(tmp_path, monkeypatch, capsys):
     """`afd launch --print-commands`: each attention node's line names the key file; a key given by value is
     left out, with a note, since a command line is visible in `ps`."""
-    from afd.cli import main
+    from afd.entrypoints.cli import main
 
     monkeypatch.setenv("AFD_CLUSTER_TOKEN", "t")  # no token file made for this test
     path = cluster_yaml(tmp_path, "demo")

@@ -107,7 +107,12 @@ def test_afd_serve_over_https(certs, tmp_path, mode):
             argv += ["--random-output-len", "2", "--disable-tqdm"]
             env = {**os.environ, "SSL_CERT_FILE": certs["ca"]}
             r = subprocess.run(
-                [sys.executable, "-m", "afd.cli", *argv], capture_output=True, text=True, cwd=ROOT, timeout=120, env=env
+                [sys.executable, "-m", "afd", *argv],
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                timeout=120,
+                env=env,
             )
             assert r.returncode == 0 and "Successful requests:                     2" in r.stdout, r.stdout + r.stderr
     finally:

@@ -140,7 +140,7 @@ def test_generate_cli_with_attention_tp(ckpt, hf, tmp_path):
         [
             sys.executable,
             "-m",
-            "afd.cli",
+            "afd",
             "generate",
             "--model",
             ckpt,

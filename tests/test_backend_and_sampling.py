@@ -23,7 +23,7 @@ def test_cpu_grouped_matmul_matches_per_group_reference():
 
 def test_importing_afd_never_imports_device_sdks():
     code = (
-        "import afd, afd.engine.llm, afd.backend, afd.model.checkpoint, sys; "
+        "import afd, afd.entrypoints.llm, afd.backend, afd.model.checkpoint, sys; "
         "assert 'torch_npu' not in sys.modules and 'torchair' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

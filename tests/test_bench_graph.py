@@ -10,7 +10,7 @@ import torch
 
 from afd.backend.cpu import CpuBackend
 from afd.bench.common import write_config
-from afd.cli import main
+from afd.entrypoints.cli import main
 
 TINY = {
     "model_type": "longcat_flash",

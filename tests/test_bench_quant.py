@@ -9,7 +9,7 @@ import json
 import pytest
 
 from afd.bench.common import write_config
-from afd.cli import main
+from afd.entrypoints.cli import main
 from tests.bench_helpers import TINY_LONGCAT
 
 

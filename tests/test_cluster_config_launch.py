@@ -85,7 +85,7 @@ def test_commands_that_only_read_a_yaml_never_import_torch(tmp_path):
         ]
     for argv, want in cases:
         code = (
-            f"import sys; from afd.cli import main; rc = main({argv!r}); "
+            f"import sys; from afd.entrypoints.cli import main; rc = main({argv!r}); "
             f"assert rc == {want} and 'torch' not in sys.modules, "
             "(rc, sorted(m for m in sys.modules if 'torch' in m)[:5])"
         )

@@ -178,7 +178,7 @@ def _launched_cluster_is_closed(path: Path, url: str, launcher_pid: int) -> None
     assert health(url) == 200
     env = {k: v for k, v in os.environ.items() if k != "AFD_CLUSTER_TOKEN"}
     status = subprocess.run(
-        [sys.executable, "-m", "afd.cli", "status", str(path)],
+        [sys.executable, "-m", "afd", "status", str(path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -202,7 +202,7 @@ def _launched_cluster_is_closed(path: Path, url: str, launcher_pid: int) -> None
 def test_sigterm_to_afd_launch_leaves_no_process_behind(tiny_checkpoint, tmp_path):
     path = cluster_yaml(tmp_path, tiny_checkpoint, 2, 1, name="launch")
     procs = NodeProcesses(str(tmp_path), cwd=ROOT)
-    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd.cli", "launch", str(path))))
+    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd", "launch", str(path))))
     try:
 
         def url_line() -> list[str]:
@@ -239,7 +239,7 @@ def test_one_attention_node_leaving_does_not_stop_the_others(tiny_checkpoint, re
         assert _greedy(c.url("attn0"), PROMPTS[0]) == reference[0]
         assert "attention rank 1 (attn1) left" in c.log("ffn0")
         status = subprocess.run(
-            [sys.executable, "-m", "afd.cli", "status", str(path), "--json"],
+            [sys.executable, "-m", "afd", "status", str(path), "--json"],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -267,7 +267,7 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_checkpoint
                 assert time.monotonic() < end, "the long request never started"
                 time.sleep(0.05)
             drain = subprocess.run(
-                [sys.executable, "-m", "afd.cli", "drain", str(path), "--node", "attn0", "--wait", "120"],
+                [sys.executable, "-m", "afd", "drain", str(path), "--node", "attn0", "--wait", "120"],
                 cwd=ROOT,
                 capture_output=True,
                 text=True,
@@ -280,7 +280,7 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish(tiny_checkpoint
         code, err = post(c.url(), "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2})
         assert code == 503 and "draining" in err["error"]["message"]
         bad = subprocess.run(
-            [sys.executable, "-m", "afd.cli", "drain", str(path), "--node", "ffn0"],
+            [sys.executable, "-m", "afd", "drain", str(path), "--node", "ffn0"],
             cwd=ROOT,
             capture_output=True,
             text=True,

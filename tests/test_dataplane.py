@@ -73,7 +73,7 @@ def test_generate_cli_multiprocess_prints_same_json(tiny_checkpoint, reference, 
         [
             sys.executable,
             "-m",
-            "afd.cli",
+            "afd",
             "generate",
             "--model",
             tiny_checkpoint,

@@ -136,7 +136,7 @@ def test_every_command_refuses_a_device_beyond_the_count_in_one_line(tmp_path):
     tp = _yaml(tmp_path / "tp.yaml", {"attn0": "npu:1", "ffn0": "npu:0"}, attention_tp=2)
     have = "this machine has 2 NPU devices (npu:0-1)"
     cases = {
-        ("-m", "afd.cli", "launch", cluster): f"afd launch: error: {cluster}: devices npu:2, npu:3: {have}",
+        ("-m", "afd", "launch", cluster): f"afd launch: error: {cluster}: devices npu:2, npu:3: {have}",
         ("-m", "attention_node.main", "--config", cluster, "--node", "attn1"): (
             f"afd-attention: error: {cluster}: node attn1: device npu:2: {have}"
         ),
@@ -146,7 +146,18 @@ def test_every_command_refuses_a_device_beyond_the_count_in_one_line(tmp_path):
         ("-m", "attention_node.main", "--config", tp, "--node", "attn0", "--tp-rank", "1"): (
             f"afd-attention: error: {tp}: node attn0 TP rank 1: device npu:2: {have}"
         ),
-        ("-m", "afd.cli", "serve", "demo", "--device", "npu", "--attention-nodes", "2", "--ffn-nodes", "1"): (
+        (
+            "-m",
+            "afd",
+            "serve",
+            "demo",
+            "--device",
+            "npu",
+            "--attention-nodes",
+            "2",
+            "--ffn-nodes",
+            "1",
+        ): (
             f"afd serve: error: device npu:2: {have}; afd serve gives every process its own device: "
             "2 attention nodes and 1 FFN node need 3"
         ),
@@ -170,5 +181,5 @@ def test_the_same_yaml_passes_the_device_check_with_enough_devices(tmp_path):
     )
     r, _ = _run(["-c", code], 4)  # and the backend itself, for what builds one without a launcher
     assert (r.returncode, r.stdout.strip()) == (0, "device npu:4: this machine has 4 NPU devices (npu:0-3)"), r.stderr
-    r, _ = _run(["-m", "afd.cli", "launch", cluster, "--print-commands"], 1)
+    r, _ = _run(["-m", "afd", "launch", cluster, "--print-commands"], 1)
     assert r.returncode == 0 and len(r.stdout.splitlines()) == 3, r.stderr

@@ -191,7 +191,7 @@ def test_check_config_prints_the_formulas_bytes_without_torch(tmp_path):
 
     path = cluster_yaml(tmp_path, "demo", layout={"exchange_dtype": "int8"})
     code = (
-        f"import sys; from afd.cli import main; rc = main(['check-config', {str(path)!r}]); "
+        f"import sys; from afd.entrypoints.cli import main; rc = main(['check-config', {str(path)!r}]); "
         "print('torch imported' if 'torch' in sys.modules else 'torch-free'); sys.exit(rc)"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)

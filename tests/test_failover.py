@@ -94,7 +94,9 @@ def test_without_a_replica_the_rejoin_wait_holds_and_status_names_the_unserved_e
         end = time.monotonic() + FAST["heartbeat_timeout"] + 10
         while True:
             st = subprocess.run(
-                [sys.executable, "-m", "afd.cli", "status", str(path), "--json"], capture_output=True, text=True
+                [sys.executable, "-m", "afd", "status", str(path), "--json"],
+                capture_output=True,
+                text=True,
             )
             doc = json.loads(st.stdout)
             if "ffn1" in doc["lost"]:
@@ -102,7 +104,7 @@ def test_without_a_replica_the_rejoin_wait_holds_and_status_names_the_unserved_e
             assert time.monotonic() < end, f"the coordinator never reported ffn1 lost: {doc}"
             time.sleep(0.3)
         assert doc["unserved_experts"] == [3, 4, 5]
-        text = subprocess.run([sys.executable, "-m", "afd.cli", "status", str(path)], capture_output=True, text=True)
+        text = subprocess.run([sys.executable, "-m", "afd", "status", str(path)], capture_output=True, text=True)
         assert "unserved   3-5" in text.stdout, text.stdout
         c.start("ffn1")
         body = {"prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0, "return_token_ids": True}

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from afd.cli import main
 from afd.cluster.config import load
-from afd.cluster.launch import _Launcher
+from afd.entrypoints.cli import main
+from afd.entrypoints.launch import _Launcher
 
 
 class _Said:
@@ -47,7 +47,7 @@ def test_demo_is_served_under_the_name_it_was_given():
 
 
 def _bench_parsers():
-    from afd.cli import build_parser
+    from afd.entrypoints.cli import build_parser
 
     _, sub = build_parser()
     return {name: p for name, p in sub.choices.items() if name.startswith("bench")}

@@ -252,7 +252,7 @@ def test_afd_generate_takes_the_flag(fp8, tmp_path, capsys):
     (the flag reaching node processes is the serve case above's)."""
     from hf_reference import PROMPTS, greedy_with_logits
 
-    from afd.cli import main
+    from afd.entrypoints.cli import main
 
     want = [ids for ids, _ in greedy_with_logits(fp8.hf, PROMPTS[:2], 4)]
     prompts = tmp_path / "p.json"

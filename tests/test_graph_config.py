@@ -6,10 +6,10 @@ import pytest
 import yaml
 from metrics_text import total
 
-from afd.cli import main
 from afd.cluster.config import GRAPH_BATCH_SIZES, ClusterConfigError, from_dict
 from afd.cluster.local_config import local_job
 from afd.engine.graph import GraphSettings, settings_of
+from afd.entrypoints.cli import main
 
 NODES = [{"name": "a", "role": "attention", "host": "h", "ports": {"control": 1, "data": 2, "http": 3}}]
 

@@ -13,11 +13,11 @@ import yaml
 from hub_cache import lay_out
 
 from afd.backend.cpu_memory import memory_info
-from afd.cli import main
 from afd.cluster.config import load
 from afd.cluster.local_config import local_config
 from afd.cluster.topology import local_model, with_model_defaults
 from afd.engine.factory import memory_share
+from afd.entrypoints.cli import main
 from afd.model.config import ConfigError
 from afd.model.hub import checkpoint_dir, is_hub_name
 

@@ -191,7 +191,7 @@ def test_a_bf16_model_on_cpu_computes_through_the_chosen_kernels(tiny_checkpoint
 
 
 def test_afd_env_prints_the_machine_and_its_cached_choices(tmp_path, monkeypatch, capsys):
-    from afd.cli import main
+    from afd.entrypoints.cli import main
 
     path = str(tmp_path / "kernels.json")
     monkeypatch.setenv(kernel_choice.CACHE_ENV, path)
@@ -236,5 +236,5 @@ def test_afd_env_into_a_reader_that_left_ends_without_a_traceback():
     import subprocess
     import sys
 
-    out = subprocess.run(f"{sys.executable} -m afd.cli env | true", shell=True, capture_output=True, text=True)
+    out = subprocess.run(f"{sys.executable} -m afd env | true", shell=True, capture_output=True, text=True)
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr

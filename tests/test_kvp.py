@@ -122,8 +122,8 @@ def test_kvp_must_divide_attention_tp():
 
 def test_kvp_without_tp_ranks_is_refused_colocated_too(tiny_checkpoint, capsys):
     """afd.LLM and afd serve --colocated check the TP flags as the YAML does, rather than dropping them."""
-    from afd.cli import main
     from afd.cluster.config import ClusterConfigError
+    from afd.entrypoints.cli import main
 
     with pytest.raises(ClusterConfigError, match="layout.kvp"):
         afd.LLM(tiny_checkpoint, kvp=2)

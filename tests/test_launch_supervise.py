@@ -67,7 +67,7 @@ def _restarts(url: str) -> float:
 
 
 def _launch(procs: NodeProcesses, path: Path, env: dict):
-    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd.cli", "launch", str(path))), env=env)
+    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd", "launch", str(path))), env=env)
 
     def url_line() -> list[str]:
         return [line for line in procs.log("afd-launch").splitlines() if line.startswith("http://")]
@@ -155,7 +155,7 @@ def test_printed_commands_work_as_printed_on_a_fresh_shell(tiny_checkpoint, tmp_
     path = cluster_yaml(tmp_path, tiny_checkpoint, 1, 1, name="byhand", cluster=FAST)
     env = _env(tmp_path)
     printed = subprocess.run(
-        [sys.executable, "-m", "afd.cli", "launch", str(path), "--print-commands"],
+        [sys.executable, "-m", "afd", "launch", str(path), "--print-commands"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -177,11 +177,15 @@ def test_printed_commands_work_as_printed_on_a_fresh_shell(tiny_checkpoint, tmp_
         shells.wait_until(lambda: health(url) == 200, 120, "the cluster started by hand to be ready")
         before = _greedy(url, PROMPTS[1])
         status = subprocess.run(
-            [sys.executable, "-m", "afd.cli", "status", str(path)], cwd=ROOT, env=env, capture_output=True, text=True
+            [sys.executable, "-m", "afd", "status", str(path)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
         )
         assert status.returncode == 0, status.stdout + status.stderr  # `afd status` finds the same file
         forged = subprocess.run(  # the control plane is closed: a shell without the file is refused
-            [sys.executable, "-m", "afd.cli", "drain", str(path), "--node", "attn0"],
+            [sys.executable, "-m", "afd", "drain", str(path), "--node", "attn0"],
             cwd=ROOT,
             env={**env, "XDG_RUNTIME_DIR": str(tmp_path)},
             capture_output=True,

@@ -65,9 +65,71 @@ def test_afd_folders_form_no_cycle():
 
     for n in sorted(folders):
         visit(n, [])
-    assert "bench" not in set().union(*edges.values()), "only afd/cli.py may import afd.bench"
+    benchers = {src for src, deps in edges.items() if "bench" in deps}
+    assert benchers <= {"entrypoints"}, f"only afd.entrypoints may import afd.bench, not afd.{benchers}"
     planners = {src for src, deps in edges.items() if "plan" in deps}
-    assert planners <= {"bench"}, f"only afd/cli.py and afd.bench may import afd.plan, not afd.{planners}"
+    assert planners <= {"bench", "entrypoints"}, f"only afd.entrypoints and afd.bench may import afd.plan: {planners}"
+
+
+def test_nothing_below_imports_the_entry_points():
+    """afd/entrypoints (the CLI, afd.LLM, serve, launch, rebalance, plan) is the top floor: it may import any of
+    afd, and nothing of afd or the node packages imports it (`python -m afd` aside; the tools reach afd.LLM as
+    users do, `from afd import LLM`)."""
+    for package in ("afd", "attention_node", "ffn_node"):
+        for f in _files(package):
+            if f.is_relative_to(ROOT / "afd" / "entrypoints") or f == ROOT / "afd" / "__main__.py":
+                continue
+            up = sorted(m for m in _imports(f) if m.startswith("afd.entrypoints"))
+            assert not up, f"{f.relative_to(ROOT)} imports {up}"
+
+
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of `modules` a file imports, at any depth, but not under `if TYPE_CHECKING:`; `from pkg import
+    mod` names the submodule alone (importing it runs pkg's __init__, which is not a dependency of the file's)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(m)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.If) and "TYPE_CHECKING" in ast.unparse(n.test)
+        for m in ast.walk(n)
+    }
+    out: set[str] = set()
+    for n in ast.walk(tree):
+        if id(n) in typing_only:
+            continue
+        if isinstance(n, ast.Import):
+            out.update(a.name for a in n.names if a.name in modules)
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            subs = [f"{n.module}.{a.name}" for a in n.names]
+            out.update(s for s in subs if s in modules)
+            if n.module in modules and any(s not in modules for s in subs):
+                out.add(n.module)
+    return out
+
+
+def test_no_import_circle_between_files():
+    """No two modules of afd and the node packages import each other, directly or round a longer circle (function-
+    local imports count: they hide a circle, they do not remove it)."""
+    paths = {}
+    for package in ("afd", "attention_node", "ffn_node"):
+        for f in _files(package):
+            parts = f.relative_to(ROOT).with_suffix("").parts
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    edges = {m: _module_imports(p, set(paths)) - {m} for m, p in paths.items()}
+    state: dict[str, int] = {}
+
+    def visit(n: str, path: list[str]) -> None:
+        if state.get(n) == 1:
+            raise AssertionError(f"import circle: {' -> '.join(path[path.index(n) :] + [n])}")
+        if state.get(n) == 2:
+            return
+        state[n] = 1
+        for m in sorted(edges[n]):
+            visit(m, path + [n])
+        state[n] = 2
+
+    for n in sorted(edges):
+        visit(n, [])
 
 
 def test_top_level_of_afd_is_small():

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from afd import LLM, CompletionOutput, Logprob, RequestOutput, SamplingParams
-from afd.engine.llm_nodes import complete
 from afd.engine.offline import OfflineRequest
+from afd.entrypoints.llm_nodes import complete
 
 PROMPTS = ["Experts are", "Attention is"]
 
@@ -111,7 +111,7 @@ def test_stop_strings_and_stop_ids(llm):
 
 
 def test_node_outputs_complete_as_the_engine_does(llm):
-    """A multi-process LLM's nodes return ids alone; afd.engine.llm_nodes.complete applies the engine's
+    """A multi-process LLM's nodes return ids alone; afd.entrypoints.llm_nodes.complete applies the engine's
     stops, text and logprobs to them: the colocated engine's answer for the same tokens."""
     tok, sp = llm.tokenizer, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     (full,) = llm.generate(PROMPTS[1], sp)
@@ -190,7 +190,7 @@ def test_llm_seed_seeds_the_sampling_of_unseeded_requests():
 
 def test_generate_command_s_seed_seeds_sampling(tmp_path, capsys, monkeypatch):
     """`afd generate --seed` is serve's: the sampling seed; --weights-seed seeds the dummy weights."""
-    from afd.cli import main
+    from afd.entrypoints.cli import main
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "p.json").write_text(json.dumps([[1, 2, 3], [4, 5]]))

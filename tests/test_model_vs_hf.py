@@ -22,7 +22,7 @@ def test_generate_cli_colocated_matches_hf(families, tiny_checkpoint, tmp_path):
         [
             sys.executable,
             "-m",
-            "afd.cli",
+            "afd",
             "generate",
             "--model",
             tiny_checkpoint,

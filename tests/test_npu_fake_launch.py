@@ -44,7 +44,7 @@ def test_a_launched_cluster_on_the_fake_npu_syncs_once_per_step(tiny_checkpoint,
     watch = tmp_path / "sync-watch"  # the runtime's own count (afd/backend/sync_watch.py), beside afd's
     env = {**os.environ, **sync_env(report), "AFD_SYNC_WATCH": str(watch)}
     procs = NodeProcesses(str(tmp_path), env=env, cwd=ROOT)
-    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd.cli", "launch", str(path))))
+    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd", "launch", str(path))))
     try:
 
         def url_line() -> list[str]:

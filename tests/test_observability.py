@@ -17,8 +17,8 @@ import yaml
 from cluster_helpers import ROOT, cluster_yaml, skip_unless_ci_installs
 
 from afd.cluster.config import from_dict, load
-from afd.observability import prometheus_config
-from afd.observability.prometheus_config import render
+from afd.entrypoints import prometheus_config
+from afd.entrypoints.prometheus_config import render
 
 LOCAL_YAML = ROOT / "deploy" / "local.yaml"
 COMMITTED = ROOT / "deploy" / "prometheus.yml"

@@ -21,8 +21,8 @@ from metrics_text import samples, total
 
 from afd.cluster.config import load
 from afd.control import control_pb2 as pb
+from afd.entrypoints.prometheus_config import render
 from afd.model.demo_config import DEMO_CONFIG
-from afd.observability.prometheus_config import render
 
 PROMETHEUS_MISSING = "prometheus not installed: run .ci/prometheus.sh or apt-get install prometheus"
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from afd.cli import main
+from afd.entrypoints.cli import main
 from afd.plan.costs import Link
-from afd.plan.cpu_hardware import cache_path, measure, write
-from afd.plan.hardware import SpecError, load_spec
+from afd.plan.cpu_hardware import measure, write
+from afd.plan.hardware import SpecError, cpu_spec_path, load_spec
 
 
 def test_the_cpu_spec_is_measured_written_and_planned_with(tmp_path, monkeypatch, capsys):
@@ -17,7 +17,7 @@ def test_the_cpu_spec_is_measured_written_and_planned_with(tmp_path, monkeypatch
     with pytest.raises(SpecError, match="afd profile FILE"):
         load_spec("cpu")
     d = measure(link=Link(5e-5, 2e9))  # the profile's link, as `afd profile` hands it over
-    assert write(d) == cache_path() and cache_path().is_relative_to(tmp_path)
+    assert write(d) == cpu_spec_path() and cpu_spec_path().is_relative_to(tmp_path)
     spec = load_spec("cpu")
     assert spec.name == "cpu" and spec.flops("fp32") > 0 and spec.flops("bf16") > 0
     assert spec.memory_bandwidth > 0 and spec.memory_capacity > 1e9 and spec.launch_overhead > 0

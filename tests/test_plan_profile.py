@@ -12,6 +12,7 @@ import os
 
 import pytest
 
+from afd.errors import UserError
 from afd.plan.costs import CostModel
 from afd.plan.profile import _sizes, add_parser, profile
 from afd.plan.profile_check import ffn_counters
@@ -203,9 +204,8 @@ def test_cost_model_keeps_its_attention_tp(tmp_path):
     from before the field), in a roofline's cost model, and the only TP `afd plan` searches on a profile."""
     from argparse import Namespace
 
-    from afd.cli import UserError
+    from afd.entrypoints.plan import _Source
     from afd.model.registry import config_from_hf
-    from afd.plan.commands import _Source
     from afd.plan.hardware import load_spec
     from afd.plan.roofline import roofline
 
@@ -269,8 +269,8 @@ def test_runner_timing_is_opt_in_and_changes_no_token():
     """ModelRunner.layer_times: None by default; set, it records every piece of every MoE layer per
     micro-batch and the tokens are the same as untimed."""
     from afd.engine import offline
-    from afd.engine.llm import LLM
     from afd.engine.sampling import SamplingParams
+    from afd.entrypoints.llm import LLM
     from afd.observability.timing import LayerTimes
 
     llm = LLM("demo")

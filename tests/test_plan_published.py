@@ -154,7 +154,7 @@ def test_step3_throughput_order_of_magnitude(capsys):
     here); DeepSeek-V3 is the closest family, and Step-3's paper puts DeepSeek-V3 at 2,324 in the same setup.
     `afd plan` on h200, FP8, context 4096, 32 devices, graph-mode launch; the space is cut to TP1, m = 2 and
     dispatch to keep the test fast (the full space's best is the same layout, 8 A : 24 F, m 2, B 256)."""
-    from afd.plan.commands import _Source
+    from afd.entrypoints.plan import _Source
     from afd.plan.search import Space, search
 
     cfg = config_from_hf(DEEPSEEK_V3)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from afd.cli import main
 from afd.cluster.config import load
+from afd.entrypoints.cli import main
 from afd.plan.costs import CostModel, LayerCosts, Linear, Link
 from afd.plan.search import BATCHES, Space
 
@@ -136,7 +136,7 @@ def test_a_plan_on_a_cpu_profile_launches_here_and_serves(tmp_path, capsys):
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path)}
     env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     procs = NodeProcesses(str(tmp_path), cwd=ROOT)
-    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd.cli", "launch", str(out_yaml))), env=env)
+    launcher = procs.start(Command("afd-launch", (sys.executable, "-m", "afd", "launch", str(out_yaml))), env=env)
     try:
 
         def urls() -> list[str]:

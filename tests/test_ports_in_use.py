@@ -54,7 +54,7 @@ def test_the_colocated_server_names_its_port_in_use():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = _run(["-m", "afd.cli", "serve", "demo", "--colocated", "--port", str(port)])
+        r = _run(["-m", "afd", "serve", "demo", "--colocated", "--port", str(port)])
     _one_line(r, f"port {port} on 127.0.0.1 is in use (the colocated server's --port)")
 
 
@@ -63,7 +63,7 @@ def test_afd_serve_names_its_port_in_use():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r = _run(["-m", "afd.cli", "serve", "demo", "--port", str(port)])
+        r = _run(["-m", "afd", "serve", "demo", "--port", str(port)])
     _one_line(r, f"{port} (attn0.ports.http)")
 
 

@@ -75,7 +75,10 @@ def test_unsupported_settings_are_refused_naming_the_key(change, needle):
 def test_check_config_names_the_family_and_the_expert_split(families, tmp_path):
     path = cluster_yaml(tmp_path, families.path("qwen3_moe", "gqa"), attention=1, ffn=2)
     r = subprocess.run(
-        [sys.executable, "-m", "afd.cli", "check-config", str(path)], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "afd", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert r.returncode == 0, r.stderr
     assert "family: qwen3_moe" in r.stdout.splitlines()

@@ -1,5 +1,5 @@
 """`afd rebalance`: the greedy placement (afd/cluster/rebalance.py) and the command around it
-(afd/cluster/rebalance_cli.py), on saved /metrics text and a stand-in /metrics server; no node processes."""
+(afd/entrypoints/rebalance.py), on saved /metrics text and a stand-in /metrics server; no node processes."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from afd.cli import main
 from afd.cluster.config import check_expert_layout, load
 from afd.cluster.placement import Placement, default_placement
 from afd.cluster.rebalance import imbalance, node_loads, rebalance, replica_counts
-from afd.cluster.rebalance_cli import expert_bytes, expert_tokens
+from afd.entrypoints.cli import main
+from afd.entrypoints.rebalance import expert_bytes, expert_tokens
 from afd.model.deepseek_v3.config import DeepseekV3Config
 from afd.model.demo_config import DEMO_CONFIG
 from afd.model.registry import config_from_hf

@@ -62,7 +62,7 @@ def test_rebalance_apply_evens_the_load_and_loses_no_request(tiny_checkpoint, tm
             assert post(url, "/v1/completions", body)[1]["choices"][0]["token_ids"] == reference[PROMPTS.index(p)]
         streams = Streams(url, PROMPTS * 4, {"max_tokens": NEW, "temperature": 0}, 240)
         assert streams.wait_started(60)
-        cmd = [sys.executable, "-m", "afd.cli", "rebalance", str(path), "--expert-slots", "4", "--apply"]
+        cmd = [sys.executable, "-m", "afd", "rebalance", str(path), "--expert-slots", "4", "--apply"]
         out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stdout + out.stderr
         before, after = map(float, re.search(r"max/mean node load (\S+) -> (\S+)", out.stdout).groups())

@@ -97,7 +97,7 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
 
 
 def _status(path) -> dict:
-    r = forked_python.run([sys.executable, "-m", "afd.cli", "status", str(path), "--json"], cwd=ROOT, timeout=30)
+    r = forked_python.run([sys.executable, "-m", "afd", "status", str(path), "--json"], cwd=ROOT, timeout=30)
     return json.loads(r.stdout)
 
 

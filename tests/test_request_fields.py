@@ -242,7 +242,7 @@ def test_a_logged_request_cannot_forge_lines_or_flood_the_log(caplog):
 def test_requests_are_logged_unless_vllms_opt_out_flags_say_not(capsys):
     import yaml
 
-    from afd.cli import main
+    from afd.entrypoints.cli import main
 
     def engine(*argv: str) -> dict:
         assert main(["serve", "demo", "--print-config", *argv]) == 0

@@ -149,7 +149,7 @@ def test_afd_bench_takes_its_prompt_ids_from_the_servers_vocabulary(served):
         [
             sys.executable,
             "-m",
-            "afd.cli",
+            "afd",
             "bench",
             "--base-url",
             served.urls[0],
@@ -173,7 +173,7 @@ def test_afd_bench_takes_its_prompt_ids_from_the_servers_vocabulary(served):
 
 
 def _afd(*argv: str) -> subprocess.CompletedProcess:
-    return forked_python.run([sys.executable, "-m", "afd.cli", *argv], cwd=ROOT, timeout=180)
+    return forked_python.run([sys.executable, "-m", "afd", *argv], cwd=ROOT, timeout=180)
 
 
 @pytest.mark.parametrize(
@@ -259,10 +259,10 @@ def test_help_shows_every_default(command):
 
 def _sources(command: str) -> str:
     files = {
-        "serve": "afd/cluster/serve.py",
-        "launch": "afd/cluster/launch.py",
+        "serve": "afd/entrypoints/serve.py",
+        "launch": "afd/entrypoints/launch.py",
         "bench": "afd/bench/serve.py",
-        "generate": "afd/cli.py",
+        "generate": "afd/entrypoints/cli.py",
         "bench-step": "afd/bench/step.py",
     }
     return (ROOT / files[command]).read_text()

@@ -183,7 +183,7 @@ def test_models_version_health(cluster, tiny_checkpoint):
 
 
 def test_afd_bench_against_the_cluster(cluster, tmp_path):
-    from afd.cli import main
+    from afd.entrypoints.cli import main
 
     rc = main(
         [

@@ -254,7 +254,7 @@ def test_the_policy_is_a_cluster_setting_with_flags():
         [
             sys.executable,
             "-m",
-            "afd.cli",
+            "afd",
             "serve",
             "demo",
             "--max-restarts",

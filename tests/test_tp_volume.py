@@ -278,7 +278,7 @@ def test_check_config_prints_the_table(tmp_path):
 
     def check(path: Path) -> str:
         r = subprocess.run(
-            [sys.executable, "-m", "afd.cli", "check-config", str(path)],
+            [sys.executable, "-m", "afd", "check-config", str(path)],
             capture_output=True,
             text=True,
             cwd=ROOT,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from afd.cli import main
 from afd.cluster.vllm_flags import ACCEPTED, REFUSED
+from afd.entrypoints.cli import main
 
 
 def _config(capsys, *argv: str) -> dict:

@@ -13,10 +13,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from afd.backend import host_syncs, npu_attention, npu_prolog, sync_watch
+from afd.backend import host_syncs, npu_attention, npu_prolog, npu_quant, sync_watch
 from afd.backend.base import Backend, DeviceUnavailable, PrefetchSpec, grouped_matmul_by_slices, sizes_covering
 from afd.backend.devices import check_indices
 from afd.backend.npu_mmrs import MMRS_COMM_MODE, mmrs_fits, takes_argument
+from afd.backend.npu_quant import GMM_INNER_LIMIT, GMM_MAX_GROUPS
 
 log = logging.getLogger("afd.backend")
 
@@ -28,13 +29,6 @@ def _import_torch_npu():
         raise DeviceUnavailable(f"device npu: torch_npu is not importable ({e})") from None
     return torch_npu
 
-
-# source: torch_npu.npu_grouped_matmul, https://github.com/Ascend/op-plugin/blob/7.1.0/docs/context/
-#   torch_npu-npu_grouped_matmul.md, op-plugin 7.1.0 (torch_npu 2.6.0); the same limits in 26.0.0.
-GMM_MAX_GROUPS = 1024
-"""Groups one call takes with a single x and a single 3-D weight."""
-GMM_INNER_LIMIT = 65536
-"""Atlas A2/A3: x's last dim (K) and the weight's (N) must be below it."""
 
 # The figures the FFN node's prefetch budget is sized by on Ascend (afd.dataplane.prefetch_budget).
 ASCEND_HBM_BANDWIDTH = 1.6e12
@@ -146,18 +140,12 @@ class NpuBackend(Backend):
 
     # --quantization w8a8 / w8a16 on torch_npu's quantized ops; fp8 refused (afd/backend/npu_quant.py, with sources).
     def check_quantization(self, spec) -> None:
-        from afd.backend import npu_quant
-
         log.info("quantization %s; its GEMMs on NPU: %s", spec.describe(), npu_quant.check(spec))
 
     def quant_matmul(self, x, q, scale, spec):
-        from afd.backend import npu_quant
-
         return npu_quant.quant_matmul(self._torch_npu, x, q, scale, spec, self._say_once)
 
     def quant_grouped_matmul(self, x, q, scale, group_sizes, spec):
-        from afd.backend import npu_quant
-
         return npu_quant.quant_grouped_matmul(self._torch_npu, x, q, scale, group_sizes, spec, self._say_once)
 
     def mm_reduce_scatter(self, x: torch.Tensor, weight: torch.Tensor, group, world_size: int) -> torch.Tensor | None:

@@ -42,9 +42,15 @@ from collections.abc import Callable
 import torch
 
 from afd.backend.base import quant_grouped_matmul_by_slices, sizes_covering
-from afd.backend.npu import GMM_INNER_LIMIT, GMM_MAX_GROUPS
 from afd.quant import reference
 from afd.quant.scheme import INT8_CHANNEL, QuantConfigError, QuantSpec
+
+# source: torch_npu.npu_grouped_matmul, https://github.com/Ascend/op-plugin/blob/7.1.0/docs/context/
+#   torch_npu-npu_grouped_matmul.md, op-plugin 7.1.0 (torch_npu 2.6.0); the same limits in 26.0.0.
+GMM_MAX_GROUPS = 1024
+"""Groups one call takes with a single x and a single 3-D weight."""
+GMM_INNER_LIMIT = 65536
+"""Atlas A2/A3: x's last dim (K) and the weight's (N) must be below it."""
 
 HALF = (torch.float16, torch.bfloat16)
 LAST_DIM_MAX = 65535

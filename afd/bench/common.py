@@ -72,7 +72,7 @@ class Colocated:
     """Both halves of one model in this process (built once, reused across rounds): an afd.LLM's."""
 
     def __init__(self, model_dir: str, dummy_weights: bool = False, seed: int = 0):
-        from afd.engine.llm import LLM
+        from afd import LLM
 
         self.llm = LLM(model_dir, dummy_weights=dummy_weights, weights_seed=seed)
         self.cfg, self.backend, self.attn, self.ffn = self.llm.cfg, self.llm.backend, self.llm.attn, self.llm.ffn

@@ -33,7 +33,7 @@ KEYS = ("median_ttft_ms", "mean_ttft_ms", "p99_ttft_ms", "request_throughput", "
 
 def _command(port: int, mode: str, args) -> Command:
     flag = "--enable-prefix-caching" if mode == "on" else "--no-enable-prefix-caching"
-    argv = (sys.executable, "-m", "afd.cli", "serve", args.model, "--port", str(port), flag)
+    argv = (sys.executable, "-m", "afd", "serve", args.model, "--port", str(port), flag)
     return Command(f"serve-{mode}", (*argv, "--max-num-batched-tokens", str(args.max_num_batched_tokens)))
 
 

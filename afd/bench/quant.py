@@ -73,7 +73,7 @@ class _Colocated(Colocated):
     """Colocated with the mode's dtype and quantization."""
 
     def __init__(self, path: str, dummy: bool, dtype: str, method: str | None):
-        from afd.engine.llm import LLM
+        from afd import LLM
 
         self.llm = LLM(path, dummy_weights=dummy, dtype=dtype, quantization=method)
         self.cfg, self.backend, self.attn, self.ffn = self.llm.cfg, self.llm.backend, self.llm.attn, self.llm.ffn

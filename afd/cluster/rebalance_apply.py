@@ -46,7 +46,7 @@ def restart_order(current: Placement, new: Placement) -> list[str]:
 
 def apply(cfg, current: Placement, new: Placement, restart, status, out=print) -> None:
     """Restarts the FFN nodes of `cfg` (whose YAML already holds `new`) one at a time: restart(node) asks the
-    coordinator, status() returns its ClusterStatus (afd.cli's coordinator calls). Raises RuntimeError
+    coordinator, status() returns its ClusterStatus (afd.entrypoints.cli's coordinator calls). Raises RuntimeError
     naming a node that does not come back."""
     moved = [n for n, a, b in zip(current.nodes, current.held, new.held) if a != b]
     timeout = cfg.cluster.startup_timeout + cfg.cluster.heartbeat_timeout + 30

@@ -74,7 +74,7 @@ class AttentionHalf(LoadedModule):
 
     supports_tp: ClassVar[bool] = False
     """afd.model.tp.shard can cut this half across the ranks of a TP group (its layers are the kinds
-    shard knows: MLA and dense MLPs). Read by afd.model.tp.shard and afd.engine.llm (which refuses
+    shard knows: MLA and dense MLPs). Read by afd.model.tp.shard and afd.entrypoints.llm (which refuses
     attention_tp > 1 early for a half without it)."""
 
     supports_graph: ClassVar[bool] = True

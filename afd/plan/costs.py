@@ -114,7 +114,7 @@ class CostModel:
     combine, afd.dataplane.dispatch) before its wait ends."""
     host_cores: int = 0
     """CPU cores of the one host every node process of a plan on these costs shares (a CPU profile's machine:
-    its plans run there, afd.plan.commands writes them for one host); 0: each node has a device of its own.
+    its plans run there, afd.entrypoints.plan writes them for one host); 0: each node has a device of its own.
     The simulator then runs every compute task on one of these cores as well as on its node, and holds the step
     to the host's CPU: at least every process's CPU of the step over these cores."""
     message_cpu: float = 0.0

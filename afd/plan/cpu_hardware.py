@@ -15,16 +15,10 @@ import statistics
 import time
 from pathlib import Path
 
-from afd.cache_dir import cache_dir
+from afd.plan.hardware import CPU_SPEC, cpu_spec_path, parse_spec
 
-NAME = "cpu"
 GEMM_N = 1024
 """Square matmul size for the compute rate: 8 MiB of bf16 per operand, past most per-core caches."""
-
-
-def cache_path() -> Path:
-    """Where `afd profile` keeps this machine's spec ($AFD_CACHE_DIR, else $XDG_CACHE_HOME/afd)."""
-    return Path(cache_dir()) / "hardware" / f"{NAME}.yaml"
 
 
 def _gemm_flops(dtype, n: int = GEMM_N, repeats: int = 5) -> float:
@@ -93,7 +87,7 @@ def measure(link=None) -> dict:
         "latency_us": round(link.latency * 1e6, 2),
     }
     return {
-        "name": NAME,
+        "name": CPU_SPEC,
         "description": f"this CPU ({cpu}), measured: {by}",
         "compute_tflops": {"bf16": round(bf16 / 1e12, 4), "fp16": round(fp16 / 1e12, 4), "fp32": round(fp32 / 1e12, 4)},
         "memory": {"bandwidth_tb_s": round(bandwidth / 1e12, 4), "capacity_gb": round(total / 1e9, 2)},
@@ -112,10 +106,8 @@ def measure(link=None) -> dict:
 def write(spec: dict, path: Path | None = None) -> Path:
     import yaml
 
-    from afd.plan.hardware import parse_spec
-
-    parse_spec(spec, NAME)  # what `load_spec("cpu")` will read back: refused here rather than there
-    path = path or cache_path()
+    parse_spec(spec, CPU_SPEC)  # what `load_spec("cpu")` will read back: refused here rather than there
+    path = path or cpu_spec_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from afd.cache_dir import cache_dir
+
 SPECS_DIR = Path(__file__).parent / "specs"
 COMPUTE_DTYPES = ("bf16", "fp16", "fp8", "int8", "fp32")
 """fp32: what a CPU serves in (the measured `cpu` spec has it); accelerator specs leave it out."""
@@ -83,15 +85,22 @@ def available_specs() -> list[str]:
     return sorted({p.stem for p in SPECS_DIR.glob("*.yaml")} | {"cpu"})
 
 
+CPU_SPEC = "cpu"
+"""The name of this machine's measured spec (`--hardware cpu`)."""
+
+
+def cpu_spec_path() -> Path:
+    """Where `afd profile` keeps this machine's spec ($AFD_CACHE_DIR, else $XDG_CACHE_HOME/afd)."""
+    return Path(cache_dir()) / "hardware" / f"{CPU_SPEC}.yaml"
+
+
 def load_spec(name_or_path: str) -> HardwareSpec:
     """A shipped spec by name (`a3`, `h200`), or any spec file by path (anything with a path separator or a
     .yaml / .yml suffix, or an existing file)."""
     p = Path(name_or_path)
     is_path = os.sep in name_or_path or p.suffix in (".yaml", ".yml") or p.is_file()
     if not is_path and name_or_path == "cpu":
-        from afd.plan.cpu_hardware import cache_path
-
-        p = cache_path()
+        p = cpu_spec_path()
         if not p.is_file():
             raise SpecError(f"no measured cpu spec at {p}: `afd profile FILE` measures this CPU and writes it")
     elif not is_path:

@@ -99,9 +99,9 @@ def profile(
     log=print,
 ) -> tuple[Measurements, CostModel]:
     """Measures and fits; returns (measurements, CostModel)."""
+    from afd import LLM
     from afd.cluster.config import load
     from afd.dataplane.protocol import exchange_bytes
-    from afd.engine.llm import LLM
 
     config = load(path)
     mod = config.model

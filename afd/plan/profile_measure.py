@@ -8,7 +8,7 @@ pre_moe, the window post_moe, the combine, and the exchange's submit):
   `layer_times` (afd.cluster.local.LocalCluster.submit) returns its runner's samples and each step's end;
   the wait on the FFN nodes is the step report's ffn_wait (afd.plan.profile_check runs the jobs);
 - in this process (`measure_batch`, `--no-cluster`): the YAML's model on the engine afd.LLM builds
-  (afd.engine.llm.LLM.job_engine: the scheduler, runner and sampler the nodes run) on one torch thread, as
+  (afd.entrypoints.llm.LLM.job_engine: the scheduler, runner and sampler the nodes run) on one torch thread, as
   each local node gets, with the in-process exchange: `submit` runs the FFN half synchronously, so `moe` is
   the FFN half itself, with no transfer or wait. What a transfer costs is then the link's part
   (afd.plan.profile_link), measured apart.
@@ -98,7 +98,7 @@ def node_samples(result: dict, batch: int, moe_layers: int, dense_layers: int, o
 
 def measure_batch(llm, batch: int, context: int, steps: int, offset: int = 0) -> list[StepSample]:
     """`steps` timed decode steps at `batch` sequences of `context` prompt tokens (2 more warm up), on one torch
-    thread. llm: a colocated afd.engine.llm.LLM."""
+    thread. llm: a colocated afd.entrypoints.llm.LLM."""
     import torch
 
     from afd.engine import offline

@@ -31,7 +31,7 @@ class Launched:
         self.log = log
         with open(log, "w") as fh:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "afd.cli", "launch", str(config)],
+                [sys.executable, "-m", "afd", "launch", str(config)],
                 cwd=ROOT,
                 stdout=fh,
                 stderr=subprocess.STDOUT,

@@ -156,6 +156,10 @@ class DeepseekV4Config(HFNames):
         """Layer i's compression rate; 0 for a sliding-window-only layer."""
         return {SWA: 0, CSA: self.csa_rate, HCA: self.hca_rate}[self.layer_types[i]]
 
+    def is_csa(self, i: int) -> bool:
+        """Whether layer i is compressed sparse attention (its compressor windows overlap; it has an indexer)."""
+        return self.layer_types[i] == CSA
+
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """The page pool of V4's state kinds (state_kinds): [1, pages, page values]."""
         from afd.model.state_spec import StateLayout

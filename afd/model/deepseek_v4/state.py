@@ -92,10 +92,8 @@ class Planes:
 
 
 def layer_planes(cfg: DeepseekV4Config, i: int) -> Planes:
-    from afd.model.deepseek_v4.config import CSA
-
     rate = cfg.compress_rate(i)
-    csa = cfg.layer_types[i] == CSA
+    csa = cfg.is_csa(i)
     overlap = 0 if not rate else (2 if csa else 1)
     return Planes(cfg.head_dim, rate, overlap, cfg.index_head_dim if csa else 0)
 
@@ -107,13 +105,11 @@ def entry_kind(cfg: DeepseekV4Config, i: int) -> str:
 
 def lookback(cfg: DeepseekV4Config) -> int:
     """Positions before a new token that some layer's window or open compressor window reads."""
-    from afd.model.deepseek_v4.config import CSA
-
     back = cfg.sliding_window - 1
-    for i, t in enumerate(cfg.layer_types):
+    for i in range(len(cfg.layer_types)):
         r = cfg.compress_rate(i)
         if r:
-            back = max(back, (2 * r if t == CSA else r) - 1)
+            back = max(back, (2 * r if cfg.is_csa(i) else r) - 1)
     return back
 
 

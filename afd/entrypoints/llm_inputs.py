@@ -7,9 +7,9 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-from afd.engine.llm_params import SamplingParams
 from afd.engine.offline import OfflineRequest
 from afd.engine.tokenizer import Tokenizer
+from afd.entrypoints.llm_params import SamplingParams
 
 
 @dataclass

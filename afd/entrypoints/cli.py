@@ -8,6 +8,8 @@ import os
 import sys
 
 from afd.cluster.flags import DefaultsHelpFormatter, add_config_flags, add_flags, overrides_of
+from afd.control.cluster_client import cluster_status, drain
+from afd.errors import UserError
 
 
 def _add_generate(sub) -> None:
@@ -44,7 +46,7 @@ def _cmd_generate(args) -> int:
         A, F = args.attention_nodes or 1, 1 if args.ffn_nodes is None else args.ffn_nodes
         options = {"micro_batches": 0, **options, "attention_nodes": A, "ffn_nodes": F}
     check_device(args.device)  # before torch's import (seconds): a bad flag or device is refused at once
-    from afd.engine.llm import LLM
+    from afd.entrypoints.llm import LLM
 
     llm = LLM(args.model, device=args.device, **options)
     # every prompt's sampling seeded with --seed, as a request's own seed: the same tokens colocated or on nodes
@@ -117,39 +119,6 @@ def _add_status(sub) -> None:
     p.set_defaults(func=_cmd_status)
 
 
-def _coordinator(cfg, rpc: str, request):
-    """One control-plane call to the cluster's coordinator, with the cluster token (or the one `afd
-    launch` made here); an error is one line for the user."""
-    import grpc
-
-    from afd.cluster.token import launched_token
-    from afd.control.auth import call_metadata
-    from afd.control.client import ControlClient
-
-    client = ControlClient(cfg, cfg.coordinator.name)
-    try:
-        token = launched_token(cfg.cluster.name, cfg.coordinator.ports.control)
-        return getattr(client.stub, rpc)(request, metadata=call_metadata(token), timeout=10)
-    except grpc.RpcError as e:
-        raise UserError(f"coordinator at {client.address}: {e.details() or e.code().name}") from None
-    finally:
-        client.close()
-
-
-def cluster_status(cfg):
-    """The coordinator's ClusterStatus of `cfg`'s cluster."""
-    from afd.control import control_pb2 as pb
-
-    return _coordinator(cfg, "GetStatus", pb.StatusRequest())
-
-
-def restart_node(cfg, node: str) -> None:
-    """Asks the coordinator to have FFN node `node` restart (Coordinator.Restart)."""
-    from afd.control import control_pb2 as pb
-
-    _coordinator(cfg, "Restart", pb.DrainRequest(node=node))
-
-
 def _cmd_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
@@ -157,7 +126,7 @@ def _cmd_status(args) -> int:
     from afd.control import control_pb2 as pb
 
     cfg = load(args.config)
-    st = _coordinator(cfg, "GetStatus", pb.StatusRequest())
+    st = cluster_status(cfg)
     unserved = _unserved_experts(cfg, set(st.lost) | set(st.missing))
     if args.json:
         doc = MessageToDict(st, always_print_fields_with_no_presence=True)
@@ -206,12 +175,11 @@ def _cmd_drain(args) -> int:
     import time
 
     from afd.cluster.config import load
-    from afd.control import control_pb2 as pb
 
     cfg = load(args.config)
     if args.node is not None and args.node not in [n.name for n in cfg.attention_nodes]:
         raise UserError(f"--node {args.node}: not an attention node of {args.config}")
-    _coordinator(cfg, "Drain", pb.DrainRequest(node=args.node or ""))
+    drain(cfg, args.node)
     nodes = [cfg.node(args.node)] if args.node else cfg.attention_nodes
     print(f"draining {', '.join(n.name for n in nodes)}")
     deadline = time.monotonic() + args.wait
@@ -244,10 +212,6 @@ def _running_requests(cfg, node) -> int:
     return int(total)
 
 
-class UserError(Exception):
-    """A mistake in the command line or its inputs: printed as one line, exit code 2."""
-
-
 def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
     """`afd` and its subcommands' parsers."""
     parser = argparse.ArgumentParser(prog="afd", description="Attention-FFN Disaggregated MoE serving")
@@ -259,9 +223,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     _add_status(sub)
     _add_drain(sub)
     from afd.bench import dispatch, graph, mtp, paged, plan_check, quant, serve, step, suite, tp
-    from afd.cluster import launch, rebalance_cli
-    from afd.cluster import serve as serve_model
-    from afd.observability import prometheus_config
+    from afd.entrypoints import launch, prometheus_config, rebalance
+    from afd.entrypoints import serve as serve_model
 
     for module in (
         serve_model,
@@ -279,10 +242,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
         plan_check,
     ):
         module.add_parser(sub)
-    rebalance_cli.add_parser(sub)
-    from afd.plan import commands as plan_commands
+    rebalance.add_parser(sub)
+    from afd.entrypoints import plan
 
-    plan_commands.add_parsers(sub)
+    plan.add_parsers(sub)
     return parser, sub
 
 

@@ -70,7 +70,7 @@ def run(args) -> int:
         print(cfg.to_yaml(), end="")
         return 0
     check_device_count(cfg)
-    from afd.cluster import launch
+    from afd.entrypoints import launch
 
     tmp = tempfile.mkdtemp(prefix="afd-serve-")  # mode 0700: the YAML is this user's
     try:

@@ -20,6 +20,7 @@ import urllib.request
 from afd.cluster.fieldspec import positive_int, size_arg
 from afd.cluster.flags import DefaultsHelpFormatter
 from afd.cluster.placement import Placement, format_experts
+from afd.errors import UserError
 
 METRIC = "afd_expert_tokens_total"
 SCRAPE_TIMEOUT = 5.0
@@ -74,7 +75,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from afd.cli import UserError
     from afd.cluster.config import check_expert_layout, load
     from afd.cluster.rebalance import imbalance, node_loads, rebalance
     from afd.cluster.topology import local_model
@@ -121,8 +121,8 @@ def run(args) -> int:
         write(cfg, new, path, n_routed, model_cfg.expert_groups[0])
         print(f"wrote {path}" + ("; layout.routing: attention (replicas need it)" if new.replicated else ""))
     if args.apply:
-        from afd.cli import cluster_status, restart_node
         from afd.cluster.rebalance_apply import apply
+        from afd.control.cluster_client import cluster_status, restart_node
 
         try:
             apply(load(path), current, new, lambda n: restart_node(cfg, n), lambda: cluster_status(cfg))
@@ -137,7 +137,6 @@ def run(args) -> int:
 
 def model_of(cfg):
     """(the model's config, whether its experts' weights are 8-bit), read as `afd check-config` reads them."""
-    from afd.cli import UserError
     from afd.cluster.topology import model_dir
     from afd.model.config import ConfigError
     from afd.model.demo_config import DEMO_CONFIG
@@ -181,7 +180,6 @@ def budget_of(args, cfg, current: Placement, model_cfg, quantized: bool) -> tupl
 def read_loads(cfg, paths: list[str] | None, n_routed: int) -> tuple[list[float], str]:
     """Tokens per routed expert (0 for one no file or node counts), summed over the FFN nodes' /metrics
     (or the saved files), and where they came from."""
-    from afd.cli import UserError
 
     texts = []
     if paths:
@@ -215,7 +213,6 @@ def _url(node) -> str:
 
 
 def scrape(node, source: str) -> str:
-    from afd.cli import UserError
 
     if node.ports.metrics is None:
         raise UserError(
@@ -232,8 +229,6 @@ def scrape(node, source: str) -> str:
 def expert_tokens(text: str, where: str, n_routed: int) -> dict[int, float]:
     """{expert: tokens} of one /metrics body (Prometheus text format, as prometheus_client writes it)."""
     from prometheus_client.parser import text_string_to_metric_families
-
-    from afd.cli import UserError
 
     out: dict[int, float] = {}
     try:

@@ -1,6 +1,6 @@
 """`afd.LLM`: offline generation on the serving engine, colocated (both halves in this process) or
 across AFD node processes on this machine, called as vLLM's `vllm.LLM` is (`generate`, `chat`,
-`SamplingParams`, vLLM's keywords: afd.engine.llm_params; its outputs: afd.engine.llm_outputs)."""
+`SamplingParams`, vLLM's keywords: afd.entrypoints.llm_params; its outputs: afd.entrypoints.llm_outputs)."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from afd.engine import offline
 from afd.engine.engine import Engine
 from afd.engine.factory import Job, build_engine
 from afd.engine.graph import graph_report
-from afd.engine.llm_inputs import Prompt, conversations_of, prompts_of, render, requests_of
-from afd.engine.llm_nodes import _add_counters, run_on_nodes
-from afd.engine.llm_outputs import RequestOutput, completion_output
-from afd.engine.llm_params import SamplingParams as VLLMSamplingParams
-from afd.engine.llm_params import default_sampling_params, llm_options, per_prompt
 from afd.engine.offline import Completion, OfflineRequest
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import Tokenizer, load_tokenizer
+from afd.entrypoints.llm_inputs import Prompt, conversations_of, prompts_of, render, requests_of
+from afd.entrypoints.llm_nodes import _add_counters, run_on_nodes
+from afd.entrypoints.llm_outputs import RequestOutput, completion_output
+from afd.entrypoints.llm_params import SamplingParams as VLLMSamplingParams
+from afd.entrypoints.llm_params import default_sampling_params, llm_options, per_prompt
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
 from afd.model.config import parse_dtype
 from afd.model.mtp import family_mtp
@@ -44,7 +44,7 @@ class LLM:
     """
 
     def __init__(self, model: str, **options: Any):
-        """`options`: vLLM's LLM keywords (afd.engine.llm_params.llm_options; README "Offline, in Python"),
+        """`options`: vLLM's LLM keywords (afd.entrypoints.llm_params.llm_options; README "Offline, in Python"),
         any field of the configuration by name (afd.cluster.schema, checked as the cluster YAML is; the dummy
         weights' seed is `weights_seed`), and where it runs: `device` (cpu; colocated only), and colocated
         (both halves in this process) unless `attention_nodes` or `ffn_nodes` is given (or colocated=False):
@@ -171,7 +171,7 @@ class LLM:
 
     def _run(self, requests: list[OfflineRequest], progress: bool) -> list[Completion]:
         """The completions of a job's sequences, on this process's engine (with the tokenizer: text, stop
-        strings and its EOS ids, as a server's) or the node processes (afd.engine.llm_nodes)."""
+        strings and its EOS ids, as a server's) or the node processes (afd.entrypoints.llm_nodes)."""
         if not self.cluster:
             return self._colocated(requests, self.tokenizer, None, progress)
         tok = self.tokenizer

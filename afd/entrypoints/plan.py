@@ -9,6 +9,7 @@ from pathlib import Path
 
 from afd.cluster.fieldspec import at_least
 from afd.cluster.flags import DefaultsHelpFormatter, config_flags
+from afd.errors import UserError
 
 HEADROOM = 0.9
 """Share of a device's memory weights and KV cache may fill: the rest is activations, buffers, the runtime."""
@@ -114,8 +115,6 @@ class _Source:
         tp, f, routing = layout.attention_tp, layout.ffn_nodes, layout.routing
         if self.profile is not None:
             if tp != self.profile.attention_tp:
-                from afd.cli import UserError
-
                 raise UserError(
                     f"attention_tp {tp}: the profile ({self.profile.source}) was measured at attention_tp "
                     f"{self.profile.attention_tp}; profile a cluster at {tp} or use --hardware"
@@ -188,7 +187,6 @@ def run_simulate(args) -> int:
 
 
 def run_plan(args) -> int:
-    from afd.cli import UserError
     from afd.plan.search import Space, no_plan, search, table
     from afd.plan.shape import ModelShape
 

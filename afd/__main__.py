@@ -1,0 +1,7 @@
+"""`python -m afd`: the `afd` command."""
+
+import sys
+
+from afd.entrypoints.cli import main
+
+sys.exit(main())
