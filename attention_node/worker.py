@@ -120,14 +120,18 @@ class OfflineNode(AttentionNode):
         if self.tp.size > 1:
             self.tp.send_step(RunJob(prompts, per))
         engine = self._engine(prompts, per)
-        before = _counters(self.moe, self.tp)
+        before = _tp_counters(self.tp)
         steps: list[dict] = []
         logits: list | None = [] if job.get("logits") else None
         times = LayerTimes() if job.get("layer_times") else None
         engine.runner.layer_times = times  # None, the default: the runner times nothing
         marks: list[tuple[float, int]] = []
 
+        a2f = 0
+
         def on_step(s) -> None:
+            nonlocal a2f
+            a2f += s.a2f_bytes
             steps.append(s.report())
             if times is not None:  # the step's end and the samples by then: afd.plan.profile_measure.split_steps
                 marks.append((time.perf_counter(), len(times.samples)))
@@ -142,7 +146,7 @@ class OfflineNode(AttentionNode):
             on_step=on_step,
             progress=True,
         )
-        a2f, tp_bytes, tp_fallbacks = _since(before, _counters(self.moe, self.tp))
+        tp_bytes, tp_fallbacks = _since(before, _tp_counters(self.tp))
         log.info("generated %d sequences in %d steps", len(out), len(steps))
         return {
             "outputs": out,
@@ -195,10 +199,10 @@ class OfflineNode(AttentionNode):
                 raise TypeError(f"TP rank {self.tp.rank}: unexpected message from the leader: {msg!r}")
 
 
-def _counters(moe, tp) -> tuple[int, Counter, Counter]:
-    return getattr(moe, "bytes_sent", 0), Counter(tp.bytes), Counter(tp.fallbacks)
+def _tp_counters(tp) -> tuple[Counter, Counter]:
+    return Counter(tp.bytes), Counter(tp.fallbacks)
 
 
-def _since(before: tuple, after: tuple) -> tuple[int, dict, dict]:
-    """A job's own bytes and fallbacks: the exchange and the TP group count for the node's life."""
-    return after[0] - before[0], dict(after[1] - before[1]), dict(after[2] - before[2])
+def _since(before: tuple, after: tuple) -> tuple[dict, dict]:
+    """A job's own TP bytes and fallbacks: the TP group counts them for the node's life."""
+    return dict(after[0] - before[0]), dict(after[1] - before[1])

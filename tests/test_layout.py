@@ -247,6 +247,30 @@ def test_no_family_hook_is_probed_with_getattr_or_hasattr():
             )
 
 
+def exchange_probes(source: str) -> list[str]:
+    """getattr / hasattr calls in `source` on an MoE exchange (an expression naming `moe` or `exchange`)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+            and node.args
+            and any(w in ast.unparse(node.args[0]).lower() for w in ("moe", "exchange"))
+        ):
+            out.append(f"line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_exchange_is_probed_with_getattr_or_hasattr():
+    """What an MoE exchange did in a step is the ExchangeStats its end_step returns (afd.dataplane.exchange):
+    no caller asks an exchange for a counter it may not have."""
+    assert exchange_probes("sent = getattr(self.runner.exchange(), 'bytes_sent', 0)")  # the check sees a probe
+    for package in ("afd", "attention_node", "ffn_node"):
+        for f in _files(package):
+            assert not exchange_probes(f.read_text()), f"{f}: {exchange_probes(f.read_text())}"
+
+
 def test_every_registered_family_keeps_the_contract():
     from afd.model import halves
     from afd.model.registry import FAMILIES

@@ -98,8 +98,6 @@ class RoutedMoE(RemoteMoE):
         super().__init__(plane, table.ranks, hidden, dtype, backend.device, timers, exchange_dtype)
         self.routers, self.backend, self.table, self.dtype = routers, backend, table, dtype
         self._calls = 0
-        self.zero_slots = 0
-        """Token assignments to identity experts applied here (afd_zero_expert_tokens_total on this node)."""
 
     def adopt(self, rank: int, experts: tuple[int, ...]) -> None:
         """At a step boundary: a newly formed pair with FFN node `rank` (a dead node's replacement) takes its
@@ -143,7 +141,6 @@ class RoutedMoE(RemoteMoE):
             parts.append((rows, buf))
             keep.append(packed)
         sent = dispatch_bytes(n[:F], self.hidden, self.dtype, K, self.exchange_dtype)
-        self.bytes_sent += sent["to_ffn"]
         for d, b in sent.items():
             self.exchange_bytes[d] += b
         return _RoutedHandle(self, works, y0, parts, keep)

@@ -1,14 +1,16 @@
 """How the attention side reaches the MoE half: in-process, or over the data plane.
 
 The runner sees one interface: `begin_step` with the token count of each micro-batch, then per layer
-and micro-batch `submit(m)` returning a handle whose `wait()` gives the MoE output. Calls come in
-(layer, micro-batch) order, which is also the order of messages on the wire. A step with `mtp=True`
+and micro-batch `submit(m)` returning a handle whose `wait()` gives the MoE output, then `end_step`, which
+says what the step's exchange did (ExchangeStats). Calls come in (layer, micro-batch) order, which is also
+the order of messages on the wire. A step with `mtp=True`
 runs only the multi-token-prediction module's MoE layer (afd.dataplane.protocol, FLAG_MTP).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
@@ -36,6 +38,27 @@ class MoEHandle(Protocol):
     def wait(self) -> torch.Tensor: ...
 
 
+@dataclass(frozen=True, slots=True)
+class ExchangeStats:
+    """What an exchange did: over one step (MoEExchange.end_step), or since it was made (`totals`)."""
+
+    ffn_wait: float = 0.0
+    """Seconds blocked waiting for MoE outputs: the exchange that was not hidden."""
+    to_ffn: int = 0
+    """Bytes of MoE inputs sent to the FFN nodes (afd_a2f_bytes; afd_exchange_bytes{direction="to_ffn"})."""
+    to_attention: int = 0
+    """Bytes of MoE outputs received from them."""
+    zero_slots: int = 0
+    """Token assignments to identity experts applied on this side (routing attention)."""
+
+    def __sub__(self, other: ExchangeStats) -> ExchangeStats:
+        return ExchangeStats(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+    def bytes(self) -> dict[str, int]:
+        """Bytes by direction (afd.dataplane.protocol.DIRECTIONS)."""
+        return {"to_ffn": self.to_ffn, "to_attention": self.to_attention}
+
+
 class MoEExchange(Protocol):
     timers: Timers
     """`ffn_wait`: seconds blocked waiting for MoE outputs (the exchange that was not hidden)."""
@@ -48,7 +71,9 @@ class MoEExchange(Protocol):
         """kw: `token_ids` [T] when the layer's router reads them (AttentionHalf.moe_reads_token_ids)."""
         ...
 
-    def end_step(self) -> None: ...
+    def end_step(self) -> ExchangeStats:
+        """The step is done on this side: what its exchange did since begin_step."""
+        ...
 
     def check(self) -> None:
         """Raises the PeerError of a transfer whose deadline passed without the host waiting for it: called
@@ -87,8 +112,8 @@ class LocalMoE:
     def submit(self, layer: int, micro_batch: int, m: torch.Tensor, **kw) -> MoEHandle:
         return Ready(self.ffn(self.backend, layer, m, **kw))
 
-    def end_step(self) -> None:
-        pass
+    def end_step(self) -> ExchangeStats:
+        return ExchangeStats()
 
     def check(self) -> None:
         pass
@@ -141,9 +166,12 @@ class RemoteMoE:
         (afd.dataplane.dispatch: a replacement FFN node) counts on its own."""
         for f in ffn_ranks:
             self._add_peer(f)
-        self.bytes_sent = 0
         self.exchange_bytes = dict.fromkeys(DIRECTIONS, 0)
-        """Bytes of MoE inputs sent and results received, over every FFN peer (afd_exchange_bytes_total)."""
+        """Bytes of MoE inputs sent and results received, over every FFN peer, since the exchange was made."""
+        self.zero_slots = 0
+        """Token assignments to identity experts applied on this side (a routed exchange's)."""
+        self._begun = ExchangeStats()
+        """`totals()` when the step began."""
 
     def _add_peer(self, f: int) -> None:
         """A newly formed pair with FFN node f: its header and ack buffers, and its steps counted from 0."""
@@ -165,7 +193,13 @@ class RemoteMoE:
             self.plane.wait(work, peer, what)
         self.timers.add("ffn_wait", time.perf_counter() - t0)
 
+    def totals(self) -> ExchangeStats:
+        """What this exchange did since it was made."""
+        sent, back = self.exchange_bytes["to_ffn"], self.exchange_bytes["to_attention"]
+        return ExchangeStats(self.timers.total("ffn_wait"), sent, back, self.zero_slots)
+
     def begin_step(self, tokens_per_micro_batch: list[int], mtp: bool = False) -> None:
+        self._begun = self.totals()
         self._send_header(tuple(tokens_per_micro_batch), FLAG_MTP if mtp else 0)
         for f in self.ffn_ranks:
             self.step_ids[f] += 1
@@ -184,13 +218,15 @@ class RemoteMoE:
             buf = self.pool.get((micro_batch, f), T, self.hidden)
             works.append((f, self.plane.irecv(buf, f), f"layer {layer} MoE output receive"))
             bufs.append(buf)
-        sent = m.numel() * m.element_size() * len(self.ffn_ranks)
-        self.bytes_sent += sent
-        self.exchange_bytes["to_ffn"] += sent
+        self.exchange_bytes["to_ffn"] += m.numel() * m.element_size() * len(self.ffn_ranks)
         self.exchange_bytes["to_attention"] += sum(b.numel() * b.element_size() for b in bufs)
         return _RemoteHandle(self, works, bufs, m)
 
-    def end_step(self) -> None:
+    def end_step(self) -> ExchangeStats:
+        self._wait_headers()
+        return self.totals() - self._begun
+
+    def _wait_headers(self) -> None:
         for peer, work, what in self._header_sends:
             self.plane.wait(work, peer, what)
         self._header_sends = []
@@ -205,7 +241,7 @@ class RemoteMoE:
         works = [(f, self.plane.irecv(self._acks[f], f)) for f in self.ffn_ranks]
         for f, w in works:
             self.plane.wait(w, f, "idle ack receive")
-        self.end_step()
+        self._wait_headers()
         busiest = torch.stack([buf[0] for buf in self._acks.values()]).max()
         return host_syncs.to_int(busiest)  # one read, not one per FFN node
 
@@ -213,4 +249,4 @@ class RemoteMoE:
         """Tell every FFN node this attention node is done (with `shutdown`, that they exit)."""
         flags = FLAG_LEAVE | (FLAG_SHUTDOWN if shutdown else 0)
         self._send_header((), flags)
-        self.end_step()
+        self._wait_headers()

@@ -248,27 +248,20 @@ class Engine:
                 if self.metrics:
                     self.metrics.queue.observe(now - req.arrival)
         decoding = [bool(s.request.output_ids) and s.request.num_tokens - s.start == 1 for s in plan]
-        moe = self.runner.exchange()
-        wait0, sent0 = moe.timers.total("ffn_wait"), getattr(moe, "bytes_sent", 0)
-        exchanged0 = dict(getattr(moe, "exchange_bytes", {}))  # RemoteMoE's, by direction
-        zero0 = getattr(moe, "zero_slots", 0)  # RoutedMoE's: identity experts applied on this side
         t0 = time.perf_counter()
         out = self.runner.execute(plan.step_seqs())
-        stats = StepStats(
-            plan.num_tokens,
-            time.perf_counter() - t0,
-            moe.timers.total("ffn_wait") - wait0,
-            getattr(moe, "bytes_sent", 0) - sent0,
-            "decode" if all(decoding) else "prefill" if not any(decoding) else "mixed",
-        )
+        ex = out.exchange
+        phase = "decode" if all(decoding) else "prefill" if not any(decoding) else "mixed"
+        stats = StepStats(plan.num_tokens, time.perf_counter() - t0, ex.ffn_wait, ex.to_ffn, phase)
         if self.metrics:
             m = self.metrics
             m.step(stats.phase).observe(stats.seconds)
             m.ffn_wait.observe(stats.ffn_wait)
             m.a2f_bytes.inc(stats.a2f_bytes)
-            for direction, n in getattr(moe, "exchange_bytes", {}).items():
-                m.exchange_bytes(direction).inc(n - exchanged0.get(direction, 0))
-            m.zero_expert_tokens.inc(getattr(moe, "zero_slots", 0) - zero0)
+            for direction, n in ex.bytes().items():
+                if n:  # a colocated step exchanges nothing: no series
+                    m.exchange_bytes(direction).inc(n)
+            m.zero_expert_tokens.inc(ex.zero_slots)
             m.micro_batches.set(out.micro_batches)
         return out, stats
 

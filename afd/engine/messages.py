@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from afd.dataplane.exchange import ExchangeStats
+
 if TYPE_CHECKING:  # request.py imports the sampler, which hands back a SampledStep
     from afd.engine.request import Request
 
@@ -107,6 +109,8 @@ class RunnerOutput:
     drafts' input); else None."""
     micro_batches: int
     """What the step ran with (afd_micro_batches): the tuner may choose anew right after it."""
+    exchange: ExchangeStats
+    """What the step's MoE exchange did."""
 
 
 Logprob = tuple[float, list[tuple[int, float]]]

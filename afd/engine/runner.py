@@ -109,7 +109,7 @@ class ModelRunner:
         """Runs the step. micro_batches: the leader's choice, on the other TP ranks (each rank's tuner
         would measure its own times)."""
         moe = self.exchange()
-        t0, wait0 = time.perf_counter(), moe.timers.total("ffn_wait")
+        t0 = time.perf_counter()
         n = micro_batches or self.micro_batches
         if self.tp.size > 1 and self.tp.is_leader:
             if any(s.drafts is not None for s in seqs):  # the config refuses this pairing; device drafts don't pickle
@@ -128,7 +128,7 @@ class ModelRunner:
                 self._start(layer, mb)
         for mb in live:
             self._finish(L - 1, mb)
-        moe.end_step()
+        exchanged = moe.end_step()
         first = [0]
         for s in seqs:
             first.append(first[-1] + s.num_logits)
@@ -146,10 +146,9 @@ class ModelRunner:
                 if self.mtp is not None:
                     hidden.append(self.attn.mtp_hidden(x))
         if self.tuner:
-            waited = moe.timers.total("ffn_wait") - wait0
             decode = all(len(s.token_ids) == s.num_logits for s in seqs)  # decode, drafts included
-            self.tuner.observe(time.perf_counter() - t0, waited, decode, len(seqs))
-        return RunnerOutput(logits, torch.cat(hidden) if hidden else None, n)
+            self.tuner.observe(time.perf_counter() - t0, exchanged.ffn_wait, decode, len(seqs))
+        return RunnerOutput(logits, torch.cat(hidden) if hidden else None, n, exchanged)
 
     def _prepare(self, index: int, rows: list[int], seqs: list[StepSeq]) -> _MicroBatch:
         part = [seqs[r] for r in rows]
