@@ -24,12 +24,13 @@ from afd.dataplane.exchange import MoEExchange
 from afd.engine.engine import ALONE_BACKOFF_MAX, IDLE_BACKOFF_MAX, Engine
 from afd.engine.graph import GraphHalf, scratch_blocks, settings_of, wrap
 from afd.engine.graph_warmup import warm_up
-from afd.engine.half import AttentionHalf, MTPModule
+from afd.engine.half import MTPModule
 from afd.engine.kv_cache import CacheConfig, KVCache, blocks_needed
 from afd.engine.runner import ModelRunner
 from afd.engine.scheduler import Scheduler
 from afd.engine.tokenizer import Tokenizer
 from afd.model.config import ConfigError, ModelConfig, parse_dtype
+from afd.model.halves import AttentionHalf
 from afd.model.mla import attach_backend
 from afd.model.quant_layers import quantize_linears
 from afd.model.state_spec import StateLayout

@@ -18,7 +18,8 @@ from torch import nn
 from afd.backend.base import Backend
 from afd.cluster.config import GRAPH_BATCH_SIZES
 from afd.engine.graph_half import GraphHalf
-from afd.engine.half import AttentionHalf
+from afd.engine.half import RunnerHalf
+from afd.model.halves import AttentionHalf
 
 log = logging.getLogger("afd.graph")
 
@@ -57,7 +58,7 @@ def scratch_blocks(settings: GraphSettings | None, tp, device: torch.device) -> 
     return int(resolve_mode(settings, device) == "compile" and tp.size == 1)
 
 
-def wrap(attn: AttentionHalf, kv, settings: GraphSettings | None, tp, backend=None) -> AttentionHalf:
+def wrap(attn: AttentionHalf, kv, settings: GraphSettings | None, tp, backend=None) -> RunnerHalf:
     """`attn`, or a GraphHalf over it when the settings ask for graph mode and the layout allows it."""
     device = kv.data.device
     if settings is None or resolve_mode(settings, device) != "compile":

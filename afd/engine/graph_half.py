@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from afd.backend.base import named_method, to_device
-from afd.engine.half import AttentionHalf
 from afd.model.attention_metadata import AttentionMetadata
+from afd.model.halves import AttentionHalf
 
 log = logging.getLogger("afd.graph")
 

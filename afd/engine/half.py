@@ -1,6 +1,6 @@
-"""What the runner calls on a model half, as structural types: families implement the contract's base
-classes (afd.model.halves), and graph mode's GraphHalf, a wrapper rather than a subclass, stands in for an
-attention half through these Protocols."""
+"""What the runner calls on an attention half, as a structural type (RunnerHalf): a family's
+afd.model.halves.AttentionHalf, or graph mode's GraphHalf, a wrapper rather than a subclass, standing in
+for one."""
 
 from __future__ import annotations
 
@@ -19,7 +19,10 @@ LayerState = Any
 an afd.model.state_spec.PagedLayer (several kinds in one page pool: DeepSeek-V4); each family reads its own."""
 
 
-class AttentionHalf(Protocol):
+class RunnerHalf(Protocol):
+    """The calls the runner makes on the attention side: afd.model.halves.AttentionHalf's, which a family
+    implements and GraphHalf forwards."""
+
     cfg: ModelConfig
 
     def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, Any]: ...

@@ -22,7 +22,7 @@ from afd.backend.base import to_device
 from afd.dataplane.exchange import MoEExchange, MoEHandle, Ready
 from afd.dataplane.overlap import MicroBatchTuner
 from afd.engine.graph_half import GraphHalf
-from afd.engine.half import AttentionHalf, MTPModule
+from afd.engine.half import MTPModule, RunnerHalf
 from afd.engine.kv_cache import KVCache
 from afd.engine.messages import DraftOutput, IdleStep, LeaveStep, RunnerOutput, RunStep, StepSeq
 from afd.model.attention_metadata import AttentionMetadata
@@ -63,7 +63,7 @@ class _MicroBatch:
 class ModelRunner:
     def __init__(
         self,
-        attn: AttentionHalf,
+        attn: RunnerHalf,
         moe: MoEExchange | None,
         kv: KVCache,
         device: torch.device,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -67,6 +67,10 @@ class AttentionHalf(LoadedModule):
 
     Its parameter names are the checkpoint's (the family's weights.py maps them)."""
 
+    embed_tokens: nn.Module
+    """Token ids -> embeddings [T, H]."""
+    rotary: Any
+    """The rotary tables of a step's positions (`cos_sin(positions, dtype)`), read by the default `embed`."""
     norm: nn.Module
     """The final norm (MTP drafting reads the main model's hidden state after it)."""
     lm_head: nn.Module
@@ -89,10 +93,11 @@ class AttentionHalf(LoadedModule):
         super().__init__()
         self.cfg = cfg
 
-    @abstractmethod
     def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, Rope]:
         """Token embeddings [T, H] and the rotary tables every layer of this step shares. Called by the
-        runner once per micro-batch."""
+        runner once per micro-batch. Default: embed_tokens, and rotary's (cos, sin) at the step's positions."""
+        x = self.embed_tokens(input_ids)
+        return x, self.rotary.cos_sin(meta.positions, x.dtype)
 
     @abstractmethod
     def pre_moe(
@@ -108,9 +113,9 @@ class AttentionHalf(LoadedModule):
         """Layer i's work that does not need the MoE output (the window the exchange hides behind; a
         dense layer's MLP). The runner adds the MoE output to what this returns."""
 
-    @abstractmethod
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [T, V] of the last layer's output x [T, H] (final norm and head)."""
+        """fp32 logits [T, V] of the last layer's output x [T, H]. Default: the final norm, then the head."""
+        return self.lm_head(self.norm(x)).float()
 
     def combine(self, i: int, h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x for layer i + 1 from post_moe's h and the MoE output y [T, H]. Default: h + y. A family whose

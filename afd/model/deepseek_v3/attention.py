@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from afd.model import halves
-from afd.model.attention_metadata import AttentionMetadata
 from afd.model.deepseek_v3.config import DeepseekV3Config
 from afd.model.layers import DenseMLP, RMSNorm, Rotary, YarnRotary
 from afd.model.mla import MLAttention
@@ -80,11 +79,6 @@ class AttentionHalf(halves.AttentionHalf):
     def _layer(self, i: int) -> AttentionLayer:
         return cast(AttentionLayer, self.layers[i])  # nn.ModuleList's items are typed Module
 
-    def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
-        """Token embeddings [T, H] and the rotary tables every layer of this step shares."""
-        x = self.embed_tokens(input_ids)
-        return x, self.rotary.cos_sin(meta.positions, x.dtype)
-
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i up to the MoE input. kv [num_blocks, block_size, C + R]. Returns (h, m), m None if dense."""
         layer = self._layer(i)
@@ -98,6 +92,3 @@ class AttentionHalf(halves.AttentionHalf):
         if m is None:  # dense: no m left the layer; it is made from h here (the half keeps no state)
             m = layer.post_attention_layernorm(h)
         return h + layer.mlp(m)
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x)).float()

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from afd.model import halves
-from afd.model.attention_metadata import AttentionMetadata
 from afd.model.layers import DenseMLP, RMSNorm, Rotary
 from afd.model.longcat_flash.config import LongcatFlashConfig
 from afd.model.mla import MLAttention
@@ -48,11 +47,6 @@ class AttentionHalf(halves.AttentionHalf):
     def _layer(self, i: int) -> AttentionLayer:
         return cast(AttentionLayer, self.layers[i])  # nn.ModuleList's items are typed Module
 
-    def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
-        """Token embeddings [T, H] and the rotary tables every layer of this step shares."""
-        x = self.embed_tokens(input_ids)
-        return x, self.rotary.cos_sin(meta.positions, x.dtype)
-
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i up to the MoE input. kv [2, num_blocks, block_size, C + R]. Returns (h, m)."""
         layer = self._layer(i)
@@ -65,9 +59,6 @@ class AttentionHalf(halves.AttentionHalf):
         h = h + layer.mlps[0](m)
         h = h + layer.self_attn[1](layer.input_layernorm[1](h), *rope, meta, kv[1])
         return h + layer.mlps[1](layer.post_attention_layernorm[1](h))
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x)).float()
 
     def prefetch_weights(self, i: int, phase: str) -> list[torch.Tensor]:
         """After pre_moe: dense MLP 0's gate and up (post_moe's first GEMMs),

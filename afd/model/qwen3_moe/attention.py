@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from afd.model import halves
-from afd.model.attention_metadata import AttentionMetadata
 from afd.model.gqa import GQAttention
 from afd.model.layers import DenseMLP, RMSNorm, Rotary
 from afd.model.qwen3_moe.config import Qwen3MoeConfig
@@ -58,11 +57,6 @@ class AttentionHalf(halves.AttentionHalf):
     def _layer(self, i: int) -> AttentionLayer:
         return cast(AttentionLayer, self.layers[i])  # nn.ModuleList's items are typed Module
 
-    def embed(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, tuple]:
-        """Token embeddings [T, H] and the rotary tables every layer of this step shares."""
-        x = self.embed_tokens(input_ids)
-        return x, self.rotary.cos_sin(meta.positions, x.dtype)
-
     def pre_moe(self, i: int, x, rope, meta, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer i up to the MoE input. kv [2, num_blocks, block_size, KVH, D]. Returns (h, m), m None if dense."""
         layer = self._layer(i)
@@ -77,6 +71,3 @@ class AttentionHalf(halves.AttentionHalf):
         if layer.mlp is None:
             return h
         return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(x)).float()
