@@ -170,3 +170,27 @@ def test_a_rejoin_that_fails_fails_the_requests_with_both_reasons(llm):
     reason = "ffn0 (rank 2): recv timed out; no pair formed with FFN node ffn0 within 1s (last: connection refused)"
     assert engine.dead == reason and released == [1] and stopped == [reason]
     assert all(o[-1].finished and o[-1].error == reason for o in outs.values())
+
+
+def test_a_request_whose_sampling_raises_fails_alone():
+    """sample_step draws every row in one batch; when that raises it draws entry by entry, and an entry that
+    still raises comes back with no tokens and its error in `errors` (the engine fails that request alone),
+    while the other entry gets its token."""
+    import torch
+
+    from afd.engine.messages import ScheduledSeq, StepPlan
+    from afd.engine.sampling import Sampler, sample_step
+
+    class Picky(Sampler):
+        def draw(self, logits, rows, drafts=None):
+            if any(r.request_id == "bad" for r in rows):
+                raise RuntimeError("no token for bad")
+            return super().draw(logits, rows, drafts)
+
+    reqs = [Request(r, [1, 5], SamplingParams(temperature=0), 8, lambda out: None) for r in ("bad", "good")]
+    plan = StepPlan(tuple(ScheduledSeq(r, 2, 1, 0, True, None) for r in reqs))
+    logits = torch.zeros(2, 16)
+    logits[1, 9] = 5.0
+    out = sample_step(Picky(), plan, logits)
+    assert out.tokens == [None, [9]]
+    assert list(out.errors) == [0] and "no token for bad" in str(out.errors[0])

@@ -131,7 +131,9 @@ class Engine:
             return None
         out, stats = self._execute(plan)
         now = time.monotonic()
-        sampled = sample_step(self.sampler, plan, out.logits, self.processor.fail)
+        sampled = sample_step(self.sampler, plan, out.logits)
+        for k, e in sampled.errors.items():  # that request alone fails
+            self.processor.fail(plan.seqs[k].request, e)
         self.runner.exchange().check()  # after the host read: an aborted transfer's tokens are never emitted
         self.runner.tp.check()  # and an aborted TP collective's
         self.scheduler.update(plan, sampled.tokens)

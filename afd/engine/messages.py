@@ -10,7 +10,7 @@ items (`AddRequest`, `AbortRequest`). Between processes: what the TP leader broa
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -126,6 +126,8 @@ class SampledStep:
     whose sampling failed."""
     logprobs: list[list[Logprob] | None]
     """Per emitted token, when the request asks for logprobs; else None."""
+    errors: dict[int, Exception] = field(default_factory=dict)
+    """Plan entry -> why its request's sampling raised: that request fails alone (its tokens are None)."""
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ sampled, the same distribution (a seeded one's stream differs: the discarded row
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +32,6 @@ from afd.engine.messages import Logprob, SampledStep
 if TYPE_CHECKING:
     from afd.engine.grammar import Grammar
     from afd.engine.messages import ScheduledSeq, StepPlan
-    from afd.engine.request import Request
 
 # vLLM bounds seeds to torch.long; a generator refuses what does not fit 64 bits.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -256,14 +255,11 @@ def accepted(drawn: list[Drawn]) -> list[Drawn]:
     return drawn
 
 
-Fail = Callable[["Request", Exception], None]
-
-
-def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor, fail: Fail) -> SampledStep:
+def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor) -> SampledStep:
     """Per entry of the plan, the tokens its request emits (and their logprobs, when it asks): one, or with
     drafts to verify (its logits rows row .. row + d) the accepted ones and one more; None for a prefill
-    chunk that samples nothing. Every row in one batch; if that raises, entry by entry, so that a request
-    whose sampling raises goes to `fail(req, error)` alone and gets None while the others get their tokens."""
+    chunk that samples nothing. Every row in one batch; if that raises, entry by entry, so that an entry
+    whose sampling raises gets None and its error in `errors` while the others get their tokens."""
     starts = plan.logit_rows()
     due = [k for k, s in enumerate(plan.seqs) if s.samples]
     if not due:
@@ -274,6 +270,7 @@ def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor, fail: Fa
     for k in due:
         rows[k], at = _rows(plan.seqs[k], at), at + plan.seqs[k].num_drafts
     out: dict[int, list[Drawn]] = {}
+    errors: dict[int, Exception] = {}
     try:
         flat = sampler.draw(
             _take_rows(logits, [starts[k] + j for k in due for j in range(len(rows[k]))]),
@@ -287,14 +284,14 @@ def sample_step(sampler: Sampler, plan: StepPlan, logits: torch.Tensor, fail: Fa
             try:
                 out[k] = accepted(sampler.draw(logits[starts[k] : starts[k] + len(rows[k])], rows[k], drafts))
             except Exception as e:
-                fail(plan.seqs[k].request, e)
+                errors[k] = e
     tokens: list[list[int] | None] = [None] * len(plan)
     logprobs: list[list[Logprob] | None] = [None] * len(plan)
     for k, drawn in out.items():
         tokens[k] = [d.token for d in drawn]
         if plan.seqs[k].request.params.logprobs is not None:
             logprobs[k] = [d.logprob for d in drawn if d.logprob is not None]
-    return SampledStep(tokens, logprobs)
+    return SampledStep(tokens, logprobs, errors)
 
 
 def _rows(s: ScheduledSeq, first: int) -> list[Row]:
