@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from afd.cluster.config import ClusterConfig
+from afd.cluster.schema import ClusterConfig
 from afd.cluster.topology import served_model_name
 from afd.control import control_pb2 as pb
 from afd.engine.factory import build_engine

@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from afd.cluster.config import ClusterConfig
 from afd.cluster.placement import format_experts
+from afd.cluster.schema import ClusterConfig
 from afd.cluster.topology import served_model_name
 from afd.control import control_pb2 as pb
 from afd.dataplane.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule

@@ -16,7 +16,7 @@ import threading
 import grpc
 
 from afd.backend import Backend
-from afd.cluster.config import ClusterConfig
+from afd.cluster.schema import ClusterConfig
 from afd.cluster.token import cluster_token
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc

@@ -11,8 +11,9 @@ import forked_python
 import pytest
 from cluster_helpers import ROOT, cluster_yaml
 
-from afd.cluster.config import ClusterConfigError, from_dict
+from afd.cluster.config import from_dict
 from afd.cluster.flags import api_key
+from afd.cluster.schema import ClusterConfigError
 
 
 def _args(**kw):

@@ -17,7 +17,8 @@ import pytest
 from hf_reference import hf_greedy, make_hf_checkpoint, max_rel_err
 
 import afd
-from afd.cluster.config import ClusterConfigError, from_dict
+from afd.cluster.config import from_dict
+from afd.cluster.schema import ClusterConfigError
 from afd.model.tp.config import TPConfig, TPConfigError, fc2_batch_ids, fc2_groups, plan
 
 PROMPTS = [
@@ -244,8 +245,8 @@ def _yaml(layout: dict) -> dict:
             "layout.flashcomm2_otp: P = 3 does not divide layout.attention_tp = 4",
         ),
         ({"attention_tp": 2, "tp_comm": "flashcomm2"}, "layout.flashcomm2_otp: tp_comm flashcomm2 needs"),
-        ({"attention_tp": 2, "tp_comm": "ring"}, "layout.tp_comm: expected one of allreduce, sp"),
-        ({"attention_tp": 0}, "layout.attention_tp: expected a positive integer"),
+        ({"attention_tp": 2, "tp_comm": "ring"}, "layout.tp_comm: expected allreduce, sp"),
+        ({"attention_tp": 0}, "layout.attention_tp: must be positive, got 0"),
         ({"attention_tp": 2, "flashcomm2_otp": 1}, "layout.flashcomm2_otp: only tp_comm flashcomm2 uses it"),
     ],
 )

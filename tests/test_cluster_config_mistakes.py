@@ -15,7 +15,8 @@ import pytest
 import yaml
 from cluster_config_helpers import DEPLOY, afd_many
 
-from afd.cluster.config import ClusterConfig, ClusterConfigError, from_dict, load
+from afd.cluster.config import from_dict, load
+from afd.cluster.schema import ClusterConfig, ClusterConfigError
 
 # ---- mistakes -----------------------------------------------------------------------------------
 

@@ -7,14 +7,16 @@ import argparse
 import dataclasses
 import glob
 import inspect
+import re
 
 import pytest
 import yaml
 
-from afd.cluster.config import ClusterConfigError, from_dict, load
+from afd.cluster.config import from_dict, load
 from afd.cluster.fieldspec import field_docs, flag_of
 from afd.cluster.flags import FLAGS, SECTIONS, config_argv, config_flags, flat_overrides, overrides_of, with_overrides
 from afd.cluster.local_config import local_config
+from afd.cluster.schema import ClusterConfigError
 
 DEPLOY = sorted(glob.glob("deploy/*.yaml"))
 
@@ -110,3 +112,32 @@ def test_llm_takes_the_model_and_config_fields():
         afd.LLM("demo", micro_batch=2)
     with pytest.raises(ClusterConfigError, match="layout.graph_mode"):
         afd.LLM("demo", graph_mode="fast")
+
+
+RULED = [
+    (section, f)
+    for section, cls in SECTIONS.items()
+    for f in dataclasses.fields(cls)
+    if f.metadata.get("rule") is not None
+]
+
+
+@pytest.mark.parametrize("section,f", RULED, ids=[f"{s}.{f.name}" for s, f in RULED])
+def test_a_field_s_rule_is_held_by_the_yaml_and_by_its_flag_alike(section, f):
+    """Each field declares its constraint once (afd.cluster.fieldspec.Rule, beside the field): the YAML loader
+    refuses a value that breaks it, naming the key, and the field's flag (if it has one) refuses the same
+    value with the same words. -1 breaks every numeric rule afd declares; a made-up word every choice."""
+    from afd.cluster.fieldspec import rule_of
+
+    rule = rule_of(f)
+    bad = "no-such-choice" if isinstance(f.default, str) or f.default is None and "expected" in rule.says else -1
+    cfg = local_config(1, 1).to_dict()
+    cfg.setdefault(section, {})[f.name] = bad
+    with pytest.raises(ClusterConfigError, match=re.escape(f"{section}.{f.name}: {rule.says}, got")):
+        from_dict(cfg)
+    spec = flag_of(f)
+    if spec is not None and spec.choices is None:  # argparse refuses a choice flag's value in its own words
+        p = argparse.ArgumentParser(exit_on_error=False)
+        config_flags()[spec.name.lstrip("-").replace("-", "_")].add_to(p)
+        with pytest.raises(argparse.ArgumentError, match=re.escape(f"{rule.says}, got")):
+            p.parse_args([spec.name, str(bad)])

@@ -146,8 +146,9 @@ def test_across_processes_routed_on_the_attention_side_equals_hf(v4, A, F, micro
 def test_routing_ffn_is_refused_before_any_node_starts(v4, tmp_path):
     """Hash layers need the token ids on the router's side: routing ffn is a config error naming the fix, in
     afd.LLM and in `afd launch`'s startup check, not a node that fails at its first hash layer."""
-    from afd.cluster.config import ClusterConfigError, check_routing, from_dict
+    from afd.cluster.config import check_routing, from_dict
     from afd.cluster.local_config import local_config
+    from afd.cluster.schema import ClusterConfigError
     from afd.model.registry import load_config
 
     path, _ = v4("all_types")

@@ -14,7 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from afd.cluster.config import ClusterConfig, from_dict
+from afd.cluster.config import from_dict
+from afd.cluster.schema import ClusterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

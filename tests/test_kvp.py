@@ -122,7 +122,7 @@ def test_kvp_must_divide_attention_tp():
 
 def test_kvp_without_tp_ranks_is_refused_colocated_too(tiny_checkpoint, capsys):
     """afd.LLM and afd serve --colocated check the TP flags as the YAML does, rather than dropping them."""
-    from afd.cluster.config import ClusterConfigError
+    from afd.cluster.schema import ClusterConfigError
     from afd.entrypoints.cli import main
 
     with pytest.raises(ClusterConfigError, match="layout.kvp"):

@@ -145,7 +145,7 @@ def test_a_node_failing_on_every_start_makes_the_launcher_give_up(tiny_checkpoin
             "node ffn0 exited with code 2; 2 restarts in a row already (cluster.max_restarts: 2); giving up; "
             "stopping the cluster" in out
         ), out[-4000:]
-        assert "model.dtype: expected auto, float32, bfloat16 or float16" in out  # the node's own one line, each time
+        assert "model.dtype: expected auto, float32, bfloat16, float16" in out  # the node's own one line, each time
         assert [p for p in children if os.path.exists(f"/proc/{p}")] == []
     finally:
         stop_launcher(launcher, procs)

@@ -53,7 +53,7 @@ def test_every_config_field_reaches_a_local_cluster_s_nodes():
     into a second spec, and a new one left out was silently not applied)."""
     from afd.cluster.config import from_dict
     from afd.cluster.local import LocalCluster
-    from afd.cluster.schema import SECTION_KEYS
+    from afd.cluster.sections import SECTION_KEYS
 
     llm = afd.LLM(
         "demo",

@@ -181,7 +181,7 @@ def _afd(*argv: str) -> subprocess.CompletedProcess:
     [
         (["serve", "demo", "--colocated", "--attention-nodes", "2"], "--colocated runs both halves in one process"),
         (["serve", "/nowhere"], "/nowhere: not a checkpoint directory"),
-        (["serve", "demo", "--max-num-seqs", "0"], "must be at least 1"),
+        (["serve", "demo", "--max-num-seqs", "0"], "must be positive, got 0"),
         (
             [
                 "generate",

@@ -240,8 +240,9 @@ def test_the_policy_is_a_cluster_setting_with_flags():
 
     import yaml
 
-    from afd.cluster.config import ClusterConfigError, from_dict, load
+    from afd.cluster.config import from_dict, load
     from afd.cluster.local_config import local_config
+    from afd.cluster.schema import ClusterConfigError
 
     cfg = load(str(ROOT / "deploy/2a1f.yaml"))
     assert RestartPolicy.of(cfg.cluster) == RestartPolicy(5, 1.0, cfg.cluster.startup_timeout)

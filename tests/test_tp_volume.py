@@ -242,7 +242,7 @@ def test_table_marks_the_configured_mode_and_fallbacks():
 
 
 def _has_tp_layout() -> bool:
-    from afd.cluster.config import Layout
+    from afd.cluster.sections import Layout
 
     return {"attention_tp", "tp_comm"} <= {f.name for f in fields(Layout)}
 

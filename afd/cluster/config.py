@@ -14,32 +14,21 @@ from typing import Any
 
 import yaml
 
-from afd.cluster.fieldspec import byte_count
+from afd.cluster.fieldspec import byte_count, rule_of
+from afd.cluster.http_section import HttpSection
 from afd.cluster.placement import Placement, PlacementError, parse_experts
-from afd.cluster.schema import (  # noqa: F401 (re-exported: the names afd imports from here)
+from afd.cluster.schema import ClusterConfig, ClusterConfigError, Node, Ports
+from afd.cluster.sections import (
     DEVICES,
-    DTYPES,
-    EXCHANGE_DTYPES,
-    GRAPH_BATCH_SIZES,
-    GRAPH_MODES,
     ROLES,
-    ROUTINGS,
     SECTION_KEYS,
-    ClusterConfig,
-    ClusterConfigError,
     ClusterSection,
     EngineSection,
-    HttpSection,
     Layout,
     ModelSection,
-    Node,
-    Ports,
     PrefetchSection,
-    Process,
-    process_name,
 )
 from afd.model.tp.config import TPConfigError
-from afd.quant.scheme import METHODS as QUANT_METHODS
 
 # ---- loading and validation -------------------------------------------------------------------
 
@@ -79,15 +68,22 @@ def _section(cls, src: str, path: str, raw: Any, required: tuple[str, ...] = ())
         raw = {}
     if not isinstance(raw, dict):
         _fail(src, path, f"expected a mapping, got {type(raw).__name__}")
-    known = [f.name for f in fields(cls)]
+    declared = {f.name: f for f in fields(cls)}
     hints = typing.get_type_hints(cls)
     for key in raw:
-        if key not in known:
-            _fail(src, f"{path}.{key}" if path else str(key), f"unknown key (known: {', '.join(known)})")
+        if key not in declared:
+            _fail(src, f"{path}.{key}" if path else str(key), f"unknown key (known: {', '.join(declared)})")
     for key in required:
         if key not in raw:
             _fail(src, f"{path}.{key}", "required key is missing")
-    kw = {k: _check_type(src, f"{path}.{k}", v, hints[k]) for k, v in raw.items()}
+    kw = {}
+    for k, v in raw.items():
+        if k.endswith("_bytes") and v is not None:  # a size, as to_dict writes it back (256MiB)
+            v = parse_bytes(src, f"{path}.{k}", v)
+        kw[k] = _check_type(src, f"{path}.{k}", v, hints[k])
+        rule = rule_of(declared[k])
+        if rule is not None and (why := rule.why_not(kw[k])) is not None:
+            _fail(src, f"{path}.{k}", why)
     return kw
 
 
@@ -96,11 +92,6 @@ def parse_bytes(src: str, path: str, v: Any) -> int:
     if value is None:
         _fail(src, path, f"expected a byte count like 256MiB, got {v!r}")
     return value
-
-
-def _positive(src: str, path: str, v, allow_zero: bool = False) -> None:
-    if v is not None and (v < 0 or (v == 0 and not allow_zero)):
-        _fail(src, path, f"must be {'>= 0' if allow_zero else 'positive'}, got {v}")
 
 
 def _batch_sizes(src: str, v: Any) -> tuple[int, ...]:
@@ -174,14 +165,6 @@ def _check_layout(src: str, layout: Layout, nodes: list[Node]) -> None:
         _fail(src, "", str(e))
     if layout.zero_experts is not None and layout.zero_experts not in ffn:
         _fail(src, "layout.zero_experts", f"{layout.zero_experts!r} is not an FFN node ({', '.join(ffn)})")
-    if not 0 <= layout.micro_batches <= 4:
-        _fail(src, "layout.micro_batches", f"must be in 0..4 (0: automatic), got {layout.micro_batches}")
-    if layout.exchange_dtype not in EXCHANGE_DTYPES:
-        _fail(src, "layout.exchange_dtype", f"expected {', '.join(EXCHANGE_DTYPES)}, got {layout.exchange_dtype!r}")
-    if layout.graph_mode is not None and layout.graph_mode not in GRAPH_MODES:
-        _fail(src, "layout.graph_mode", f"expected eager or compile, got {layout.graph_mode!r}")
-    if layout.routing is not None and layout.routing not in ROUTINGS:
-        _fail(src, "layout.routing", f"expected {', '.join(ROUTINGS)}, got {layout.routing!r}")
     if layout.placement is not None:
         if not isinstance(layout.placement, dict) or set(layout.placement) != set(ffn):
             got = (
@@ -247,13 +230,7 @@ def _check_tls(src: str, tls: dict | None) -> None:
 
 
 def _load_http(src: str, raw: Any) -> HttpSection:
-    kw = dict(raw or {}) if isinstance(raw, dict) else raw
-    for size in ("max_body_bytes", "max_grammar_bytes"):
-        if isinstance(kw, dict) and size in kw:
-            kw[size] = parse_bytes(src, f"http.{size}", kw[size])
-    http = HttpSection(**_section(HttpSection, src, "http", kw))
-    for k in ("keep_alive_timeout", "header_timeout", "body_timeout", "body_min_rate", "max_grammar_bytes"):
-        _positive(src, f"http.{k}", getattr(http, k))
+    http = HttpSection(**_section(HttpSection, src, "http", raw))
     if (http.ssl_certfile is None) != (http.ssl_keyfile is None):
         _fail(src, "http", "ssl_certfile and ssl_keyfile go together")
     return http
@@ -271,35 +248,13 @@ def from_dict(raw: Any, src: str = "<dict>") -> ClusterConfig:
             _fail(src, key, "required key is missing")
     cluster = ClusterSection(**_section(ClusterSection, src, "cluster", raw.get("cluster")))
     _check_tls(src, cluster.tls)
-    for k in ("startup_timeout", "heartbeat_interval", "heartbeat_timeout", "comm_timeout"):
-        _positive(src, f"cluster.{k}", getattr(cluster, k))
-    for k in ("rejoin_timeout", "max_restarts", "restart_backoff"):
-        _positive(src, f"cluster.{k}", getattr(cluster, k), allow_zero=True)
-    model_kw = _section(ModelSection, src, "model", raw["model"], required=("path",))
-    if model_kw.get("dtype", "auto") not in DTYPES:
-        _fail(src, "model.dtype", f"expected auto, float32, bfloat16 or float16, got {model_kw['dtype']!r}")
-    quant = model_kw.get("quantization")
-    if quant is not None and quant not in QUANT_METHODS:
-        _fail(src, "model.quantization", f"expected {', '.join(QUANT_METHODS)}, got {quant!r}")
-    model = ModelSection(**model_kw)
-    _positive(src, "model.max_model_len", model.max_model_len)
+    model = ModelSection(**_section(ModelSection, src, "model", raw["model"], required=("path",)))
     layout = Layout(**_section(Layout, src, "layout", raw.get("layout")))
     eng_raw = dict(raw.get("engine") or {})
-    if "kv_cache_bytes" in eng_raw:
-        eng_raw["kv_cache_bytes"] = parse_bytes(src, "engine.kv_cache_bytes", eng_raw["kv_cache_bytes"])
     if "graph_batch_sizes" in eng_raw:
         eng_raw["graph_batch_sizes"] = _batch_sizes(src, eng_raw["graph_batch_sizes"])
     engine = EngineSection(**_section(EngineSection, src, "engine", eng_raw))
-    for k in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-        _positive(src, f"engine.{k}", getattr(engine, k))
-    _positive(src, "engine.shutdown_timeout", engine.shutdown_timeout, allow_zero=True)
-    if engine.gpu_memory_utilization is not None and not 0 < engine.gpu_memory_utilization <= 1:
-        _fail(src, "engine.gpu_memory_utilization", f"must be in (0, 1], got {engine.gpu_memory_utilization}")
-    pf_raw = dict(raw.get("prefetch") or {})
-    if pf_raw.get("budget_bytes") is not None:
-        pf_raw["budget_bytes"] = parse_bytes(src, "prefetch.budget_bytes", pf_raw["budget_bytes"])
-    prefetch = PrefetchSection(**_section(PrefetchSection, src, "prefetch", pf_raw))
-    _positive(src, "prefetch.budget_bytes", prefetch.budget_bytes)
+    prefetch = PrefetchSection(**_section(PrefetchSection, src, "prefetch", raw.get("prefetch")))
     for i, w in enumerate(prefetch.weights or []):
         if w not in ("router", "gate_up", "down"):
             _fail(src, f"prefetch.weights[{i}]", f"expected router, gate_up or down, got {w!r}")

@@ -1,5 +1,6 @@
-"""What a config field says about itself: its command-line option and its documentation, declared once
-beside the field in afd.cluster.schema, from which afd.cluster.flags generates every command's flags."""
+"""What a config field says about itself: its command-line option, the rule its value keeps and its
+documentation, declared once beside the field in afd.cluster.schema. afd.cluster.flags generates every
+command's flags from them, and afd.cluster.config's YAML loader checks the same rules."""
 
 from __future__ import annotations
 
@@ -11,6 +12,32 @@ from argparse import ArgumentTypeError
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Rule:
+    """What a field's value must be, beyond its type: the YAML loader and the flag's parser both check it."""
+
+    ok: Callable[[Any], bool]
+    says: str
+    """The refusal, before `, got VALUE`."""
+
+    def why_not(self, value: Any) -> str | None:
+        """None where `value` keeps the rule (None, an unset optional field, always does)."""
+        if value is None or self.ok(value):
+            return None
+        return f"{self.says}, got {value!r}"
+
+
+POSITIVE = Rule(lambda v: v > 0, "must be positive")
+AT_LEAST_0 = Rule(lambda v: v >= 0, "must be >= 0")
+MICRO_BATCHES = Rule(lambda v: 0 <= v <= 4, "must be in 0..4 (0: automatic)")
+SPECULATIVE = Rule(lambda v: v in (0, 1, 2), "must be 0 (off), 1 or 2")
+FRACTION = Rule(lambda v: 0 < v <= 1, "must be in (0, 1]")
+
+
+def one_of(choices: tuple[str, ...]) -> Rule:
+    return Rule(lambda v: v in choices, f"expected {', '.join(choices)}")
 
 
 @dataclass(frozen=True)
@@ -31,15 +58,38 @@ def opt(
     choices: tuple[str, ...] | None = None,
     parse: Callable[[str], Any] | None = None,
     metavar: str | None = None,
+    rule: Rule | None = None,
 ) -> Any:
-    """A config field with its default and, with `flag`, the command-line option that sets it."""
-    meta = {"flag": FlagSpec(flag, choices, parse, metavar)} if flag else {}
+    """A config field with its default; with `flag`, the command-line option that sets it; with `rule` (or
+    `choices`), what its value must be, wherever it is set."""
+    meta: dict[str, Any] = {"flag": FlagSpec(flag, choices, parse, metavar)} if flag else {}
+    if rule is not None or choices is not None:
+        meta["rule"] = rule if rule is not None else one_of(choices)  # type: ignore[arg-type]
     return field(default=default, metadata=meta)
 
 
 def flag_of(f) -> FlagSpec | None:
     """The command-line option a dataclass field declared (None: the YAML alone sets it)."""
     return f.metadata.get("flag")
+
+
+def rule_of(f) -> Rule | None:
+    """The rule a dataclass field's value keeps (None: its type says all)."""
+    return f.metadata.get("rule")
+
+
+def checked(parse: Callable[[str], Any], rule: Rule | None) -> Callable[[str], Any]:
+    """A flag's argparse type: `parse`, then the field's rule (argparse prints the refusal)."""
+    if rule is None:
+        return parse
+
+    def typed(text: str) -> Any:
+        value = parse(text)
+        if (why := rule.why_not(value)) is not None:
+            raise ArgumentTypeError(why)
+        return value
+
+    return typed
 
 
 @functools.cache

@@ -18,16 +18,10 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from afd.cluster.fieldspec import count_arg, field_docs, flag_of, positive_int
-from afd.cluster.schema import (
-    ClusterConfig,
-    ClusterSection,
-    EngineSection,
-    HttpSection,
-    Layout,
-    ModelSection,
-    PrefetchSection,
-)
+from afd.cluster.fieldspec import checked, count_arg, field_docs, flag_of, positive_int, rule_of
+from afd.cluster.http_section import HttpSection
+from afd.cluster.schema import ClusterConfig
+from afd.cluster.sections import ClusterSection, EngineSection, Layout, ModelSection, PrefetchSection
 
 SECTIONS = {
     "model": ModelSection,
@@ -97,7 +91,8 @@ def _config_flag(section: str, cls: type, f: dataclasses.Field) -> Flag:
     key = f"{section}.{f.name}"
     if base is bool:
         return Flag(spec.name, f"{doc}{default} [{key}]", action=argparse.BooleanOptionalAction, key=key)
-    return Flag(spec.name, f"{doc}{default} [{key}]", spec.parse or base, None, spec.choices, spec.metavar, key=key)
+    typ = checked(spec.parse or base, None if spec.choices else rule_of(f))  # argparse checks choices itself
+    return Flag(spec.name, f"{doc}{default} [{key}]", typ, None, spec.choices, spec.metavar, key=key)
 
 
 def _shown(value: Any) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd.cluster.fieldspec import opt, size_arg
+from afd.cluster.fieldspec import POSITIVE, opt, size_arg
 
 
 @dataclass(frozen=True)
@@ -16,15 +16,15 @@ class HttpSection:
     """TLS certificate chain (PEM) of the API; with ssl_keyfile, the API speaks HTTPS only (vLLM's flag)."""
     ssl_keyfile: str | None = opt(None, "--ssl-keyfile")
     """The private key (PEM) of ssl_certfile."""
-    keep_alive_timeout: float = opt(5.0, "--timeout-keep-alive")
+    keep_alive_timeout: float = opt(5.0, "--timeout-keep-alive", rule=POSITIVE)
     """Seconds a connection may stay idle (opened and nothing sent yet, or nothing since its last response)
     before it is closed (vLLM's and uvicorn's 5)."""
-    header_timeout: float = opt(20.0, "--timeout-header")
+    header_timeout: float = opt(20.0, "--timeout-header", rule=POSITIVE)
     """Seconds from a request's first byte to the end of its headers; then 408 and the connection closes."""
-    body_timeout: float = opt(20.0, "--timeout-body")
+    body_timeout: float = opt(20.0, "--timeout-body", rule=POSITIVE)
     """Seconds a request body may go without progress: each body_min_rate bytes received push the deadline
     a second later, never beyond this many seconds from now; then 408 and the connection closes."""
-    body_min_rate: int = opt(500, "--body-min-rate")
+    body_min_rate: int = opt(500, "--body-min-rate", rule=POSITIVE)
     """Bytes per second of request body that keep a slow upload going (see body_timeout)."""
     max_body_bytes: int = opt(32 << 20, "--max-body-bytes", parse=size_arg)
     """Larger request bodies get 413: before a byte is read when Content-Length says so, else as soon as the

@@ -12,14 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from afd.cluster.http_section import HttpSection
 from afd.cluster.placement import Placement, default_placement, from_yaml
-from afd.cluster.sections import (  # noqa: F401 (re-exported: the names afd imports from here)
-    DEVICES,
-    DTYPES,
-    EXCHANGE_DTYPES,
-    GRAPH_BATCH_SIZES,
-    GRAPH_MODES,
-    ROLES,
-    ROUTINGS,
+from afd.cluster.sections import (
     SECTION_KEYS,
     ClusterSection,
     EngineSection,

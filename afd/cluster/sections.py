@@ -8,14 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afd.cluster.fieldspec import (
-    count_arg,
+    AT_LEAST_0,
+    FRACTION,
+    MICRO_BATCHES,
+    POSITIVE,
+    SPECULATIVE,
     dtype_arg,
-    fraction_arg,
-    micro_batches_arg,
     opt,
-    positive_int,
     size_arg,
-    speculative_count,
 )
 from afd.model.tp.config import MODES as TP_MODES
 from afd.model.tp.config import TPConfig
@@ -51,7 +51,7 @@ class ModelSection:
     """Seeded random weights: only the checkpoint's config.json is read."""
     seed: int = opt(0, "--weights-seed")
     """Seed of the dummy weights (every node draws the same tensors from it)."""
-    max_model_len: int | None = opt(None, "--max-model-len", parse=positive_int)
+    max_model_len: int | None = opt(None, "--max-model-len", rule=POSITIVE)
     """Context limit of a request; default: the model's max_position_embeddings (or what the KV cache holds)."""
     revision: str | None = opt(None, "--revision")
     """A hub name's branch, tag or commit (default: main); ignored for a local directory."""
@@ -68,7 +68,7 @@ class Layout:
     overlap: bool = opt(True, "--overlap")
     """Hide each MoE exchange behind the attention side's work; off (`--no-overlap`) waits for each result at
     once (the baseline)."""
-    micro_batches: int = opt(0, "--micro-batches", parse=micro_batches_arg, metavar="{0..4}")
+    micro_batches: int = opt(0, "--micro-batches", rule=MICRO_BATCHES, metavar="{0..4}")
     """Ping-pong micro-batches (1-4); 0 chooses from measured times."""
     exchange_dtype: str = opt("same", "--exchange-dtype", choices=EXCHANGE_DTYPES)
     """How the MoE inputs cross to the FFN nodes: same (the model dtype), or fp8 (e4m3) or int8 with one
@@ -86,18 +86,18 @@ class Layout:
     (afd/cluster/placement.py); `afd rebalance` writes one from measured loads."""
     zero_experts: str | None = None
     """FFN node that applies the identity experts under routing ffn; default: the first FFN node."""
-    attention_tp: int = opt(1, "--attention-tp", parse=positive_int)
+    attention_tp: int = opt(1, "--attention-tp", rule=POSITIVE)
     """Ranks of every attention node: TP rank r of a node is its own process (`--tp-rank r`) on device
     index (the node's) + r, and exchanges its own rows with the FFN nodes (afd.model.tp)."""
     tp_comm: str = opt("allreduce", "--tp-comm", choices=TP_MODES)
     """How the TP ranks combine row-parallel results: allreduce, sp, flashcomm1 or flashcomm2."""
-    flashcomm2_otp: int | None = opt(None, "--flashcomm2-otp", parse=positive_int)
+    flashcomm2_otp: int | None = opt(None, "--flashcomm2-otp", rule=POSITIVE)
     """flashcomm2's o_proj TP group size P (attention_tp > P, attention_tp % P == 0)."""
     tp_comm_min_tokens: int | None = opt(None, "--tp-comm-min-tokens")
     """Micro-batches with fewer tokens run as allreduce (counted in afd_tp_comm_fallbacks_total); default:
     the threshold of the mode (sp 1, flashcomm1/2 1001, as vllm-ascend's)."""
 
-    kvp: int = opt(1, "--kvp", parse=positive_int)
+    kvp: int = opt(1, "--kvp", rule=POSITIVE)
     """KV-parallel ranks (divides attention_tp): each holds 1/kvp of every sequence's KV cache, round-robin by
     block, so max_model_len grows kvp-fold (afd/model/kvp.py)."""
     graph_mode: str | None = opt(None, "--graph-mode", choices=GRAPH_MODES)
@@ -113,20 +113,20 @@ class Layout:
 
 @dataclass(frozen=True)
 class EngineSection:
-    block_size: int = opt(16, "--block-size", parse=positive_int)
+    block_size: int = opt(16, "--block-size", rule=POSITIVE)
     """Tokens per KV-cache block."""
     kv_cache_bytes: int = opt(256 << 20, "--kv-cache-bytes", parse=size_arg)
     """KV-cache budget of each attention rank (the YAML takes 268435456, 256MiB, 1GiB)."""
-    gpu_memory_utilization: float | None = opt(None, "--gpu-memory-utilization", parse=fraction_arg)
+    gpu_memory_utilization: float | None = opt(None, "--gpu-memory-utilization", rule=FRACTION)
     """vLLM's: the share of its device's memory an attention rank may fill; its KV cache takes what the weights
     leave of it, measured once they are loaded (free - (1 - share) x total: what other processes use counts).
     On CPU the memory is the RAM this process may still take (MemAvailable, within the cgroup's limit). Set,
     it replaces kv_cache_bytes."""
-    max_num_seqs: int = opt(64, "--max-num-seqs", parse=positive_int)
+    max_num_seqs: int = opt(64, "--max-num-seqs", rule=POSITIVE)
     """Sequences per step."""
-    max_num_batched_tokens: int = opt(512, "--max-num-batched-tokens", parse=positive_int)
+    max_num_batched_tokens: int = opt(512, "--max-num-batched-tokens", rule=POSITIVE)
     """Tokens per step (prefill chunks and decode tokens together)."""
-    shutdown_timeout: float = opt(30.0, "--shutdown-timeout")
+    shutdown_timeout: float = opt(30.0, "--shutdown-timeout", rule=AT_LEAST_0)
     """Seconds SIGTERM lets running requests finish (0 aborts them)."""
     graph_batch_sizes: tuple = GRAPH_BATCH_SIZES
     """Graph mode's batch buckets (a YAML list): a decode micro-batch of B sequences runs padded to the
@@ -137,7 +137,7 @@ class EngineSection:
     cache_compile files on NPU (CUDA graphs are captured anew each start). Unset on CPU: inductor's own
     cache (TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_USER); unset on NPU: torchair compiles through
     torch.compile and keeps nothing for the next start."""
-    speculative_tokens: int = opt(0, "--speculative-tokens", parse=speculative_count, metavar="N")
+    speculative_tokens: int = opt(0, "--speculative-tokens", rule=SPECULATIVE, metavar="N")
     """MTP speculative decoding: draft tokens per step from the checkpoint's MTP module (0 off, 1 or 2);
     every node reads it (FFN nodes then hold the MTP layer's experts too)."""
     enable_prefix_caching: bool = opt(True, "--enable-prefix-caching")
@@ -175,20 +175,20 @@ class ClusterSection:
     name: str = "afd"
     coordinator: str | None = None
     """Node hosting the coordinator; default: the first attention node."""
-    startup_timeout: float = 120.0
-    heartbeat_interval: float = 0.5
+    startup_timeout: float = opt(120.0, rule=POSITIVE)
+    heartbeat_interval: float = opt(0.5, rule=POSITIVE)
     """A node silent for 3 of them is late: a peer that has waited on it as long drops its pair (a hang
     costs the others about 1.5 s); one silent for heartbeat_timeout is lost, whatever waits on it."""
-    heartbeat_timeout: float = 10.0
-    comm_timeout: float = 60.0
-    rejoin_timeout: float = 60.0
+    heartbeat_timeout: float = opt(10.0, rule=POSITIVE)
+    comm_timeout: float = opt(60.0, rule=POSITIVE)
+    rejoin_timeout: float = opt(60.0, rule=AT_LEAST_0)
     """Seconds the surviving nodes wait, their requests paused, for a failed node's replacement to
     register (the same command started again); 0 fails the requests at once."""
-    max_restarts: int = opt(5, "--max-restarts", parse=count_arg)
+    max_restarts: int = opt(5, "--max-restarts", rule=AT_LEAST_0)
     """Restarts in a row of one node by `afd launch`, `afd serve` and afd.LLM's local cluster, which start a
     node that failed (exited non-zero, or was killed) again with its own command; past it they stop the
     cluster and exit 1 (0: never restart). A node that then stays up for startup_timeout starts a new row."""
-    restart_backoff: float = opt(1.0, "--restart-backoff")
+    restart_backoff: float = opt(1.0, "--restart-backoff", rule=AT_LEAST_0)
     """Seconds before the first restart of a row; each next one waits twice as long, at most 30 s."""
     tls: dict | None = None
     """Optional {cert, key, ca} file paths for the control plane."""

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from afd.cluster.config import ClusterConfig, Node
 from afd.cluster.placement import Placement, format_experts
+from afd.cluster.schema import ClusterConfig, Node
 
 
 def resolve_model_path(path: str, revision: str | None = None, download_dir: str | None = None) -> str:

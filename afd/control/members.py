@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd.cluster.config import ClusterConfig
+from afd.cluster.schema import ClusterConfig
 from afd.control import control_pb2 as pb
 
 

@@ -18,7 +18,7 @@ import shlex
 import signal
 import sys
 
-from afd.cluster.config import ClusterConfig, Node, Process, load
+from afd.cluster.config import load
 from afd.cluster.flags import (
     DefaultsHelpFormatter,
     add_config_flags,
@@ -30,6 +30,7 @@ from afd.cluster.flags import (
 )
 from afd.cluster.host import healthy, is_loopback, node_ports, ports_in_use
 from afd.cluster.processes import MODULES, ClusterError, Command, NodeExited, NodeProcesses
+from afd.cluster.schema import ClusterConfig, Node, Process
 from afd.cluster.supervise import RestartPolicy
 from afd.cluster.token import TOKEN_ENV, TOKEN_FILE_ENV, cluster_token, launch_token_file
 from afd.cluster.topology import with_http_port

@@ -13,8 +13,8 @@ import sys
 
 import yaml
 
-from afd.cluster.config import ClusterConfig, Node
 from afd.cluster.flags import DefaultsHelpFormatter
+from afd.cluster.schema import ClusterConfig, Node
 
 JOBS = (("attention", "afd-attention"), ("ffn", "afd-ffn"))
 _DURATION = re.compile(r"^((\d+)(ms|s|m|h|d|w|y))+$")

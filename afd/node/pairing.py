@@ -13,7 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import grpc
 
-from afd.cluster.config import ClusterConfig
+from afd.cluster.schema import ClusterConfig
 from afd.cluster.token import cluster_token
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
