@@ -13,8 +13,6 @@ log = logging.getLogger("afd.attention")
 
 def run_cluster_node(args) -> int:
     cfg = start_cluster_node(args, "attention")
-    if isinstance(cfg, int):
-        return cfg
     from afd.node.process import run_node
     from attention_node.serving_node import ServingNode
 

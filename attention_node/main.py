@@ -14,6 +14,7 @@ import os
 import sys
 
 from afd.cluster.flags import DefaultsHelpFormatter, add_flags
+from afd.errors import UserError
 from afd.node.args import add_cluster_args, start_cluster_node
 from afd.node.signals import exit_on_signal
 
@@ -49,6 +50,14 @@ def build_generate_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     exit_on_signal()  # first: torch and grpc start threads at import, and threads inherit the mask
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _dispatch(argv)
+    except UserError as e:  # the YAML, the node's device, a port taken: said before anything starts
+        print(f"afd-attention: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(argv: list[str]) -> int:
     if argv and argv[0] == "generate":
         return _exit_now(_run_generate(build_generate_parser().parse_args(argv[1:])))
     if argv and argv[0] == "colocated":
@@ -57,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return colocated.run(colocated.build_parser().parse_args(argv[1:]))
     args = build_server_parser().parse_args(argv)
     if not args.config:
-        print("afd-attention: error: --config FILE --node NAME is required (or the `generate` mode)", file=sys.stderr)
-        return 2
+        raise UserError("--config FILE --node NAME is required (or the `generate` mode)")
     if args.tp_rank:
         from attention_node.tp_rank import run_tp_rank
 
@@ -70,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_generate(args) -> int:
     cfg = start_cluster_node(args, "attention")
-    if isinstance(cfg, int):
-        return cfg
     from afd.node.process import run_node
     from attention_node.tp_rank import check_tp_rank
     from attention_node.worker import OfflineNode

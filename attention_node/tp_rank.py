@@ -33,8 +33,6 @@ def check_tp_rank(cfg, args) -> str | None:
 
 def run_tp_rank(args) -> int:
     cfg = start_cluster_node(args, "attention")
-    if isinstance(cfg, int):
-        return cfg
     err = check_tp_rank(cfg, args)
     if err:
         log.error("%s", err)

@@ -11,8 +11,6 @@ log = logging.getLogger("afd.ffn")
 
 def run_cluster_node(args) -> int:
     cfg = start_cluster_node(args, "ffn")
-    if isinstance(cfg, int):
-        return cfg
     from afd.node.process import run_node
     from ffn_node.node import FFNNode
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from afd.cluster.flags import DefaultsHelpFormatter
+from afd.errors import UserError
 from afd.node.args import add_cluster_args
 from afd.node.signals import exit_on_signal
 
@@ -29,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from ffn_node.cluster_mode import run_cluster_node
 
-    return run_cluster_node(args)
+    try:
+        return run_cluster_node(args)
+    except UserError as e:  # the YAML, the node's device, a port taken: said before anything starts
+        print(f"afd-ffn: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ import argparse
 import logging
 
 from afd.cluster.flags import add_config_flags, add_flags, api_key
+from afd.cluster.schema import ClusterConfig
+from afd.errors import UserError
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -20,8 +22,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def load_cluster_args(args, role: str):
     """The cluster YAML with this command's overrides; checks that --node names a node of `role`."""
-    from afd.cluster.config import ClusterConfigError, load
+    from afd.cluster.config import load
     from afd.cluster.flags import overrides_of, with_overrides
+    from afd.cluster.schema import ClusterConfigError
     from afd.cluster.topology import with_http_port
 
     if not args.node:
@@ -39,22 +42,19 @@ def setup_logging(role: str, name) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {role}[{name}] %(levelname)s %(message)s")
 
 
-def start_cluster_node(args, role: str):
+def start_cluster_node(args, role: str) -> ClusterConfig:
     """The common start of `afd-attention/afd-ffn --config FILE --node NAME`: the YAML with this command's
-    overrides, logging, torch threads. Returns the config, or an exit code (2) after printing why."""
-    import sys
-
-    prog = "afd-attention" if role == "attention" else "afd-ffn"
+    overrides, logging, torch threads. A mistake (the YAML, the node's device, a port taken) raises
+    UserError, which the command prints as one line and exits 2 for."""
     try:
         from afd.cluster.topology import with_model_defaults
 
         cfg = with_model_defaults(load_cluster_args(args, role))
         err = _insecure_start(cfg, args.node) or _device_missing(cfg, args.node, getattr(args, "tp_rank", 0) or 0)
     except ValueError as e:  # ClusterConfigError, or an unreadable --api-key-file
-        err = str(e)
+        raise UserError(str(e)) from None
     if err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+        raise UserError(err)
     if args.bind_host is None:  # nothing listens beyond the address the cluster file gives the node
         args.bind_host = cfg.node(args.node).host
     rank = getattr(args, "tp_rank", 0)
@@ -64,8 +64,7 @@ def start_cluster_node(args, role: str):
         api = hasattr(args, "port")  # the serving command; `generate` opens no API
         check_listeners(cfg, args.node, rank or 0, args.bind_host, getattr(args, "host", None), api)
     except PortInUse as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 2
+        raise UserError(str(e)) from None
     setup_logging(role, f"{args.node}.tp{rank}" if rank else args.node)
     import torch
 
