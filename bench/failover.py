@@ -19,8 +19,8 @@ answered again and until `afd status` said READY.
     python bench/failover.py --kill "" --big-prompt 30 --output docs/bench/failover-big-prompt.json
     python bench/failover.py --config deploy/1a2f.yaml --kill ffn1,ffn0 --output docs/bench/failover-1a2f.json
 
-With `--hostile` (and `--kill ""`), issue 46's hostile input goes to the first attention node while every one
-streams, behind an API key: `/detokenize` without the key, its F5 bodies (a 10^6-entry logit_bias, 300k chat
+With `--hostile` (and `--kill ""`), hostile input goes to the first attention node while every one
+streams, behind an API key: `/detokenize` without the key, large bodies (a 10^6-entry logit_bias, 300k chat
 messages, 1M text parts, 3M stop_token_ids) one at a time, then eight 100k-string `choice` requests at once with a
 plain 1-token request meanwhile; each answer's status and time, and the streams' largest gap.
 
@@ -121,7 +121,7 @@ def _big_prompt(cluster: Cluster, attention: dict[str, str], prompts, args, refs
 
 
 HOSTILE = {
-    # issue 46, F5: large bodies, each legal JSON, each past a bound vLLM users would expect: a 400
+    # large bodies, each legal JSON, each past a bound vLLM users would expect: a 400
     "logit_bias of 10^6 entries": ("/v1/completions", lambda m: {"logit_bias": {str(i): 1 for i in range(10**6)}}),
     "chat of 300k messages": (
         "/v1/chat/completions",
@@ -134,7 +134,7 @@ HOSTILE = {
     "3M stop_token_ids": ("/v1/completions", lambda m: {"stop_token_ids": [1] * 3_000_000}),
 }
 GRAMMARS, CHOICES = 8, 100_000
-"""Issue 46, F3: this many `structured_outputs.choice` requests of this many strings at once."""
+"""This many `structured_outputs.choice` requests of this many strings at once."""
 
 
 def _post(url: str, path: str, body: dict | bytes, headers: dict, timeout: float = 120) -> tuple[int, float]:
@@ -151,8 +151,8 @@ def _post(url: str, path: str, body: dict | bytes, headers: dict, timeout: float
 
 
 def _hostile(attention: dict[str, str], prompts, args, refs) -> dict:
-    """Issue 46's hostile input against the first attention node while every attention node streams: /detokenize
-    without the API key; F5's bodies, one at a time (status, time); F3's GRAMMARS choice requests at once with a
+    """Hostile input against the first attention node while every attention node streams: /detokenize
+    without the API key; HOSTILE's bodies, one at a time (status, time); GRAMMARS choice requests at once with a
     plain 1-token request sent meanwhile (each status and time); the streams' largest gap over it all."""
     name, url = next(iter(attention.items()))
     encoded = {}  # before the load: encoding them is the benchmark's own CPU (seconds), not the node's
@@ -190,7 +190,7 @@ def _hostile(attention: dict[str, str], prompts, args, refs) -> dict:
 
 
 def _rebalance(path: str, attention: dict[str, str], prompts, args, refs) -> dict:
-    """Issue 46, F6: `afd rebalance --apply` while every attention node streams (after a warm-up whose expert
+    """`afd rebalance --apply` while every attention node streams (after a warm-up whose expert
     loads the FFN nodes' metrics count): its exit code and time, the fewest holders any expert has in the
     placement it wrote against the fewest before, and the streams' largest gap."""
     from afd.cluster.config import load as load_cluster
@@ -229,7 +229,7 @@ def main() -> int:
     ap.add_argument("--settle", type=float, default=5.0, help="seconds of load after the node is back")
     ap.add_argument("--big-prompt", type=int, default=0, help="then send a text prompt of this many MB (0: none)")
     ap.add_argument("--hang", type=float, default=0, help="stop each node (SIGSTOP) this long instead of killing it")
-    ap.add_argument("--hostile", action="store_true", help="then issue 46's hostile input (see the docstring)")
+    ap.add_argument("--hostile", action="store_true", help="then hostile input (see the docstring)")
     ap.add_argument("--rebalance", action="store_true", help="then `afd rebalance --apply` under the load")
     ap.add_argument("--output", default=None, help="write the results as JSON here")
     args = ap.parse_args()

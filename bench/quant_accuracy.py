@@ -1,4 +1,4 @@
-"""How far afd's 8-bit serving moves the logits from HF's, teacher-forced (issue 27, item 4).
+"""How far afd's 8-bit serving moves the logits from HF's, teacher-forced.
 
     PYTHONPATH=$PWD .venv/bin/python bench/quant_accuracy.py [--out docs/bench/quant-accuracy.json]
 

@@ -1,5 +1,5 @@
 """Running afd's node processes on the fake Ascend device (tests/fakes): the environment, each process's
-report, devices for a cluster YAML, and issue 24's bound of one host sync per step read from the reports."""
+report, devices for a cluster YAML, and the bound of one host sync per step read from the reports."""
 
 from __future__ import annotations
 
@@ -74,15 +74,15 @@ def snapshot(report: Path, c: Cluster) -> Snapshot:
 
 
 def check_one_host_sync_per_step(url: str, snapshot: Snapshot, roles: dict[str, str]) -> None:
-    """Issue 24's bound: the attention node at `url` (attn0) learns its sampled tokens once per step (a greedy
-    request, then one with temperature, top-k/top-p, a seed, a penalty and logprobs) and the FFN node reads its
-    step header once; nothing else on the hot path waits for the device (exchange waits are stream-ordered,
-    copies to the device are staged in pinned memory, the FFN times its compute with events). Idle steps (an
-    attention node with nothing to run) each cost one read on both sides and are taken out. The nodes write
-    their reports on their own clocks, so the FFN nodes' idle steps are not the attention node's count: there,
-    every sync must be a step header's read, one per step, idle or not. Another attention node, idle, syncs
-    only in its idle steps; a TP rank > 0, which samples nothing, at most once per step too. roles: node name
-    -> attention or ffn."""
+    """The bound of one host sync per step: the attention node at `url` (attn0) learns its sampled tokens once
+    per step (a greedy request, then one with temperature, top-k/top-p, a seed, a penalty and logprobs) and the
+    FFN node reads its step header once; nothing else on the hot path waits for the device (exchange waits are
+    stream-ordered, copies to the device are staged in pinned memory, the FFN times its compute with events).
+    Idle steps (an attention node with nothing to run) each cost one read on both sides and are taken out. The
+    nodes write their reports on their own clocks, so the FFN nodes' idle steps are not the attention node's
+    count: there, every sync must be a step header's read, one per step, idle or not. Another attention node,
+    idle, syncs only in its idle steps; a TP rank > 0, which samples nothing, at most once per step too. roles:
+    node name -> attention or ffn."""
     n = 10
     greedy = {"prompt": PROMPTS[0], "max_tokens": n, "temperature": 0, "ignore_eos": True}
     time.sleep(1.0)  # the idle steps after warm-up, whose counts the reports and the scrape catch up with

@@ -1,5 +1,5 @@
 """A prompt no context can hold costs its node next to nothing: a 400 at once, its streams (and through the
-FFN node, another attention node's) not held up, and its memory returned (issue 26)."""
+FFN node, another attention node's) not held up, and its memory returned."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def test_a_huge_prompt_is_refused_at_once_without_pausing_the_nodes_streams(tmp_
 
 @pytest.mark.slow  # three node processes, 16 streams, 30 MB requests and a minute's watch of the memory
 def test_a_30mb_prompt_to_one_node_pauses_no_other_and_its_memory_returns(tmp_path):
-    """Issue 26's done-when: a 30 MB prompt sent to attn1 during 16 streams on attn0: a 400, attn0's longest
+    """The acceptance check: a 30 MB prompt sent to attn1 during 16 streams on attn0: a 400, attn0's longest
     wait for a token stays under a second, and attn1's RSS is back within 10 % within a minute."""
     path = cluster_yaml(tmp_path, "demo", 2, 1, name="big2")
     with Cluster(path) as c:

@@ -1,5 +1,5 @@
 """attention_node/body_scan.py: a body read as json.loads reads it, except that a bounded list stops the read one
-entry past its bound (issue 46 F5: json.loads of a 10^6-entry logit_bias took 0.73 s before anything could count
+entry past its bound (json.loads of a 10^6-entry logit_bias took 0.73 s before anything could count
 it)."""
 
 from __future__ import annotations

@@ -124,7 +124,7 @@ def test_a_node_that_does_not_fit_the_yaml_is_refused(tmp_path, request_, refusa
 
 
 def test_a_node_whose_requests_are_paused_makes_the_cluster_degraded_naming_why(serving):
-    """Issue 46 F9: `afd status` said READY while the only FFN node was dead and every request paused. A serving
+    """A regression: `afd status` said READY while the only FFN node was dead and every request paused. A serving
     node's heartbeat says why its requests are paused; the cluster is DEGRADED, naming it, until one says
     they run again."""
     s, c = serving, serving.c
@@ -228,7 +228,7 @@ def test_no_status_carries_a_secret(serving):
 
 
 def test_a_node_silent_for_three_intervals_is_late_before_it_is_lost(tmp_path):
-    """Issue 46 F1: `late` names a suspect (silent for LATE_HEARTBEATS intervals) long before heartbeat_timeout, so
+    """`late` names a suspect (silent for LATE_HEARTBEATS intervals) long before heartbeat_timeout, so
     that a node waiting on it can drop a hung peer; the cluster stays READY, and a heartbeat clears it."""
     c = _new(tmp_path, heartbeat_timeout=30)  # cluster_yaml's heartbeat_interval: 0.5 s, so late after 1.5 s
     ids = {name: uuid.uuid4().hex for name, _ in NODES}
@@ -244,7 +244,7 @@ def test_a_node_silent_for_three_intervals_is_late_before_it_is_lost(tmp_path):
 
 
 def test_a_poke_sends_the_heartbeat_now_so_the_status_names_a_pause_at_once(tmp_path, monkeypatch):
-    """Issue 46 F9: /health says 503 the moment the engine pauses; the node's heartbeat carries the pause then
+    """/health says 503 the moment the engine pauses; the node's heartbeat carries the pause then
     (ControlClient.poke, from Engine.on_pause), not at the end of its interval, so afd status agrees."""
     from afd.control.client import ControlClient
     from afd.control.server import ControlServer

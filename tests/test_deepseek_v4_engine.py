@@ -91,7 +91,7 @@ def test_chunked_prefill_batched_and_odd_blocks_match_hf(v4):
 
 
 def test_1024_token_prompts_decode_with_the_compressed_state(v4):
-    """Long context (issue 31): 1,024- and 700-token prompts, 128x the window, 64 HCA entries and 256 CSA
+    """Long context: 1,024- and 700-token prompts, 128x the window, 64 HCA entries and 256 CSA
     entries of which the indexer keeps 3 per query; 16 new tokens identical to HF's, logits within tolerance."""
     path, _ = v4("all_types")
     g = torch.Generator().manual_seed(5)
@@ -297,7 +297,7 @@ print(json.dumps({"ids": ids, "syncs": syncs, "hazards": torch.npu.STATS["hazard
 def test_on_the_fake_npu_a_step_syncs_the_host_once_with_hfs_tokens(v4):
     """Colocated on the fake NPU, whose ops are the CPU's kernels: HF's greedy tokens, and one host sync per step
     (the sampled tokens). V4 attention stages each sequence's block tables through pinned memory; a plain
-    torch.tensor(..., device=) per sequence and layer waited for the device (issue 45, defect 7)."""
+    torch.tensor(..., device=) per sequence and layer waited for the device."""
     import json
     import os
     import subprocess

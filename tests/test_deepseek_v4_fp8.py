@@ -1,4 +1,4 @@
-"""DeepSeek-V4 in its released FP8 layout (issue 31): afd reads DeepSeek's names and `.scale` block scales
+"""DeepSeek-V4 in its released FP8 layout: afd reads DeepSeek's names and `.scale` block scales
 (ue8m0) through afd.model.deepseek_v4.weights.ReleasedReader, the experts into afd's quantized path as stored.
 
 The oracle is HF transformers 5.24 on the same weights dequantized, saved in transformers' layout

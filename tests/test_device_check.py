@@ -181,7 +181,7 @@ def test_report_is_a_well_formed_table_and_json(tmp_path):
     assert all(len(re.findall(r"(?<!\\)\|", ln)) == 6 for ln in table), table  # 5 cells; escaped pipes aside
     assert [ln.split(" | ")[1] for ln in table[2:]] == ["pass", "fail", "skip"]
     assert "a pipe and a newline" in table[3]
-    # each row says what it measured, in its check cell (issue 24)
+    # each row says what it measured, in its check cell
     assert table[2].startswith("| colocated bfloat16 vs CPU fp32: tokens and logits vs CPU | pass |")
     assert table[4].startswith("| 1A1F over NCCL via the OpenAI API | skip |")  # none said: the name alone
     assert doc["checks"][0]["measured"] == "tokens and logits vs CPU"

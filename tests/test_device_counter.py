@@ -1,5 +1,5 @@
 """afd/backend/counters.py on the fake NPU: the metrics scrape reads the FFN node's device counters on a stream of its
-own (issue 45, defect 7), never waiting for the compute queued on the default stream, and neither the read nor the
+own, never waiting for the compute queued on the default stream, and neither the read nor the
 next add races the other (the fake raises on an unordered read or overwrite)."""
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def reference(tiny_checkpoint):
 
 @pytest.mark.parametrize("hang", [False, True], ids=["killed", "stopped"])
 def test_a_killed_ffn_node_whose_experts_are_replicated_costs_no_pause(tiny_checkpoint, reference, tmp_path, hang):
-    """Killed, or stopped (issue 46 F1: alive, its sockets open, its FormPair never answered): the attention node
+    """Killed, or stopped (a hang: alive, its sockets open, its FormPair never answered): the attention node
     judges it late after three heartbeat intervals of waiting on it, and forms its pairs with the others at
     once, leaving it out, since they hold every expert."""
     layout = {"routing": "attention", "placement": PLACEMENT, "micro_batches": 2}

@@ -158,7 +158,7 @@ def test_an_ffn_node_receives_a_replaced_peer_s_headers_into_new_memory():
     """An attention node dies while the FFN node waits for its step header: that receive never completes
     (it stays on its stream). The FFN node receives the replacement's headers into a new buffer, not into the
     one the dead peer's receive may still write (the fake device calls that a hazard; the FFN node then
-    dropped the replacement at its first step, every time it formed its pair: issue 26's intermittent
+    dropped the replacement at its first step, every time it formed its pair: an intermittent
     rejoin failure)."""
     attn, ffn = _run(_REPLACED_PEER.format(fakes=FAKES, port=free_ports(1)[0]), 2, timeout=60, AFD_FAKE_HANG_S="10")
     assert "served: LEFT []" in ffn, ffn

@@ -157,7 +157,7 @@ _PER_PAIR_HANDSHAKE = textwrap.dedent("""
 
 @pytest.mark.slow  # multi-process runs that wait out a hang; `make test-slow`, which CI runs
 def test_the_handshake_cannot_deadlock_on_a_group_wide_hccl_communicator():
-    """N2 of issue 24: with P2P_HCCL_BUFFSIZE=0 HCCL forms one communicator per group, at the first op of
+    """With P2P_HCCL_BUFFSIZE=0 HCCL forms one communicator per group, at the first op of
     every rank of it. Groups over every rank (afd's layout before per-pair worlds), each handshake op waited
     for at once, deadlock at 2 attention ranks: the FFN and attention rank 0 wait in the second group's
     formation for rank 1, which waits for the FFN to take its message (the fake models that: the first half).

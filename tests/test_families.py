@@ -45,7 +45,7 @@ COLOCATED = [(f, name) for f, fam in FAMILIES.items() for name in fam.configs]
 LOGITS_REL_TOL = 1e-4
 
 
-# DeepSeek-V4 (issue 31) is held to HF in tests/test_deepseek_v4.py until it runs every shared path here
+# DeepSeek-V4 is held to HF in tests/test_deepseek_v4.py until it runs every shared path here
 # (bf16, serving, routing ffn; its hash layers need layout.routing attention across processes).
 OWN_SUITE = {"deepseek_v4"}
 
@@ -174,7 +174,7 @@ def served(request, families, tmp_path_factory) -> tuple[str, list]:
     url = f"http://127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     model, env = families.path(family, FAMILIES[family].multi), {}
-    if family == "qwen3_moe":  # served by a hub name, from a cache laid out as the hub does, offline (issue 29)
+    if family == "qwen3_moe":  # served by a hub name, from a cache laid out as the hub does, offline
         cache = log.parent / "hub"
         lay_out(cache, "afd-tests/tiny-qwen3-moe", model)
         model, env = "afd-tests/tiny-qwen3-moe", {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache)}

@@ -1,4 +1,4 @@
-"""What a newcomer meets in the first hour (issue 29): the printed curl example carries the Authorization header
+"""What a newcomer meets in the first hour: the printed curl example carries the Authorization header
 when the API needs a key (never the key itself), `afd bench-step --steps 1` is refused with why, and `demo` is
 served as `demo`."""
 

@@ -1,4 +1,4 @@
-"""Released FP8 block-quantized checkpoints (issue 27): afd reads them as HF transformers does.
+"""Released FP8 block-quantized checkpoints: afd reads them as HF transformers does.
 
 The fixtures are tiny DeepSeek-V3 and LongCat-Flash checkpoints rewritten into the released layout
 (tests/fp8_checkpoint.py), the oracle HF transformers' load with FineGrainedFP8Config(dequantize=True).

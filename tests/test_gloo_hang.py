@@ -1,4 +1,4 @@
-"""Issue 46, F1, on gloo: a peer that hangs (SIGSTOP: alive, its sockets open) holds no wait of this end past the
+"""On gloo: a peer that hangs (SIGSTOP: alive, its sockets open) holds no wait of this end past the
 abort that the heartbeat's verdict makes. gloo has no abort of its own; the pair's groups shut their connections
 down (afd/backend/gloo_pairs.py), found when they formed, and only those: another pair of this process keeps
 exchanging, and the rendezvous store keeps answering."""
@@ -46,7 +46,7 @@ except RuntimeError as e:
     print("receive: failed", str(e).splitlines()[0][:200], flush=True)
 """
 ABORT_S = 0.5  # after the peer stopped: what the heartbeat's verdict stands in for
-BOUND_S = 1.0  # issue 46: no wait outlives the verdict by more than a second
+BOUND_S = 1.0  # no wait outlives the verdict by more than a second
 
 
 @pytest.fixture

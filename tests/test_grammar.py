@@ -66,7 +66,7 @@ def test_an_invalid_spec_is_a_grammar_error(demo):
 
 
 def test_compiles_are_bounded_in_size_and_time_and_fail_in_one_line(demo):
-    """Issue 46 F3: a spec past the size bound is refused before it is compiled; a compile that takes longer
+    """A spec past the size bound is refused before it is compiled; a compile that takes longer
     than its limit is given up; llguidance's error is one line, never a panic's backtrace; and the compiles run
     on threads of their own, not the default pool that tokenizes prompts."""
     import asyncio

@@ -1,4 +1,4 @@
-"""Issue 24, N4: one attention node's death never stalls the others for longer than the control plane
+"""One attention node's death never stalls the others for longer than the control plane
 takes to notice it. On NCCL and HCCL nothing on the data plane says that a peer died (the fake HCCL
 models that: a dead peer's transfer never completes), so the FFN node aborts the pair of a peer the
 coordinator reports lost (afd/node/runtime.py, `abort_lost_peers`), and attention-side deadlines are
@@ -89,7 +89,7 @@ def test_a_lost_peer_has_its_pair_aborted_once_and_only_if_the_report_is_newer_t
 
 
 def test_a_late_peer_is_dropped_only_where_this_node_has_waited_on_it_as_long(tmp_path):
-    """Issue 46 F1: `late` (three heartbeat intervals of silence: 0.9 s here) drops a peer this node has been
+    """`late` (three heartbeat intervals of silence: 0.9 s here) drops a peer this node has been
     waiting on for as long (a hang), never one it does not wait on (a peer busy elsewhere, or merely slow to
     heartbeat)."""
     plane = _Plane({0: 10.0, 1: 10.0}, waiting={0: 0.2, 1: 1.0})
@@ -115,10 +115,10 @@ def reference(tiny_checkpoint):
 def test_a_dead_attention_node_stalls_the_other_no_longer_than_its_late_verdict(
     tiny_checkpoint, reference, tmp_path, sig, plane
 ):
-    """Done-when of issue 24 at 2A1F on the fake HCCL: while attn0 streams, attn1 (itself mid-decode) is
+    """The acceptance check at 2A1F on the fake HCCL: while attn0 streams, attn1 (itself mid-decode) is
     killed with SIGKILL, or stopped (alive, its sockets open: a hang, not a death); attn0's longest pause
     between two streamed chunks is at most the verdict on attn1 (late: three heartbeat intervals of silence,
-    while the FFN node waited on it as long; issue 46, F1) + one heartbeat interval (the FFN node learns of it
+    while the FFN node waited on it as long) + one heartbeat interval (the FFN node learns of it
     at its next heartbeat) + one step (the longest seen before) + SLACK_S, and every completion equals HF's
     tokens. On gloo too, which cannot abort a blocked wait: the pair's connections are shut down instead
     (afd/backend/gloo_pairs.py)."""

@@ -1,4 +1,4 @@
-"""vLLM's model and memory flags with vLLM's meanings (issue 29): hub names resolved from a cache laid out as the
+"""vLLM's model and memory flags with vLLM's meanings: hub names resolved from a cache laid out as the
 hub lays it out (offline), `--dtype auto` as the checkpoint's own dtype, and `--gpu-memory-utilization` sizing
 the KV cache from what the device (here the RAM) has left."""
 

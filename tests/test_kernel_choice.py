@@ -1,4 +1,4 @@
-"""Issue 47: each GEMM case's kernel is chosen by timing the candidates on this machine
+"""Each GEMM case's kernel is chosen by timing the candidates on this machine
 (afd/backend/kernel_choice.py), among those that compute the case's numbers (afd/backend/cpu_kernels.py);
 cached per machine, agreed on by the machine's processes, named by AFD_KERNELS, logged and exported."""
 

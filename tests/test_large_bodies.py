@@ -1,4 +1,4 @@
-"""Issue 46 F5: a large body is judged by the child while it arrives (attention_node/body_check.py StreamVerdict,
+"""A large body is judged by the child while it arrives (attention_node/body_check.py StreamVerdict,
 attention_node/large_bodies.py), so that a 30 MB body with a list past its bound is refused once that part is in,
 not after the whole has arrived and been parsed. The answer is verdict()'s on the whole body, however it is cut."""
 

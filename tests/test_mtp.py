@@ -146,9 +146,9 @@ def test_afd_speculates_across_the_data_plane(ckpts, refs, F):
 @pytest.mark.slow  # the default fake-NPU case covers the same checks without drafts
 @pytest.mark.multiprocess
 def test_drafts_never_reach_the_host_on_the_fake_npu(ckpts, refs, tmp_path):
-    """Issue 24 with MTP: a DeepSeek-V3 1A1F cluster drafting 2 tokens a step on the fake NPU learns only its
-    sampled tokens on the host, once per step (the drafts stay on the device from the MTP module to the
-    next step's verification), and its greedy tokens are HF's."""
+    """One host sync per step with MTP: a DeepSeek-V3 1A1F cluster drafting 2 tokens a step on the fake NPU
+    learns only its sampled tokens on the host, once per step (the drafts stay on the device from the MTP module
+    to the next step's verification), and its greedy tokens are HF's."""
     from cluster_helpers import Cluster, cluster_yaml, post
     from npu_fake import check_one_host_sync_per_step, on_devices, snapshot, sync_env
 

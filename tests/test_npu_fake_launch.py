@@ -1,6 +1,6 @@
 """`afd launch` of a cluster YAML whose nodes sit on `device: npu:N`, with tests/fakes on PYTHONPATH: the
 launcher checks the devices and starts every node on the fake Ascend device, as on an Ascend host. The fake's
-reports then hold issue 24's bound for the launched cluster: one host sync per decode step on every node, no
+reports then hold the bound for the launched cluster: one host sync per decode step on every node, no
 hazard, every thread bound; and SIGTERM stops it cleanly."""
 
 from __future__ import annotations

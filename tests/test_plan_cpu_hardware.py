@@ -1,4 +1,4 @@
-"""`--hardware cpu` (issue 30): this CPU's spec is measured, not looked up, written where load_spec("cpu") finds
+"""`--hardware cpu`: this CPU's spec is measured, not looked up, written where load_spec("cpu") finds
 it with every figure's source saying what measured it, and plans like a shipped spec; before any `afd profile`
 it is refused with what to run."""
 

@@ -1,5 +1,5 @@
-"""Published figures as checks of afd's planner (issue 30, "Published figures, as checks"): MegaScale-Infer's
-rule for the number of micro-batches, seed 001's AFD gain for LongCat-Flash on Atlas A3, and Step-3's decode
+"""Published figures as checks of afd's planner: MegaScale-Infer's rule for the number of micro-batches, the AFD
+gain for LongCat-Flash on Atlas A3 (docs/design/longcat-on-ascend.md#afd), and Step-3's decode
 throughput per GPU at a 50 ms TPOT. Each test asserts a direction or an order of magnitude, with the reason for
 its tolerance beside it; docs/architecture/planning.md ("Published figures") has the numbers and why they
 differ. Run with -s to print them."""
@@ -105,8 +105,9 @@ def test_megascale_infer_rule_for_m(link_scale, rule_m, capsys):
 
 
 def longcat_tpots(capsys) -> tuple[float, float]:
-    """Seed 001's AFD gain, at the layout of cann-recipes-infer's published LongCat-Flash benchmark (the seed's text
-    gives none for its AFD figures): 128 A3 dies, 512 sequences, W8A8, context 4608, no MTP, graph mode.
+    """The AFD gain of docs/design/longcat-on-ascend.md#afd, at the layout of cann-recipes-infer's published
+    LongCat-Flash benchmark (the document's text gives none for its AFD figures): 128 A3 dies, 512 sequences,
+    W8A8, context 4608, no MTP, graph mode.
 
     With AFD: A = F = 64 dies (the recipe's AFD pairs attention and FFN dies one to one), attention TP1 (the
     recipe's attention is data-parallel), 8 sequences per attention die, m = 1 (the ScMoE window hides the
@@ -131,17 +132,17 @@ def longcat_tpots(capsys) -> tuple[float, float]:
         print(
             f"\nLongCat-Flash on a3, 128 dies, 512 seqs: AFD {afd.tpot * 1e3:.2f} ms ({afd.bottleneck}-bound, "
             f"wait {afd.attention_wait * 1e3:.2f} ms), colocated {colocated * 1e3:.2f} ms, "
-            f"gain {1 - afd.tpot / colocated:.1%} (seed 001: 9.5 against 9.95 ms, 4.5 %)"
+            f"gain {1 - afd.tpot / colocated:.1%} (published: 9.5 against 9.95 ms, 4.5 %)"
         )
     return afd.tpot, colocated
 
 
-def test_seed001_afd_gain_for_longcat_flash(capsys):
+def test_the_longcat_document_s_afd_gain_for_longcat_flash(capsys):
     afd, colocated = longcat_tpots(capsys)
     assert afd < colocated  # the direction: AFD is faster
     gain, published = 1 - afd / colocated, 1 - 9.5 / 9.95
     # The size, within 3x either way: the roofline's gain is the expert-weight reads leaving the attention dies,
-    # the seed's is its attention kernels running without core limits, which a roofline cannot see.
+    # the document's is its attention kernels running without core limits, which a roofline cannot see.
     assert published / 3 < gain < 3 * published
     # The TPOT, within 2x of 9.5 ms: afd's TP1 reads both dense MLPs whole on each die where the recipe splits
     # them 8 ways (dense TP8, which afd's TP cannot express without also splitting the heads and their KV).

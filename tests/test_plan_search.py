@@ -1,4 +1,4 @@
-"""`afd plan` and `afd simulate` (issue 30): the search keeps only plans under the SLO that fit the devices,
+"""`afd plan` and `afd simulate`: the search keeps only plans under the SLO that fit the devices,
 ranks them by tokens/s per device, writes the best as a cluster YAML that check-config accepts, and says which
 constraint an impossible request misses and by how much."""
 
@@ -120,7 +120,7 @@ def test_a_family_without_attention_tp_is_planned_at_tp_1(tmp_path, capsys):
 @pytest.mark.slow  # starts the planned cluster: node processes, > 10 s
 @pytest.mark.multiprocess
 def test_a_plan_on_a_cpu_profile_launches_here_and_serves(tmp_path, capsys):
-    """Issue 30's done-when: the YAML `afd plan` writes from a CPU profile is one `afd launch` starts on this
+    """The acceptance check: the YAML `afd plan` writes from a CPU profile is one `afd launch` starts on this
     machine, and its API answers."""
     import os
     import sys

@@ -168,7 +168,7 @@ def test_a_child_process_refuses_an_id_list_no_context_holds():
     ids=["logit_bias", "stop_token_ids", "stop", "messages", "parts"],
 )
 def test_lists_past_what_the_model_can_use_are_refused_by_the_child_and_the_node(doc, param, child, node):
-    """Issue 46 F5: a 10^6-entry logit_bias, 3M stop ids, 300k messages or 1M content parts held every stream
+    """A regression: a 10^6-entry logit_bias, 3M stop ids, 300k messages or 1M content parts held every stream
     for seconds while the node parsed them. The child refuses such a body before the node parses it, reading the
     list only up to its bound (so it says "more than"); the node refuses the same, with the count, on a body small
     enough to parse (openai_protocol.sampling_params, the chat route)."""

@@ -1,4 +1,4 @@
-"""8-bit activations against HF's dequantized model (issue 27, item 4), teacher-forced on the tiny FP8 fixtures
+"""8-bit activations against HF's dequantized model, teacher-forced on the tiny FP8 fixtures
 of tests/test_fp8_checkpoint.py (block (16, 8)): how far fp8 and w8a8 move the logits, and that what moves them
 is the scheme (HF with the scheme simulated in its F.linear lands where afd does). The reported figures, on
 larger models with 128 x 128 blocks, are bench/quant_accuracy.py's (docs/bench/quant-accuracy.json)."""

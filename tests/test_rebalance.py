@@ -81,7 +81,7 @@ def test_uneven_budgets_never_put_an_expert_twice_on_a_node():
 
 
 def test_a_replicated_layout_keeps_its_redundancy_unless_told_otherwise():
-    """Issue 46 F6: from a layout where every expert had two holders, skewed loads gave one where four experts had
+    """A regression: from a layout where every expert had two holders, skewed loads gave one where four experts had
     a single holder, so that node's loss paused every stream again. The fewest holders any expert has now is
     the floor (--min-replicas sets another)."""
     from afd.cluster.placement import from_yaml

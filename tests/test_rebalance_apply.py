@@ -31,7 +31,7 @@ def test_restart_order_keeps_every_expert_held():
 
 
 def test_restart_order_counts_the_restarting_node_as_away():
-    """Issue 46 F6: the order was checked after each restart, not while the node was away, so an expert whose
+    """A regression: the order was checked after each restart, not while the node was away, so an expert whose
     only other holder was the restarting node paused the streams (6.2 s). Every expert here has two holders
     before and after. Checked after each restart only, a then b was taken: while b is away expert 1 is on
     neither a (now 0, 2) nor c (0, 2). Held throughout: a, c, b."""

@@ -72,7 +72,7 @@ def test_a_killed_ffn_node_started_again_loses_no_request(tiny_checkpoint, refer
         while health(c.url()) != 503:
             assert time.monotonic() < end, "the attention node did not pause for the dead FFN node"
             time.sleep(0.1)
-        # afd status agrees while the requests wait: DEGRADED, naming why (issue 46 F9: it said READY)
+        # afd status agrees while the requests wait: DEGRADED, naming why (it once said READY)
         end = time.monotonic() + FAST["heartbeat_interval"] * 10 + 3
         while (st := _status(path))["state"] != "DEGRADED" or "attn0: requests paused" not in st["message"]:
             assert time.monotonic() < end, f"afd status did not report the paused requests: {st}"

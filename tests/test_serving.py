@@ -218,8 +218,8 @@ def test_afd_bench_against_the_cluster(cluster, tmp_path):
 
 def test_a_dead_engine_fails_its_requests_then_its_node_exits_for_a_restart(tiny_checkpoint, tmp_path):
     """Without rejoin (cluster.rejoin_timeout: 0) a dead peer fails every request at once, with a 503 naming why;
-    then the attention node exits with code 3 rather than answer 503 for good behind a live process (issue 46
-    F2), so that its supervisor starts it again, and the cluster serves once both are back."""
+    then the attention node exits with code 3 rather than answer 503 for good behind a live process, so that its
+    supervisor starts it again, and the cluster serves once both are back."""
     from attention_node.serving_node import ENGINE_STOPPED_EXIT
 
     path = cluster_yaml(tmp_path, tiny_checkpoint, name="dead", cluster={"rejoin_timeout": 0})

@@ -1,4 +1,4 @@
-"""Structured outputs through the official OpenAI client at 1A1F (issue 29): JSON that validates against the
+"""Structured outputs through the official OpenAI client at 1A1F: JSON that validates against the
 schema from the demo model and from a tiny DeepSeek-V3, tool calls with valid arguments, regex, choice and
 grammar; unconstrained requests batched with constrained ones keep their greedy tokens; what is invalid or
 unsupported is a 400. The models are random: the grammar alone makes the output valid, and the schemas are

@@ -172,7 +172,7 @@ def test_hostile_requests_get_4xx_on_a_connection_that_keeps_serving(demo):
 
 
 def test_lists_past_what_the_model_can_use_are_400s_small_or_large(demo):
-    """Issue 46 F5: logit_bias or stop_token_ids longer than the vocabulary, more stop strings than the server
+    """`logit_bias` or `stop_token_ids` longer than the vocabulary, more stop strings than the server
     takes, more messages than a context holds: a 400 naming the field, from the node's own parse for a small
     body and from the child before the node parses a large one (over 1 MiB: attention_node/body_check.py)."""
     url = demo.url()
@@ -190,7 +190,7 @@ def test_lists_past_what_the_model_can_use_are_400s_small_or_large(demo):
 
 
 def test_a_list_past_its_bound_is_refused_before_the_body_ends(demo):
-    """Issue 46 F5: the child reads a large body while it arrives, so the 400 for a list past its bound comes once
+    """The child reads a large body while it arrives, so the 400 for a list past its bound comes once
     that part is in: here after 2 MiB of a body that says it has 8. The rest may still be sent (a client that
     writes its whole body before reading, as urllib does, then reads the 400); the connection closes after it."""
     import http.client

@@ -1,5 +1,5 @@
 """afd's Ascend code and the fake torch_npu are held to the torch_npu 2.14.0 wheel and to torch's own files, not to
-each other: a fake written from the same reading as the code repeats its mistakes (issue 45: `dist.ProcessGroupHCCL`
+each other: a fake written from the same reading as the code repeats its mistakes (`dist.ProcessGroupHCCL`
 and a pair group's `_get_backend` passed every fake test and exist in neither).
 
 What counts as real is in tests/vendor_wheel.py: an op's prototype in the wheel's `_op_plugin_docs.py`, a name its
@@ -162,7 +162,7 @@ import torch_npu
 try:
     from torch_npu._C._distributed_c10d import ProcessGroupHCCL
 except ImportError:
-    ProcessGroupHCCL = dist.ProcessGroupHCCL  # where the fake put it before issue 45
+    ProcessGroupHCCL = dist.ProcessGroupHCCL  # where the fake used to put it
 
 from torch_npu.hccl_work import _Work as work_class  # what the fake pair group's send and recv return
 

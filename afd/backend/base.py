@@ -153,8 +153,8 @@ class PeerError(RuntimeError):
 
 @dataclass(frozen=True)
 class PrefetchSpec:
-    """What bounds a weight prefetch on one device (seed 001: the bytes a gap can move are bandwidth x
-    time, and only what the cache holds survives until the compute reads it)."""
+    """What bounds a weight prefetch on one device (docs/design/longcat-on-ascend.md#weight-prefetch: the bytes
+    a gap can move are bandwidth x time, and only what the cache holds survives until the compute reads it)."""
 
     bandwidth: float
     """Bytes per second the prefetch can move from memory (HBM on a device, DRAM on a CPU)."""

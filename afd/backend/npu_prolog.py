@@ -2,9 +2,10 @@
 
 One kernel for everything MLA computes before attention on a decode step: q down-projection, RMSNorm, up-projection,
 absorption through W_UK and rope; kv down-projection, RMSNorm and rope, written into the paged latent and rope
-caches through cache_index. It is what the LongCat-Flash recipe on Atlas A3 runs before FIA (seed 001). Its
-documented shapes are fixed, so it fits the full-size DeepSeek-V3 / LongCat-Flash attention and none of the tiny
-test models; `refusal` says, in one line, why a layer is outside them, and MLA then projects itself.
+caches through cache_index. It is what the LongCat-Flash recipe on Atlas A3 runs before FIA
+(docs/design/longcat-on-ascend.md#mla-absorb). Its documented shapes are fixed, so it fits the full-size
+DeepSeek-V3 / LongCat-Flash attention and none of the tiny test models; `refusal` says, in one line, why a layer
+is outside them, and MLA then projects itself.
 
 source ("doc"): torch_npu.npu_mla_prolog_v3, https://github.com/Ascend/op-plugin/blob/26.0.0/docs/zh/custom_APIs/
   torch_npu/torch_npu-npu_mla_prolog_v3.md (op-plugin 26.0.0; the op first appears in 7.3.0). Its non-quantized mode,

@@ -1,5 +1,5 @@
 """`afd bench-dispatch`: attention-side routing (layout.routing attention) against broadcast (routing ffn), and
-expert placement by `afd rebalance`, side by side in one run (issue 28, item 5).
+expert placement by `afd rebalance`, side by side in one run.
 
 Sections (--sections):
   wire       1A{F}F local clusters (gloo, one thread per node, overlap, one micro-batch) for each F in

@@ -1,5 +1,5 @@
-"""`afd bench-plan`: does the simulator (afd.plan.simulate) predict this machine's decode step? (issue 30,
-"predictions match measurements here")
+"""`afd bench-plan`: does the simulator (afd.plan.simulate) predict this machine's decode step? (the target:
+predictions match measurements here)
 
 One run profiles the demo model (afd.plan.profile on a generated 1A1F YAML: the CostModel), measures the
 decode step of local clusters (afd.cluster.local) at 1A1F, 1A2F and 2A1F, each without overlap, with overlap

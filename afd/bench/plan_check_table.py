@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 BAR = 0.20
-"""Issue 30's bar: the predicted decode step within 20 % of the measured one."""
+"""The planner's bar: the predicted decode step within 20 % of the measured one."""
 
 
 @dataclass(frozen=True)

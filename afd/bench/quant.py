@@ -1,4 +1,4 @@
-"""`afd bench-quant`: quantized serving (issue 27's item 5), every figure side by side in one run.
+"""`afd bench-quant`: quantized serving, every figure side by side in one run.
 
 Sections (--sections):
   decode  decode tok/s per mode (fp32, bf16, w8a8, fp8; --modes) at each batch, colocated (both halves in

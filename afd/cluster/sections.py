@@ -149,7 +149,7 @@ class EngineSection:
     enable_log_requests: bool = opt(True, "--enable-log-requests")
     """One log line per request on the attention node, vLLM's "Received request ID: params: ..." (the prompt
     and its token ids at DEBUG). On by default, as vLLM had it before 0.33 made it opt-in: a server that never
-    logs a request left newcomers blind (issue 29). Off: --no-enable-log-requests, or vLLM's older
+    logs a request left newcomers blind. Off: --no-enable-log-requests, or vLLM's older
     --disable-log-requests."""
 
 

@@ -1,7 +1,8 @@
 """FFN-side weight prefetch in the communication gaps (docs/design/longcat-on-ascend.md#ffn-prefetch).
 
 What is hinted is what the next compute reads, in the order it reads it, within a budget per layer that
-seed 001's rule computes from the measured gap (afd.dataplane.prefetch_budget):
+the rule of docs/design/longcat-on-ascend.md#weight-prefetch computes from the measured gap
+(afd.dataplane.prefetch_budget):
 
 1. While the FFN node waits for layer l's inputs (FFNServer calls the schedule): layer l's router, then
    the w13 slices and then the w2 slices of the experts layer l chose the last time the host learned it,

@@ -1,9 +1,10 @@
-"""How many bytes one layer's prefetch may hint: seed 001's rule, with the gap measured.
+"""How many bytes one layer's prefetch may hint: the rule of docs/design/longcat-on-ascend.md#weight-prefetch,
+with the gap measured.
 
-Seed 001 (docs/design/longcat-on-ascend.md#weight-prefetch): the most a prefetch can move while another
-operator runs is the memory bandwidth times the time available; only what the cache keeps is still there
-when the GEMM reads it. On the FFN node the time available is the gap before layer l's compute: the wait
-for its inputs (docs/design/longcat-on-ascend.md#ffn-prefetch). So, per layer,
+That rule: the most a prefetch can move while another operator runs is the memory bandwidth times the time
+available; only what the cache keeps is still there when the GEMM reads it. On the FFN node the time available
+is the gap before layer l's compute: the wait for its inputs (docs/design/longcat-on-ascend.md#ffn-prefetch).
+So, per layer,
 
     budget(l) = min(bandwidth x gap(l), cache_bytes)
 

@@ -1,4 +1,4 @@
-"""A discrete-event simulation of one decode step of an AFD cluster (issue 30, item 3): what `afd plan`
+"""A discrete-event simulation of one decode step of an AFD cluster: what `afd plan`
 predicts a layout's TPOT and waits from.
 
 The step is a DAG of tasks on resources that each run one task at a time: every attention rank's compute,

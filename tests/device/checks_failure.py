@@ -1,5 +1,5 @@
 """Check `failure`: kill -9 of the FFN node of a 1A1F cluster on the device during a decode under concurrent
-streams, and the same command started again (issue 24). The attention node must pause, form its pair with
+streams, and the same command started again. The attention node must pause, form its pair with
 the replacement within rejoin_timeout and finish every stream with CPU fp32's tokens, never restarted; the
 failure must never hang (NCCL's shutdown() waits on queued work, HCCL's syncs its streams: the node aborts
 its pairs instead). Every wait here has a deadline, so a hang is this row's failure, not the run's.

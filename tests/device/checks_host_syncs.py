@@ -1,5 +1,5 @@
 """Check `syncs`: host syncs per decode step on each node of a 1A1F cluster on the device, read from each
-node's afd_host_syncs_total (attention: its API's /metrics; FFN: its metrics port). Issue 24's bound: a
+node's afd_host_syncs_total (attention: its API's /metrics; FFN: its metrics port). The bound: a
 decode step syncs the host once per node (the sampled tokens on the attention node, the step header on the
 FFN node); per-layer or per-micro-batch waits would show as several.
 

@@ -1,4 +1,4 @@
-"""Check `prefetch`: the FFN layer's time with and without weight prefetch on the device (issue 25: measured in
+"""Check `prefetch`: the FFN layer's time with and without weight prefetch on the device (measured in
 `make test-device` as on CPU), by afd/bench/prefetch.py's replay of the FFN node's loop: each layer's inputs
 arrive a gap after the node starts waiting, the schedule hints in that gap with its computed budget
 (bandwidth x measured gap, within the cache: afd/dataplane/prefetch.py), then the layer computes.

@@ -20,7 +20,7 @@ class Result:
     reason: str = ""  # why it failed or skipped; for a pass, what held
     figures: dict = field(default_factory=dict)
     seconds: float = 0.0
-    measured: str = ""  # what the row measured, said in its check cell (issue 24: a row says what it measured)
+    measured: str = ""  # what the row measured, said in its check cell
 
 
 def _fmt(v) -> str:
