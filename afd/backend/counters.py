@@ -11,6 +11,7 @@ the copy to have read the counters (WAR), so neither side races the other and ne
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import torch
 
@@ -25,9 +26,9 @@ class DeviceCounter:
         self.value = torch.zeros(n, dtype=torch.int64)
         self._lock = threading.Lock()  # held only to enqueue: never across a wait
         self._reading = threading.Lock()  # one scrape at a time owns the host buffer
-        self._written = None  # event after the last add, on the adder's stream
-        self._read = None  # event after the scrape's copy, on the scrape's stream: the next add waits for it
-        self._stream = None
+        self._written: Any = None  # event after the last add, on the adder's stream (the runtime's Event)
+        self._read: Any = None  # event after the scrape's copy, on the scrape's stream: the next add waits for it
+        self._stream: Any = None  # the scrape's own stream (the runtime's Stream)
         self._host: torch.Tensor | None = None
 
     def add(self, *parts: tuple[int, torch.Tensor]) -> None:

@@ -11,7 +11,7 @@ them (bf16, or int8 with its scales), whichever kernel runs.
 
 FBGEMM's dynamic int8 linear (torch.ao.nn.quantized.dynamic, `reduce_range` on CPUs without VNNI) is no
 candidate: it quantizes the activations per tensor, asymmetric, to 7 bits with reduce_range, where w8a8 is
-per token, symmetric, 8 bits; other numbers (issue 47 allows only the requested ones).
+per token, symmetric, 8 bits; other numbers (only the requested ones are allowed).
 """
 
 from __future__ import annotations
@@ -58,10 +58,10 @@ def int8_grouped_matmul_fp32(x, q, scale, group_sizes) -> torch.Tensor:
     return out
 
 
-LINEAR = {"native": F.linear, "fp32": linear_fp32}
-GROUPED = {"native": grouped_matmul_by_slices, "fp32": grouped_fp32}
-W8A8_LINEAR = {"int_mm": int8_matmul, "fp32": int8_matmul_fp32}
-W8A8_GROUPED = {"int_mm": int8_grouped_matmul, "fp32": int8_grouped_matmul_fp32}
+LINEAR: dict[str, Callable] = {"native": F.linear, "fp32": linear_fp32}
+GROUPED: dict[str, Callable] = {"native": grouped_matmul_by_slices, "fp32": grouped_fp32}
+W8A8_LINEAR: dict[str, Callable] = {"int_mm": int8_matmul, "fp32": int8_matmul_fp32}
+W8A8_GROUPED: dict[str, Callable] = {"int_mm": int8_grouped_matmul, "fp32": int8_grouped_matmul_fp32}
 
 
 def _w8a8_left_out() -> dict[str, str]:

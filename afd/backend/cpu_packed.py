@@ -191,8 +191,8 @@ def unpack(module: nn.Module) -> int:
         if type(mod) is PackedLinear:
             packed = mod.packed
             del mod._buffers["packed"]
-            mod.__class__ = nn.Linear
-            mod.weight = nn.Parameter(packed.to_dense(), requires_grad=False)
+            mod.__class__ = nn.Linear  # type: ignore[assignment]  # a plain nn.Linear from here on
+            mod.weight = nn.Parameter(packed.to_dense(), requires_grad=False)  # type: ignore[misc]
             done += 1
         for name, value in list(vars(mod).items()):
             if isinstance(value, PackedGroups):

@@ -140,9 +140,9 @@ class CudaBackend(Backend):
         from torch.torch_version import TorchVersion
 
         version = TorchVersion(torch_version)
-        if hip or capability is None or version < (2, 8) or dtype != torch.bfloat16:
+        if hip or capability is None or version < (2, 8) or dtype != torch.bfloat16:  # type: ignore[operator]
             return False  # ROCm: 2.8 refuses, later only CK builds on some gfx take a fused path
-        if capability[0] not in ((9,) if version < (2, 9) else (9, 10)):
+        if capability[0] not in ((9,) if version < (2, 9) else (9, 10)):  # type: ignore[operator]
             return False
         return k > 0 and n > 0 and (k * dtype.itemsize) % 16 == 0 and (n * dtype.itemsize) % 16 == 0
 
@@ -211,7 +211,7 @@ class _CudaGraph:
 
     def __init__(self, fn, device: torch.device, pool):
         self.fn, self.device, self.pool = fn, device, pool
-        self.graph = None
+        self.graph: torch.cuda.CUDAGraph | None = None
 
     def __call__(self, *args):
         from torch.utils._pytree import tree_flatten, tree_map
@@ -228,6 +228,7 @@ class _CudaGraph:
                         old.copy_(new)  # shapes match: afd.engine.graph keys graphs by every shape
                 elif new != old:
                     raise ValueError(f"a CUDA graph is replayed with {new!r} where it was captured with {old!r}")
+        assert self.graph is not None  # captured above
         self.graph.replay()
         return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, self.outputs)
 

@@ -58,7 +58,7 @@ class CudaQuantEnv:
     @classmethod
     def of(cls, device: torch.device) -> CudaQuantEnv:
         return cls(
-            tuple(torch.cuda.get_device_capability(device)),
+            torch.cuda.get_device_capability(device),
             bool(torch.version.hip),
             torch.version.cuda,
             hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"),

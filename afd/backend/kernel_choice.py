@@ -3,7 +3,7 @@
 One operation (a dense or grouped GEMM, plain or 8-bit) has several kernels that compute its numbers, and which
 is fastest depends on the CPU, not on its feature flags alone. At 16 rows of a [2048 x 1024] weight, one thread:
 bf16 F.linear took 2.5 ms on an AVX-512 CPU without AVX-512 BF16 and fp32 1.1 ms, where a CPU with AVX-512 BF16
-ran bf16 2-2.7x faster than fp32; torch._int_mm took 0.22 ms with VNNI and 66 ms on an AVX2-only CPU (issue 47).
+ran bf16 2-2.7x faster than fp32; torch._int_mm took 0.22 ms with VNNI and 66 ms on an AVX2-only CPU.
 
 So the first call of each case (operation, dtype, weight shape, row class) times every candidate that computes
 the case's numbers on this machine, in interleaved rounds whose order rotates, and keeps the fastest median. The
@@ -161,7 +161,7 @@ class KernelChoice:
         offered = [name for name in kernels if name not in left_out]
         named = forced(case.op)
         if named in offered:  # before what was chosen: a test may set it on the way
-            return named  # type: ignore[return-value]
+            return named
         choice = self._chosen.get(case)
         if choice is not None:
             return choice.kernel
@@ -189,7 +189,7 @@ class KernelChoice:
             self._timing.case = case
             try:
                 args = inputs()
-                medians = self.time({name: (lambda k=k: k(*args)) for name, k in kernels.items()})
+                medians = self.time({name: functools.partial(k, *args) for name, k in kernels.items()})
             finally:
                 self._timing.case = None
             choice = Choice(min(medians, key=medians.__getitem__), medians, left_out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -33,7 +33,7 @@ from afd.model.tp.config import TPConfigError
 # ---- loading and validation -------------------------------------------------------------------
 
 
-def _fail(src: str, path: str, msg: str):
+def _fail(src: str, path: str, msg: str) -> NoReturn:
     raise ClusterConfigError(f"{src}: {path}: {msg}" if path else f"{src}: {msg}")
 
 
@@ -142,14 +142,14 @@ def _load_node(ctx: _Ctx, i: int, raw: Any) -> Node:
             continue
         if not 1 <= port <= 65535:
             _fail(ctx.src, f"{path}.ports.{name}", f"port {port} outside 1..65535")
-        where = (kw["host"], port)
-        if where in ctx.seen_ports:
+        at = (kw["host"], port)
+        if at in ctx.seen_ports:
             _fail(
                 ctx.src,
                 f"{path}.ports.{name}",
-                f"port {port} on {kw['host']} is already used by {ctx.seen_ports[where]}",
+                f"port {port} on {kw['host']} is already used by {ctx.seen_ports[at]}",
             )
-        ctx.seen_ports[where] = f"{kw['name']}.ports.{name}"
+        ctx.seen_ports[at] = f"{kw['name']}.ports.{name}"
     if kw["role"] == "attention" and pk.get("http") is None:
         _fail(ctx.src, f"{path}.ports.http", "attention nodes need an http port")
     if kw["role"] == "ffn" and pk.get("http") is not None:

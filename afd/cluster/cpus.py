@@ -34,9 +34,9 @@ def cgroup_cpu_limit(root: Path) -> int | None:
         quota, _, period = v2.partition(" ")
         return _ceil_ratio(quota, period or "100000")
     for d in _V1_DIRS:
-        quota, period = _read(root / d / "cpu.cfs_quota_us"), _read(root / d / "cpu.cfs_period_us")
-        if quota is not None and period is not None:
-            return _ceil_ratio(quota, period)
+        q, p = _read(root / d / "cpu.cfs_quota_us"), _read(root / d / "cpu.cfs_period_us")
+        if q is not None and p is not None:
+            return _ceil_ratio(q, p)
     return None
 
 

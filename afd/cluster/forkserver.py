@@ -87,7 +87,7 @@ class ForkedProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         if not self._exited.wait(timeout):
-            raise subprocess.TimeoutExpired(self.args, timeout)
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         assert self.returncode is not None
         return self.returncode
 

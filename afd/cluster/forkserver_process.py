@@ -64,7 +64,8 @@ def serve(sock: socket.socket):
     idle_since = time.monotonic()
     closed = False  # the launcher asked for no more forks (or is gone): leave once the last node is reaped
     while not (closed and not live):
-        ready, _, _ = select.select([wake_r] if closed else [sock, wake_r], [], [], 5.0)
+        watched: list = [wake_r] if closed else [sock, wake_r]
+        ready, _, _ = select.select(watched, [], [], 5.0)
         if wake_r in ready:
             os.read(wake_r, 4096)
         for pid, status in _reaped():
@@ -150,7 +151,7 @@ def become(request: dict, out_fds: list[int]) -> None:
         exec(compile(request["code"], "<string>", "exec"), main.__dict__)
         return
     sys.argv = ["-m", *request["args"]]
-    runpy._run_module_as_main(request["module"], alter_argv=True)
+    runpy._run_module_as_main(request["module"], alter_argv=True)  # type: ignore[attr-defined]  # python -m's own
 
 
 def _set_area(field: int, strings: list[str]) -> None:

@@ -31,8 +31,8 @@ class LinkSpec:
     @classmethod
     def parse(cls, text: str) -> LinkSpec:
         """`RATE[,DELAY]` or `,DELAY`: 25gbit,20us / 10gbit / ,50us."""
-        rate, _, delay = text.partition(",")
-        rate, delay = rate.strip() or None, delay.strip() or None
+        rate_text, _, delay_text = text.partition(",")
+        rate, delay = rate_text.strip() or None, delay_text.strip() or None
         if rate is not None and not re.fullmatch(r"\d+(\.\d+)?(bit|kbit|mbit|gbit)", rate):
             raise ValueError(f"--link {text!r}: rate {rate!r} is not like 25gbit or 800mbit")
         if delay is not None and not re.fullmatch(r"\d+(\.\d+)?(us|ms)", delay):
@@ -42,7 +42,9 @@ class LinkSpec:
         return cls(rate, delay)
 
     def bytes_per_second(self) -> float:
-        n, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(\w+)", self.rate).groups()
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)(\w+)", self.rate or "")
+        assert m is not None, "a link without a rate has no bytes per second"
+        n, unit = m.groups()
         return float(n) * _RATE_UNITS[unit] / 8
 
 
@@ -116,6 +118,7 @@ class EmulatedLink:
                 f"this kernel has no netem qdisc (sch_netem), so a delay ({s.delay}) cannot be "
                 f"emulated here; give a rate only (tbf shapes that): {probe.stderr.strip()}"
             )
+        assert s.rate is not None  # LinkSpec.parse refuses a link with neither
         # tbf needs a bucket of at least one timer tick's worth of bytes (HZ may be 100)
         burst = max(64 << 10, int(s.bytes_per_second() / 100))
         return ["tbf", "rate", s.rate, "burst", str(burst), "latency", "50ms"]

@@ -69,7 +69,8 @@ class Placement:
 
 def format_experts(experts) -> str:
     """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
-    out, run = [], []
+    out: list[str] = []
+    run: list[int] = []
     for e in sorted(experts):
         if run and e == run[-1] + 1:
             run.append(e)

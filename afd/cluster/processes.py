@@ -40,7 +40,7 @@ class ClusterError(RuntimeError):
 class NodeExited(ClusterError):
     """A process exited (that should not have); the message ends with its log tail."""
 
-    def __init__(self, name: str, code: int, tail: str, why: str | None = None):
+    def __init__(self, name: str, code: int | None, tail: str, why: str | None = None):
         self.name, self.code = name, code
         self.why = why or f"node {name} exited with code {code}"
         """What happened, in one line (the message without the log tail)."""
@@ -226,7 +226,9 @@ class NodeProcesses:
                 sup.failed(key, why)
             except GiveUp as e:
                 raise NodeExited(name, rc, self.tail(name), str(e)) from None
-        for key in sup.due() if sup is not None else ():
+        if sup is None:
+            return
+        for key in sup.due():
             unit = self._unit(key)
             try:
                 if not sup.ports_ready(key, tuple(port for q in unit for port in q.command.ports)):

@@ -116,11 +116,12 @@ def _model_type(path: str) -> str | None:
     from afd.model.demo_config import DEMO_CONFIG
 
     if path == "demo":
-        return DEMO_CONFIG["model_type"]
+        return str(DEMO_CONFIG["model_type"])
     from afd.model.hub import checkpoint_dir
 
     try:
-        return read_config_json(checkpoint_dir(path, download=False)).get("model_type")
+        model_type = read_config_json(checkpoint_dir(path, download=False)).get("model_type")
+        return model_type if isinstance(model_type, str) else None
     except ConfigError:
         return None
 

@@ -92,6 +92,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 f"node {ref.name!r} is not registered with this coordinator (it restarted, or another "
                 "instance took the name)",
             )
+        assert m is not None  # context.abort raised
         m.last_seen = time.monotonic()
         return m
 
@@ -125,7 +126,7 @@ class Coordinator(pb_grpc.CoordinatorServicer):
                 )
             old = self.members.get(req.name)
             replacing = old is not None and old.instance_id != req.instance_id
-            if replacing and req.name not in self._lost() and req.name not in self.restarting:
+            if replacing and old is not None and req.name not in self._lost() and req.name not in self.restarting:
                 context.abort(
                     grpc.StatusCode.ALREADY_EXISTS,
                     f"duplicate node name {req.name!r}: already registered from {old.address} "

@@ -69,11 +69,11 @@ def run(args) -> int:
     first = cfg.attention_nodes[0]
     plan = [(p, node_args(args.config, p.node, args, first.name, p.tp_rank)) for p in cfg.processes]
     if args.print_commands:
-        env, key = token_env(cfg), _printed_api_key(args)
+        env, key_args = token_env(cfg), _printed_api_key(args)
         for p, a in plan:  # the host (and device) as a shell comment: the line still pastes as it is
             dev = f", {p.device}" if p.device != "cpu" else ""
             assign = "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())  # VAR=value: for this command
-            a = a + key if p.node.role == "attention" and p.tp_rank == 0 else a
+            a = a + key_args if p.node.role == "attention" and p.tp_rank == 0 else a
             print(f"{assign}{shlex.join([COMMANDS[p.node.role], *a])}  # on {p.node.host}{dev}")
         return 0
     check_startable(cfg, args.config)
@@ -174,7 +174,7 @@ class _Launcher:
         )
         from afd.cluster.api_client import api_url, client_context
 
-        urls = [api_url(self.cfg.http, n.host, n.ports.http) for n in self.cfg.attention_nodes]
+        urls = [api_url(self.cfg.http, n.host, n.ports.http) for n in self.cfg.attention_nodes if n.ports.http]
         tls = client_context(self.cfg.http)  # https when the YAML gives http.ssl_certfile
         code = 0
         try:

@@ -85,6 +85,7 @@ def run(args) -> int:
     model_cfg, quantized = model_of(cfg)
     n_routed = model_cfg.n_routed_experts
     current = check_expert_layout(cfg, n_routed, model_cfg.expert_groups[0])
+    assert current is not None  # the cluster has FFN nodes (checked above)
     loads, source = read_loads(cfg, args.metrics, n_routed)
     # model.dtype auto: the checkpoint's, for the bytes of an expert (the YAML written keeps `auto`)
     slots, why = budget_of(args, local_model(cfg)[0], current, model_cfg, quantized)
@@ -187,8 +188,8 @@ def read_loads(cfg, paths: list[str] | None, n_routed: int) -> tuple[list[float]
             try:
                 with open(path) as f:
                     texts.append((path, f.read()))
-            except OSError as e:
-                raise UserError(f"--metrics {path}: {e.strerror or e}") from None
+            except OSError as err:
+                raise UserError(f"--metrics {path}: {err.strerror or err}") from None
         where = f"from {len(paths)} saved /metrics file(s)"
     else:
         texts = [(f"{n.name} ({_url(n)})", scrape(n, cfg.source)) for n in cfg.ffn_nodes]

@@ -128,7 +128,7 @@ def form_pairs(
                 raise ControlError(f"no pair formed with FFN node {peer.name} within {deadline_s:.0f}s (last: {why})")
             if down:
                 retry_at = retry_at or now + 0.3
-            if down and now >= retry_at:  # not covered without them: wait for them, trying again
+            if down and retry_at is not None and now >= retry_at:  # not covered without them: wait, try again
                 for peer, why in down:
                     if peer.name not in said:
                         log.info("waiting for FFN node %s to form a pair: %s", peer.name, why)

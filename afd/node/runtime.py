@@ -61,6 +61,7 @@ class NodeRuntime:
 
     def make_plane(self) -> DataPlane:
         a = self.assignment
+        assert a is not None, "registered first (bring_up)"
         bind_gloo(self.bind_host)  # gloo's pair listeners on the node's own address
         self.plane = DataPlane(self.backend, a.rank, role_timeout(self.cfg.cluster.comm_timeout, self.node.role))
         return self.plane
@@ -71,6 +72,7 @@ class NodeRuntime:
         plane, t0 = self.plane or self.make_plane(), time.monotonic()
         if not self.ffn_peers:
             timeout = role_timeout(self.cfg.cluster.comm_timeout, self.node.role)
+            assert self.assignment is not None, "registered first (bring_up)"
             self.ffn_peers = [FFNPeer(self.cfg, r, timeout) for r in self.assignment.peer_ranks]
         self.left_out = form_pairs(
             plane, self.ffn_peers, self.client.ref, deadline_s, self.backend, self.shutdown, covered
@@ -202,6 +204,7 @@ def bring_up(
         load_model(rt)
         rt.client.await_cluster()
         if node.role == "ffn":
+            assert server is not None  # an FFN node is TP rank 0
             pairs.accept(rt.make_plane(), server.kv)
             log.info("data plane up: rank %d over %s, taking pairs", a.rank, backend.dist_backend)
         else:
