@@ -24,6 +24,7 @@ from afd.control.kvstore import KeyValues
 from afd.dataplane.pairs import FFN, PairLink, first_line, handshake
 from afd.dataplane.rendezvous import ControlStore
 from afd.dataplane.transport import DataPlane, PeerError
+from ffn_node.peers import FormedPair
 
 log = logging.getLogger("afd.ffn")
 MAX_FORM_S = 120.0
@@ -39,7 +40,7 @@ class PairAcceptor(pb_grpc.PairsServicer):
         self.node_of = {p.name: p.node.name for p in cfg.processes if p.node.role == "attention"}
         self.formed: queue.SimpleQueue = queue.SimpleQueue()
         """Lists of (attention rank, name, PairLink), every TP rank of one attention node: for the loop to adopt."""
-        self._forming: dict[str, dict[int, tuple[str, PairLink]]] = {}
+        self._forming: dict[str, dict[int, FormedPair]] = {}
         """Per attention node, its ranks' pairs formed so far (the node's list goes once it is complete)."""
         self.plane: DataPlane | None = None
         """Set once the node is loaded: requests before then are answered UNAVAILABLE (tried again)."""
@@ -90,34 +91,34 @@ class PairAcceptor(pb_grpc.PairsServicer):
             self._kv.drop_prefix(f"afd/pair/{key}/")
         if link is None:
             return
-        self._hold([(rank, name, link)])
+        self._hold([FormedPair(rank, name, link)])
 
-    def _hold(self, formed: list) -> None:
+    def _hold(self, formed: list[FormedPair]) -> None:
         """Holds formed pairs until every rank of their attention node has one, then hands the node's over."""
-        node = self.node_of[formed[0][1]]
+        node = self.node_of[formed[0].name]
         with self._mu:
             forming = self._forming.setdefault(node, {})
-            older = [forming[r][1] for r, _, _ in formed if r in forming]
-            forming.update({r: (name, link) for r, name, link in formed})
+            older = [forming[p.rank].link for p in formed if p.rank in forming]
+            forming.update({p.rank: p for p in formed})
             done = len(forming) == self.cfg.layout.attention_tp
             if done:
                 del self._forming[node]
         for link in older:  # the rank asked again before its node's other ranks formed theirs
             link.close(queued=True)
         if done:
-            self.formed.put([(r, n, lk) for r, (n, lk) in sorted(forming.items())])
+            self.formed.put([forming[r] for r in sorted(forming)])
 
-    def current(self, group: list) -> bool:
+    def current(self, group: list[FormedPair]) -> bool:
         """At adoption (the serving loop): True when every pair of the node's group is its rank's latest.
         Otherwise a rank asked again meanwhile (its end of the older pair is gone): the stale pairs are
         closed, and the others are held again until the rank's new pair completes the node's group."""
         with self._mu:
-            stale = [x for x in group if self._asked.get(x[0]) != x[2].key]
+            stale = [p for p in group if self._asked.get(p.rank) != p.link.key]
         if not stale:
             return True
-        for _, name, link in stale:
-            log.info("pair with %s superseded before it was taken into use", name)
-            link.close(queued=True)
+        for p in stale:
+            log.info("pair with %s superseded before it was taken into use", p.name)
+            p.link.close(queued=True)
         rest = [x for x in group if x not in stale]
         if rest:
             self._hold(rest)

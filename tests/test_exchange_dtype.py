@@ -10,6 +10,7 @@ from cluster_helpers import Cluster, cluster_yaml, get, post
 from hf_reference import PROMPTS
 
 from afd.dataplane.protocol import SCALE_BYTES, dequantize, exchange_bytes, packed_width, quantize
+from ffn_node.peers import PeerRows
 
 
 def _rows(dtype: torch.dtype) -> torch.Tensor:
@@ -265,10 +266,11 @@ def _ffn_server(plane, exchange_dtype: str, ranks=(0, 1)):
     import queue
 
     from afd.backend import get_backend
+    from ffn_node.peers import FormedPair
     from ffn_node.server import FFNServer
 
     formed: queue.SimpleQueue = queue.SimpleQueue()
-    formed.put([(r, f"attn{r}", None) for r in ranks])
+    formed.put([FormedPair(r, f"attn{r}", None) for r in ranks])
     ffn = _IdentityFFN(40)
     server = FFNServer(ffn, get_backend("cpu"), plane, formed, torch.float32, exchange_dtype=exchange_dtype)
     assert server._adopt() is None
@@ -288,7 +290,7 @@ def test_the_ffn_node_dequantizes_what_remote_moe_sent(exchange_dtype):
     handle = moe.submit(0, 0, m)
     # the FFN node's side of the same message (rank 0 there is the attention rank; 7 the FFN node here)
     plane.queues[0].append(plane.queues.pop(7).popleft())
-    server._run_micro_batch(0, 0, [(0, 6)])
+    server._run_micro_batch(0, 0, [PeerRows(0, 6)])
     plane.queues[7].append(plane.queues.pop(0).popleft())
     y = handle.wait()
     want = dequantize(quantize(m, exchange_dtype), exchange_dtype, torch.empty_like(m))
@@ -301,11 +303,11 @@ def test_a_failed_peers_rows_come_out_zero_and_its_quantized_buffer_is_retired()
     server, ffn = _ffn_server(plane, "int8")
     m = _rows(torch.float32)[:4]
     plane.queues[0].append(quantize(m, "int8"))
-    packed_buf = server.packed.get(0, 7, 44)
-    server._run_micro_batch(0, 0, [(0, 4), (1, 3)])
+    packed_buf = server.receives.packed.get(0, 7, 44)
+    server._run_micro_batch(0, 0, [PeerRows(0, 4), PeerRows(1, 3)])
     x = ffn.seen[0]
     assert torch.equal(x[:4], dequantize(quantize(m, "int8"), "int8", torch.empty_like(m)))
     assert (x[4:] == 0).all(), "the failed peer's rows are computed as zeros, never read uninitialised"
-    assert server.active == [0] and 1 in server.gone
-    assert any(t.data_ptr() == packed_buf.data_ptr() for t in server._retired), "the receive buffer is retired"
-    assert server.packed.get(0, 7, 44).data_ptr() != packed_buf.data_ptr()
+    assert server.peers.active == [0] and 1 in server.peers.gone
+    assert any(t.data_ptr() == packed_buf.data_ptr() for t in server.peers._retired), "the receive buffer is retired"
+    assert server.receives.packed.get(0, 7, 44).data_ptr() != packed_buf.data_ptr()

@@ -116,6 +116,7 @@ _REPLACED_PEER = textwrap.dedent("""
     from afd.dataplane.pairs import PairLink, handshake
     from afd.dataplane.rendezvous import rendezvous_store
     from afd.dataplane.transport import DataPlane
+    from ffn_node.peers import FormedPair
     from ffn_node.server import FFNServer
     rank = int(sys.argv[1])  # 0: the attention node (the pair's rank 0), 1: the FFN node
     store, server = rendezvous_store(rank, "127.0.0.1", {port}, 30)
@@ -139,12 +140,12 @@ _REPLACED_PEER = textwrap.dedent("""
         sys.exit(0)
     ffn = SimpleNamespace(cfg=SimpleNamespace(hidden_size=8, moe_layers=(1,)), mtp_layers=())
     plane, formed = DataPlane(backend, 1, 20), queue.SimpleQueue()
-    formed.put([(0, "attn0", link("old"))])
+    formed.put([FormedPair(0, "attn0", link("old"))])
 
     def replaced():
         time.sleep(1.0)
         plane.abort(0, "attn0 missed its heartbeats")  # the heartbeat thread, on the control plane's word
-        formed.put([(0, "attn0", link("new"))])  # the replacement's pair, formed by the Pairs service's thread
+        formed.put([FormedPair(0, "attn0", link("new"))])  # the replacement, formed by the Pairs thread
 
     threading.Thread(target=replaced).start()
     srv = FFNServer(ffn, backend, plane, formed, torch.float32, rejoin_timeout=30)

@@ -13,6 +13,7 @@ from torch import nn
 
 from afd.backend import get_backend
 from afd.dataplane.protocol import StepHeader
+from ffn_node.peers import FormedPair
 from ffn_node.server import FFNServer
 
 H = 4
@@ -59,7 +60,7 @@ class Experts(nn.Module):
 def _step(tokens: tuple[int, ...], stream_ordered: bool = False) -> list[tuple]:
     plane = RecordingPlane()
     formed: queue.SimpleQueue = queue.SimpleQueue()
-    formed.put([(0, "attn0", "link0")])
+    formed.put([FormedPair(0, "attn0", "link0")])
     backend = get_backend("cpu")
     server = FFNServer(Experts(plane.events), backend, plane, formed, torch.float32)
     assert server._adopt() is None

@@ -68,6 +68,7 @@ class _SlowFFN:
 def test_ffn_compute_and_idle_add_up_to_the_serving_loop_wall_time():
     from afd.backend import get_backend
     from afd.dataplane.protocol import FLAG_IDLE, FLAG_LEAVE, StepHeader
+    from ffn_node.peers import FormedPair
     from ffn_node.server import FFNServer, ServeEnd
 
     script = [
@@ -79,7 +80,7 @@ def test_ffn_compute_and_idle_add_up_to_the_serving_loop_wall_time():
     ]
     metrics = FFNMetrics("ffn0", "m", range(2), num_layers=3)
     formed: queue.SimpleQueue = queue.SimpleQueue()
-    formed.put([(0, "attn0", None)])  # attn0's pair, formed: the server adopts it at its first step boundary
+    formed.put([FormedPair(0, "attn0", None)])  # attn0's pair, formed: the server adopts it at its first step boundary
     server = FFNServer(
         _SlowFFN(3, 0.004), get_backend("cpu"), _SlowPlane(script, 0.002), formed, torch.float32, metrics=metrics
     )

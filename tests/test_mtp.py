@@ -261,16 +261,18 @@ def test_an_ffn_node_without_the_mtp_layer_drops_an_mtp_step():
     from afd.dataplane.protocol import FLAG_MTP, StepHeader
     from afd.observability.timing import Timers
     from ffn_node.loop_time import LoopTime
+    from ffn_node.peers import Peers
     from ffn_node.server import FFNServer
 
     server = FFNServer.__new__(FFNServer)
     server.ffn = SimpleNamespace(mtp_layers=(), cfg=SimpleNamespace(moe_layers=(0, 1)))
-    server.active, server.gone, server._next_step, server.names = [0], {}, {0: 0}, {0: "attn0"}
     server.plane = SimpleNamespace(
         irecv=lambda t, r: None, wait=lambda w, r, what: None, check=lambda: None, abort=lambda *a: None
     )
-    server._headers = {0: StepHeader(0, (3,), FLAG_MTP).encode()}
+    server.peers = peers = Peers(server.plane, torch.device("cpu"))
+    peers.active, peers.next_step, peers.names = [0], {0: 0}, {0: "attn0"}
+    peers.headers = {0: StepHeader(0, (3,), FLAG_MTP).encode()}
     server.metrics, server.timers = None, Timers()
     server.time = LoopTime(None, server.timers, None, None)
     assert server._recv_headers() == {}
-    assert "holds no MTP layer" in server.gone[0]
+    assert "holds no MTP layer" in server.peers.gone[0]

@@ -285,6 +285,7 @@ WAIT = 0.05
 def test_server_measures_each_layers_wait_for_the_prefetch_budget(ffn, landed):
     from afd.dataplane.protocol import FLAG_LEAVE, StepHeader
     from afd.observability.ffn_metrics import FFNMetrics
+    from ffn_node.peers import FormedPair
     from ffn_node.server import FFNServer
 
     script = [StepHeader(0, (2, 1)), StepHeader(1, (1,)), StepHeader(2, (), FLAG_LEAVE)]
@@ -294,7 +295,7 @@ def test_server_measures_each_layers_wait_for_the_prefetch_budget(ffn, landed):
     # a loaded 2-core machine (3 ms was not: make test's three workers measured more)
     plane = _Plane(script, WAIT, landed)
     formed: queue.SimpleQueue = queue.SimpleQueue()
-    formed.put([(0, "attn0", None)])  # attn0's pair, formed: the server adopts it at its first step boundary
+    formed.put([FormedPair(0, "attn0", None)])  # attn0's pair, formed: the server adopts it at its first step boundary
     server = FFNServer(ffn, get_backend("cpu"), plane, formed, torch.float32, prefetch=gaps, metrics=metrics)
     server.serve()
     assert [g[0] for g in gaps.gaps] == list(ffn.cfg.moe_layers) * 2  # micro-batch 0 of each layer, per step

@@ -140,15 +140,16 @@ def _server(plane, ranks: list[int]):
     from torch import nn
 
     from afd.backend import get_backend
+    from ffn_node.peers import FormedPair
     from ffn_node.server import FFNServer
 
     ffn = nn.Module()
     ffn.cfg = type("Cfg", (), {"hidden_size": 4, "num_layers": 1})()
     formed: queue.SimpleQueue = queue.SimpleQueue()
-    formed.put([(r, f"attn{r}", f"link{r}") for r in ranks])
+    formed.put([FormedPair(r, f"attn{r}", f"link{r}") for r in ranks])
     server = FFNServer(ffn, get_backend("cpu"), plane, formed, torch.float32)
     assert server._adopt() is None
-    assert server.active == ranks and plane.links == {r: f"link{r}" for r in ranks}
+    assert server.peers.active == ranks and plane.links == {r: f"link{r}" for r in ranks}
     return server
 
 
@@ -175,8 +176,8 @@ def test_ffn_drops_a_peer_whose_step_ids_are_out_of_step_and_serves_the_other():
     for _ in range(3):  # an idle header repeats the next step's id; a step with tokens moves it on
         assert set(server._recv_headers()) == {0, 1}
     assert list(server._recv_headers()) == [0]  # the desynchronised peer is dropped, never computed for
-    assert server.active == [0]
-    assert "sent step 3 where step 2 was due" in server.gone[1]
+    assert server.peers.active == [0]
+    assert "sent step 3 where step 2 was due" in server.peers.gone[1]
     assert server.plane.aborted == [1], "the live but broken peer's pair is aborted: nothing of it stays queued"
 
 
@@ -193,4 +194,4 @@ def test_ffn_drops_only_the_peer_that_failed():
     idle = [StepHeader(0, (), FLAG_IDLE)] * 2
     server = _server(Plane({0: list(idle), 1: list(idle)}), [0, 1])
     assert list(server._recv_headers()) == [0]
-    assert server.active == [0] and "timed out" in server.gone[1]
+    assert server.peers.active == [0] and "timed out" in server.peers.gone[1]
