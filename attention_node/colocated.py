@@ -47,8 +47,7 @@ def run(args) -> int:
     from afd.cluster.topology import model_dir, served_model_name, with_model_defaults
     from afd.dataplane.exchange import LocalMoE
     from afd.engine.factory import build_engine
-    from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
-    from afd.model.config import parse_dtype
+    from afd.engine.load import Halves
     from afd.model.registry import load_config
     from afd.observability.attention_metrics import AttentionMetrics
     from attention_node.api_server import ServerState, build_app
@@ -77,19 +76,15 @@ def run(args) -> int:
     except ValueError as e:  # ConfigError: a hub name not found, an unreadable config.json
         print(f"afd-attention colocated: error: {e}", file=sys.stderr)
         return 2
-    mcfg, dtype, backend = load_config(path), parse_dtype(cfg.model.dtype), get_backend(args.device)
-    reader = open_reader(path, cfg.model.dummy_weights, cfg.model.seed)
-    quant = serving_quant(path, cfg.model.quantization, backend)
-    attn = build_attention_half(mcfg, reader, dtype, backend.device, quant)
-    spec = cfg.engine.speculative_tokens
-    ffn = build_ffn_half(mcfg, reader, dtype, backend.device, mtp=spec > 0, quant=quant)
-    mtp = build_mtp_layer(mcfg, reader, dtype, backend.device, quant) if spec else None
+    mcfg, backend = load_config(path), get_backend(args.device)
+    halves = Halves.load(cfg, path, mcfg, backend)
     name = served_model_name(cfg.model.path, cfg.model.served_model_name)
     metrics = AttentionMetrics("colocated", name)
     metrics.watch_cluster_state(lambda: 3 if st.draining else 1)  # a cluster of one: READY (1), DRAINING (3)
     tok = serving_tokenizer(cfg, path)
+    moe = LocalMoE(halves.ffn, backend)
     engine = build_engine(
-        cfg, attn, LocalMoE(ffn, backend), backend.device, mtp=mtp, backend=backend, metrics=metrics, tokenizer=tok
+        cfg, halves.attn, moe, backend.device, mtp=halves.mtp, backend=backend, metrics=metrics, tokenizer=tok
     )
     st = ServerState(
         engine,

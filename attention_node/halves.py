@@ -1,55 +1,18 @@
-"""What every rank of an attention node builds in its process: its share of the attention half, its TP
-group, and the way it reaches the MoE (the FFN nodes, or its own copy of the experts in a cluster
-without FFN nodes)."""
+"""What every rank of an attention node builds in its process from its loaded halves (afd.engine.load.Halves):
+its share of the attention half, its TP group, and the way it reaches the MoE (the FFN nodes, or its own copy
+of the experts in a cluster without FFN nodes)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-
-from torch import nn
 
 from afd.dataplane.dispatch import RoutedMoE, RouteTable
 from afd.dataplane.exchange import LocalMoE, RemoteMoE
-from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
+from afd.engine.load import Halves
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.model.tp.shard import shard_attention_half
 
 log = logging.getLogger("afd.attention")
-
-
-@dataclass
-class Halves:
-    """What an attention rank loads from the checkpoint before the data plane forms."""
-
-    attn: nn.Module
-    """The whole attention half (cut to the rank's share by build_rank)."""
-    mtp: nn.Module | None = None
-    """The MTP module, with engine.speculative_tokens."""
-    ffn: nn.Module | None = None
-    """Every expert, in a cluster without FFN nodes; with layout.routing attention, the routers alone (an FFN
-    half holding no expert)."""
-
-
-def load_halves(rt, dtype) -> Halves:
-    """Called by bring_up before the data plane forms: the whole attention half (cut once the TP group
-    exists), the MTP module with engine.speculative_tokens and, in a cluster without FFN nodes, every
-    expert (the MTP layer's too)."""
-    cfg = rt.cfg
-    reader = open_reader(rt.model_path, cfg.model.dummy_weights, cfg.model.seed)
-    quant = serving_quant(rt.model_path, cfg.model.quantization, rt.backend)
-    built = Halves(build_attention_half(rt.model_cfg, reader, dtype, rt.backend.device, quant))
-    mtp = cfg.engine.speculative_tokens > 0
-    if mtp:
-        built.mtp = build_mtp_layer(rt.model_cfg, reader, dtype, rt.backend.device, quant)
-    if cfg.colocated:
-        built.ffn = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, mtp=mtp, quant=quant)
-    elif cfg.routing == "attention":
-        built.ffn = build_ffn_half(rt.model_cfg, reader, dtype, rt.backend.device, experts=(), mtp=mtp)
-    log.info(
-        "attention half loaded from %s%s", rt.model_path, " with every expert (no FFN nodes)" if cfg.colocated else ""
-    )
-    return built
 
 
 def tp_group(rt):

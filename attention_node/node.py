@@ -17,11 +17,12 @@ from afd.cluster.schema import ClusterConfig
 from afd.control.client import ControlError
 from afd.dataplane.dispatch import RoutedMoE, Unserved
 from afd.dataplane.exchange import MoEExchange
+from afd.engine.load import Halves
 from afd.model.config import parse_dtype
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.node.adoption import Adopter
 from afd.node.runtime import NodeRuntime, bring_up
-from attention_node.halves import Halves, build_rank, exchange, load_halves
+from attention_node.halves import build_rank, exchange
 
 log = logging.getLogger("afd.attention")
 UNSERVED_RETRY_S = 1.0
@@ -50,7 +51,7 @@ class AttentionNode:
             raise
 
     def _load(self, rt: NodeRuntime) -> None:
-        self.halves = load_halves(rt, self.dtype)
+        self.halves = Halves.load(rt.cfg, rt.model_path, rt.model_cfg, rt.backend)
 
     def _on_status(self, status) -> None:
         """Each heartbeat's cluster status (None: the coordinator did not answer)."""

@@ -21,6 +21,7 @@ from afd.engine import offline
 from afd.engine.engine import Engine
 from afd.engine.factory import Job, build_engine
 from afd.engine.graph import graph_report
+from afd.engine.load import Halves
 from afd.engine.offline import Completion, OfflineRequest
 from afd.engine.sampling import SamplingParams
 from afd.engine.tokenizer import Tokenizer, load_tokenizer
@@ -29,7 +30,6 @@ from afd.entrypoints.llm_nodes import _add_counters, run_on_nodes
 from afd.entrypoints.llm_outputs import RequestOutput, completion_output
 from afd.entrypoints.llm_params import SamplingParams as VLLMSamplingParams
 from afd.entrypoints.llm_params import default_sampling_params, llm_options, per_prompt
-from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
 from afd.model.config import parse_dtype
 from afd.model.mtp import family_mtp
 from afd.model.registry import family, load_config
@@ -97,12 +97,8 @@ class LLM:
         if eng.sampling_seed is not None:  # as vLLM (and afd serve --seed): the default generator
             torch.manual_seed(eng.sampling_seed)
         self.backend = get_backend(device)
-        reader = open_reader(model, dummy=self.config.model.dummy_weights, seed=self.config.model.seed)
-        dev = self.backend.device
-        quant = serving_quant(model, self.config.model.quantization, self.backend)
-        self.attn = build_attention_half(self.cfg, reader, self.dtype, dev, quant)
-        self.ffn = build_ffn_half(self.cfg, reader, self.dtype, dev, mtp=self.speculative_tokens > 0, quant=quant)
-        self.mtp = build_mtp_layer(self.cfg, reader, self.dtype, dev, quant) if self.speculative_tokens else None
+        halves = Halves.load(self.config, model, self.cfg, self.backend)
+        self.attn, self.ffn, self.mtp = halves.attn, halves.ffn, halves.mtp
 
     # ---- vLLM's API ---------------------------------------------------------------------------------------
 
