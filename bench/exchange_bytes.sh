@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Bytes of the MoE exchange per layout.exchange_dtype (docs/benchmarks.md, section 11): `afd serve demo`
+# Bytes of the MoE exchange per layout.exchange_dtype (docs/benchmarks/exchange-bytes.md): `afd serve demo`
 # (1A1F, fp32) for each of same, int8 and fp8, one request (a 16-token prompt, 17 tokens out, so 32 tokens
 # through the forward steps), then the attention node's afd_exchange_bytes_total{direction}.
 # Run from the repository root with afd's environment on PATH: bash bench/exchange_bytes.sh

@@ -41,8 +41,9 @@ a new request on every attention node, and whether `/health` and `afd status` ev
 every 0.5 s from the stop until the end (a node's /health 200 while the status names it lost or paused, or a
 503 while the status says READY).
 
-    python bench/failover.py --hang 30 --kill attn1 --output docs/bench/failover-hang.json
-    python bench/failover.py --config deploy/2a1f.yaml --hang 100 --kill ffn0 --output docs/bench/failover-hang-ffn.json
+    python bench/failover.py --hang 30 --kill attn1 --output docs/bench/failover-hang-attn1.json
+    python bench/failover.py --config deploy/2a1f.yaml --hang 100 --kill ffn0 \\
+        --output docs/bench/failover-hang-ffn0.json
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A LongCat-Flash checkpoint of hidden 1024 with 16 routed experts, fp32 on disk and seeded random weights: the
-shape the kernel figures of docs/benchmarks.md section 12 name (its GEMMs are [T x 1024] x [1024 x 2048] and the
+shape the kernel figures of docs/benchmarks/quantization.md name (its GEMMs are [T x 1024] x [1024 x 2048] and the
 like), for `afd bench-quant --model DIR` and `afd generate --model DIR`. With --bf16, the same weights stored in
 bf16 (the config says bfloat16), the copy `--dtype auto` serves in bf16.
 

@@ -4,7 +4,7 @@
 #   bash bench/serve_vs_transformers.sh            # the demo (LongCat-Flash); N=200 IN=64 OUT=32 CONC=8
 #   MODEL=$(python bench/qwen3_moe_checkpoint.py /tmp/q3) CB=1 OUTDIR=docs/bench/serve-qwen3 \
 #       bash bench/serve_vs_transformers.sh       # Qwen3-MoE, transformers with --continuous-batching
-# Results: $OUTDIR/{afd,transformers}.json and a table on stdout (copied to docs/benchmarks.md).
+# Results: $OUTDIR/{afd,transformers}.json and a table on stdout (copied to docs/benchmarks/serving-vs-transformers.md).
 # transformers serve rejects `ignore_eos`, so neither server gets it: both stop at the same EOS tokens,
 # since afd's greedy tokens equal transformers' on the same checkpoint.
 set -euo pipefail

@@ -1,5 +1,5 @@
 """`afd bench-plan`'s table and JSON from synthetic numbers, and its re-prediction of a stored run (no cluster,
-no measuring): the full run is a benchmark (docs/benchmarks.md), not a test."""
+no measuring): the full run is a benchmark (docs/benchmarks/planner.md), not a test."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def test_simulate_prints_the_step_of_a_cluster_yaml(tmp_path, capsys):
 
 
 def test_simulate_cautions_where_processes_outnumber_the_profiles_cores(tmp_path, capsys):
-    """bench-plan under-predicted three processes on two cores (docs/benchmarks.md, section 17): a layout like
+    """bench-plan under-predicted three processes on two cores (docs/benchmarks/planner.md): a layout like
     that on a profile's host says so; one with a core per process, or on a device, does not."""
     import dataclasses
 

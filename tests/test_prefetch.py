@@ -140,7 +140,7 @@ def test_cpu_prefetch_reads_and_reports_bytes():
     assert be.prefetch(w, 4096) == 4096 and be.prefetch(w, 1 << 30) == w.numel() * 4
     assert be.prefetch(w, 1 << 30, None, offset=64 * 4 * 999) == 64 * 4  # the last row's slice
     assert be.prefetch(w, 64, None, offset=w.numel() * 4) == 0
-    assert not be.prefetch_by_default  # docs/benchmarks.md: no clear gain on CPU
+    assert not be.prefetch_by_default  # docs/benchmarks/suite.md: no clear gain on CPU
     assert be.group_sizes_on_host
 
 

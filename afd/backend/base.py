@@ -264,7 +264,7 @@ class Backend(ABC):
         return not self.group_sizes_on_host
 
     prefetch_by_default: bool = False
-    """Whether FFN nodes prefetch weights unless the YAML says otherwise (see docs/benchmarks.md)."""
+    """Whether FFN nodes prefetch weights unless the YAML says otherwise (see docs/benchmarks/suite.md)."""
 
     def prefetch(
         self, weight: torch.Tensor, max_bytes: int, dependency: torch.Tensor | None = None, offset: int = 0

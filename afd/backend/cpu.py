@@ -23,8 +23,8 @@ ROW_MAJOR_ENV = "AFD_CPU_ROW_MAJOR_WEIGHTS"
 def column_major_linears(module: nn.Module) -> nn.Module:
     """Every nn.Linear weight [out, in] of `module` laid out column-major (its transpose [in, out] contiguous),
     in place: F.linear then hands MKL's sgemm a right-hand side it reads without transposing, which runs
-    1.3-2.5x faster on one thread at decode sizes (4-64 rows; neutral at 1: docs/benchmarks.md, afd
-    bench-graph --vs-hf). Values, shapes and Parameters are unchanged; a weight another module shares (a
+    1.3-2.5x faster on one thread at decode sizes (4-64 rows; neutral at 1: docs/benchmarks/graph-mode.md,
+    afd bench-graph --vs-hf). Values, shapes and Parameters are unchanged; a weight another module shares (a
     tied lm_head) stays as it is, since the embedding gathers its rows. Besides nn.Linear, any module whose
     class sets `linear_weight = True` (the TP layers of afd.model.tp.layers) is laid out too."""
     if os.environ.get(ROW_MAJOR_ENV) == "1":
@@ -124,7 +124,7 @@ class CpuBackend(Backend):
 
     graph_mode_default = "eager"
     """Measured with `afd bench-graph` (balanced scenario, one thread per process, on the shared 2-core machine
-    that built this; docs/benchmarks.md section 7 has the full run): compiled / eager decode tokens/s was
+    that built this; docs/benchmarks/graph-mode.md has the full run): compiled / eager decode tokens/s was
     0.91-1.15x at batch 1-64, colocated and 1A1F (1.13-1.27x at best and 0.85x at worst in earlier short
     runs), within the spread of the rounds, while a bucket's graphs take 12-31 s to compile with a cold cache
     (2-6.5 s warm) for every block-table width they meet. The step is GEMM time, which inductor hands to

@@ -4,8 +4,8 @@ A GEMM of a few rows against a plain weight re-lays the weight out on every call
 the right-hand side into blocks before they multiply), which at decode sizes costs as much as the products.
 Laid out once, oneDNN's linear reads the blocks directly: 16 routed experts of [512 x 1536] in fp32 at 4 rows
 each took 2.4 ms against 6.0 ms on one thread of an AVX-512 EPYC, and 4.4 against 6.1 ms held to AVX2
-(docs/benchmarks.md §12.2). The same products, summed in another order: an fp32 layer's output moves by a few
-ulps, as it does between two BLAS builds.
+(docs/benchmarks/quantization.md, "Weights held packed"). The same products, summed in another order: an fp32
+layer's output moves by a few ulps, as it does between two BLAS builds.
 
 The packed tensor replaces the plain one (no copy is kept: memory is what the dtype says); what reads the
 plain weight afterwards (`weight`, a group of PackedGroups) gets it unpacked, exact. fp32 everywhere torch has

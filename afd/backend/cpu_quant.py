@@ -2,7 +2,7 @@
 (afd.quant.reference) for the rest, said once in the log.
 
 Measured on the development machine (AMD EPYC with AVX-512 VNNI and BF16, one thread, 1024 x 2816 weight,
-torch 2.13; /tmp probes, recorded in docs/benchmarks.md section 12): at 16 rows fp32 F.linear 1.42 ms,
+torch 2.13; /tmp probes, recorded in docs/benchmarks/quantization.md): at 16 rows fp32 F.linear 1.42 ms,
 bf16 0.35 ms, torch._int_mm 0.21 ms (0.25 ms with the per-token quantization and rescale); at 1 row 162 /
 186 / 39 us. torch._scaled_mm has a CPU kernel but took 12-21 ms (no FP8 GEMM on this CPU), and widening
 FP8 to bf16 took 2.8 ms per weight (no vector conversion), so fp8 runs the fp32 reference here: it

@@ -116,7 +116,7 @@ class CudaBackend(Backend):
 
     # prefetch stays the base no-op: a GEMM on a GPU already streams its weights from HBM at full
     # bandwidth, and the real L2 tool (a cudaAccessPolicyWindow persisting region) is not reachable
-    # from torch without the CUDA runtime API. Reasoned, not measured: see docs/benchmarks.md.
+    # from torch without the CUDA runtime API. Reasoned, not measured: see docs/benchmarks/suite.md.
 
     @staticmethod
     def grouped_mm_fast_path(

@@ -1,4 +1,4 @@
-"""The tables `afd bench-dispatch` prints (markdown, as docs/benchmarks.md carries them)."""
+"""The tables `afd bench-dispatch` prints (markdown, as docs/benchmarks/dispatch.md carries them)."""
 
 from __future__ import annotations
 

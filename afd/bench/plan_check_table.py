@@ -58,7 +58,7 @@ class Row:
 
 
 def table(rows: list[Row]) -> str:
-    """The markdown table the report prints and docs/benchmarks.md holds."""
+    """The markdown table the report prints and docs/benchmarks/planner.md holds."""
     out = [
         "| config | measured step (ms) | predicted (ms) | predicted / measured (median of rounds) | "
         "attention wait measured / predicted (ms) | bottleneck (predicted) | within 20 % |",

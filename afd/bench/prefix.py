@@ -1,4 +1,4 @@
-"""Prefix caching on against off on a shared-prefix workload, side by side (docs/benchmarks.md §15).
+"""Prefix caching on against off on a shared-prefix workload, side by side (docs/benchmarks/prefix-caching.md).
 
 Two `afd serve demo` clusters at 1A1F run at once, one with --enable-prefix-caching and one with
 --no-enable-prefix-caching; each round sends both the same `afd bench` load (N requests that share a

@@ -158,7 +158,7 @@ class PrefetchSection:
     """FFN-side weight prefetch while waiting for each layer's inputs (afd.dataplane.prefetch)."""
 
     enabled: bool | None = None
-    """Unset: the backend's default (on for Ascend NPU; off on CPU and CUDA, see docs/benchmarks.md)."""
+    """Unset: the backend's default (on for Ascend NPU; off on CPU and CUDA, see docs/benchmarks/suite.md)."""
     budget_bytes: int | None = None
     """Bytes hinted per layer. Unset (the default): computed per layer as the device's memory bandwidth x
     the measured wait for the layer's inputs, within its cache (docs/architecture/prefetch.md); set it only

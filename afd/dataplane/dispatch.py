@@ -13,7 +13,7 @@ A replicated expert's slots go to its live holders by token (t + a per-call offs
 which splits its tokens evenly. The rows each node gets are known once routing is: one read of the
 [F] counts per layer and micro-batch on the host, so that each message is exactly its rows (the capacity
 alternative, a fixed-size buffer per node, would have to hold all T rows to never drop a token, which is
-broadcast's bytes: docs/benchmarks.md, "Dispatch").
+broadcast's bytes: docs/benchmarks/dispatch.md).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ class PrefetchConfig:
     after_router: bool = False
     """Step 2 above, only where the backend reads the group sizes on the host (Backend.group_sizes_on_host).
     Off by default: on CPU, the one such backend, the hint is a synchronous read on the critical path and
-    measured slower than step 1 alone (docs/benchmarks.md, afd bench-suite --sections prefetch)."""
+    measured slower than step 1 alone (docs/benchmarks/suite.md, afd bench-suite --sections prefetch)."""
 
     def __post_init__(self):
         bad = [w for w in self.weights if w not in WEIGHTS]

@@ -2,7 +2,7 @@
 Lark / GBNF grammar) compiled by llguidance (https://github.com/guidance-ai/llguidance) into a matcher that
 says which tokens may come next, as a bitmask, and advances with each token the request emits.
 
-Why llguidance: docs/benchmarks.md §16 (measured against xgrammar, which vLLM also uses).
+Why llguidance: docs/benchmarks/structured-outputs.md (measured against xgrammar, which vLLM also uses).
 
 Who does what: the API compiles a `GrammarSpec` on a worker thread (`GrammarCompiler.compile`, which also
 computes the first mask, so that an invalid schema is a 400 before the request enters the engine and no

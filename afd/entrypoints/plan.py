@@ -222,15 +222,15 @@ def shared_host_note(layout, costs) -> str:
     """A caution where a layout puts more node processes on a profile's host than it has cores. The simulator
     shares the cores as processor sharing does, which holds for the compute itself, but not what the sharing
     costs (wake-ups waiting for a core, the transport threads, colder caches): `afd bench-plan` measured 2A1F
-    with overlap, three processes on two cores, at 1.06-1.43 times its predicted step (docs/benchmarks.md,
-    section 17)."""
+    with overlap, three processes on two cores, at 1.06-1.43 times its predicted step
+    (docs/benchmarks/planner.md)."""
     processes = layout.attention_ranks + layout.ffn_nodes
     if not costs.host_cores or processes <= costs.host_cores:
         return ""
     return (
         f"(caution: {processes} node processes on the host's {costs.host_cores} core"
         f"{'s' if costs.host_cores > 1 else ''}; where processes outnumbered the cores, measured steps ran up to"
-        " 1.4x the prediction: docs/benchmarks.md, section 17)"
+        " 1.4x the prediction: docs/benchmarks/planner.md)"
     )
 
 

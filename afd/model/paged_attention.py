@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 CHUNK_BLOCKS = 64
-"""Blocks per chunk (1,024 keys at block size 16), by measurement on CPU (docs/benchmarks.md, section 9):
+"""Blocks per chunk (1,024 keys at block size 16), by measurement on CPU (docs/benchmarks/paged-attention.md):
 contexts up to 1,024 tokens run as one chunk and pay nothing for the merge; smaller chunks pay a dozen
 small ops each (4 blocks: 2.4x the attention time at 4,096 tokens), 256 was no faster, and the chunk is
 the memory bound, so the smallest of the fast sizes."""
