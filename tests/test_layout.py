@@ -332,3 +332,17 @@ def test_node_processes_are_started_by_one_launcher():
         f"tests/helper.py: starts node processes outside {LAUNCHER}",
         f"afd/bench/x.py: starts a process outside {LAUNCHER}",
     ]
+
+
+def test_the_attention_side_is_assembled_in_one_place():
+    """Halves.load (afd/engine/load.py) is the one place the attention half and the MTP layer are built from a
+    checkpoint, for attention nodes, the colocated server and afd.LLM alike (an FFN node builds only the
+    experts it holds)."""
+    builders = ("build_attention_half", "build_mtp_layer")
+    callers = set()
+    for package in ("afd", "attention_node", "ffn_node"):
+        for f in _files(package):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) in builders:
+                    callers.add(str(f.relative_to(ROOT)))
+    assert callers == {"afd/engine/load.py"}, callers
