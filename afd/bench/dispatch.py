@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from typing import Any
 
 from afd.bench import dispatch_parts as parts
 from afd.bench.common import at_least, count_flag, interleaved, median, synthetic_prompts
@@ -108,10 +109,11 @@ def section_wire(args, path: str, dummy: bool, cfg) -> dict:
     finally:
         for c in clusters.values():
             c.close()
-    results = {}
+    results: dict[str, dict[str, Any]] = {}  # case -> its medians, and what the case was
     for name, (F, r) in cases.items():
-        p = default_placement(E, [f"ffn{i}" for i in range(F)], cfg.expert_groups[0])
-        fan = routed_fanout(p, K, *cfg.expert_groups, cfg.identity_experts)
+        groups, topk_group = cfg.expert_groups
+        p = default_placement(E, [f"ffn{i}" for i in range(F)], groups)
+        fan = routed_fanout(p, K, groups, topk_group, cfg.identity_experts)
         figs = [parts.wire_figures(j, F, r, L, cfg.hidden_size, args.dtype, K, fan) for j in rounds[name]]
         keys = [k for k in figs[0] if k != "counted_equals_formula"]
         results[name] = {k: median(f[k] for f in figs) for k in keys}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import urllib.request
+from typing import Any
 
 from afd.bench.common import median
 from afd.bench.quant_parts import tok_s
@@ -20,7 +21,7 @@ BENCH_MODEL = {**DEMO_CONFIG, "moe_topk": 2, "zero_expert_num": 0}
 """The demo model (LongCat-Flash shape, hidden 256, 4 layers with one MoE each) with 16 routed experts, top-2
 and no identity experts: every chosen slot crosses to an FFN node."""
 
-SHAPES = {
+SHAPES: dict[str, dict[str, Any]] = {
     # name: hidden, routed experts, top-k, (groups, topk_group), identity experts; from the models' config.json
     # (afd/model/deepseek_v3/config.py, qwen3_moe/config.py, longcat_flash/config.py defaults)
     "DeepSeek-V3": dict(hidden=7168, n_routed=256, top_k=8, groups=(8, 4), zero=0),
@@ -139,13 +140,14 @@ def shape_figures(ffn_nodes: list[int], dtype: str = "bfloat16") -> dict:
     for name, s in SHAPES.items():
         rows = {}
         for F in ffn_nodes:
-            p = default_placement(s["n_routed"], [f"ffn{i}" for i in range(F)], s["groups"][0])
-            fan = expected_fanout(p, s["top_k"], *s["groups"])
+            groups, topk_group = s["groups"]
+            p = default_placement(s["n_routed"], [f"ffn{i}" for i in range(F)], groups)
+            fan = expected_fanout(p, s["top_k"], groups, topk_group)
             cost = per_token(s["hidden"], dtype, s["top_k"], "same", F, fan)
-            row = {"fanout": fan, "max_fanout": max_fanout(p, s["top_k"], *s["groups"])} | cost
+            row = {"fanout": fan, "max_fanout": max_fanout(p, s["top_k"], groups, topk_group)} | cost
             row["ratio"] = cost["dispatch to_ffn"] / cost["broadcast to_ffn"]
             if s["zero"]:
-                fz = routed_fanout(p, s["top_k"], *s["groups"], s["zero"])
+                fz = routed_fanout(p, s["top_k"], groups, topk_group, s["zero"])
                 row |= {"fanout_routed_only": fz, "ratio_routed_only": fz * row["ratio"] / fan}
             rows[str(F)] = row
         out[name] = {"shape": s, "by_ffn_nodes": rows}

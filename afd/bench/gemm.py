@@ -20,10 +20,15 @@ def _moe_layer():
     from afd.backend import get_backend
     from afd.backend.cpu_packed import plain
     from afd.model.checkpoint import DummyReader, build_ffn_half
+    from afd.model.longcat_flash.config import LongcatFlashConfig
+    from afd.model.longcat_flash.ffn import FFNHalf
     from afd.model.registry import config_from_hf
 
     cfg = config_from_hf({**BENCH_CONFIG, "num_layers": 1})
-    layer = build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu")).layers[0]
+    assert isinstance(cfg, LongcatFlashConfig)  # BENCH_CONFIG is LongCat-Flash's, as is HF's layout below
+    ffn = build_ffn_half(cfg, DummyReader(0), torch.float32, torch.device("cpu"))
+    assert isinstance(ffn, FFNHalf)  # LongCat-Flash's half: its layers are FFNLayer
+    layer = ffn.layer(0)  # ffn.layers[0]
     ex = layer.experts
     G, H, I = ex.w13.shape[0], cfg.hidden_size, cfg.expert_ffn_hidden_size
     # transformers up to 5.24 allocated gate/up rows for the identity experts too (never used).

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 from afd.bench.common import Colocated, count_flag, interleaved, median, synthetic_prompts, write_config
 from afd.bench.step import SCENARIOS, add_model_args
@@ -164,7 +165,7 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory(prefix="afd-bench-graph-") as tmp:
         model = args.model or write_config(os.path.join(tmp, "model"), SCENARIOS[args.scenario])
         cache = os.path.join(tmp, "compile-cache")
-        res = {} if args.no_decode else {"decode": section_decode(args, model, cache)}
+        res: dict[str, Any] = {} if args.no_decode else {"decode": section_decode(args, model, cache)}
         if args.ffn:
             from afd.bench.graph_ffn import section_ffn
 

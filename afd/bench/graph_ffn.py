@@ -20,6 +20,7 @@ def section_ffn(model: str, tokens: list[int], repeats: int, calls: int = 30) ->
     import torch
 
     from afd.backend import get_backend
+    from afd.backend.cpu import CpuBackend
     from afd.backend.cpu_packed import unpack
     from afd.model.checkpoint import build_ffn_half, open_reader
     from afd.model.registry import load_config
@@ -28,6 +29,7 @@ def section_ffn(model: str, tokens: list[int], repeats: int, calls: int = 30) ->
     torch.set_num_threads(1)
     try:
         cfg, backend = load_config(model), get_backend("cpu")
+        assert isinstance(backend, CpuBackend)  # what get_backend("cpu") returns: its graph_compiler below
         ffn = build_ffn_half(cfg, open_reader(model, True, 0), torch.float32, backend.device)
         unpack(ffn)  # what afd.model.ffn_graph compiles: the plain weights
         layer = next(i for i in range(cfg.num_layers) if _is_moe(ffn, i))

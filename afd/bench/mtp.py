@@ -25,10 +25,14 @@ import os
 import statistics
 import tempfile
 import zlib
+from typing import TYPE_CHECKING
 
 from afd.bench.common import count_flag, interleaved, synthetic_prompts
 from afd.bench.step import BENCH_CONFIG
 from afd.cluster.flags import DefaultsHelpFormatter
+
+if TYPE_CHECKING:
+    from afd.entrypoints.llm import LLM
 
 PLACEMENTS = ("colocated", "1A1F")
 
@@ -150,7 +154,8 @@ class _Colocated:
     """afd.LLM colocated, one per N (its weights loaded once), run step by step for the step timings."""
 
     def __init__(self, model: str):
-        self.model, self.llms = model, {}
+        self.model = model
+        self.llms: dict[int, LLM] = {}  # speculative tokens N -> its LLM
 
     def run(self, n: int, prompts: list[list[int]], new_tokens: int) -> dict:
         import torch

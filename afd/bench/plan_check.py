@@ -21,6 +21,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from afd.bench.common import count_flag, interleaved
 from afd.bench.plan_check_predict import rows_of
@@ -74,7 +75,7 @@ def case_job(case: Case, link=None):
     """The local cluster of the demo a case runs (across the emulated link where given: its hosts)."""
     from afd.cluster.local_config import local_job
 
-    kw = dict(overlap=case.overlap, micro_batches=case.micro_batches, routing=case.routing)
+    kw: dict[str, Any] = dict(overlap=case.overlap, micro_batches=case.micro_batches, routing=case.routing)
     return local_job(
         "demo", case.attention_nodes, case.ffn_nodes, dtype="float32", **kw, **(link.hosts if link else {})
     )

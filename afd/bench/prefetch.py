@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import torch
 
@@ -61,7 +62,8 @@ class _FirstBytes(PrefetchSchedule):
     """The old rule: every expert in order, so the budget covers the first bytes of w13 (then w2)."""
 
     def after_compute(self, layer: int) -> None:
-        self.known[layer] = list(range(self.ffn.layer(layer).experts.w13.shape[0]))
+        experts: Any = self.ffn.layer(layer).experts  # afd.model.experts.Experts (FFNHalf.layer's MoE)
+        self.known[layer] = list(range(experts.w13.shape[0]))
 
 
 def _step(be, ffn, xs, sched, hooks: dict, gap: float, out: dict) -> None:
@@ -105,6 +107,7 @@ def run_prefetch_bench(
     torch.set_num_threads(1)
     be = get_backend(kind)
     spec = be.prefetch_spec()
+    assert spec is not None  # CPU and NPU report one; callers skip CUDA, where prefetch is a no-op
     cfg, ffn = _model(num_layers, be.device, dtype)
     scheds, hooks = _schedules(ffn, be, spec, num_layers, variants)
     results: dict = {"spec": {"bandwidth": spec.bandwidth, "cache_bytes": spec.cache_bytes, "source": spec.source}}
@@ -118,7 +121,9 @@ def run_prefetch_bench(
 
             for gap_ms in gaps_ms:
                 gap = gap_ms / 1e3
-                samples = {v: {"compute": [], "hint": [], "layer": [], "budget": []} for v in variants}
+                samples: dict[str, dict[str, list[float]]] = {
+                    v: {"compute": [], "hint": [], "layer": [], "budget": []} for v in variants
+                }
                 for v in variants:  # warm-up: a measured gap and a first guess for every schedule
                     for _ in range(3):
                         _step(be, ffn, inputs(), scheds.get(v), hooks.get(v, {}), gap, {k: [] for k in samples[v]})

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from afd.bench import serve as bench_serve
 from afd.bench.common import count_flag
@@ -118,7 +119,7 @@ def main() -> int:
         rounds: list[dict] = []
         for r in range(args.rounds + 1):
             order = MODES if r % 2 == 0 else MODES[::-1]
-            res = {m: _round(urls[m], args, tmp, 1000 + r) for m in order}
+            res: dict[str, Any] = {m: _round(urls[m], args, tmp, 1000 + r) for m in order}
             res["order"], res["load_average"] = list(order), os.getloadavg()[0]
             if r:
                 rounds.append(res)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from typing import Any
 
 from afd.bench import quant_mem
 from afd.bench import quant_parts as parts
@@ -170,7 +171,7 @@ def _setup(args, path: str, dummy: bool, sections: list[str]) -> dict:
     bad = [m for m in modes if m not in MODES] + [t for t in topos if t not in ("colocated", "1A1F")]
     if bad:
         raise ValueError(f"unknown mode(s) or topologies {bad}; modes: {list(MODES)}, topologies: colocated, 1A1F")
-    state = {"modes": modes, "topologies": topos, "batches": [int(b) for b in args.batches.split(",")]}
+    state: dict[str, Any] = {"modes": modes, "topologies": topos, "batches": [int(b) for b in args.batches.split(",")]}
     state |= {"colo": {}, "clusters": {}, "node_rss": {}}
     if "colocated" in topos or "gemm" in sections:
         for m in modes:

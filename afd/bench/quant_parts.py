@@ -5,6 +5,8 @@ layout.exchange_dtype. (The FFN node's memory: afd.bench.quant_mem.)"""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 from afd.bench.common import median, synthetic_prompts
 
@@ -83,7 +85,7 @@ def gemm_probes(llm, tokens: int, seed: int = 0) -> dict:
 
     g = torch.Generator().manual_seed(seed)
     dtype, backend, cfg = llm.dtype, llm.backend, llm.cfg
-    probes = {}
+    probes: dict[str, Callable[..., Any]] = {}
     for name, mod in llm.attn.named_modules():
         if isinstance(mod, (nn.Linear, QuantLinear)) and (name.startswith("layers.0.") or name == "lm_head"):
             x = torch.randn(tokens, mod.in_features, generator=g).to(dtype)

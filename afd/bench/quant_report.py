@@ -68,8 +68,8 @@ def print_decode(d: dict, state: dict) -> None:
     print("|---|---|" + "---|" * len(batches))
     for t in state["topologies"]:
         for m in state["modes"]:
-            xs = [pr.get(f"{t} {m} b={b}") for b in batches]
-            figs = " | ".join("-" if not x else f"{median(x):.2f}x ({min(x):.2f}-{max(x):.2f})" for x in xs)
+            per = [pr.get(f"{t} {m} b={b}") for b in batches]  # each case's ratios, round by round
+            figs = " | ".join("-" if not x else f"{median(x):.2f}x ({min(x):.2f}-{max(x):.2f})" for x in per)
             print(f"| {t} | {m} | {figs} |")
     print("\nQuantization each case ran with (colocated: the loaded half; 1A1F: the FFN node's log line):")
     for k, v in d["quantization"].items():

@@ -125,8 +125,9 @@ def _lengths(rng, mean: int, ratio: float, n: int) -> list[int]:
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
 
 
-def sample_requests(args) -> list[tuple[list[int], int]]:
-    """(prompt token ids, max_tokens) per request; token ids need no tokenizer on either side."""
+def sample_requests(args) -> list[tuple[list[int] | str, int]]:
+    """(prompt token ids, max_tokens) per request; token ids need no tokenizer on either side.
+    With --tokenizer, each prompt is those ids decoded to text."""
     import numpy as np
 
     rng = np.random.default_rng(args.seed)

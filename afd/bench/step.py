@@ -12,11 +12,12 @@ import json
 import statistics
 import tempfile
 import time
+from typing import Any
 
 from afd.bench.common import count_flag, write_config
 from afd.cluster.flags import DefaultsHelpFormatter
 
-BENCH_CONFIG = {
+BENCH_CONFIG: dict[str, Any] = {  # an HF config.json's fields
     # Sized so that the attention window (dense MLP 0, attention 1, dense MLP 1) and the MoE take
     # comparable time on one CPU core at decode batch sizes.
     "model_type": "longcat_flash",
@@ -126,7 +127,7 @@ SCENARIOS = {
     "deepseek-v4": DEEPSEEK_V4,
 }
 
-MODES = {
+MODES: dict[str, dict[str, Any]] = {  # mode -> its settings: colocated, or overlap and micro_batches
     "colocated": dict(colocated=True),
     "afd --no-overlap": dict(overlap=False, micro_batches=1),
     "afd overlap (m=1)": dict(overlap=True, micro_batches=1),
@@ -262,7 +263,7 @@ def run(args) -> int:
                     f"({time.perf_counter() - t0:.1f}s)",
                     flush=True,
                 )
-    results = {
+    results: dict[str, dict[str, Any]] = {  # step_ms and wait_fraction are always set; ffn_busy may be None
         m: {
             k: statistics.median(x[k] for x in v) if v[0][k] is not None else None
             for k in ("step_ms", "wait_fraction", "ffn_busy")
@@ -281,11 +282,11 @@ def run(args) -> int:
         "| m per round |"
     )
     print("|---|---|---|---|---|---|")
-    for m, r in results.items():
-        speed = f"{base / r['step_ms']:.2f}x" if base else "-"
-        busy = "-" if r["ffn_busy"] is None else f"{100 * r['ffn_busy']:.0f}%"
-        used = ", ".join("-" if x is None else str(x) for x in r["m"])
-        print(f"| {m} | {r['step_ms']:.2f} | {100 * r['wait_fraction']:.1f}% | {busy} | {speed} | {used} |")
+    for m, res in results.items():
+        speed = f"{base / res['step_ms']:.2f}x" if base else "-"
+        busy = "-" if res["ffn_busy"] is None else f"{100 * res['ffn_busy']:.0f}%"
+        used = ", ".join("-" if x is None else str(x) for x in res["m"])
+        print(f"| {m} | {res['step_ms']:.2f} | {100 * res['wait_fraction']:.1f}% | {busy} | {speed} | {used} |")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"config": vars(args) | {"func": None}, "results": results, "rounds": rounds}, f, indent=2)

@@ -14,6 +14,7 @@ import json
 import os
 import tempfile
 import time
+from typing import Any
 
 from afd.bench.common import Colocated, count_flag, interleaved, median, run_afd, synthetic_prompts, write_config
 from afd.bench.gemm import _print_gemm, section_gemm
@@ -21,7 +22,7 @@ from afd.bench.step import BENCH_CONFIG, _summarize
 from afd.cluster.flags import DefaultsHelpFormatter
 
 SECTIONS = ("gemm", "prefetch", "decode", "scaling")
-AFD_MODE = dict(overlap=True, micro_batches=1)
+AFD_MODE: dict[str, Any] = dict(overlap=True, micro_batches=1)  # run_afd's keywords
 """AFD runs use overlap with one micro-batch (`afd bench-step` measures the other modes)."""
 HF_CONFIG = {
     **BENCH_CONFIG,

@@ -6,12 +6,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from torch import nn
-
 from afd.backend.base import Backend
 from afd.cluster.schema import ClusterConfig
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
 from afd.model.config import ModelConfig, parse_dtype
+from afd.model.halves import AttentionHalf, FFNHalf
+from afd.model.mtp import MTPLayer
 
 log = logging.getLogger("afd.engine")
 
@@ -20,11 +20,11 @@ log = logging.getLogger("afd.engine")
 class Halves:
     """What the attention side loads from the checkpoint (before any data plane forms)."""
 
-    attn: nn.Module
+    attn: AttentionHalf
     """The whole attention half (an attention node cuts it to its TP rank's share)."""
-    mtp: nn.Module | None = None
+    mtp: MTPLayer | None = None
     """The MTP module, with engine.speculative_tokens."""
-    ffn: nn.Module | None = None
+    ffn: FFNHalf | None = None
     """Every expert where the cluster has no FFN nodes (colocated); with layout.routing attention, the routers
     alone (an FFN half holding no expert); else None: the FFN nodes hold the experts."""
 

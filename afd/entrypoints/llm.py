@@ -98,6 +98,7 @@ class LLM:
             torch.manual_seed(eng.sampling_seed)
         self.backend = get_backend(device)
         halves = Halves.load(self.config, model, self.cfg, self.backend)
+        assert halves.ffn is not None  # colocated: every expert is here
         self.attn, self.ffn, self.mtp = halves.attn, halves.ffn, halves.mtp
 
     # ---- vLLM's API ---------------------------------------------------------------------------------------
