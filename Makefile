@@ -150,7 +150,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# mypy over the packages pyproject's [tool.mypy] names (afd/engine, afd/dataplane, afd/model); make test runs it.
+# mypy over the packages pyproject's [tool.mypy] names; make test runs it.
 typecheck: setup
 	$(BIN)/mypy
 

@@ -68,7 +68,7 @@ class ServerState:
 
 def build_app(st: ServerState) -> FastAPI:
     app = FastAPI(title="afd", version=__version__)
-    app.openapi = lambda: openapi_schema(app)
+    app.openapi = lambda: openapi_schema(app)  # type: ignore[method-assign]  # FastAPI's documented way to override
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
@@ -167,6 +167,7 @@ def build_app(st: ServerState) -> FastAPI:
         if body.messages is not None:
             ids = await prompts.chat_ids(tok, body.messages, body.add_generation_prompt, st.limits)
         else:
+            assert body.prompt is not None  # the check above: one of prompt and messages
             ids = await prompts.text_ids(tok, body.prompt, st.limits, body.add_special_tokens)
         out = {"count": len(ids), "max_model_len": st.limits.max_model_len, "tokens": ids}
         if body.return_token_strs:

@@ -95,7 +95,8 @@ def verdict(body: bytes, max_model_len: int, vocab_size: int) -> dict | None:
         bad = bounds_error(doc, max_model_len, vocab_size)
         if bad is not None:
             return _error(*bad)
-    prompt = doc.get("prompt") if isinstance(doc, dict) else None
+    fields = doc if isinstance(doc, dict) else {}
+    prompt = fields.get("prompt")
     items = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else [prompt]
     for p in items:
         if isinstance(p, list) and len(p) >= max_model_len:
@@ -103,7 +104,7 @@ def verdict(body: bytes, max_model_len: int, vocab_size: int) -> dict | None:
                 f"This model's maximum context length is {max_model_len} tokens. However, your request has "
                 f"{len(p)} input tokens. Please reduce the length of the input messages."
             )
-            if doc.get("truncate_prompt_tokens") is not None:  # the node would parse it all to cut it
+            if fields.get("truncate_prompt_tokens") is not None:  # the node would parse it all to cut it
                 message += f" truncate_prompt_tokens does not apply to token ids in a body over {CHECK_ABOVE} bytes."
             return _error(message, "input_tokens")
     return None

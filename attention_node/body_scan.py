@@ -17,9 +17,9 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from json import JSONDecoder
-from json.decoder import scanstring
+from json.decoder import scanstring  # type: ignore[attr-defined]  # CPython has it; typeshed leaves it out
 
-_SCAN = JSONDecoder().scan_once
+_SCAN = JSONDecoder().scan_once  # type: ignore[attr-defined]  # set by JSONDecoder.__init__; not in typeshed
 _WS = re.compile(r"[ \t\n\r]*")
 
 
@@ -72,7 +72,9 @@ def _walk(text: str, bounds: dict[str, int], parts_bound: int | None) -> tuple[o
 
 
 def _ws(text: str, i: int) -> int:
-    return _WS.match(text, i).end()
+    m = _WS.match(text, i)
+    assert m is not None  # "*": it matches, if only the empty string
+    return m.end()
 
 
 _KEY = re.compile(r'"([^"\\\x00-\x1f]*)"[ \t\n\r]*:[ \t\n\r]*')
@@ -104,7 +106,7 @@ def _object(text: str, i: int, read: Callable[[str, int], tuple[object, int]]) -
     return out, i
 
 
-def _list(text: str, i: int, read: Callable[[int], object], bound: int, key: str) -> tuple[list, int]:
+def _list(text: str, i: int, read: Callable[[int], tuple[object, int]], bound: int, key: str) -> tuple[list, int]:
     """The list at `i`, each entry read by read(where it starts); Over at entry bound + 1."""
     out: list = []
     i = _ws(text, i + 1)

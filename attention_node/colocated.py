@@ -80,8 +80,10 @@ def run(args) -> int:
     halves = Halves.load(cfg, path, mcfg, backend)
     name = served_model_name(cfg.model.path, cfg.model.served_model_name)
     metrics = AttentionMetrics("colocated", name)
+    st: ServerState  # made below, once the engine is
     metrics.watch_cluster_state(lambda: 3 if st.draining else 1)  # a cluster of one: READY (1), DRAINING (3)
     tok = serving_tokenizer(cfg, path)
+    assert halves.ffn is not None  # Halves.load loads every expert where the cluster has no FFN nodes
     moe = LocalMoE(halves.ffn, backend)
     engine = build_engine(
         cfg, halves.attn, moe, backend.device, mtp=halves.mtp, backend=backend, metrics=metrics, tokenizer=tok

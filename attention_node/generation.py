@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from afd.engine import request as rq
 from afd.engine.grammar import Grammar
@@ -28,12 +28,16 @@ class Generation:
             rid = uuid.uuid4().hex
             self.ids.append(rid)
             edit = OutputEdit(echo, body.include_stop_str_in_output)
+
+            def on_output(out: rq.RequestOutput, i: int = index0 + j, e: OutputEdit = edit) -> None:
+                loop.call_soon_threadsafe(self.queue.put_nowait, (i, e(out)))
+
             r = rq.Request(
                 rid,
                 prompt_ids,
                 sampling_params(body, j, st.limits),
                 max_tokens,
-                lambda out, i=index0 + j, e=edit: loop.call_soon_threadsafe(self.queue.put_nowait, (i, e(out))),
+                on_output,
                 stop=stop_strings(body),
                 ignore_eos=body.ignore_eos,
                 skip_special_tokens=body.skip_special_tokens is not False,
@@ -48,7 +52,7 @@ class Generation:
             self.st.engine.abort(rid)
 
 
-async def outputs(gens: list[Generation]) -> AsyncIterator[tuple[int, rq.RequestOutput]]:
+async def outputs(gens: list[Generation]) -> AsyncGenerator[tuple[int, rq.RequestOutput], None]:
     """Merged outputs of every choice until all finished."""
     q: asyncio.Queue = asyncio.Queue()
 

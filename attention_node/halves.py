@@ -7,8 +7,9 @@ from __future__ import annotations
 import logging
 
 from afd.dataplane.dispatch import RoutedMoE, RouteTable
-from afd.dataplane.exchange import LocalMoE, RemoteMoE
+from afd.dataplane.exchange import LocalMoE, MoEExchange, RemoteMoE
 from afd.engine.load import Halves
+from afd.model.halves import AttentionHalf
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.model.tp.shard import shard_attention_half
 
@@ -26,17 +27,18 @@ def tp_group(rt):
     return tp
 
 
-def build_rank(rt, built: Halves, dtype):
+def build_rank(rt, built: Halves, dtype) -> tuple[AttentionHalf, TPComm, MoEExchange]:
     """(attention half cut to this rank, TP group, MoE exchange) after bring_up."""
     tp = tp_group(rt)
     attn = shard_attention_half(built.attn, tp)
     return attn, tp, exchange(rt, built, dtype)
 
 
-def exchange(rt, built: Halves, dtype):
+def exchange(rt, built: Halves, dtype) -> MoEExchange:
     """How this rank reaches the MoE on the current data plane: the FFN nodes, or its own experts."""
     cfg, mcfg = rt.cfg, rt.model_cfg
     if cfg.colocated:
+        assert built.ffn is not None  # Halves.load loads every expert where the cluster has no FFN nodes
         return LocalMoE(built.ffn, rt.backend)
     if cfg.routing == "attention":
         holdings = {r: rt.plane.link(r).experts for r in rt.plane.peers}  # what each FFN node said it holds

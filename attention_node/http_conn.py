@@ -63,7 +63,7 @@ class GuardedH11Protocol(H11Protocol):
 
     # ---- deadlines ----
 
-    def connection_made(self, transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport) -> None:
         self._raw = transport
         super().connection_made(_Transport(transport, self))  # type: ignore[arg-type]
         self._follow(0)
@@ -128,7 +128,9 @@ class GuardedH11Protocol(H11Protocol):
             self.close_gently()
         elif phase == "header":
             took = f"the request's headers took over {self.limits.header_timeout:g}s (http.header_timeout)"
-            self._raw.write(_raw_408(took))
+            raw = self._raw
+            assert raw is not None  # set by connection_made(): _follow enters no phase before
+            raw.write(_raw_408(took))
             self.close_gently()
         elif phase == "body":
             self._body_timed_out()
@@ -136,6 +138,8 @@ class GuardedH11Protocol(H11Protocol):
     def _body_timed_out(self) -> None:
         cycle = self.cycle
         if cycle is not None and not cycle.response_started and self.conn.our_state is h11.SEND_RESPONSE:
+            raw = self._raw
+            assert raw is not None  # set by connection_made(): _follow enters no phase before
             lim = self.limits
             body = _error_body(
                 f"the request body came too slowly (http.body_timeout {lim.body_timeout:g}s, "
@@ -144,8 +148,8 @@ class GuardedH11Protocol(H11Protocol):
             headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
             headers.append((b"content-length", str(len(body)).encode()))
             for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"), h11.Data(body)):
-                self._raw.write(self.conn.send(event))
-            self._raw.write(self.conn.send(h11.EndOfMessage()))
+                raw.write(self.conn.send(event))
+            raw.write(self.conn.send(h11.EndOfMessage()))
         if cycle is not None:  # the app's receive() sees a disconnect; what it sends is dropped
             cycle.disconnected = True
             cycle.message_event.set()

@@ -37,6 +37,7 @@ def check_tls(http: HttpSection) -> None:
     """A certificate or key that cannot be loaded, as one line (ValueError) before anything starts."""
     if not http.tls:
         return
+    assert http.ssl_certfile is not None  # http.tls: a certificate is given
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(http.ssl_certfile, http.ssl_keyfile)
     except (OSError, ssl.SSLError) as e:

@@ -19,6 +19,7 @@ from afd.dataplane.dispatch import RoutedMoE, Unserved
 from afd.dataplane.exchange import MoEExchange
 from afd.engine.load import Halves
 from afd.model.config import parse_dtype
+from afd.model.halves import AttentionHalf
 from afd.model.tp.comm import SINGLE, TPComm
 from afd.node.adoption import Adopter
 from afd.node.runtime import NodeRuntime, bring_up
@@ -34,18 +35,42 @@ class AttentionNode:
         self.dtype: torch.dtype = parse_dtype(cfg.model.dtype)
         self.runtime: NodeRuntime | None = None
         self.halves: Halves | None = None
-        self.attn = None
+        self.attn: AttentionHalf | None = None
         self.tp: TPComm = SINGLE
         self.moe: MoEExchange | None = None
         self.adopter: Adopter | None = None
         """Brings back FFN nodes the last re-formation left out (afd.node.adoption)."""
+
+    @property
+    def rt(self) -> NodeRuntime:
+        """`runtime`, once start() brought the node up."""
+        assert self.runtime is not None  # set by start()
+        return self.runtime
+
+    @property
+    def loaded(self) -> Halves:
+        """`halves`, once start() loaded them."""
+        assert self.halves is not None  # set by _load, which bring_up calls in start()
+        return self.halves
+
+    @property
+    def half(self) -> AttentionHalf:
+        """`attn`, once start() cut it to this rank."""
+        assert self.attn is not None  # set by start()
+        return self.attn
+
+    @property
+    def live_moe(self) -> MoEExchange:
+        """`moe`, the exchange in use: set by start(), and again by each reform()."""
+        assert self.moe is not None  # set by start() and reform()
+        return self.moe
 
     def start(self) -> None:
         self.runtime = bring_up(
             self.cfg, self.args.node, self.args.bind_host, self._load, self._on_status, tp_rank=self.tp_rank
         )
         try:
-            self.attn, self.tp, self.moe = build_rank(self.runtime, self.halves, self.dtype)
+            self.attn, self.tp, self.moe = build_rank(self.runtime, self.loaded, self.dtype)
         except BaseException:  # e.g. a layout this rank cannot cut: the control server goes with it
             self.runtime.close(plane=False)
             raise
@@ -64,7 +89,7 @@ class AttentionNode:
             for _, link in self.adopter.close():
                 link.close(queued=True)
             self.adopter = None
-        rt = self.runtime
+        rt = self.rt
         world = rt.tp_world
         if world is not None:
             # the TP groups go first: a rank still blocked in one of their collectives fails at once
@@ -76,7 +101,9 @@ class AttentionNode:
             self.tp.connect()
         self.moe = self._exchange(why)
         if rt.left_out:
-            self.adopter = Adopter(rt.left_out, rt.client.ref, rt.plane.rank, rt.backend, rt.shutdown)
+            plane = rt.plane
+            assert plane is not None  # formed again just now (rt.reform)
+            self.adopter = Adopter(rt.left_out, rt.client.ref, plane.rank, rt.backend, rt.shutdown)
         return self.moe
 
     def _exchange(self, why: str) -> MoEExchange:
@@ -84,11 +111,11 @@ class AttentionNode:
         among them: a placement change is under way (afd rebalance --apply restarts the FFN nodes one at a
         time, and the one that will hold it has not yet), so the pairs form again until the experts are
         served, within cluster.rejoin_timeout; requests stay paused, none fails."""
-        rt = self.runtime
+        rt = self.rt
         deadline = time.monotonic() + self.cfg.cluster.rejoin_timeout
         while True:
             try:
-                return exchange(rt, self.halves, self.dtype)
+                return exchange(rt, self.loaded, self.dtype)
             except Unserved as e:
                 if time.monotonic() > deadline:
                     raise ControlError(
@@ -104,7 +131,7 @@ class AttentionNode:
         attention TP, whose ranks form their pairs with an FFN node together (ffn_node/pairs.py)."""
         if self.cfg.routing != "attention":
             return None
-        n = self.runtime.model_cfg.n_routed_experts
+        n = self.rt.model_cfg.n_routed_experts
 
         def covered(plane) -> bool:
             held = {e for r in plane.peers for e in plane.link(r).experts}
@@ -119,8 +146,10 @@ class AttentionNode:
             return None
         formed = self.adopter.take()
         assert isinstance(self.moe, RoutedMoE)  # only routing attention leaves a node out
+        plane = self.rt.plane
         for peer, link in formed:
-            self.runtime.plane.add(peer.rank, link)
+            assert plane is not None  # the adopter's pairs join the plane reform() formed
+            plane.add(peer.rank, link)
             self.moe.adopt(peer.rank, link.experts)
         return self.moe if formed else None
 

@@ -195,7 +195,9 @@ def resolve_max_tokens(requested: int | None, n_prompt: int, limits: Limits, def
     return requested
 
 
-def sampling_params(req: _Sampling, choice: int, limits: Limits | None = None) -> SamplingParams:
+def sampling_params(
+    req: CompletionRequest | ChatCompletionRequest, choice: int, limits: Limits | None = None
+) -> SamplingParams:
     """Choice i of n draws with seed + i, so n > 1 gives different samples yet stays reproducible."""
     if req.n < 1:
         raise ApiError(400, f"n must be at least 1, got {req.n}.", "n")
@@ -211,10 +213,12 @@ def sampling_params(req: _Sampling, choice: int, limits: Limits | None = None) -
             raise ApiError(400, *bad)
     bias = _token_map(req.logit_bias or {}, vocab)
     stop_ids = list(req.stop_token_ids or [])
-    bad = [t for t in stop_ids if vocab is not None and not 0 <= t < vocab]
-    if bad:
+    bad_ids = [t for t in stop_ids if vocab is not None and not 0 <= t < vocab]
+    if bad_ids:
         raise ApiError(
-            400, f"stop_token_ids: token id {bad[0]} is out of vocabulary (vocabulary size {vocab}).", "stop_token_ids"
+            400,
+            f"stop_token_ids: token id {bad_ids[0]} is out of vocabulary (vocabulary size {vocab}).",
+            "stop_token_ids",
         )
     temperature = 1.0 if req.temperature is None else req.temperature
     try:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TypeVar
 
 from afd.engine.tokenizer import Tokenizer
 from attention_node.openai_protocol import ApiError, ChatMessage, Limits
+
+T = TypeVar("T")
 
 
 def check_text(text: str, tok: Tokenizer, limits: Limits, param: str) -> None:
@@ -32,8 +35,8 @@ def check_text(text: str, tok: Tokenizer, limits: Limits, param: str) -> None:
         )
 
 
-async def tokenize(fn: Callable[[], list[int]], param: str) -> list[int]:
-    """Runs a tokenization on a worker thread; text it cannot take is the client's mistake (400)."""
+async def tokenize(fn: Callable[[], T], param: str) -> T:
+    """Runs a tokenization (or a decode) on a worker thread; text it cannot take is the client's mistake (400)."""
     from jinja2.exceptions import TemplateError
 
     try:

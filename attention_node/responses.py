@@ -9,7 +9,8 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 from attention_node import structured
 from attention_node.openai_protocol import ApiError
@@ -86,7 +87,7 @@ async def _abort_on_disconnect(request, gens) -> None:
         g.abort()
 
 
-async def full(st, body, gens, outputs: AsyncIterator, request, chat: bool, constraint=None, rid=None) -> dict:
+async def full(st, body, gens, outputs: AsyncGenerator, request, chat: bool, constraint=None, rid=None) -> dict:
     watch = asyncio.create_task(_abort_on_disconnect(request, gens))
     try:
         return await _collect(st, body, gens, outputs, chat, constraint, rid)
@@ -94,7 +95,7 @@ async def full(st, body, gens, outputs: AsyncIterator, request, chat: bool, cons
         watch.cancel()
 
 
-async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool, constraint, rid=None) -> dict:
+async def _collect(st, body, gens, outputs: AsyncGenerator, chat: bool, constraint, rid=None) -> dict:
     n = body.n
     texts: dict[int, list[str]] = {}
     ids: dict[int, list[int]] = {}
@@ -112,7 +113,7 @@ async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool, constrain
     choices = []
     for i in sorted(ends):
         text = "".join(texts.get(i, []))
-        c = {"index": i}
+        c: dict[str, Any] = {"index": i}
         finish = ends[i][0]
         if chat:
             c["message"] = {"role": "assistant", "content": text}
@@ -138,7 +139,7 @@ async def _collect(st, body, gens, outputs: AsyncIterator, chat: bool, constrain
 
 
 async def stream(
-    st, body, gens, outputs: AsyncIterator, request, chat: bool, constraint=None, rid=None
+    st, body, gens, outputs: AsyncGenerator, request, chat: bool, constraint=None, rid=None
 ) -> AsyncIterator[str]:
     head = _head(st, chat, rid)
     if chat:

@@ -56,7 +56,9 @@ class ServingNode(AttentionNode):
         node, http_host = self.cfg.node(self.args.node), self.args.host or self.args.bind_host
         what = f"attention node {node.name}'s ports.http"
         check_tls(self.cfg.http)
-        self.sock = api_socket(http_host, node.ports.http, what)
+        port = node.ports.http
+        assert port is not None  # the configuration's check: attention nodes need an http port
+        self.sock = api_socket(http_host, port, what)
         super().start()
         self.state = serving_state(self)
         if self.runtime is not None:
@@ -76,10 +78,12 @@ class ServingNode(AttentionNode):
 
         cfg, args = self.cfg, self.args
         node = cfg.node(args.node)
+        st, sock = self.state, self.sock
+        assert st is not None and sock is not None  # set by start()
         fix_mmap_threshold()  # a huge body's memory goes back to the system once it is answered
-        self.server = api_server(build_app(self.state), cfg.http, self.sock)
-        self.state.engine.on_dead = self._engine_stopped
-        self.state.engine.start()
+        self.server = api_server(build_app(st), cfg.http, sock)
+        st.engine.on_dead = self._engine_stopped
+        st.engine.start()
         log.info(
             "API ready at %s://%s:%d (cluster %s, %s)",
             cfg.http.scheme,
@@ -88,12 +92,14 @@ class ServingNode(AttentionNode):
             cfg.cluster.name,
             cfg.topology_name,
         )
-        serve_on(self.server, self.sock)
+        serve_on(self.server, sock)
         return 0
 
     def _paused(self) -> str:
         """Why this node's requests wait, naming the peer, for its heartbeats (afd status says DEGRADED)."""
-        engine, names = self.state.engine, self.cfg.process_names
+        st = self.state
+        assert st is not None  # set by start() before it hands this to the heartbeats
+        engine, names = st.engine, self.cfg.process_names
         why, peer = engine.paused, engine.paused_peer
         if not why:
             return ""

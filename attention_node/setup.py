@@ -29,7 +29,7 @@ _SERVING = (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING, pb.ClusterStatus.
 def serving_state(node: AttentionNode) -> ServerState:
     """What rank 0 of a serving node serves the API from, once the node is up: metrics, the engine
     (re-forming through the node when a peer fails, with cluster.rejoin_timeout > 0) and limits."""
-    cfg, args, rt = node.cfg, node.args, node.runtime
+    cfg, args, rt = node.cfg, node.args, node.rt
     name = served_model_name(cfg.model.path, cfg.model.served_model_name)
     metrics = AttentionMetrics(args.node, name)
     metrics.watch_cluster_state(lambda: rt.cluster_state)
@@ -37,11 +37,11 @@ def serving_state(node: AttentionNode) -> ServerState:
     tok = serving_tokenizer(cfg, rt.model_path)
     engine = build_engine(
         cfg,
-        node.attn,
-        node.moe,
+        node.half,
+        node.live_moe,
         rt.backend.device,
         tp=node.tp,
-        mtp=node.halves.mtp,
+        mtp=node.loaded.mtp,
         backend=rt.backend,
         metrics=metrics,
         tokenizer=tok,

@@ -53,11 +53,11 @@ class TPRankNode(AttentionNode):
 
     def start(self) -> None:
         super().start()
-        rt = self.runtime  # a KV cache like rank 0's: block tables come from the leader
-        self.runner = build_runner(self.cfg, self.attn, self.moe, rt.backend.device, tp=self.tp, backend=rt.backend)
+        rt = self.rt  # a KV cache like rank 0's: block tables come from the leader
+        self.runner = build_runner(self.cfg, self.half, self.moe, rt.backend.device, tp=self.tp, backend=rt.backend)
 
     def serve(self) -> int:
-        self.runtime.backend.bind_thread()
+        self.rt.backend.bind_thread()
         log.info("TP rank %d of %s ready", self.tp_rank, self.args.node)
         self.following = True
         try:
@@ -68,7 +68,7 @@ class TPRankNode(AttentionNode):
             return 1
         finally:
             self.done.set()
-            self.runtime.close(plane=False)
+            self.rt.close(plane=False)
         return 0
 
     def _follow(self) -> None:
@@ -76,16 +76,18 @@ class TPRankNode(AttentionNode):
         drops its TP groups), this rank forms its own pairs again, as rank 0's engine does, and follows
         on: rank 0 runs the interrupted step again."""
         can_rejoin = self.cfg.cluster.rejoin_timeout > 0
+        runner = self.runner
+        assert runner is not None  # set by start()
         while True:
             try:
-                follow(self.runner)
+                follow(runner)
                 return  # rank 0 left: the node is done
             except PeerError as e:
                 if not can_rejoin:
                     raise
                 why = str(e)  # leave the except block first: its traceback pins the old process group
-            self.runner.moe = None
-            self.runner.moe = self.reform(why)
+            runner.moe = None
+            runner.moe = self.reform(why)
             log.info("TP rank %d formed its pairs again", self.tp_rank)
 
     def stop(self) -> None:

@@ -86,9 +86,11 @@ class OfflineNode(AttentionNode):
     # ---- rank 0 ----------------------------------------------------------------------------------
 
     def _run_jobs(self) -> None:
-        n, backoff = self.jobs.first_open(), 0.0  # a restarted node: the job it died in, again
+        jobs = self.jobs
+        assert jobs is not None  # rank 0's (tp_rank 0)
+        n, backoff = jobs.first_open(), 0.0  # a restarted node: the job it died in, again
         while not self.stopping.is_set():
-            job = self.jobs.take(n)
+            job = jobs.take(n)
             if job == STOP:
                 break
             if job is None and os.getppid() != self._launcher:  # it died without stopping us
@@ -99,24 +101,25 @@ class OfflineNode(AttentionNode):
                 backoff = 0.0 if busy else min(JOB_WAIT_BACKOFF_MAX, max(0.001, 2 * backoff))
                 time.sleep(backoff)
                 continue
-            self.jobs.put_result(n, self._run(job))
+            assert isinstance(job, dict)  # take() gives a job, STOP or None
+            jobs.put_result(n, self._run(job))
             n, backoff = n + 1, 0.0
         if self.tp.size > 1:
             self.tp.send_step(LeaveStep())
-        self.moe.leave()
+        self.live_moe.leave()
 
     def _idle(self) -> int:
         """An idle step (afd.engine.runner.ModelRunner.idle, without a job's runner)."""
         if self.tp.size > 1:
             self.tp.send_step(IdleStep())
-        return self.moe.idle()
+        return self.live_moe.idle()
 
     def _run(self, job: dict) -> dict:
         """One job's result. A job may ask for `logits` and for `layer_times` (the runner's per-piece times of
         each layer and a mark per step, for `afd profile` to time the attention side where it runs); neither
         costs anything unless asked."""
         prompts = job["prompts"]
-        per = offline.validate_prompts(self.runtime.model_cfg, prompts, job["max_tokens"]) if prompts else []
+        per = offline.validate_prompts(self.rt.model_cfg, prompts, job["max_tokens"]) if prompts else []
         if self.tp.size > 1:
             self.tp.send_step(RunJob(prompts, per))
         engine = self._engine(prompts, per)
@@ -169,12 +172,12 @@ class OfflineNode(AttentionNode):
         """A job's engine over this node's half and exchange: every rank sizes its KV cache alike."""
         return build_engine(
             self.cfg,
-            self.attn,
-            self.moe,
-            self.runtime.backend.device,
+            self.half,
+            self.live_moe,
+            self.rt.backend.device,
             tp=self.tp,
-            mtp=self.halves.mtp,
-            backend=self.runtime.backend,
+            mtp=self.loaded.mtp,
+            backend=self.rt.backend,
             job=Job(prompts, per),
         )
 
@@ -182,7 +185,7 @@ class OfflineNode(AttentionNode):
 
     def _follow(self) -> None:
         """afd.engine.runner.follow, with jobs in between: each job brings its own runner."""
-        self.runtime.backend.bind_thread()
+        self.rt.backend.bind_thread()
         runner = None
         while True:
             msg = self.tp.recv_step()
@@ -191,9 +194,9 @@ class OfflineNode(AttentionNode):
             elif isinstance(msg, RunStep) and runner is not None:
                 runner.execute(msg.seqs, micro_batches=msg.micro_batches)
             elif isinstance(msg, IdleStep):
-                self.moe.idle()
+                self.live_moe.idle()
             elif isinstance(msg, LeaveStep):
-                self.moe.leave(shutdown=msg.shutdown)
+                self.live_moe.leave(shutdown=msg.shutdown)
                 return
             else:
                 raise TypeError(f"TP rank {self.tp.rank}: unexpected message from the leader: {msg!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from http.server import ThreadingHTTPServer
 
 import torch
 
@@ -17,6 +18,7 @@ from afd.dataplane.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
 from afd.model.checkpoint import build_ffn_half, open_reader, serving_quant
 from afd.model.config import parse_dtype
 from afd.model.ffn_graph import FFNGraph, wrap
+from afd.model.halves import FFNHalf
 from afd.node.runtime import NodeRuntime, bring_up
 from afd.observability.ffn_metrics import FFNMetrics
 from afd.observability.metrics import serve_metrics
@@ -32,13 +34,14 @@ class FFNNode:
         self.cfg, self.args = cfg, args
         self.dtype: torch.dtype = parse_dtype(cfg.model.dtype)
         self.runtime: NodeRuntime | None = None
-        self.ffn: torch.nn.Module | None = None
+        self.ffn: FFNHalf | None = None
+        """The experts this node holds, or an FFNGraph standing in for them (graph mode: afd.model.ffn_graph.wrap)."""
         self.metrics: FFNMetrics | None = None
         self.server: FFNServer | None = None
         self.pairs: PairAcceptor | None = None
         self.healthy = True
         """False once the serving loop ended: /health says 503."""
-        self._http = None
+        self._http: ThreadingHTTPServer | None = None
 
     def start(self) -> None:
         cfg, args = self.cfg, self.args
@@ -46,28 +49,29 @@ class FFNNode:
         rt = self.runtime = bring_up(
             cfg, args.node, args.bind_host, self._load, on_status=_on_status(args.node), pairs=self.pairs
         )
-        a = rt.assignment
-        mtp_layers = self.ffn.mtp_layers  # the MTP module's MoE layer: per-layer metrics too
+        a, ffn, plane = rt.assignment, self.ffn, rt.plane
+        assert a is not None and ffn is not None and plane is not None  # bring_up registered, loaded (_load), paired
+        mtp_layers = ffn.mtp_layers  # the MTP module's MoE layer: per-layer metrics too
         self.metrics = metrics = FFNMetrics(
             args.node,
             served_model_name(cfg.model.path, args.served_model_name),
-            self.ffn.held,
+            ffn.held,
             rt.model_cfg.num_layers + len(mtp_layers),
         )
         metrics.watch_cluster_state(lambda: rt.cluster_state)
-        metrics.watch_ffn_graph(self.ffn.passes if isinstance(self.ffn, FFNGraph) else None)
+        metrics.watch_ffn_graph(ffn.passes if isinstance(ffn, FFNGraph) else None)
         node = cfg.node(args.node)
         if node.ports.metrics:
             what = f"FFN node {node.name}'s ports.metrics"
             self._http = serve_metrics(args.bind_host, node.ports.metrics, metrics, self._ready, what)
         pf = cfg.prefetch
         pcfg = PrefetchConfig(pf.enabled, pf.budget_bytes, tuple(pf.weights or WEIGHTS), pf.next_layer)
-        prefetch = PrefetchSchedule(self.ffn, rt.backend, pcfg) if pcfg.active(rt.backend) else None
+        prefetch = PrefetchSchedule(ffn, rt.backend, pcfg) if pcfg.active(rt.backend) else None
         log.info("weight prefetch: %s", _describe(prefetch, pcfg))
         self.server = FFNServer(
-            self.ffn,
+            ffn,
             rt.backend,
-            rt.plane,
+            plane,
             self.pairs.formed,
             self.dtype,
             prefetch=prefetch,
@@ -83,6 +87,7 @@ class FFNNode:
 
     def _load(self, rt: NodeRuntime) -> None:
         a, cfg, name = rt.assignment, self.cfg, self.args.node
+        assert a is not None and self.pairs is not None  # bring_up registers before it loads; start() made pairs
         mcfg = rt.model_cfg
         held = cfg.placement(mcfg.n_routed_experts, mcfg.expert_groups[0]).held_by(name)
         serves_zero = cfg.serves_zero(name)
@@ -112,23 +117,31 @@ class FFNNode:
             ", serving identity experts" if serves_zero else "",
         )
 
+    @property
+    def rt(self) -> NodeRuntime:
+        """`runtime`, once start() brought the node up."""
+        assert self.runtime is not None  # set by start()
+        return self.runtime
+
     def _ready(self) -> bool:
-        return self.healthy and self.runtime.cluster_state in _SERVING
+        return self.healthy and self.rt.cluster_state in _SERVING
 
     def serve(self) -> int:
         """Serves the attention ranks' pairs, as they come and go, until they are gone for good."""
-        end = self.server.serve()
+        server = self.server
+        assert server is not None  # set by start()
+        end = server.serve()
         self.healthy = False
         code = 0
         if end is ServeEnd.ABANDONED:
-            log.error("stopping: %s (%s)", end.value, "; ".join(self.server.gone.values()))
+            log.error("stopping: %s (%s)", end.value, "; ".join(server.peers.gone.values()))
             code = 1
         else:
             log.info("stopped serving: %s", end.value)
-        self._report()
+        self._report(server)
         if self._http is not None:
             self._http.shutdown()
-        self.runtime.close()
+        self.rt.close()
         return code
 
     def stop(self) -> None:
@@ -136,8 +149,8 @@ class FFNNode:
         if self.runtime is not None:
             self.runtime.close(plane=False)
 
-    def _report(self) -> None:
-        server, t = self.server, self.server.timers
+    def _report(self, server: FFNServer) -> None:
+        t = server.timers
         log.info(
             "%d steps, %d tokens; compute %.3fs, idle %.3fs",
             server.steps,

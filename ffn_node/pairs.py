@@ -66,6 +66,7 @@ class PairAcceptor(pb_grpc.PairsServicer):
         plane = self.plane
         if plane is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"FFN node {self.name} is still loading")
+        assert plane is not None  # context.abort raises
         if self.attention.get(req.name) != req.rank or not req.key:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -83,12 +84,18 @@ class PairAcceptor(pb_grpc.PairsServicer):
         ).start()
         return pb.PairReply(rank=self.rank, experts=self.experts)
 
+    def _accepted(self) -> tuple[Backend, ControlStore, KeyValues]:
+        """What accept() set, before the plane: FormPair starts a formation only once the plane is set."""
+        assert self.backend is not None and self._store is not None and self._kv is not None  # set by accept()
+        return self.backend, self._store, self._kv
+
     def _form(self, name: str, rank: int, key: str, timeout_s: float) -> None:
-        self.backend.bind_thread()
+        backend, store, kv = self._accepted()
+        backend.bind_thread()
         try:
-            link = self._formed(name, key, timeout_s)
+            link = self._formed(backend, store, name, key, timeout_s)
         finally:  # both ends are past the store (the handshake needs both), or the formation failed
-            self._kv.drop_prefix(f"afd/pair/{key}/")
+            kv.drop_prefix(f"afd/pair/{key}/")
         if link is None:
             return
         self._hold([FormedPair(rank, name, link)])
@@ -124,9 +131,9 @@ class PairAcceptor(pb_grpc.PairsServicer):
             self._hold(rest)
         return False
 
-    def _formed(self, name: str, key: str, timeout_s: float) -> PairLink | None:
+    def _formed(self, backend: Backend, store: ControlStore, name: str, key: str, timeout_s: float) -> PairLink | None:
         try:
-            link = PairLink(self.backend, self._store, key, FFN, timeout_s)
+            link = PairLink(backend, store, key, FFN, timeout_s)
         except Exception as e:  # noqa: BLE001 (the attention end gave up, or died: it asks again)
             log.warning("pair with %s did not form: %s", name, first_line(e))
             return None
