@@ -7,6 +7,7 @@ from cluster_helpers import cluster_yaml
 
 from afd.cluster.config import load
 from ffn_node.pairs import PairAcceptor
+from ffn_node.peers import FormedPair
 
 
 class _Link:
@@ -30,36 +31,36 @@ def _asked(acc: PairAcceptor, rank: int, key: str) -> _Link:
 def test_a_node_s_ranks_are_handed_over_together(tmp_path, tiny_checkpoint):
     acc = _acceptor(tmp_path, tiny_checkpoint)
     a = _asked(acc, 0, "a")
-    acc._hold([(0, "attn0", a)])
+    acc._hold([FormedPair(0, "attn0", a)])
     assert acc.formed.empty(), "rank 0 alone: the loop would wait for a header rank 0 sends only after rank 1's"
     b = _asked(acc, 1, "b")
-    acc._hold([(1, "attn0.tp1", b)])
+    acc._hold([FormedPair(1, "attn0.tp1", b)])
     group = acc.formed.get_nowait()
-    assert group == [(0, "attn0", a), (1, "attn0.tp1", b)] and acc.current(group)
+    assert group == [FormedPair(0, "attn0", a), FormedPair(1, "attn0.tp1", b)] and acc.current(group)
 
 
 def test_a_pair_superseded_before_adoption_is_closed_and_the_node_waits_for_the_new_one(tmp_path, tiny_checkpoint):
     acc = _acceptor(tmp_path, tiny_checkpoint)
     old0, b = _asked(acc, 0, "a"), _asked(acc, 1, "b")
-    acc._hold([(0, "attn0", old0)])
-    acc._hold([(1, "attn0.tp1", b)])
+    acc._hold([FormedPair(0, "attn0", old0)])
+    acc._hold([FormedPair(1, "attn0.tp1", b)])
     group = acc.formed.get_nowait()
     new0 = _asked(acc, 0, "a2")  # rank 0 asked again after its first pair formed, before the loop took it
     assert not acc.current(group)
     assert old0.closed is True and b.closed is None, "only the superseded pair goes (aborted: its end is gone)"
     assert acc.formed.empty(), "rank 1's pair waits for rank 0's new one"
-    acc._hold([(0, "attn0", new0)])
+    acc._hold([FormedPair(0, "attn0", new0)])
     group = acc.formed.get_nowait()
-    assert group == [(0, "attn0", new0), (1, "attn0.tp1", b)] and acc.current(group)
+    assert group == [FormedPair(0, "attn0", new0), FormedPair(1, "attn0.tp1", b)] and acc.current(group)
 
 
 def test_a_rank_that_asks_again_before_its_node_completes_replaces_its_pair(tmp_path, tiny_checkpoint):
     acc = _acceptor(tmp_path, tiny_checkpoint)
     first = _asked(acc, 0, "a")
-    acc._hold([(0, "attn0", first)])
+    acc._hold([FormedPair(0, "attn0", first)])
     second = _asked(acc, 0, "a2")
-    acc._hold([(0, "attn0", second)])
+    acc._hold([FormedPair(0, "attn0", second)])
     assert first.closed is True and acc.formed.empty()
     b = _asked(acc, 1, "b")
-    acc._hold([(1, "attn0.tp1", b)])
-    assert acc.formed.get_nowait() == [(0, "attn0", second), (1, "attn0.tp1", b)]
+    acc._hold([FormedPair(1, "attn0.tp1", b)])
+    assert acc.formed.get_nowait() == [FormedPair(0, "attn0", second), FormedPair(1, "attn0.tp1", b)]

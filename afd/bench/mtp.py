@@ -32,7 +32,7 @@ from afd.bench.step import BENCH_CONFIG
 from afd.cluster.flags import DefaultsHelpFormatter
 
 if TYPE_CHECKING:
-    from afd.entrypoints.llm import LLM
+    from afd import LLM
 
 PLACEMENTS = ("colocated", "1A1F")
 
