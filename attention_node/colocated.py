@@ -10,7 +10,8 @@ import argparse
 import logging
 import sys
 
-from afd.cluster.flags import DefaultsHelpFormatter, add_config_flags, add_flags, api_key
+from afd.cluster.token import api_key
+from afd.config.flags import DefaultsHelpFormatter, add_config_flags, add_flags
 from afd.node.args import setup_logging
 from afd.node.signals import set_stop_handler
 
@@ -31,8 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_of(args):
     """The configuration of a colocated server: one attention node and no FFN nodes, the flags over the
     defaults (one micro-batch unless told: with the experts in process there is no exchange to hide)."""
-    from afd.cluster.flags import overrides_of
     from afd.cluster.local_config import local_config
+    from afd.config.flags import overrides_of
 
     sections = overrides_of(args)
     sections["layout"] = {"micro_batches": 1, **sections.get("layout", {})}

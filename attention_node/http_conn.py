@@ -21,7 +21,7 @@ import time
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from afd.cluster.http_section import HttpSection
+from afd.config.http_section import HttpSection
 from attention_node.openai_protocol import ApiError
 
 LINGER_SECONDS = 5.0

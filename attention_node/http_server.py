@@ -9,8 +9,8 @@ import ssl
 
 import uvicorn
 
-from afd.cluster.http_section import HttpSection
 from afd.cluster.ports import listen, listen_socket
+from afd.config.http_section import HttpSection
 from attention_node.http_conn import protocol_class
 
 

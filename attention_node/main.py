@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 
-from afd.cluster.flags import DefaultsHelpFormatter, add_flags
+from afd.config.flags import DefaultsHelpFormatter, add_flags
 from afd.errors import UserError
 from afd.node.args import add_cluster_args, start_cluster_node
 from afd.node.signals import exit_on_signal

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from afd.cluster.schema import ClusterConfig
+from afd.config.schema import ClusterConfig
 from afd.control.client import ControlError
 from afd.dataplane.dispatch import RoutedMoE, Unserved
 from afd.dataplane.exchange import MoEExchange

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from afd.cluster.schema import ClusterConfig
 from afd.cluster.topology import served_model_name
+from afd.config.schema import ClusterConfig
 from afd.control import control_pb2 as pb
 from afd.engine.factory import build_engine
 from afd.engine.membership import PlaneMembership

@@ -194,8 +194,8 @@ def _rebalance(path: str, attention: dict[str, str], prompts, args, refs) -> dic
     """`afd rebalance --apply` while every attention node streams (after a warm-up whose expert
     loads the FFN nodes' metrics count): its exit code and time, the fewest holders any expert has in the
     placement it wrote against the fewest before, and the streams' largest gap."""
-    from afd.cluster.config import load as load_cluster
     from afd.cluster.topology import model_dir
+    from afd.config.loader import load as load_cluster
     from afd.model.registry import load_config
 
     def fewest_holders() -> int:

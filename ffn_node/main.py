@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.config.flags import DefaultsHelpFormatter
 from afd.errors import UserError
 from afd.node.args import add_cluster_args
 from afd.node.signals import exit_on_signal

@@ -10,9 +10,9 @@ from http.server import ThreadingHTTPServer
 
 import torch
 
-from afd.cluster.placement import format_experts
-from afd.cluster.schema import ClusterConfig
 from afd.cluster.topology import served_model_name
+from afd.config.placement import format_experts
+from afd.config.schema import ClusterConfig
 from afd.control import control_pb2 as pb
 from afd.dataplane.prefetch import WEIGHTS, PrefetchConfig, PrefetchSchedule
 from afd.model.checkpoint import build_ffn_half, open_reader, serving_quant

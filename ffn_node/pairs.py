@@ -16,8 +16,8 @@ import threading
 import grpc
 
 from afd.backend import Backend
-from afd.cluster.schema import ClusterConfig
 from afd.cluster.token import cluster_token
+from afd.config.schema import ClusterConfig
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
 from afd.control.kvstore import KeyValues

@@ -92,7 +92,7 @@ class Cluster:
     def tls(self):
         """The ssl.SSLContext afd's own clients use for this cluster's API (None: plain HTTP)."""
         from afd.cluster.api_client import client_context
-        from afd.cluster.http_section import HttpSection
+        from afd.config.http_section import HttpSection
 
         return client_context(HttpSection(**(self.doc.get("http") or {})))
 

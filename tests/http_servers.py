@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 from fastapi import FastAPI, Request
 
-from afd.cluster.http_section import HttpSection
+from afd.config.http_section import HttpSection
 from attention_node.http_guard import Guard
 from attention_node.http_server import api_server, api_socket, serve_on
 

@@ -11,9 +11,9 @@ import forked_python
 import pytest
 from cluster_helpers import ROOT, cluster_yaml
 
-from afd.cluster.config import from_dict
-from afd.cluster.flags import api_key
-from afd.cluster.schema import ClusterConfigError
+from afd.cluster.token import api_key
+from afd.config.loader import from_dict
+from afd.config.schema import ClusterConfigError
 
 
 def _args(**kw):

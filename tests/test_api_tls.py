@@ -17,7 +17,7 @@ from http_servers import running
 from tls_certs import make_certs, openssl  # noqa: F401 (a fixture)
 
 from afd.cluster.api_client import api_url, open_api
-from afd.cluster.http_section import HttpSection
+from afd.config.http_section import HttpSection
 from afd.control.server import ControlServer
 
 

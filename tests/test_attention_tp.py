@@ -17,9 +17,9 @@ import pytest
 from hf_reference import hf_greedy, make_hf_checkpoint, max_rel_err
 
 import afd
-from afd.cluster.config import from_dict
-from afd.cluster.schema import ClusterConfigError
-from afd.model.tp.config import TPConfig, TPConfigError, fc2_batch_ids, fc2_groups, plan
+from afd.config.loader import from_dict
+from afd.config.schema import ClusterConfigError
+from afd.config.tp import TPConfig, TPConfigError, fc2_batch_ids, fc2_groups, plan
 
 PROMPTS = [
     [1, 5, 9, 13, 22],

@@ -12,7 +12,7 @@ import yaml
 from afd.bench import dispatch, dispatch_parts
 from afd.bench.common import write_config
 from afd.cluster.local_config import local_job
-from afd.cluster.placement import default_placement, expected_fanout, routed_fanout
+from afd.config.placement import default_placement, expected_fanout, routed_fanout
 from afd.dataplane.protocol import COUNT_BYTES
 from afd.entrypoints.cli import main
 from tests.bench_helpers import TINY_LONGCAT, bench_args

@@ -10,8 +10,8 @@ import pytest
 from bench_helpers import TINY_LONGCAT, bench_args
 
 from afd.bench import tp as bench_tp
+from afd.config.tp import TPConfig
 from afd.model.registry import config_from_hf
-from afd.model.tp.config import TPConfig
 from afd.model.tp.volume import step_bytes
 
 TINY = TINY_LONGCAT

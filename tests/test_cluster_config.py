@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from cluster_config_helpers import DEPLOY, ROOT, afd_many
 
-from afd.cluster.config import load
+from afd.config.loader import load
 from afd.model.demo import DEMO_CONFIG
 
 EXAMPLES = sorted(DEPLOY.glob("*.yaml"))

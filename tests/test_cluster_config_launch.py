@@ -15,7 +15,7 @@ import sys
 import pytest
 from cluster_config_helpers import ROOT, afd
 
-from afd.cluster.config import from_dict, load
+from afd.config.loader import from_dict, load
 
 # ---- afd launch --print-commands ----------------------------------------------------------------
 

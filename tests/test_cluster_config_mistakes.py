@@ -15,8 +15,8 @@ import pytest
 import yaml
 from cluster_config_helpers import DEPLOY, afd_many
 
-from afd.cluster.config import from_dict, load
-from afd.cluster.schema import ClusterConfig, ClusterConfigError
+from afd.config.loader import from_dict, load
+from afd.config.schema import ClusterConfig, ClusterConfigError
 
 # ---- mistakes -----------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""afd's one configuration (afd.cluster.schema): the YAML round-trips through it, every command's config
+"""afd's one configuration (afd.config.schema): the YAML round-trips through it, every command's config
 flags are generated from its fields, and `afd.LLM(model, **options)` builds it."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import re
 import pytest
 import yaml
 
-from afd.cluster.config import from_dict, load
-from afd.cluster.fieldspec import field_docs, flag_of
-from afd.cluster.flags import FLAGS, SECTIONS, config_argv, config_flags, flat_overrides, overrides_of, with_overrides
 from afd.cluster.local_config import local_config
-from afd.cluster.schema import ClusterConfigError
+from afd.config.fieldspec import field_docs, flag_of
+from afd.config.flags import FLAGS, SECTIONS, config_argv, config_flags, flat_overrides, overrides_of, with_overrides
+from afd.config.loader import from_dict, load
+from afd.config.schema import ClusterConfigError
 
 DEPLOY = sorted(glob.glob("deploy/*.yaml"))
 
@@ -124,10 +124,10 @@ RULED = [
 
 @pytest.mark.parametrize("section,f", RULED, ids=[f"{s}.{f.name}" for s, f in RULED])
 def test_a_field_s_rule_is_held_by_the_yaml_and_by_its_flag_alike(section, f):
-    """Each field declares its constraint once (afd.cluster.fieldspec.Rule, beside the field): the YAML loader
+    """Each field declares its constraint once (afd.config.fieldspec.Rule, beside the field): the YAML loader
     refuses a value that breaks it, naming the key, and the field's flag (if it has one) refuses the same
     value with the same words. -1 breaks every numeric rule afd declares; a made-up word every choice."""
-    from afd.cluster.fieldspec import rule_of
+    from afd.config.fieldspec import rule_of
 
     rule = rule_of(f)
     bad = "no-such-choice" if isinstance(f.default, str) or f.default is None and "expected" in rule.says else -1

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from http_servers import running
 
-from afd.cluster.http_section import HttpSection
+from afd.config.http_section import HttpSection
 
 FAST = HttpSection(keep_alive_timeout=0.5, header_timeout=0.6, body_timeout=0.6, body_min_rate=500, max_body_bytes=1000)
 

@@ -14,7 +14,7 @@ import pytest
 from cluster_helpers import cluster_yaml
 
 from afd import __version__
-from afd.cluster.config import load
+from afd.config.loader import load
 from afd.control import control_pb2 as pb
 from afd.control.coordinator import Coordinator
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from afd.cluster import cpus
-from afd.cluster.config import load
 from afd.cluster.topology import cpu_threads
+from afd.config.loader import load
 
 ROOT = Path(__file__).resolve().parent.parent
 

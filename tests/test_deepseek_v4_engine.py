@@ -146,9 +146,9 @@ def test_across_processes_routed_on_the_attention_side_equals_hf(v4, A, F, micro
 def test_routing_ffn_is_refused_before_any_node_starts(v4, tmp_path):
     """Hash layers need the token ids on the router's side: routing ffn is a config error naming the fix, in
     afd.LLM and in `afd launch`'s startup check, not a node that fails at its first hash layer."""
-    from afd.cluster.config import check_routing, from_dict
     from afd.cluster.local_config import local_config
-    from afd.cluster.schema import ClusterConfigError
+    from afd.config.loader import check_routing, from_dict
+    from afd.config.schema import ClusterConfigError
     from afd.model.registry import load_config
 
     path, _ = v4("all_types")
@@ -165,9 +165,9 @@ def test_routing_left_unset_is_attention_where_each_process_starts(v4):
     """vLLM's users never name a routing: unset, a token-id router's family settles on attention from its
     config.json (afd.cluster.topology.with_model_defaults, applied by every node, afd.LLM and check-config),
     at one FFN node as at two; a family whose router does not read the ids keeps the default."""
-    from afd.cluster.config import check_routing, from_dict
     from afd.cluster.local_config import local_config
     from afd.cluster.topology import with_model_defaults
+    from afd.config.loader import check_routing, from_dict
     from afd.model.registry import load_config
 
     path, _ = v4("all_types")

@@ -124,7 +124,7 @@ def test_torch_npu_is_imported_only_when_auto_is_resolved(tmp_path):
     )
     code = (
         "import sys\n"
-        "import afd, afd.backend, afd.cluster.config, afd.entrypoints.llm, attention_node.colocated\n"
+        "import afd, afd.backend, afd.config.loader, afd.entrypoints.llm, attention_node.colocated\n"
         "assert 'torch_npu' not in sys.modules, 'imported at module import'\n"
         "assert attention_node.colocated.build_parser().parse_args(['--model', 'demo', '--device', 'auto'])"
         ".device == 'auto'\n"

@@ -333,7 +333,7 @@ def test_one_gpu_shares_its_device_and_one_npu_skips_the_cluster_checks(tmp_path
     from checks_1a1f import cluster_config
 
     from afd.backend.cuda import CudaBackend
-    from afd.cluster.config import load
+    from afd.config.loader import load
 
     path, doc = cluster_config(tmp_path, "demo", Target("cuda", 1), "one-gpu")
     cfg = load(str(path))

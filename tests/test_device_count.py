@@ -20,8 +20,8 @@ import torch
 import yaml
 
 from afd.backend import DeviceUnavailable, check_device, check_devices, devices, get_backend
-from afd.cluster.config import load
 from afd.cluster.processes import free_ports
+from afd.config.loader import load
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKES = str(Path(__file__).parent / "fakes")
@@ -175,7 +175,7 @@ def test_the_same_yaml_passes_the_device_check_with_enough_devices(tmp_path):
     without a launcher); --print-commands is never checked: it starts nothing."""
     cluster = _yaml(tmp_path / "cluster.yaml", {"attn0": "npu:0", "attn1": "npu:2", "ffn0": "npu:3"})
     code = (
-        "from afd.cluster.config import load\nfrom afd.backend import check_devices, get_backend\n"
+        "from afd.config.loader import load\nfrom afd.backend import check_devices, get_backend\n"
         f"check_devices(p.device for p in load({cluster!r}).processes)\n"
         "try:\n    get_backend('npu', 4)\nexcept ValueError as e:\n    print(e)\n"
     )

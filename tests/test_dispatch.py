@@ -8,7 +8,7 @@ import pytest
 import torch
 from hf_deepseek import BASE as DEEPSEEK
 
-from afd.cluster.placement import default_placement, max_fanout
+from afd.config.placement import default_placement, max_fanout
 from afd.dataplane.dispatch import RouteTable, Unserved
 from afd.dataplane.protocol import dispatch_bytes, pack_rows, packed_width, quantize, row_bytes, unpack_rows
 from afd.model.checkpoint import DummyReader, build_ffn_half

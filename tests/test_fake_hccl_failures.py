@@ -179,7 +179,7 @@ _TP = textwrap.dedent("""
     import torch_npu
     from afd.backend.npu import NpuBackend
     from afd.model.tp.comm import TPComm, TPError
-    from afd.model.tp.config import TPConfig, plan
+    from afd.config.tp import TPConfig, plan
     rank = int(sys.argv[1])
     dist.init_process_group("hccl", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     comm = TPComm(TPConfig(size=2), rank=rank, ranks=[0, 1], backend=NpuBackend(rank + 1), timeout_s=1)

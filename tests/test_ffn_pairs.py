@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cluster_helpers import cluster_yaml
 
-from afd.cluster.config import load
+from afd.config.loader import load
 from ffn_node.pairs import PairAcceptor
 from ffn_node.peers import FormedPair
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from afd.cluster.config import load
+from afd.config.loader import load
 from afd.entrypoints.cli import main
 from afd.entrypoints.launch import _Launcher
 

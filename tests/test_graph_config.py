@@ -6,10 +6,10 @@ import pytest
 import yaml
 from metrics_text import total
 
-from afd.cluster.config import from_dict
 from afd.cluster.local_config import local_job
-from afd.cluster.schema import ClusterConfigError
-from afd.cluster.sections import GRAPH_BATCH_SIZES
+from afd.config.loader import from_dict
+from afd.config.schema import ClusterConfigError
+from afd.config.sections import GRAPH_BATCH_SIZES
 from afd.engine.graph import GraphSettings, settings_of
 from afd.entrypoints.cli import main
 

@@ -14,7 +14,7 @@ from cluster_helpers import Cluster, cluster_yaml
 from hf_reference import PROMPTS, hf_greedy
 from sse import Ticker
 
-from afd.cluster.config import load
+from afd.config.loader import load
 from afd.control import control_pb2 as pb
 from afd.control.coordinator import late_after
 from afd.dataplane.deadlines import role_timeout

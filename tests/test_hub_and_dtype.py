@@ -13,9 +13,9 @@ import yaml
 from hub_cache import lay_out
 
 from afd.backend.cpu_memory import memory_info
-from afd.cluster.config import load
 from afd.cluster.local_config import local_config
 from afd.cluster.topology import local_model, with_model_defaults
+from afd.config.loader import load
 from afd.engine.factory import memory_share
 from afd.entrypoints.cli import main
 from afd.model.config import ConfigError

@@ -14,8 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from afd.cluster.config import from_dict
-from afd.cluster.schema import ClusterConfig
+from afd.config.loader import from_dict
+from afd.config.schema import ClusterConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

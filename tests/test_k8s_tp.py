@@ -22,8 +22,8 @@ import pytest
 import yaml
 from test_k8s_manifests import K8S, RENDERS, ROOT, TP_RENDERS, TP_SCRIPT, argv, flag, kind, render, rendered
 
-from afd.cluster.config import from_dict
-from afd.cluster.schema import ClusterConfig, process_name
+from afd.config.loader import from_dict
+from afd.config.schema import ClusterConfig, process_name
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,7 @@ def test_the_allocator_deals_blocks_round_robin():
 
 
 def test_kvp_must_divide_attention_tp():
-    from afd.model.tp.config import TPConfig, TPConfigError
+    from afd.config.tp import TPConfig, TPConfigError
 
     with pytest.raises(TPConfigError, match="layout.kvp: 3 KV-parallel ranks must divide layout.attention_tp = 4"):
         TPConfig(4, kvp=3)
@@ -122,7 +122,7 @@ def test_kvp_must_divide_attention_tp():
 
 def test_kvp_without_tp_ranks_is_refused_colocated_too(tiny_checkpoint, capsys):
     """afd.LLM and afd serve --colocated check the TP flags as the YAML does, rather than dropping them."""
-    from afd.cluster.schema import ClusterConfigError
+    from afd.config.schema import ClusterConfigError
     from afd.entrypoints.cli import main
 
     with pytest.raises(ClusterConfigError, match="layout.kvp"):

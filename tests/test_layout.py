@@ -146,12 +146,12 @@ def test_device_sdks_only_in_the_backend():
 
 
 def test_every_flag_is_defined_in_one_place():
-    """A flag afd.cluster.flags defines (the config's, generated from afd.cluster.schema, and the shared
+    """A flag afd.config.flags defines (the config's, generated from afd.config.schema, and the shared
     node flags) is defined nowhere else: no other module of the serving commands calls add_argument with its
     name. afd/bench is left out: its flags are benchmark parameters that share a name, not a meaning
     (`afd bench --model` is `vllm bench serve`'s model name to send; `bench-mtp --speculative-tokens 0,1,2`
     a sweep)."""
-    from afd.cluster.flags import FLAGS, config_flags
+    from afd.config.flags import FLAGS, config_flags
 
     owned = {f.name for f in config_flags().values()} | {f.name for f in FLAGS.values()}
     found = []
@@ -163,7 +163,7 @@ def test_every_flag_is_defined_in_one_place():
                 if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument":
                     names = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
                     found += [f"{f.relative_to(ROOT)}: {n}" for n in names if n in owned]
-    assert not found, "flags defined outside afd/cluster/flags.py: " + ", ".join(found)
+    assert not found, "flags defined outside afd/config/flags.py: " + ", ".join(found)
 
 
 def test_the_engine_parts_hand_each_other_records_not_tuples():
@@ -346,3 +346,11 @@ def test_the_attention_side_is_assembled_in_one_place():
                 if isinstance(node, ast.Call) and getattr(node.func, "id", None) in builders:
                     callers.add(str(f.relative_to(ROOT)))
     assert callers == {"afd/engine/load.py"}, callers
+
+
+def test_configuration_is_the_ground_floor():
+    """afd/config (the cluster YAML's schema, what each field declares, the loader, the generated flags,
+    placement and the TP layout) imports nothing of afd but afd/quant: every other part may read a config."""
+    for f in _files("afd/config"):
+        up = sorted(m for m in _imports(f) if m.startswith("afd.") and m.split(".")[1] not in ("config", "quant"))
+        assert not up, f"{f.relative_to(ROOT)} imports {up}"

@@ -51,9 +51,9 @@ def test_every_config_field_reaches_a_local_cluster_s_nodes():
     """A multi-process afd.LLM hands its nodes its own config, written whole as the YAML they start from: each
     section the nodes read back equals the LLM's, whatever field was set (once fields were copied one by one
     into a second spec, and a new one left out was silently not applied)."""
-    from afd.cluster.config import from_dict
     from afd.cluster.local import LocalCluster
-    from afd.cluster.sections import SECTION_KEYS
+    from afd.config.loader import from_dict
+    from afd.config.sections import SECTION_KEYS
 
     llm = afd.LLM(
         "demo",

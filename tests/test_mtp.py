@@ -228,8 +228,8 @@ def test_afd_serve_speculates_and_counts(ckpts, refs, tmp_path, family, n, extra
 def test_speculation_is_refused_where_it_cannot_run(ckpts, tiny_checkpoints, tmp_path):
     from cluster_helpers import cluster_yaml
 
-    from afd.cluster.config import load
-    from afd.cluster.schema import ClusterConfigError
+    from afd.config.loader import load
+    from afd.config.schema import ClusterConfigError
     from afd.model.checkpoint import CheckpointError
     from afd.model.config import ConfigError
 

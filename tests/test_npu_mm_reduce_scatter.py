@@ -106,7 +106,7 @@ TWO_RANKS = textwrap.dedent("""
     from torch_npu.device import STATS
     from afd.backend.npu import NpuBackend
     from afd.model.tp.comm import TPComm
-    from afd.model.tp.config import TPConfig, plan
+    from afd.config.tp import TPConfig, plan
 
     rank, port = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("hccl", init_method=f"tcp://127.0.0.1:{{port}}", rank=rank, world_size=2)

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from cluster_helpers import ROOT, cluster_yaml, skip_unless_ci_installs
 
-from afd.cluster.config import from_dict, load
+from afd.config.loader import from_dict, load
 from afd.entrypoints import prometheus_config
 from afd.entrypoints.prometheus_config import render
 

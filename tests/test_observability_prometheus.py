@@ -19,7 +19,7 @@ from cluster_helpers import Cluster, cluster_yaml, free_ports, get, post, skip_u
 from dashboard_helpers import DASHBOARD, dashboard_exprs, promql_metric_names
 from metrics_text import samples, total
 
-from afd.cluster.config import load
+from afd.config.loader import load
 from afd.control import control_pb2 as pb
 from afd.entrypoints.prometheus_config import render
 from afd.model.demo_config import DEMO_CONFIG

@@ -1,4 +1,4 @@
-"""Expert placement as data (afd.cluster.placement): parsing, the default split, replicas, and the
+"""Expert placement as data (afd.config.placement): parsing, the default split, replicas, and the
 fan-out formula against a count of sampled routings."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from afd.cluster.placement import (
+from afd.config.placement import (
     Placement,
     PlacementError,
     default_placement,

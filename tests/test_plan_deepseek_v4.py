@@ -10,7 +10,7 @@ import pytest
 import torch
 from hf_deepseek_v4 import BASE, CSA, HCA, SWA
 
-from afd.cluster.config import load
+from afd.config.loader import load
 from afd.entrypoints.cli import main
 from afd.model.registry import config_from_hf
 from afd.plan.hardware import load_spec

@@ -170,7 +170,7 @@ def test_fit_errors_are_honest():
 @pytest.mark.parametrize("family", [LONGCAT_FLASH, DEEPSEEK_V3])
 def test_tp_collectives_send_tp_volume_bytes(family):
     """Attention TP's all-reduces and gathers carry afd.model.tp.volume's bytes (tp_comm allreduce)."""
-    from afd.model.tp.config import TPConfig
+    from afd.config.tp import TPConfig
     from afd.model.tp.volume import volume
 
     cfg, T, G = config_from_hf(family), 64, 8

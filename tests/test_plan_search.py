@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from afd.cluster.config import load
+from afd.config.loader import load
 from afd.entrypoints.cli import main
 from afd.plan.costs import CostModel, LayerCosts, Linear, Link
 from afd.plan.search import BATCHES, Space

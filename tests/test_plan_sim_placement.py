@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from afd.cluster.config import load
-from afd.cluster.placement import Placement, from_yaml
+from afd.config.loader import load
+from afd.config.placement import Placement, from_yaml
 from afd.model.demo_config import DEMO_CONFIG
 from afd.plan.scenario import Scenario
 from afd.plan.shape import Layout, ModelShape

@@ -8,7 +8,7 @@ from math import comb
 
 import pytest
 
-from afd.cluster.placement import default_placement, expected_fanout
+from afd.config.placement import default_placement, expected_fanout
 from afd.model.demo_config import DEMO_CONFIG
 from afd.plan.costs import CostModel, LayerCosts, Linear, Link
 from afd.plan.scenario import Scenario

@@ -118,7 +118,7 @@ def test_with_mtp_tokens_and_drafts_are_the_same_with_the_cache(mtp_ckpt):
 
 
 def test_the_flag_turns_it_off(tiny_checkpoint):
-    from afd.cluster.flags import config_flags
+    from afd.config.flags import config_flags
 
     flag = config_flags()["enable_prefix_caching"]
     assert flag.name == "--enable-prefix-caching" and flag.key == "engine.enable_prefix_caching"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from afd.cluster.config import check_expert_layout, load
-from afd.cluster.placement import Placement, default_placement
 from afd.cluster.rebalance import imbalance, node_loads, rebalance, replica_counts
+from afd.config.loader import check_expert_layout, load
+from afd.config.placement import Placement, default_placement
 from afd.entrypoints.cli import main
 from afd.entrypoints.rebalance import expert_bytes, expert_tokens
 from afd.model.deepseek_v3.config import DeepseekV3Config
@@ -84,8 +84,8 @@ def test_a_replicated_layout_keeps_its_redundancy_unless_told_otherwise():
     """A regression: from a layout where every expert had two holders, skewed loads gave one where four experts had
     a single holder, so that node's loss paused every stream again. The fewest holders any expert has now is
     the floor (--min-replicas sets another)."""
-    from afd.cluster.placement import from_yaml
     from afd.cluster.rebalance import min_holders
+    from afd.config.placement import from_yaml
 
     nodes = ["f0", "f1", "f2"]
     current = from_yaml({"f0": "0-9", "f1": "0-4,10-15", "f2": "5-15"}, 16, nodes)

@@ -15,9 +15,9 @@ from hf_reference import PROMPTS, hf_greedy
 from sse import Streams
 from test_launch_supervise import FAST, _env, _launch
 
-from afd.cluster.placement import from_yaml
 from afd.cluster.processes import NodeProcesses
 from afd.cluster.rebalance_apply import restart_order
+from afd.config.placement import from_yaml
 
 NEW = 48
 

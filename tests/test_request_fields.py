@@ -14,7 +14,7 @@ import pathlib
 import pytest
 from http_servers import running
 
-from afd.cluster.http_section import HttpSection
+from afd.config.http_section import HttpSection
 from afd.engine.request import RequestOutput
 from afd.observability.attention_metrics import MAX_FIELD_LABELS, AttentionMetrics
 from attention_node import request_fields

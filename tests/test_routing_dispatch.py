@@ -15,7 +15,7 @@ from hf_reference import PROMPTS, make_hf_checkpoint
 from metrics_text import samples, total
 
 import afd
-from afd.cluster.placement import default_placement
+from afd.config.placement import default_placement
 from afd.dataplane.protocol import dequantize, dispatch_bytes, exchange_bytes, quantize
 
 pytestmark = pytest.mark.multiprocess

@@ -47,7 +47,7 @@ def test_a_window_family_serves_sequences_longer_than_its_pages_in_full(v4_path)
     """A serving engine's max_model_len is what the pool holds at peak (KVCache.max_tokens): for V4, whose
     window's pages go back as it advances, far past pages x block_size; a 300-token prompt through a pool of
     about 30 pages (120 tokens in full), prefilled 32 tokens a step, decodes HF's tokens."""
-    from afd.cluster.flags import flat_overrides, with_overrides
+    from afd.config.flags import flat_overrides, with_overrides
     from afd.dataplane.exchange import LocalMoE
     from afd.engine.factory import build_engine
     from afd.engine.kv_cache import bytes_per_block

@@ -155,7 +155,7 @@ def test_ports_still_taken_after_the_wait_fail_the_restart(tmp_path):
 def test_a_control_call_after_close_is_one_line_not_a_traceback():
     """A node stopped by a signal closes its control channel while its main thread may still be in a
     control call (waiting for the cluster): that call ends in a ControlError the node logs in one line."""
-    from afd.cluster.config import load
+    from afd.config.loader import load
     from afd.control.client import ControlClient, ControlError
 
     client = ControlClient(load(str(ROOT / "deploy/2a1f.yaml")), "ffn0")
@@ -171,7 +171,7 @@ def test_an_ffn_node_that_never_comes_back_is_one_line_not_a_traceback(tmp_path,
     from cluster_helpers import cluster_yaml
 
     from afd.backend import get_backend
-    from afd.cluster.config import load
+    from afd.config.loader import load
     from afd.control.client import ControlClient
     from afd.dataplane.transport import DataPlane
     from afd.node.pairing import FFNPeer, form_pairs
@@ -215,7 +215,7 @@ def test_waiting_for_an_ffn_node_ends_when_the_cluster_shuts_down(tmp_path):
     from cluster_helpers import cluster_yaml
 
     from afd.backend import get_backend
-    from afd.cluster.config import load
+    from afd.config.loader import load
     from afd.control.client import ControlClient, ControlError
     from afd.dataplane.transport import DataPlane
     from afd.node.pairing import FFNPeer, form_pairs
@@ -240,9 +240,9 @@ def test_the_policy_is_a_cluster_setting_with_flags():
 
     import yaml
 
-    from afd.cluster.config import from_dict, load
     from afd.cluster.local_config import local_config
-    from afd.cluster.schema import ClusterConfigError
+    from afd.config.loader import from_dict, load
+    from afd.config.schema import ClusterConfigError
 
     cfg = load(str(ROOT / "deploy/2a1f.yaml"))
     assert RestartPolicy.of(cfg.cluster) == RestartPolicy(5, 1.0, cfg.cluster.startup_timeout)

@@ -25,6 +25,7 @@ import yaml
 from bench_helpers import TINY_LONGCAT
 
 from afd.backend import get_backend
+from afd.config.tp import TPConfig, TPConfigError
 from afd.dataplane.exchange import LocalMoE
 from afd.engine.kv_cache import KVCache
 from afd.engine.messages import RunStep
@@ -32,7 +33,6 @@ from afd.engine.runner import ModelRunner, StepSeq
 from afd.model.checkpoint import DummyReader, build_attention_half, build_ffn_half
 from afd.model.registry import config_from_hf
 from afd.model.tp.comm import TPComm
-from afd.model.tp.config import TPConfig, TPConfigError
 from afd.model.tp.shard import shard_attention_half
 from afd.model.tp.volume import COLLECTIVES, step_bytes, volume, volume_table
 
@@ -217,7 +217,7 @@ def test_qwen3_has_no_tp_volume():
 
 def test_volume_is_torch_free():
     code = (
-        "import sys; from afd.model.registry import config_from_hf; from afd.model.tp.config import TPConfig; "
+        "import sys; from afd.model.registry import config_from_hf; from afd.config.tp import TPConfig; "
         "from afd.model.tp.volume import volume_table; "
         "volume_table(config_from_hf({'model_type': 'deepseek_v3'}), TPConfig(8, 'flashcomm2', 2), 'bfloat16'); "
         "print('torch' in sys.modules)"
@@ -242,12 +242,12 @@ def test_table_marks_the_configured_mode_and_fallbacks():
 
 
 def _has_tp_layout() -> bool:
-    from afd.cluster.sections import Layout
+    from afd.config.sections import Layout
 
     return {"attention_tp", "tp_comm"} <= {f.name for f in fields(Layout)}
 
 
-@pytest.mark.skipif(not _has_tp_layout(), reason="afd.cluster.config.Layout has no attention_tp yet")
+@pytest.mark.skipif(not _has_tp_layout(), reason="afd.config.loader.Layout has no attention_tp yet")
 def test_check_config_prints_the_table(tmp_path):
     def cluster(**layout) -> Path:
         path = tmp_path / f"{len(layout)}.yaml"

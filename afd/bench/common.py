@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from afd.cluster.fieldspec import at_least
+from afd.config.fieldspec import at_least
 from afd.plan.profile_measure import synthetic_prompts  # noqa: F401 (the benchmarks' prompts: one definition)
 
 

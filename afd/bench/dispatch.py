@@ -8,7 +8,7 @@ Sections (--sections):
              the attention node counted it sent (the count afd_exchange_bytes_total{direction="to_ffn"}
              exports), the fan-out the FFN nodes saw (rows they received, afd_ffn_tokens_total, over tokens and
              layers), afd.dataplane.wire_cost.per_token at that fan-out (and the check that it gives the counted
-             bytes exactly) and at the expected fan-out of uniform routing (afd.cluster.placement), and the decode
+             bytes exactly) and at the expected fan-out of uniform routing (afd.config.placement), and the decode
              step time;
   shapes     wire_cost.per_token on DeepSeek-V3, Qwen3-235B-A22B and LongCat-Flash shapes at --shape-ffn-nodes,
              default placement, bf16: broadcast vs dispatch bytes and their ratio (formula only);
@@ -31,7 +31,7 @@ from typing import Any
 
 from afd.bench import dispatch_parts as parts
 from afd.bench.common import at_least, count_flag, interleaved, median, synthetic_prompts
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.config.flags import DefaultsHelpFormatter
 
 SECTIONS = ("wire", "shapes", "rebalance")
 ROUTINGS = {"broadcast": "ffn", "dispatch": "attention"}
@@ -91,7 +91,7 @@ def _start(path: str, dummy: bool, dtype: str, F: int, routing: str, placement: 
 
 
 def section_wire(args, path: str, dummy: bool, cfg) -> dict:
-    from afd.cluster.placement import default_placement, routed_fanout
+    from afd.config.placement import default_placement, routed_fanout
 
     Fs = [int(f) for f in args.ffn_nodes.split(",")]
     L, K, E = len(cfg.moe_layers), cfg.experts_per_token, cfg.n_routed_experts
@@ -131,8 +131,8 @@ def section_wire(args, path: str, dummy: bool, cfg) -> dict:
 
 
 def section_rebalance(args, path: str, dummy: bool, cfg) -> dict:
-    from afd.cluster.placement import default_placement
     from afd.cluster.rebalance import imbalance, node_loads, rebalance
+    from afd.config.placement import default_placement
 
     F, E = args.rebalance_ffn_nodes, cfg.n_routed_experts
     nodes = [f"ffn{i}" for i in range(F)]

@@ -11,8 +11,8 @@ from typing import Any
 from afd.bench.common import median
 from afd.bench.quant_parts import tok_s
 from afd.cluster.local import LocalCluster
-from afd.cluster.placement import default_placement, expected_fanout, max_fanout, routed_fanout
-from afd.cluster.schema import ClusterConfig
+from afd.config.placement import default_placement, expected_fanout, max_fanout, routed_fanout
+from afd.config.schema import ClusterConfig
 from afd.dataplane.protocol import COUNT_BYTES
 from afd.dataplane.wire_cost import per_token
 from afd.model.demo_config import DEMO_CONFIG

@@ -37,7 +37,7 @@ from typing import Any
 
 from afd.bench.common import Colocated, count_flag, interleaved, median, synthetic_prompts, write_config
 from afd.bench.step import SCENARIOS, add_model_args
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.config.flags import DefaultsHelpFormatter
 
 MODES = ("eager", "compile")
 

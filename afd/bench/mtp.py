@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from afd.bench.common import count_flag, interleaved, synthetic_prompts
 from afd.bench.step import BENCH_CONFIG
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.config.flags import DefaultsHelpFormatter
 
 if TYPE_CHECKING:
     from afd import LLM

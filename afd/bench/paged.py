@@ -19,7 +19,7 @@ import time
 
 from afd.bench.common import count_flag, interleaved, median
 from afd.bench.step import add_model_args, model_of
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.config.flags import DefaultsHelpFormatter
 
 
 def add_parser(sub) -> None:

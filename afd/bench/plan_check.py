@@ -48,7 +48,7 @@ def cases(link: str | None) -> list[Case]:
 
 
 def add_parser(sub) -> None:
-    from afd.cluster.flags import DefaultsHelpFormatter
+    from afd.config.flags import DefaultsHelpFormatter
 
     p = sub.add_parser(
         "bench-plan",

@@ -13,7 +13,7 @@ from afd.bench.plan_check_table import Case, Row
 def predict(case: Case, run: dict, costs, outside, batch: int, link_spec, qdisc: str = "") -> tuple[float, float, str]:
     """(step s, attention wait s, bottleneck) of the simulator on the YAML that ran, less the engine's share
     outside the runner (`outside`, a Linear in sequences). Behind the emulated link see `_shaped`."""
-    from afd.cluster.config import from_dict
+    from afd.config.loader import from_dict
     from afd.model.demo_config import DEMO_CONFIG
     from afd.model.registry import config_from_hf
     from afd.plan.scenario import Scenario

@@ -29,7 +29,7 @@ from typing import Any
 from afd.bench import quant_mem
 from afd.bench import quant_parts as parts
 from afd.bench.common import Colocated, count_flag, interleaved, median, synthetic_prompts
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.config.flags import DefaultsHelpFormatter
 
 MODES = {
     # name: (model.dtype, model.quantization)

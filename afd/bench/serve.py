@@ -14,7 +14,7 @@ import time
 from datetime import datetime
 
 from afd.bench.common import at_least, count_flag
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.config.flags import DefaultsHelpFormatter
 
 # aiohttp, numpy and tqdm are imported where used: `afd --help` and the other subcommands should not pay for them.
 

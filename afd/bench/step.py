@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from afd.bench.common import count_flag, write_config
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.config.flags import DefaultsHelpFormatter
 
 BENCH_CONFIG: dict[str, Any] = {  # an HF config.json's fields
     # Sized so that the attention window (dense MLP 0, attention 1, dense MLP 1) and the MoE take
@@ -88,7 +88,7 @@ DEEPSEEK_V3 = {
 
 DEEPSEEK_V4 = {
     # No ScMoE window: only the shared expert (attention side) and ping-pong hide the exchange. The hash layer
-    # routes by token id, so AFD modes run routing attention (afd.cluster.config.check_routing). The window
+    # routes by token id, so AFD modes run routing attention (afd.config.loader.check_routing). The window
     # and rates are shrunk so that a 64-token prompt reads compressed entries from the first decode step.
     "model_type": "deepseek_v4",
     "vocab_size": 1024,

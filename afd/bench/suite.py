@@ -19,7 +19,7 @@ from typing import Any
 from afd.bench.common import Colocated, count_flag, interleaved, median, run_afd, synthetic_prompts, write_config
 from afd.bench.gemm import _print_gemm, section_gemm
 from afd.bench.step import BENCH_CONFIG, _summarize
-from afd.cluster.flags import DefaultsHelpFormatter
+from afd.config.flags import DefaultsHelpFormatter
 
 SECTIONS = ("gemm", "prefetch", "decode", "scaling")
 AFD_MODE: dict[str, Any] = dict(overlap=True, micro_batches=1)  # run_afd's keywords

@@ -18,8 +18,8 @@ import time
 
 from afd.bench.common import at_least, count_flag, synthetic_prompts
 from afd.bench.step import SCENARIOS, model_of
-from afd.cluster.flags import DefaultsHelpFormatter
-from afd.model.tp.config import MODES
+from afd.config.flags import DefaultsHelpFormatter
+from afd.config.tp import MODES
 
 BASELINE = "tp 1"
 DTYPE_BYTES = 4  # the local cluster's float32
@@ -57,7 +57,7 @@ def add_parser(sub) -> None:
 
 
 def _tp_config(args, mode: str):
-    from afd.model.tp.config import TPConfig
+    from afd.config.tp import TPConfig
 
     if mode == BASELINE:
         return TPConfig(1)

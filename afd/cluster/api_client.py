@@ -6,7 +6,7 @@ from __future__ import annotations
 import ssl
 import urllib.request
 
-from afd.cluster.http_section import HttpSection
+from afd.config.http_section import HttpSection
 
 
 def api_url(http: HttpSection, host: str, port: int) -> str:

@@ -25,9 +25,9 @@ from afd.cluster.forkserver import ForkedProcess
 from afd.cluster.jobs import JobMailbox
 from afd.cluster.local_config import with_free_ports
 from afd.cluster.processes import ClusterError, NodeProcesses, node_command
-from afd.cluster.schema import ClusterConfig
 from afd.cluster.supervise import RestartPolicy
 from afd.cluster.token import TOKEN_ENV, cluster_token
+from afd.config.schema import ClusterConfig
 
 __all__ = ["ClusterError", "LocalCluster", "reports_logits", "run_generate"]
 

@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from afd.cluster.host import free_ports
-from afd.cluster.schema import ClusterConfig
+from afd.config.schema import ClusterConfig
 
 OFFLINE_CLUSTER = {"startup_timeout": 120.0, "rejoin_timeout": 0.0}
 """The cluster section of an offline job (`local_job`): it is not re-formed around a failed node (rejoin_timeout
@@ -33,7 +33,7 @@ def local_config(
     value}}) over the defaults, each process on a device index of its own (attention node i's TP rank r on
     i * attention_tp + r, then FFN node i on attention_nodes * attention_tp + i), HTTP ports from `http_port`
     up (default: free ones), FFN metrics ports with `metrics_ports`."""
-    from afd.cluster.config import from_dict
+    from afd.config.loader import from_dict
 
     sections = {k: dict(v) for k, v in (sections or {}).items()}
     A, F = attention_nodes, ffn_nodes
@@ -87,9 +87,9 @@ def local_job(
     **fields: Any,
 ) -> ClusterConfig:
     """The cluster of an offline job on this machine (what afd.LLM's node processes, afd.cluster.local and the
-    benchmarks run): `fields` are the config's fields by name, as afd.LLM's keywords (afd.cluster.flags:
+    benchmarks run): `fields` are the config's fields by name, as afd.LLM's keywords (afd.config.flags:
     `dtype="bfloat16"`, `max_num_seqs=3`), over the defaults and OFFLINE_CLUSTER."""
-    from afd.cluster.flags import flat_overrides
+    from afd.config.flags import flat_overrides
 
     if attention_nodes < 1 or ffn_nodes < 0:
         raise ValueError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
-from afd.cluster.placement import Placement
+from afd.config.placement import Placement
 
 
 def replica_counts(loads: Sequence[float], total_slots: int, num_nodes: int, floor: int = 1) -> list[int]:

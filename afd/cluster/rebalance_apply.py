@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from afd.cluster.placement import Placement
+from afd.config.placement import Placement
 
 POLL_S = 0.5
 

@@ -43,7 +43,7 @@ class RestartPolicy:
 
     @classmethod
     def of(cls, cluster) -> RestartPolicy:
-        """The policy of a cluster YAML's `cluster` section (afd.cluster.schema.ClusterSection)."""
+        """The policy of a cluster YAML's `cluster` section (afd.config.schema.ClusterSection)."""
         return cls(cluster.max_restarts, cluster.restart_backoff, cluster.startup_timeout)
 
     def delay(self, row: int) -> float:

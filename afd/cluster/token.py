@@ -12,8 +12,9 @@ from __future__ import annotations
 import functools
 import os
 import stat
+import sys
 
-from afd.cluster.schema import ClusterConfigError
+from afd.config.schema import ClusterConfigError
 
 TOKEN_ENV = "AFD_CLUSTER_TOKEN"
 TOKEN_FILE_ENV = "AFD_CLUSTER_TOKEN_FILE"
@@ -94,3 +95,22 @@ def read_token(path: str) -> str | None:
 def launched_token(cluster_name: str, coordinator_port: int) -> str | None:
     """The cluster token (cluster_token), else the token `afd launch` made for this cluster here."""
     return cluster_token() or read_token(token_file(cluster_name, coordinator_port))
+
+
+def api_key(args) -> str | None:
+    """--api-key-file's key, else --api-key (with a warning: the command line is visible in `ps`), else
+    $AFD_API_KEY. A launcher hands the key to its nodes through the environment, never their command line.
+    An unreadable or empty file is a ValueError naming it."""
+    path, key = getattr(args, "api_key_file", None), getattr(args, "api_key", None)
+    if path and key:
+        raise ValueError("--api-key and --api-key-file: give one")
+    if path:
+        return read_secret(path, f"--api-key-file {path}")
+    if key:
+        print(
+            "warning: --api-key on the command line is visible to every user of this host (`ps`); "
+            "use --api-key-file FILE or $AFD_API_KEY",
+            file=sys.stderr,
+        )
+        return key
+    return os.environ.get("AFD_API_KEY")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from afd.cluster.placement import Placement, format_experts
-from afd.cluster.schema import ClusterConfig, Node
+from afd.config.placement import Placement, format_experts
+from afd.config.schema import ClusterConfig, Node
 
 
 def resolve_model_path(path: str, revision: str | None = None, download_dir: str | None = None) -> str:
@@ -51,7 +51,7 @@ def local_model(cfg: ClusterConfig):
 def with_model_defaults(cfg: ClusterConfig) -> ClusterConfig:
     """`cfg` with what it leaves to the checkpoint settled from its config.json: model.dtype `auto` (vLLM's
     default) made the checkpoint's own dtype, and layout.routing, where unset, made `attention` for a family
-    whose router reads the token ids (DeepSeek-V4's hash layers; afd.cluster.config.check_routing). Every
+    whose router reads the token ids (DeepSeek-V4's hash layers; afd.config.loader.check_routing). Every
     process reads the same config.json, so every node of a cluster settles on the same values."""
     from afd.model.config import AUTO_DTYPE, checkpoint_dtype, read_config_json
 

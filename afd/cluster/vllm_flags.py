@@ -45,7 +45,7 @@ REFUSED = {
 
 
 def add_vllm_flags(p: argparse.ArgumentParser) -> None:
-    """vLLM's names for flags `p` already has (afd.cluster.flags' config flags), and vLLM's no-op switches."""
+    """vLLM's names for flags `p` already has (afd.config.flags' config flags), and vLLM's no-op switches."""
     g = p.add_argument_group("vLLM's flags (the same meaning; afd's own names above)")
     for name, dest in ALIASES.items():
         g.add_argument(name, dest=dest, type=int, default=None, metavar="N", help=f"= --{dest.replace('_', '-')}")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 
 from afd import __version__
-from afd.cluster.schema import ClusterConfig
+from afd.config.schema import ClusterConfig
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
 from afd.control.auth import call_metadata, channel

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from afd.cluster.schema import ClusterConfig
+from afd.config.schema import ClusterConfig
 from afd.errors import UserError
 
 

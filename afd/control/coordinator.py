@@ -17,8 +17,8 @@ import time
 import grpc
 
 from afd import __version__
-from afd.cluster.config import check_expert_layout
-from afd.cluster.schema import ClusterConfig
+from afd.config.loader import check_expert_layout
+from afd.config.schema import ClusterConfig
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
 from afd.control.members import Member, assignment

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd.cluster.schema import ClusterConfig
+from afd.config.schema import ClusterConfig
 from afd.control import control_pb2 as pb
 
 
@@ -34,4 +34,4 @@ def assignment(cfg: ClusterConfig, proc, n_routed: int) -> pb.RegisterReply:
         peer_ranks=[cfg.rank(p) for p in peers],
         cluster_name=cfg.cluster.name,
     )
-    return reply  # an FFN node's experts: the YAML's placement, which it reads (afd.cluster.placement)
+    return reply  # an FFN node's experts: the YAML's placement, which it reads (afd.config.placement)

@@ -3,7 +3,7 @@
 Broadcast (routing ffn) sends every token to every FFN node; dispatch (routing attention) sends a token
 to the nodes holding its chosen experts, with its K ids and weights: fanout x (hidden bytes + 8K) per token,
 plus an 8-byte count per node, layer and micro-batch. The expected fanout is that of uniform routing
-(afd.cluster.placement.expected_fanout); a real router's skew moves it, and afd_exchange_bytes_total
+(afd.config.placement.expected_fanout); a real router's skew moves it, and afd_exchange_bytes_total
 counts what was sent (afd.dataplane.protocol.dispatch_bytes, per message).
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from afd.dataplane.protocol import COUNT_BYTES, element_bytes, exchange_table, hidden_bytes, row_bytes
 
 if TYPE_CHECKING:
-    from afd.cluster.placement import Placement
+    from afd.config.placement import Placement
 
 
 def per_token(hidden: int, dtype, top_k: int, exchange_dtype: str, nodes: int, fanout: float) -> dict[str, float]:
@@ -32,7 +32,7 @@ def per_token(hidden: int, dtype, top_k: int, exchange_dtype: str, nodes: int, f
 
 def exchange_report(cfg, model_cfg, placement: Placement) -> str:
     """The placement, each token's fan-out and the bytes per token per layer, for the YAML's routing."""
-    from afd.cluster.placement import format_experts, max_fanout, routed_fanout
+    from afd.config.placement import format_experts, max_fanout, routed_fanout
 
     lay = cfg.layout
     groups, keep = model_cfg.expert_groups

@@ -19,8 +19,8 @@ from torch import nn
 
 from afd.backend import get_backend
 from afd.backend.base import Backend
-from afd.cluster.schema import ClusterConfig
-from afd.cluster.sections import EngineSection
+from afd.config.schema import ClusterConfig
+from afd.config.sections import EngineSection
 from afd.dataplane.exchange import MoEExchange
 from afd.engine.engine import ALONE_BACKOFF_MAX, IDLE_BACKOFF_MAX, Engine
 from afd.engine.graph import GraphHalf, scratch_blocks, settings_of, wrap

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from afd.backend.base import Backend
-from afd.cluster.sections import GRAPH_BATCH_SIZES
+from afd.config.sections import GRAPH_BATCH_SIZES
 from afd.engine.graph_half import GraphHalf
 from afd.engine.half import RunnerHalf
 from afd.model.halves import AttentionHalf

@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from afd.backend.base import Backend
-from afd.cluster.schema import ClusterConfig
+from afd.config.schema import ClusterConfig
 from afd.model.checkpoint import build_attention_half, build_ffn_half, build_mtp_layer, open_reader, serving_quant
 from afd.model.config import ModelConfig, parse_dtype
 from afd.model.halves import AttentionHalf, FFNHalf

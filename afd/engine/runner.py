@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from afd.backend.base import to_device
+from afd.config.tp import ShardPlan
 from afd.dataplane.exchange import MoEExchange, MoEHandle, Ready
 from afd.dataplane.overlap import MicroBatchTuner
 from afd.engine.graph_half import GraphHalf
@@ -27,7 +28,6 @@ from afd.engine.kv_cache import KVCache
 from afd.engine.messages import DraftOutput, IdleStep, LeaveStep, RunnerOutput, RunStep, StepSeq
 from afd.model.attention_metadata import AttentionMetadata
 from afd.model.tp.comm import SINGLE, TPComm
-from afd.model.tp.config import ShardPlan
 from afd.observability.timing import LayerTimes
 
 __all__ = ["ModelRunner", "StepSeq", "follow", "split_micro_batches"]

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from afd.cluster.flags import DefaultsHelpFormatter, add_config_flags, add_flags, overrides_of
+from afd.config.flags import DefaultsHelpFormatter, add_config_flags, add_flags, overrides_of
 from afd.control.cluster_client import cluster_status, drain
 from afd.errors import UserError
 
@@ -64,8 +64,8 @@ def _add_check_config(sub) -> None:
 
 
 def _cmd_check_config(args) -> int:
-    from afd.cluster.config import check_expert_layout, load
     from afd.cluster.topology import describe, local_model
+    from afd.config.loader import check_expert_layout, load
 
     cfg, model_cfg = local_model(load(args.config))
     placement = None
@@ -122,7 +122,7 @@ def _add_status(sub) -> None:
 def _cmd_status(args) -> int:
     from google.protobuf.json_format import MessageToDict
 
-    from afd.cluster.config import load
+    from afd.config.loader import load
     from afd.control import control_pb2 as pb
 
     cfg = load(args.config)
@@ -139,7 +139,7 @@ def _cmd_status(args) -> int:
         for key in ("registered", "ready", "missing", "lost", "draining"):
             print(f"  {key:<10} {', '.join(getattr(st, key)) or '-'}")
         if unserved is not None:
-            from afd.cluster.placement import format_experts
+            from afd.config.placement import format_experts
 
             print(f"  {'unserved':<10} {format_experts(unserved) or '-'} (routed experts no live FFN node holds)")
     return 0 if st.state in (pb.ClusterStatus.READY, pb.ClusterStatus.DRAINING) else 1
@@ -174,7 +174,7 @@ def _add_drain(sub) -> None:
 def _cmd_drain(args) -> int:
     import time
 
-    from afd.cluster.config import load
+    from afd.config.loader import load
 
     cfg = load(args.config)
     if args.node is not None and args.node not in [n.name for n in cfg.attention_nodes]:

@@ -18,23 +18,22 @@ import shlex
 import signal
 import sys
 
-from afd.cluster.config import load
-from afd.cluster.flags import (
+from afd.cluster.host import healthy, is_loopback, node_ports, ports_in_use
+from afd.cluster.processes import MODULES, ClusterError, Command, NodeExited, NodeProcesses
+from afd.cluster.supervise import RestartPolicy
+from afd.cluster.token import TOKEN_ENV, TOKEN_FILE_ENV, api_key, cluster_token, launch_token_file
+from afd.cluster.topology import with_http_port
+from afd.cluster.vllm_flags import add_vllm_flags
+from afd.config.flags import (
     DefaultsHelpFormatter,
     add_config_flags,
     add_flags,
-    api_key,
     config_argv,
     overrides_of,
     with_overrides,
 )
-from afd.cluster.host import healthy, is_loopback, node_ports, ports_in_use
-from afd.cluster.processes import MODULES, ClusterError, Command, NodeExited, NodeProcesses
-from afd.cluster.schema import ClusterConfig, Node, Process
-from afd.cluster.supervise import RestartPolicy
-from afd.cluster.token import TOKEN_ENV, TOKEN_FILE_ENV, cluster_token, launch_token_file
-from afd.cluster.topology import with_http_port
-from afd.cluster.vllm_flags import add_vllm_flags
+from afd.config.loader import load
+from afd.config.schema import ClusterConfig, Node, Process
 
 COMMANDS = {"attention": "afd-attention", "ffn": "afd-ffn"}
 
@@ -111,8 +110,8 @@ def token_env(cfg: ClusterConfig) -> dict[str, str]:
 def check_startable(cfg: ClusterConfig, source: str) -> None:
     """What would make every node fail, said once here rather than as a traceback from each."""
     if cfg.model.path != "demo":
-        from afd.cluster.config import check_expert_layout, check_routing, check_tp_layout
         from afd.cluster.topology import model_dir, with_model_defaults
+        from afd.config.loader import check_expert_layout, check_routing, check_tp_layout
         from afd.model.registry import load_config
 
         mcfg = load_config(model_dir(cfg))  # a hub name is fetched here, once, before any node starts

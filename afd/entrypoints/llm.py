@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from afd.backend import get_backend
-from afd.cluster.config import check_routing
-from afd.cluster.flags import flat_overrides, with_overrides
 from afd.cluster.local import LocalCluster, reports_logits
 from afd.cluster.local_config import local_job
 from afd.cluster.topology import resolve_model_path, with_model_defaults
+from afd.config.flags import flat_overrides, with_overrides
+from afd.config.loader import check_routing
 from afd.dataplane.exchange import LocalMoE, MoEExchange
 from afd.engine import offline
 from afd.engine.engine import Engine
@@ -45,7 +45,7 @@ class LLM:
 
     def __init__(self, model: str, **options: Any):
         """`options`: vLLM's LLM keywords (afd.entrypoints.llm_params.llm_options; README "Offline, in Python"),
-        any field of the configuration by name (afd.cluster.schema, checked as the cluster YAML is; the dummy
+        any field of the configuration by name (afd.config.schema, checked as the cluster YAML is; the dummy
         weights' seed is `weights_seed`), and where it runs: `device` (cpu; colocated only), and colocated
         (both halves in this process) unless `attention_nodes` or `ffn_nodes` is given (or colocated=False):
         then that many node processes on this machine (afd.cluster.local), started by the first generate()
@@ -65,7 +65,7 @@ class LLM:
         A, F = attention_nodes or 1, 0 if colocated else (1 if ffn_nodes is None else ffn_nodes)
         options = {"micro_batches": 1, **llm_options(options)}
         self.config = with_model_defaults(local_job(resolve_model_path(model), A, F, **options))
-        """The job's configuration (a cluster YAML's: afd.cluster.schema)."""
+        """The job's configuration (a cluster YAML's: afd.config.schema)."""
         model, lay, eng = self.config.model.path, self.config.layout, self.config.engine
         self.graph_report: dict | None = None
         """The last generate()'s graph-mode counters (afd.engine.graph.graph_report; attention node 0's)."""

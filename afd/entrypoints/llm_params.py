@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from afd.cluster.fieldspec import dtype_arg
-from afd.cluster.flags import SECTIONS
+from afd.config.fieldspec import dtype_arg
+from afd.config.flags import SECTIONS
 from afd.engine import sampling
 
 _UNSUPPORTED = {
@@ -205,7 +205,7 @@ _REFUSED = {
 
 
 def llm_options(options: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's LLM keywords among `options` as afd's configuration fields (afd.cluster.schema); afd's own
+    """vLLM's LLM keywords among `options` as afd's configuration fields (afd.config.schema); afd's own
     fields pass through. `seed` is vLLM's (sampling); the dummy weights' is `weights_seed`."""
     out = dict(options)
     afd_own = {f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)} - {"path", "seed"}

@@ -7,8 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
-from afd.cluster.fieldspec import at_least
-from afd.cluster.flags import DefaultsHelpFormatter, config_flags
+from afd.config.fieldspec import at_least
+from afd.config.flags import DefaultsHelpFormatter, config_flags
 from afd.errors import UserError
 
 HEADROOM = 0.9
@@ -158,8 +158,8 @@ def _model(path: str, dtype: str | None):
 
 
 def run_simulate(args) -> int:
-    from afd.cluster.config import load
     from afd.cluster.topology import with_model_defaults
+    from afd.config.loader import load
     from afd.plan.scenario import Scenario
     from afd.plan.shape import Layout, ModelShape
     from afd.plan.simulate import simulate

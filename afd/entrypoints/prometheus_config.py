@@ -13,8 +13,8 @@ import sys
 
 import yaml
 
-from afd.cluster.flags import DefaultsHelpFormatter
-from afd.cluster.schema import ClusterConfig, Node
+from afd.config.flags import DefaultsHelpFormatter
+from afd.config.schema import ClusterConfig, Node
 
 JOBS = (("attention", "afd-attention"), ("ffn", "afd-ffn"))
 _DURATION = re.compile(r"^((\d+)(ms|s|m|h|d|w|y))+$")
@@ -85,7 +85,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from afd.cluster.config import load
+    from afd.config.loader import load
 
     text = render(load(args.config), scrape_interval=args.scrape_interval)
     if args.output:

@@ -17,9 +17,9 @@ import dataclasses
 import os
 import urllib.request
 
-from afd.cluster.fieldspec import positive_int, size_arg
-from afd.cluster.flags import DefaultsHelpFormatter
-from afd.cluster.placement import Placement, format_experts
+from afd.config.fieldspec import positive_int, size_arg
+from afd.config.flags import DefaultsHelpFormatter
+from afd.config.placement import Placement, format_experts
 from afd.errors import UserError
 
 METRIC = "afd_expert_tokens_total"
@@ -75,9 +75,9 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from afd.cluster.config import check_expert_layout, load
     from afd.cluster.rebalance import imbalance, node_loads, rebalance
     from afd.cluster.topology import local_model
+    from afd.config.loader import check_expert_layout, load
 
     cfg = load(args.config)
     if cfg.colocated:
@@ -253,7 +253,7 @@ def write(cfg, new: Placement, path: str, n_routed: int, groups: int) -> None:
     checked to load back into the same config before it replaces `path`."""
     import yaml
 
-    from afd.cluster.config import check_expert_layout, from_dict
+    from afd.config.loader import check_expert_layout, from_dict
 
     routing = "attention" if new.replicated else cfg.layout.routing
     out = dataclasses.replace(cfg, layout=dataclasses.replace(cfg.layout, placement=new.to_yaml(), routing=routing))

@@ -12,8 +12,8 @@ import shutil
 import sys
 import tempfile
 
-from afd.cluster.flags import DefaultsHelpFormatter, add_config_flags, add_flags, config_argv, overrides_of
 from afd.cluster.vllm_flags import add_vllm_flags
+from afd.config.flags import DefaultsHelpFormatter, add_config_flags, add_flags, config_argv, overrides_of
 
 
 def add_parser(sub) -> None:
@@ -60,7 +60,7 @@ def run(args) -> int:
 
     check_device(args.device)
     if args.colocated and (args.attention_tp or 1) == 1:
-        from afd.model.tp.config import TPConfig
+        from afd.config.tp import TPConfig
 
         # --kvp or --tp-comm without TP ranks: refused here (TPConfigError names the flag's key), not dropped
         TPConfig(1, args.tp_comm or "allreduce", args.flashcomm2_otp, args.tp_comm_min_tokens, args.kvp or 1)
@@ -109,7 +109,7 @@ def _exec_colocated(args) -> int:
     if args.print_config:
         print(" ".join(argv[1:]))
         return 0
-    from afd.cluster.flags import api_key
+    from afd.cluster.token import api_key
 
     key = api_key(args)  # the key travels in the environment, never on the command line
     if key:

@@ -98,7 +98,7 @@ class ModelConfig(Protocol):
     @property
     def routes_by_token_ids(self) -> bool:
         """Whether a router reads the token ids (DeepSeek-V4's hash layers): it then runs where they are, on
-        the attention side (layout.routing attention; afd.cluster.config.check_routing)."""
+        the attention side (layout.routing attention; afd.config.loader.check_routing)."""
         ...
 
     @property

@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from afd.cluster.flags import add_config_flags, add_flags, api_key
-from afd.cluster.schema import ClusterConfig
+from afd.cluster.token import api_key
+from afd.config.flags import add_config_flags, add_flags
+from afd.config.schema import ClusterConfig
 from afd.errors import UserError
 
 
@@ -22,10 +23,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
 
 def load_cluster_args(args, role: str):
     """The cluster YAML with this command's overrides; checks that --node names a node of `role`."""
-    from afd.cluster.config import load
-    from afd.cluster.flags import overrides_of, with_overrides
-    from afd.cluster.schema import ClusterConfigError
     from afd.cluster.topology import with_http_port
+    from afd.config.flags import overrides_of, with_overrides
+    from afd.config.loader import load
+    from afd.config.schema import ClusterConfigError
 
     if not args.node:
         raise ClusterConfigError(f"{args.config}: --node is required with --config")

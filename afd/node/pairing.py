@@ -13,8 +13,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import grpc
 
-from afd.cluster.schema import ClusterConfig
 from afd.cluster.token import cluster_token
+from afd.config.schema import ClusterConfig
 from afd.control import control_pb2 as pb
 from afd.control import control_pb2_grpc as pb_grpc
 from afd.control.auth import call_metadata, channel

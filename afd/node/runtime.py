@@ -12,10 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from afd.backend import Backend, get_backend
-from afd.cluster.config import check_routing, check_tp_layout
 from afd.cluster.fingerprint import model_fingerprint
-from afd.cluster.schema import ClusterConfig, Node, process_name
 from afd.cluster.topology import model_dir
+from afd.config.loader import check_routing, check_tp_layout
+from afd.config.schema import ClusterConfig, Node, process_name
 from afd.control import control_pb2 as pb
 from afd.control.client import ControlClient
 from afd.control.coordinator import Coordinator, late_after

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from afd.backend import Backend
 from afd.backend.base import PeerError
-from afd.cluster.schema import ClusterConfig
+from afd.config.schema import ClusterConfig
 from afd.dataplane.rendezvous import ControlStore, apply_comm_env, bind_gloo
 
 log = logging.getLogger("afd.node")

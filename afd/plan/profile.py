@@ -14,7 +14,7 @@ import argparse
 import ipaddress
 import time
 
-from afd.cluster.fieldspec import positive_int
+from afd.config.fieldspec import positive_int
 from afd.plan.costs import CostModel
 from afd.plan.profile_fit import Measurements, cost_model, profile_json, steps_table, table
 from afd.plan.profile_link import DEFAULT_SIZES, measure_link
@@ -24,7 +24,7 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 def add_parser(sub) -> None:
-    from afd.cluster.flags import DefaultsHelpFormatter
+    from afd.config.flags import DefaultsHelpFormatter
 
     p = sub.add_parser(
         "profile",
@@ -100,7 +100,7 @@ def profile(
 ) -> tuple[Measurements, CostModel]:
     """Measures and fits; returns (measurements, CostModel)."""
     from afd import LLM
-    from afd.cluster.config import load
+    from afd.config.loader import load
     from afd.dataplane.protocol import exchange_bytes
 
     config = load(path)

@@ -1,8 +1,8 @@
 """A model on a layout with its cost model, and what one (layer, micro-batch) moves and computes on each
-FFN node under them, by the data plane's own formulas (afd.dataplane.wire_cost, afd.cluster.placement).
+FFN node under them, by the data plane's own formulas (afd.dataplane.wire_cost, afd.config.placement).
 
 Expected values under uniform routing: a token's K picks are a uniformly random K-subset of the routed
-and identity experts (afd.cluster.placement.miss_probability), a replicated expert's slots split evenly
+and identity experts (afd.config.placement.miss_probability), a replicated expert's slots split evenly
 over its holders. The placement is the YAML's or the default contiguous one; a real router's skew, which
 raises the busiest FFN node above its expected rows, is not modelled.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from afd.cluster.placement import Placement, default_placement, miss_probability
+from afd.config.placement import Placement, default_placement, miss_probability
 from afd.dataplane.protocol import COUNT_BYTES
 from afd.dataplane.wire_cost import per_token
 from afd.plan.costs import CostModel
@@ -43,7 +43,7 @@ class Scenario:
     def from_cluster(
         cls, cfg, shape: ModelShape, costs: CostModel, batch: int, micro_batches: int | None = None
     ) -> Scenario:
-        """A cluster YAML (afd.cluster.schema.ClusterConfig) at `batch` sequences per attention node, its
+        """A cluster YAML (afd.config.schema.ClusterConfig) at `batch` sequences per attention node, its
         placement included."""
         layout = Layout.from_cluster(cfg, batch, micro_batches)
         return cls(shape, layout, costs, cfg.placement(shape.n_routed_experts, shape.expert_groups[0]))

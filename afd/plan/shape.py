@@ -145,7 +145,7 @@ class Layout:
 
     @classmethod
     def from_cluster(cls, cfg, batch: int, micro_batches: int | None = None) -> Layout:
-        """A cluster YAML's layout (afd.cluster.schema.ClusterConfig) at `batch` sequences per attention node;
+        """A cluster YAML's layout (afd.config.schema.ClusterConfig) at `batch` sequences per attention node;
         `micro_batches` overrides the YAML's, and must be given where it leaves them to the tuner (0)."""
         if cfg.colocated:
             raise ValueError(f"{cfg.source}: no FFN nodes (colocated), so nothing crosses to simulate")

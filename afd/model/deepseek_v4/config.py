@@ -137,7 +137,7 @@ class DeepseekV4Config(HFNames):
     @property
     def routes_by_token_ids(self) -> bool:
         """The hash layers' experts are tid2eid[token id]: they route where the ids are (layout.routing
-        attention; afd.cluster.config.check_routing)."""
+        attention; afd.config.loader.check_routing)."""
         return "hash_moe" in self.mlp_layer_types
 
     @property

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from afd.backend.base import PeerError, to_device
 from afd.backend.deadlines import Deadlines
-from afd.model.tp.config import ShardPlan, TPConfig, fc2_batch_ids, fc2_groups, plan
+from afd.config.tp import ShardPlan, TPConfig, fc2_batch_ids, fc2_groups, plan
 
 log = logging.getLogger("afd.tp")
 # torch 2.13 renamed the tensor-in/tensor-out collectives; the old names still work before it

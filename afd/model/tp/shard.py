@@ -15,11 +15,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from afd.config.tp import TPConfigError
 from afd.model.halves import AttentionHalf
 from afd.model.layers import DenseMLP
 from afd.model.mla import MLAttention
 from afd.model.tp.comm import TPComm
-from afd.model.tp.config import TPConfigError
 from afd.model.tp.layers import FC2OProj, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 
 # (1) A TP layer takes nn.Linear's place: the same call on a slice of its weight (the attribute keeps

@@ -37,7 +37,7 @@ output: all_reduce 2*share(T*H*b, G), or reduce_scatter share(Tp*H*b, G)) and th
 all_gather the stream share(Tp*H*b, G), then every mode all_gathers the B last tokens' vocabulary slices,
 share(G*B*ceil(V/G)*b, G).
 
-A sharded mode below its token threshold runs, and counts, as allreduce (afd.model.tp.config.plan).
+A sharded mode below its token threshold runs, and counts, as allreduce (afd.config.tp.plan).
 
 With KVP (layout.kvp N), each MLA adds the merge's all_to_all inside the N ranks of a head group: the
 partial outputs [T, N*NH/G, v] (b bytes) and their log-sum-exps [T, N*NH/G] (fp32), share(., N) of each.
@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from afd.model.tp.config import MODES, ShardPlan, TPConfig, TPConfigError, plan
+from afd.config.tp import MODES, ShardPlan, TPConfig, TPConfigError, plan
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all")
 
@@ -249,7 +249,7 @@ def volume_table(cfg, tp: TPConfig, dtype: str = "float32", tokens: tuple[int, .
 
 
 def check_config_report(cluster, model_cfg) -> str | None:
-    """The table for a loaded cluster YAML (afd.cluster.config.ClusterConfig, its dtype resolved) whose
+    """The table for a loaded cluster YAML (afd.config.loader.ClusterConfig, its dtype resolved) whose
     attention nodes have attention_tp > 1; None when there is none, or a line saying why not when the model
     (`model_cfg`) is not readable here."""
     layout = cluster.layout

@@ -1,13 +1,13 @@
 """The cluster YAML's sections other than its nodes: the model, the layout of the disaggregation, the engine,
 the FFN side's weight prefetch and the cluster's own timings. Each field is documented; a field declared with
-`opt(default, "--flag")` is also that command-line option (afd.cluster.flags) and a keyword of `afd.LLM`.
-afd.cluster.schema assembles them with the nodes into the ClusterConfig."""
+`opt(default, "--flag")` is also that command-line option (afd.config.flags) and a keyword of `afd.LLM`.
+afd.config.schema assembles them with the nodes into the ClusterConfig."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd.cluster.fieldspec import (
+from afd.config.fieldspec import (
     AT_LEAST_0,
     FRACTION,
     MICRO_BATCHES,
@@ -17,8 +17,8 @@ from afd.cluster.fieldspec import (
     opt,
     size_arg,
 )
-from afd.model.tp.config import MODES as TP_MODES
-from afd.model.tp.config import TPConfig
+from afd.config.tp import MODES as TP_MODES
+from afd.config.tp import TPConfig
 from afd.quant.scheme import METHODS as QUANT_METHODS
 
 ROLES = ("attention", "ffn")
@@ -83,7 +83,7 @@ class Layout:
     comma-separated string (`ffn0: "0-7,12"`). An expert held by several nodes is replicated: its tokens are
     split across its live holders, and a holder's loss costs no pause (routing attention only). Default:
     contiguous ranges in node order, cut at expert-group boundaries for a group-limited router
-    (afd/cluster/placement.py); `afd rebalance` writes one from measured loads."""
+    (afd/config/placement.py); `afd rebalance` writes one from measured loads."""
     zero_experts: str | None = None
     """FFN node that applies the identity experts under routing ffn; default: the first FFN node."""
     attention_tp: int = opt(1, "--attention-tp", rule=POSITIVE)

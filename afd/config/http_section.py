@@ -1,11 +1,11 @@
 """The cluster YAML's `http` section: the attention nodes' API server (TLS, and how long a client may take),
-declared apart from afd.cluster.schema's other sections to keep that file small."""
+declared apart from afd.config.schema's other sections to keep that file small."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from afd.cluster.fieldspec import POSITIVE, opt, size_arg
+from afd.config.fieldspec import POSITIVE, opt, size_arg
 
 
 @dataclass(frozen=True)

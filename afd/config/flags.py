@@ -1,6 +1,6 @@
 """Every command-line flag afd's serving commands share, defined once.
 
-The config's flags are generated from the fields of afd.cluster.schema that declare one (`opt(default,
+The config's flags are generated from the fields of afd.config.schema that declare one (`opt(default,
 "--flag")`): name, type, choices and help (the field's docstring) come from the field, so a new knob is a
 field and the code that reads it. Their default on the command line is None, "the YAML's, else the field's
 default". The few flags that are not config (where a node listens, which node this is, the API key) are
@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 import typing
 from dataclasses import dataclass
 from typing import Any
 
-from afd.cluster.fieldspec import checked, count_arg, field_docs, flag_of, positive_int, rule_of
-from afd.cluster.http_section import HttpSection
-from afd.cluster.schema import ClusterConfig
-from afd.cluster.sections import ClusterSection, EngineSection, Layout, ModelSection, PrefetchSection
+from afd.config.fieldspec import checked, count_arg, field_docs, flag_of, positive_int, rule_of
+from afd.config.http_section import HttpSection
+from afd.config.schema import ClusterConfig
+from afd.config.sections import ClusterSection, EngineSection, Layout, ModelSection, PrefetchSection
 
 SECTIONS = {
     "model": ModelSection,
@@ -203,33 +201,12 @@ def config_argv(args, exclude: tuple[str, ...] = ()) -> list[str]:
     return out
 
 
-def api_key(args) -> str | None:
-    """--api-key-file's key, else --api-key (with a warning: the command line is visible in `ps`), else
-    $AFD_API_KEY. A launcher hands the key to its nodes through the environment, never their command line.
-    An unreadable or empty file is a ValueError naming it."""
-    path, key = getattr(args, "api_key_file", None), getattr(args, "api_key", None)
-    if path and key:
-        raise ValueError("--api-key and --api-key-file: give one")
-    if path:
-        from afd.cluster.token import read_secret
-
-        return read_secret(path, f"--api-key-file {path}")
-    if key:
-        print(
-            "warning: --api-key on the command line is visible to every user of this host (`ps`); "
-            "use --api-key-file FILE or $AFD_API_KEY",
-            file=sys.stderr,
-        )
-        return key
-    return os.environ.get("AFD_API_KEY")
-
-
 def with_overrides(cfg: ClusterConfig, sections: dict[str, dict[str, Any]]) -> ClusterConfig:
     """`cfg` with `sections` ({section: {field: value}}) over it, loaded and checked again as a YAML would be
     (a bad value is a ClusterConfigError naming its key)."""
     if not sections:
         return cfg
-    from afd.cluster.config import from_dict
+    from afd.config.loader import from_dict
 
     doc = cfg.to_dict()
     for section, values in sections.items():

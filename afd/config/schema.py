@@ -1,8 +1,8 @@
 """The cluster YAML's shape: small frozen dataclasses, one per section, each field documented.
 
-This is afd's one configuration. afd.cluster.config loads and checks a YAML into it and writes it back
+This is afd's one configuration. afd.config.loader loads and checks a YAML into it and writes it back
 (`to_dict`); a field declared with `opt(default, "--flag")` is also that command-line option in every
-command that takes it, its docstring the option's help (afd.cluster.flags generates them), and a keyword
+command that takes it, its docstring the option's help (afd.config.flags generates them), and a keyword
 of `afd.LLM(model, **overrides)`.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
-from afd.cluster.http_section import HttpSection
-from afd.cluster.placement import Placement, default_placement, from_yaml
-from afd.cluster.sections import (
+from afd.config.http_section import HttpSection
+from afd.config.placement import Placement, default_placement, from_yaml
+from afd.config.sections import (
     SECTION_KEYS,
     ClusterSection,
     EngineSection,

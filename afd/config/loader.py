@@ -1,6 +1,6 @@
 """The cluster YAML: every node, the model, the parallel layout, the serving engine.
 
-Loaded and checked here into the frozen dataclasses of afd.cluster.schema (re-exported: import them from
+Loaded and checked here into the frozen dataclasses of afd.config.schema (re-exported: import them from
 here). Every mistake raises ClusterConfigError naming the key path (`nodes[1].ports.http: ...`);
 `afd check-config` prints it and exits 2.
 """
@@ -14,11 +14,11 @@ from typing import Any, NoReturn
 
 import yaml
 
-from afd.cluster.fieldspec import byte_count, rule_of
-from afd.cluster.http_section import HttpSection
-from afd.cluster.placement import Placement, PlacementError, parse_experts
-from afd.cluster.schema import ClusterConfig, ClusterConfigError, Node, Ports
-from afd.cluster.sections import (
+from afd.config.fieldspec import byte_count, rule_of
+from afd.config.http_section import HttpSection
+from afd.config.placement import Placement, PlacementError, parse_experts
+from afd.config.schema import ClusterConfig, ClusterConfigError, Node, Ports
+from afd.config.sections import (
     DEVICES,
     ROLES,
     SECTION_KEYS,
@@ -28,7 +28,7 @@ from afd.cluster.sections import (
     ModelSection,
     PrefetchSection,
 )
-from afd.model.tp.config import TPConfigError
+from afd.config.tp import TPConfigError
 
 # ---- loading and validation -------------------------------------------------------------------
 

@@ -1,6 +1,6 @@
 """What a config field says about itself: its command-line option, the rule its value keeps and its
-documentation, declared once beside the field in afd.cluster.schema. afd.cluster.flags generates every
-command's flags from them, and afd.cluster.config's YAML loader checks the same rules."""
+documentation, declared once beside the field in afd.config.schema. afd.config.flags generates every
+command's flags from them, and afd.config.loader's YAML loader checks the same rules."""
 
 from __future__ import annotations
 
