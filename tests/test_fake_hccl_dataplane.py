@@ -149,7 +149,7 @@ _REPLACED_PEER = textwrap.dedent("""
 
     threading.Thread(target=replaced).start()
     srv = FFNServer(ffn, backend, plane, formed, torch.float32, rejoin_timeout=30)
-    print("served:", srv.serve().name, list(srv.gone.values()), flush=True)
+    print("served:", srv.serve().name, list(srv.peers.gone.values()), flush=True)
     print("report", json.dumps(torch_npu.report()["device"]["hazards"]), flush=True)
 """)
 
