@@ -40,6 +40,34 @@ def test_node_packages_never_import_each_other():
         assert not any(m.split(".")[0] in ("attention_node", "ffn_node") for m in _imports(f)), f
 
 
+def find_circle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A circle of the graph `edges` (each node's successors), as its nodes with the first repeated at the end;
+    None where there is none (a depth-first search, in sorted order so that the answer is stable)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(n: str, path: list[str]) -> list[str] | None:
+        if state.get(n) == 1:
+            return path[path.index(n) :] + [n]
+        if state.get(n) == 2:
+            return None
+        state[n] = 1
+        for m in sorted(edges[n]):
+            if (found := visit(m, path + [n])) is not None:
+                return found
+        state[n] = 2
+        return None
+
+    for n in sorted(edges):
+        if (found := visit(n, [])) is not None:
+            return found
+    return None
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b"}, "b": set()}) is None
+
+
 def test_afd_folders_form_no_cycle():
     folders = {p.name for p in (ROOT / "afd").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     edges: dict[str, set[str]] = {f: set() for f in folders}
@@ -51,20 +79,8 @@ def test_afd_folders_form_no_cycle():
             parts = m.split(".")
             if parts[0] == "afd" and len(parts) > 1 and parts[1] in folders and parts[1] != src:
                 edges[src].add(parts[1])
-    seen: dict[str, int] = {}
-
-    def visit(n: str, path: list[str]) -> None:
-        if seen.get(n) == 1:
-            raise AssertionError(f"import cycle between afd folders: {' -> '.join(path + [n])}")
-        if seen.get(n) == 2:
-            return
-        seen[n] = 1
-        for m in sorted(edges[n]):
-            visit(m, path + [n])
-        seen[n] = 2
-
-    for n in sorted(folders):
-        visit(n, [])
+    circle = find_circle(edges)
+    assert circle is None, f"import cycle between afd folders: {' -> '.join(circle or [])}"
     benchers = {src for src, deps in edges.items() if "bench" in deps}
     assert benchers <= {"entrypoints"}, f"only afd.entrypoints may import afd.bench, not afd.{benchers}"
     planners = {src for src, deps in edges.items() if "plan" in deps}
@@ -116,20 +132,8 @@ def test_no_import_circle_between_files():
             parts = f.relative_to(ROOT).with_suffix("").parts
             paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     edges = {m: _module_imports(p, set(paths)) - {m} for m, p in paths.items()}
-    state: dict[str, int] = {}
-
-    def visit(n: str, path: list[str]) -> None:
-        if state.get(n) == 1:
-            raise AssertionError(f"import circle: {' -> '.join(path[path.index(n) :] + [n])}")
-        if state.get(n) == 2:
-            return
-        state[n] = 1
-        for m in sorted(edges[n]):
-            visit(m, path + [n])
-        state[n] = 2
-
-    for n in sorted(edges):
-        visit(n, [])
+    circle = find_circle(edges)
+    assert circle is None, f"import circle: {' -> '.join(circle or [])}"
 
 
 def test_top_level_of_afd_is_small():
