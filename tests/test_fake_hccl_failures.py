@@ -184,6 +184,7 @@ _TP = textwrap.dedent("""
     dist.init_process_group("hccl", init_method="tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     comm = TPComm(TPConfig(size=2), rank=rank, ranks=[0, 1], backend=NpuBackend(rank + 1), timeout_s=1)
     y = torch.ones(4, device=comm.backend.device)
+    dist.barrier()  # both ranks ready: the 1s deadline below times the collective, not a slow start under load
     with comm.plan(plan(comm.cfg, 4)):
         comm.reduce(y)
         print("reduced", y.cpu().tolist(), flush=True)
